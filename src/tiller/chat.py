@@ -1,0 +1,114 @@
+"""The chat format: a Hermes/Qwen chat template and the parser for the tool calls it teaches.
+
+Tool calls are `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` inside an assistant
+turn; tool results come back as `<tool_response>...</tool_response>` in a user turn. The parser
+never raises: every malformed call becomes a message in `parse_errors`, which the environment
+turns into an error observation for the model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+from .tools import ToolCall
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    IM_START,
+    IM_END,
+    TOOL_CALL_OPEN,
+    TOOL_CALL_CLOSE,
+    "<tool_response>",
+    "</tool_response>",
+]
+
+# Qwen2.5/Hermes layout: every message is `<|im_start|>role\ncontent<|im_end|>\n`; tool
+# schemas go in the system turn (in a shorter preamble than Qwen's, since every prompt token
+# costs CPU time in the demo); consecutive tool results share one user turn.
+CHAT_TEMPLATE = r"""
+{%- if tools or messages[0].role == 'system' %}
+{{- '<|im_start|>system\n' }}
+{%- if messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}
+{%- if tools %}
+{{- '\n\n# Tools\n<tools>' }}
+{%- for t in tools %}{{ '\n' }}{{ t | tojson }}{% endfor %}
+{{- '\n</tools>\nCall a tool as <tool_call>\n' }}
+{{- '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>' }}
+{%- endif %}
+{{- '<|im_end|>\n' }}
+{%- endif %}
+{%- for m in messages %}
+{%- if m.role == 'system' and loop.first %}
+{%- elif m.role == 'assistant' %}
+{{- '<|im_start|>assistant\n' + (m.content or '') }}
+{%- for tc in m.tool_calls or [] %}
+{%- set f = tc.function if tc.function is defined else tc %}
+{%- if m.content or not loop.first %}{{ '\n' }}{% endif %}
+{{- '<tool_call>\n{"name": "' + f.name + '", "arguments": ' + (f.arguments | tojson) }}
+{{- '}\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- elif m.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}
+{{- '\n<tool_response>\n' + m.content + '\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}
+{%- else %}
+{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}
+"""
+
+_TOOL_CALL_RE = re.compile(
+    re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL
+)
+
+
+@dataclass(frozen=True)
+class ParsedTurn:
+    """An assistant turn split into free text, well-formed tool calls and parse errors."""
+
+    content: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    parse_errors: list[str] = field(default_factory=list)
+
+
+def _parse_one(body: str) -> ToolCall | str:
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as e:
+        return f"tool call is not valid JSON ({e.msg} at char {e.pos}): {body.strip()[:200]}"
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return f'tool call must be an object with a string "name": {body.strip()[:200]}'
+    args = obj.get("arguments", {})
+    if isinstance(args, str):  # some models emit the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return f"arguments of {obj['name']!r} are a string that is not JSON: {args[:200]}"
+    return ToolCall(name=obj["name"], arguments=args)
+
+
+def parse_tool_calls(text: str) -> ParsedTurn:
+    """Parse a generated assistant turn (the eos marker, if present, is ignored)."""
+    text = text.split(IM_END, 1)[0]
+    calls: list[ToolCall] = []
+    errors: list[str] = []
+    for match in _TOOL_CALL_RE.finditer(text):
+        parsed = _parse_one(match.group(1))
+        (calls if isinstance(parsed, ToolCall) else errors).append(parsed)
+    rest = _TOOL_CALL_RE.sub("", text)
+    if TOOL_CALL_OPEN in rest or TOOL_CALL_CLOSE in rest:
+        errors.append("unbalanced <tool_call> tags: every <tool_call> needs a </tool_call>")
+        rest = rest.replace(TOOL_CALL_OPEN, "").replace(TOOL_CALL_CLOSE, "")
+    return ParsedTurn(content=rest.strip(), tool_calls=calls, parse_errors=errors)
+
+
+def tool_calls_as_messages(calls: list[ToolCall]) -> list[dict]:
+    """Tool calls in the OpenAI/HF message shape the chat template renders."""
+    return [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls]

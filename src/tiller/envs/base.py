@@ -1,0 +1,111 @@
+"""The environment interface: tasks, an async reset/step/close episode, and a verifier.
+
+An environment owns the task state and its tools; it never sees tokens or models. The agent
+loop hands it each parsed assistant turn (`Action`) and appends the messages it returns.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from ..chat import ParsedTurn
+from ..tools import Tool, ToolOutcome, ToolRegistry, ToolResult
+from ..verifiers import Reward
+
+
+@dataclass(frozen=True)
+class Task:
+    id: str
+    prompt: str
+    answer: Any
+    split: str
+    system: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the environment answers to one assistant turn."""
+
+    messages: list[dict[str, Any]]
+    done: bool
+    tool_results: list[ToolResult] = field(default_factory=list)
+
+
+class Env(ABC):
+    """One episode at a time: `reset`, then `step` until done, then `close`."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    async def reset(self, task: Task, seed: int) -> list[dict[str, Any]]:
+        """Start an episode; returns the opening messages (system and user)."""
+
+    @abstractmethod
+    async def step(self, action: ParsedTurn) -> StepResult: ...
+
+    async def close(self) -> None:
+        return None
+
+    @abstractmethod
+    def tool_schemas(self) -> list[dict[str, Any]]: ...
+
+    @abstractmethod
+    def verify(self, final: ParsedTurn | None) -> Reward:
+        """Score the episode from its final answer and the env's final state."""
+
+    @staticmethod
+    @abstractmethod
+    def make_tasks(split: str, n: int, seed: int, difficulty: int) -> list[Task]:
+        """`n` distinct tasks of `split` ("train" or "heldout"); the splits never overlap."""
+
+    @staticmethod
+    @abstractmethod
+    def expert_turn(
+        task: Task, messages: list[dict[str, Any]], rng: random.Random, guess_prob: float
+    ) -> str:
+        """The scripted expert's next assistant turn, as text (SFT demonstrations)."""
+
+
+class ToolEnv(Env):
+    """An environment whose actions are tool calls and whose episode ends on a plain answer.
+
+    A turn with tool calls (or malformed ones) gets one tool message per call, in order; a
+    turn without any ends the episode. Subclasses give the tools and the verifier.
+    """
+
+    def __init__(self, tools: Sequence[Tool], invoke: Callable | None = None):
+        self.registry = ToolRegistry(tools)
+        # The default calls tools directly; an executor (timeouts, retries, replay) can stand in.
+        self.invoke = invoke or self.registry.invoke
+        self.task: Task | None = None
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return self.registry.schemas()
+
+    async def reset(self, task: Task, seed: int) -> list[dict[str, Any]]:
+        self.task = task
+        system = [{"role": "system", "content": task.system}] if task.system else []
+        return [*system, {"role": "user", "content": task.prompt}]
+
+    async def step(self, action: ParsedTurn) -> StepResult:
+        if not action.tool_calls and not action.parse_errors:
+            return StepResult(messages=[], done=True)
+        results = [await self.invoke(call) for call in action.tool_calls]
+        messages = [{"role": "tool", "content": f"error: {err}"} for err in action.parse_errors]
+        for r in results:
+            text = r.content if r.outcome is ToolOutcome.OK else f"error: {r.content}"
+            messages.append({"role": "tool", "name": r.call.name, "content": text})
+        return StepResult(messages=messages, done=False, tool_results=results)
+
+
+ENVS: dict[str, type[Env]] = {}
+
+
+def register_env(cls: type[Env]) -> type[Env]:
+    ENVS[cls.name] = cls
+    return cls

@@ -1,0 +1,161 @@
+"""Calculator: arithmetic word problems solved through a one-operation `calculate` tool.
+
+A task chains 1..`difficulty` operations on two- and three-digit numbers ("37 bags of 24
+marbles, then gives away 85"), far beyond what a small model computes in its head. The tool
+evaluates one operation `a op b` per call, so a task with k operations needs k calls, each
+feeding its result into the next. Instances are split into train and held-out by a hash of
+their arithmetic, so the two splits never share one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import operator
+import random
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..chat import ParsedTurn
+from ..tools import ToolError, tool
+from ..verifiers import Reward, all_of
+from .base import Task, ToolEnv, register_env
+
+SYSTEM = (
+    "Solve the problem with the calculate tool, one operation per call. "
+    "End with: The answer is N."
+)
+_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+_BINARY = re.compile(r"^\s*(-?\d+)\s*([-+*])\s*(-?\d+)\s*$")
+_ANSWER = re.compile(r"answer is\s+(-?\d+)\s*\.?\s*$", re.IGNORECASE)
+_NAMES = ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun"]
+_ITEMS = ["marbles", "stamps", "coins", "shells", "cards", "beads", "pens", "apples"]
+_CONTAINERS = ["bags", "boxes", "jars", "crates", "tins", "trays"]
+_PHRASES = {
+    "+": "Then {name} finds {x} more.",
+    "-": "Then {name} gives away {x}.",
+    "*": "Then {name} makes the pile {x} times as large.",
+}
+
+
+@tool
+def calculate(expression: str) -> str:
+    """Evaluate one operation on two integers.
+
+    Args:
+        expression: 'a op b' with op in + - *, e.g. '37 * 24'.
+    """
+    m = _BINARY.match(expression)
+    if m is None:
+        raise ToolError(f"expected one operation 'a op b' with op in + - *, got {expression!r}")
+    a, op, b = m.groups()
+    return str(_OPS[op](int(a), int(b)))
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The arithmetic of a task: start with a*b, then apply (op, x) for each step."""
+
+    a: int
+    b: int
+    steps: tuple[tuple[str, int], ...]
+
+    def key(self) -> str:
+        return f"{self.a}*{self.b}" + "".join(f"{op}{x}" for op, x in self.steps)
+
+    def results(self) -> list[int]:
+        values = [self.a * self.b]
+        for op, x in self.steps:
+            values.append(_OPS[op](values[-1], x))
+        return values
+
+
+def _split_of(problem: Problem, heldout_fraction: float) -> str:
+    digest = int(hashlib.sha256(problem.key().encode()).hexdigest()[:8], 16)
+    return "heldout" if digest / 0xFFFFFFFF < heldout_fraction else "train"
+
+
+def _draw(rng: random.Random, difficulty: int) -> Problem:
+    n_ops = rng.randint(1, difficulty)
+    steps = []
+    for _ in range(n_ops - 1):
+        op = rng.choice("+-*")
+        steps.append((op, rng.randint(2, 9) if op == "*" else rng.randint(10, 999)))
+    return Problem(rng.randint(11, 99), rng.randint(11, 99), tuple(steps))
+
+
+def _text(problem: Problem, rng: random.Random) -> str:
+    name, item, box = rng.choice(_NAMES), rng.choice(_ITEMS), rng.choice(_CONTAINERS)
+    parts = [f"{name} has {problem.a} {box} with {problem.b} {item} in each."]
+    parts += [_PHRASES[op].format(name=name, x=x) for op, x in problem.steps]
+    parts.append(f"How many {item} does {name} have now?")
+    return " ".join(parts)
+
+
+def make_tasks(
+    split: str, n: int, seed: int, difficulty: int = 2, heldout_fraction: float = 0.2
+) -> list[Task]:
+    """`n` distinct tasks of `split` ("train" or "heldout"), reproducible from `seed`."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    rng = random.Random(f"calculator/{split}/{seed}/{difficulty}")
+    tasks: dict[str, Task] = {}
+    while len(tasks) < n:
+        problem = _draw(rng, difficulty)
+        if _split_of(problem, heldout_fraction) != split or problem.key() in tasks:
+            continue
+        tasks[problem.key()] = Task(
+            id="calc-" + hashlib.sha256(problem.key().encode()).hexdigest()[:12],
+            prompt=_text(problem, rng),
+            answer=problem.results()[-1],
+            split=split,
+            system=SYSTEM,
+            metadata={"problem": problem},
+        )
+    return list(tasks.values())
+
+
+def expert_turn(task: Task, messages: list[dict[str, Any]], rng: random.Random,
+                guess_prob: float = 0.0) -> str:
+    """The scripted expert: one `calculate` call per operation, then the answer.
+
+    With probability `guess_prob` (drawn once, at the first turn) it skips the tool and
+    guesses, which is how SFT data gets its share of imperfect demonstrations.
+    """
+    problem: Problem = task.metadata["problem"]
+    done = [m for m in messages if m["role"] == "tool"]
+    if not done and rng.random() < guess_prob:
+        return f"The answer is {rng.randint(100, 9999)}."
+    if not done:
+        expr = f"{problem.a} * {problem.b}"
+    elif len(done) <= len(problem.steps):
+        op, x = problem.steps[len(done) - 1]
+        expr = f"{done[-1]['content']} {op} {x}"
+    else:
+        return f"The answer is {done[-1]['content']}."
+    call = json.dumps({"name": "calculate", "arguments": {"expression": expr}})
+    return f"<tool_call>\n{call}\n</tool_call>"
+
+
+def final_answer(final: ParsedTurn | None) -> int | None:
+    if final is None or final.tool_calls or final.parse_errors:
+        return None
+    m = _ANSWER.search(final.content)
+    return int(m.group(1)) if m else None
+
+
+@register_env
+class CalculatorEnv(ToolEnv):
+    name = "calculator"
+
+    make_tasks = staticmethod(make_tasks)
+    expert_turn = staticmethod(expert_turn)
+
+    def __init__(self, **kwargs: Any):
+        super().__init__([calculate], **kwargs)
+
+    def verify(self, final: ParsedTurn | None) -> Reward:
+        answer = final_answer(final)
+        assert self.task is not None
+        return all_of(format_ok=answer is not None, correct=answer == self.task.answer)

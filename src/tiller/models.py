@@ -1,0 +1,122 @@
+"""Hugging Face models and tokenizers: load any causal LM from a local path, or build a tiny one.
+
+`load_model` and `load_tokenizer` are the only way tiller reads a model, so a model built here
+and a downloaded checkpoint go through the same code. `build_tiny_model` makes a small Qwen3
+with seeded random weights and a byte-level BPE tokenizer trained on text the environment
+supplies, then saves both with `save_pretrained`, so the result is an ordinary HF checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+)
+from transformers.utils import logging as hf_logging
+
+from .chat import CHAT_TEMPLATE, IM_END, SPECIAL_TOKENS
+
+# tiller draws its own progress bars; the per-shard ones of a tiny local model are noise.
+hf_logging.disable_progress_bar()
+
+
+class ModelLoadError(Exception):
+    """A model or tokenizer path that cannot be loaded; the message says what to fix."""
+
+
+def _check_path(path: str | Path) -> Path:
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise ModelLoadError(
+            f"no Hugging Face model at {str(p)!r} (expected a folder with config.json); "
+            "set model.path to a local checkpoint, or model.build to create a tiny one"
+        )
+    return p
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    tok = AutoTokenizer.from_pretrained(_check_path(path))
+    if tok.chat_template is None:
+        raise ModelLoadError(f"tokenizer at {str(path)!r} has no chat_template")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(_check_path(path), dtype=dtype)
+
+
+def train_tokenizer(corpus: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE with one token per digit, so numbers are copied digit by digit.
+
+    Merges may cross spaces (no regex pre-split): the template's and the tools' fixed text
+    then compress to a few tokens, which keeps a small model's prompts short.
+    """
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+        max_token_length=48,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=SPECIAL_TOKENS[0],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=4096,
+    )
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    corpus: Iterable[str],
+    *,
+    vocab_size: int = 1024,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    max_positions: int = 2048,
+    seed: int = 0,
+) -> Path:
+    """Train a tokenizer on `corpus`, initialize a small Qwen3 from `seed`, save both."""
+    out = Path(out_dir)
+    tokenizer = train_tokenizer(corpus, vocab_size)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 3,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,131 @@
+"""Tools: typed Python functions the policy calls, with JSON schemas from their type hints.
+
+A tool is an ordinary (sync or async) function with type hints and a Google-style docstring;
+`@tool` derives the JSON schema the chat template shows the model, and `ToolRegistry.invoke`
+validates the model's arguments before calling it. Every call ends in a `ToolResult` whose
+`outcome` keeps the policy's mistakes (`tool_error`: unknown tool, bad arguments, a rejected
+input) apart from the environment's (`env_error`: the tool crashed, timed out or is down).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import pydantic
+from transformers.utils import get_json_schema
+
+
+class ToolError(Exception):
+    """Raised by a tool that rejects its input: the policy's fault, shown to the model."""
+
+
+class ToolOutcome(str, Enum):
+    OK = "ok"
+    TOOL_ERROR = "tool_error"
+    ENV_ERROR = "env_error"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call as the policy wrote it. `arguments` is whatever JSON the model produced."""
+
+    name: str
+    arguments: Any
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    call: ToolCall
+    outcome: ToolOutcome
+    content: str
+    latency_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    fn: Callable[..., Any]
+    schema: dict[str, Any]
+    args_model: type[pydantic.BaseModel] = field(repr=False, compare=False)
+
+    async def __call__(self, **arguments: Any) -> Any:
+        if inspect.iscoroutinefunction(self.fn):
+            return await self.fn(**arguments)
+        # Sync tools run in a worker thread so a slow one never blocks the event loop
+        # that drives every other episode's generation.
+        return await asyncio.to_thread(self.fn, **arguments)
+
+
+def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> Any:
+    """Make a `Tool` from a typed function; usable as `@tool` or `@tool(name=...)`."""
+
+    def wrap(f: Callable[..., Any]) -> Tool:
+        schema = get_json_schema(f)
+        schema["function"].pop("return", None)
+        if name:
+            schema["function"]["name"] = name
+        # A pydantic model of the signature turns a wrong type, a missing or an unexpected
+        # field into a message the model can act on.
+        args_model = pydantic.create_model(
+            f"{f.__name__}_args",
+            **{
+                p.name: (
+                    p.annotation if p.annotation is not inspect.Parameter.empty else Any,
+                    ... if p.default is inspect.Parameter.empty else p.default,
+                )
+                for p in inspect.signature(f, eval_str=True).parameters.values()
+            },
+            __config__=pydantic.ConfigDict(extra="forbid"),
+        )
+        return Tool(name=schema["function"]["name"], fn=f, schema=schema, args_model=args_model)
+
+    return wrap(fn) if fn is not None else wrap
+
+
+class ToolRegistry:
+    """The tools of one environment, callable by name with validated arguments."""
+
+    def __init__(self, tools: Iterable[Tool]):
+        self.tools = {t.name: t for t in tools}
+
+    def schemas(self) -> list[dict[str, Any]]:
+        return [t.schema for t in self.tools.values()]
+
+    def check(self, call: ToolCall) -> dict[str, Any] | str:
+        """Validated arguments, or the error message the model should see."""
+        t = self.tools.get(call.name)
+        if t is None:
+            return f"unknown tool {call.name!r}; available: {', '.join(sorted(self.tools))}"
+        if not isinstance(call.arguments, dict):
+            return f"arguments of {call.name!r} must be a JSON object, got {call.arguments!r}"
+        try:
+            return dict(t.args_model(**call.arguments))
+        except pydantic.ValidationError as e:
+            problems = "; ".join(
+                f"{'.'.join(map(str, err['loc'])) or 'arguments'}: {err['msg']}"
+                for err in e.errors()
+            )
+            return f"invalid arguments for {call.name!r}: {problems}"
+
+    async def invoke(self, call: ToolCall) -> ToolResult:
+        """Run one call; never raises for anything the policy or the tool did."""
+        start = time.perf_counter()
+        args = self.check(call)
+        if isinstance(args, str):
+            return ToolResult(call, ToolOutcome.TOOL_ERROR, args, time.perf_counter() - start)
+        try:
+            value = await self.tools[call.name](**args)
+        except ToolError as e:
+            return ToolResult(call, ToolOutcome.TOOL_ERROR, str(e), time.perf_counter() - start)
+        except Exception as e:  # a crashing tool is the environment's failure, not the policy's
+            msg = f"{call.name} failed: {type(e).__name__}: {e}"
+            return ToolResult(call, ToolOutcome.ENV_ERROR, msg, time.perf_counter() - start)
+        content = value if isinstance(value, str) else json.dumps(value)
+        return ToolResult(call, ToolOutcome.OK, content, time.perf_counter() - start)
