@@ -1,0 +1,11 @@
+"""The algorithm library: estimators and losses of ALGORITHMS.md, registered by name.
+
+Registries (config chooses by name): `ADVANTAGES`, `POLICY_LOSSES`, `KL_ESTIMATORS`,
+`AGGREGATIONS`. Helpers that are not chosen by name live in their modules: `advantages`
+(GAE, whitening, value loss, overlong penalty), `kl`, `offpolicy`, `credit`, `passk`.
+"""
+
+from . import advantages, aggregation, credit, kl, losses, offpolicy, passk  # noqa: F401
+from .registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, Registry
+
+__all__ = ["ADVANTAGES", "AGGREGATIONS", "KL_ESTIMATORS", "POLICY_LOSSES", "Registry"]

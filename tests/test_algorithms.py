@@ -1,0 +1,398 @@
+"""The algorithm library against numbers computed by hand from ALGORITHMS.md."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tiller.algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from tiller.algorithms.advantages import (
+    gae_advantages,
+    last_token_rewards,
+    overlong_penalty,
+    value_loss,
+    whiten,
+)
+from tiller.algorithms.credit import (
+    apply_key_steps,
+    broadcast_turns,
+    turn_advantages,
+    turn_returns,
+)
+from tiller.algorithms.kl import kl_beta_at, kl_in_reward
+from tiller.algorithms.losses import entropy_bonus
+from tiller.algorithms.offpolicy import mismatch_stats, staleness, tis_weights
+from tiller.algorithms.passk import mean_pass_at_k, pass_at_k
+
+
+def close(actual: torch.Tensor, expected: list, atol: float = 1e-5) -> None:
+    expected_t = torch.tensor(expected, dtype=actual.dtype)
+    assert torch.allclose(actual, expected_t, atol=atol), f"{actual} != {expected_t}"
+
+
+def test_registries():
+    assert sorted(ADVANTAGES) == ["dr_grpo", "grpo", "reinforce_pp", "rloo"]
+    assert sorted(POLICY_LOSSES) == ["gspo", "ppo_clip"]
+    assert sorted(KL_ESTIMATORS) == ["k1", "k2", "k3"]
+    assert sorted(AGGREGATIONS) == [
+        "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-mean"
+    ]
+    with pytest.raises(KeyError, match="unknown advantage estimator"):
+        ADVANTAGES["nope"]
+
+
+# ---------------------------------------------------------------- outcome advantages
+# group 0: [1, 0, 0, 1] (mean 0.5); group 1: a group of one; group 2: all-equal [0.5, 0.5];
+# group 3 (not contiguous): [3, 0, 0] (mean 1).
+REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.5, 3.0, 0.5, 0.0, 0.0])
+GROUPS = torch.tensor([0, 0, 0, 0, 1, 2, 3, 2, 3, 3])
+
+
+def test_grpo():
+    # group 0: var = 4 * 0.5^2 / 3 = 1/3, std = 0.577350; A = +-0.5 / 0.577350 = +-0.866025
+    # group 3: var = (2^2 + 1 + 1) / 2 = 3, std = 1.732051; A = 2/1.732051 = 1.154701, -0.577350
+    close(ADVANTAGES["grpo"](REWARDS, GROUPS),
+          [0.866025, -0.866025, -0.866025, 0.866025, 0.0, 0.0, 1.154701, 0.0, -0.577350, -0.577350])
+
+
+def test_dr_grpo():
+    # r - mean: group 0 +-0.5, group of one 0, all-equal 0, group 3: 3-1 = 2, 0-1 = -1
+    close(ADVANTAGES["dr_grpo"](REWARDS, GROUPS),
+          [0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 2.0, 0.0, -1.0, -1.0])
+
+
+def test_rloo():
+    # group 0: 1 - mean(0, 0, 1) = 2/3; 0 - mean(1, 0, 1) = -2/3   (= 4/3 * +-0.5)
+    # group 3: 3 - mean(0, 0) = 3; 0 - mean(3, 0) = -1.5          (= 3/2 * (2, -1))
+    close(ADVANTAGES["rloo"](REWARDS, GROUPS),
+          [2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0, 0.0, 3.0, 0.0, -1.5, -1.5])
+
+
+def test_reinforce_pp_whitens_token_weighted():
+    rewards = torch.tensor([1.0, 0.0, 2.0, 0.0])
+    groups = torch.tensor([0, 0, 1, 1])
+    tokens = torch.tensor([1, 1, 2, 0])
+    # a = r - group mean = [0.5, -0.5, 1, -1]; N_tok = 4
+    # mu = (0.5 - 0.5 + 2*1 + 0*(-1)) / 4 = 0.5; a - mu = [0, -1, 0.5, -1.5]
+    # var = (1*0 + 1*1 + 2*0.25 + 0*2.25) / (4 - 1) = 0.5, std = 0.707107
+    # A = [0, -1.414214, 0.707107, -2.121320]
+    adv = ADVANTAGES["reinforce_pp"](rewards, groups, tokens_per_seq=tokens)
+    close(adv, [0.0, -1.414214, 0.707107, -2.121320])
+    # the same as whitening the advantages broadcast to every generated token
+    mask = torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]])
+    a = torch.tensor([0.5, -0.5, 1.0, -1.0])[:, None].expand(4, 2)
+    assert torch.allclose(whiten(a, mask)[:, 0] * mask[:, 0], adv * mask[:, 0], atol=1e-6)
+    with pytest.raises(TypeError):
+        ADVANTAGES["reinforce_pp"](rewards, groups)
+
+
+def test_whiten():
+    x = torch.tensor([[1.0, 2.0, 100.0], [3.0, 0.0, 7.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    # masked values 1, 2, 3: mean 2, var = (1 + 0 + 1) / 2 = 1 -> -1, 0, 1; off-mask -> 0
+    close(whiten(x, mask), [[-1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    assert torch.equal(whiten(x, torch.zeros_like(x)), torch.zeros_like(x))  # no NaN
+
+
+# ---------------------------------------------------------------- GAE and the critic
+def test_gae_skips_tool_span_and_empty_row():
+    # row 0: generated, generated, tool output, tool output, generated (last), padding
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 0.0], [0.0] * 6])
+    values = torch.tensor([[0.5, 0.4, 9.0, 9.0, 0.8, 7.0], [3.0] * 6])
+    rewards = torch.tensor([[0.0, 0.0, 5.0, 0.0, 1.0, 0.0], [1.0] * 6])  # off-mask: ignored
+    adv, ret = gae_advantages(rewards, values, mask, gamma=0.9, lam=0.5, normalize=False)
+    # t=4: delta = 1 + 0.9*0 - 0.8 = 0.2                          A4 = 0.2
+    # t=1: next masked-in token is t=4 (tool span skipped, not terminal):
+    #      delta = 0 + 0.9*0.8 - 0.4 = 0.32                       A1 = 0.32 + 0.45*0.2 = 0.41
+    # t=0: delta = 0 + 0.9*0.4 - 0.5 = -0.14                      A0 = -0.14 + 0.45*0.41 = 0.0445
+    close(adv, [[0.0445, 0.41, 0.0, 0.0, 0.2, 0.0], [0.0] * 6])
+    # returns = A + V: 0.0445 + 0.5, 0.41 + 0.4, 0.2 + 0.8
+    close(ret, [[0.5445, 0.81, 0.0, 0.0, 1.0, 0.0], [0.0] * 6])
+    white, ret2 = gae_advantages(rewards, values, mask, gamma=0.9, lam=0.5)
+    assert torch.allclose(white, whiten(adv, mask)) and torch.equal(ret, ret2)
+    assert torch.isfinite(white).all()
+
+
+def test_last_token_rewards():
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0, 0.0], [0.0] * 5, [1.0, 0.0, 0.0, 0.0, 0.0]])
+    # reward on the last masked-in token; a row with no generated token gets nothing
+    close(last_token_rewards(torch.tensor([1.0, 2.0, 3.0]), mask),
+          [[0.0, 0.0, 0.0, 1.0, 0.0], [0.0] * 5, [3.0, 0.0, 0.0, 0.0, 0.0]])
+
+
+def test_value_loss_clipped():
+    values = torch.tensor([[1.0, 0.0, 1.0, 5.0]])
+    old = torch.tensor([[0.5, 0.5, 0.5, 0.0]])
+    returns = torch.tensor([[2.0, 0.0, 0.5, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    loss, stats = value_loss(values, old, returns, mask, clip=0.2)
+    # t0: V_clip = 0.5 + 0.2 = 0.7; sq = (1-2)^2 = 1, sq_clip = (0.7-2)^2 = 1.69 -> 0.845
+    # t1: V_clip = 0.5 - 0.2 = 0.3; sq = 0, sq_clip = 0.09 -> 0.045
+    # t2: V_clip = 0.7; sq = 0.25, sq_clip = 0.04 -> 0.5 * 0.25 = 0.125 (unclipped)
+    # t3: masked out -> 0
+    close(loss, [[0.845, 0.045, 0.125, 0.0]])
+    close(stats["clipped"], [[1.0, 1.0, 0.0, 0.0]])
+
+
+def test_overlong_penalty():
+    # L_max = 10, L_cache = 4 -> free up to 6; 7: (6-7)/4 = -0.25; 8: -0.5; 10: -1; 11: -1
+    close(overlong_penalty(torch.tensor([5, 6, 7, 8, 10, 11]), l_max=10, l_cache=4),
+          [0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
+
+
+# ---------------------------------------------------------------- policy losses
+def _logp(ratios: list[float]) -> torch.Tensor:
+    return torch.tensor([ratios]).log().requires_grad_()
+
+
+def test_ppo_clip_higher():
+    logp = _logp([1.0, 1.5, 0.5, 1.5, 0.5, 1.25, 3.0])
+    old = torch.zeros_like(logp)
+    adv = torch.tensor([[1.0, 1.0, 1.0, -1.0, -1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0]])
+    loss, stats = POLICY_LOSSES["ppo_clip"](logp, old, adv, mask, eps_low=0.2, eps_high=0.28)
+    # rho=1,   A=+1: -min(1, 1)                       = -1
+    # rho=1.5, A=+1: -min(1.5, 1.28)                  = -1.28  clipped high
+    # rho=0.5, A=+1: -min(0.5, 0.8)                   = -0.5
+    # rho=1.5, A=-1: -min(-1.5, -1.28)                = 1.5    (unbounded without dual clip)
+    # rho=0.5, A=-1: -min(-0.5, -0.8)                 = 0.8    clipped low
+    # rho=1.25,A=+1: 1.25 < 1.28, not clipped         = -1.25
+    # masked-out token                                = 0
+    close(loss, [[-1.0, -1.28, -0.5, 1.5, 0.8, -1.25, 0.0]])
+    close(stats["clipped_high"], [[0, 1, 0, 0, 0, 0, 0]])
+    close(stats["clipped_low"], [[0, 0, 0, 0, 1, 0, 0]])
+    close(stats["clipped"], [[0, 1, 0, 0, 1, 0, 0]])
+    close(stats["dual_clipped"], [[0] * 7])
+    # d/dlogp of -rho*A is -rho*A on unclipped tokens, 0 where the clipped branch is taken
+    loss.sum().backward()
+    close(logp.grad, [[-1.0, 0.0, -0.5, 1.5, 0.0, -1.25, 0.0]])
+    # symmetric PPO clips the rho=1.25 token at 1.2
+    sym, sym_stats = POLICY_LOSSES["ppo_clip"](logp, old, adv, mask)
+    assert sym[0, 5].item() == pytest.approx(-1.2) and sym_stats["clipped_high"][0, 5] == 1
+
+
+def test_ppo_dual_clip():
+    logp = _logp([4.0, 1.5, 4.0])
+    adv = torch.tensor([[-1.0, -1.0, 1.0]])
+    mask = torch.ones(1, 3)
+    loss, stats = POLICY_LOSSES["ppo_clip"](
+        logp, torch.zeros_like(logp), adv, mask, eps_high=0.28, clip_ratio_c=3.0
+    )
+    # rho=4,   A=-1: L = -min(-4, -1.28) = 4 -> min(4, -3*(-1)) = 3   dual clipped
+    # rho=1.5, A=-1: L = 1.5 < 3, unchanged
+    # rho=4,   A=+1: L = -min(4, 1.28) = -1.28 (dual clip only for A < 0)
+    close(loss, [[3.0, 1.5, -1.28]])
+    close(stats["dual_clipped"], [[1.0, 0.0, 0.0]])
+    close(stats["clipped"], [[1.0, 0.0, 1.0]])
+    loss.sum().backward()
+    close(logp.grad, [[0.0, 1.5, 0.0]])  # the cap -c*A has no gradient
+    with pytest.raises(ValueError):
+        POLICY_LOSSES["ppo_clip"](logp, logp, adv, mask, clip_ratio_c=1.0)
+
+
+def test_gspo_hand_values_and_per_token_gradient():
+    logp_old = torch.tensor([[-1.0, -2.0, -1.0], [-1.0, -1.0, -1.0]])
+    # row 0: masked diffs 0.1, 0.3 (the masked-out 5.0 is ignored) -> s = exp(0.2) = 1.221403
+    # row 1: no generated token -> s = exp(0 / 1) = 1, loss 0
+    logp = (logp_old + torch.tensor([[0.1, 0.3, 5.0], [0.0, 0.0, 0.0]])).requires_grad_()
+    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    adv = torch.tensor([[2.0], [1.0]])
+    loss, _ = POLICY_LOSSES["gspo"](logp, logp_old, adv, mask, eps_low=0.3, eps_high=0.3)
+    # s = 1.221403 < 1.3, unclipped: L = -2 * 1.221403 = -2.442806 on both generated tokens
+    close(loss, [[-2.442806, -2.442806, 0.0], [0.0, 0.0, 0.0]])
+    loss.sum().backward()
+    # token form: d s_{i,t} / d logp_{i,t} = sg[s_i] * 1 -> grad = -A * s_i on EACH token
+    # (the sequence-level form would give -A * s_i / |o_i| = -1.221403)
+    close(logp.grad, [[-2.442806, -2.442806, 0.0], [0.0, 0.0, 0.0]])
+    assert torch.isfinite(logp.grad).all()
+
+
+def test_gspo_default_tiny_clip():
+    logp_old = torch.zeros(2, 2)
+    logp = torch.tensor([[0.3, 0.3], [-0.3, -0.3]])
+    adv = torch.tensor([[1.0], [-1.0]])
+    loss, stats = POLICY_LOSSES["gspo"](logp, logp_old, adv, torch.ones(2, 2))
+    # row 0: s = e^0.3 = 1.35, A=+1 -> clipped at 1 + 4e-4: L = -1.0004
+    # row 1: s = e^-0.3 = 0.74, A=-1 -> -min(-0.7408, -(1 - 3e-4)) = 0.9997
+    close(loss, [[-1.0004, -1.0004], [0.9997, 0.9997]], atol=1e-6)
+    close(stats["clipped_high"], [[1.0, 1.0], [0.0, 0.0]])
+    close(stats["clipped_low"], [[0.0, 0.0], [1.0, 1.0]])
+
+
+def test_gspo_equals_ppo_at_ratio_one():
+    torch.manual_seed(0)
+    logp_old = -torch.rand(3, 4)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0], [0.0] * 4])
+    adv = torch.tensor([[0.7], [-1.3], [2.0]]) * mask
+    grads, losses = [], []
+    for name in ("ppo_clip", "gspo"):
+        logp = logp_old.clone().requires_grad_()
+        loss, _ = POLICY_LOSSES[name](logp, logp_old, adv, mask)
+        loss.sum().backward()
+        losses.append(loss.detach())
+        grads.append(logp.grad)
+    # rho = s = 1: L = -A and dL/dlogp_t = -A on every generated token, for both
+    assert torch.allclose(losses[0], -adv) and torch.allclose(losses[1], -adv)
+    assert torch.allclose(grads[0], -adv) and torch.allclose(grads[1], -adv)
+
+
+def test_entropy_bonus():
+    # L - 0.1 * H: 1 - 0.05, 2 - 0.1
+    close(entropy_bonus(torch.tensor([1.0, 2.0]), torch.tensor([0.5, 1.0]), 0.1), [0.95, 1.9])
+
+
+# ---------------------------------------------------------------- KL
+def test_kl_estimators():
+    logp = torch.tensor([-1.0, -2.0, -0.7])
+    ref = torch.tensor([-1.5, -1.0, -0.7])
+    # d = ref - logp = [-0.5, 1.0, 0]
+    close(KL_ESTIMATORS["k1"](logp, ref), [0.5, -1.0, 0.0])  # -d
+    close(KL_ESTIMATORS["k2"](logp, ref), [0.125, 0.5, 0.0])  # d^2 / 2
+    # exp(-0.5) + 0.5 - 1 = 0.106531; e - 1 - 1 = 0.718282; 1 - 0 - 1 = 0
+    close(KL_ESTIMATORS["k3"](logp, ref), [0.106531, 0.718282, 0.0])
+
+
+def test_kl_in_reward_and_schedule():
+    rewards = torch.tensor([[0.0, 1.0, 1.0]])
+    logp = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    out = kl_in_reward(rewards, logp, ref, 0.1, mask)
+    # k1 = [0.5, -1, -3]: 0 - 0.05, 1 + 0.1, masked token unchanged
+    close(out, [[-0.05, 1.1, 1.0]])
+    assert not out.requires_grad
+    assert kl_beta_at(4, 0.1, off_after=5) == 0.1
+    assert kl_beta_at(5, 0.1, off_after=5) == 0.0
+    assert kl_beta_at(10_000, 0.1) == 0.1
+
+
+# ---------------------------------------------------------------- aggregation
+AGG_LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+AGG_MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])  # row 2 empty
+AGG_NORM = {"total_tokens": 4.0, "total_seqs": 3, "l_max": 4}
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("token-mean", 3.0),  # (1 + 2 + 4 + 5) / 4
+        ("seq-mean-token-mean", 2.0),  # (3/2 + 9/2 + 0) / 3
+        ("seq-mean-token-sum", 4.0),  # (3 + 9 + 0) / 3
+        ("seq-mean-token-sum-norm", 1.0),  # 12 / (3 * 4)
+    ],
+)
+def test_aggregation_values(mode: str, expected: float):
+    assert AGGREGATIONS[mode](AGG_LOSS, AGG_MASK, **AGG_NORM).item() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("mode", sorted(AGGREGATIONS))
+def test_gradient_accumulation_equals_full_batch(mode: str):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 1)
+    x = torch.randn(5, 6, 3)
+    generated = [5, 2, 0, 3, 1]  # one prompt token, then the generated ones; a row with none
+    mask = torch.zeros(5, 6)
+    for i, n in enumerate(generated):
+        mask[i, 1 : 1 + n] = 1.0
+    mask[0, 3] = 0.0  # a tool-output token in the middle of row 0
+    norm = {"total_tokens": float(mask.sum()), "total_seqs": 5, "l_max": 6}
+
+    def per_token_loss(rows: slice, width: int) -> torch.Tensor:
+        return layer(x[rows, :width]).squeeze(-1) ** 2
+
+    full = AGGREGATIONS[mode](per_token_loss(slice(0, 5), 6), mask, **norm)
+    full.backward()
+    full_grads = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    total = 0.0
+    # micro-batches trimmed to their longest row, as the trainer does
+    for rows, width in [(slice(0, 2), 6), (slice(2, 4), 4), (slice(4, 5), 2)]:
+        part = AGGREGATIONS[mode](per_token_loss(rows, width), mask[rows, :width], **norm)
+        part.backward()
+        total += part.item()
+    assert total == pytest.approx(full.item(), rel=1e-5)
+    for p, g in zip(layer.parameters(), full_grads, strict=True):
+        assert torch.allclose(p.grad, g, atol=1e-6)
+
+
+# ---------------------------------------------------------------- off-policy
+def test_tis_weights():
+    logp_old = torch.tensor([0.0, -1.0, 0.0], requires_grad=True)
+    rollout = torch.tensor([-0.5, 0.0, -1.0])
+    w = tis_weights(logp_old, rollout)
+    # exp(0.5) = 1.648721, exp(-1) = 0.367879, exp(1) = 2.718 -> truncated at C = 2
+    close(w, [1.648721, 0.367879, 2.0])
+    assert not w.requires_grad
+
+
+def test_mismatch_stats():
+    rollout = torch.tensor([[-1.0, -2.0, -3.0]])
+    old = torch.tensor([[-1.5, -1.0, 0.0]])
+    stats = mismatch_stats(rollout, old, torch.tensor([[1.0, 1.0, 0.0]]))
+    # |diff| on masked tokens: 0.5, 1.0 -> mean 0.75, max 1.0
+    # weights exp(-0.5) = 0.606531, exp(1) = 2.718282 -> mean 1.662406
+    assert stats["logp_mismatch_mean"] == pytest.approx(0.75)
+    assert stats["logp_mismatch_max"] == pytest.approx(1.0)
+    assert stats["importance_weight_mean"] == pytest.approx(1.662406, abs=1e-6)
+    empty = mismatch_stats(rollout, old, torch.zeros(1, 3))
+    assert empty == {"logp_mismatch_mean": 0.0, "logp_mismatch_max": 0.0,
+                     "importance_weight_mean": 0.0}
+
+
+def test_staleness_counts_oldest_version():
+    assert staleness(7, [5, 6, 7]) == 2  # a partial rollout spanning versions 5..7
+    assert staleness(3, (3,)) == 0
+
+
+# ---------------------------------------------------------------- turn-level credit
+def test_turn_returns():
+    # gamma = 0.5: R2 = 2; R1 = 0 + 0.5*2 = 1; R0 = 1 + 0.5*1 = 1.5
+    close(turn_returns(torch.tensor([[1.0, 0.0, 2.0]]), 0.5), [[1.5, 1.0, 2.0]])
+
+
+TURN_R = torch.tensor([[1.5, 1.0, 2.0], [0.5, 0.0, 0.0], [3.0, 0.0, 0.0]])
+TURN_MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+TURN_GROUPS = torch.tensor([0, 0, 1])  # rows 0, 1 share a task; row 2 is a group of one
+
+
+def test_turn_advantages_per_turn():
+    adv = turn_advantages(TURN_R, TURN_MASK, TURN_GROUPS, estimator="dr_grpo")
+    # turn 0 of group 0: {1.5, 0.5}, mean 1 -> +-0.5; turn 1: {1, 0}, mean 0.5 -> +-0.5
+    # turn 2: only row 0 has it -> 0; row 2 is alone -> 0; padded turns -> 0
+    close(adv, [[0.5, 0.5, 0.0], [-0.5, -0.5, 0.0], [0.0, 0.0, 0.0]])
+    adv = turn_advantages(TURN_R, TURN_MASK, TURN_GROUPS, estimator="grpo")
+    # std of two values 0.5 apart from their mean: sqrt(2 * 0.25 / 1) = 0.707107
+    # -> 0.5 / 0.707107 = 0.707107
+    close(adv, [[0.707107, 0.707107, 0.0], [-0.707107, -0.707107, 0.0], [0.0, 0.0, 0.0]])
+
+
+def test_turn_advantages_pooled():
+    adv = turn_advantages(TURN_R, TURN_MASK, TURN_GROUPS, estimator="dr_grpo", baseline="pooled")
+    # group 0's real turns {1.5, 1, 2, 0.5, 0}: mean 1 -> [0.5, 0, 1], [-0.5, -1, pad 0]
+    close(adv, [[0.5, 0.0, 1.0], [-0.5, -1.0, 0.0], [0.0, 0.0, 0.0]])
+    with pytest.raises(ValueError):
+        turn_advantages(TURN_R, TURN_MASK, TURN_GROUPS, baseline="per_token")
+
+
+def test_broadcast_turns_and_key_steps():
+    # turn 0 spans tokens [1, 3), turn 1 spans [5, 6); prompt and tool output get 0
+    out = broadcast_turns(torch.tensor([[0.5, -1.0]]), [[(1, 3), (5, 6)]], width=7)
+    close(out, [[0.0, 0.5, 0.5, 0.0, 0.0, -1.0, 0.0]])
+    mask = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    close(apply_key_steps(mask, torch.tensor([1.0, 0.0, 1.0, 1.0])), [1.0, 0.0, 0.0, 1.0])
+
+
+# ---------------------------------------------------------------- pass@k
+def test_pass_at_k():
+    # n=5, c=2, k=2: 1 - C(3,2)/C(5,2) = 1 - 3/10 = 0.7
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7)
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)  # pass@1 = c/n
+    assert pass_at_k(4, 3, 2) == 1.0  # n - c = 1 < k: every k-subset has a correct one
+    assert pass_at_k(4, 0, 2) == 0.0
+    exact = 1 - math.comb(100, 100) / math.comb(200, 100)
+    assert pass_at_k(200, 100, 100) == pytest.approx(exact)  # no overflow for large n
+    assert mean_pass_at_k([(5, 2), (4, 0)], 2) == pytest.approx(0.35)  # (0.7 + 0) / 2
+    with pytest.raises(ValueError):
+        pass_at_k(3, 1, 4)
