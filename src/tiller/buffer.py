@@ -1,0 +1,38 @@
+"""The data buffer: groups trajectories by task and keeps a ledger of what became of each.
+
+Every trajectory that enters ends trained, filtered (with a reason) or dropped (with a reason);
+the ledger's counts go to the metrics, so nothing is lost silently.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import torch
+
+from .trajectory import Status, Trajectory
+
+
+class DataBuffer:
+    def __init__(self) -> None:
+        self.groups: dict[str, list[Trajectory]] = defaultdict(list)
+        self.ledger: Counter[str] = Counter()
+
+    def add(self, trajectories: list[Trajectory]) -> None:
+        for t in trajectories:
+            if t.status is Status.ENV_ERROR or t.status is Status.ABORTED:
+                # the environment or engine failed: not evidence about the policy
+                self.ledger[f"dropped/{t.status.value}"] += 1
+                continue
+            self.groups[t.task_id].append(t)
+
+    def take_batch(self) -> tuple[list[Trajectory], torch.Tensor]:
+        """All buffered groups as one batch, with each trajectory's group index."""
+        trajectories: list[Trajectory] = []
+        group_index: list[int] = []
+        for g, members in enumerate(self.groups.values()):
+            trajectories += members
+            group_index += [g] * len(members)
+        self.ledger["trained"] += len(trajectories)
+        self.groups.clear()
+        return trajectories, torch.tensor(group_index, dtype=torch.long)

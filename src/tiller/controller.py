@@ -1,0 +1,320 @@
+"""The controller: the synchronous schedule of a run (build -> SFT -> GRPO -> eval).
+
+It wires the boxes together and owns nothing inside them: the env makes tasks and steps,
+the agent loop turns (env, engine) into trajectories, the buffer groups them, the algorithm
+registries give advantages and losses, the trainer updates the weights and the engine gets each
+new version through a `WeightUpdate`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from .agent_loop import (
+    EngineActor,
+    EpisodeLimits,
+    ExpertActor,
+    derive_seed,
+    load_episode_fn,
+    run_episode,
+)
+from .algorithms import ADVANTAGES
+from .buffer import DataBuffer
+from .config import BuildConfig, Config, ConfigError
+from .engine import EmbeddedEngine, SamplingParams
+from .envs import ENVS, Env, Task
+from .evaluation import is_success, success_summary
+from .models import build_tiny_model, load_model, load_tokenizer, train_tokenizer
+from .observe import MetricsLogger, progress
+from .trainer import Batch, Trainer
+from .trajectory import Trajectory
+
+
+def resolve_env(name: str) -> type[Env]:
+    if name not in ENVS:
+        raise ConfigError(f"config field env.name: unknown env {name!r}; "
+                          f"choose one of: {', '.join(sorted(ENVS))}")
+    return ENVS[name]
+
+
+def check_algorithm(cfg: Config) -> None:
+    """Registry names are checked before any work starts."""
+    from .algorithms import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+
+    alg = cfg.rl.algorithm
+    for field, registry in [("advantage", ADVANTAGES), ("policy_loss", POLICY_LOSSES),
+                            ("aggregation", AGGREGATIONS), ("kl_estimator", KL_ESTIMATORS)]:
+        value = getattr(alg, field)
+        if value not in registry:
+            raise ConfigError(f"config field rl.algorithm.{field}: got {value!r}; "
+                              f"expected one of: {', '.join(sorted(registry))}")
+
+
+class Run:
+    """Everything one run needs, built from a validated `Config`."""
+
+    def __init__(self, cfg: Config, output_dir: str | Path | None = None):
+        self.cfg = cfg
+        self.env_cls = resolve_env(cfg.env.name)
+        check_algorithm(cfg)
+        self.episode_fn = load_episode_fn(cfg.agent.loop)
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        self.dir = Path(output_dir or cfg.output_dir or Path("runs") / f"{cfg.name}-{stamp}")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        self.limits = EpisodeLimits(cfg.env.max_turns, cfg.env.max_episode_tokens)
+        self.timings: dict[str, float] = {}
+
+        t = time.perf_counter()
+        model_path = self._model_path()
+        self.tokenizer = load_tokenizer(model_path)
+        dtype = getattr(torch, cfg.model.dtype)
+        self.model = load_model(model_path, dtype)
+        self.timings["build_s"] = time.perf_counter() - t
+        self.trainer = Trainer(self.model, temperature=cfg.sampling.temperature or 1.0)
+        # The engine holds its own copy of the weights and only learns new ones by update.
+        self.engine = EmbeddedEngine(
+            copy.deepcopy(self.model), self.tokenizer.pad_token_id, cfg.max_batch_size
+        )
+        self.logger = MetricsLogger(self.dir, cfg.logging.tensorboard, cfg.logging.wandb,
+                                    cfg.logging.wandb_project, cfg.model_dump())
+        self.params = self._sampling(cfg.sampling.temperature)
+
+    # ---- model ---------------------------------------------------------------------------
+
+    def _model_path(self) -> Path:
+        cfg = self.cfg
+        if cfg.model.path is not None:
+            return Path(cfg.model.path)
+        assert cfg.model.build is not None
+        return build_env_model(self.env_cls, self.dir / "base_model", cfg.model.build,
+                               seed=cfg.seed, difficulty=cfg.env.difficulty,
+                               max_turns=cfg.env.max_turns)
+
+    def _sampling(self, temperature: float) -> SamplingParams:
+        s = self.cfg.sampling
+        return SamplingParams(temperature=temperature, top_p=s.top_p, top_k=s.top_k,
+                              max_new_tokens=s.max_new_tokens,
+                              stop_token_ids=(self.tokenizer.eos_token_id,))
+
+    def push_weights(self) -> None:
+        self.engine.update_weights(self.trainer.weight_update())
+
+    # ---- rollouts ------------------------------------------------------------------------
+
+    def _expert_episodes(self, tasks: Sequence[Task], guess: float) -> list[Trajectory]:
+        return collect_expert(self.env_cls, tasks, self.tokenizer, guess=guess,
+                              limits=self.limits, seed=self.cfg.seed, episode_fn=self.episode_fn)
+
+    async def _episodes(self, tasks: Sequence[Task], samples: int, params: SamplingParams,
+                        tag: Any, on_done: Callable[[], None] | None = None
+                        ) -> list[Trajectory]:
+        actor = EngineActor(self.engine, params)
+
+        async def one(task: Task, k: int) -> Trajectory:
+            traj = await self.episode_fn(self.env_cls(), task, actor, self.tokenizer,
+                                         seed=derive_seed(self.cfg.seed, tag, task.id, k),
+                                         sample_index=k, limits=self.limits)
+            if on_done is not None:
+                on_done()
+            return traj
+
+        return list(await asyncio.gather(*(one(t, k) for t in tasks for k in range(samples))))
+
+    # ---- phases --------------------------------------------------------------------------
+
+    def sft(self) -> dict[str, Any]:
+        cfg = self.cfg.sft
+        t0 = time.perf_counter()
+        tasks = self.env_cls.make_tasks("train", cfg.tasks, self.cfg.seed + 2,
+                                        self.cfg.env.difficulty)
+        demos = self._expert_episodes(tasks, cfg.imperfect_fraction)
+        demos = [d for d in demos if d.status.value == "completed"]
+        steps = cfg.epochs * math.ceil(len(demos) / cfg.batch_size)
+        self.trainer.set_optimizer(cfg.lr)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.trainer.optimizer,
+            lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1))
+            * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)),
+        )
+        gen = torch.Generator().manual_seed(self.cfg.seed)
+        pad = self.tokenizer.pad_token_id
+        with progress(self.cfg.logging.progress) as bars:
+            bar = bars.add_task("SFT", total=steps, info="")
+            step = 0
+            for _ in range(cfg.epochs):
+                order = torch.randperm(len(demos), generator=gen).tolist()
+                for i in range(0, len(order), cfg.batch_size):
+                    batch = Batch.collate([demos[j] for j in order[i : i + cfg.batch_size]], pad)
+                    m = self.trainer.sft_step(batch, self.cfg.rl.micro_batch_size)
+                    m["lr"] = schedule.get_last_lr()[0]
+                    schedule.step()
+                    step += 1
+                    self.logger.log("sft", step, m)
+                    bars.update(bar, advance=1, info=f"loss={m['sft_loss']:.3f}")
+        self.push_weights()
+        self.timings["sft_s"] = time.perf_counter() - t0
+        return {"demonstrations": len(demos), "steps": steps,
+                "expert_success": float(np.mean([is_success(d) for d in demos]))}
+
+    def evaluate(self, tasks: Sequence[Task], label: str) -> dict[str, float]:
+        t0 = time.perf_counter()
+        params = self._sampling(self.cfg.eval.temperature)
+        with progress(self.cfg.logging.progress) as bars:
+            bar = bars.add_task(f"eval ({label})", total=len(tasks), info="")
+            trajs = asyncio.run(
+                self._episodes(tasks, 1, params, ("eval", label), lambda: bars.advance(bar))
+            )
+        summary = success_summary(trajs, seed=self.cfg.seed)
+        summary["time_s"] = time.perf_counter() - t0
+        summary.update(rollout_metrics(trajs))
+        self.logger.log(f"eval_{label}", self.trainer.version, summary)
+        self.timings[f"eval_{label}_s"] = summary["time_s"]
+        return summary
+
+    def rl(self) -> None:
+        cfg = self.cfg.rl
+        t0 = time.perf_counter()
+        self.trainer.set_optimizer(cfg.lr, cfg.weight_decay)
+        tasks = self.env_cls.make_tasks("train", max(cfg.steps * cfg.tasks_per_step, 1),
+                                        self.cfg.seed + 3, self.cfg.env.difficulty)
+        advantage = ADVANTAGES[cfg.algorithm.advantage]
+        ref_model = copy.deepcopy(self.model).eval() if cfg.algorithm.kl_beta > 0 else None
+        buffer = DataBuffer()
+        with progress(self.cfg.logging.progress) as bars:
+            bar = bars.add_task("GRPO", total=cfg.steps, info="")
+            for step in range(cfg.steps):
+                ts = time.perf_counter()
+                batch_tasks = tasks[step * cfg.tasks_per_step : (step + 1) * cfg.tasks_per_step]
+                trajs = asyncio.run(
+                    self._episodes(batch_tasks, cfg.group_size, self.params, ("rl", step))
+                )
+                t_roll = time.perf_counter() - ts
+                buffer.add(trajs)
+                kept, group_index = buffer.take_batch()
+                rewards = torch.tensor([t.reward.value for t in kept], dtype=torch.float)
+                adv = advantage(rewards, group_index)
+                batch = Batch.collate(kept, self.tokenizer.pad_token_id, adv.tolist())
+                m = self.trainer.rl_step(batch, cfg, self.cfg.env.max_episode_tokens, ref_model)
+                self.push_weights()
+                m.update(rollout_metrics(trajs))
+                m.update(zero_variance_group_frac=zero_variance_frac(rewards, group_index),
+                         rollout_s=t_roll, step_s=time.perf_counter() - ts,
+                         version=self.trainer.version)
+                m.update({f"ledger/{k}": v for k, v in buffer.ledger.items()})
+                self.logger.log("rl", step + 1, m)
+                bars.update(bar, advance=1, info=(
+                    f"reward={m['reward_mean']:.2f} success={m['success_rate']:.2f} "
+                    f"mismatch={m['logp_mismatch_max']:.1e}"))
+        self.timings["rl_s"] = time.perf_counter() - t0
+
+    def save(self, name: str = "final") -> Path:
+        out = self.dir / "checkpoints" / name
+        self.model.save_pretrained(out, safe_serialization=True)
+        self.tokenizer.save_pretrained(out)
+        return out
+
+
+def collect_expert(env_cls: type[Env], tasks: Sequence[Task], tokenizer: Any, *, guess: float,
+                   limits: EpisodeLimits, seed: int, episode_fn: Any = run_episode,
+                   ) -> list[Trajectory]:
+    """The scripted expert's episodes on `tasks`, through the same loop the policy uses."""
+
+    async def one(i: int, task: Task) -> Trajectory:
+        actor = ExpertActor(env_cls, task, tokenizer, guess)
+        return await episode_fn(env_cls(), task, actor, tokenizer,
+                                seed=derive_seed(seed, "expert", i), limits=limits)
+
+    async def run_all() -> list[Trajectory]:
+        return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
+
+    return asyncio.run(run_all())
+
+
+def build_env_model(env_cls: type[Env], out: Path, build: BuildConfig, *, seed: int,
+                    difficulty: int, max_turns: int) -> Path:
+    """A tiny model whose tokenizer learned from the env's expert episodes.
+
+    The episodes are rendered through the real loop with a byte-level tokenizer (the BPE
+    alphabet with no merges yet); a share of them guess, so answers without tools are covered.
+    """
+    bootstrap = train_tokenizer([], 0)
+    tasks = env_cls.make_tasks("train", build.corpus_tasks, seed + 1, difficulty)
+    trajs = collect_expert(env_cls, tasks, bootstrap, guess=0.3,
+                           limits=EpisodeLimits(max_turns, 1 << 16), seed=seed)
+    corpus = [bootstrap.decode(t.token_ids) for t in trajs]
+    return build_tiny_model(out, corpus, vocab_size=build.vocab_size,
+                            hidden_size=build.hidden_size, num_layers=build.num_layers,
+                            num_heads=build.num_heads, seed=seed)
+
+
+def zero_variance_frac(rewards: torch.Tensor, group_index: torch.Tensor) -> float:
+    groups = group_index.unique()
+    if groups.numel() == 0:
+        return 0.0
+    flat = [bool((rewards[group_index == g] == rewards[group_index == g][0]).all()) for g in groups]
+    return float(np.mean(flat))
+
+
+def rollout_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    n = max(len(trajs), 1)
+    statuses = [t.status.value for t in trajs]
+    return {
+        "reward_mean": sum(t.reward.value for t in trajs) / n,
+        "success_rate": sum(is_success(t) for t in trajs) / n,
+        "response_tokens_mean": sum(t.num_generated for t in trajs) / n,
+        "episode_tokens_mean": sum(len(t.token_ids) for t in trajs) / n,
+        "turns_mean": sum(t.num_turns for t in trajs) / n,
+        "tool_calls_per_episode": sum(t.tool_calls for t in trajs) / n,
+        "tool_errors_per_episode": sum(t.tool_errors for t in trajs) / n,
+        "tool_parse_failures": float(sum(t.parse_errors for t in trajs)),
+        "env_error_rate": statuses.count("env_error") / n,
+        "truncated_rate": statuses.count("truncated") / n,
+    }
+
+
+def train(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:
+    """The whole pipeline; returns (and writes) the run summary."""
+    t0 = time.perf_counter()
+    run = Run(cfg, output_dir)
+    env = cfg.env
+    heldout = run.env_cls.make_tasks("heldout", cfg.eval.tasks, cfg.seed, env.difficulty)
+    summary: dict[str, Any] = {"run_dir": str(run.dir), "seed": cfg.seed}
+    if cfg.sft.enabled:
+        summary["sft"] = run.sft()
+    summary["heldout_after_sft"] = run.evaluate(heldout, "sft")
+    if cfg.rl.steps > 0:
+        run.rl()
+        summary["heldout_after_rl"] = run.evaluate(heldout, "rl")
+    summary["checkpoint"] = str(run.save())
+    run.timings["total_s"] = time.perf_counter() - t0
+    summary["timings"] = run.timings
+    (run.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    run.logger.close()
+    return summary
+
+
+def evaluate_checkpoint(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:
+    """Held-out success of the model at `model.path`."""
+    run = Run(cfg, output_dir)
+    heldout = run.env_cls.make_tasks("heldout", cfg.eval.tasks, cfg.seed, cfg.env.difficulty)
+    summary = {"run_dir": str(run.dir), "heldout": run.evaluate(heldout, "checkpoint")}
+    (run.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    run.logger.close()
+    return summary

@@ -1,0 +1,47 @@
+"""Evaluation figures: success rates with bootstrap confidence intervals.
+
+Every figure carries its 95% interval and the number of tasks and samples behind it; the
+interval resamples tasks (not samples), since tasks are the unit that varies between runs.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import numpy as np
+
+from .trajectory import Trajectory
+
+
+def is_success(t: Trajectory) -> bool:
+    return t.reward.value >= 1.0 and not t.reward.env_error
+
+
+def bootstrap_ci(
+    per_task: Sequence[float], n_boot: int = 2000, seed: int = 0, level: float = 0.95
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of `per_task` values."""
+    x = np.asarray(per_task, dtype=float)
+    if x.size == 0:
+        return (float("nan"), float("nan"))
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, x.size, size=(n_boot, x.size))].mean(axis=1)
+    lo, hi = np.quantile(means, [(1 - level) / 2, 1 - (1 - level) / 2])
+    return float(lo), float(hi)
+
+
+def success_summary(trajectories: Sequence[Trajectory], seed: int = 0) -> dict[str, float]:
+    """Mean success (pass@1 over samples, averaged per task) with its 95% bootstrap CI."""
+    by_task: dict[str, list[float]] = defaultdict(list)
+    for t in trajectories:
+        by_task[t.task_id].append(float(is_success(t)))
+    per_task = [float(np.mean(v)) for v in by_task.values()]
+    lo, hi = bootstrap_ci(per_task, seed=seed)
+    return {
+        "success": float(np.mean(per_task)) if per_task else float("nan"),
+        "ci_low": lo,
+        "ci_high": hi,
+        "tasks": len(per_task),
+        "samples": len(trajectories),
+    }

@@ -1,0 +1,61 @@
+"""Observation: metrics to JSONL (always) and TensorBoard / W&B (when installed and enabled),
+and live progress bars for long phases."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, tensorboard: bool = True, wandb: bool = False,
+                 wandb_project: str = "tiller", config: dict[str, Any] | None = None):
+        self.path = run_dir / "metrics.jsonl"
+        self._file = self.path.open("a")
+        self._tb = None
+        self._wandb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # the tensorboard extra is not installed
+                SummaryWriter = None
+            if SummaryWriter is not None:
+                self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        if wandb:
+            import wandb as wb
+
+            self._wandb = wb.init(project=wandb_project, dir=str(run_dir), config=config)
+
+    def log(self, phase: str, step: int, metrics: dict[str, float]) -> None:
+        record = {"phase": phase, "step": step, "time": time.time(), **metrics}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        scalars = {f"{phase}/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def progress(enabled: bool = True) -> Progress:
+    """A progress bar whose `info` field shows live figures (reward, success, loss)."""
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"),
+        disable=not enabled,
+    )
