@@ -1,0 +1,492 @@
+"""Run model-written (untrusted) Python in a sandbox: bubblewrap if it works, else a loud fallback.
+
+Layers, and why each one is there (docs/sandbox.md has the user-facing summary):
+
+* **bubblewrap** (`bwrap`) namespaces: no network (`--unshare-net` leaves a private, empty
+  loopback), no view of host processes (`--unshare-pid`; killing pid 1 or `kill(-1)` only reaches
+  the sandbox), and a filesystem holding only read-only /usr, a few /etc files, the interpreter,
+  and a size-capped tmpfs at /tmp that is the cwd and HOME. `/` and `/dev` are remounted read-only,
+  because otherwise they are tmpfs the code could fill without any size cap.
+* **The interpreter is the host's own** (`sys.executable`, e.g. a venv over a pyenv build), so the
+  model sees the same Python and packages as the trainer. We bind `sys.prefix`, `sys.base_prefix`
+  (and exec prefixes, and the real path of the executable) read-only at the same paths. bwrap
+  would create the missing parents of those paths (`/root`, `/root/.pyenv`, ...) with mode 0700,
+  which the unprivileged uid below cannot traverse, so we create every parent with 0755 first;
+  they live on the sandbox's own root tmpfs, and the host's `/root` is never mounted.
+* **An unprivileged uid**, because RLIMIT_NPROC is not enforced for host root (the kernel exempts
+  the root *user*, also inside a user namespace that maps it). As a non-root caller, bwrap makes a
+  user namespace (`--unshare-user --uid 65534`) and the kernel counts processes per namespace.
+  As root that would leave us root, so bwrap runs privileged (it must: an unprivileged bwrap
+  cannot bind an interpreter under a 0700 `/root`) and our launcher then drops to a fresh random
+  uid in [2**30, 2**31), so concurrent sandboxes do not share one process budget.
+* **seccomp** denies `unshare`, `setns` and `clone(CLONE_NEWUSER)` (`clone3` answers ENOSYS so libc
+  falls back to `clone`): a nested user namespace would let the code mount an uncapped tmpfs and
+  spend host RAM outside RLIMIT_AS.
+* **rlimits**, set by a tiny launcher inside the sandbox just before it execs the model's program:
+  CPU seconds, address space, processes, file size, open files, no core dumps (a core would be
+  handed to the host's core_pattern handler). Not `preexec_fn`: that is unsafe in a threaded
+  host (`arun_python` uses threads), and it would set RLIMIT_NPROC before bwrap's user namespace
+  exists, where it would count all of the caller's processes.
+* **Host side**: a wall-clock deadline that SIGKILLs the whole process group (bwrap's
+  `--die-with-parent` then takes the pid namespace down with it), output read in bounded chunks
+  (at most `max_output_bytes` kept per stream, the rest drained and dropped), stdin from a file.
+
+The fallback (`backend="subprocess"`) keeps only the rlimits, the timeout, a cleared environment
+and a temp cwd, and says so with a warning once per process.
+
+Outcomes: a wall-clock timeout and the CPU rlimit (SIGXCPU) are TIMEOUT; any other signal is
+KILLED (e.g. SIGKILL once the hard CPU limit is hit by code that ignores SIGXCPU, SIGSEGV, SIGABRT);
+running out of address space is usually ERROR (a Python `MemoryError`), or KILLED if C code aborts.
+bwrap reports "killed by signal n" as exit status 128 + n, so under bwrap a deliberate
+`sys.exit(128 + n)` reads as KILLED. SANDBOX_ERROR means the model's code never started (bwrap or
+our launcher failed): the launcher writes one byte to a private pipe right before exec, and its
+absence is the signal, so model code cannot fake an environment failure by printing "bwrap: ..."
+and exiting 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import platform
+import secrets
+import selectors
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from enum import Enum
+from functools import cache
+from pathlib import Path, PurePosixPath
+from typing import IO
+
+logger = logging.getLogger(__name__)
+
+_INBOX = "/inbox"  # where the code and files are bound (read-only) inside bwrap
+_WORKDIR = "/tmp"  # the writable tmpfs: cwd and HOME of the sandboxed program
+_NOBODY = 65534  # the uid inside a user namespace (non-root callers)
+_ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime")
+_DRAIN_SECONDS = 0.2  # how long to keep reading pipes after the program exited or was killed
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    cpu_seconds: float = 5.0  # RLIMIT_CPU (rounded up): SIGXCPU, then SIGKILL a second later
+    wall_seconds: float = 10.0  # host-side deadline, then SIGKILL
+    memory_mb: int = 512  # RLIMIT_AS: address space, not RSS
+    max_processes: int = 64  # RLIMIT_NPROC; counts threads and bwrap's own pid 1
+    max_file_mb: int = 16  # RLIMIT_FSIZE: largest file the code may write
+    max_open_files: int = 64  # RLIMIT_NOFILE
+    tmpfs_mb: int = 64  # size of the writable /tmp (bwrap only)
+    max_output_bytes: int = 64 * 1024  # kept per stream; the rest is read and dropped
+
+
+class SandboxOutcome(str, Enum):
+    OK = "ok"  # exit status 0
+    ERROR = "error"  # nonzero exit status (an exception, sys.exit(n), MemoryError, ...)
+    TIMEOUT = "timeout"  # wall-clock deadline or CPU rlimit (SIGXCPU)
+    KILLED = "killed"  # any other signal
+    SANDBOX_ERROR = "sandbox_error"  # the code never ran: an environment failure, not the policy's
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    outcome: SandboxOutcome
+    returncode: int | None  # negative: killed by that signal; None: nothing was started
+    stdout: str
+    stderr: str
+    wall_seconds: float
+    backend: str  # "bwrap" | "subprocess"
+    truncated: bool = False  # some stdout/stderr was dropped
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is SandboxOutcome.OK
+
+
+# Runs inside the sandbox with the target interpreter (-I -S: no env, no site-packages), before
+# any model code: drop root, copy the inputs in, set rlimits, signal "started", exec the program.
+_LAUNCHER = """\
+import json, os, resource, shutil, sys
+cfg = json.loads(sys.argv[1])
+if cfg["parent_pid"]:  # fallback only: die with the host process (bwrap has --die-with-parent)
+    import ctypes
+    ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    if os.getppid() != cfg["parent_pid"]:
+        sys.exit("sandbox launcher: host process already gone")
+if cfg["uid"] is not None:
+    os.setgroups([])
+    os.setresgid(cfg["uid"], cfg["uid"], cfg["uid"])
+    os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
+if cfg["inbox"]:  # the environment's inputs, so before the policy's limits
+    for name in os.listdir(cfg["inbox"]):
+        src = os.path.join(cfg["inbox"], name)
+        (shutil.copytree if os.path.isdir(src) else shutil.copy2)(src, name)
+for name, limit in cfg["rlimits"].items():  # only lowering: allowed without privileges
+    resource.setrlimit(getattr(resource, name), tuple(limit))
+if not os.access(cfg["python"], os.X_OK):
+    sys.exit("sandbox launcher: cannot execute " + cfg["python"] + " as uid " + str(os.getuid()))
+os.write(cfg["ready_fd"], b"1")
+os.close(cfg["ready_fd"])
+os.execv(cfg["python"], [cfg["python"], "-E", "-s", "-u", "main.py"])
+"""
+
+
+class Sandbox:
+    """Runs Python source under `limits`; `backend` is "auto" (bwrap if it works), "bwrap" or
+    "subprocess" (the unsandboxed fallback)."""
+
+    def __init__(self, limits: SandboxLimits = SandboxLimits(), backend: str = "auto") -> None:
+        if backend not in ("auto", "bwrap", "subprocess"):
+            raise ValueError(f"backend must be auto, bwrap or subprocess, not {backend!r}")
+        if not sys.executable:
+            raise RuntimeError("sys.executable is unknown: no interpreter to run the code with")
+        self.limits = limits
+        if backend == "bwrap" and shutil.which("bwrap") is None:
+            raise RuntimeError("backend='bwrap' but bubblewrap is not installed (apt bubblewrap)")
+        if backend == "auto":
+            problem = _bwrap_problem()
+            backend = "subprocess" if problem else "bwrap"
+            if problem:
+                _warn_fallback(problem)
+        elif backend == "subprocess":
+            _warn_fallback("backend='subprocess' was requested")
+        self.backend = backend
+
+    async def arun_python(
+        self, code: str, stdin: str = "", files: dict[str, str | bytes] | None = None
+    ) -> SandboxResult:
+        """`run_python` in a worker thread (the blocking part is waiting on pipes), so at most
+        the default executor's worker count run at once."""
+        return await asyncio.to_thread(self.run_python, code, stdin, files)
+
+    def run_python(
+        self, code: str, stdin: str = "", files: dict[str, str | bytes] | None = None
+    ) -> SandboxResult:
+        """Run `code` as main.py in a fresh working directory that also holds `files` (relative
+        paths), with `stdin` on standard input."""
+        files = dict(files or {})
+        if "main.py" in files:
+            raise ValueError("files may not contain main.py: that is where the code goes")
+        files["main.py"] = code
+        # A private (0700) directory, so other host users cannot read the code or the files.
+        with tempfile.TemporaryDirectory(prefix="tiller-", ignore_cleanup_errors=True) as tmp:
+            inbox, stdin_path, bpf_path = (os.path.join(tmp, n) for n in ("inbox", "stdin", "bpf"))
+            _write_tree(inbox, files)
+            Path(stdin_path).write_bytes(stdin.encode())
+            Path(bpf_path).write_bytes(_seccomp_program() or b"")
+            # Read-only opens: the code gets stdin_file as fd 0 and must not write through it.
+            with open(stdin_path, "rb") as stdin_file, open(bpf_path, "rb") as bpf_file:
+                return self._run(inbox, stdin_file, bpf_file)
+
+    def _run(self, inbox: str, stdin_file: IO[bytes], bpf_file: IO[bytes]) -> SandboxResult:
+        python = sys.executable
+        ready_r, ready_w = os.pipe()
+        cfg = {
+            "rlimits": _rlimits(self.limits),
+            "python": python,
+            "ready_fd": ready_w,
+            "inbox": None,
+            "uid": None,
+            "parent_pid": None,
+        }
+        pass_fds = [ready_w]
+        if self.backend == "bwrap":
+            cfg["inbox"] = _INBOX
+            if os.geteuid() == 0:
+                cfg["uid"] = (1 << 30) + secrets.randbelow(1 << 30)
+            bpf_fd = bpf_file.fileno() if _seccomp_program() else None
+            if bpf_fd is not None:
+                pass_fds.append(bpf_fd)
+            prefix = _bwrap_argv(self.limits, inbox, python, bpf_fd)
+            env, cwd = {}, "/"
+        else:
+            cfg["parent_pid"] = os.getpid()
+            prefix, env, cwd = [], _sandbox_env(python, home=inbox), inbox
+        argv = [*prefix, python, "-I", "-S", "-c", _LAUNCHER, json.dumps(cfg)]
+
+        start = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                argv,
+                stdin=stdin_file,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                cwd=cwd,
+                pass_fds=pass_fds,
+                start_new_session=True,  # its own process group, killed as a whole
+            )
+        except OSError as e:
+            os.close(ready_r)
+            return SandboxResult(
+                SandboxOutcome.SANDBOX_ERROR, None, "", f"could not start sandbox: {e}",
+                time.monotonic() - start, self.backend,
+            )  # fmt: skip
+        finally:
+            os.close(ready_w)
+        try:
+            out, err, truncated, started, timed_out = _supervise(
+                proc, ready_r, start + self.limits.wall_seconds, self.limits.max_output_bytes
+            )
+        finally:
+            os.close(ready_r)
+        wall = time.monotonic() - start
+
+        rc = proc.returncode
+        if self.backend == "bwrap" and 128 < rc < 128 + signal.NSIG:
+            rc = -(rc - 128)  # bwrap reports "killed by signal n" as exit status 128 + n
+        if not started:
+            outcome = SandboxOutcome.SANDBOX_ERROR
+        elif timed_out or rc == -signal.SIGXCPU:
+            outcome = SandboxOutcome.TIMEOUT
+        elif rc == 0:
+            outcome = SandboxOutcome.OK
+        elif rc < 0:
+            outcome = SandboxOutcome.KILLED
+        else:
+            outcome = SandboxOutcome.ERROR
+        out, err = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+        return SandboxResult(outcome, rc, out, err, wall, self.backend, truncated)
+
+
+def _supervise(
+    proc: subprocess.Popen, ready_fd: int, deadline: float, max_bytes: int
+) -> tuple[bytearray, bytearray, bool, bool, bool]:
+    """Pump stdout/stderr until the program exits or `deadline` passes, keeping at most
+    `max_bytes` of each, then kill the process group and reap. Returns
+    (stdout, stderr, truncated, started, timed_out)."""
+    bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    state = {"truncated": False, "started": False}
+    sel = selectors.DefaultSelector()
+    for fd in (*bufs, ready_fd):
+        sel.register(fd, selectors.EVENT_READ)
+
+    def streams_open() -> bool:
+        return any(fd in sel.get_map() for fd in bufs)
+
+    def pump(timeout: float) -> None:
+        for key, _ in sel.select(max(timeout, 0)):
+            chunk = os.read(key.fd, 65536)
+            if not chunk:
+                sel.unregister(key.fd)
+            elif key.fd == ready_fd:
+                state["started"] = True
+            else:
+                buf = bufs[key.fd]
+                room = max(max_bytes - len(buf), 0)
+                buf += chunk[:room]
+                state["truncated"] |= len(chunk) > room
+
+    def exited() -> bool:  # without reaping, so the pid (and our pgid) cannot be recycled yet
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+    try:
+        exited_at = None
+        while streams_open() and time.monotonic() < deadline:
+            # Something the program left behind (fallback only) may hold the pipes open.
+            if exited_at is None and exited():
+                exited_at = time.monotonic()
+            if exited_at is not None and time.monotonic() - exited_at > _DRAIN_SECONDS:
+                break
+            pump(min(deadline - time.monotonic(), 0.05))
+        while not exited() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        timed_out = not exited()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers too; bwrap's pid 1 dies with it
+        proc.wait()
+        drain_until = time.monotonic() + _DRAIN_SECONDS  # last words of a killed program
+        while streams_open() and time.monotonic() < drain_until:
+            pump(drain_until - time.monotonic())
+        if not state["started"] and ready_fd in sel.get_map():
+            pump(0)
+    finally:
+        sel.close()
+        proc.stdout.close()
+        proc.stderr.close()
+    out, err = bufs.values()
+    return out, err, state["truncated"], state["started"], timed_out
+
+
+def _rlimits(limits: SandboxLimits) -> dict[str, tuple[int, int]]:
+    cpu = max(1, math.ceil(limits.cpu_seconds))
+    mb = 1 << 20
+    return {
+        "RLIMIT_CPU": (cpu, cpu + 1),
+        "RLIMIT_AS": (limits.memory_mb * mb, limits.memory_mb * mb),
+        "RLIMIT_NPROC": (limits.max_processes, limits.max_processes),
+        "RLIMIT_FSIZE": (limits.max_file_mb * mb, limits.max_file_mb * mb),
+        "RLIMIT_NOFILE": (limits.max_open_files, limits.max_open_files),
+        "RLIMIT_CORE": (0, 0),
+    }
+
+
+def _sandbox_env(python: str, home: str) -> dict[str, str]:
+    """A minimal environment. Thread pools are pinned to one thread because threads count
+    against RLIMIT_NPROC (OpenBLAS would start one per host core on `import numpy`)."""
+    return {
+        "PATH": f"{os.path.dirname(python)}:/usr/local/bin:/usr/bin:/bin",
+        "HOME": home,
+        "TMPDIR": home,
+        "LANG": "C.UTF-8",
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+
+
+def _write_tree(root: str, files: dict[str, str | bytes]) -> None:
+    """Write `files` under `root`, world-readable: as root, the bwrap backend copies them in as
+    another uid."""
+    os.mkdir(root, 0o755)
+    for name, content in files.items():
+        parts = PurePosixPath(name).parts
+        if not parts or name.startswith("/") or ".." in parts:
+            raise ValueError(f"file names must be relative paths inside the sandbox: {name!r}")
+        path = os.path.join(root, *parts)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(content.encode() if isinstance(content, str) else content)
+    for dirpath, _, filenames in os.walk(root):
+        os.chmod(dirpath, 0o755)  # despite the caller's umask
+        for fname in filenames:
+            os.chmod(os.path.join(dirpath, fname), 0o644)
+
+
+def _python_binds() -> list[tuple[str, str]]:
+    """(host path, sandbox path) pairs that let `sys.executable` start inside the sandbox: the
+    prefixes it will look in, each at the path Python knows it by, from its real location."""
+    exe = os.path.abspath(sys.executable)
+    wanted = {
+        sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix, os.path.dirname(exe),
+        os.path.dirname(os.path.dirname(os.path.realpath(exe))),
+    }  # fmt: skip
+    binds: list[tuple[str, str]] = []
+    for dest in sorted(os.path.abspath(p) for p in wanted):  # parents sort before children
+        if _under(dest, "/usr") or any(_under(dest, d) for _, d in binds):
+            continue  # already visible
+        binds.append((os.path.realpath(dest), dest))
+    return binds
+
+
+def _under(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def _bwrap_argv(limits: SandboxLimits, inbox: str, python: str, bpf_fd: int | None) -> list[str]:
+    bwrap = shutil.which("bwrap") or "bwrap"  # a full path: bwrap itself runs with an empty env
+    argv = [bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net"]
+    argv += ["--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]
+    if os.geteuid() == 0:  # privileged bwrap; the launcher drops to a random uid
+        argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        argv += ["--unshare-user", "--uid", str(_NOBODY), "--gid", str(_NOBODY)]
+    argv += ["--clearenv"]
+    for key, value in _sandbox_env(python, home=_WORKDIR).items():
+        argv += ["--setenv", key, value]
+    argv += ["--ro-bind", "/usr", "/usr"]
+    for path in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):  # symlinks on merged-/usr systems
+        if os.path.islink(path):
+            argv += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            argv += ["--ro-bind", path, path]
+    argv += ["--perms", "0755", "--dir", "/etc"]
+    for path in _ETC_FILES:
+        argv += ["--ro-bind-try", path, path]
+    argv += ["--proc", "/proc", "--dev", "/dev"]
+    argv += ["--size", str(limits.tmpfs_mb << 20), "--perms", "1777", "--tmpfs", _WORKDIR]
+    made = {"/usr", "/etc", "/proc", "/dev", _WORKDIR}
+    for src, dest in _python_binds():
+        for parent in reversed(PurePosixPath(dest).parents[:-1]):  # from the top, without "/"
+            if str(parent) not in made:
+                argv += ["--perms", "0755", "--dir", str(parent)]
+                made.add(str(parent))
+        argv += ["--ro-bind", src, dest]
+    argv += ["--ro-bind", inbox, _INBOX]
+    argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", _WORKDIR]
+    if bpf_fd is not None:
+        argv += ["--seccomp", str(bpf_fd)]
+    return argv + ["--"]
+
+
+# Classic BPF for seccomp: (code, jump-if-true, jump-if-false, k).
+_LD_W_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
+_ALLOW, _ERRNO = 0x7FFF0000, 0x00050000
+# audit arch, then syscall numbers of unshare, setns, clone3, clone
+_SYSCALLS = {
+    "x86_64": (0xC000003E, 272, 308, 435, 56),
+    "aarch64": (0xC00000B7, 97, 268, 435, 220),
+}
+
+
+@cache
+def _seccomp_program() -> bytes | None:
+    """Deny creating or entering namespaces; None (and a warning) on other architectures."""
+    if platform.machine() not in _SYSCALLS:
+        logger.warning("tiller.sandbox: no seccomp filter for %s; nested user namespaces "
+                       "are not blocked", platform.machine())  # fmt: skip
+        return None
+    arch, unshare, setns, clone3, clone = _SYSCALLS[platform.machine()]
+    eperm, enosys = _ERRNO | 1, _ERRNO | 38
+    prog = [
+        (_LD_W_ABS, 0, 0, 4),  # seccomp_data.arch
+        (_JEQ, 1, 0, arch),
+        (_RET, 0, 0, eperm),  # a foreign ABI (i386 via int 0x80) has other numbers: deny it all
+        (_LD_W_ABS, 0, 0, 0),  # seccomp_data.nr
+        (_JGE, 0, 1, 0x40000000),
+        (_RET, 0, 0, eperm),  # x32 syscalls
+        (_JEQ, 0, 1, unshare),
+        (_RET, 0, 0, eperm),
+        (_JEQ, 0, 1, setns),
+        (_RET, 0, 0, eperm),
+        (_JEQ, 0, 1, clone3),
+        (_RET, 0, 0, enosys),  # its flags live in memory we cannot inspect; libc falls back
+        (_JEQ, 1, 0, clone),
+        (_RET, 0, 0, _ALLOW),
+        (_LD_W_ABS, 0, 0, 16),  # low half of args[0], clone's flags (little-endian)
+        (_JSET, 0, 1, 0x10000000),  # CLONE_NEWUSER
+        (_RET, 0, 0, eperm),
+        (_RET, 0, 0, _ALLOW),
+    ]
+    return b"".join(struct.pack("=HBBI", *insn) for insn in prog)
+
+
+@cache
+def _bwrap_problem() -> str | None:
+    """Why the bwrap backend cannot be used here (None if it can), checked once per process by
+    running a trivial program: bwrap may be installed yet unusable (no user namespaces, too old)."""
+    if shutil.which("bwrap") is None:
+        return "bubblewrap (bwrap) is not installed"
+    result = Sandbox(backend="bwrap").run_python("print('ok')")
+    if result.ok and result.stdout == "ok\n":
+        return None
+    return f"bwrap is installed but failed a test run: {result.stderr[-500:]!r}"
+
+
+_warned_fallback = False
+
+
+def _warn_fallback(reason: str) -> None:
+    global _warned_fallback
+    if _warned_fallback:
+        return
+    _warned_fallback = True
+    root = " As root, RLIMIT_NPROC is not enforced either." if os.geteuid() == 0 else ""
+    msg = (
+        f"tiller.sandbox: running model-written code WITHOUT bubblewrap ({reason}). Only rlimits, "
+        "a wall-clock timeout, a cleared environment and a temp cwd apply: the code can read and "
+        "write the host filesystem as this user, use the network, and signal host processes."
+        f"{root} Install bubblewrap (apt-get install bubblewrap) to sandbox it."
+    )
+    logger.warning(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)

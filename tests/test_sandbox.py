@@ -1,0 +1,503 @@
+"""Adversarial tests for tiller.sandbox.
+
+Every hostile payload is bounded by its own code (a hard cap on forks, bytes allocated, bytes
+written, output printed, seconds slept) and runs under low limits with a short wall timeout, so
+even a sandbox that failed to contain it could not take the machine down. Payloads that would be
+destructive outside a sandbox (signalling everything) first check that they are in a pid
+namespace and refuse otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tiller import sandbox as sb
+from tiller.sandbox import Sandbox, SandboxLimits, SandboxOutcome
+
+HAS_BWRAP = shutil.which("bwrap") is not None
+needs_bwrap = pytest.mark.skipif(not HAS_BWRAP, reason="bubblewrap (bwrap) is not installed")
+
+LIMITS = SandboxLimits(
+    cpu_seconds=1,
+    wall_seconds=4,
+    memory_mb=256,
+    max_processes=16,
+    max_file_mb=8,
+    tmpfs_mb=16,
+    max_output_bytes=4096,
+)
+
+# Refuse to run a destructive payload unless we are inside bwrap's pid namespace (our parent is
+# its pid 1), so a broken sandbox cannot turn kill(-1) loose on the host.
+IN_PID_NAMESPACE = (
+    "import os, sys\n"
+    "if os.getppid() != 1 or open('/proc/1/comm').read().strip() != 'bwrap':\n"
+    "    print('REFUSED: not in a pid namespace'); sys.exit(99)\n"
+)
+
+
+@pytest.fixture(scope="module")
+def box() -> Sandbox:
+    if not HAS_BWRAP:
+        pytest.skip("bubblewrap (bwrap) is not installed")
+    return Sandbox(LIMITS, backend="bwrap")
+
+
+@pytest.fixture
+def fallback(monkeypatch) -> Sandbox:
+    monkeypatch.setattr(sb, "_warned_fallback", False)
+    with pytest.warns(RuntimeWarning, match="WITHOUT bubblewrap"):
+        return Sandbox(LIMITS, backend="subprocess")
+
+
+def _sleepers(token: str) -> list[int]:
+    """Host pids of `sleep <token>` processes (exactly that command line, not a parent's source
+    code mentioning the token)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and Path(f"/proc/{entry}/cmdline").read_bytes() == (
+                b"sleep\0" + token.encode() + b"\0"
+            ):
+                pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+def _assert_no_sleepers(token: str) -> None:
+    deadline = time.monotonic() + 2
+    while (left := _sleepers(token)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in left:  # clean up before failing, so a broken sandbox leaves nothing behind
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"sandboxed processes outlived the sandbox: {left}"
+
+
+def _sleep_token() -> str:
+    """A unique argument for sleep(1), so its processes can be found on the host."""
+    return f"9.{secrets.randbelow(10**9):09d}"
+
+
+# --- normal programs --------------------------------------------------------------------------
+
+
+@needs_bwrap
+def test_normal_program(box: Sandbox) -> None:
+    code = (
+        "import os, sys\n"
+        "print(sys.stdin.read().upper())\n"
+        "print(open('data/in.txt').read(), open('blob.bin', 'rb').read())\n"
+        "open('out.txt', 'w').write('scratch')\n"
+        "print(sys.executable, sys.prefix, sys.base_prefix, os.getuid() != 0, os.getcwd())\n"
+        "sys.exit(3)\n"
+    )
+    files = {"data/in.txt": "from a file", "blob.bin": b"\x00\x01"}
+    r = box.run_python(code, stdin="hello", files=files)
+    assert r.backend == "bwrap"
+    assert r.outcome is SandboxOutcome.ERROR and r.returncode == 3, r
+    lines = r.stdout.splitlines()
+    assert lines[0] == "HELLO"
+    assert lines[1] == "from a file b'\\x00\\x01'"
+    # The same interpreter (venv and base), as an unprivileged uid, in the tmpfs workdir.
+    assert lines[2] == f"{sys.executable} {sys.prefix} {sys.base_prefix} True /tmp"
+
+
+@needs_bwrap
+def test_ok_and_exception(box: Sandbox) -> None:
+    assert box.run_python("print('hi')").outcome is SandboxOutcome.OK
+    r = box.run_python("raise ValueError('boom')")
+    assert r.outcome is SandboxOutcome.ERROR and r.returncode == 1
+    assert "ValueError: boom" in r.stderr
+
+
+@needs_bwrap
+def test_venv_packages_are_importable(box: Sandbox) -> None:
+    pytest.importorskip("numpy")
+    r = box.run_python("import numpy; print(numpy.arange(4).sum())")
+    assert r.ok and r.stdout == "6\n", r
+
+
+@needs_bwrap
+def test_async_runs_concurrently(box: Sandbox) -> None:
+    async def main():
+        return await asyncio.gather(*(box.arun_python(f"print({i} * 2)") for i in range(4)))
+
+    results = asyncio.run(main())
+    assert [r.stdout for r in results] == ["0\n", "2\n", "4\n", "6\n"]
+
+
+def test_bad_file_names_are_rejected(fallback: Sandbox) -> None:
+    for name in ("../escape.txt", "/etc/passwd", "a/../../b", "main.py", ""):
+        with pytest.raises(ValueError):
+            fallback.run_python("print('never runs')", files={name: "x"})
+
+
+# --- containment ------------------------------------------------------------------------------
+
+
+@needs_bwrap
+def test_no_network_even_to_host_loopback(box: Sandbox) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=2):  # control: the host can
+            server.accept()[0].close()
+        code = (
+            "import socket\n"
+            f"for addr in [('127.0.0.1', {port}), ('1.1.1.1', 53)]:\n"
+            "    try:\n"
+            "        socket.create_connection(addr, timeout=1)\n"
+            "        print('CONNECTED', addr)\n"
+            "    except OSError as e:\n"
+            "        print('blocked', addr, type(e).__name__)\n"
+        )
+        r = box.run_python(code)
+        server.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nothing from the sandbox reached the listener
+    assert r.ok, r
+    assert "CONNECTED" not in r.stdout and r.stdout.count("blocked") == 2
+
+
+@needs_bwrap
+def test_cannot_read_host_files(box: Sandbox, tmp_path: Path) -> None:
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOPSECRET")
+    code = (
+        "import json, os\n"
+        f"for path in [{str(secret)!r}, '/etc/shadow', '/etc/passwd', '/proc/1/root/etc/shadow']:\n"
+        "    try:\n"
+        "        print('READ', path, open(path).read())\n"
+        "    except OSError as e:\n"
+        "        print('denied', path, type(e).__name__)\n"
+        "print(json.dumps(os.listdir('/')))\n"
+    )
+    r = box.run_python(code)
+    assert r.ok, r
+    assert "TOPSECRET" not in r.stdout and "READ" not in r.stdout
+    # Only what we mounted: no /home, /var, /mnt, /work/main/src, ...
+    top = set(json.loads(r.stdout.splitlines()[-1]))
+    assert top <= {"bin", "dev", "etc", "inbox", "lib", "lib32", "lib64", "proc", "sbin", "tmp",
+                   "usr", *(Path(p).parts[1] for p in {sys.prefix, sys.base_prefix})}  # fmt: skip
+
+
+@needs_bwrap
+def test_cannot_write_outside_tmpfs(box: Sandbox, tmp_path: Path) -> None:
+    name = f"pwned-{secrets.token_hex(4)}"
+    targets = [tmp_path / name, Path(sys.prefix) / name, Path(sys.base_prefix) / name]
+    inside_only = ["/" + name, "/usr/" + name, "/etc/" + name, "/dev/shm/" + name, "/inbox/" + name]
+    code = (
+        f"for path in {[str(t) for t in targets] + inside_only!r}:\n"
+        "    try:\n"
+        "        open(path, 'w').write('x'); print('WROTE', path)\n"
+        "    except OSError as e:\n"
+        "        print('denied', path, type(e).__name__)\n"
+        "import os\n"
+        "try:\n"
+        "    os.write(0, b'x'); print('WROTE stdin')  # fd 0 is a host temp file\n"
+        "except OSError as e:\n"
+        "    print('denied stdin', type(e).__name__)\n"
+    )
+    try:
+        r = box.run_python(code)
+        assert r.ok, r
+        assert "WROTE" not in r.stdout, r.stdout
+        assert not any(t.exists() for t in targets)
+    finally:
+        for t in targets:
+            t.unlink(missing_ok=True)
+
+
+@needs_bwrap
+def test_fork_bomb_is_capped(box: Sandbox) -> None:
+    token = _sleep_token()
+    code = (
+        "import os\n"
+        "forked = 0\n"
+        "for _ in range(500):  # hard cap, whatever the sandbox does\n"
+        "    try:\n"
+        "        pid = os.fork()\n"
+        "    except OSError as e:\n"
+        "        print('fork failed:', e.strerror); break\n"
+        "    if pid == 0:\n"
+        f"        os.execv('/usr/bin/sleep', ['sleep', {token!r}])\n"
+        "    forked += 1\n"
+        "print('forked', forked)\n"
+    )
+    r = box.run_python(code)
+    assert r.ok, r
+    assert "fork failed" in r.stdout
+    assert int(r.stdout.split()[-1]) < LIMITS.max_processes
+    _assert_no_sleepers(token)  # the children died with the sandbox
+
+
+@needs_bwrap
+def test_memory_bomb_is_capped(box: Sandbox) -> None:
+    code = (
+        "chunks = []\n"
+        "for _ in range(32):  # 32 x 64 MiB = 2 GiB hard cap, touched\n"
+        "    chunks.append(bytearray(b'\\x01') * (64 << 20))\n"
+        "print('ALLOCATED 2GiB')\n"
+    )
+    r = box.run_python(code)
+    assert r.outcome in (SandboxOutcome.ERROR, SandboxOutcome.KILLED), r
+    assert "ALLOCATED" not in r.stdout
+    assert r.outcome is SandboxOutcome.KILLED or "MemoryError" in r.stderr
+
+
+@needs_bwrap
+def test_memory_limit_applies_to_every_process() -> None:
+    """RLIMIT_AS is per process: children are capped too (so the sandbox's total is bounded by
+    max_processes x memory_mb, not by memory_mb)."""
+    box = Sandbox(SandboxLimits(memory_mb=128, max_processes=8, wall_seconds=4), backend="bwrap")
+    code = (
+        "import os\n"
+        "for _ in range(4):  # hard cap: 4 children x 256 MiB\n"
+        "    if os.fork() == 0:\n"
+        "        got, chunks = 0, []\n"
+        "        try:\n"
+        "            for _ in range(16):\n"
+        "                chunks.append(bytearray(b'\\x01') * (16 << 20)); got += 16\n"
+        "        except MemoryError:\n"
+        "            pass\n"
+        "        print('child', got); os._exit(0)\n"
+        "for _ in range(4):\n"
+        "    os.wait()\n"
+    )
+    r = box.run_python(code)
+    assert r.ok, r
+    got = [int(line.split()[1]) for line in r.stdout.splitlines()]
+    assert len(got) == 4 and all(0 < mb < 128 for mb in got), r.stdout
+
+
+@needs_bwrap
+def test_infinite_loop_hits_cpu_limit(box: Sandbox) -> None:
+    r = box.run_python("while True:\n    pass\n")
+    assert r.outcome is SandboxOutcome.TIMEOUT and r.returncode == -signal.SIGXCPU, r
+    assert r.wall_seconds < LIMITS.wall_seconds
+
+
+@needs_bwrap
+def test_wall_timeout_kills_everything() -> None:
+    box = Sandbox(SandboxLimits(wall_seconds=1), backend="bwrap")
+    token = _sleep_token()
+    code = (
+        "import subprocess, sys, time\n"
+        f"subprocess.Popen(['sleep', {token!r}], start_new_session=True)\n"
+        "print('started', flush=True)\n"
+        "time.sleep(9)  # bounded\n"
+    )
+    r = box.run_python(code)
+    assert r.outcome is SandboxOutcome.TIMEOUT, r
+    assert 1 <= r.wall_seconds < 2.5
+    assert r.stdout == "started\n"  # output written before the kill is kept
+    _assert_no_sleepers(token)  # even the child in its own session is gone
+
+
+@needs_bwrap
+def test_output_flood_is_bounded(box: Sandbox) -> None:
+    r = box.run_python("for _ in range(50_000):  # 50 MB hard cap\n    print('x' * 999)\n")
+    assert r.truncated
+    assert len(r.stdout) <= LIMITS.max_output_bytes
+    assert r.outcome in (SandboxOutcome.OK, SandboxOutcome.TIMEOUT), r
+
+
+@needs_bwrap
+def test_huge_file_is_capped(box: Sandbox) -> None:
+    code = (
+        "with open('big.bin', 'wb') as f:\n"
+        "    for _ in range(64):  # 64 MiB hard cap\n"
+        "        f.write(b'x' * (1 << 20))\n"
+        "print('WROTE 64MiB')\n"
+    )
+    r = box.run_python(code)
+    assert r.outcome is SandboxOutcome.ERROR and "File too large" in r.stderr, r
+    assert "WROTE" not in r.stdout
+
+
+@needs_bwrap
+def test_tmpfs_is_capped(box: Sandbox) -> None:
+    code = (
+        "for i in range(16):  # 16 files x 4 MiB = 64 MiB hard cap, each under the file limit\n"
+        "    with open(f'part{i}.bin', 'wb') as f:\n"
+        "        f.write(b'x' * (4 << 20))\n"
+        "print('WROTE 64MiB')\n"
+    )
+    r = box.run_python(code)
+    assert r.outcome is SandboxOutcome.ERROR and "No space left on device" in r.stderr, r
+
+
+@needs_bwrap
+def test_killing_parent_and_everything_stays_inside(box: Sandbox) -> None:
+    sentinel = subprocess.Popen(["sleep", "30"])  # a host process of the same (host) user
+    code = IN_PID_NAMESPACE + (
+        "import signal\n"
+        "for target in (os.getppid(), 1, -1):\n"
+        "    try:\n"
+        "        os.kill(target, signal.SIGKILL)\n"
+        "    except OSError as e:\n"
+        "        print('kill', target, type(e).__name__)\n"
+        "print('still here', flush=True)\n"
+        "os.killpg(0, signal.SIGKILL)\n"
+    )
+    try:
+        r = box.run_python(code)
+        assert "REFUSED" not in r.stdout
+        assert "still here" in r.stdout
+        assert r.outcome is SandboxOutcome.KILLED and r.returncode == -signal.SIGKILL, r
+        assert sentinel.poll() is None, "a host process was killed from inside the sandbox"
+    finally:
+        sentinel.kill()
+        sentinel.wait()
+
+
+@needs_bwrap
+def test_host_crash_takes_the_sandbox_down() -> None:
+    token = _sleep_token()
+    host = (
+        "from tiller.sandbox import Sandbox\n"
+        "Sandbox(backend='bwrap').run_python(\n"
+        f"    \"import subprocess; subprocess.run(['sleep', {token!r}])\")\n"
+    )
+    trainer = subprocess.Popen([sys.executable, "-c", host])
+    try:
+        deadline = time.monotonic() + 5
+        while not _sleepers(token) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _sleepers(token), "the sandboxed program never started"
+    finally:
+        trainer.kill()  # the trainer dies without any cleanup
+        trainer.wait()
+    _assert_no_sleepers(token)
+
+
+@needs_bwrap
+def test_nested_user_namespaces_are_blocked(box: Sandbox) -> None:
+    code = (
+        "import ctypes, subprocess, threading\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "print('unshare', libc.unshare(0x10000000), ctypes.get_errno())  # CLONE_NEWUSER\n"
+        "print('tool', subprocess.run(['unshare', '-U', 'true']).returncode)\n"
+        "t = threading.Thread(target=print, args=('thread ok',)); t.start(); t.join()\n"
+    )
+    r = box.run_python(code)
+    assert r.ok, r
+    assert r.stdout.splitlines() == ["unshare -1 1", "tool 1", "thread ok"]  # 1 == EPERM
+
+
+# --- sandbox failures are reported as such ----------------------------------------------------
+
+
+@needs_bwrap
+def test_bwrap_setup_failure_is_sandbox_error(monkeypatch) -> None:
+    missing = f"/nonexistent-{secrets.token_hex(4)}"
+    monkeypatch.setattr(sb, "_python_binds", lambda: [(missing, missing)])
+    r = Sandbox(LIMITS, backend="bwrap").run_python("print('never runs')")
+    assert r.outcome is SandboxOutcome.SANDBOX_ERROR, r
+    assert "bwrap:" in r.stderr and r.stdout == ""
+
+
+@needs_bwrap
+def test_model_cannot_fake_a_sandbox_error(box: Sandbox) -> None:
+    code = 'import sys\nsys.stderr.write("bwrap: Can\'t mount proc\\n")\nsys.exit(1)\n'
+    assert box.run_python(code).outcome is SandboxOutcome.ERROR
+
+
+@needs_bwrap
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/usr/bin/python3"),
+    reason="needs root (to become an unprivileged caller) and /usr/bin/python3",
+)
+def test_unprivileged_caller_gets_a_user_namespace() -> None:
+    """The non-root path: bwrap makes a user namespace, RLIMIT_NPROC counts inside it, and the
+    namespace-owned / and /dev are read-only."""
+    payload = (
+        "import os, sys, time\n"
+        "n = 0\n"
+        "for _ in range(200):\n"
+        "    try:\n"
+        "        pid = os.fork()\n"
+        "    except OSError:\n"
+        "        break\n"
+        "    if pid == 0:\n"
+        "        time.sleep(5); os._exit(0)\n"
+        "    n += 1\n"
+        "wrote = 0\n"
+        "for path in ('/x', '/dev/shm/x', '/etc/x'):  # uncapped tmpfs if writable\n"
+        "    try:\n"
+        "        open(path, 'w').write('x'); wrote += 1\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "print(os.getuid(), n, wrote)\n"
+    )
+    driver = (
+        "import json, sys, types\n"
+        "mod = types.ModuleType('sandbox_under_test'); sys.modules[mod.__name__] = mod\n"
+        "exec(compile(sys.stdin.read(), 'sandbox.py', 'exec'), mod.__dict__)\n"
+        "box = mod.Sandbox(mod.SandboxLimits(max_processes=8, wall_seconds=4), backend='bwrap')\n"
+        f"r = box.run_python({payload!r})\n"
+        "print(json.dumps([r.outcome.value, r.stdout, r.stderr]))\n"
+    )
+    proc = subprocess.run(
+        ["/usr/bin/python3", "-I", "-c", driver], input=Path(sb.__file__).read_text(),
+        capture_output=True, text=True, timeout=20, cwd="/", env={"PATH": "/usr/bin:/bin"},
+        user=65534, group=65534, extra_groups=[],
+    )  # fmt: skip
+    if proc.returncode != 0:
+        pytest.skip(f"/usr/bin/python3 cannot run the module: {proc.stderr[-300:]}")
+    outcome, stdout, stderr = json.loads(proc.stdout)
+    if outcome == "sandbox_error":
+        pytest.skip(f"unprivileged user namespaces unavailable here: {stderr[-300:]}")
+    assert outcome == "ok", stderr
+    uid, forked, wrote = map(int, stdout.split())
+    assert uid == 65534 and forked < 8 and wrote == 0
+
+
+# --- the fallback -----------------------------------------------------------------------------
+
+
+def test_fallback_warns_and_runs_programs(fallback: Sandbox) -> None:
+    assert fallback.backend == "subprocess"
+    code = "import sys\nprint(sys.stdin.read(), open('d/f.txt').read())\nsys.exit(4)\n"
+    r = fallback.run_python(code, stdin="in", files={"d/f.txt": "file"})
+    assert (r.outcome, r.returncode, r.stdout, r.backend) == (
+        SandboxOutcome.ERROR, 4, "in file\n", "subprocess"
+    )  # fmt: skip
+
+
+def test_fallback_enforces_cpu_and_wall_limits(fallback: Sandbox) -> None:
+    r = fallback.run_python("while True:\n    pass\n")
+    assert r.outcome is SandboxOutcome.TIMEOUT and r.returncode == -signal.SIGXCPU, r
+    token = _sleep_token()
+    quick = Sandbox(SandboxLimits(wall_seconds=1), backend="subprocess")
+    code = f"import subprocess, time\nsubprocess.Popen(['sleep', {token!r}])\ntime.sleep(9)\n"
+    r = quick.run_python(code)
+    assert r.outcome is SandboxOutcome.TIMEOUT and r.wall_seconds < 2.5, r
+    _assert_no_sleepers(token)  # its process group was killed
+
+
+def test_auto_falls_back_loudly_without_bwrap(monkeypatch) -> None:
+    monkeypatch.setattr(sb, "_warned_fallback", False)
+    monkeypatch.setattr(sb.shutil, "which", lambda name: None)
+    sb._bwrap_problem.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="bubblewrap .bwrap. is not installed"):
+            box = Sandbox(LIMITS)
+        assert box.backend == "subprocess"
+        assert box.run_python("print(1)").backend == "subprocess"
+        with pytest.raises(RuntimeError, match="not installed"):
+            Sandbox(backend="bwrap")
+    finally:
+        sb._bwrap_problem.cache_clear()
