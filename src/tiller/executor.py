@@ -1,0 +1,267 @@
+"""The tool executor: timeouts, retries, a result cache and concurrency limits around tool calls.
+
+Real tools hang, crash and rate-limit. `ToolExecutor.invoke` has the shape of
+`ToolRegistry.invoke` (a `ToolCall` in, a `ToolResult` out, never raises), so it stands in for it
+in `ToolEnv(tools, invoke=executor.invoke)`, and adds what a long training run needs:
+
+- a timeout per attempt: a tool that runs past it is an `env_error`, not a stuck episode;
+- retries with exponential backoff and seeded jitter, for `env_error` only. A `tool_error` is the
+  policy's mistake (bad arguments, a rejected input) and the same call would fail again;
+- an opt-in result cache for deterministic tools (only `ok` results are kept);
+- a global and a per-tool concurrency limit, so a burst of episodes cannot overload a service;
+- per-tool counters (`stats()`) the trainer logs next to the rewards.
+
+This module also holds the tool reliability gate (`probe_tools`), which runs scripted calls
+before training and refuses a tool set that fails too often to give a meaningful reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable
+from contextlib import nullcontext
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .tools import ToolCall, ToolOutcome, ToolRegistry, ToolResult
+
+logger = logging.getLogger(__name__)
+
+Invoke = Callable[[ToolCall], Awaitable[ToolResult]]
+UNKNOWN_TOOL = "_unknown"
+
+
+def as_invoke(target: ToolRegistry | Invoke) -> Invoke:
+    """The invoke callable of a registry, or the callable itself: every wrapper takes both."""
+    return target.invoke if isinstance(target, ToolRegistry) else target
+
+
+def canonical_json(value: Any) -> str:
+    """One string per JSON value whatever its key order: the identity of a call's arguments
+    for the cache, the replay store and the fault RNG."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      default=repr)
+
+
+class ToolPolicy(BaseModel):
+    """How one tool is run. In `ExecutorConfig.tools`, only the fields written override the
+    default policy, so `{"search": {"timeout_s": 5}}` keeps every other default knob."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    timeout_s: float | None = Field(30.0, gt=0, description="per attempt; None = no timeout")
+    retries: int = Field(0, ge=0, description="extra attempts after an env_error")
+    backoff_s: float = Field(0.1, ge=0, description="first retry delay; doubles each retry")
+    jitter: float = Field(0.5, ge=0, le=1, description="delay is scaled by 1 ± jitter")
+    cache: bool = Field(False, description="reuse ok results; only for deterministic tools")
+    max_concurrency: int | None = Field(None, ge=1, description="calls of this tool at once")
+
+
+class ExecutorConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    default: ToolPolicy = ToolPolicy()
+    tools: dict[str, ToolPolicy] = Field(default_factory=dict, description="per-tool overrides")
+    max_concurrency: int | None = Field(None, ge=1, description="calls of all tools at once")
+    cache_size: int = Field(10_000, ge=1, description="cached results kept (least recent out)")
+    seed: int = Field(0, description="seeds the backoff jitter")
+
+    def policy(self, name: str) -> ToolPolicy:
+        override = self.tools.get(name)
+        if override is None:
+            return self.default
+        written = override.model_dump(include=override.model_fields_set)
+        return self.default.model_copy(update=written)
+
+
+@dataclass(frozen=True)
+class ExecutedResult(ToolResult):
+    """A `ToolResult` with how it came about. `attempts` is 0 for a cache hit; `timed_out`
+    says whether the last attempt hit the timeout."""
+
+    attempts: int = 1
+    timed_out: bool = False
+    cached: bool = False
+
+
+@dataclass
+class ToolCounters:
+    calls: int = 0
+    ok: int = 0
+    tool_error: int = 0
+    env_error: int = 0
+    retries: int = 0
+    timeouts: int = 0
+    cache_hits: int = 0
+
+
+class ToolExecutor:
+    """Runs calls through `target` (a registry or any invoke callable, e.g. a fault injector).
+
+    Create one per event loop: its semaphores belong to the loop that first waits on them.
+    A timed-out sync tool is abandoned, not stopped: its worker thread runs to the end in the
+    background (Python cannot kill a thread), so give sync tools their own deadlines too.
+    """
+
+    def __init__(self, target: ToolRegistry | Invoke, config: ExecutorConfig | None = None,
+                 tool_names: Iterable[str] | None = None):
+        self.inner = as_invoke(target)
+        self.config = config or ExecutorConfig()
+        # Names the model invents would each get their own counters and metrics; with the tool
+        # names known (always, for a registry), they are pooled under one bucket.
+        if tool_names is None and isinstance(target, ToolRegistry):
+            tool_names = target.tools
+        self.tool_names = set(tool_names) if tool_names is not None else None
+        self.counters: dict[str, ToolCounters] = {}
+        self._policies: dict[str, ToolPolicy] = {}
+        self._limits: dict[str, asyncio.Semaphore | nullcontext] = {}
+        self._global = (asyncio.Semaphore(self.config.max_concurrency)
+                        if self.config.max_concurrency else nullcontext())
+        self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._rng = random.Random(self.config.seed)
+
+    def _bucket(self, name: str) -> str:
+        if self.tool_names is None or name in self.tool_names:
+            return name
+        return UNKNOWN_TOOL
+
+    def _setup(self, bucket: str) -> tuple[ToolPolicy, ToolCounters]:
+        if bucket not in self._policies:
+            policy = self.config.policy(bucket)
+            self._policies[bucket] = policy
+            self._limits[bucket] = (asyncio.Semaphore(policy.max_concurrency)
+                                    if policy.max_concurrency else nullcontext())
+            self.counters[bucket] = ToolCounters()
+        return self._policies[bucket], self.counters[bucket]
+
+    async def invoke(self, call: ToolCall) -> ExecutedResult:
+        bucket = self._bucket(call.name)
+        policy, counts = self._setup(bucket)
+        counts.calls += 1
+        key = (call.name, canonical_json(call.arguments)) if policy.cache else None
+        if key is not None and key in self._cache:
+            self._cache.move_to_end(key)
+            counts.cache_hits += 1
+            counts.ok += 1
+            return ExecutedResult(call, ToolOutcome.OK, self._cache[key], 0.0, attempts=0,
+                                  cached=True)
+
+        start = time.perf_counter()
+        attempt = 0
+        while True:
+            attempt += 1
+            result, timed_out = await self._attempt(call, bucket, policy)
+            counts.timeouts += timed_out
+            if result.outcome is not ToolOutcome.ENV_ERROR or attempt > policy.retries:
+                break
+            counts.retries += 1
+            delay = policy.backoff_s * 2 ** (attempt - 1)
+            await asyncio.sleep(delay * self._rng.uniform(1 - policy.jitter, 1 + policy.jitter))
+
+        setattr(counts, result.outcome.value, getattr(counts, result.outcome.value) + 1)
+        if key is not None and result.outcome is ToolOutcome.OK:
+            self._cache[key] = result.content
+            if len(self._cache) > self.config.cache_size:
+                self._cache.popitem(last=False)
+        return ExecutedResult(call, result.outcome, result.content, time.perf_counter() - start,
+                              attempts=attempt, timed_out=timed_out)
+
+    async def _attempt(self, call: ToolCall, bucket: str,
+                       policy: ToolPolicy) -> tuple[ToolResult, bool]:
+        """One try under the limits. The timeout starts once a slot is free: waiting for one
+        is back-pressure, not the tool's slowness."""
+        async with self._limits[bucket], self._global:
+            start = time.perf_counter()
+            try:
+                return await asyncio.wait_for(self.inner(call), policy.timeout_s), False
+            except asyncio.TimeoutError:
+                msg, timed_out = f"{call.name} timed out after {policy.timeout_s:g}s", True
+            except Exception as e:  # an invoke callable that broke its never-raise contract
+                msg, timed_out = f"{call.name} failed: {type(e).__name__}: {e}", False
+        latency = time.perf_counter() - start
+        return ToolResult(call, ToolOutcome.ENV_ERROR, msg, latency), timed_out
+
+    def stats(self, reset: bool = False) -> dict[str, float]:
+        """Per-tool metrics, e.g. `env_error_rate/calculate`; `reset` starts a new window
+        (call it once per training step to log per-step figures)."""
+        out: dict[str, float] = {}
+        for name, c in self.counters.items():
+            out[f"calls/{name}"] = c.calls
+            for outcome in ToolOutcome:
+                out[f"{outcome.value}_rate/{name}"] = getattr(c, outcome.value) / max(c.calls, 1)
+            for f in ("retries", "timeouts", "cache_hits"):
+                out[f"{f}/{name}"] = getattr(c, f)
+        if reset:
+            for c in self.counters.values():
+                for f in fields(c):
+                    setattr(c, f.name, 0)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The reliability gate
+
+
+class ToolReliabilityError(RuntimeError):
+    """A tool succeeds too rarely for its reward to mean anything; the message names it."""
+
+
+@dataclass
+class ProbeReport:
+    """Per-tool success of a scripted probe; `ok / total` is the success rate."""
+
+    threshold: float
+    total: dict[str, int] = field(default_factory=dict)
+    ok: dict[str, int] = field(default_factory=dict)
+    first_error: dict[str, str] = field(default_factory=dict)
+
+    def rates(self) -> dict[str, float]:
+        return {name: self.ok.get(name, 0) / n for name, n in self.total.items()}
+
+    def failing(self) -> dict[str, float]:
+        return {name: r for name, r in self.rates().items() if r < self.threshold}
+
+    def check(self, override: bool = False) -> None:
+        """Raise `ToolReliabilityError` if a tool is below the threshold. With `override`,
+        log the refusal and go on: for a known-flaky tool you decided to train against."""
+        failing = self.failing()
+        if not failing:
+            return
+        msg = f"tools below the reliability threshold {self.threshold:.0%}: " + "; ".join(
+            f"{name} succeeded {self.ok.get(name, 0)}/{self.total[name]} ({rate:.1%}), "
+            f"first error: {self.first_error.get(name, '?')}"
+            for name, rate in sorted(failing.items())
+        )
+        if not override:
+            raise ToolReliabilityError(msg)
+        logger.warning("reliability gate overridden: %s", msg)
+
+
+async def probe_tools(target: ToolRegistry | Invoke, calls: Iterable[ToolCall],
+                      threshold: float = 0.95, concurrency: int = 16) -> ProbeReport:
+    """Run scripted calls (e.g. the expert's, which are all valid) and measure each tool's
+    success rate. Any non-ok outcome counts as a failure: a valid scripted call that gets a
+    `tool_error` means the tool or its schema is broken."""
+    invoke = as_invoke(target)
+    report = ProbeReport(threshold)
+    slots = asyncio.Semaphore(concurrency)
+
+    async def one(call: ToolCall) -> ToolResult:
+        async with slots:
+            return await invoke(call)
+
+    for r in await asyncio.gather(*(one(c) for c in calls)):
+        name = r.call.name
+        report.total[name] = report.total.get(name, 0) + 1
+        if r.outcome is ToolOutcome.OK:
+            report.ok[name] = report.ok.get(name, 0) + 1
+        else:
+            report.first_error.setdefault(name, f"{r.outcome.value}: {r.content}")
+    return report

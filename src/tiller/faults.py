@@ -1,0 +1,107 @@
+"""Fault injection: make tools hang, crash or return garbage, with seeded probabilities.
+
+A policy trained only against perfect tools learns nothing about failures it will meet in
+deployment, and the retry, timeout and env-error paths of the harness never run. The injector
+wraps tools so that a configured share of calls fails the way real tools fail:
+
+- `timeout`: the tool hangs for `hang_s` (the executor's timeout cuts it short, as it would a
+  stuck service) and then raises `TimeoutError`;
+- `crash`: the tool raises `InjectedFault`, which the registry reports as an `env_error`;
+- `garbage`: the tool returns a random string, an `ok` result with useless content (a
+  truncated page, a corrupted response: nothing tells the policy it is wrong).
+
+Faults are injected into the tool, behind the registry's argument validation, so a call with
+bad arguments is still the policy's `tool_error` and an injected fault is reported exactly like
+a real one. Compose with the executor as `ToolExecutor(injector.wrap(registry), config)`.
+
+Whether a call fails is drawn from an RNG keyed by (seed, key, tool, canonical arguments,
+occurrence), not from one shared stream, so the decisions do not depend on how concurrent
+episodes interleave. `occurrence` counts identical calls under one key: with one shared wrap,
+only which of several episodes making the identical call at once gets which draw depends on
+scheduling; wrapping per episode with its own key (task id and seed) removes even that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import string
+from collections import Counter
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .executor import canonical_json
+from .tools import Tool, ToolRegistry
+
+FAULTS = ("timeout", "crash", "garbage")
+
+
+class InjectedFault(Exception):
+    """The crash the injector raises; the registry maps it to `env_error`."""
+
+
+class FaultConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    timeout_prob: float = Field(0.0, ge=0, le=1)
+    crash_prob: float = Field(0.0, ge=0, le=1)
+    garbage_prob: float = Field(0.0, ge=0, le=1)
+    hang_s: float = Field(60.0, ge=0, description="how long an injected timeout hangs")
+    seed: int = 0
+    tools: list[str] | None = Field(None, description="tools to inject into; None = all")
+
+    @model_validator(mode="after")
+    def _at_most_one(self) -> FaultConfig:
+        if self.timeout_prob + self.crash_prob + self.garbage_prob > 1:
+            raise ValueError("timeout_prob + crash_prob + garbage_prob must be at most 1")
+        return self
+
+
+class FaultInjector:
+    """Wraps tools with seeded faults; `injected` counts them as `"crash/calculate"` etc."""
+
+    def __init__(self, config: FaultConfig):
+        self.config = config
+        self.injected: Counter[str] = Counter()
+        self._occurrences: Counter[tuple[str, str, str]] = Counter()
+
+    def draw(
+        self, name: str, arguments: dict[str, Any], key: str = ""
+    ) -> tuple[str | None, random.Random]:
+        """The fault for this call (None for a clean call), and its RNG for the garbage."""
+        args = canonical_json(arguments)
+        occurrence = self._occurrences[key, name, args]
+        self._occurrences[key, name, args] += 1
+        seed = f"{self.config.seed}|{key}|{name}|{args}|{occurrence}"
+        rng = random.Random(hashlib.sha256(seed.encode()).digest())
+        u, edge = rng.random(), 0.0
+        for fault in FAULTS:
+            edge += getattr(self.config, f"{fault}_prob")
+            if u < edge:
+                self.injected[f"{fault}/{name}"] += 1
+                return fault, rng
+        return None, rng
+
+    def wrap_tool(self, t: Tool, key: str = "") -> Tool:
+        """The same tool (name, schema, validation) with faults injected into its function."""
+        if self.config.tools is not None and t.name not in self.config.tools:
+            return t
+
+        async def faulty(**arguments: Any) -> Any:
+            fault, rng = self.draw(t.name, arguments, key)
+            if fault == "timeout":
+                await asyncio.sleep(self.config.hang_s)
+                raise TimeoutError(f"injected hang of {self.config.hang_s:g}s")
+            if fault == "crash":
+                raise InjectedFault("injected crash")
+            if fault == "garbage":
+                return "".join(rng.choices(string.printable, k=rng.randint(1, 64)))
+            return await t(**arguments)
+
+        return Tool(name=t.name, fn=faulty, schema=t.schema, args_model=t.args_model)
+
+    def wrap(self, registry: ToolRegistry, key: str = "") -> ToolRegistry:
+        """A registry of the same tools with faults; pass it (or its `.invoke`) on."""
+        return ToolRegistry(self.wrap_tool(t, key) for t in registry.tools.values())

@@ -1,0 +1,159 @@
+"""ReplayStore: record real, non-deterministic tools into a SQLite file and replay them."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sqlite3
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tiller.executor import ExecutorConfig, ToolExecutor, ToolPolicy
+from tiller.replay import ReplayStore
+from tiller.tools import ToolCall, ToolError, ToolOutcome, ToolRegistry, tool
+
+
+@tool
+async def roll(sides: int) -> str:
+    """Roll a die and read the clock: a different answer every call.
+
+    Args:
+        sides: Number of sides; must be positive.
+    """
+    if sides < 1:
+        raise ToolError("a die needs at least one side")
+    return f"{random.randint(1, sides)} at {time.time_ns()} ✓"
+
+
+@tool(name="roll")
+async def roll_disabled(sides: int) -> str:
+    """Stands in for `roll` once the live tool must not run.
+
+    Args:
+        sides: Number of sides.
+    """
+    raise AssertionError("the live tool was called during replay")
+
+
+LIVE, DEAD = ToolRegistry([roll]), ToolRegistry([roll_disabled])
+SEQUENCE = [ToolCall("roll", {"sides": s}) for s in (6, 6, 20, 6, 0, 20, 1_000_000, 6)]
+
+
+async def run_calls(invoke, calls):
+    return [await invoke(c) for c in calls]
+
+
+def test_record_then_replay_is_byte_identical_in_order(tmp_path):
+    db = tmp_path / "calls.sqlite"
+    with ReplayStore(db, "record") as store:
+        recorded = asyncio.run(run_calls(store.wrap(LIVE, key="task-1/seed-0"), SEQUENCE))
+        assert len(store) == len(SEQUENCE)
+    assert len({r.content for r in recorded if r.call.arguments["sides"] == 6}) == 4  # all differ
+    assert recorded[4].outcome is ToolOutcome.TOOL_ERROR
+
+    with ReplayStore(db, "replay") as store:  # a fresh process would see the same file
+        replayed = asyncio.run(run_calls(store.wrap(DEAD, key="task-1/seed-0"), SEQUENCE))
+        again = asyncio.run(run_calls(store.wrap(DEAD, key="task-1/seed-0"), SEQUENCE))
+        assert store.misses == 0
+    for rec, rep, rep2 in zip(recorded, replayed, again, strict=True):
+        assert rep.content.encode() == rec.content.encode() == rep2.content.encode()
+        assert rep.outcome is rec.outcome and rep.call == rec.call
+
+
+def test_replay_of_unseen_call_is_a_clear_env_error(tmp_path):
+    db = tmp_path / "calls.sqlite"
+    with ReplayStore(db, "record") as store:
+        asyncio.run(run_calls(store.wrap(LIVE, key="ep"), SEQUENCE[:2]))
+    with ReplayStore(db, "replay") as store:
+        invoke = store.wrap(DEAD, key="ep")
+        results = asyncio.run(run_calls(invoke, [*SEQUENCE[:2], SEQUENCE[0]]))
+        other_key = asyncio.run(store.wrap(DEAD, key="other")(SEQUENCE[0]))
+        assert store.misses == 2
+    assert [r.outcome for r in results[:2]] == [ToolOutcome.OK, ToolOutcome.OK]
+    miss = results[2]  # a third roll(6) under "ep": only two were recorded
+    assert miss.outcome is ToolOutcome.ENV_ERROR
+    assert 'replay miss' in miss.content and 'roll({"sides":6})' in miss.content
+    assert "occurrence 2" in miss.content and "'ep'" in miss.content
+    assert other_key.outcome is ToolOutcome.ENV_ERROR and "'other'" in other_key.content
+
+
+def test_replay_or_live_falls_through_and_records(tmp_path):
+    db = tmp_path / "calls.sqlite"
+    with ReplayStore(db, "record") as store:
+        first = asyncio.run(store.wrap(LIVE, key="ep")(SEQUENCE[0]))
+    with ReplayStore(db, "replay_or_live") as store:
+        mixed = asyncio.run(run_calls(store.wrap(LIVE, key="ep"), SEQUENCE[:3]))
+        assert len(store) == 3
+    assert mixed[0].content == first.content  # served from the store
+    with ReplayStore(db, "replay") as store:
+        replayed = asyncio.run(run_calls(store.wrap(DEAD, key="ep"), SEQUENCE[:3]))
+    assert [r.content for r in replayed] == [r.content for r in mixed]
+
+
+def test_record_overwrites_a_rerecorded_episode(tmp_path):
+    db = tmp_path / "calls.sqlite"
+    with ReplayStore(db, "record") as store:
+        asyncio.run(run_calls(store.wrap(LIVE, key="ep"), SEQUENCE))
+        second = asyncio.run(run_calls(store.wrap(LIVE, key="ep"), SEQUENCE))
+        assert len(store) == len(SEQUENCE)
+    with ReplayStore(db, "replay") as store:
+        replayed = asyncio.run(run_calls(store.wrap(DEAD, key="ep"), SEQUENCE))
+    assert [r.content for r in replayed] == [r.content for r in second]
+
+
+def test_composes_with_the_executor(tmp_path):
+    """Wrapped outside the executor, the store records what the policy saw after retries."""
+    log: list[int] = []
+
+    @tool
+    async def flaky(x: int) -> str:
+        """Fail the first call, then answer.
+
+        Args:
+            x: Anything.
+        """
+        log.append(x)
+        if len(log) == 1:
+            raise ConnectionError("warming up")
+        return f"{x}:{random.random()}"
+
+    cfg = ExecutorConfig(default=ToolPolicy(retries=2, backoff_s=0.001))
+    ex = ToolExecutor(ToolRegistry([flaky]), cfg)
+    db = tmp_path / "calls.sqlite"
+    with ReplayStore(db, "record") as store:
+        live = asyncio.run(store.wrap(ex.invoke, key="ep")(ToolCall("flaky", {"x": 3})))
+    with ReplayStore(db, "replay") as store:
+        replayed = asyncio.run(store.wrap(DEAD, key="ep")(ToolCall("flaky", {"x": 3})))
+    assert live.outcome is ToolOutcome.OK and live.attempts == 2
+    assert replayed.content == live.content and len(log) == 2
+
+
+def test_many_concurrent_episodes_across_threads(tmp_path):
+    """Episodes run concurrently on several event loops in several threads share one store."""
+    db = tmp_path / "calls.sqlite"
+
+    async def episodes(store, target, first):
+        keys = [f"ep-{first + i}" for i in range(10)]
+        runs = [run_calls(store.wrap(target, key=k), SEQUENCE) for k in keys]
+        return dict(zip(keys, await asyncio.gather(*runs), strict=True))
+
+    def in_threads(store, target):
+        with ThreadPoolExecutor(4) as pool:
+            parts = pool.map(lambda t: asyncio.run(episodes(store, target, 10 * t)), range(4))
+        return {k: [r.content for r in v] for part in parts for k, v in part.items()}
+
+    with ReplayStore(db, "record") as store:
+        recorded = in_threads(store, LIVE)
+        assert len(store) == 40 * len(SEQUENCE)
+    with ReplayStore(db, "replay") as store:
+        assert in_threads(store, DEAD) == recorded
+        assert store.misses == 0
+    mode = sqlite3.connect(db).execute("PRAGMA journal_mode").fetchone()[0]
+    assert mode == "wal"
+
+
+def test_unknown_mode_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="replay mode must be one of"):
+        ReplayStore(tmp_path / "x.sqlite", "playback")
