@@ -160,7 +160,12 @@ async def run_episode(
         mask += [0] * len(obs_ids)
         logprobs += [0.0] * len(obs_ids)
 
-    reward = env.verify(final)
+    try:
+        reward = await env.verify(final)
+    except Exception as e:  # a broken checker (sandbox down, ...) is the environment's failure
+        counts["env_errors"] += 1
+        messages.append({"role": "error", "content": f"verifier: {type(e).__name__}: {e}"})
+        reward = Reward(0.0, {"verifier_error": 1.0})
     if counts["env_errors"]:
         status = Status.ENV_ERROR
         reward = Reward(reward.value, reward.checks, reward.turn_rewards, env_error=True)

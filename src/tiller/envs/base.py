@@ -55,8 +55,9 @@ class Env(ABC):
     def tool_schemas(self) -> list[dict[str, Any]]: ...
 
     @abstractmethod
-    def verify(self, final: ParsedTurn | None) -> Reward:
-        """Score the episode from its final answer and the env's final state."""
+    async def verify(self, final: ParsedTurn | None) -> Reward:
+        """Score the episode from its final answer (None if there was none, e.g. truncated)
+        and the env's final state. Async, since checks may run code in a sandbox."""
 
     @staticmethod
     @abstractmethod

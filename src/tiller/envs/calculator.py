@@ -155,7 +155,7 @@ class CalculatorEnv(ToolEnv):
     def __init__(self, **kwargs: Any):
         super().__init__([calculate], **kwargs)
 
-    def verify(self, final: ParsedTurn | None) -> Reward:
+    async def verify(self, final: ParsedTurn | None) -> Reward:
         answer = final_answer(final)
         assert self.task is not None
         return all_of(format_ok=answer is not None, correct=answer == self.task.answer)
