@@ -69,7 +69,8 @@ class SFTConfig(_Section):
         0.5, ge=0.0, le=1.0, description="share of demonstrations that guess without the tool"
     )
     epochs: int = Field(2, ge=1)
-    batch_size: int = Field(32, ge=1)
+    batch_size: int = Field(64, ge=1)
+    micro_batch_size: int = Field(32, ge=1)
     lr: float = Field(3e-3, gt=0)
     warmup_steps: int = Field(20, ge=0)
 

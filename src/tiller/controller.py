@@ -162,7 +162,7 @@ class Run:
                 order = torch.randperm(len(demos), generator=gen).tolist()
                 for i in range(0, len(order), cfg.batch_size):
                     batch = Batch.collate([demos[j] for j in order[i : i + cfg.batch_size]], pad)
-                    m = self.trainer.sft_step(batch, self.cfg.rl.micro_batch_size)
+                    m = self.trainer.sft_step(batch, cfg.micro_batch_size)
                     m["lr"] = schedule.get_last_lr()[0]
                     schedule.step()
                     step += 1

@@ -72,9 +72,14 @@ def token_logprobs(
     return logp, torch.cat([pad, ent], dim=1)
 
 
-def _micro_batches(n: int, size: int) -> list[torch.Tensor]:
-    order = torch.arange(n)
-    return [order[i : i + size] for i in range(0, n, size)]
+def _micro_batches(lengths: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """Row indices in chunks of `size`, grouped by length so little compute goes to padding.
+
+    Losses are normalized by whole-batch counts, so how rows are chunked never changes the
+    gradient.
+    """
+    order = torch.argsort(lengths, stable=True)
+    return [order[i : i + size] for i in range(0, len(order), size)]
 
 
 class Trainer:
@@ -107,7 +112,7 @@ class Trainer:
         self.model.train()
         total = float(batch.loss_mask.sum())
         loss_sum = 0.0
-        for idx in _micro_batches(len(batch.input_ids), micro_batch_size):
+        for idx in _micro_batches(batch.attention_mask.sum(-1), micro_batch_size):
             mb = batch.rows(idx)
             logp, _ = token_logprobs(self.model, mb, 1.0)
             loss = -(logp * mb.loss_mask).sum() / max(total, 1.0)
@@ -119,7 +124,7 @@ class Trainer:
     def _logprobs(self, model: nn.Module, batch: Batch, micro_batch_size: int) -> torch.Tensor:
         model.eval()
         out = torch.zeros_like(batch.loss_mask)
-        for idx in _micro_batches(len(batch.input_ids), micro_batch_size):
+        for idx in _micro_batches(batch.attention_mask.sum(-1), micro_batch_size):
             mb = batch.rows(idx)
             out[idx, : mb.input_ids.size(1)] = token_logprobs(model, mb, self.temperature)[0]
         return out
@@ -153,10 +158,10 @@ class Trainer:
         sums = {"loss": 0.0, "clip_frac": 0.0, "entropy": 0.0, "kl": 0.0, "grad_norm": 0.0}
         self.model.train()
         n = len(batch.input_ids)
-        minis = _micro_batches(n, -(-n // cfg.mini_batches))
+        minis = [torch.arange(n)[i :: cfg.mini_batches] for i in range(cfg.mini_batches)]
         for mini in minis:
             mini_tokens = float(mask[mini].sum())
-            for idx in _micro_batches(len(mini), cfg.micro_batch_size):
+            for idx in _micro_batches(batch.attention_mask[mini].sum(-1), cfg.micro_batch_size):
                 rows = mini[idx]
                 mb = batch.rows(rows)
                 width = mb.input_ids.size(1)
@@ -171,13 +176,13 @@ class Trainer:
                 if logp_ref is not None:
                     kl = KL_ESTIMATORS[alg.kl_estimator](logp, logp_ref[rows, :width])
                     loss_tok = loss_tok + alg.kl_beta * kl
-                    sums["kl"] += float((kl * m).sum())
+                    sums["kl"] += float((kl.detach() * m).sum())
                 loss = aggregate(loss_tok, m, total_tokens=mini_tokens, total_seqs=len(mini),
                                  l_max=l_max)
                 loss.backward()
                 sums["loss"] += float(loss.detach())
-                sums["clip_frac"] += float((stats["clipped"] * m).sum())
-                sums["entropy"] += float((ent * m).sum())
+                sums["clip_frac"] += float((stats["clipped"].detach() * m).sum())
+                sums["entropy"] += float((ent.detach() * m).sum())
             sums["grad_norm"] += self._step(cfg.max_grad_norm)
         metrics = {
             **mismatch_stats(batch.rollout_logprobs, logp_old, mask),

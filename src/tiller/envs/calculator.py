@@ -121,12 +121,15 @@ def expert_turn(task: Task, messages: list[dict[str, Any]], rng: random.Random,
     """The scripted expert: one `calculate` call per operation, then the answer.
 
     With probability `guess_prob` (drawn once, at the first turn) it skips the tool and
-    guesses, which is how SFT data gets its share of imperfect demonstrations.
+    answers by writing the problem's first two numbers together, a confident wrong answer
+    (100a + b > a*b for two-digit a, b). That is how SFT data gets its share of imperfect
+    demonstrations; they still teach the same skill as the good ones (copying numbers from
+    the problem), so only the decision to call the tool is left for RL to fix.
     """
     problem: Problem = task.metadata["problem"]
     done = [m for m in messages if m["role"] == "tool"]
     if not done and rng.random() < guess_prob:
-        return f"The answer is {rng.randint(100, 9999)}."
+        return f"The answer is {problem.a}{problem.b}."
     if not done:
         expr = f"{problem.a} * {problem.b}"
     elif len(done) <= len(problem.steps):

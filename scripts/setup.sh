@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Set up .venv for tiller on a fresh machine: torch 2.13.0 (CPU) first, so nothing pulls a
+# CUDA build, then tiller with the dev extras under constraints.txt. Safe to re-run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# bubblewrap runs model-written code in the sandbox; without it tiller falls back (loudly).
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null
+  else
+    echo "warning: bubblewrap is not installed; the code sandbox will use its weaker fallback" >&2
+  fi
+fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+.venv/bin/python -m pip install -q torch==2.13.0
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[dev]"

@@ -1,0 +1,142 @@
+"""TITO: the trajectory is exactly prompt ids + engine outputs + observation ids."""
+
+import asyncio
+
+from tiller.agent_loop import EngineActor, EpisodeLimits, ExpertActor, run_episode
+from tiller.engine import EmbeddedEngine, Generation, SamplingParams
+from tiller.envs import ENVS
+from tiller.trainer import Batch, token_logprobs
+from tiller.trajectory import Status
+
+Calc = ENVS["calculator"]
+
+
+class Recorder:
+    """Wraps an actor and keeps every prompt it saw and every generation it returned."""
+
+    def __init__(self, actor):
+        self.actor, self.prompts, self.outputs = actor, [], []
+
+    async def act(self, prompt_ids, messages, seed):
+        self.prompts.append(list(prompt_ids))
+        gen = await self.actor.act(prompt_ids, messages, seed)
+        self.outputs.append(gen)
+        return gen
+
+
+def episode(actor, tokenizer, limits, task, seed=0):
+    return asyncio.run(run_episode(Calc(), task, actor, tokenizer, seed=seed, limits=limits))
+
+
+def two_step_task():
+    return next(t for t in Calc.make_tasks("train", 50, 3, 2) if t.metadata["problem"].steps)
+
+
+def test_ids_are_prompt_plus_outputs_plus_observations(tokenizer, limits):
+    task = two_step_task()
+    rec = Recorder(ExpertActor(Calc, task, tokenizer))
+    traj = episode(rec, tokenizer, limits, task)
+    assert traj.status is Status.COMPLETED and traj.reward.value == 1.0
+    assert traj.num_turns == 3 and traj.tool_calls == 2
+
+    prompt = tokenizer.apply_chat_template(list(traj.messages[:2]), tools=Calc().tool_schemas(),
+                                           add_generation_prompt=True, tokenize=False)
+    expected = tokenizer.encode(prompt, add_special_tokens=False)
+    assert list(traj.token_ids[: traj.prompt_len]) == expected
+    # Rebuild: each turn's prompt is the previous prompt + its output + the observation.
+    for k, gen in enumerate(rec.outputs):
+        assert rec.prompts[k] == list(traj.token_ids[: traj.turn_spans[k][0]])
+        start, end = traj.turn_spans[k]
+        assert list(traj.token_ids[start:end]) == gen.token_ids
+        if k + 1 < len(rec.outputs):
+            obs = traj.token_ids[end: traj.turn_spans[k + 1][0]]
+            text = tokenizer.decode(list(obs))
+            assert text.startswith("\n<|im_start|>user\n<tool_response>\n")
+            assert text.endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    # The whole episode decodes to the chat template's rendering of its messages.
+    full = tokenizer.apply_chat_template(list(traj.messages), tools=Calc().tool_schemas(),
+                                         tokenize=False)
+    assert tokenizer.decode(list(traj.token_ids)) + "\n" == full
+
+
+def test_loss_mask_is_one_exactly_on_generated_tokens(tokenizer, limits):
+    task = two_step_task()
+    traj = episode(ExpertActor(Calc, task, tokenizer), tokenizer, limits, task)
+    in_span = [0] * len(traj.token_ids)
+    for start, end in traj.turn_spans:
+        in_span[start:end] = [1] * (end - start)
+    assert list(traj.loss_mask) == in_span
+    generated = tokenizer.decode([t for t, m in zip(traj.token_ids, traj.loss_mask) if m])
+    assert generated.count("<tool_call>") == 2 and "<tool_response>" not in generated
+    assert generated.endswith(f"The answer is {task.answer}.<|im_end|>")
+    # tool output digits sit between the spans, masked out
+    assert sum(traj.loss_mask) < len(traj.token_ids) - traj.prompt_len
+
+
+def test_engine_logprobs_match_trainer_in_fp32(model, tokenizer, limits):
+    engine = EmbeddedEngine(model, tokenizer.pad_token_id)
+    params = SamplingParams(max_new_tokens=24, stop_token_ids=(tokenizer.eos_token_id,))
+    tasks = Calc.make_tasks("train", 6, 0, 2)
+
+    async def go():
+        return await asyncio.gather(*(
+            run_episode(Calc(), t, EngineActor(engine, params), tokenizer, seed=i, limits=limits)
+            for i, t in enumerate(tasks)))
+
+    trajs = asyncio.run(go())
+    batch = Batch.collate(trajs, tokenizer.pad_token_id)
+    logp, _ = token_logprobs(model, batch)
+    gap = ((logp - batch.rollout_logprobs).abs() * batch.loss_mask).max()
+    assert batch.loss_mask.sum() > 20
+    assert float(gap) < 1e-4
+
+
+class Scripted:
+    """Replays fixed assistant texts, tokenized, as if the model wrote them."""
+
+    def __init__(self, tokenizer, texts):
+        self.tokenizer, self.texts = tokenizer, list(texts)
+
+    async def act(self, prompt_ids, messages, seed):
+        ids = self.tokenizer.encode(self.texts.pop(0), add_special_tokens=False)
+        ids.append(self.tokenizer.eos_token_id)
+        return Generation(ids, [0.0] * len(ids), "stop", 0)
+
+
+def test_malformed_calls_become_error_observations_not_crashes(tokenizer, limits):
+    task = Calc.make_tasks("train", 1, 0, 1)[0]
+    p = task.metadata["problem"]
+    texts = [
+        '<tool_call>{"name": "calculate", "arguments": {</tool_call>',  # broken JSON
+        '<tool_call>{"name": "calc", "arguments": {}}</tool_call>',  # unknown tool
+        '<tool_call>{"name": "calculate", "arguments": {"expr": "1"}}</tool_call>',  # bad field
+        f'<tool_call>{{"name": "calculate", "arguments": {{"expression": "{p.a} * {p.b}"}}}}'
+        "</tool_call>",
+        f"The answer is {task.answer}.",
+    ]
+    traj = episode(Scripted(tokenizer, texts), tokenizer, limits, task)
+    assert traj.status is Status.COMPLETED and traj.reward.value == 1.0
+    assert (traj.parse_errors, traj.tool_errors, traj.tool_calls) == (1, 2, 3)
+    tool_msgs = [m["content"] for m in traj.messages if m["role"] == "tool"]
+    assert tool_msgs[0].startswith("error: tool call is not valid JSON")
+    assert tool_msgs[1].startswith("error: unknown tool 'calc'")
+    assert "expression" in tool_msgs[2] and tool_msgs[3] == str(p.a * p.b)
+
+
+def test_turn_limit_and_token_budget_truncate(tokenizer, limits):
+    task = two_step_task()
+    short = episode(ExpertActor(Calc, task, tokenizer), tokenizer,
+                    EpisodeLimits(max_turns=1, max_episode_tokens=512), task)
+    assert short.status is Status.TRUNCATED and short.reward.value == 0.0
+    tiny = episode(ExpertActor(Calc, task, tokenizer), tokenizer,
+                   EpisodeLimits(max_turns=6, max_episode_tokens=short.prompt_len + 5), task)
+    assert tiny.status is Status.TRUNCATED and len(tiny.token_ids) <= short.prompt_len + 5
+
+
+def test_expert_with_guesses_sometimes_skips_the_tool(tokenizer, limits):
+    tasks = Calc.make_tasks("train", 40, 0, 1)
+    trajs = [episode(ExpertActor(Calc, t, tokenizer, guess_prob=0.5), tokenizer, limits, t, i)
+             for i, t in enumerate(tasks)]
+    no_tool = sum(t.tool_calls == 0 for t in trajs)
+    assert 10 <= no_tool <= 30
+    assert all(t.reward.value == 1.0 for t in trajs if t.tool_calls)

@@ -1,0 +1,65 @@
+import subprocess
+import sys
+
+import pytest
+
+from tiller.config import ConfigError, load_config
+
+CONFIG = "configs/calculator.yaml"
+
+
+def test_demo_config_validates_and_overrides_apply():
+    cfg = load_config(CONFIG, ["rl.steps=3", "sampling.temperature=0.7", "env.name=calculator"])
+    assert (cfg.rl.steps, cfg.sampling.temperature) == (3, 0.7)
+    assert cfg.model.build is not None and cfg.model.build.hidden_size == 128
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("rl.group_size=0", ["rl.group_size", "0", "greater than or equal to 1"]),
+        ("rl.lr=fast", ["rl.lr", "'fast'", "valid number"]),
+        ("rl.algorithm.eps_hgh=0.3", ["rl.algorithm.eps_hgh", "Extra inputs are not permitted"]),
+        ("sampling.top_p=1.5", ["sampling.top_p", "1.5", "less than or equal to 1"]),
+        ("model.path=/somewhere", ["model", "exactly one of model.path"]),
+    ],
+)
+def test_bad_fields_name_field_value_and_expectation(override, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIG, [override])
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_unreadable_configs(tmp_path):
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad_yaml)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(CONFIG, ["rl.steps"])
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "tiller", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["rl.steps=-1"], "config field rl.steps: got -1;"),
+        (["model.build=null", "model.path=/no/such/model"], "no Hugging Face model at '/no/such/model'"),
+        (["env.name=chess"], "unknown env 'chess'; choose one of: "),
+        (["rl.algorithm.advantage=magic"], "rl.algorithm.advantage: got 'magic'"),
+    ],
+)
+def test_cli_errors_are_one_line_not_tracebacks(tmp_path, args, message):
+    proc = run_cli("train", CONFIG, *args, "--output-dir", str(tmp_path / "run"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2
+    assert "Traceback" not in out
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
