@@ -298,6 +298,7 @@ def train(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:
     summary: dict[str, Any] = {"run_dir": str(run.dir), "seed": cfg.seed}
     if cfg.sft.enabled:
         summary["sft"] = run.sft()
+        summary["sft"]["checkpoint"] = str(run.save("sft"))
     summary["heldout_after_sft"] = run.evaluate(heldout, "sft")
     if cfg.rl.steps > 0:
         run.rl()
