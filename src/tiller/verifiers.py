@@ -3,12 +3,32 @@
 A reward is gated, not summed: the default shape is 1 when every necessary check passes and 0
 otherwise, with each check kept in `checks` so a learning curve can be explained. `env_error`
 marks an episode the environment broke, which is not the policy's failure.
+
+The library has three layers, each small enough to read at a glance:
+
+* **extractors** pull the answer out of the final turn, strictly: an answer buried in longer
+  text, or hedged between two answers, is no answer (`extract_tagged`, `extract_answer_is`,
+  `extract_code_block`);
+* **checks** compare one extracted answer or state with the target and return a bool
+  (`exact_match`, `normalized_match`, `numeric_match`, `regex_match`, `json_schema_valid`,
+  `state_matches`), or run hidden unit tests in the sandbox (`run_unit_tests`);
+* **combinators** turn named checks into a `Reward`: `all_of` gates (the default),
+  `weighted_sum` adds partial credit and is only for when it is explicitly wanted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+import json
+import math
+import re
+import secrets
+import string
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+from .sandbox import Sandbox, SandboxLimits, SandboxOutcome
 
 
 @dataclass(frozen=True)
@@ -19,7 +39,247 @@ class Reward:
     env_error: bool = False
 
 
-def all_of(**checks: bool) -> Reward:
-    """1.0 only if every named check passes; the breakdown keeps each one."""
+# ---- combinators -------------------------------------------------------------------------
+
+
+def all_of(**checks: bool | float) -> Reward:
+    """1.0 only if every named check passes; the breakdown keeps each one.
+
+    A check passes when it is True or a score of at least 1.0: partial credit (0.9 from a
+    lenient scorer) fails the gate, which is the point of gating.
+    """
     breakdown = {k: float(v) for k, v in checks.items()}
-    return Reward(value=float(all(checks.values())), checks=breakdown)
+    return Reward(value=float(all(v >= 1.0 for v in breakdown.values())), checks=breakdown)
+
+
+def weighted_sum(weights: Mapping[str, float], **checks: bool | float) -> Reward:
+    """Σ weight·check, for when partial credit is wanted on purpose (shaping, curricula).
+
+    Every check needs a weight and every weight a check, so a renamed check cannot silently
+    drop out of the reward.
+    """
+    if set(weights) != set(checks):
+        raise ValueError(f"weights {sorted(weights)} and checks {sorted(checks)} differ")
+    breakdown = {k: float(v) for k, v in checks.items()}
+    return Reward(value=sum(weights[k] * v for k, v in breakdown.items()), checks=breakdown)
+
+
+# ---- extractors: strict, so an answer buried in longer text is no answer ------------------
+
+
+def extract_tagged(text: str | None, tag: str = "answer") -> str | None:
+    """The content of the one `<tag>...</tag>` that ends the text (reasoning may precede it).
+
+    None if there is no such block, more than one (hedging), or anything after it.
+    """
+    if text is None or text.count(f"<{tag}>") != 1 or text.count(f"</{tag}>") != 1:
+        return None
+    m = re.search(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>\s*\Z", text, re.DOTALL)
+    return m.group(1).strip() if m else None
+
+
+_ANSWER_IS = re.compile(r"the answer is\s*:?\s+(.+?)\s*\.?\s*", re.IGNORECASE)
+
+
+def extract_answer_is(text: str | None) -> str | None:
+    """X from a last line that is exactly "The answer is X." (the period is optional)."""
+    if not text or not text.strip():
+        return None
+    m = _ANSWER_IS.fullmatch(text.strip().splitlines()[-1].strip())
+    return m.group(1) if m else None
+
+
+_CODE_BLOCK = re.compile(r"```([\w+-]*)[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def extract_code_block(text: str | None, lang: str = "python") -> str | None:
+    """The body of the only fenced code block tagged `lang`; None if there is none or several."""
+    if text is None:
+        return None
+    blocks = [body for tag, body in _CODE_BLOCK.findall(text) if tag.lower() == lang]
+    return blocks[0] if len(blocks) == 1 else None
+
+
+# ---- checks: each small and pure -----------------------------------------------------------
+
+
+def exact_match(answer: str | None, target: str) -> bool:
+    """Byte-for-byte equality after stripping surrounding whitespace."""
+    return answer is not None and answer.strip() == target.strip()
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD normalization: lowercase, drop punctuation and articles, collapse whitespace."""
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def normalized_match(answer: str | None, targets: str | Iterable[str]) -> bool:
+    """True if the normalized answer equals any normalized target (and is not empty)."""
+    if answer is None:
+        return False
+    norm = normalize_answer(answer)
+    options = [targets] if isinstance(targets, str) else list(targets)
+    return bool(norm) and any(norm == normalize_answer(t) for t in options)
+
+
+_NUMBER = re.compile(
+    r"[-+]?(\d{1,3}(,\d{3})+|\d+)(\.\d*)?([eE][-+]?\d+)?"  # 1,234.5e3
+    r"|[-+]?\.\d+([eE][-+]?\d+)?"  # .5
+)
+
+
+def parse_number(text: str | None) -> float | None:
+    """The number the whole text spells (thousands commas allowed), else None."""
+    if text is None or not _NUMBER.fullmatch(text.strip()):
+        return None
+    return float(text.strip().replace(",", ""))
+
+
+def numeric_match(
+    answer: str | float | None, target: float, abs_tol: float = 1e-9, rel_tol: float = 1e-9
+) -> bool:
+    """|answer - target| within `abs_tol` or `rel_tol`·|target|; text must be only a number."""
+    value = parse_number(answer) if isinstance(answer, str) or answer is None else float(answer)
+    if value is None or not math.isfinite(value):
+        return False
+    return math.isclose(value, target, rel_tol=rel_tol, abs_tol=abs_tol)
+
+
+def regex_match(answer: str | None, pattern: str | re.Pattern[str], flags: int = 0) -> bool:
+    """The whole (stripped) answer matches `pattern`; a match inside it is not enough."""
+    return answer is not None and re.fullmatch(pattern, answer.strip(), flags) is not None
+
+
+def json_schema_valid(answer: str | Any, schema: Mapping[str, Any]) -> bool:
+    """The answer (JSON text, or an already parsed value) is valid under `schema`."""
+    import jsonschema  # optional: pip install 'tiller[jsonschema]'
+
+    if isinstance(answer, str):
+        try:
+            answer = json.loads(answer)
+        except json.JSONDecodeError:
+            return False
+    validator_cls = jsonschema.validators.validator_for(schema)
+    return validator_cls(schema).is_valid(answer)
+
+
+def state_matches(
+    final: Any, target: Any, compare: Callable[[Any, Any], bool] | None = None
+) -> bool:
+    """The env's final state equals the target state (or `compare(final, target)` says so)."""
+    return bool(compare(final, target)) if compare is not None else final == target
+
+
+# ---- unit tests in the sandbox --------------------------------------------------------------
+
+UnitTest = str | tuple[str, Any]
+"""A hidden test: `(expression, expected)`, e.g. `("solve([3, 1])", 4)`, compared on the host
+with exact types; or statements (`"assert solve([3, 1]) == 4"`) that pass if nothing raises."""
+
+
+@dataclass(frozen=True)
+class UnitTestReport:
+    """How the hidden tests went. `env_error`: the sandbox itself failed, so the policy's code
+    never ran and the episode says nothing about the policy."""
+
+    passed: int
+    total: int
+    env_error: bool = False
+    detail: str = ""
+
+    @property
+    def all_passed(self) -> bool:
+        return self.total > 0 and self.passed == self.total and not self.env_error
+
+
+def plain(value: Any) -> Any:
+    """A JSON encoding of plain data that keeps exact types, so `1 == True == 1.0` and a
+    subclass with a lying `__eq__` all compare unequal to the real thing."""
+    t = type(value)
+    if value is None or t in (bool, int, str):
+        return [t.__name__, value]
+    if t is float:
+        return ["float", repr(value)]
+    if t in (list, tuple):
+        return [t.__name__, [plain(v) for v in value]]
+    if t is dict:
+        return ["dict", sorted(([plain(k), plain(v)] for k, v in value.items()), key=repr)]
+    return ["unsupported", t.__name__]
+
+
+# The harness reads the code and the tests from stdin before running any policy code, so they
+# are never in a file the code could open. Expected values never enter the sandbox at all: the
+# harness prints each expression's value (after a nonce, so stray output is not mistaken for
+# it) and the host compares. Statement tests are judged inside, so they are weaker evidence.
+_HARNESS = (
+    "from __future__ import annotations\nimport io, json, sys\n\n"
+    + inspect.getsource(plain)
+    + """
+_p = json.loads(sys.stdin.read())
+_nonce, _tests, _out, _dumps = _p["nonce"], _p["tests"], sys.__stdout__, json.dumps
+sys.stdout = sys.stderr = io.StringIO()  # the code's prints must not crowd out the verdict
+_ns = {"__name__": "solution"}
+try:
+    exec(compile(_p["code"], "solution.py", "exec"), _ns)
+except BaseException as e:
+    _results = [{"error": f"solution: {type(e).__name__}: {e}"[:300]}] * len(_tests)
+else:
+    _results = []
+    for _i, _t in enumerate(_tests):
+        try:
+            if isinstance(_t, str):
+                exec(compile(_t, f"test_{_i}", "exec"), dict(_ns))
+                _results.append({"ok": True})
+            else:
+                _results.append({"value": plain(eval(_t[0], dict(_ns)))})
+        except BaseException as e:
+            _results.append({"error": f"{type(e).__name__}: {e}"[:300]})
+_out.write("\\n" + _nonce + _dumps(_results) + "\\n")
+_out.flush()
+"""
+)
+
+
+UNIT_TEST_LIMITS = SandboxLimits(cpu_seconds=5, wall_seconds=20)
+
+
+async def run_unit_tests(
+    code: str,
+    tests: Sequence[UnitTest],
+    sandbox: Sandbox | None = None,
+    limits: SandboxLimits = UNIT_TEST_LIMITS,
+) -> UnitTestReport:
+    """Run `code`, then every test (each in a fresh copy of the code's namespace), in one
+    sandboxed process; see `UnitTest` for the two kinds of test.
+
+    A timeout, a crash or a missing verdict fails every test (the policy's code did it); only
+    a sandbox that could not start is an `env_error`.
+    """
+    box = sandbox or Sandbox(limits)
+    nonce = secrets.token_hex(16)
+    sent = [t if isinstance(t, str) else [t[0]] for t in tests]
+    stdin = json.dumps({"nonce": nonce, "code": code, "tests": sent})
+    result = await box.arun_python(_HARNESS, stdin=stdin)
+    total = len(tests)
+    if result.outcome is SandboxOutcome.SANDBOX_ERROR:
+        return UnitTestReport(0, total, env_error=True, detail=result.stderr[-500:])
+    verdicts = [ln for ln in result.stdout.splitlines() if ln.startswith(nonce)]
+    if result.outcome is not SandboxOutcome.OK or len(verdicts) != 1:
+        why = f"no verdict (sandbox outcome {result.outcome.value}): {result.stderr[-300:]}"
+        return UnitTestReport(0, total, detail=why)
+    try:
+        results = json.loads(verdicts[0][len(nonce) :])
+    except json.JSONDecodeError:
+        results = []
+    if len(results) != total:
+        return UnitTestReport(0, total, detail=f"{len(results)} verdicts for {total} tests")
+    fails = []
+    for i, (test, got) in enumerate(zip(tests, results, strict=True)):
+        if "error" in got:
+            fails.append(f"test {i}: {got['error']}")
+        elif not isinstance(test, str) and got["value"] != json.loads(json.dumps(plain(test[1]))):
+            fails.append(f"test {i}: {test[0]} gave {got['value']}, expected {plain(test[1])}")
+    return UnitTestReport(total - len(fails), total, detail="\n".join(fails[:5]))

@@ -1,6 +1,6 @@
 """Environments, registered by name (`env.name` in the config)."""
 
-from . import calculator  # noqa: F401  (registers itself)
+from . import adapters, calculator, code, search, sql  # noqa: F401  (each registers itself)
 from .base import ENVS, Env, StepResult, Task, ToolEnv, register_env
 
 __all__ = ["ENVS", "Env", "StepResult", "Task", "ToolEnv", "register_env"]
