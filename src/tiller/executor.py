@@ -1,8 +1,9 @@
 """The tool executor: timeouts, retries, a result cache and concurrency limits around tool calls.
 
 Real tools hang, crash and rate-limit. `ToolExecutor.invoke` has the shape of
-`ToolRegistry.invoke` (a `ToolCall` in, a `ToolResult` out, never raises), so it stands in for it
-in `ToolEnv(tools, invoke=executor.invoke)`, and adds what a long training run needs:
+`ToolRegistry.invoke` (a `ToolCall` in, a `ToolResult` out, never raises), so it stands in for
+it behind an environment's registry (see `tiller.tooling.ToolStack`), and adds what a long
+training run needs:
 
 - a timeout per attempt: a tool that runs past it is an `env_error`, not a stuck episode;
 - retries with exponential backoff and seeded jitter, for `env_error` only. A `tool_error` is the

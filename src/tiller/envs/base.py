@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..chat import ParsedTurn
-from ..tools import Tool, ToolOutcome, ToolRegistry, ToolResult
+from ..tools import Tool, ToolCall, ToolOutcome, ToolRegistry, ToolResult
 from ..verifiers import Reward
 
 
@@ -79,10 +79,15 @@ class ToolEnv(Env):
     turn without any ends the episode. Subclasses give the tools and the verifier.
     """
 
-    def __init__(self, tools: Sequence[Tool], invoke: Callable | None = None):
+    def __init__(
+        self,
+        tools: Sequence[Tool],
+        wrap: Callable[[ToolRegistry], Callable[[ToolCall], Awaitable[ToolResult]]] | None = None,
+    ):
         self.registry = ToolRegistry(tools)
-        # The default calls tools directly; an executor (timeouts, retries, replay) can stand in.
-        self.invoke = invoke or self.registry.invoke
+        # By default tools are called directly; `wrap` puts this episode's registry behind the
+        # run's tool stack (faults, executor, record/replay: `tiller.tooling.ToolStack`).
+        self.invoke = wrap(self.registry) if wrap else self.registry.invoke
         self.task: Task | None = None
 
     def tool_schemas(self) -> list[dict[str, Any]]:

@@ -1,0 +1,115 @@
+"""The tool stack of a run: fault injection -> executor -> record/replay, per episode.
+
+Each episode's environment hands its own `ToolRegistry` to `ToolStack.wrapper(key)`, which
+wraps it (inside out) with the fault injector, a `ToolExecutor` and the replay store, so that
+stateful tools (a per-episode database) work as well as shared ones. The stack keeps the
+executors it made and merges their counters into per-tool metrics (`env_error_rate/<tool>`)
+and, before training, into the reliability gate's report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .executor import ExecutorConfig, Invoke, ProbeReport, ToolCounters, ToolExecutor
+from .faults import FaultConfig, FaultInjector
+from .replay import ReplayStore
+from .tools import ToolCall, ToolOutcome, ToolRegistry, ToolResult
+
+
+class ReplayConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str = Field(description="SQLite file; relative paths are inside the run folder")
+    mode: Literal["record", "replay", "replay_or_live"] = "record"
+
+
+class GateConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = True
+    threshold: float = Field(0.95, ge=0.0, le=1.0)
+    probe_tasks: int = Field(16, ge=1, description="expert episodes the probe runs")
+    override: bool = Field(False, description="train anyway below the threshold (logged)")
+
+
+class ToolsConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    executor: ExecutorConfig = ExecutorConfig()
+    faults: FaultConfig | None = None
+    replay: ReplayConfig | None = None
+    gate: GateConfig = GateConfig()
+
+
+class ToolStack:
+    def __init__(self, cfg: ToolsConfig, run_dir: Path):
+        self.cfg = cfg
+        self.injector = FaultInjector(cfg.faults) if cfg.faults else None
+        self.store = None
+        if cfg.replay is not None:
+            path = Path(cfg.replay.path)
+            self.store = ReplayStore(path if path.is_absolute() else run_dir / path,
+                                     cfg.replay.mode)
+        self.executors: list[ToolExecutor] = []
+        self.first_error: dict[str, str] = {}
+
+    def wrapper(self, key: str) -> Callable[[ToolRegistry], Invoke]:
+        """What an environment calls with its registry; `key` names the episode (replay and
+        fault draws are keyed by it, so they do not depend on scheduling)."""
+
+        def wrap(registry: ToolRegistry) -> Invoke:
+            target = registry if self.injector is None else self.injector.wrap(registry, key)
+            executor = ToolExecutor(target, self.cfg.executor)
+            self.executors.append(executor)
+            invoke = executor.invoke
+            if self.store is not None:  # (an empty store is falsy: it has a __len__)
+                invoke = self.store.wrap(executor.invoke, key)
+
+            async def noted(call: ToolCall) -> ToolResult:
+                result = await invoke(call)
+                if result.outcome is not ToolOutcome.OK:
+                    self.first_error.setdefault(call.name, f"{result.outcome.value}: "
+                                                           f"{result.content}")
+                return result
+
+            return noted
+
+        return wrap
+
+    def counters(self) -> dict[str, ToolCounters]:
+        merged: dict[str, ToolCounters] = {}
+        for ex in self.executors:
+            for name, c in ex.counters.items():
+                m = merged.setdefault(name, ToolCounters())
+                for f in m.__dataclass_fields__:
+                    setattr(m, f, getattr(m, f) + getattr(c, f))
+        return merged
+
+    def stats(self, reset: bool = True) -> dict[str, float]:
+        """Per-tool rates and counts over the episodes since the last reset."""
+        out: dict[str, float] = {}
+        for name, c in self.counters().items():
+            out[f"tool_calls/{name}"] = float(c.calls)
+            for outcome in ToolOutcome:
+                out[f"{outcome.value}_rate/{name}"] = getattr(c, outcome.value) / max(c.calls, 1)
+            for f in ("retries", "timeouts", "cache_hits"):
+                out[f"tool_{f}/{name}"] = float(getattr(c, f))
+        if reset:
+            self.executors.clear()
+        return out
+
+    def probe_report(self) -> ProbeReport:
+        """The gate's view of the episodes so far: every scripted call should succeed."""
+        report = ProbeReport(self.cfg.gate.threshold)
+        for name, c in self.counters().items():
+            report.total[name] = c.calls
+            report.ok[name] = c.ok
+            if name in self.first_error:
+                report.first_error[name] = self.first_error[name]
+        return report
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()

@@ -1,0 +1,96 @@
+"""The run's tool stack on real episodes: faults become env_errors, replay is byte-exact."""
+
+import asyncio
+
+from tiller.agent_loop import ExpertActor, run_episode
+from tiller.buffer import DataBuffer
+from tiller.envs import ENVS
+from tiller.executor import ExecutorConfig, ToolPolicy
+from tiller.faults import FaultConfig
+from tiller.tooling import ReplayConfig, ToolsConfig, ToolStack
+from tiller.trainer import Batch
+from tiller.trajectory import Status
+
+Calc = ENVS["calculator"]
+
+
+def expert_episodes(stack, tokenizer, limits, n=60, tag="run"):
+    tasks = Calc.make_tasks("train", n, 0, 2)
+
+    async def go():
+        return await asyncio.gather(*(
+            run_episode(Calc(wrap=stack.wrapper(f"{tag}/{t.id}")), t,
+                        ExpertActor(Calc, t, tokenizer), tokenizer, seed=i, limits=limits)
+            for i, t in enumerate(tasks)))
+
+    return asyncio.run(go())
+
+
+def faulty(timeout=0.1, crash=0.05, garbage=0.0, seed=0):
+    return ToolsConfig(
+        executor=ExecutorConfig(default=ToolPolicy(timeout_s=0.5, retries=0)),
+        faults=FaultConfig(timeout_prob=timeout, crash_prob=crash, garbage_prob=garbage,
+                           hang_s=2.0, seed=seed),
+    )
+
+
+def test_injected_timeouts_and_crashes_are_env_errors_kept_out_of_the_loss(
+        tmp_path, tokenizer, limits):
+    stack = ToolStack(faulty(), tmp_path)
+    trajs = expert_episodes(stack, tokenizer, limits, n=80)
+    stats = stack.stats()
+    hit = [t for t in trajs if t.status is Status.ENV_ERROR]
+    assert 0.05 < stats["env_error_rate/calculate"] < 0.3  # ~15% of calls injected
+    assert stats["tool_timeouts/calculate"] > 0
+    assert hit and all(t.reward.env_error and t.env_errors for t in hit)
+    clean = [t for t in trajs if t.status is Status.COMPLETED]
+    assert all(t.reward.value == 1.0 for t in clean)  # the expert never fails on its own
+
+    buffer = DataBuffer()
+    buffer.add(trajs)
+    kept, _ = buffer.take_batch()
+    assert buffer.ledger["dropped/env_error"] == len(hit)
+    assert not any(t.status is Status.ENV_ERROR for t in kept)
+    batch = Batch.collate(kept, tokenizer.pad_token_id, [1.0] * len(kept))
+    assert float(batch.loss_mask.sum()) == sum(t.num_generated for t in kept)
+
+
+def tool_outputs(trajs):
+    return [[m["content"] for m in t.messages if m["role"] == "tool"] for t in trajs]
+
+
+def test_record_then_replay_with_every_live_call_crashing(tmp_path, tokenizer, limits):
+    db = tmp_path / "tools.sqlite"
+    # Recorded tools are non-deterministic: a third of the calls return seeded garbage.
+    record = ToolsConfig(replay=ReplayConfig(path=str(db), mode="record"),
+                         faults=FaultConfig(garbage_prob=0.3, seed=11))
+    stack = ToolStack(record, tmp_path)
+    recorded = expert_episodes(stack, tokenizer, limits, n=20)
+    stack.close()
+    garbage = sum(not o.lstrip("-").isdigit() for outs in tool_outputs(recorded) for o in outs)
+    assert garbage > 0
+
+    # Replay with the tools disabled: any call that reached them would crash.
+    replay = ToolsConfig(replay=ReplayConfig(path=str(db), mode="replay"),
+                         faults=FaultConfig(crash_prob=1.0))
+    stack = ToolStack(replay, tmp_path)
+    replayed = expert_episodes(stack, tokenizer, limits, n=20)
+    assert stack.store.misses == 0
+    assert tool_outputs(replayed) == tool_outputs(recorded)
+    assert [t.token_ids for t in replayed] == [t.token_ids for t in recorded]
+
+
+def test_gate_reports_the_failing_tool(tmp_path, tokenizer, limits):
+    stack = ToolStack(faulty(timeout=0.0, crash=0.2), tmp_path)
+    expert_episodes(stack, tokenizer, limits, n=30)
+    report = stack.probe_report()
+    assert report.failing() and "calculate" in report.failing()
+    try:
+        report.check()
+    except RuntimeError as e:
+        assert "calculate succeeded" in str(e) and "env_error" in str(e)
+    else:
+        raise AssertionError("the gate let a 20%-crashing tool through")
+    healthy = ToolStack(ToolsConfig(), tmp_path)
+    expert_episodes(healthy, tokenizer, limits, n=10)
+    assert healthy.probe_report().failing() == {}
