@@ -34,3 +34,20 @@ def model(calc_model_dir):
 @pytest.fixture()
 def limits():
     return EpisodeLimits(max_turns=6, max_episode_tokens=512)
+
+
+@pytest.fixture(scope="session")
+def calc_sft_dir(calc_model_dir, tmp_path_factory):
+    """The tiny calculator model after a one-step SFT, saved like `train` saves it: the common
+    starting point of the RL tests (model.path=<this>, sft.enabled=false)."""
+    from tiller.config import load_config
+    from tiller.controller import Run
+
+    cfg = load_config("configs/calculator.yaml", [
+        f"model.path={calc_model_dir}", "model.build=null", "sft.tasks=32", "sft.epochs=1",
+        "logging.progress=false", "logging.tensorboard=false"])
+    run = Run(cfg, tmp_path_factory.mktemp("sft_run"))
+    run.sft()
+    path = run.save("sft")
+    run.logger.close()
+    return path

@@ -7,6 +7,7 @@ the ledger's counts go to the metrics, so nothing is lost silently.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -25,6 +26,21 @@ class DataBuffer:
                 self.ledger[f"dropped/{t.status.value}"] += 1
                 continue
             self.groups[t.task_id].append(t)
+
+    def zero_variance_groups(self, reward: Callable[[Trajectory], float]) -> list[str]:
+        """Task ids of the buffered groups whose rewards are all equal (a group of one too):
+        a group baseline gives them A = 0, so they carry no gradient."""
+        return [task for task, members in self.groups.items()
+                if len({reward(t) for t in members}) <= 1]
+
+    def drop_groups(self, tasks: Iterable[str], reason: str) -> int:
+        """Remove whole groups, counted in the ledger as `filtered/<reason>`; returns how many
+        trajectories went."""
+        gone = 0
+        for task in tasks:
+            gone += len(self.groups.pop(task))
+        self.ledger[f"filtered/{reason}"] += gone
+        return gone
 
     def take_batch(self) -> tuple[list[Trajectory], torch.Tensor]:
         """All buffered groups as one batch, with each trajectory's group index."""

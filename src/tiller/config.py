@@ -7,11 +7,22 @@ same validation.
 
 from __future__ import annotations
 
+import copy
+import inspect
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 
 class ConfigError(Exception):
@@ -75,14 +86,234 @@ class SFTConfig(_Section):
     warmup_steps: int = Field(20, ge=0)
 
 
+class KLConfig(_Section):
+    """KL(pi || pi_ref). beta = 0 means no reference model at all (no reference forward)."""
+
+    beta: float = Field(0.0, ge=0.0)
+    estimator: str | None = Field(None, description="k1 | k2 | k3 (default k3); placement loss")
+    placement: Literal["loss", "reward"] | None = Field(
+        None, description="loss: + beta * k per token; reward: - beta * k1 from the reward"
+    )
+    off_after: int | None = Field(None, ge=0, description="RL step from which beta is 0")
+
+    @field_validator("estimator")
+    @classmethod
+    def _known_estimator(cls, name: str | None) -> str | None:
+        from .algorithms import KL_ESTIMATORS
+
+        return name if name is None else _registered(name, KL_ESTIMATORS)
+
+
+class DynamicSamplingConfig(_Section):
+    """DAPO: drop zero-variance groups, refill with new groups up to `max_rounds` rounds."""
+
+    enabled: bool = False
+    max_rounds: int | None = Field(
+        None, ge=1, description="generation rounds per step, the first one included (default 3)"
+    )
+
+
+class OverlongConfig(_Section):
+    """Truncated episodes: `mask` them out of the loss, or `soft`-punish their length."""
+
+    mode: Literal["none", "mask", "soft"] = "none"
+    l_cache: int | None = Field(None, ge=1, description="soft buffer (default 20% of l_max)")
+
+
+class CreditConfig(_Section):
+    """Turn-level credit (used when the verifier gives `Reward.turn_rewards`) and key steps."""
+
+    gamma_turn: float | None = Field(None, ge=0.0, le=1.0, description="default 1.0")
+    turn_baseline: Literal["per_turn", "pooled"] | None = Field(
+        None, description="group baseline per turn index, or pooled over turns (default per_turn)"
+    )
+    key_steps: str | None = Field(
+        None, description="dotted path of fn(trajectory, tokenizer) -> 0/1 per token, "
+        "multiplied into the loss mask"
+    )
+
+
+class CriticConfig(_Section):
+    """The value model of the `gae` estimator (PPO)."""
+
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    value_lr: float = Field(1e-3, gt=0)
+    value_clip: float = Field(0.2, gt=0)
+    whiten: bool = Field(True, description="whiten GAE advantages over the batch's tokens")
+
+
+def _registered(name: str, registry: Any) -> str:
+    if name not in registry:
+        raise PydanticCustomError(
+            "unknown_name", "expected one of: {names}", {"names": ", ".join(sorted(registry))}
+        )
+    return name
+
+
+# An ignorable knob: (dotted name, is it used by this algorithm?, what uses it). A knob the final
+# algorithm ignores must stay unset: setting it is an error naming it, never a silent no-op.
+_IGNORABLE: list[tuple[str, Callable[[AlgorithmConfig], bool], str]] = [
+    ("clip_ratio_c", lambda a: a.policy_loss == "ppo_clip",
+     "only policy_loss 'ppo_clip' has a dual clip (GSPO clips its sequence ratio instead)"),
+    ("l_max", lambda a: a.aggregation == "seq-mean-token-sum-norm" or a.overlong.mode == "soft",
+     "only aggregation 'seq-mean-token-sum-norm' and overlong.mode 'soft' use it"),
+    ("kl.placement", lambda a: a.kl.beta > 0, "used only when kl.beta > 0"),
+    ("kl.off_after", lambda a: a.kl.beta > 0, "used only when kl.beta > 0"),
+    ("kl.estimator", lambda a: a.kl.beta > 0 and a.kl.placement != "reward",
+     "used only when kl.beta > 0 and kl.placement is 'loss' (the reward penalty is k1)"),
+    ("dynamic_sampling.max_rounds", lambda a: a.dynamic_sampling.enabled,
+     "used only when dynamic_sampling.enabled is true"),
+    ("overlong.l_cache", lambda a: a.overlong.mode == "soft",
+     "used only when overlong.mode is 'soft'"),
+    ("credit.gamma_turn", lambda a: a.advantage != "gae",
+     "not used by advantage 'gae' (turn rewards enter GAE per token, discounted by critic.gamma)"),
+    ("credit.turn_baseline", lambda a: a.advantage != "gae",
+     "not used by advantage 'gae' (the critic is the baseline)"),
+    ("critic", lambda a: a.advantage == "gae", "only advantage 'gae' has a critic"),
+]
+
+
+def _get(tree: Any, dotted: str) -> Any:
+    for key in dotted.split("."):
+        if not isinstance(tree, dict) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree
+
+
+def _pop(tree: dict[str, Any], dotted: str) -> None:
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        tree = tree.get(key) or {}
+    tree.pop(leaf, None)
+
+
+def _put(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set a dotted key unless the tree already holds a value there (fills defaults only)."""
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        if tree.get(key) is None:
+            tree[key] = {}
+        tree = tree[key]
+    if tree.get(leaf) is None:
+        tree[leaf] = value
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
 class AlgorithmConfig(_Section):
+    """Every estimator and loss of ALGORITHMS.md, chosen by name (see docs/algorithms.md).
+
+    Resolution: the `preset` (if any) gives defaults, the user's keys override them; a knob the
+    resulting algorithm ignores is an error if the user set it (a preset's own value is just
+    dropped); unset knobs the algorithm uses get their defaults (e.g. the clip range is the
+    chosen loss's own default, so `gspo` gets 3e-4 / 4e-4, never PPO's 0.2). The resolved
+    config is what a run saves, and it loads back to itself.
+    """
+
+    preset: str | None = Field(None, description="grpo | dapo | dr_grpo | gspo | ppo | rloo | "
+                               "reinforce_pp: a set of defaults for the knobs below")
     advantage: str = "grpo"
     policy_loss: str = "ppo_clip"
+    eps_low: float | None = Field(None, ge=0.0, description="default: the loss's own")
+    eps_high: float | None = Field(None, ge=0.0, description="default: the loss's own")
+    clip_ratio_c: float | None = Field(None, gt=1.0, description="dual clip (ppo_clip only)")
+    entropy_coef: float = Field(0.0, ge=0.0, description="entropy bonus: L -= coef * H")
     aggregation: str = "token-mean"
-    eps_low: float = Field(0.2, ge=0.0)
-    eps_high: float = Field(0.2, ge=0.0)
-    kl_beta: float = Field(0.0, ge=0.0, description="k3 KL to the reference; 0 = no reference")
-    kl_estimator: str = "k3"
+    l_max: int | None = Field(
+        None, ge=1, description="max generated tokens per episode (default: the env's budget, "
+        "min(env.max_turns * sampling.max_new_tokens, env.max_episode_tokens))"
+    )
+    tis_c: float | None = Field(None, gt=0.0, description="truncated importance sampling cap "
+                                "C (2 is usual); null = off")
+    kl: KLConfig = Field(default_factory=KLConfig)
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig)
+    credit: CreditConfig = Field(default_factory=CreditConfig)
+    critic: CriticConfig | None = Field(None, description="advantage 'gae' only")
+
+    @field_validator("advantage")
+    @classmethod
+    def _known_advantage(cls, name: str) -> str:
+        from .algorithms import ADVANTAGES
+
+        # gae is per token and needs a critic, so it is not in the outcome-estimator registry
+        return _registered(name, [*ADVANTAGES, "gae"])
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _known_loss(cls, name: str) -> str:
+        from .algorithms import POLICY_LOSSES
+
+        return _registered(name, POLICY_LOSSES)
+
+    @field_validator("aggregation")
+    @classmethod
+    def _known_aggregation(cls, name: str) -> str:
+        from .algorithms import AGGREGATIONS
+
+        return _registered(name, AGGREGATIONS)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _resolve(cls, data: Any, handler: Callable[[Any], AlgorithmConfig]) -> AlgorithmConfig:
+        if not isinstance(data, dict):  # an instance (already resolved) or an assignment
+            return handler(data)
+        from .presets import PRESETS
+
+        user = copy.deepcopy(data)
+        preset = user.get("preset")
+        if preset is not None and preset not in PRESETS:
+            raise ConfigError(f"config field rl.algorithm.preset: got {preset!r}; "
+                              f"expected one of: {', '.join(PRESETS)}")
+        base = copy.deepcopy(PRESETS.get(preset, {}))
+        if "policy_loss" in user:  # a preset's clip range belongs to the preset's loss
+            base.pop("eps_low", None), base.pop("eps_high", None)
+        merged = _merge(base, user)
+        typed = handler(merged)  # types and ranges first, so the rules below read clean values
+        for knob, used, why in _IGNORABLE:
+            if _get(merged, knob) is None or used(typed):
+                continue
+            mine = _get(user, knob)
+            if mine is not None:
+                if isinstance(mine, dict):  # a section: name its first key
+                    knob, mine = next(((f"{knob}.{k}", v) for k, v in mine.items()), (knob, mine))
+                raise ConfigError(f"config field rl.algorithm.{knob}: got {mine!r}; the algorithm "
+                                  f"ignores it: {why}")
+            _pop(merged, knob)  # the preset's value for a part the overrides switched off
+        typed = handler(merged)
+        return handler(_fill_defaults(merged, typed))
+
+
+def _fill_defaults(merged: dict[str, Any], a: AlgorithmConfig) -> dict[str, Any]:
+    """The resolved values of the knobs this algorithm uses and the user left unset."""
+    from .algorithms import POLICY_LOSSES
+
+    params = inspect.signature(POLICY_LOSSES[a.policy_loss]).parameters
+    for knob in ("eps_low", "eps_high"):
+        if knob in params:
+            _put(merged, knob, params[knob].default)
+    if a.kl.beta > 0:
+        _put(merged, "kl.placement", "loss")
+        if a.kl.placement in (None, "loss"):
+            _put(merged, "kl.estimator", "k3")
+    if a.dynamic_sampling.enabled:
+        _put(merged, "dynamic_sampling.max_rounds", 3)
+    if a.advantage == "gae":
+        merged["critic"] = merged.get("critic") or {}
+    else:
+        _put(merged, "credit.gamma_turn", 1.0)
+        _put(merged, "credit.turn_baseline", "per_turn")
+    return merged
 
 
 class RLConfig(_Section):
@@ -94,12 +325,21 @@ class RLConfig(_Section):
     max_grad_norm: float = Field(1.0, gt=0)
     mini_batches: int = Field(1, ge=1, description="optimizer steps per rollout batch")
     micro_batch_size: int = Field(32, ge=1)
-    algorithm: AlgorithmConfig = AlgorithmConfig()
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
 
 
 class EvalConfig(_Section):
     tasks: int = Field(256, ge=1)
     temperature: float = Field(1.0, ge=0.0, description="1.0 = pass@1 of the sampling policy")
+    samples_per_task: int = Field(1, ge=1, description="n samples per task (n >= pass_k)")
+    pass_k: int = Field(1, ge=1, description="also report unbiased pass@k when k > 1")
+
+    @model_validator(mode="after")
+    def _enough_samples(self) -> EvalConfig:
+        if self.pass_k > self.samples_per_task:
+            raise ConfigError(f"config field eval.pass_k: got {self.pass_k}; pass@k needs "
+                              f"eval.samples_per_task >= k, got {self.samples_per_task}")
+        return self
 
 
 class LoggingConfig(_Section):
@@ -122,6 +362,25 @@ class Config(_Section):
     eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
     max_batch_size: int = Field(128, ge=1, description="engine: episodes generated at once")
+
+    @property
+    def l_max(self) -> int:
+        """Max generated tokens per episode: rl.algorithm.l_max, or the episode's budget."""
+        budget = min(self.env.max_turns * self.sampling.max_new_tokens,
+                     self.env.max_episode_tokens)
+        return self.rl.algorithm.l_max or budget
+
+    @property
+    def l_cache(self) -> int:
+        """DAPO's soft-overlong buffer: overlong.l_cache, or 20% of l_max (4096 of 20480)."""
+        return self.rl.algorithm.overlong.l_cache or max(1, round(0.2 * self.l_max))
+
+    @model_validator(mode="after")
+    def _overlong_fits(self) -> Config:
+        if self.rl.algorithm.overlong.mode == "soft" and self.l_cache >= self.l_max:
+            raise ConfigError(f"config field rl.algorithm.overlong.l_cache: got {self.l_cache}; "
+                              f"expected less than l_max = {self.l_max}")
+        return self
 
 
 def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import importlib
+import itertools
 import json
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -31,16 +33,19 @@ from .agent_loop import (
     load_episode_fn,
     run_episode,
 )
-from .algorithms import ADVANTAGES
+from .algorithms.advantages import overlong_penalty
+from .algorithms.credit import apply_key_steps
+from .algorithms.kl import kl_beta_at
 from .buffer import DataBuffer
 from .config import BuildConfig, Config, ConfigError
+from .critic import Critic
 from .engine import EmbeddedEngine, SamplingParams
 from .envs import ENVS, Env, Task
 from .evaluation import is_success, success_summary
 from .models import build_tiny_model, load_model, load_tokenizer, train_tokenizer
 from .observe import MetricsLogger, progress
 from .trainer import Batch, Trainer
-from .trajectory import Trajectory
+from .trajectory import Status, Trajectory
 
 
 def resolve_env(name: str) -> type[Env]:
@@ -50,17 +55,30 @@ def resolve_env(name: str) -> type[Env]:
     return ENVS[name]
 
 
-def check_algorithm(cfg: Config) -> None:
-    """Registry names are checked before any work starts."""
-    from .algorithms import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+KeyStepFn = Callable[[Trajectory, Any], Sequence[float]]
 
-    alg = cfg.rl.algorithm
-    for field, registry in [("advantage", ADVANTAGES), ("policy_loss", POLICY_LOSSES),
-                            ("aggregation", AGGREGATIONS), ("kl_estimator", KL_ESTIMATORS)]:
-        value = getattr(alg, field)
-        if value not in registry:
-            raise ConfigError(f"config field rl.algorithm.{field}: got {value!r}; "
-                              f"expected one of: {', '.join(sorted(registry))}")
+
+def load_key_steps(path: str | None) -> KeyStepFn | None:
+    """The key-step mask hook `package.module:function` (fn(trajectory, tokenizer) -> one 0/1
+    per token of trajectory.token_ids), or None when unset."""
+    if path is None:
+        return None
+    module, _, name = path.partition(":") if ":" in path else path.rpartition(".")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"config field rl.algorithm.credit.key_steps: got {path!r}; "
+                          f"cannot import it: {e}") from e
+    if not callable(fn):
+        raise ConfigError(f"config field rl.algorithm.credit.key_steps: got {path!r}; "
+                          "expected a callable")
+    return fn
+
+
+def check_algorithm(cfg: Config) -> None:
+    """What the config cannot check by itself (registry names and the ignored-knob rule are
+    validated when it loads) is checked before any work starts: the key-step hook imports."""
+    load_key_steps(cfg.rl.algorithm.credit.key_steps)
 
 
 class Run:
@@ -174,54 +192,126 @@ class Run:
                 "expert_success": float(np.mean([is_success(d) for d in demos]))}
 
     def evaluate(self, tasks: Sequence[Task], label: str) -> dict[str, float]:
+        """Held-out success: eval.samples_per_task samples per task, pass@1 (= `success`) and,
+        with eval.pass_k > 1, unbiased pass@k, each with a 95% bootstrap CI over tasks."""
+        ev = self.cfg.eval
         t0 = time.perf_counter()
-        params = self._sampling(self.cfg.eval.temperature)
+        params = self._sampling(ev.temperature)
         with progress(self.cfg.logging.progress) as bars:
-            bar = bars.add_task(f"eval ({label})", total=len(tasks), info="")
-            trajs = asyncio.run(
-                self._episodes(tasks, 1, params, ("eval", label), lambda: bars.advance(bar))
-            )
-        summary = success_summary(trajs, seed=self.cfg.seed)
+            bar = bars.add_task(f"eval ({label})", total=len(tasks) * ev.samples_per_task,
+                                info="")
+            trajs = asyncio.run(self._episodes(tasks, ev.samples_per_task, params,
+                                               ("eval", label), lambda: bars.advance(bar)))
+        summary = success_summary(trajs, seed=self.cfg.seed, k=ev.pass_k)
         summary["time_s"] = time.perf_counter() - t0
         summary.update(rollout_metrics(trajs))
         self.logger.log(f"eval_{label}", self.trainer.version, summary)
         self.timings[f"eval_{label}_s"] = summary["time_s"]
         return summary
 
+    def train_reward(self, t: Trajectory) -> float:
+        """The reward RL trains on: the verifier's value, plus DAPO's soft overlong penalty
+        (0 up to l_max - l_cache generated tokens, down to -1 at l_max) when it is on."""
+        if self.cfg.rl.algorithm.overlong.mode != "soft":
+            return t.reward.value
+        length = torch.tensor(float(t.num_generated))
+        return t.reward.value + float(overlong_penalty(length, self.cfg.l_max, self.cfg.l_cache))
+
+    def _sample_groups(self, step: int, tasks: Iterator[Task], buffer: DataBuffer
+                       ) -> tuple[list[Trajectory], dict[str, float]]:
+        """Roll out this step's groups into the buffer.
+
+        With dynamic sampling, groups whose training rewards are all equal are filtered out
+        (ledger: `filtered/zero_variance`) and the missing number of groups is sampled again,
+        until `tasks_per_step` groups have signal or `max_rounds` rounds ran; then the step
+        trains on what there is. Without it, such groups stay in the batch (A = 0) and are only
+        counted. Returns every trajectory sampled, for the rollout metrics, and the counts.
+        """
+        cfg = self.cfg.rl
+        ds = cfg.algorithm.dynamic_sampling
+        sampled: list[Trajectory] = []
+        groups = flat = rounds = 0
+        for r in range((ds.max_rounds or 1) if ds.enabled else 1):
+            batch_tasks = list(itertools.islice(tasks, cfg.tasks_per_step - len(buffer.groups)))
+            if not batch_tasks:
+                break
+            tag = ("rl", step) if r == 0 else ("rl", step, r)
+            trajs = asyncio.run(self._episodes(batch_tasks, cfg.group_size, self.params, tag))
+            sampled += trajs
+            rounds += 1
+            before = len(buffer.groups)
+            buffer.add(trajs)
+            groups += len(buffer.groups) - before
+            zero = buffer.zero_variance_groups(self.train_reward)  # earlier ones were dropped
+            flat += len(zero)
+            if ds.enabled:
+                buffer.drop_groups(zero, "zero_variance")
+        stats = {"zero_variance_group_frac": flat / max(groups, 1),
+                 "groups_kept": float(len(buffer.groups)),
+                 "rollout_tokens": float(sum(t.num_generated for t in sampled))}
+        if ds.enabled:
+            stats.update(sampling_rounds=float(rounds), groups_dropped=float(flat))
+        return sampled, stats
+
+    def _rl_batch(self, kept: list[Trajectory], group_index: torch.Tensor,
+                  key_steps: KeyStepFn | None) -> tuple[Batch, dict[str, float]]:
+        """The training batch: shaped rewards, and the loss mask narrowed by overlong masking
+        (truncated episodes leave the loss but keep their place in the group statistics) and
+        by the key-step hook."""
+        alg = self.cfg.rl.algorithm
+        batch = Batch.collate(kept, self.tokenizer.pad_token_id,
+                              [self.train_reward(t) for t in kept], group_index)
+        stats: dict[str, float] = {}
+        if alg.overlong.mode == "mask":
+            cut = torch.tensor([t.status is Status.TRUNCATED for t in kept])
+            batch.loss_mask[cut] = 0.0
+            stats["overlong_masked"] = float(cut.sum())
+        if key_steps is not None:
+            for i, t in enumerate(kept):
+                n = len(t.token_ids)
+                key = torch.as_tensor(key_steps(t, self.tokenizer), dtype=torch.float)
+                batch.loss_mask[i, :n] = apply_key_steps(batch.loss_mask[i, :n], key)
+        return batch, stats
+
     def rl(self) -> None:
         cfg = self.cfg.rl
+        alg = cfg.algorithm
         t0 = time.perf_counter()
         self.trainer.set_optimizer(cfg.lr, cfg.weight_decay)
-        tasks = self.env_cls.make_tasks("train", max(cfg.steps * cfg.tasks_per_step, 1),
-                                        self.cfg.seed + 3, self.cfg.env.difficulty)
-        advantage = ADVANTAGES[cfg.algorithm.advantage]
-        ref_model = copy.deepcopy(self.model).eval() if cfg.algorithm.kl_beta > 0 else None
+        # dynamic sampling may draw up to max_rounds times the tasks of a plain run
+        rounds = alg.dynamic_sampling.max_rounds if alg.dynamic_sampling.enabled else 1
+        n_tasks = max(cfg.steps * cfg.tasks_per_step * (rounds or 1), 1)
+        tasks = iter(self.env_cls.make_tasks("train", n_tasks, self.cfg.seed + 3,
+                                             self.cfg.env.difficulty))
+        # kl.beta = 0 (or switched off from the start): no reference model exists or runs
+        self.ref_model = (copy.deepcopy(self.model).eval()
+                          if kl_beta_at(0, alg.kl.beta, alg.kl.off_after) > 0 else None)
+        self.critic = Critic(self.model, alg.critic) if alg.critic is not None else None
+        key_steps = load_key_steps(alg.credit.key_steps)
         buffer = DataBuffer()
         with progress(self.cfg.logging.progress) as bars:
-            bar = bars.add_task("GRPO", total=cfg.steps, info="")
+            bar = bars.add_task(f"RL ({alg.preset or alg.advantage})", total=cfg.steps, info="")
             for step in range(cfg.steps):
                 ts = time.perf_counter()
-                batch_tasks = tasks[step * cfg.tasks_per_step : (step + 1) * cfg.tasks_per_step]
-                trajs = asyncio.run(
-                    self._episodes(batch_tasks, cfg.group_size, self.params, ("rl", step))
-                )
+                if kl_beta_at(step, alg.kl.beta, alg.kl.off_after) == 0:
+                    self.ref_model = None  # the schedule switched the KL off: free the copy
+                sampled, m = self._sample_groups(step, tasks, buffer)
                 t_roll = time.perf_counter() - ts
-                buffer.add(trajs)
                 kept, group_index = buffer.take_batch()
-                rewards = torch.tensor([t.reward.value for t in kept], dtype=torch.float)
-                adv = advantage(rewards, group_index)
-                batch = Batch.collate(kept, self.tokenizer.pad_token_id, adv.tolist())
-                m = self.trainer.rl_step(batch, cfg, self.cfg.env.max_episode_tokens, ref_model)
-                self.push_weights()
-                m.update(rollout_metrics(trajs))
-                m.update(zero_variance_group_frac=zero_variance_frac(rewards, group_index),
-                         rollout_s=t_roll, step_s=time.perf_counter() - ts,
-                         version=self.trainer.version)
+                if kept:
+                    batch, mask_stats = self._rl_batch(kept, group_index, key_steps)
+                    m.update(mask_stats)
+                    m.update(self.trainer.rl_step(batch, cfg, self.cfg.l_max, self.ref_model,
+                                                  self.critic, step))
+                    self.push_weights()
+                m.update(rollout_metrics(sampled))
+                m.update(rollout_s=t_roll, step_s=time.perf_counter() - ts,
+                         version=self.trainer.version, skipped=float(not kept))
                 m.update({f"ledger/{k}": v for k, v in buffer.ledger.items()})
                 self.logger.log("rl", step + 1, m)
                 bars.update(bar, advance=1, info=(
                     f"reward={m['reward_mean']:.2f} success={m['success_rate']:.2f} "
-                    f"mismatch={m['logp_mismatch_max']:.1e}"))
+                    f"zero_var={m['zero_variance_group_frac']:.2f}"))
         self.timings["rl_s"] = time.perf_counter() - t0
 
     def save(self, name: str = "final") -> Path:
@@ -262,14 +352,6 @@ def build_env_model(env_cls: type[Env], out: Path, build: BuildConfig, *, seed: 
     return build_tiny_model(out, corpus, vocab_size=build.vocab_size,
                             hidden_size=build.hidden_size, num_layers=build.num_layers,
                             num_heads=build.num_heads, seed=seed)
-
-
-def zero_variance_frac(rewards: torch.Tensor, group_index: torch.Tensor) -> float:
-    groups = group_index.unique()
-    if groups.numel() == 0:
-        return 0.0
-    flat = [bool((rewards[group_index == g] == rewards[group_index == g][0]).all()) for g in groups]
-    return float(np.mean(flat))
 
 
 def rollout_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""Evaluation figures: success rates with bootstrap confidence intervals.
+"""Evaluation figures: success rates and pass@k with bootstrap confidence intervals.
 
 Every figure carries its 95% interval and the number of tasks and samples behind it; the
 interval resamples tasks (not samples), since tasks are the unit that varies between runs.
@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .algorithms.passk import pass_at_k
 from .trajectory import Trajectory
 
 
@@ -31,17 +32,28 @@ def bootstrap_ci(
     return float(lo), float(hi)
 
 
-def success_summary(trajectories: Sequence[Trajectory], seed: int = 0) -> dict[str, float]:
-    """Mean success (pass@1 over samples, averaged per task) with its 95% bootstrap CI."""
+def success_summary(
+    trajectories: Sequence[Trajectory], seed: int = 0, k: int = 1
+) -> dict[str, float]:
+    """Mean success = pass@1 (c / n per task, averaged over tasks) with its 95% bootstrap CI,
+    and with k > 1 the unbiased pass@k (`pass_at_k`, n >= k samples per task) with its own CI
+    under `pass@k`, `pass@k_ci_low`, `pass@k_ci_high`. pass@1 rising while pass@k falls is the
+    sign of entropy collapse."""
     by_task: dict[str, list[float]] = defaultdict(list)
     for t in trajectories:
         by_task[t.task_id].append(float(is_success(t)))
     per_task = [float(np.mean(v)) for v in by_task.values()]
     lo, hi = bootstrap_ci(per_task, seed=seed)
-    return {
+    summary = {
         "success": float(np.mean(per_task)) if per_task else float("nan"),
         "ci_low": lo,
         "ci_high": hi,
         "tasks": len(per_task),
         "samples": len(trajectories),
     }
+    if k > 1:
+        at_k = [pass_at_k(len(v), int(sum(v)), k) for v in by_task.values()]
+        lo_k, hi_k = bootstrap_ci(at_k, seed=seed)
+        summary.update({f"pass@{k}": float(np.mean(at_k)) if at_k else float("nan"),
+                        f"pass@{k}_ci_low": lo_k, f"pass@{k}_ci_high": hi_k})
+    return summary

@@ -7,34 +7,50 @@ log-probability of token t given tokens < t, so it lines up with `loss_mask` and
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from .algorithms import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
-from .algorithms.offpolicy import mismatch_stats
-from .config import RLConfig
+from .algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from .algorithms.advantages import gae_advantages, last_token_rewards, whiten
+from .algorithms.credit import broadcast_turns, turn_advantages, turn_returns
+from .algorithms.kl import kl_beta_at, kl_in_reward
+from .algorithms.losses import entropy_bonus
+from .algorithms.offpolicy import mismatch_stats, tis_weights
+from .config import AlgorithmConfig, RLConfig
 from .trajectory import Trajectory
 from .weight_sync import WeightUpdate
+
+if TYPE_CHECKING:
+    from .critic import Critic
 
 
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # [B, T] long, right-padded
     attention_mask: torch.Tensor  # [B, T] long
-    loss_mask: torch.Tensor  # [B, T] float, 1 on generated tokens
+    loss_mask: torch.Tensor  # [B, T] float, 1 on generated tokens (the loss's m)
     rollout_logprobs: torch.Tensor  # [B, T] float, the engine's logprob on generated tokens
-    advantages: torch.Tensor  # [B, T] float, broadcast per token
+    rewards: torch.Tensor  # [B] float, each trajectory's outcome reward (after shaping)
+    group_index: torch.Tensor  # [B] long, the group (task instance) of each row
+    turn_spans: tuple[tuple[tuple[int, int], ...], ...] = ()  # each row's generated turns
+    turn_rewards: torch.Tensor | None = None  # [B, K] per-turn rewards (without the outcome)
 
     @classmethod
     def collate(
         cls,
         trajectories: Sequence[Trajectory],
         pad_token_id: int,
-        advantages: Sequence[float] | None = None,
+        rewards: Sequence[float] | None = None,
+        group_index: Sequence[int] | torch.Tensor | None = None,
     ) -> Batch:
+        """Right-pad trajectories into tensors. `rewards` default to each `reward.value`,
+        `group_index` to one group per task id; `turn_rewards` is set when any verifier gave
+        per-turn rewards (turn-level credit), padded with 0 to the longest episode's turns."""
         width = max(len(t.token_ids) for t in trajectories)
         n = len(trajectories)
         ids = torch.full((n, width), pad_token_id, dtype=torch.long)
@@ -47,13 +63,98 @@ class Batch:
             attn[i, :k] = 1
             mask[i, :k] = torch.tensor(t.loss_mask, dtype=torch.float)
             lp[i, :k] = torch.tensor(t.logprobs)
-        adv = torch.zeros((n, 1)) if advantages is None else torch.tensor(advantages)[:, None]
-        return cls(ids, attn, mask, lp, adv.float() * mask)
+        if rewards is None:
+            rewards = [t.reward.value for t in trajectories]
+        if group_index is None:
+            ids_of: dict[str, int] = {}
+            group_index = [ids_of.setdefault(t.task_id, len(ids_of)) for t in trajectories]
+        turn_rewards = None
+        if any(t.reward.turn_rewards is not None for t in trajectories):
+            turn_rewards = torch.zeros((n, max(t.num_turns for t in trajectories)))
+            for i, t in enumerate(trajectories):
+                given = (t.reward.turn_rewards or ())[: t.num_turns]
+                turn_rewards[i, : len(given)] = torch.tensor(given, dtype=torch.float)
+        return cls(ids, attn, mask, lp, torch.tensor(rewards, dtype=torch.float),
+                   torch.as_tensor(group_index, dtype=torch.long),
+                   tuple(t.turn_spans for t in trajectories), turn_rewards)
 
     def rows(self, index: torch.Tensor) -> Batch:
-        """A sub-batch, trimmed to its own longest row."""
+        """A sub-batch for one gradient pass, trimmed to its own longest row (the turn
+        structure stays behind: advantages are computed on the whole batch first)."""
         width = int(self.attention_mask[index].sum(-1).max())
-        return Batch(*(getattr(self, f)[index, :width] for f in self.__dataclass_fields__))
+        return Batch(self.input_ids[index, :width], self.attention_mask[index, :width],
+                     self.loss_mask[index, :width], self.rollout_logprobs[index, :width],
+                     self.rewards[index], self.group_index[index])
+
+
+def _turn_sums(x: torch.Tensor, spans: Sequence[Sequence[tuple[int, int]]], turns: int
+               ) -> torch.Tensor:
+    """[B, turns]: the sum of per-token x over each turn's tokens."""
+    out = x.new_zeros((x.size(0), turns))
+    for i, row in enumerate(spans):
+        for k, (start, end) in enumerate(row):
+            out[i, k] = x[i, start:end].sum()
+    return out
+
+
+def _at_turn_ends(turn_values: torch.Tensor, spans: Sequence[Sequence[tuple[int, int]]],
+                  width: int) -> torch.Tensor:
+    """[B, width]: each turn's value on that turn's last generated token, 0 elsewhere."""
+    out = turn_values.new_zeros((turn_values.size(0), width))
+    for i, row in enumerate(spans):
+        for k, (start, end) in enumerate(row):
+            if end > start:
+                out[i, end - 1] += turn_values[i, k]
+    return out
+
+
+def compute_advantages(
+    batch: Batch,
+    alg: AlgorithmConfig,
+    values: torch.Tensor | None = None,
+    kl_reward: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token advantages [B, T] (0 off the loss mask) and, for `gae`, the value targets.
+
+    `kl_reward` is the per-token KL-in-reward term -beta * k1 (`kl_in_reward`), or None. The
+    reward it joins depends on the estimator, so every path sees the same penalty:
+    - `gae`: per-token rewards = outcome on the last generated token + per-turn rewards on each
+      turn's last token + kl_reward; then GAE over masked-in tokens (critic settings);
+    - turn-level credit (the batch has `turn_rewards`): turn k's reward is its per-turn reward
+      (+ the outcome on the last turn) + the turn's summed kl_reward, returns discounted by
+      gamma_turn, the group baseline per turn index or pooled (`reinforce_pp` takes dr_grpo's
+      group mean, then whitens over tokens), broadcast to each turn's tokens;
+    - outcome estimators: r_i + sum_t kl_reward_{i,t}, then the named estimator, broadcast.
+    """
+    mask = batch.loss_mask
+    if alg.advantage == "gae":
+        assert values is not None and alg.critic is not None, "gae needs the critic's values"
+        token_rewards = last_token_rewards(batch.rewards, mask)
+        if batch.turn_rewards is not None:
+            token_rewards = token_rewards + _at_turn_ends(batch.turn_rewards, batch.turn_spans,
+                                                          mask.size(1))
+        if kl_reward is not None:
+            token_rewards = token_rewards + kl_reward
+        c = alg.critic
+        return gae_advantages(token_rewards, values, mask, c.gamma, c.lam, c.whiten, eps)
+    if batch.turn_rewards is not None:
+        turns = batch.turn_rewards.size(1)
+        counts = torch.tensor([len(s) for s in batch.turn_spans])
+        turn_mask = (torch.arange(turns)[None, :] < counts[:, None]).float()
+        per_turn = batch.turn_rewards.clone()
+        has_turn = counts > 0
+        per_turn[has_turn, counts[has_turn] - 1] += batch.rewards[has_turn]
+        if kl_reward is not None:
+            per_turn = per_turn + _turn_sums(kl_reward, batch.turn_spans, turns)
+        estimator = "dr_grpo" if alg.advantage == "reinforce_pp" else alg.advantage
+        turn_adv = turn_advantages(turn_returns(per_turn, alg.credit.gamma_turn), turn_mask,
+                                   batch.group_index, estimator, alg.credit.turn_baseline, eps)
+        adv = broadcast_turns(turn_adv, batch.turn_spans, mask.size(1)) * mask
+        return (whiten(adv, mask, eps) if alg.advantage == "reinforce_pp" else adv), None
+    rewards = batch.rewards if kl_reward is None else batch.rewards + kl_reward.sum(-1)
+    adv = ADVANTAGES[alg.advantage](rewards, batch.group_index, eps, tokens_per_seq=mask.sum(-1))
+    return adv[:, None] * mask, None
 
 
 def token_logprobs(
@@ -80,6 +181,20 @@ def _micro_batches(lengths: torch.Tensor, size: int) -> list[torch.Tensor]:
     """
     order = torch.argsort(lengths, stable=True)
     return [order[i : i + size] for i in range(0, len(order), size)]
+
+
+def minibatches(
+    batch: Batch, mini_batches: int, micro_batch_size: int
+) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """The rows of each optimizer step (strided, so each step sees every group) with their
+    micro-batches; the policy and the critic walk the same partition."""
+    n = len(batch.input_ids)
+    out = []
+    for i in range(mini_batches):
+        mini = torch.arange(n)[i::mini_batches]
+        lengths = batch.attention_mask[mini].sum(-1)
+        out.append((mini, [mini[idx] for idx in _micro_batches(lengths, micro_batch_size)]))
+    return out
 
 
 class Trainer:
@@ -130,67 +245,110 @@ class Trainer:
         return out
 
     def rl_step(
-        self, batch: Batch, cfg: RLConfig, l_max: int, ref_model: nn.Module | None = None
-    ) -> dict:
-        """One policy-gradient update from a rollout batch (`cfg.mini_batches` optimizer steps).
+        self,
+        batch: Batch,
+        cfg: RLConfig,
+        l_max: int,
+        ref_model: nn.Module | None = None,
+        critic: Critic | None = None,
+        step: int = 0,
+    ) -> dict[str, float]:
+        """One update from a rollout batch (`cfg.mini_batches` optimizer steps): advantages by
+        the configured estimator, then the policy loss (+ TIS weight, entropy bonus, KL term),
+        aggregated over the optimizer batch; the critic, when there is one, learns after.
 
         logp_old is recomputed with the weights that sampled the batch; its gap to the engine's
-        logprobs is the rollout-vs-trainer mismatch metric. With one mini-batch the weights do
-        not move before the gradient pass, so that pass's own (detached) logprobs are logp_old
-        and the separate no-grad pass is skipped.
+        logprobs is the rollout-vs-trainer mismatch metric. With one mini-batch and no KL in the
+        reward, the weights do not move before the gradient pass, so that pass's own (detached)
+        logprobs are logp_old and the separate no-grad pass is skipped. The reference model
+        runs only while the KL coefficient (`kl_beta_at(step)`) is above 0.
         """
         alg = cfg.algorithm
         mask = batch.loss_mask
-        prepass = cfg.mini_batches > 1
-        logp_old = (
-            self._logprobs(self.model, batch, cfg.micro_batch_size)
-            if prepass
-            else torch.zeros_like(mask)
-        )
-        logp_ref = (
-            self._logprobs(ref_model, batch, cfg.micro_batch_size)
-            if alg.kl_beta > 0 and ref_model is not None
-            else None
-        )
-        n_tok = float(mask.sum())
+        beta = kl_beta_at(step, alg.kl.beta, alg.kl.off_after)
+        if beta > 0 and ref_model is None:
+            raise ValueError("rl.algorithm.kl.beta > 0 needs a reference model")
+        kl_in_loss = beta > 0 and alg.kl.placement == "loss"
+        kl_in_rew = beta > 0 and alg.kl.placement == "reward"
+        prepass = cfg.mini_batches > 1 or kl_in_rew  # the reward penalty needs logp_old first
+        micro = cfg.micro_batch_size
+        logp_old = self._logprobs(self.model, batch, micro) if prepass else torch.zeros_like(mask)
+        logp_ref = self._logprobs(ref_model, batch, micro) if beta > 0 else None
+        values = critic.values(batch, micro) if critic is not None else None
+        kl_reward = None
+        if kl_in_rew:
+            kl_reward = kl_in_reward(torch.zeros_like(mask), logp_old, logp_ref, beta, mask)
+        advantages, returns = compute_advantages(batch, alg, values, kl_reward)
+
         policy_loss = POLICY_LOSSES[alg.policy_loss]
+        loss_kw = {k: v for k, v in [("eps_low", alg.eps_low), ("eps_high", alg.eps_high),
+                                     ("clip_ratio_c", alg.clip_ratio_c)] if v is not None}
         aggregate = AGGREGATIONS[alg.aggregation]
-        sums = {"loss": 0.0, "clip_frac": 0.0, "entropy": 0.0, "kl": 0.0, "grad_norm": 0.0}
+        sums: dict[str, float] = defaultdict(float)
         self.model.train()
-        n = len(batch.input_ids)
-        minis = [torch.arange(n)[i :: cfg.mini_batches] for i in range(cfg.mini_batches)]
-        for mini in minis:
-            mini_tokens = float(mask[mini].sum())
-            for idx in _micro_batches(batch.attention_mask[mini].sum(-1), cfg.micro_batch_size):
-                rows = mini[idx]
+        steps = minibatches(batch, cfg.mini_batches, micro)
+        for mini, micros in steps:
+            # every micro-batch is normalized by its optimizer batch's totals (accumulation
+            # then equals one big batch in every aggregation mode)
+            totals = {"total_tokens": float(mask[mini].sum()), "total_seqs": len(mini),
+                      "l_max": l_max}
+            for rows in micros:
                 mb = batch.rows(rows)
                 width = mb.input_ids.size(1)
                 logp, ent = token_logprobs(self.model, mb, self.temperature, with_entropy=True)
                 if not prepass:
                     logp_old[rows, :width] = logp.detach()
-                old = logp_old[rows, :width]
-                m = mb.loss_mask
-                loss_tok, stats = policy_loss(
-                    logp, old, mb.advantages, m, eps_low=alg.eps_low, eps_high=alg.eps_high
-                )
-                if logp_ref is not None:
-                    kl = KL_ESTIMATORS[alg.kl_estimator](logp, logp_ref[rows, :width])
-                    loss_tok = loss_tok + alg.kl_beta * kl
+                old, m = logp_old[rows, :width], mb.loss_mask
+                loss_tok, stats = policy_loss(logp, old, advantages[rows, :width], m, **loss_kw)
+                if alg.tis_c is not None:
+                    loss_tok = loss_tok * tis_weights(old, mb.rollout_logprobs, alg.tis_c)
+                if alg.entropy_coef > 0:
+                    loss_tok = entropy_bonus(loss_tok, ent, alg.entropy_coef)
+                if kl_in_loss:
+                    kl = KL_ESTIMATORS[alg.kl.estimator](logp, logp_ref[rows, :width])
+                    loss_tok = loss_tok + beta * kl
                     sums["kl"] += float((kl.detach() * m).sum())
-                loss = aggregate(loss_tok, m, total_tokens=mini_tokens, total_seqs=len(mini),
-                                 l_max=l_max)
+                loss = aggregate(loss_tok, m, **totals)
                 loss.backward()
                 sums["loss"] += float(loss.detach())
-                sums["clip_frac"] += float((stats["clipped"].detach() * m).sum())
                 sums["entropy"] += float((ent.detach() * m).sum())
+                for key in ("clipped", "clipped_low", "clipped_high", "dual_clipped"):
+                    sums[key] += float(stats[key].sum())  # stats are 0 off the mask
             sums["grad_norm"] += self._step(cfg.max_grad_norm)
+
+        n_tok = max(float(mask.sum()), 1.0)
         metrics = {
             **mismatch_stats(batch.rollout_logprobs, logp_old, mask),
-            "loss": sums["loss"] / len(minis),
-            "grad_norm": sums["grad_norm"] / len(minis),
-            "clip_frac": sums["clip_frac"] / max(n_tok, 1.0),
-            "entropy": sums["entropy"] / max(n_tok, 1.0),
+            **_weight_stats(logp_old, batch.rollout_logprobs, mask, alg.tis_c),
+            "loss": sums["loss"] / len(steps),
+            "grad_norm": sums["grad_norm"] / len(steps),
+            "entropy": sums["entropy"] / n_tok,
+            "clip_frac": sums["clipped"] / n_tok,
+            "clip_frac_low": sums["clipped_low"] / n_tok,
+            "clip_frac_high": sums["clipped_high"] / n_tok,
+            "advantage_abs_mean": float((advantages.abs() * mask).sum()) / n_tok,
         }
-        if logp_ref is not None:
-            metrics["kl"] = sums["kl"] / max(n_tok, 1.0)
+        if alg.clip_ratio_c is not None:
+            metrics["dual_clip_frac"] = sums["dual_clipped"] / n_tok
+        if beta > 0:
+            metrics["kl_beta"] = beta
+            # the estimator in the loss, or k1 (what the reward pays) in the reward
+            metrics["kl"] = (sums["kl"] if kl_in_loss else float(-kl_reward.sum()) / beta) / n_tok
+        if critic is not None:
+            assert values is not None and returns is not None
+            metrics.update(critic.update(batch, returns, values, cfg, l_max))
         return metrics
+
+
+def _weight_stats(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor,
+                  tis_c: float | None) -> dict[str, float]:
+    """Importance weight exp(logp_old - logp_rollout) over masked tokens: its max and, with
+    TIS on, the share of tokens whose weight was truncated at C (the mean is in
+    `mismatch_stats`)."""
+    weight = torch.exp(logp_old - logp_rollout)[mask > 0]
+    if weight.numel() == 0:
+        weight = torch.ones(1)  # no generated token: nothing was reweighted
+    out = {"importance_weight_max": float(weight.max())}
+    if tis_c is not None:
+        out["tis_truncated_frac"] = float((weight > tis_c).float().mean())
+    return out

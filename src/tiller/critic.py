@@ -1,0 +1,113 @@
+"""The critic of PPO (`advantage: gae`): a value model and its clipped-value-loss training.
+
+Design: the value model is a *copy* of the policy's transformer (initialized from the policy's
+weights at the start of RL) with a scalar head, not a value head on the policy's own trunk.
+- The value loss never moves the policy's weights, so the weights the engine samples with, the
+  KL to the reference and the policy's clip statistics mean what they say, and there is no
+  policy-vs-value loss weight to tune.
+- The critic has its own optimizer and learning rate (`critic.value_lr`); critics usually want
+  a larger one than the policy.
+- It costs a second copy of the weights and one more forward/backward per step, which is the
+  usual price (OpenRLHF and verl keep a separate critic too); at tiller's scale it is small.
+
+The head starts at zero, so the first values are 0 and the first GAE advantages are the plain
+(discounted) rewards: the critic can only help from there. Values line up with tokens the way
+log-probabilities do: position t holds V(s_t), the value of the state *before* token t, read
+from the hidden state at t - 1.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from .algorithms import AGGREGATIONS
+from .algorithms.advantages import value_loss
+from .config import CriticConfig, RLConfig
+from .trainer import Batch, minibatches
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var[R - V] / Var[R] over masked-in tokens: 1 when V predicts the returns exactly,
+    0 when it does no better than their mean, negative when worse. NaN if Var[R] = 0."""
+    on = mask > 0
+    r, v = returns[on], values[on]
+    var_r = float(r.var(unbiased=False)) if r.numel() else 0.0
+    if var_r == 0.0:
+        return float("nan")
+    return 1.0 - float((r - v).var(unbiased=False)) / var_r
+
+
+class ValueModel(nn.Module):
+    """V(s_t) at every position: the policy's transformer (copied) and a zero-initialized
+    linear head on its last hidden state."""
+
+    def __init__(self, policy: PreTrainedModel):
+        super().__init__()
+        self.backbone = copy.deepcopy(policy.base_model)
+        self.head = nn.Linear(policy.config.hidden_size, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        v = self.head(hidden.float())[..., 0]
+        return torch.cat([v.new_zeros((v.size(0), 1)), v[:, :-1]], dim=1)
+
+
+class Critic:
+    """The value model with its optimizer: `values` before the update (no grad), `update`
+    after the policy's, on the same mini/micro-batch partition and loss aggregation."""
+
+    def __init__(self, policy: PreTrainedModel, cfg: CriticConfig):
+        self.cfg = cfg
+        self.model = ValueModel(policy)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.value_lr,
+                                           betas=(0.9, 0.99))
+
+    @torch.no_grad()
+    def values(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
+        self.model.eval()
+        out = torch.zeros_like(batch.loss_mask)
+        for _, micros in minibatches(batch, 1, micro_batch_size):
+            for rows in micros:
+                mb = batch.rows(rows)
+                out[rows, : mb.input_ids.size(1)] = self.model(mb.input_ids, mb.attention_mask)
+        return out
+
+    def update(self, batch: Batch, returns: torch.Tensor, old_values: torch.Tensor,
+               cfg: RLConfig, l_max: int) -> dict[str, float]:
+        """Clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2), aggregated like the policy
+        loss; logs it with the explained variance of the values the advantages used."""
+        aggregate = AGGREGATIONS[cfg.algorithm.aggregation]
+        mask = batch.loss_mask
+        sums: dict[str, float] = defaultdict(float)
+        self.model.train()
+        steps = minibatches(batch, cfg.mini_batches, cfg.micro_batch_size)
+        for mini, micros in steps:
+            totals = {"total_tokens": float(mask[mini].sum()), "total_seqs": len(mini),
+                      "l_max": l_max}
+            for rows in micros:
+                mb = batch.rows(rows)
+                width = mb.input_ids.size(1)
+                v = self.model(mb.input_ids, mb.attention_mask)
+                loss_tok, stats = value_loss(v, old_values[rows, :width], returns[rows, :width],
+                                             mb.loss_mask, self.cfg.value_clip)
+                loss = aggregate(loss_tok, mb.loss_mask, **totals)
+                loss.backward()
+                sums["value_loss"] += float(loss.detach())
+                sums["clipped"] += float(stats["clipped"].sum())
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        n_tok = max(float(mask.sum()), 1.0)
+        return {
+            "value_loss": sums["value_loss"] / len(steps),
+            "value_clip_frac": sums["clipped"] / n_tok,
+            "value_mean": float((old_values * mask).sum()) / n_tok,
+            "explained_variance": explained_variance(old_values, returns, mask),
+        }

@@ -1,0 +1,170 @@
+"""Presets: each resolves to its paper's combination, reloads to itself and trains the tiny
+pipeline; a knob the chosen algorithm ignores is an error naming it."""
+
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from tiller.cli import app
+from tiller.config import Config, ConfigError, load_config
+from tiller.controller import Run, train
+from tiller.presets import PRESETS
+from tiller.trainer import Trainer
+
+CONFIG = "configs/calculator.yaml"
+
+# (advantage, loss, eps_low, eps_high, aggregation, kl beta, placement, estimator,
+#  dynamic sampling, overlong, critic)
+EXPECTED = {
+    "grpo": ("grpo", "ppo_clip", 0.2, 0.2, "seq-mean-token-mean", 0.04, "loss", "k3",
+             False, "none", False),
+    "dapo": ("grpo", "ppo_clip", 0.2, 0.28, "token-mean", 0.0, None, None, True, "soft", False),
+    "dr_grpo": ("dr_grpo", "ppo_clip", 0.2, 0.2, "seq-mean-token-sum-norm", 0.0, None, None,
+                False, "none", False),
+    "gspo": ("grpo", "gspo", 3e-4, 4e-4, "seq-mean-token-mean", 0.0, None, None, False, "none",
+             False),
+    "ppo": ("gae", "ppo_clip", 0.2, 0.2, "token-mean", 0.01, "reward", None, False, "none", True),
+    "rloo": ("rloo", "ppo_clip", 0.2, 0.2, "seq-mean-token-sum", 0.05, "reward", None, False,
+             "none", False),
+    "reinforce_pp": ("reinforce_pp", "ppo_clip", 0.2, 0.2, "token-mean", 0.01, "reward", None,
+                     False, "none", False),
+}
+
+
+def preset(name, **over):
+    """The override that replaces the demo config's algorithm section with a preset."""
+    return f"rl.algorithm={json.dumps({'preset': name, **over})}"
+
+
+def test_every_preset_is_covered():
+    assert set(EXPECTED) == set(PRESETS)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_resolves_to_its_combination_and_reloads(name):
+    cfg = load_config(CONFIG, [preset(name)])
+    a = cfg.rl.algorithm
+    got = (a.advantage, a.policy_loss, a.eps_low, a.eps_high, a.aggregation, a.kl.beta,
+           a.kl.placement, a.kl.estimator, a.dynamic_sampling.enabled, a.overlong.mode,
+           a.critic is not None)
+    assert got == EXPECTED[name]
+    # the run folder's resolved config.yaml loads back to the same config
+    assert Config.model_validate(yaml.safe_load(yaml.safe_dump(cfg.model_dump()))) == cfg
+
+
+def test_overrides_win_and_defaults_follow_the_chosen_loss():
+    alg = load_config(CONFIG, [preset("dapo", eps_high=0.3)]).rl.algorithm
+    assert (alg.eps_low, alg.eps_high) == (0.2, 0.3)
+    # the preset's clip range belongs to its loss: switching the loss takes that loss's own
+    alg = load_config(CONFIG, [preset("dapo", policy_loss="gspo")]).rl.algorithm
+    assert (alg.eps_low, alg.eps_high) == (3e-4, 4e-4)
+    alg = load_config(CONFIG, ["rl.algorithm.policy_loss=gspo"]).rl.algorithm
+    assert (alg.eps_low, alg.eps_high) == (3e-4, 4e-4)  # never PPO's 0.2 by accident
+    # switching off a part drops the preset's settings for it, silently (they were defaults)
+    alg = load_config(CONFIG, [preset("ppo", advantage="grpo")]).rl.algorithm
+    assert alg.critic is None and alg.credit.gamma_turn == 1.0
+    alg = load_config(CONFIG, [preset("grpo", kl={"beta": 0})]).rl.algorithm
+    assert alg.kl.estimator is None and alg.kl.placement is None
+    cfg = load_config(CONFIG, [preset("dapo")])
+    assert (cfg.l_max, cfg.l_cache) == (6 * 48, 58)  # the episode's budget and 20% of it
+
+
+@pytest.mark.parametrize(
+    "override, knob",
+    [
+        ("rl.algorithm.critic.gamma=0.9", "rl.algorithm.critic.gamma"),
+        (preset("gspo", clip_ratio_c=3), "rl.algorithm.clip_ratio_c"),
+        ("rl.algorithm.overlong.l_cache=16", "rl.algorithm.overlong.l_cache"),
+        ("rl.algorithm.kl.estimator=k2", "rl.algorithm.kl.estimator"),
+        ("rl.algorithm.kl.off_after=5", "rl.algorithm.kl.off_after"),
+        (preset("ppo", kl={"estimator": "k2"}), "rl.algorithm.kl.estimator"),
+        ("rl.algorithm.l_max=100", "rl.algorithm.l_max"),
+        ("rl.algorithm.dynamic_sampling.max_rounds=5", "rl.algorithm.dynamic_sampling.max_rounds"),
+        (preset("ppo", credit={"turn_baseline": "pooled"}), "rl.algorithm.credit.turn_baseline"),
+    ],
+)
+def test_ignored_knob_is_an_error_naming_it(override, knob):
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIG, [override])
+    assert str(e.value).startswith(f"config field {knob}: got ")
+    assert "the algorithm ignores it" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("rl.algorithm.preset=ppo2", ["rl.algorithm.preset", "'ppo2'", "dapo"]),
+        ("rl.algorithm.kl.estimator=k9", ["rl.algorithm.kl.estimator", "k3"]),
+        ("rl.algorithm.aggregation=mean", ["rl.algorithm.aggregation", "token-mean"]),
+        (preset("dapo", overlong={"mode": "soft", "l_cache": 400}),
+         ["rl.algorithm.overlong.l_cache", "400", "l_max = 288"]),
+        ("eval.pass_k=4", ["eval.pass_k", "samples_per_task >= k"]),
+    ],
+)
+def test_bad_algorithm_fields_name_the_field(override, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIG, [override])
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_ignored_knob_is_one_line_on_the_cli(tmp_path):
+    result = CliRunner().invoke(app, ["train", CONFIG, preset("gspo", clip_ratio_c=3),
+                                      "--output-dir", str(tmp_path / "run")])
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1
+    assert lines[0].startswith("error: config field rl.algorithm.clip_ratio_c")
+
+
+def tiny(sft_dir):
+    return [f"model.path={sft_dir}", "model.build=null", "sft.enabled=false", "rl.steps=2",
+            "rl.tasks_per_step=2", "rl.group_size=4", "eval.tasks=8", "logging.progress=false",
+            "logging.tensorboard=false"]
+
+
+def rl_rows(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["phase"] == "rl"]
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_trains_the_tiny_pipeline(name, calc_sft_dir, tmp_path, monkeypatch):
+    # The one-step-SFT model never succeeds, so every group would be flat. A synthetic reward
+    # (odd samples +1, on top of the real one and its shaping) gives every group signal.
+    real = Run.train_reward
+    monkeypatch.setattr(Run, "train_reward", lambda self, t: real(self, t) + t.sample_index % 2)
+    extra = ["eval.samples_per_task=2", "eval.pass_k=2"] if name == "grpo" else []
+    summary = train(load_config(CONFIG, [*tiny(calc_sft_dir), preset(name), *extra]), tmp_path)
+    rows = rl_rows(tmp_path)
+    assert len(rows) == 2 and all(r["grad_norm"] > 0 and r["skipped"] == 0 for r in rows)
+    assert summary["heldout_after_rl"]["tasks"] == 8
+    keys = set(rows[-1])
+    assert {"entropy", "clip_frac_low", "clip_frac_high", "zero_variance_group_frac",
+            "importance_weight_mean", "importance_weight_max", "logp_mismatch_max"} <= keys
+    assert ("kl" in keys) == (EXPECTED[name][5] > 0)
+    assert ("explained_variance" in keys and "value_loss" in keys) == (name == "ppo")
+    assert ("sampling_rounds" in keys) == (name == "dapo")
+    if name == "grpo":
+        held = summary["heldout_after_rl"]
+        assert held["samples"] == 16 and held["pass@2_ci_low"] <= held["pass@2"] <= 1.0
+
+
+def test_beta_zero_builds_and_runs_no_reference(calc_sft_dir, tmp_path, monkeypatch):
+    passes = []  # True: a no-grad pass of the policy, False: of the reference
+    real = Trainer._logprobs
+
+    def spy(self, model, batch, micro_batch_size):
+        passes.append(model is self.model)
+        return real(self, model, batch, micro_batch_size)
+
+    monkeypatch.setattr(Trainer, "_logprobs", spy)
+    run = Run(load_config(CONFIG, [*tiny(calc_sft_dir), preset("dr_grpo")]), tmp_path / "a")
+    run.rl()
+    assert run.ref_model is None and passes == []  # beta = 0: no reference, no extra pass
+    # beta > 0 switched off after one step: one reference pass, then the copy is freed
+    run = Run(load_config(CONFIG, [*tiny(calc_sft_dir), preset("grpo", kl={"off_after": 1})]),
+              tmp_path / "b")
+    run.rl()
+    assert passes == [False] and run.ref_model is None
+    assert [r.get("kl_beta", 0.0) for r in rl_rows(tmp_path / "b")] == [0.04, 0.0]
