@@ -66,7 +66,8 @@ def test_loss_mask_is_one_exactly_on_generated_tokens(tokenizer, limits):
     for start, end in traj.turn_spans:
         in_span[start:end] = [1] * (end - start)
     assert list(traj.loss_mask) == in_span
-    generated = tokenizer.decode([t for t, m in zip(traj.token_ids, traj.loss_mask) if m])
+    pairs = zip(traj.token_ids, traj.loss_mask, strict=True)
+    generated = tokenizer.decode([t for t, m in pairs if m])
     assert generated.count("<tool_call>") == 2 and "<tool_response>" not in generated
     assert generated.endswith(f"The answer is {task.answer}.<|im_end|>")
     # tool output digits sit between the spans, masked out

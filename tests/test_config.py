@@ -51,7 +51,8 @@ def run_cli(*args):
     "args, message",
     [
         (["rl.steps=-1"], "config field rl.steps: got -1;"),
-        (["model.build=null", "model.path=/no/such/model"], "no Hugging Face model at '/no/such/model'"),
+        (["model.build=null", "model.path=/no/such/model"],
+         "no Hugging Face model at '/no/such/model'"),
         (["env.name=chess"], "unknown env 'chess'; choose one of: "),
         (["rl.algorithm.advantage=magic"], "rl.algorithm.advantage: got 'magic'"),
     ],

@@ -13,7 +13,8 @@ PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17]]
 
 def gather(engine, prompts, params, seeds):
     async def go():
-        return await asyncio.gather(*(engine.generate(p, params, s) for p, s in zip(prompts, seeds)))
+        pairs = zip(prompts, seeds, strict=True)
+        return await asyncio.gather(*(engine.generate(p, params, s) for p, s in pairs))
     return asyncio.run(go())
 
 
@@ -28,7 +29,7 @@ def test_batched_sampling_matches_single_requests_and_trainer_logprobs(model):
     engine = EmbeddedEngine(model, pad_token_id=0)
     params = SamplingParams(temperature=1.0, max_new_tokens=12)
     batched = gather(engine, PROMPTS, params, [1, 2, 3])
-    for prompt, seed, gen in zip(PROMPTS, [1, 2, 3], batched):
+    for prompt, seed, gen in zip(PROMPTS, [1, 2, 3], batched, strict=True):
         alone = gather(engine, [prompt], params, [seed])[0]
         assert alone.token_ids == gen.token_ids  # independent of batch composition
         batch = Batch.collate([as_trajectory(prompt, gen)], pad_token_id=0)
