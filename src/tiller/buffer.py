@@ -15,13 +15,18 @@ from .trajectory import Status, Trajectory
 
 
 class DataBuffer:
-    def __init__(self) -> None:
+    """`keep_env_errors` keeps env_error trajectories (to be trained at a reduced weight)
+    instead of dropping them; aborted ones are always dropped."""
+
+    def __init__(self, keep_env_errors: bool = False) -> None:
         self.groups: dict[str, list[Trajectory]] = defaultdict(list)
         self.ledger: Counter[str] = Counter()
+        self.keep_env_errors = keep_env_errors
 
     def add(self, trajectories: list[Trajectory]) -> None:
         for t in trajectories:
-            if t.status is Status.ENV_ERROR or t.status is Status.ABORTED:
+            env_failed = t.status is Status.ENV_ERROR and not self.keep_env_errors
+            if env_failed or t.status is Status.ABORTED:
                 # the environment or engine failed: not evidence about the policy
                 self.ledger[f"dropped/{t.status.value}"] += 1
                 continue

@@ -24,6 +24,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from .tooling import ToolsConfig
+
 
 class ConfigError(Exception):
     """A configuration that cannot be used; the message says which field and why."""
@@ -60,6 +62,8 @@ class EnvConfig(_Section):
     difficulty: int = Field(2, ge=1, le=10)
     max_turns: int = Field(6, ge=1)
     max_episode_tokens: int = Field(512, ge=16)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig,
+                               description="executor, fault injection, record/replay, gate")
 
 
 class AgentConfig(_Section):
@@ -325,6 +329,10 @@ class RLConfig(_Section):
     max_grad_norm: float = Field(1.0, gt=0)
     mini_batches: int = Field(1, ge=1, description="optimizer steps per rollout batch")
     micro_batch_size: int = Field(32, ge=1)
+    env_error_weight: float = Field(
+        0.0, ge=0.0, le=1.0,
+        description="0 drops env_error trajectories; w > 0 keeps them in their group with "
+                    "their loss scaled by w")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
 
 

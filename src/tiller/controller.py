@@ -40,10 +40,12 @@ from .buffer import DataBuffer
 from .config import BuildConfig, Config, ConfigError
 from .critic import Critic
 from .engine import EmbeddedEngine, SamplingParams
-from .envs import ENVS, Env, Task
+from .envs import ENVS, Env, Task, ToolEnv
 from .evaluation import is_success, success_summary
+from .executor import ToolReliabilityError
 from .models import build_tiny_model, load_model, load_tokenizer, train_tokenizer
 from .observe import MetricsLogger, progress
+from .tooling import ToolStack
 from .trainer import Batch, Trainer
 from .trajectory import Status, Trajectory
 
@@ -113,6 +115,7 @@ class Run:
         self.logger = MetricsLogger(self.dir, cfg.logging.tensorboard, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.model_dump())
         self.params = self._sampling(cfg.sampling.temperature)
+        self.tools = ToolStack(cfg.env.tools, self.dir)
 
     # ---- model ---------------------------------------------------------------------------
 
@@ -136,9 +139,38 @@ class Run:
 
     # ---- rollouts ------------------------------------------------------------------------
 
-    def _expert_episodes(self, tasks: Sequence[Task], guess: float) -> list[Trajectory]:
+    def make_env(self, *key: Any) -> Env:
+        """A fresh env for one episode, its tools behind the run's tool stack; `key` names the
+        episode for record/replay and fault draws."""
+        if not issubclass(self.env_cls, ToolEnv):
+            return self.env_cls()
+        return self.env_cls(wrap=self.tools.wrapper("/".join(map(str, key))))
+
+    def _expert_episodes(self, tasks: Sequence[Task], guess: float, tag: str = "sft"
+                         ) -> list[Trajectory]:
         return collect_expert(self.env_cls, tasks, self.tokenizer, guess=guess,
-                              limits=self.limits, seed=self.cfg.seed, episode_fn=self.episode_fn)
+                              limits=self.limits, seed=self.cfg.seed, episode_fn=self.episode_fn,
+                              make_env=lambda i: self.make_env(tag, i))
+
+    def gate(self) -> dict[str, float]:
+        """The tool reliability gate: the expert's (valid) calls on a few train tasks must
+        succeed at least `gate.threshold` of the time, per tool, or training does not start."""
+        gate = self.cfg.env.tools.gate
+        replay = self.cfg.env.tools.replay
+        if not gate.enabled or (replay is not None and replay.mode == "replay"):
+            return {}  # replaying: the live tools are not used at all
+        tasks = self.env_cls.make_tasks("train", gate.probe_tasks, self.cfg.seed + 4,
+                                        self.cfg.env.difficulty)
+        self._expert_episodes(tasks, guess=0.0, tag="gate")
+        report = self.tools.probe_report()
+        self.tools.stats(reset=True)
+        try:
+            report.check(gate.override)
+        except ToolReliabilityError as e:
+            raise ConfigError(f"{e} (set env.tools.gate.override=true to train anyway)") from e
+        rates = {f"gate_ok_rate/{name}": rate for name, rate in report.rates().items()}
+        self.logger.log("gate", 0, rates)
+        return rates
 
     async def _episodes(self, tasks: Sequence[Task], samples: int, params: SamplingParams,
                         tag: Any, on_done: Callable[[], None] | None = None
@@ -146,7 +178,8 @@ class Run:
         actor = EngineActor(self.engine, params)
 
         async def one(task: Task, k: int) -> Trajectory:
-            traj = await self.episode_fn(self.env_cls(), task, actor, self.tokenizer,
+            traj = await self.episode_fn(self.make_env(*tag, task.id, k), task, actor,
+                                         self.tokenizer,
                                          seed=derive_seed(self.cfg.seed, tag, task.id, k),
                                          sample_index=k, limits=self.limits)
             if on_done is not None:
@@ -163,6 +196,7 @@ class Run:
         tasks = self.env_cls.make_tasks("train", cfg.tasks, self.cfg.seed + 2,
                                         self.cfg.env.difficulty)
         demos = self._expert_episodes(tasks, cfg.imperfect_fraction)
+        self.logger.log("sft_demos", 0, self.tools.stats(reset=True))
         demos = [d for d in demos if d.status.value == "completed"]
         steps = cfg.epochs * math.ceil(len(demos) / cfg.batch_size)
         self.trainer.set_optimizer(cfg.lr)
@@ -205,6 +239,7 @@ class Run:
         summary = success_summary(trajs, seed=self.cfg.seed, k=ev.pass_k)
         summary["time_s"] = time.perf_counter() - t0
         summary.update(rollout_metrics(trajs))
+        summary.update(self.tools.stats(reset=True))
         self.logger.log(f"eval_{label}", self.trainer.version, summary)
         self.timings[f"eval_{label}_s"] = summary["time_s"]
         return summary
@@ -255,13 +290,18 @@ class Run:
 
     def _rl_batch(self, kept: list[Trajectory], group_index: torch.Tensor,
                   key_steps: KeyStepFn | None) -> tuple[Batch, dict[str, float]]:
-        """The training batch: shaped rewards, and the loss mask narrowed by overlong masking
+        """The training batch: shaped rewards, and the loss mask scaled for env_error
+        trajectories (`rl.env_error_weight`, when they are kept), narrowed by overlong masking
         (truncated episodes leave the loss but keep their place in the group statistics) and
         by the key-step hook."""
         alg = self.cfg.rl.algorithm
         batch = Batch.collate(kept, self.tokenizer.pad_token_id,
                               [self.train_reward(t) for t in kept], group_index)
         stats: dict[str, float] = {}
+        hit = torch.tensor([t.status is Status.ENV_ERROR for t in kept])
+        if hit.any():  # kept only when rl.env_error_weight > 0
+            batch.loss_mask[hit] *= self.cfg.rl.env_error_weight
+            stats["env_error_trained"] = float(hit.sum())
         if alg.overlong.mode == "mask":
             cut = torch.tensor([t.status is Status.TRUNCATED for t in kept])
             batch.loss_mask[cut] = 0.0
@@ -288,7 +328,7 @@ class Run:
                           if kl_beta_at(0, alg.kl.beta, alg.kl.off_after) > 0 else None)
         self.critic = Critic(self.model, alg.critic) if alg.critic is not None else None
         key_steps = load_key_steps(alg.credit.key_steps)
-        buffer = DataBuffer()
+        buffer = DataBuffer(keep_env_errors=cfg.env_error_weight > 0)
         with progress(self.cfg.logging.progress) as bars:
             bar = bars.add_task(f"RL ({alg.preset or alg.advantage})", total=cfg.steps, info="")
             for step in range(cfg.steps):
@@ -305,6 +345,7 @@ class Run:
                                                   self.critic, step))
                     self.push_weights()
                 m.update(rollout_metrics(sampled))
+                m.update(self.tools.stats(reset=True))
                 m.update(rollout_s=t_roll, step_s=time.perf_counter() - ts,
                          version=self.trainer.version, skipped=float(not kept))
                 m.update({f"ledger/{k}": v for k, v in buffer.ledger.items()})
@@ -313,6 +354,10 @@ class Run:
                     f"reward={m['reward_mean']:.2f} success={m['success_rate']:.2f} "
                     f"zero_var={m['zero_variance_group_frac']:.2f}"))
         self.timings["rl_s"] = time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.logger.close()
+        self.tools.close()
 
     def save(self, name: str = "final") -> Path:
         out = self.dir / "checkpoints" / name
@@ -323,12 +368,14 @@ class Run:
 
 def collect_expert(env_cls: type[Env], tasks: Sequence[Task], tokenizer: Any, *, guess: float,
                    limits: EpisodeLimits, seed: int, episode_fn: Any = run_episode,
-                   ) -> list[Trajectory]:
-    """The scripted expert's episodes on `tasks`, through the same loop the policy uses."""
+                   make_env: Callable[[int], Env] | None = None) -> list[Trajectory]:
+    """The scripted expert's episodes on `tasks`, through the same loop the policy uses;
+    `make_env(i)` builds episode i's env (default: the env class with plain tools)."""
+    make_env = make_env or (lambda i: env_cls())
 
     async def one(i: int, task: Task) -> Trajectory:
         actor = ExpertActor(env_cls, task, tokenizer, guess)
-        return await episode_fn(env_cls(), task, actor, tokenizer,
+        return await episode_fn(make_env(i), task, actor, tokenizer,
                                 seed=derive_seed(seed, "expert", i), limits=limits)
 
     async def run_all() -> list[Trajectory]:
@@ -378,6 +425,7 @@ def train(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:
     env = cfg.env
     heldout = run.env_cls.make_tasks("heldout", cfg.eval.tasks, cfg.seed, env.difficulty)
     summary: dict[str, Any] = {"run_dir": str(run.dir), "seed": cfg.seed}
+    summary["tool_gate"] = run.gate()
     if cfg.sft.enabled:
         summary["sft"] = run.sft()
         summary["sft"]["checkpoint"] = str(run.save("sft"))
@@ -389,7 +437,7 @@ def train(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:
     run.timings["total_s"] = time.perf_counter() - t0
     summary["timings"] = run.timings
     (run.dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    run.logger.close()
+    run.close()
     return summary
 
 
@@ -399,5 +447,5 @@ def evaluate_checkpoint(cfg: Config, output_dir: str | Path | None = None) -> di
     heldout = run.env_cls.make_tasks("heldout", cfg.eval.tasks, cfg.seed, cfg.env.difficulty)
     summary = {"run_dir": str(run.dir), "heldout": run.evaluate(heldout, "checkpoint")}
     (run.dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    run.logger.close()
+    run.close()
     return summary
