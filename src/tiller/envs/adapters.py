@@ -162,10 +162,11 @@ class GymTextEnv(Env):
             self.inner.close()
 
     async def verify(self, final: ParsedTurn | None) -> Reward:
-        """The episode's return (per-step rewards kept as turn rewards)."""
+        """The episode's return, the sum of the step rewards. They are not passed on as turn
+        rewards: turn-level credit adds the outcome to the last turn, so passing both would
+        count every step reward twice."""
         total = sum(self.rewards)
-        return Reward(total, {"terminated": float(self.terminated), "return": total},
-                      turn_rewards=tuple(self.rewards))
+        return Reward(total, {"terminated": float(self.terminated), "return": total})
 
     @classmethod
     def make_tasks(cls, split: str, n: int, seed: int, difficulty: int = 1,
