@@ -88,6 +88,8 @@ class SFTConfig(_Section):
     micro_batch_size: int = Field(32, ge=1)
     lr: float = Field(3e-3, gt=0)
     warmup_steps: int = Field(20, ge=0)
+    lr_schedule: Literal["cosine", "constant"] = Field(
+        "cosine", description="after warmup: cosine decay to 0, or constant")
 
 
 class KLConfig(_Section):

@@ -200,11 +200,13 @@ class Run:
         demos = [d for d in demos if d.status.value == "completed"]
         steps = cfg.epochs * math.ceil(len(demos) / cfg.batch_size)
         self.trainer.set_optimizer(cfg.lr)
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            self.trainer.optimizer,
-            lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1))
-            * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)),
-        )
+        def lr_factor(s: int) -> float:
+            warm = min(1.0, (s + 1) / max(cfg.warmup_steps, 1))
+            if cfg.lr_schedule == "constant":
+                return warm
+            return warm * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+
+        schedule = torch.optim.lr_scheduler.LambdaLR(self.trainer.optimizer, lr_factor)
         gen = torch.Generator().manual_seed(self.cfg.seed)
         pad = self.tokenizer.pad_token_id
         with progress(self.cfg.logging.progress) as bars:
