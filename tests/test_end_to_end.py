@@ -2,28 +2,17 @@
 
 import json
 
+from helpers import TINY_RUN, numbers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiller.config import load_config
 from tiller.controller import train
 
-TINY = [
-    "model.build.hidden_size=64", "model.build.vocab_size=600", "model.build.corpus_tasks=60",
-    "sft.tasks=64", "sft.epochs=1", "sft.batch_size=32", "rl.steps=2", "rl.tasks_per_step=4",
-    "rl.group_size=4", "eval.tasks=16", "logging.progress=false",
-]
-
-
-def numbers(run_dir):
-    """Every logged metric except wall-clock ones."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k != "time" and not k.endswith("_s")} for r in rows]
-
 
 def test_same_seed_reproduces_the_same_numbers(tmp_path):
-    a = train(load_config("configs/calculator.yaml", TINY), tmp_path / "a")
-    b = train(load_config("configs/calculator.yaml", TINY), tmp_path / "b")
-    train(load_config("configs/calculator.yaml", [*TINY, "seed=1"]), tmp_path / "c")
+    a = train(load_config("configs/calculator.yaml", TINY_RUN), tmp_path / "a")
+    b = train(load_config("configs/calculator.yaml", TINY_RUN), tmp_path / "b")
+    train(load_config("configs/calculator.yaml", [*TINY_RUN, "seed=1"]), tmp_path / "c")
     assert numbers(tmp_path / "a") == numbers(tmp_path / "b")
     assert numbers(tmp_path / "a") != numbers(tmp_path / "c")
     for key in ("heldout_after_sft", "heldout_after_rl"):

@@ -4,19 +4,16 @@ that does not, tool errors the model sees, a strict verifier, and a short traini
 from __future__ import annotations
 
 import asyncio
-import json
-import random
 import shutil
-import string
 from pathlib import Path
 
 import pytest
+from helpers import TINY_ENV_RUN, TextActor
 
 from tiller.agent_loop import EpisodeLimits, run_episode
 from tiller.chat import ParsedTurn
 from tiller.config import load_config
 from tiller.controller import collect_expert, train
-from tiller.engine import Generation
 from tiller.envs import ENVS
 from tiller.envs.code import CodeEnv, make_tasks
 from tiller.evaluation import is_success
@@ -34,25 +31,8 @@ def tok():
     return train_tokenizer([], 0)  # byte-level: any text round-trips
 
 
-class TextActor:
-    """Plays fixed turns (for tool-error tests) or, with `rng_texts`, random ones."""
-
-    def __init__(self, tok, turns=None, tools=("run_python",)):
-        self.tok, self.turns, self.tools = tok, turns, tools
-
-    async def act(self, prompt_ids, messages, seed):
-        if self.turns is not None:
-            text = self.turns[sum(m["role"] == "assistant" for m in messages)]
-        else:
-            rng = random.Random(seed)
-            junk = "".join(rng.choice(string.printable) for _ in range(rng.randint(1, 60)))
-            if rng.random() < 0.5:
-                call = {"name": rng.choice([*self.tools, "nope"]), "arguments": {"code": junk}}
-                text = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
-            else:
-                text = junk
-        ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id]
-        return Generation(ids, [0.0] * len(ids), "stop", version=0)
+def RandomCode(tok, turns=None):
+    return TextActor(tok, turns, tools=("run_python",), make_args=lambda rng, j: {"code": j})
 
 
 def _episodes(tasks, actor_for, tok):
@@ -81,7 +61,7 @@ def test_expert_passes_hidden_tests(tok):
 
 def test_random_policy_scores_near_zero(tok):
     tasks = make_tasks("heldout", 50, seed=0, difficulty=2)
-    trajs = _episodes(tasks, lambda t: TextActor(tok), tok)
+    trajs = _episodes(tasks, lambda t: RandomCode(tok), tok)
     assert sum(map(is_success, trajs)) / len(trajs) <= 0.05
     assert sum(t.tool_errors for t in trajs) > 0 and not any(t.reward.env_error for t in trajs)
 
@@ -92,7 +72,7 @@ def test_bad_tool_calls_reach_the_model_as_errors(tok):
              '<tool_call>\n{"name": "exec", "arguments": {"code": "1"}}\n</tool_call>',
              '<tool_call>\n{"name": "run_python", arguments: }\n</tool_call>',
              f"```python\n{task.answer}```"]
-    (traj,) = _episodes([task], lambda t: TextActor(tok, turns), tok)
+    (traj,) = _episodes([task], lambda t: RandomCode(tok, turns), tok)
     errors = [m["content"] for m in traj.messages if m["role"] == "tool"]
     assert len(errors) == 3 and all(e.startswith("error:") for e in errors)
     assert "invalid arguments" in errors[0] and "unknown tool" in errors[1]
@@ -139,13 +119,7 @@ def test_run_python_tool_and_sandbox_failure():
 
 
 def test_short_training_run(tmp_path):
-    cfg = load_config(CONFIG, [
-        "model.build.hidden_size=64", "model.build.num_layers=1", "model.build.num_heads=2",
-        "model.build.vocab_size=500", "model.build.corpus_tasks=40", "sft.tasks=40",
-        "sft.epochs=1", "sft.batch_size=8", "rl.steps=2", "rl.tasks_per_step=2",
-        "rl.group_size=2", "eval.tasks=8", "sampling.max_new_tokens=64",
-        "logging.progress=false", "logging.tensorboard=false", f"output_dir={tmp_path}",
-    ])  # fmt: skip
+    cfg = load_config(CONFIG, [*TINY_ENV_RUN, f"output_dir={tmp_path}"])
     summary = train(cfg)
     assert (tmp_path / "summary.json").is_file()
     assert summary["sft"]["expert_success"] >= 0.5  # 30% of demos are imperfect on purpose

@@ -7,16 +7,15 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import string
 from pathlib import Path
 
 import pytest
+from helpers import TINY_ENV_RUN, TextActor
 
 from tiller.agent_loop import EpisodeLimits, run_episode
 from tiller.chat import ParsedTurn
 from tiller.config import load_config
 from tiller.controller import collect_expert, train
-from tiller.engine import Generation
 from tiller.envs import ENVS
 from tiller.envs.search import SearchEnv, make_tasks, search_passages, world
 from tiller.evaluation import is_success
@@ -32,25 +31,9 @@ def tok():
     return train_tokenizer([], 0)
 
 
-class TextActor:
-    """Plays fixed turns or, without them, random text and random searches."""
-
-    def __init__(self, tok, turns=None):
-        self.tok, self.turns = tok, turns
-
-    async def act(self, prompt_ids, messages, seed):
-        if self.turns is not None:
-            text = self.turns[sum(m["role"] == "assistant" for m in messages)]
-        else:
-            rng = random.Random(seed)
-            junk = "".join(rng.choice(string.printable) for _ in range(rng.randint(1, 60)))
-            if rng.random() < 0.5:
-                call = {"name": rng.choice(["search", "nope"]), "arguments": {"query": junk}}
-                text = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
-            else:
-                text = rng.choice([junk, f"The answer is {junk}."])
-        ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id]
-        return Generation(ids, [0.0] * len(ids), "stop", version=0)
+def RandomSearch(tok, turns=None):
+    return TextActor(tok, turns, tools=("search",), make_args=lambda rng, j: {"query": j},
+                     finals=("{junk}", "The answer is {junk}."))
 
 
 def test_corpus_is_deterministic_and_shared_by_both_splits():
@@ -102,7 +85,7 @@ def test_random_policy_scores_near_zero(tok):
     tasks = make_tasks("heldout", 50, seed=0, difficulty=2)
 
     async def run():
-        return await asyncio.gather(*(run_episode(SearchEnv(), t, TextActor(tok), tok, seed=i,
+        return await asyncio.gather(*(run_episode(SearchEnv(), t, RandomSearch(tok), tok, seed=i,
                                                   limits=LIMITS) for i, t in enumerate(tasks)))
     trajs = asyncio.run(run())
     assert sum(map(is_success, trajs)) / len(trajs) <= 0.05
@@ -115,7 +98,7 @@ def test_bad_tool_calls_reach_the_model_as_errors(tok):
              '<tool_call>\n{"name": "search", "arguments": {"query": "  "}}\n</tool_call>',
              "<tool_call>\nsearch(capital)\n</tool_call>",
              f"The answer is {task.answer}."]
-    traj = asyncio.run(run_episode(SearchEnv(), task, TextActor(tok, turns), tok, seed=0,
+    traj = asyncio.run(run_episode(SearchEnv(), task, RandomSearch(tok, turns), tok, seed=0,
                                    limits=LIMITS))
     errors = [m["content"] for m in traj.messages if m["role"] == "tool"]
     assert len(errors) == 4 and all(e.startswith("error:") for e in errors)
@@ -144,13 +127,8 @@ def test_verifier_normalizes_but_is_exact():
 
 
 def test_short_training_run(tmp_path):
-    cfg = load_config(CONFIG, [
-        "model.build.hidden_size=64", "model.build.num_layers=1", "model.build.num_heads=2",
-        "model.build.vocab_size=500", "model.build.corpus_tasks=50", "sft.tasks=40",
-        "sft.epochs=1", "sft.batch_size=8", "rl.steps=2", "rl.tasks_per_step=2",
-        "rl.group_size=2", "eval.tasks=8", "logging.progress=false",
-        "logging.tensorboard=false", f"output_dir={tmp_path}",
-    ])  # fmt: skip
+    cfg = load_config(CONFIG, [*TINY_ENV_RUN, "model.build.corpus_tasks=50",
+                               "sampling.max_new_tokens=48", f"output_dir={tmp_path}"])
     summary = train(cfg)
     assert (tmp_path / "summary.json").is_file()
     assert summary["sft"]["expert_success"] >= 0.5

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
-import string
 from pathlib import Path
+
+from helpers import TINY_ENV_RUN, TextActor
 
 from tiller.agent_loop import EpisodeLimits, run_episode
 from tiller.chat import ParsedTurn
 from tiller.config import load_config
 from tiller.controller import collect_expert, train
-from tiller.engine import Generation
 from tiller.envs import ENVS
 from tiller.envs.sql import SqlEnv, build_db, make_tasks, snapshot
 from tiller.evaluation import is_success
@@ -26,27 +25,16 @@ LIMITS = EpisodeLimits(max_turns=5, max_episode_tokens=1 << 16)
 TOK = train_tokenizer([], 0)
 
 
-class TextActor:
-    """Plays fixed turns or, without them, random text and random SQL tool calls."""
+SQL_WORDS = ["SELECT", "UPDATE", "DELETE", "FROM", "WHERE", "SET", "employees", "orders",
+             "products", "*", "=", "1", "dept"]
 
-    def __init__(self, turns=None):
-        self.turns = turns
 
-    async def act(self, prompt_ids, messages, seed):
-        if self.turns is not None:
-            text = self.turns[sum(m["role"] == "assistant" for m in messages)]
-        else:
-            rng = random.Random(seed)
-            junk = "".join(rng.choice(string.printable) for _ in range(rng.randint(1, 60)))
-            words = "SELECT UPDATE DELETE FROM WHERE SET employees orders products * = 1 dept"
-            sql = " ".join(rng.choice(words.split()) for _ in range(rng.randint(1, 8)))
-            if rng.random() < 0.5:
-                call = {"name": rng.choice(["query", "execute", "nope"]), "arguments": {"sql": sql}}
-                text = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
-            else:
-                text = rng.choice([junk, "Done."])
-        ids = TOK.encode(text, add_special_tokens=False) + [TOK.eos_token_id]
-        return Generation(ids, [0.0] * len(ids), "stop", version=0)
+def RandomSql(turns=None):
+    def make_args(rng, junk):
+        return {"sql": " ".join(rng.choice(SQL_WORDS) for _ in range(rng.randint(1, 8)))}
+
+    return TextActor(TOK, turns, tools=("query", "execute"), make_args=make_args,
+                     finals=("{junk}", "Done."))
 
 
 def _episode(task, actor, seed=0):
@@ -77,7 +65,7 @@ def test_random_policy_scores_near_zero():
     tasks = make_tasks("heldout", 50, seed=0, difficulty=2)
 
     async def run():
-        return await asyncio.gather(*(run_episode(SqlEnv(), t, TextActor(), TOK, seed=i,
+        return await asyncio.gather(*(run_episode(SqlEnv(), t, RandomSql(), TOK, seed=i,
                                                   limits=LIMITS) for i, t in enumerate(tasks)))
     trajs = asyncio.run(run())
     assert sum(map(is_success, trajs)) / len(trajs) <= 0.05
@@ -92,7 +80,7 @@ def test_bad_tool_calls_reach_the_model_as_errors():
              {"name": "execute", "arguments": {"sql": "SELEC oops"}},
              {"name": "execute", "arguments": {"sql": "DROP TABLE orders"}}]
     turn = "\n".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls)
-    traj = _episode(task, TextActor([turn + "\n<tool_call>\n{]\n</tool_call>", "Done."]))
+    traj = _episode(task, RandomSql([turn + "\n<tool_call>\n{]\n</tool_call>", "Done."]))
     errors = [m["content"] for m in traj.messages if m["role"] == "tool"]
     assert len(errors) == 6 and all(e.startswith("error:") for e in errors)
     assert any("invalid arguments" in e for e in errors)
@@ -148,13 +136,8 @@ def test_query_is_read_only_and_rows_come_back_as_text():
 
 
 def test_short_training_run(tmp_path):
-    cfg = load_config(CONFIG, [
-        "model.build.hidden_size=64", "model.build.num_layers=1", "model.build.num_heads=2",
-        "model.build.vocab_size=500", "model.build.corpus_tasks=50", "sft.tasks=40",
-        "sft.epochs=1", "sft.batch_size=8", "rl.steps=2", "rl.tasks_per_step=2",
-        "rl.group_size=2", "eval.tasks=8", "sampling.max_new_tokens=64",
-        "logging.progress=false", "logging.tensorboard=false", f"output_dir={tmp_path}",
-    ])  # fmt: skip
+    cfg = load_config(CONFIG, [*TINY_ENV_RUN, "model.build.corpus_tasks=50",
+                               f"output_dir={tmp_path}"])
     summary = train(cfg)
     assert (tmp_path / "summary.json").is_file()
     assert summary["sft"]["expert_success"] >= 0.5

@@ -33,41 +33,45 @@ def _fail(message: str) -> None:
 
 def _print_summary(summary: dict) -> None:
     table = Table(title="held-out success")
-    for col in ("phase", "success", "95% CI", "tasks"):
+    for col in ("phase", "metric", "value", "95% CI", "tasks", "samples"):
         table.add_column(col)
     for key, row in summary.items():
-        if key.startswith("heldout"):
-            table.add_row(key.removeprefix("heldout_").removeprefix("heldout") or "model",
-                          f"{row['success']:.3f}", f"[{row['ci_low']:.3f}, {row['ci_high']:.3f}]",
-                          str(row["tasks"]))
+        if not key.startswith("heldout"):
+            continue
+        phase = key.removeprefix("heldout_").removeprefix("heldout") or "model"
+        # pass@1 is `success`; pass@k (eval.pass_k > 1) sits beside it
+        metrics = ["success"] + [m for m in row if m.startswith("pass@") and "_ci_" not in m]
+        for m in metrics:
+            lo, hi = ("ci_low", "ci_high") if m == "success" else (f"{m}_ci_low", f"{m}_ci_high")
+            table.add_row(phase, "pass@1" if m == "success" else m, f"{row[m]:.3f}",
+                          f"[{row[lo]:.3f}, {row[hi]:.3f}]", str(row["tasks"]),
+                          str(row["samples"]))
     console.print(table)
     console.print(f"run folder: {summary['run_dir']}")
 
 
-@app.command()
-def train(config: ConfigArg, overrides: Overrides = None, output_dir: OutputDir = None) -> None:
-    """Build or load the model, then SFT, GRPO and held-out evaluation, as the config says."""
-    from .controller import train as run_train
+def _run(action: str, config: Path, overrides: list[str] | None, output_dir: Path | None) -> None:
+    # the controller imports torch and transformers: only once a command runs, so --help is fast
+    from . import controller
 
     try:
         cfg = load_config(config, overrides or [])
-        summary = run_train(cfg, output_dir)
+        summary = getattr(controller, action)(cfg, output_dir)
     except (ConfigError, ModelLoadError) as e:
         _fail(str(e))
     _print_summary(summary)
+
+
+@app.command()
+def train(config: ConfigArg, overrides: Overrides = None, output_dir: OutputDir = None) -> None:
+    """Build or load the model, then SFT, RL and held-out evaluation, as the config says."""
+    _run("train", config, overrides, output_dir)
 
 
 @app.command("eval")
 def evaluate(config: ConfigArg, overrides: Overrides = None, output_dir: OutputDir = None) -> None:
     """Held-out success of the model at model.path (e.g. a run's checkpoints/final)."""
-    from .controller import evaluate_checkpoint
-
-    try:
-        cfg = load_config(config, overrides or [])
-        summary = evaluate_checkpoint(cfg, output_dir)
-    except (ConfigError, ModelLoadError) as e:
-        _fail(str(e))
-    _print_summary(summary)
+    _run("evaluate_checkpoint", config, overrides, output_dir)
 
 
 def main() -> None:  # pragma: no cover - console entry point

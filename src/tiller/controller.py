@@ -173,7 +173,7 @@ class Run:
         return rates
 
     async def _episodes(self, tasks: Sequence[Task], samples: int, params: SamplingParams,
-                        tag: Any, on_done: Callable[[], None] | None = None
+                        tag: Any, on_done: Callable[[Trajectory], None] | None = None
                         ) -> list[Trajectory]:
         actor = EngineActor(self.engine, params)
 
@@ -183,7 +183,7 @@ class Run:
                                          seed=derive_seed(self.cfg.seed, tag, task.id, k),
                                          sample_index=k, limits=self.limits)
             if on_done is not None:
-                on_done()
+                on_done(traj)
             return traj
 
         return list(await asyncio.gather(*(one(t, k) for t in tasks for k in range(samples))))
@@ -236,8 +236,14 @@ class Run:
         with progress(self.cfg.logging.progress) as bars:
             bar = bars.add_task(f"eval ({label})", total=len(tasks) * ev.samples_per_task,
                                 info="")
+            done: list[bool] = []
+
+            def tick(t: Trajectory) -> None:
+                done.append(is_success(t))
+                bars.update(bar, advance=1, info=f"success={sum(done) / len(done):.2f}")
+
             trajs = asyncio.run(self._episodes(tasks, ev.samples_per_task, params,
-                                               ("eval", label), lambda: bars.advance(bar)))
+                                               ("eval", label), tick))
         summary = success_summary(trajs, seed=self.cfg.seed, k=ev.pass_k)
         summary["time_s"] = time.perf_counter() - t0
         summary.update(rollout_metrics(trajs))

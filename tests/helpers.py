@@ -1,0 +1,66 @@
+"""Helpers shared by the tests: tiny-run overrides and an actor that plays scripted or random
+turns through the real agent loop."""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from pathlib import Path
+
+from tiller.engine import Generation
+
+# A whole pipeline (build, SFT, RL, eval) in seconds: for tests that check it runs, not learns.
+TINY_RUN = [
+    "model.build.hidden_size=64", "model.build.vocab_size=600", "model.build.corpus_tasks=60",
+    "sft.tasks=64", "sft.epochs=1", "sft.batch_size=32", "rl.steps=2", "rl.tasks_per_step=4",
+    "rl.group_size=4", "eval.tasks=16", "logging.progress=false",
+]
+# The same for the envs with longer episodes (code, search, sql).
+TINY_ENV_RUN = [
+    "model.build.hidden_size=64", "model.build.num_layers=1", "model.build.num_heads=2",
+    "model.build.vocab_size=500", "model.build.corpus_tasks=40", "sft.tasks=40",
+    "sft.epochs=1", "sft.batch_size=8", "rl.steps=2", "rl.tasks_per_step=2",
+    "rl.group_size=2", "eval.tasks=8", "sampling.max_new_tokens=64",
+    "logging.progress=false", "logging.tensorboard=false",
+]
+
+
+# Which episodes share an engine batch depends on thread timing, which moves the engine's
+# logprobs by float noise (~1e-8): the samples do not change, these two diagnostics may.
+NOISE = ("time", "logp_mismatch_", "importance_weight_")
+
+
+def numbers(run_dir: Path, skip_suffixes: tuple[str, ...] = ()) -> list[dict]:
+    """Every metric a run logged, except wall-clock ones, float-noise diagnostics and keys
+    ending in `skip_suffixes`."""
+    rows = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [{k: v for k, v in r.items()
+             if not k.startswith(NOISE) and not k.endswith(("_s", *skip_suffixes))}
+            for r in rows]
+
+
+class TextActor:
+    """Plays `turns` in order or, without them, a random policy: half the time a call to one
+    of `tools` (or to an unknown tool) with `make_args(rng, junk)`, else one of `finals` with
+    random text in place of `{junk}`."""
+
+    def __init__(self, tok, turns=None, *, tools=(), make_args=None, finals=("{junk}",)):
+        self.tok, self.turns, self.tools = tok, turns, tools
+        self.make_args = make_args or (lambda rng, junk: {})
+        self.finals = finals
+
+    async def act(self, prompt_ids, messages, seed):
+        if self.turns is not None:
+            text = self.turns[sum(m["role"] == "assistant" for m in messages)]
+        else:
+            rng = random.Random(seed)
+            junk = "".join(rng.choice(string.printable) for _ in range(rng.randint(1, 60)))
+            if self.tools and rng.random() < 0.5:
+                call = {"name": rng.choice([*self.tools, "nope"]),
+                        "arguments": self.make_args(rng, junk)}
+                text = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+            else:
+                text = rng.choice(self.finals).replace("{junk}", junk)
+        ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id]
+        return Generation(ids, [0.0] * len(ids), "stop", version=0)
