@@ -73,7 +73,7 @@ class Critic:
     def values(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
         self.model.eval()
         out = torch.zeros_like(batch.loss_mask)
-        for _, micros in minibatches(batch, 1, micro_batch_size):
+        for _, micros, _ in minibatches(batch, 1, micro_batch_size):
             for rows in micros:
                 mb = batch.rows(rows)
                 out[rows, : mb.input_ids.size(1)] = self.model(mb.input_ids, mb.attention_mask)
@@ -87,10 +87,8 @@ class Critic:
         mask = batch.loss_mask
         sums: dict[str, float] = defaultdict(float)
         self.model.train()
-        steps = minibatches(batch, cfg.mini_batches, cfg.micro_batch_size)
-        for mini, micros in steps:
-            totals = {"total_tokens": float(mask[mini].sum()), "total_seqs": len(mini),
-                      "l_max": l_max}
+        steps = minibatches(batch, cfg.mini_batches, cfg.micro_batch_size, l_max)
+        for _, micros, totals in steps:
             for rows in micros:
                 mb = batch.rows(rows)
                 width = mb.input_ids.size(1)

@@ -184,16 +184,21 @@ def _micro_batches(lengths: torch.Tensor, size: int) -> list[torch.Tensor]:
 
 
 def minibatches(
-    batch: Batch, mini_batches: int, micro_batch_size: int
-) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-    """The rows of each optimizer step (strided, so each step sees every group) with their
-    micro-batches; the policy and the critic walk the same partition."""
+    batch: Batch, mini_batches: int, micro_batch_size: int, l_max: int = 0
+) -> list[tuple[torch.Tensor, list[torch.Tensor], dict[str, float]]]:
+    """The rows of each optimizer step (strided, so each step sees every group), their
+    micro-batches, and the step's normalizers for the aggregation: every micro-batch divides by
+    its optimizer batch's totals, so accumulation equals one big batch in every mode. The
+    policy and the critic walk the same partition."""
     n = len(batch.input_ids)
     out = []
     for i in range(mini_batches):
         mini = torch.arange(n)[i::mini_batches]
         lengths = batch.attention_mask[mini].sum(-1)
-        out.append((mini, [mini[idx] for idx in _micro_batches(lengths, micro_batch_size)]))
+        micros = [mini[idx] for idx in _micro_batches(lengths, micro_batch_size)]
+        totals = {"total_tokens": float(batch.loss_mask[mini].sum()), "total_seqs": len(mini),
+                  "l_max": l_max}
+        out.append((mini, micros, totals))
     return out
 
 
@@ -286,12 +291,8 @@ class Trainer:
         aggregate = AGGREGATIONS[alg.aggregation]
         sums: dict[str, float] = defaultdict(float)
         self.model.train()
-        steps = minibatches(batch, cfg.mini_batches, micro)
-        for mini, micros in steps:
-            # every micro-batch is normalized by its optimizer batch's totals (accumulation
-            # then equals one big batch in every aggregation mode)
-            totals = {"total_tokens": float(mask[mini].sum()), "total_seqs": len(mini),
-                      "l_max": l_max}
+        steps = minibatches(batch, cfg.mini_batches, micro, l_max)
+        for _, micros, totals in steps:
             for rows in micros:
                 mb = batch.rows(rows)
                 width = mb.input_ids.size(1)
