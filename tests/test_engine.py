@@ -35,7 +35,7 @@ def test_batched_sampling_matches_single_requests_and_trainer_logprobs(model):
         batch = Batch.collate([as_trajectory(prompt, gen)], pad_token_id=0)
         logp, _ = token_logprobs(model, batch)
         diff = (logp[0, len(prompt):] - torch.tensor(gen.logprobs)).abs().max()
-        assert float(diff) < 1e-4  # left-padded KV-cached decode == right-padded full forward
+        assert float(diff.detach()) < 1e-4  # left-padded KV-cached decode == right-padded full forward
 
 
 def test_stop_tokens_max_tokens_and_greedy(model):
