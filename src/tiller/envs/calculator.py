@@ -9,7 +9,6 @@ their arithmetic, so the two splits never share one.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import operator
 import random
@@ -21,6 +20,7 @@ from ..chat import ParsedTurn
 from ..tools import ToolError, tool
 from ..verifiers import Reward, all_of
 from .base import Task, ToolEnv, register_env
+from .splits import check_split, split_of, stable_id
 
 SYSTEM = (
     "Solve the problem with the calculate tool, one operation per call. "
@@ -71,11 +71,6 @@ class Problem:
         return values
 
 
-def _split_of(problem: Problem, heldout_fraction: float) -> str:
-    digest = int(hashlib.sha256(problem.key().encode()).hexdigest()[:8], 16)
-    return "heldout" if digest / 0xFFFFFFFF < heldout_fraction else "train"
-
-
 def _draw(rng: random.Random, difficulty: int) -> Problem:
     n_ops = rng.randint(1, difficulty)
     steps = []
@@ -97,16 +92,15 @@ def make_tasks(
     split: str, n: int, seed: int, difficulty: int = 2, heldout_fraction: float = 0.2
 ) -> list[Task]:
     """`n` distinct tasks of `split` ("train" or "heldout"), reproducible from `seed`."""
-    if split not in ("train", "heldout"):
-        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    check_split(split)
     rng = random.Random(f"calculator/{split}/{seed}/{difficulty}")
     tasks: dict[str, Task] = {}
     while len(tasks) < n:
         problem = _draw(rng, difficulty)
-        if _split_of(problem, heldout_fraction) != split or problem.key() in tasks:
+        if split_of(problem.key(), heldout_fraction) != split or problem.key() in tasks:
             continue
         tasks[problem.key()] = Task(
-            id="calc-" + hashlib.sha256(problem.key().encode()).hexdigest()[:12],
+            id=stable_id("calc", problem.key()),
             prompt=_text(problem, rng),
             answer=problem.results()[-1],
             split=split,
