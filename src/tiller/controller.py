@@ -197,7 +197,7 @@ class Run:
                                         self.cfg.env.difficulty)
         demos = self._expert_episodes(tasks, cfg.imperfect_fraction)
         self.logger.log("sft_demos", 0, self.tools.stats(reset=True))
-        demos = [d for d in demos if d.status.value == "completed"]
+        demos = [d for d in demos if d.status is Status.COMPLETED]
         steps = cfg.epochs * math.ceil(len(demos) / cfg.batch_size)
         self.trainer.set_optimizer(cfg.lr)
         def lr_factor(s: int) -> float:
