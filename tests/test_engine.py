@@ -35,7 +35,8 @@ def test_batched_sampling_matches_single_requests_and_trainer_logprobs(model):
         batch = Batch.collate([as_trajectory(prompt, gen)], pad_token_id=0)
         logp, _ = token_logprobs(model, batch)
         diff = (logp[0, len(prompt):] - torch.tensor(gen.logprobs)).abs().max()
-        assert float(diff.detach()) < 1e-4  # left-padded KV-cached decode == right-padded full forward
+        # left-padded KV-cached decode == right-padded full forward
+        assert float(diff.detach()) < 1e-4
 
 
 def test_stop_tokens_max_tokens_and_greedy(model):
@@ -73,3 +74,14 @@ def test_weight_update_sets_version_and_changes_outputs(model, calc_model_dir):
     after = gather(engine, PROMPTS[:1], params, [0])[0]
     assert (before.version, after.version, engine.version) == (0, 7, 7)
     assert before.token_ids != after.token_ids
+
+
+def test_top_p_keeps_only_the_nucleus(model):
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    greedy = gather(engine, PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=8), [0])[0]
+    # a nucleus smaller than any one token's mass keeps just the most likely token
+    tiny = gather(engine, PROMPTS[:1] * 3, SamplingParams(top_p=1e-6, max_new_tokens=8),
+                  [1, 2, 3])
+    assert all(g.token_ids == greedy.token_ids for g in tiny)
+    wide = gather(engine, PROMPTS[:1] * 3, SamplingParams(top_p=1.0, max_new_tokens=8), [1, 2, 3])
+    assert len({tuple(g.token_ids) for g in wide}) > 1  # without truncation, seeds differ
