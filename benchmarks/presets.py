@@ -31,7 +31,7 @@ from typing import Any
 
 from tiller.config import load_config
 from tiller.controller import Run
-from tiller.presets import PRESETS
+from tiller.train.presets import PRESETS
 
 # a tiny model and SFT: enough to prove every preset runs, not to compare them
 QUICK = ["model.build.hidden_size=64", "model.build.vocab_size=600",

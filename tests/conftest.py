@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiller.agent_loop import EpisodeLimits
 from tiller.config import BuildConfig
 from tiller.controller import build_env_model
 from tiller.envs import ENVS
 from tiller.models import load_model, load_tokenizer
+from tiller.rollout.agent_loop import EpisodeLimits
 
 
 @pytest.fixture(scope="session")

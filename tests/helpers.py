@@ -8,7 +8,7 @@ import random
 import string
 from pathlib import Path
 
-from tiller.engine import Generation
+from tiller.rollout.engine import Generation
 
 # A whole pipeline (build, SFT, RL, eval) in seconds: for tests that check it runs, not learns.
 TINY_RUN = [

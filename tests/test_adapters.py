@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from tiller.agent_loop import EpisodeLimits, run_episode
-from tiller.chat import ParsedTurn
 from tiller.config import load_config
 from tiller.controller import collect_expert, train
-from tiller.engine import Generation
 from tiller.envs import ENVS
 from tiller.envs.adapters import GuessNumberEnv, GuessNumberGame, reasoning_gym_env
-from tiller.evaluation import is_success
 from tiller.models import train_tokenizer
+from tiller.observe.evaluation import is_success
+from tiller.rollout.agent_loop import EpisodeLimits, run_episode
+from tiller.rollout.chat import ParsedTurn
+from tiller.rollout.engine import Generation
 
 CALCULATOR = Path(__file__).parents[1] / "configs" / "calculator.yaml"
 LIMITS = EpisodeLimits(max_turns=10, max_episode_tokens=1 << 16)

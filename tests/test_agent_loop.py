@@ -2,11 +2,11 @@
 
 import asyncio
 
-from tiller.agent_loop import EngineActor, EpisodeLimits, ExpertActor, run_episode
-from tiller.engine import EmbeddedEngine, Generation, SamplingParams
 from tiller.envs import ENVS
-from tiller.trainer import Batch, token_logprobs
-from tiller.trajectory import Status
+from tiller.rollout.agent_loop import EngineActor, EpisodeLimits, ExpertActor, run_episode
+from tiller.rollout.engine import EmbeddedEngine, Generation, SamplingParams
+from tiller.rollout.trajectory import Status
+from tiller.train.batch import Batch, token_logprobs
 
 Calc = ENVS["calculator"]
 

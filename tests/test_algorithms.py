@@ -7,24 +7,24 @@ import math
 import pytest
 import torch
 
-from tiller.algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
-from tiller.algorithms.advantages import (
+from tiller.train.algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from tiller.train.algorithms.advantages import (
     gae_advantages,
     last_token_rewards,
     overlong_penalty,
     value_loss,
     whiten,
 )
-from tiller.algorithms.credit import (
+from tiller.train.algorithms.credit import (
     apply_key_steps,
     broadcast_turns,
     turn_advantages,
     turn_returns,
 )
-from tiller.algorithms.kl import kl_beta_at, kl_in_reward
-from tiller.algorithms.losses import entropy_bonus
-from tiller.algorithms.offpolicy import mismatch_stats, staleness, tis_weights
-from tiller.algorithms.passk import mean_pass_at_k, pass_at_k
+from tiller.train.algorithms.kl import kl_beta_at, kl_in_reward
+from tiller.train.algorithms.losses import entropy_bonus
+from tiller.train.algorithms.offpolicy import mismatch_stats, staleness, tis_weights
+from tiller.train.algorithms.passk import mean_pass_at_k, pass_at_k
 
 
 def close(actual: torch.Tensor, expected: list, atol: float = 1e-5) -> None:

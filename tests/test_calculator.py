@@ -1,10 +1,10 @@
 import asyncio
 import random
 
-from tiller.chat import parse_tool_calls
 from tiller.envs import ENVS
 from tiller.envs.calculator import Problem, calculate
-from tiller.tools import ToolCall, ToolOutcome, ToolRegistry
+from tiller.rollout.chat import parse_tool_calls
+from tiller.tools.registry import ToolCall, ToolOutcome, ToolRegistry
 
 Calc = ENVS["calculator"]
 

@@ -1,5 +1,5 @@
-from tiller.chat import CHAT_TEMPLATE, parse_tool_calls
-from tiller.tools import ToolCall
+from tiller.rollout.chat import CHAT_TEMPLATE, parse_tool_calls
+from tiller.tools.registry import ToolCall
 
 
 def test_template_renders_every_role_in_hermes_layout(tokenizer):

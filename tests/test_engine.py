@@ -2,11 +2,11 @@ import asyncio
 
 import torch
 
-from tiller.engine import EmbeddedEngine, SamplingParams
-from tiller.trainer import Batch, token_logprobs
-from tiller.trajectory import Status, Trajectory
-from tiller.verifiers import Reward
-from tiller.weight_sync import WeightUpdate
+from tiller.envs.verifiers import Reward
+from tiller.rollout.engine import EmbeddedEngine, SamplingParams
+from tiller.rollout.trajectory import Status, Trajectory
+from tiller.rollout.weight_sync import WeightUpdate
+from tiller.train.batch import Batch, token_logprobs
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17]]
 

@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 from helpers import TINY_ENV_RUN, TextActor
 
-from tiller.agent_loop import EpisodeLimits, run_episode
-from tiller.chat import ParsedTurn
 from tiller.config import load_config
 from tiller.controller import collect_expert, train
 from tiller.envs import ENVS
 from tiller.envs.code import CodeEnv, make_tasks
-from tiller.evaluation import is_success
 from tiller.models import train_tokenizer
-from tiller.sandbox import SandboxOutcome, SandboxResult
-from tiller.tools import ToolCall
+from tiller.observe.evaluation import is_success
+from tiller.rollout.agent_loop import EpisodeLimits, run_episode
+from tiller.rollout.chat import ParsedTurn
+from tiller.tools.registry import ToolCall
+from tiller.tools.sandbox import SandboxOutcome, SandboxResult
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed")
 CONFIG = Path(__file__).parents[1] / "configs" / "code.yaml"

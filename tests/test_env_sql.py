@@ -10,15 +10,15 @@ from pathlib import Path
 
 from helpers import TINY_ENV_RUN, TextActor
 
-from tiller.agent_loop import EpisodeLimits, run_episode
-from tiller.chat import ParsedTurn
 from tiller.config import load_config
 from tiller.controller import collect_expert, train
 from tiller.envs import ENVS
 from tiller.envs.sql import SqlEnv, build_db, make_tasks, snapshot
-from tiller.evaluation import is_success
 from tiller.models import train_tokenizer
-from tiller.tools import ToolCall
+from tiller.observe.evaluation import is_success
+from tiller.rollout.agent_loop import EpisodeLimits, run_episode
+from tiller.rollout.chat import ParsedTurn
+from tiller.tools.registry import ToolCall
 
 CONFIG = Path(__file__).parents[1] / "configs" / "sql.yaml"
 LIMITS = EpisodeLimits(max_turns=5, max_episode_tokens=1 << 16)

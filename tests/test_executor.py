@@ -9,7 +9,7 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from tiller.executor import (
+from tiller.tools.executor import (
     UNKNOWN_TOOL,
     ExecutorConfig,
     ToolExecutor,
@@ -17,7 +17,7 @@ from tiller.executor import (
     ToolReliabilityError,
     probe_tools,
 )
-from tiller.tools import ToolCall, ToolError, ToolOutcome, ToolRegistry, tool
+from tiller.tools.registry import ToolCall, ToolError, ToolOutcome, ToolRegistry, tool
 
 
 def fast(**knobs) -> ExecutorConfig:
@@ -317,6 +317,6 @@ def test_gate_passes_above_threshold():
 
 
 def test_gate_override_logs_instead_of_refusing(caplog):
-    with caplog.at_level(logging.WARNING, logger="tiller.executor"):
+    with caplog.at_level(logging.WARNING, logger="tiller.tools.executor"):
         probe(0.95).check(override=True)
     assert "overridden" in caplog.text and "shaky" in caplog.text

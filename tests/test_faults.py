@@ -8,10 +8,10 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from tiller.executor import ExecutorConfig, ToolExecutor, ToolPolicy, probe_tools
-from tiller.executor import ToolReliabilityError as GateError
-from tiller.faults import FaultConfig, FaultInjector
-from tiller.tools import ToolCall, ToolOutcome, ToolRegistry, tool
+from tiller.tools.executor import ExecutorConfig, ToolExecutor, ToolPolicy, probe_tools
+from tiller.tools.executor import ToolReliabilityError as GateError
+from tiller.tools.faults import FaultConfig, FaultInjector
+from tiller.tools.registry import ToolCall, ToolOutcome, ToolRegistry, tool
 
 
 @tool

@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 from tiller.cli import app
 from tiller.config import Config, ConfigError, load_config
 from tiller.controller import Run, train
-from tiller.presets import PRESETS
-from tiller.trainer import Trainer
+from tiller.train.presets import PRESETS
+from tiller.train.trainer import Trainer
 
 CONFIG = "configs/calculator.yaml"
 

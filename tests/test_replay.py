@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tiller.executor import ExecutorConfig, ToolExecutor, ToolPolicy
-from tiller.replay import ReplayStore
-from tiller.tools import ToolCall, ToolError, ToolOutcome, ToolRegistry, tool
+from tiller.tools.executor import ExecutorConfig, ToolExecutor, ToolPolicy
+from tiller.tools.registry import ToolCall, ToolError, ToolOutcome, ToolRegistry, tool
+from tiller.tools.replay import ReplayStore
 
 
 @tool

@@ -11,11 +11,12 @@ import torch
 from tiller.buffer import DataBuffer
 from tiller.config import AlgorithmConfig, ConfigError, RLConfig, load_config
 from tiller.controller import Run, load_key_steps
-from tiller.critic import Critic, explained_variance
-from tiller.evaluation import success_summary
-from tiller.trainer import Batch, Trainer, _weight_stats, compute_advantages, token_logprobs
-from tiller.trajectory import Status, Trajectory
-from tiller.verifiers import Reward
+from tiller.envs.verifiers import Reward
+from tiller.observe.evaluation import success_summary
+from tiller.rollout.trajectory import Status, Trajectory
+from tiller.train.batch import Batch, token_logprobs
+from tiller.train.critic import Critic, explained_variance
+from tiller.train.trainer import Trainer, _weight_stats, compute_advantages
 
 CONFIG = "configs/calculator.yaml"
 

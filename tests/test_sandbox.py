@@ -1,4 +1,4 @@
-"""Adversarial tests for tiller.sandbox.
+"""Adversarial tests for tiller.tools.sandbox.
 
 Every hostile payload is bounded by its own code (a hard cap on forks, bytes allocated, bytes
 written, output printed, seconds slept) and runs under low limits with a short wall timeout, so
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tiller import sandbox as sb
-from tiller.sandbox import Sandbox, SandboxLimits, SandboxOutcome
+from tiller.tools import sandbox as sb
+from tiller.tools.sandbox import Sandbox, SandboxLimits, SandboxOutcome
 
 HAS_BWRAP = shutil.which("bwrap") is not None
 needs_bwrap = pytest.mark.skipif(not HAS_BWRAP, reason="bubblewrap (bwrap) is not installed")
@@ -367,7 +367,7 @@ def test_killing_parent_and_everything_stays_inside(box: Sandbox) -> None:
 def test_host_crash_takes_the_sandbox_down() -> None:
     token = _sleep_token()
     host = (
-        "from tiller.sandbox import Sandbox\n"
+        "from tiller.tools.sandbox import Sandbox\n"
         "Sandbox(backend='bwrap').run_python(\n"
         f"    \"import subprocess; subprocess.run(['sleep', {token!r}])\")\n"
     )

@@ -2,14 +2,14 @@
 
 import asyncio
 
-from tiller.agent_loop import ExpertActor, run_episode
 from tiller.buffer import DataBuffer
 from tiller.envs import ENVS
-from tiller.executor import ExecutorConfig, ToolPolicy
-from tiller.faults import FaultConfig
-from tiller.tooling import ReplayConfig, ToolsConfig, ToolStack
-from tiller.trainer import Batch
-from tiller.trajectory import Status
+from tiller.rollout.agent_loop import ExpertActor, run_episode
+from tiller.rollout.trajectory import Status
+from tiller.tools.executor import ExecutorConfig, ToolPolicy
+from tiller.tools.faults import FaultConfig
+from tiller.tools.stack import ReplayConfig, ToolsConfig, ToolStack
+from tiller.train.batch import Batch
 
 Calc = ENVS["calculator"]
 

@@ -1,6 +1,6 @@
 import asyncio
 
-from tiller.tools import ToolCall, ToolError, ToolOutcome, ToolRegistry, tool
+from tiller.tools.registry import ToolCall, ToolError, ToolOutcome, ToolRegistry, tool
 
 
 @tool

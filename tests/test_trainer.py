@@ -3,11 +3,12 @@ import copy
 import pytest
 import torch
 
-from tiller.algorithms import ADVANTAGES, AGGREGATIONS
 from tiller.config import RLConfig
-from tiller.trainer import Batch, Trainer, token_logprobs
-from tiller.trajectory import Status, Trajectory
-from tiller.verifiers import Reward
+from tiller.envs.verifiers import Reward
+from tiller.rollout.trajectory import Status, Trajectory
+from tiller.train.algorithms import ADVANTAGES, AGGREGATIONS
+from tiller.train.batch import Batch, token_logprobs
+from tiller.train.trainer import Trainer
 
 
 def make_traj(prompt, completion, reward, task="task"):

@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from tiller import verifiers as v
-from tiller.sandbox import Sandbox, SandboxLimits, SandboxOutcome, SandboxResult
+from tiller.envs import verifiers as v
+from tiller.tools.sandbox import Sandbox, SandboxLimits, SandboxOutcome, SandboxResult
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed")
 LIMITS = SandboxLimits(cpu_seconds=2, wall_seconds=10, memory_mb=256)

@@ -1,3 +1,3 @@
-from .cli import main
+from tiller.cli import main
 
 main()

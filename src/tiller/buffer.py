@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from .trajectory import Status, Trajectory
+from tiller.rollout.trajectory import Status, Trajectory
 
 
 class DataBuffer:

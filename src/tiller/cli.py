@@ -14,8 +14,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .config import ConfigError, load_config
-from .models import ModelLoadError
+from tiller.config import ConfigError, load_config
+from tiller.models import ModelLoadError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Reinforcement learning for tool-using LLM agents.")
@@ -52,7 +52,7 @@ def _print_summary(summary: dict) -> None:
 
 def _run(action: str, config: Path, overrides: list[str] | None, output_dir: Path | None) -> None:
     # the controller imports torch and transformers: only once a command runs, so --help is fast
-    from . import controller
+    from tiller import controller
 
     try:
         cfg = load_config(config, overrides or [])

@@ -24,7 +24,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from .tooling import ToolsConfig
+from tiller.tools.stack import ToolsConfig
 
 
 class ConfigError(Exception):
@@ -67,7 +67,8 @@ class EnvConfig(_Section):
 
 
 class AgentConfig(_Section):
-    loop: str = Field("tiller.agent_loop:run_episode", description="dotted path of the loop")
+    loop: str = Field("tiller.rollout.agent_loop:run_episode",
+                      description="dotted path of the loop")
 
 
 class SamplingConfig(_Section):
@@ -105,7 +106,7 @@ class KLConfig(_Section):
     @field_validator("estimator")
     @classmethod
     def _known_estimator(cls, name: str | None) -> str | None:
-        from .algorithms import KL_ESTIMATORS
+        from tiller.train.algorithms import KL_ESTIMATORS
 
         return name if name is None else _registered(name, KL_ESTIMATORS)
 
@@ -250,7 +251,7 @@ class AlgorithmConfig(_Section):
     @field_validator("advantage")
     @classmethod
     def _known_advantage(cls, name: str) -> str:
-        from .algorithms import ADVANTAGES
+        from tiller.train.algorithms import ADVANTAGES
 
         # gae is per token and needs a critic, so it is not in the outcome-estimator registry
         return _registered(name, [*ADVANTAGES, "gae"])
@@ -258,14 +259,14 @@ class AlgorithmConfig(_Section):
     @field_validator("policy_loss")
     @classmethod
     def _known_loss(cls, name: str) -> str:
-        from .algorithms import POLICY_LOSSES
+        from tiller.train.algorithms import POLICY_LOSSES
 
         return _registered(name, POLICY_LOSSES)
 
     @field_validator("aggregation")
     @classmethod
     def _known_aggregation(cls, name: str) -> str:
-        from .algorithms import AGGREGATIONS
+        from tiller.train.algorithms import AGGREGATIONS
 
         return _registered(name, AGGREGATIONS)
 
@@ -274,7 +275,7 @@ class AlgorithmConfig(_Section):
     def _resolve(cls, data: Any, handler: Callable[[Any], AlgorithmConfig]) -> AlgorithmConfig:
         if not isinstance(data, dict):  # an instance (already resolved) or an assignment
             return handler(data)
-        from .presets import PRESETS
+        from tiller.train.presets import PRESETS
 
         user = copy.deepcopy(data)
         preset = user.get("preset")
@@ -302,7 +303,7 @@ class AlgorithmConfig(_Section):
 
 def _fill_defaults(merged: dict[str, Any], a: AlgorithmConfig) -> dict[str, Any]:
     """The resolved values of the knobs this algorithm uses and the user left unset."""
-    from .algorithms import POLICY_LOSSES
+    from tiller.train.algorithms import POLICY_LOSSES
 
     params = inspect.signature(POLICY_LOSSES[a.policy_loss]).parameters
     for knob in ("eps_low", "eps_high"):

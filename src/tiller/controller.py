@@ -25,7 +25,13 @@ import numpy as np
 import torch
 import yaml
 
-from .agent_loop import (
+from tiller.buffer import DataBuffer
+from tiller.config import BuildConfig, Config, ConfigError
+from tiller.envs import ENVS, Env, Task, ToolEnv
+from tiller.models import build_tiny_model, load_model, load_tokenizer, train_tokenizer
+from tiller.observe.evaluation import is_success, success_summary
+from tiller.observe.metrics import MetricsLogger, progress
+from tiller.rollout.agent_loop import (
     EngineActor,
     EpisodeLimits,
     ExpertActor,
@@ -33,21 +39,16 @@ from .agent_loop import (
     load_episode_fn,
     run_episode,
 )
-from .algorithms.advantages import overlong_penalty
-from .algorithms.credit import apply_key_steps
-from .algorithms.kl import kl_beta_at
-from .buffer import DataBuffer
-from .config import BuildConfig, Config, ConfigError
-from .critic import Critic
-from .engine import EmbeddedEngine, SamplingParams
-from .envs import ENVS, Env, Task, ToolEnv
-from .evaluation import is_success, success_summary
-from .executor import ToolReliabilityError
-from .models import build_tiny_model, load_model, load_tokenizer, train_tokenizer
-from .observe import MetricsLogger, progress
-from .tooling import ToolStack
-from .trainer import Batch, Trainer
-from .trajectory import Status, Trajectory
+from tiller.rollout.engine import EmbeddedEngine, SamplingParams
+from tiller.rollout.trajectory import Status, Trajectory
+from tiller.tools.executor import ToolReliabilityError
+from tiller.tools.stack import ToolStack
+from tiller.train.algorithms.advantages import overlong_penalty
+from tiller.train.algorithms.credit import apply_key_steps
+from tiller.train.algorithms.kl import kl_beta_at
+from tiller.train.batch import Batch
+from tiller.train.critic import Critic
+from tiller.train.trainer import Trainer
 
 
 def resolve_env(name: str) -> type[Env]:

@@ -23,7 +23,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from .chat import CHAT_TEMPLATE, IM_END, SPECIAL_TOKENS
+from tiller.rollout.chat import CHAT_TEMPLATE, IM_END, SPECIAL_TOKENS
 
 # tiller draws its own progress bars; the per-shard ones of a tiny local model are noise.
 hf_logging.disable_progress_bar()

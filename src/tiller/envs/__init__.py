@@ -1,6 +1,6 @@
 """Environments, registered by name (`env.name` in the config)."""
 
-from . import adapters, calculator, code, search, sql  # noqa: F401  (each registers itself)
-from .base import ENVS, Env, StepResult, Task, ToolEnv, register_env
+from tiller.envs import adapters, calculator, code, search, sql  # noqa: F401  (each registers itself)
+from tiller.envs.base import ENVS, Env, StepResult, Task, ToolEnv, register_env
 
 __all__ = ["ENVS", "Env", "StepResult", "Task", "ToolEnv", "register_env"]

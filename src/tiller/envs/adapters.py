@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterator
 from functools import cache
 from typing import Any, ClassVar
 
-from ..chat import ParsedTurn
-from ..verifiers import Reward, all_of, extract_tagged
-from .base import Env, StepResult, Task, ToolEnv, register_env
-from .splits import draw_split, stable_id
+from tiller.envs.base import Env, StepResult, Task, ToolEnv, register_env
+from tiller.envs.splits import draw_split, stable_id
+from tiller.envs.verifiers import Reward, all_of, extract_tagged
+from tiller.rollout.chat import ParsedTurn
 
 try:  # the game subclasses gymnasium.Env when it is installed; the adapter only duck-types
     import gymnasium

@@ -12,9 +12,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..chat import ParsedTurn
-from ..tools import Tool, ToolCall, ToolOutcome, ToolRegistry, ToolResult
-from ..verifiers import Reward
+from tiller.envs.verifiers import Reward
+from tiller.rollout.chat import ParsedTurn
+from tiller.tools.registry import Tool, ToolCall, ToolOutcome, ToolRegistry, ToolResult
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class ToolEnv(Env):
     ):
         self.registry = ToolRegistry(tools)
         # By default tools are called directly; `wrap` puts this episode's registry behind the
-        # run's tool stack (faults, executor, record/replay: `tiller.tooling.ToolStack`).
+        # run's tool stack (faults, executor, record/replay: `tiller.tools.stack.ToolStack`).
         self.invoke = wrap(self.registry) if wrap else self.registry.invoke
         self.task: Task | None = None
 

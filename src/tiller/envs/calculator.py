@@ -16,11 +16,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..chat import ParsedTurn
-from ..tools import ToolError, tool
-from ..verifiers import Reward, all_of
-from .base import Task, ToolEnv, register_env
-from .splits import check_split, split_of, stable_id
+from tiller.envs.base import Task, ToolEnv, register_env
+from tiller.envs.splits import check_split, split_of, stable_id
+from tiller.envs.verifiers import Reward, all_of
+from tiller.rollout.chat import ParsedTurn
+from tiller.tools.registry import ToolError, tool
 
 SYSTEM = (
     "Solve the problem with the calculate tool, one operation per call. "

@@ -16,12 +16,12 @@ import random
 from dataclasses import replace
 from typing import Any
 
-from ..chat import ParsedTurn
-from ..sandbox import Sandbox, SandboxLimits, SandboxOutcome
-from ..tools import tool
-from ..verifiers import Reward, all_of, extract_code_block, run_unit_tests
-from .base import Task, ToolEnv, register_env
-from .splits import draw_split, stable_id
+from tiller.envs.base import Task, ToolEnv, register_env
+from tiller.envs.splits import draw_split, stable_id
+from tiller.envs.verifiers import Reward, all_of, extract_code_block, run_unit_tests
+from tiller.rollout.chat import ParsedTurn
+from tiller.tools.registry import tool
+from tiller.tools.sandbox import Sandbox, SandboxLimits, SandboxOutcome
 
 SYSTEM = (
     "Write the Python function the user asks for. You may test code with run_python. "

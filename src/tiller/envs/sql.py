@@ -18,11 +18,11 @@ import sqlite3
 import time
 from typing import Any
 
-from ..chat import ParsedTurn
-from ..tools import ToolError, tool
-from ..verifiers import Reward, all_of, state_matches
-from .base import Task, ToolEnv, register_env
-from .splits import draw_split, stable_id
+from tiller.envs.base import Task, ToolEnv, register_env
+from tiller.envs.splits import draw_split, stable_id
+from tiller.envs.verifiers import Reward, all_of, state_matches
+from tiller.rollout.chat import ParsedTurn
+from tiller.tools.registry import ToolError, tool
 
 SYSTEM = ("Change the database as asked: inspect it with query, change it with execute "
           "(one SQL statement per call). Answer Done. when finished.")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import KL_ESTIMATORS
+from tiller.train.algorithms.registry import KL_ESTIMATORS
 
 
 @KL_ESTIMATORS.register("k1")

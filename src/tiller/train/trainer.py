@@ -1,90 +1,27 @@
-"""The trainer: recomputes log-probabilities on exactly the sampled ids and optimizes the policy.
-
-`Batch.collate` right-pads trajectories into tensors; position t of `logp` is the policy's
-log-probability of token t given tokens < t, so it lines up with `loss_mask` and the engine's
-`rollout_logprobs` index for index. SFT and RL share that alignment and the same mask.
-"""
+"""The trainer: recomputes log-probabilities on exactly the sampled ids (`train.batch`) and
+optimizes the policy; advantages by the configured estimator, the policy loss, KL and critic."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from .algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
-from .algorithms.advantages import gae_advantages, last_token_rewards, whiten
-from .algorithms.credit import broadcast_turns, turn_advantages, turn_returns
-from .algorithms.kl import kl_beta_at, kl_in_reward
-from .algorithms.losses import entropy_bonus
-from .algorithms.offpolicy import mismatch_stats, tis_weights
-from .config import AlgorithmConfig, RLConfig
-from .trajectory import Trajectory
-from .weight_sync import WeightUpdate
+from tiller.config import AlgorithmConfig, RLConfig
+from tiller.rollout.weight_sync import WeightUpdate
+from tiller.train.algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from tiller.train.algorithms.advantages import gae_advantages, last_token_rewards, whiten
+from tiller.train.algorithms.credit import broadcast_turns, turn_advantages, turn_returns
+from tiller.train.algorithms.kl import kl_beta_at, kl_in_reward
+from tiller.train.algorithms.losses import entropy_bonus
+from tiller.train.algorithms.offpolicy import mismatch_stats, tis_weights
+from tiller.train.batch import Batch, micro_batches, minibatches, token_logprobs
 
 if TYPE_CHECKING:
-    from .critic import Critic
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor  # [B, T] long, right-padded
-    attention_mask: torch.Tensor  # [B, T] long
-    loss_mask: torch.Tensor  # [B, T] float, 1 on generated tokens (the loss's m)
-    rollout_logprobs: torch.Tensor  # [B, T] float, the engine's logprob on generated tokens
-    rewards: torch.Tensor  # [B] float, each trajectory's outcome reward (after shaping)
-    group_index: torch.Tensor  # [B] long, the group (task instance) of each row
-    turn_spans: tuple[tuple[tuple[int, int], ...], ...] = ()  # each row's generated turns
-    turn_rewards: torch.Tensor | None = None  # [B, K] per-turn rewards (without the outcome)
-
-    @classmethod
-    def collate(
-        cls,
-        trajectories: Sequence[Trajectory],
-        pad_token_id: int,
-        rewards: Sequence[float] | None = None,
-        group_index: Sequence[int] | torch.Tensor | None = None,
-    ) -> Batch:
-        """Right-pad trajectories into tensors. `rewards` default to each `reward.value`,
-        `group_index` to one group per task id; `turn_rewards` is set when any verifier gave
-        per-turn rewards (turn-level credit), padded with 0 to the longest episode's turns."""
-        width = max(len(t.token_ids) for t in trajectories)
-        n = len(trajectories)
-        ids = torch.full((n, width), pad_token_id, dtype=torch.long)
-        attn = torch.zeros((n, width), dtype=torch.long)
-        mask = torch.zeros((n, width))
-        lp = torch.zeros((n, width))
-        for i, t in enumerate(trajectories):
-            k = len(t.token_ids)
-            ids[i, :k] = torch.tensor(t.token_ids)
-            attn[i, :k] = 1
-            mask[i, :k] = torch.tensor(t.loss_mask, dtype=torch.float)
-            lp[i, :k] = torch.tensor(t.logprobs)
-        if rewards is None:
-            rewards = [t.reward.value for t in trajectories]
-        if group_index is None:
-            ids_of: dict[str, int] = {}
-            group_index = [ids_of.setdefault(t.task_id, len(ids_of)) for t in trajectories]
-        turn_rewards = None
-        if any(t.reward.turn_rewards is not None for t in trajectories):
-            turn_rewards = torch.zeros((n, max(t.num_turns for t in trajectories)))
-            for i, t in enumerate(trajectories):
-                given = (t.reward.turn_rewards or ())[: t.num_turns]
-                turn_rewards[i, : len(given)] = torch.tensor(given, dtype=torch.float)
-        return cls(ids, attn, mask, lp, torch.tensor(rewards, dtype=torch.float),
-                   torch.as_tensor(group_index, dtype=torch.long),
-                   tuple(t.turn_spans for t in trajectories), turn_rewards)
-
-    def rows(self, index: torch.Tensor) -> Batch:
-        """A sub-batch for one gradient pass, trimmed to its own longest row (the turn
-        structure stays behind: advantages are computed on the whole batch first)."""
-        width = int(self.attention_mask[index].sum(-1).max())
-        return Batch(self.input_ids[index, :width], self.attention_mask[index, :width],
-                     self.loss_mask[index, :width], self.rollout_logprobs[index, :width],
-                     self.rewards[index], self.group_index[index])
+    from tiller.train.critic import Critic
 
 
 def _turn_sums(x: torch.Tensor, spans: Sequence[Sequence[tuple[int, int]]], turns: int
@@ -157,51 +94,6 @@ def compute_advantages(
     return adv[:, None] * mask, None
 
 
-def token_logprobs(
-    model: nn.Module, batch: Batch, temperature: float = 1.0, with_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log pi(token_t | tokens_<t) for every position (0 at t = 0), and optionally the entropy
-    H_t = -sum_v p_v log p_v of the distribution that produced token t."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logp_all = torch.log_softmax(logits[:, :-1].float() / max(temperature, 1e-8), dim=-1)
-    logp = logp_all.gather(-1, batch.input_ids[:, 1:, None])[..., 0]
-    pad = logp.new_zeros((logp.size(0), 1))
-    logp = torch.cat([pad, logp], dim=1)
-    if not with_entropy:
-        return logp, None
-    ent = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, torch.cat([pad, ent], dim=1)
-
-
-def _micro_batches(lengths: torch.Tensor, size: int) -> list[torch.Tensor]:
-    """Row indices in chunks of `size`, grouped by length so little compute goes to padding.
-
-    Losses are normalized by whole-batch counts, so how rows are chunked never changes the
-    gradient.
-    """
-    order = torch.argsort(lengths, stable=True)
-    return [order[i : i + size] for i in range(0, len(order), size)]
-
-
-def minibatches(
-    batch: Batch, mini_batches: int, micro_batch_size: int, l_max: int = 0
-) -> list[tuple[torch.Tensor, list[torch.Tensor], dict[str, float]]]:
-    """The rows of each optimizer step (strided, so each step sees every group), their
-    micro-batches, and the step's normalizers for the aggregation: every micro-batch divides by
-    its optimizer batch's totals, so accumulation equals one big batch in every mode. The
-    policy and the critic walk the same partition."""
-    n = len(batch.input_ids)
-    out = []
-    for i in range(mini_batches):
-        mini = torch.arange(n)[i::mini_batches]
-        lengths = batch.attention_mask[mini].sum(-1)
-        micros = [mini[idx] for idx in _micro_batches(lengths, micro_batch_size)]
-        totals = {"total_tokens": float(batch.loss_mask[mini].sum()), "total_seqs": len(mini),
-                  "l_max": l_max}
-        out.append((mini, micros, totals))
-    return out
-
-
 class Trainer:
     """Owns the policy's optimizer and weight version; publishes `WeightUpdate`s."""
 
@@ -232,7 +124,7 @@ class Trainer:
         self.model.train()
         total = float(batch.loss_mask.sum())
         loss_sum = 0.0
-        for idx in _micro_batches(batch.attention_mask.sum(-1), micro_batch_size):
+        for idx in micro_batches(batch.attention_mask.sum(-1), micro_batch_size):
             mb = batch.rows(idx)
             logp, _ = token_logprobs(self.model, mb, 1.0)
             loss = -(logp * mb.loss_mask).sum() / max(total, 1.0)
@@ -244,7 +136,7 @@ class Trainer:
     def _logprobs(self, model: nn.Module, batch: Batch, micro_batch_size: int) -> torch.Tensor:
         model.eval()
         out = torch.zeros_like(batch.loss_mask)
-        for idx in _micro_batches(batch.attention_mask.sum(-1), micro_batch_size):
+        for idx in micro_batches(batch.attention_mask.sum(-1), micro_batch_size):
             mb = batch.rows(idx)
             out[idx, : mb.input_ids.size(1)] = token_logprobs(model, mb, self.temperature)[0]
         return out

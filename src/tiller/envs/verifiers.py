@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .sandbox import Sandbox, SandboxLimits, SandboxOutcome
+from tiller.tools.sandbox import Sandbox, SandboxLimits, SandboxOutcome
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .executor import canonical_json
-from .tools import Tool, ToolRegistry
+from tiller.tools.executor import canonical_json
+from tiller.tools.registry import Tool, ToolRegistry
 
 FAULTS = ("timeout", "crash", "garbage")
 

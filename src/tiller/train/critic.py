@@ -25,10 +25,10 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .algorithms import AGGREGATIONS
-from .algorithms.advantages import value_loss
-from .config import CriticConfig, RLConfig
-from .trainer import Batch, minibatches
+from tiller.config import CriticConfig, RLConfig
+from tiller.train.algorithms import AGGREGATIONS
+from tiller.train.algorithms.advantages import value_loss
+from tiller.train.batch import Batch, minibatches
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:

@@ -433,7 +433,7 @@ _SYSCALLS = {
 def _seccomp_program() -> bytes | None:
     """Deny creating or entering namespaces; None (and a warning) on other architectures."""
     if platform.machine() not in _SYSCALLS:
-        logger.warning("tiller.sandbox: no seccomp filter for %s; nested user namespaces "
+        logger.warning("tiller.tools.sandbox: no seccomp filter for %s; nested user namespaces "
                        "are not blocked", platform.machine())  # fmt: skip
         return None
     arch, unshare, setns, clone3, clone = _SYSCALLS[platform.machine()]
@@ -483,7 +483,7 @@ def _warn_fallback(reason: str) -> None:
     _warned_fallback = True
     root = " As root, RLIMIT_NPROC is not enforced either." if os.geteuid() == 0 else ""
     msg = (
-        f"tiller.sandbox: running model-written code WITHOUT bubblewrap ({reason}). Only rlimits, "
+        f"tiller sandbox: running model-written code WITHOUT bubblewrap ({reason}). Only rlimits, "
         "a wall-clock timeout, a cleared environment and a temp cwd apply: the code can read and "
         "write the host filesystem as this user, use the network, and signal host processes."
         f"{root} Install bubblewrap (apt-get install bubblewrap) to sandbox it."

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import POLICY_LOSSES
+from tiller.train.algorithms.registry import POLICY_LOSSES
 
 
 def _clipped_surrogate(

@@ -15,10 +15,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .executor import ExecutorConfig, Invoke, ProbeReport, ToolCounters, ToolExecutor
-from .faults import FaultConfig, FaultInjector
-from .replay import ReplayStore
-from .tools import ToolCall, ToolOutcome, ToolRegistry, ToolResult
+from tiller.tools.executor import ExecutorConfig, Invoke, ProbeReport, ToolCounters, ToolExecutor
+from tiller.tools.faults import FaultConfig, FaultInjector
+from tiller.tools.registry import ToolCall, ToolOutcome, ToolRegistry, ToolResult
+from tiller.tools.replay import ReplayStore
 
 
 class ReplayConfig(BaseModel):

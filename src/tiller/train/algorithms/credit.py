@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .registry import ADVANTAGES
+from tiller.train.algorithms.registry import ADVANTAGES
 
 
 def turn_returns(turn_rewards: torch.Tensor, gamma_turn: float = 1.0) -> torch.Tensor:

@@ -5,7 +5,13 @@ Registries (config chooses by name): `ADVANTAGES`, `POLICY_LOSSES`, `KL_ESTIMATO
 (GAE, whitening, value loss, overlong penalty), `kl`, `offpolicy`, `credit`, `passk`.
 """
 
-from . import advantages, aggregation, credit, kl, losses, offpolicy, passk  # noqa: F401
-from .registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, Registry
+from tiller.train.algorithms import advantages, aggregation, credit, kl, losses, offpolicy, passk  # noqa: F401
+from tiller.train.algorithms.registry import (
+    ADVANTAGES,
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    Registry,
+)
 
 __all__ = ["ADVANTAGES", "AGGREGATIONS", "KL_ESTIMATORS", "POLICY_LOSSES", "Registry"]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from .weight_sync import WeightUpdate
+from tiller.rollout.weight_sync import WeightUpdate
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import AGGREGATIONS
+from tiller.train.algorithms.registry import AGGREGATIONS
 
 
 @AGGREGATIONS.register("token-mean")

@@ -19,12 +19,12 @@ from typing import Any, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
-from .chat import ParsedTurn, parse_tool_calls, tool_calls_as_messages
-from .engine import EmbeddedEngine, Generation, SamplingParams
-from .envs.base import Env, Task
-from .tools import ToolOutcome
-from .trajectory import Status, Trajectory
-from .verifiers import Reward
+from tiller.envs.base import Env, Task
+from tiller.envs.verifiers import Reward
+from tiller.rollout.chat import ParsedTurn, parse_tool_calls, tool_calls_as_messages
+from tiller.rollout.engine import EmbeddedEngine, Generation, SamplingParams
+from tiller.rollout.trajectory import Status, Trajectory
+from tiller.tools.registry import ToolOutcome
 
 
 class Actor(Protocol):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from .verifiers import Reward
+from tiller.envs.verifiers import Reward
 
 
 class Status(str, Enum):

@@ -26,8 +26,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Literal
 
-from .executor import Invoke, as_invoke, canonical_json
-from .tools import ToolCall, ToolOutcome, ToolRegistry, ToolResult
+from tiller.tools.executor import Invoke, as_invoke, canonical_json
+from tiller.tools.registry import ToolCall, ToolOutcome, ToolRegistry, ToolResult
 
 ReplayMode = Literal["record", "replay", "replay_or_live"]
 MODES: tuple[str, ...] = ("record", "replay", "replay_or_live")

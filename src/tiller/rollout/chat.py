@@ -12,7 +12,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from .tools import ToolCall
+from tiller.tools.registry import ToolCall
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"

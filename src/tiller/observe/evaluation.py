@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .algorithms.passk import pass_at_k
-from .trajectory import Trajectory
+from tiller.rollout.trajectory import Trajectory
+from tiller.train.algorithms.passk import pass_at_k
 
 
 def is_success(t: Trajectory) -> bool:

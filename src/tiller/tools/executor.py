@@ -2,7 +2,7 @@
 
 Real tools hang, crash and rate-limit. `ToolExecutor.invoke` has the shape of
 `ToolRegistry.invoke` (a `ToolCall` in, a `ToolResult` out, never raises), so it stands in for
-it behind an environment's registry (see `tiller.tooling.ToolStack`), and adds what a long
+it behind an environment's registry (see `tiller.tools.stack.ToolStack`), and adds what a long
 training run needs:
 
 - a timeout per attempt: a tool that runs past it is an `env_error`, not a stuck episode;
@@ -31,7 +31,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .tools import ToolCall, ToolOutcome, ToolRegistry, ToolResult
+from tiller.tools.registry import ToolCall, ToolOutcome, ToolRegistry, ToolResult
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Observe: metrics (JSONL, TensorBoard, W&B), progress bars and evaluation statistics."""

@@ -1,0 +1,2 @@
+"""Training: batches, the trainer (SFT and policy-gradient steps), the PPO critic, presets and
+the algorithm library (`train.algorithms`)."""
