@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from tiller.config import load_config
-from tiller.controller import Run
+from tiller.controller import evaluate, rl, sft
+from tiller.run import Run
 from tiller.train.presets import PRESETS
 
 # a tiny model and SFT: enough to prove every preset runs, not to compare them
@@ -72,8 +73,7 @@ def budget(args: argparse.Namespace) -> list[str]:
 
 
 def heldout(run: Run) -> list[Any]:
-    cfg = run.cfg
-    return run.env_cls.make_tasks("heldout", cfg.eval.tasks, cfg.seed, cfg.env.difficulty)
+    return run.tasks("heldout", run.cfg.eval.tasks, 0)
 
 
 def cold_start(args: argparse.Namespace, out: Path) -> tuple[Path, dict[str, Any]]:
@@ -86,10 +86,10 @@ def cold_start(args: argparse.Namespace, out: Path) -> tuple[Path, dict[str, Any
         path = Path(args.sft_checkpoint)
     else:
         run = Run(load_config(args.config, shared), out / "sft")
-        run.sft()
+        sft(run)
         path = run.save("sft")
-    result = run.evaluate(heldout(run), "sft")
-    run.logger.close()
+    result = evaluate(run, heldout(run), "sft")
+    run.close()
     return path, result
 
 
@@ -99,10 +99,10 @@ def rl_run(args: argparse.Namespace, out: Path, sft: Path, preset: str) -> dict[
                                     f"model.path={sft}", "model.build=null", "sft.enabled=false"])
     run = Run(cfg, out / preset)
     t0 = time.perf_counter()
-    run.rl()
+    rl(run)
     rl_s = time.perf_counter() - t0
-    result = run.evaluate(heldout(run), "rl")
-    run.logger.close()
+    result = evaluate(run, heldout(run), "rl")
+    run.close()
     rows = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r["phase"] == "rl"]
     # steps where every return was equal have no explained variance (NaN): skip them

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from tiller.config import BuildConfig
-from tiller.controller import build_env_model
 from tiller.envs import ENVS
-from tiller.models import load_model, load_tokenizer
+from tiller.models import build_env_model, load_model, load_tokenizer
 from tiller.rollout.agent_loop import EpisodeLimits
 
 
@@ -41,13 +40,14 @@ def calc_sft_dir(calc_model_dir, tmp_path_factory):
     """The tiny calculator model after a one-step SFT, saved like `train` saves it: the common
     starting point of the RL tests (model.path=<this>, sft.enabled=false)."""
     from tiller.config import load_config
-    from tiller.controller import Run
+    from tiller.controller import sft
+    from tiller.run import Run
 
     cfg = load_config("configs/calculator.yaml", [
         f"model.path={calc_model_dir}", "model.build=null", "sft.tasks=32", "sft.epochs=1",
         "logging.progress=false", "logging.tensorboard=false"])
     run = Run(cfg, tmp_path_factory.mktemp("sft_run"))
-    run.sft()
+    sft(run)
     path = run.save("sft")
-    run.logger.close()
+    run.close()
     return path

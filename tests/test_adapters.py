@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 
 from tiller.config import load_config
-from tiller.controller import collect_expert, train
+from tiller.controller import train
 from tiller.envs import ENVS
 from tiller.envs.adapters import GuessNumberEnv, GuessNumberGame, reasoning_gym_env
 from tiller.models import train_tokenizer
 from tiller.observe.evaluation import is_success
 from tiller.rollout.agent_loop import EpisodeLimits, run_episode
 from tiller.rollout.chat import ParsedTurn
+from tiller.rollout.collect import collect_expert
 from tiller.rollout.engine import Generation
 
 CALCULATOR = Path(__file__).parents[1] / "configs" / "calculator.yaml"

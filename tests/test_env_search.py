@@ -13,13 +13,14 @@ import pytest
 from helpers import TINY_ENV_RUN, TextActor
 
 from tiller.config import load_config
-from tiller.controller import collect_expert, train
+from tiller.controller import train
 from tiller.envs import ENVS
 from tiller.envs.search import SearchEnv, make_tasks, search_passages, world
 from tiller.models import train_tokenizer
 from tiller.observe.evaluation import is_success
 from tiller.rollout.agent_loop import EpisodeLimits, run_episode
 from tiller.rollout.chat import ParsedTurn
+from tiller.rollout.collect import collect_expert
 
 pytest.importorskip("bm25s")
 CONFIG = Path(__file__).parents[1] / "configs" / "search.yaml"

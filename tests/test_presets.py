@@ -9,8 +9,10 @@ from typer.testing import CliRunner
 
 from tiller.cli import app
 from tiller.config import Config, ConfigError, load_config
-from tiller.controller import Run, train
+from tiller.controller import rl, train
+from tiller.run import Run
 from tiller.train.presets import PRESETS
+from tiller.train.shaping import train_reward
 from tiller.train.trainer import Trainer
 
 CONFIG = "configs/calculator.yaml"
@@ -132,12 +134,12 @@ def rl_rows(run_dir):
 def test_preset_trains_the_tiny_pipeline(name, calc_sft_dir, tmp_path, monkeypatch):
     # The one-step-SFT model never succeeds, so every group would be flat. A synthetic reward
     # (odd samples +1, on top of the real one and its shaping) gives every group signal.
-    real = Run.train_reward
-    monkeypatch.setattr(Run, "train_reward", lambda self, t: real(self, t) + t.sample_index % 2)
+    monkeypatch.setattr("tiller.controller.train_reward",
+                        lambda t, *a: train_reward(t, *a) + t.sample_index % 2)
     extra = ["eval.samples_per_task=2", "eval.pass_k=2"] if name == "grpo" else []
     summary = train(load_config(CONFIG, [*tiny(calc_sft_dir), preset(name), *extra]), tmp_path)
     rows = rl_rows(tmp_path)
-    assert len(rows) == 2 and all(r["grad_norm"] > 0 and r["skipped"] == 0 for r in rows)
+    assert len(rows) == 2 and all(r["grad_norm"] > 0 for r in rows)
     assert summary["heldout_after_rl"]["tasks"] == 8
     keys = set(rows[-1])
     assert {"entropy", "clip_frac_low", "clip_frac_high", "zero_variance_group_frac",
@@ -159,12 +161,10 @@ def test_beta_zero_builds_and_runs_no_reference(calc_sft_dir, tmp_path, monkeypa
         return real(self, model, batch, micro_batch_size)
 
     monkeypatch.setattr(Trainer, "_logprobs", spy)
-    run = Run(load_config(CONFIG, [*tiny(calc_sft_dir), preset("dr_grpo")]), tmp_path / "a")
-    run.rl()
-    assert run.ref_model is None and passes == []  # beta = 0: no reference, no extra pass
-    # beta > 0 switched off after one step: one reference pass, then the copy is freed
-    run = Run(load_config(CONFIG, [*tiny(calc_sft_dir), preset("grpo", kl={"off_after": 1})]),
-              tmp_path / "b")
-    run.rl()
-    assert passes == [False] and run.ref_model is None
+    rl(Run(load_config(CONFIG, [*tiny(calc_sft_dir), preset("dr_grpo")]), tmp_path / "a"))
+    assert passes == []  # beta = 0: no reference, no extra pass
+    # beta > 0 switched off after one step: one reference pass, then none
+    rl(Run(load_config(CONFIG, [*tiny(calc_sft_dir), preset("grpo", kl={"off_after": 1})]),
+           tmp_path / "b"))
+    assert passes == [False]
     assert [r.get("kl_beta", 0.0) for r in rl_rows(tmp_path / "b")] == [0.04, 0.0]

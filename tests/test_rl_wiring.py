@@ -10,12 +10,14 @@ import torch
 
 from tiller.buffer import DataBuffer
 from tiller.config import AlgorithmConfig, ConfigError, RLConfig, load_config
-from tiller.controller import Run, load_key_steps
+from tiller.controller import rl
 from tiller.envs.verifiers import Reward
 from tiller.observe.evaluation import success_summary
 from tiller.rollout.trajectory import Status, Trajectory
+from tiller.run import Run
 from tiller.train.batch import Batch, token_logprobs
 from tiller.train.critic import Critic, explained_variance
+from tiller.train.shaping import load_key_steps, rl_batch, train_reward
 from tiller.train.trainer import Trainer, _weight_stats, compute_advantages
 
 CONFIG = "configs/calculator.yaml"
@@ -184,16 +186,15 @@ def test_dynamic_sampling_refills_and_logs(calc_sft_dir, tmp_path, monkeypatch, 
                                            rounds, kept, dropped):
     seen: list[str] = []
 
-    def reward(self, t):  # the first three tasks drawn are flat, later ones split 1/0
+    def reward(t, *_):  # the first three tasks drawn are flat, later ones split 1/0
         if t.task_id not in seen:
             seen.append(t.task_id)
         return 0.0 if seen.index(t.task_id) < 3 else float(t.sample_index == 0)
 
-    monkeypatch.setattr(Run, "train_reward", reward)
+    monkeypatch.setattr("tiller.controller.train_reward", reward)
     cfg = tiny(calc_sft_dir, "rl.algorithm={preset: dapo, dynamic_sampling: "
                f"{{enabled: true, max_rounds: {max_rounds}}}}}")
-    run = Run(cfg, tmp_path)
-    run.rl()
+    rl(Run(cfg, tmp_path))
     row = last_rl_row(tmp_path)
     # round 1 draws tasks 1-2 (both flat), round 2 draws 2 more (task 3 flat, task 4 kept),
     # round 3 draws the 1 missing group (task 5, kept); with 2 rounds the step trains on 1 group
@@ -201,19 +202,20 @@ def test_dynamic_sampling_refills_and_logs(calc_sft_dir, tmp_path, monkeypatch, 
         rounds, kept, dropped)
     assert row["zero_variance_group_frac"] == pytest.approx(dropped / (dropped + kept))
     assert row["ledger/filtered/zero_variance"] == 4 * dropped
-    assert row["ledger/trained"] == 4 * kept and row["skipped"] == 0
+    assert row["ledger/trained"] == 4 * kept
 
 
 def test_overlong_soft_penalty_and_mask(calc_sft_dir, tmp_path):
     long = traj([1] + [2] * 90, [0] + [1] * 90, [(1, 91)], 1.0, status=Status.TRUNCATED)
     short = traj([1, 2], [0, 1], [(1, 2)], 1.0)
     # l_max 100, l_cache 20: 90 tokens -> (100 - 20 - 90) / 20 = -0.5; 1 token -> 0
-    run = Run(tiny(calc_sft_dir, "rl.algorithm={preset: dapo, l_max: 100, "
-                   "overlong: {mode: soft, l_cache: 20}}"), tmp_path / "soft")
-    assert [run.train_reward(t) for t in (long, short)] == [0.5, 1.0]
+    cfg = tiny(calc_sft_dir, "rl.algorithm={preset: dapo, l_max: 100, "
+               "overlong: {mode: soft, l_cache: 20}}")
+    alg = cfg.rl.algorithm
+    assert [train_reward(t, alg, cfg.l_max, cfg.l_cache) for t in (long, short)] == [0.5, 1.0]
     # mask: the truncated episode leaves the loss, keeps its reward for the group statistics
-    run = Run(tiny(calc_sft_dir, "rl.algorithm.overlong.mode=mask"), tmp_path / "mask")
-    batch, stats = run._rl_batch([long, short], torch.tensor([0, 0]), None)
+    alg = tiny(calc_sft_dir, "rl.algorithm.overlong.mode=mask").rl.algorithm
+    batch, stats = rl_batch([long, short], torch.tensor([0, 0]), [1.0, 1.0], 0, alg, 0.0)
     assert batch.loss_mask[0].sum() == 0 and batch.loss_mask[1].sum() == 1
     assert batch.rewards.tolist() == [1.0, 1.0] and stats == {"overlong_masked": 1.0}
 
@@ -227,10 +229,9 @@ def first_generated_token_only(t: Trajectory, tokenizer) -> list[int]:
 def test_key_step_hook_narrows_the_loss_mask(calc_sft_dir, tmp_path):
     cfg = tiny(calc_sft_dir, "rl.algorithm.credit.key_steps=test_rl_wiring:"
                "first_generated_token_only")
-    run = Run(cfg, tmp_path)
     hook = load_key_steps(cfg.rl.algorithm.credit.key_steps)
-    batch, _ = run._rl_batch([traj([1, 2, 3, 4], [0, 1, 1, 1], [(1, 4)], 1.0)],
-                             torch.tensor([0]), hook)
+    batch, _ = rl_batch([traj([1, 2, 3, 4], [0, 1, 1, 1], [(1, 4)], 1.0)], torch.tensor([0]),
+                        [1.0], 0, cfg.rl.algorithm, 0.0, hook)
     assert batch.loss_mask.tolist() == [[0.0, 1.0, 0.0, 0.0]]
     with pytest.raises(ConfigError, match="rl.algorithm.credit.key_steps: got 'no.such:hook'"):
         Run(tiny(calc_sft_dir, "rl.algorithm.credit.key_steps=no.such:hook"), tmp_path / "x")

@@ -6,11 +6,14 @@ the ledger's counts go to the metrics, so nothing is lost silently.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from tiller.config import DynamicSamplingConfig
+from tiller.envs.base import Task
 from tiller.rollout.trajectory import Status, Trajectory
 
 
@@ -57,3 +60,39 @@ class DataBuffer:
         self.ledger["trained"] += len(trajectories)
         self.groups.clear()
         return trajectories, torch.tensor(group_index, dtype=torch.long)
+
+
+def fill_groups(buffer: DataBuffer, rollout: Callable[[list[Task], tuple], list[Trajectory]],
+                tasks: Iterator[Task], want: int, dynamic: DynamicSamplingConfig,
+                reward: Callable[[Trajectory], float], step: int
+                ) -> tuple[list[Trajectory], dict[str, float]]:
+    """Roll out one step's groups into the buffer: `want` tasks, `rollout(tasks, tag)` each.
+
+    With dynamic sampling, groups whose training rewards are all equal are filtered out
+    (ledger: `filtered/zero_variance`) and the missing number of groups is sampled again,
+    until `want` groups have signal or `max_rounds` rounds ran; then the step trains on what
+    there is. Without it, such groups stay in the batch (A = 0) and are only counted. Returns
+    every trajectory sampled, for the rollout metrics, and the counts.
+    """
+    sampled: list[Trajectory] = []
+    groups = flat = rounds = 0
+    for r in range((dynamic.max_rounds or 1) if dynamic.enabled else 1):
+        batch_tasks = list(itertools.islice(tasks, want - len(buffer.groups)))
+        if not batch_tasks:
+            break
+        trajs = rollout(batch_tasks, ("rl", step) if r == 0 else ("rl", step, r))
+        sampled += trajs
+        rounds += 1
+        before = len(buffer.groups)
+        buffer.add(trajs)
+        groups += len(buffer.groups) - before
+        zero = buffer.zero_variance_groups(reward)  # earlier rounds' flat groups were dropped
+        flat += len(zero)
+        if dynamic.enabled:
+            buffer.drop_groups(zero, "zero_variance")
+    stats = {"zero_variance_group_frac": flat / max(groups, 1),
+             "groups_kept": float(len(buffer.groups)),
+             "rollout_tokens": float(sum(t.num_generated for t in sampled))}
+    if dynamic.enabled:
+        stats.update(sampling_rounds=float(rounds), groups_dropped=float(flat))
+    return sampled, stats

@@ -1,7 +1,8 @@
 """The command line: `tiller train CONFIG [key=value ...]` and `tiller eval CONFIG ...`.
 
 Errors a user can fix (bad config, missing model, unknown env or algorithm) print one line
-and exit with status 2, never a traceback.
+and exit with status 2, never a traceback; a run that started but cannot learn (a broken engine,
+a step with nothing to train) prints one line naming the cause and exits with status 1.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tiller.config import ConfigError, load_config
+from tiller.errors import RunError
 from tiller.models import ModelLoadError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -26,9 +28,9 @@ Overrides = Annotated[list[str] | None, typer.Argument(help="overrides: section.
 OutputDir = Annotated[Path | None, typer.Option("--output-dir", "-o", help="run folder")]
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, code: int = 2) -> None:
     console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
+    raise typer.Exit(code)
 
 
 def _print_summary(summary: dict) -> None:
@@ -59,6 +61,8 @@ def _run(action: str, config: Path, overrides: list[str] | None, output_dir: Pat
         summary = getattr(controller, action)(cfg, output_dir)
     except (ConfigError, ModelLoadError) as e:
         _fail(str(e))
+    except RunError as e:  # the run started but cannot learn: one line, exit 1
+        _fail(str(e), code=1)
     _print_summary(summary)
 
 

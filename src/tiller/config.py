@@ -8,6 +8,7 @@ same validation.
 from __future__ import annotations
 
 import copy
+import importlib
 import inspect
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,20 @@ from tiller.tools.stack import ToolsConfig
 
 class ConfigError(Exception):
     """A configuration that cannot be used; the message says which field and why."""
+
+
+def import_dotted(path: str, field: str) -> Callable[..., Any]:
+    """The callable at `package.module:name` (or `package.module.name`) that config `field`
+    names; a one-line ConfigError when it cannot be imported or is not callable."""
+    module, _, name = path.partition(":") if ":" in path else path.rpartition(".")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"config field {field}: got {path!r}; cannot import it: "
+                          f"{type(e).__name__}: {e}") from e
+    if not callable(fn):
+        raise ConfigError(f"config field {field}: got {path!r}; expected a callable")
+    return fn
 
 
 class _Section(BaseModel):
@@ -336,6 +351,10 @@ class RLConfig(_Section):
         0.0, ge=0.0, le=1.0,
         description="0 drops env_error trajectories; w > 0 keeps them in their group with "
                     "their loss scaled by w")
+    max_aborted_frac: float = Field(
+        0.1, ge=0.0, le=1.0,
+        description="fail the run when more than this share of a step's (or an eval's) "
+                    "episodes aborted (engine or loop failure), naming the first error")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
 
 

@@ -23,7 +23,11 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from tiller.config import BuildConfig
+from tiller.envs.base import Env
+from tiller.rollout.agent_loop import EpisodeLimits
 from tiller.rollout.chat import CHAT_TEMPLATE, IM_END, SPECIAL_TOKENS
+from tiller.rollout.collect import collect_expert
 
 # tiller draws its own progress bars; the per-shard ones of a tiny local model are noise.
 hf_logging.disable_progress_bar()
@@ -120,3 +124,20 @@ def build_tiny_model(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def build_env_model(env_cls: type[Env], out: Path, build: BuildConfig, *, seed: int,
+                    difficulty: int, max_turns: int) -> Path:
+    """A tiny model whose tokenizer learned from the env's expert episodes.
+
+    The episodes are rendered through the real loop with a byte-level tokenizer (the BPE
+    alphabet with no merges yet); a share of them guess, so answers without tools are covered.
+    """
+    bootstrap = train_tokenizer([], 0)
+    tasks = env_cls.make_tasks("train", build.corpus_tasks, seed + 1, difficulty)
+    trajs = collect_expert(env_cls, tasks, bootstrap, guess=0.3,
+                           limits=EpisodeLimits(max_turns, 1 << 16), seed=seed)
+    corpus = [bootstrap.decode(t.token_ids) for t in trajs]
+    return build_tiny_model(out, corpus, vocab_size=build.vocab_size,
+                            hidden_size=build.hidden_size, num_layers=build.num_layers,
+                            num_heads=build.num_heads, seed=seed)

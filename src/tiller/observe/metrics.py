@@ -30,8 +30,14 @@ class MetricsLogger:
 
             self._wandb = wb.init(project=wandb_project, dir=str(run_dir), config=config)
 
-    def log(self, phase: str, step: int, metrics: dict[str, float]) -> None:
+    def log(self, phase: str, step: int, metrics: dict[str, Any],
+            phase_step: int | None = None) -> None:
+        """One record at global `step` (monotonic over the whole run, so TensorBoard and W&B
+        keep every phase's curve); the phase is in each scalar's name (`rl/reward_mean`) and
+        `phase_step` counts within the phase (SFT step, RL step)."""
         record = {"phase": phase, "step": step, "time": time.time(), **metrics}
+        if phase_step is not None:
+            record["phase_step"] = phase_step
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         scalars = {f"{phase}/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}

@@ -10,7 +10,6 @@ adds for the new messages, tokenized on its own. Users replace this function wit
 from __future__ import annotations
 
 import hashlib
-import importlib
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -19,6 +18,7 @@ from typing import Any, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
+from tiller.config import import_dotted
 from tiller.envs.base import Env, Task
 from tiller.envs.verifiers import Reward
 from tiller.rollout.chat import ParsedTurn, parse_tool_calls, tool_calls_as_messages
@@ -193,11 +193,4 @@ EpisodeFn = Callable[..., Awaitable[Trajectory]]
 
 def load_episode_fn(path: str) -> EpisodeFn:
     """Resolve `package.module:function` (or `package.module.function`) to the loop."""
-    module, _, name = path.partition(":") if ":" in path else path.rpartition(".")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"agent.loop {path!r} cannot be imported: {e}") from e
-    if not callable(fn):
-        raise ValueError(f"agent.loop {path!r} is not callable")
-    return fn
+    return import_dotted(path, "agent.loop")

@@ -1,0 +1,52 @@
+"""Run health: signs that a run is failing in ways the reward hides."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Sequence
+
+from tiller.rollout.trajectory import Status, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class EnvErrorTrend:
+    """The env_error rate per weight version (the version that sampled each episode's first
+    turn), and a warning when it rises during training: a policy may be learning to break its
+    environment (env_error episodes escape the policy's penalty).
+
+    Rising means: the rate over the last `window` versions exceeds the rate over the first
+    `window` versions by more than `margin` (absolute). It warns once, and reports
+    `env_error_rising` = 1 in the metrics from then on.
+    """
+
+    def __init__(self, window: int = 3, margin: float = 0.05):
+        self.window, self.margin = window, margin
+        self.counts: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # version -> [err, n]
+        self.rising = False
+
+    def by_version(self) -> dict[int, float]:
+        return {v: err / n for v, (err, n) in sorted(self.counts.items())}
+
+    def update(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        for t in trajectories:
+            c = self.counts[t.versions[0] if t.versions else -1]
+            c[0] += t.status is Status.ENV_ERROR
+            c[1] += 1
+        versions = sorted(self.counts)
+        if len(versions) < 2 * self.window:
+            return {"env_error_rising": float(self.rising)}
+
+        def rate(vs: list[int]) -> float:
+            err = sum(self.counts[v][0] for v in vs)
+            return err / max(sum(self.counts[v][1] for v in vs), 1)
+
+        first, last = rate(versions[: self.window]), rate(versions[-self.window :])
+        if last > first + self.margin and not self.rising:
+            self.rising = True
+            log.warning("env_error rate rose from %.3f (first %d weight versions) to %.3f "
+                        "(last %d): the policy may be learning to break its environment",
+                        first, self.window, last, self.window)
+        return {"env_error_rising": float(self.rising), "env_error_rate_first": first,
+                "env_error_rate_recent": last}

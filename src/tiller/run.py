@@ -1,0 +1,124 @@
+"""A run's wiring: the run folder, the model and tokenizer, the engine (its own copy of the
+weights, updated only through `WeightUpdate`s), the trainer, the tool stack and the metrics.
+The schedule that uses them is `tiller.controller`."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import random
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from tiller.config import Config, ConfigError
+from tiller.envs import ENVS, Env, Task, ToolEnv
+from tiller.errors import RunError
+from tiller.models import build_env_model, load_model, load_tokenizer
+from tiller.observe.metrics import MetricsLogger
+from tiller.rollout.agent_loop import EngineActor, EpisodeLimits, load_episode_fn
+from tiller.rollout.collect import collect, collect_expert, first_error
+from tiller.rollout.engine import EmbeddedEngine, SamplingParams
+from tiller.rollout.trajectory import Status, Trajectory
+from tiller.tools.stack import ToolStack
+from tiller.train.shaping import load_key_steps
+from tiller.train.trainer import Trainer
+
+
+def get_env(name: str) -> type[Env]:
+    if name not in ENVS:
+        raise ConfigError(f"config field env.name: unknown env {name!r}; "
+                          f"choose one of: {', '.join(sorted(ENVS))}")
+    return ENVS[name]
+
+
+class Run:
+    """Everything one run needs, built from a validated `Config`. Hooks named in the config
+    (agent loop, key steps) are imported first, so a bad one fails before any work."""
+
+    def __init__(self, cfg: Config, output_dir: str | Path | None = None):
+        self.cfg = cfg
+        self.env_cls = get_env(cfg.env.name)
+        self.episode_fn = load_episode_fn(cfg.agent.loop)
+        self.key_steps = load_key_steps(cfg.rl.algorithm.credit.key_steps)
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        self.dir = Path(output_dir or cfg.output_dir or Path("runs") / f"{cfg.name}-{stamp}")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        self.limits = EpisodeLimits(cfg.env.max_turns, cfg.env.max_episode_tokens)
+        self.timings: dict[str, float] = {}
+
+        path = Path(cfg.model.path) if cfg.model.path is not None else build_env_model(
+            self.env_cls, self.dir / "base_model", cfg.model.build, seed=cfg.seed,
+            difficulty=cfg.env.difficulty, max_turns=cfg.env.max_turns)
+        self.tokenizer = load_tokenizer(path)
+        self.model = load_model(path, getattr(torch, cfg.model.dtype))
+        self.trainer = Trainer(self.model, temperature=cfg.sampling.temperature or 1.0)
+        self.engine = EmbeddedEngine(copy.deepcopy(self.model), self.tokenizer.pad_token_id,
+                                     cfg.max_batch_size)
+        self.logger = MetricsLogger(self.dir, cfg.logging.tensorboard, cfg.logging.wandb,
+                                    cfg.logging.wandb_project, cfg.model_dump())
+        self.tools = ToolStack(cfg.env.tools, self.dir)
+
+    def log(self, phase: str, metrics: dict[str, Any], phase_step: int | None = None) -> None:
+        """Metrics at the global step: the trainer's weight version (optimizer steps so far),
+        monotonic across SFT, RL and evals."""
+        self.logger.log(phase, self.trainer.version, metrics, phase_step)
+
+    def sampling(self, temperature: float) -> SamplingParams:
+        s = self.cfg.sampling
+        return SamplingParams(temperature=temperature, top_p=s.top_p, top_k=s.top_k,
+                              max_new_tokens=s.max_new_tokens,
+                              stop_token_ids=(self.tokenizer.eos_token_id,))
+
+    def push_weights(self) -> None:
+        self.engine.update_weights(self.trainer.weight_update())
+
+    def make_env(self, *key: Any) -> Env:
+        """A fresh env for one episode, its tools behind the run's tool stack; `key` names the
+        episode for record/replay and fault draws."""
+        if not issubclass(self.env_cls, ToolEnv):
+            return self.env_cls()
+        return self.env_cls(wrap=self.tools.wrapper("/".join(map(str, key))))
+
+    def tasks(self, split: str, n: int, seed_offset: int) -> list[Task]:
+        return self.env_cls.make_tasks(split, n, self.cfg.seed + seed_offset,
+                                       self.cfg.env.difficulty)
+
+    def episodes(self, tasks: Sequence[Task], samples: int, params: SamplingParams, tag: tuple,
+                 on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+        """The policy's episodes, `samples` per task; fails the run when more than
+        `rl.max_aborted_frac` of them aborted (a broken engine cannot teach anything)."""
+        trajs = asyncio.run(collect(
+            tasks, samples, EngineActor(self.engine, params), episode_fn=self.episode_fn,
+            make_env=self.make_env, tokenizer=self.tokenizer, limits=self.limits,
+            seed=self.cfg.seed, tag=tag, on_done=on_done))
+        aborted = sum(t.status is Status.ABORTED for t in trajs)
+        if aborted > self.cfg.rl.max_aborted_frac * len(trajs):
+            raise RunError(f"{'/'.join(map(str, tag))}: {aborted} of {len(trajs)} episodes "
+                           f"aborted (rl.max_aborted_frac={self.cfg.rl.max_aborted_frac}); "
+                           f"first error: {first_error(trajs)}")
+        return trajs
+
+    def expert(self, tasks: Sequence[Task], guess: float, tag: str) -> list[Trajectory]:
+        return collect_expert(self.env_cls, tasks, self.tokenizer, guess=guess,
+                              limits=self.limits, seed=self.cfg.seed, episode_fn=self.episode_fn,
+                              make_env=lambda i: self.make_env(tag, i))
+
+    def save(self, name: str = "final") -> Path:
+        out = self.dir / "checkpoints" / name
+        self.model.save_pretrained(out, safe_serialization=True)
+        self.tokenizer.save_pretrained(out)
+        return out
+
+    def close(self) -> None:
+        self.logger.close()
+        self.tools.close()

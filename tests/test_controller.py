@@ -1,0 +1,118 @@
+"""The schedule's failure rules: a run that cannot learn stops with one line naming why, and
+the metrics' global step never goes backwards."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from helpers import TINY_RUN
+from typer.testing import CliRunner
+
+from tiller.cli import app
+from tiller.config import load_config
+from tiller.controller import rl, train
+from tiller.envs.verifiers import Reward
+from tiller.errors import RunError
+from tiller.observe.health import EnvErrorTrend
+from tiller.rollout.collect import rollout_metrics
+from tiller.rollout.trajectory import Status, Trajectory
+from tiller.run import Run
+
+CONFIG = "configs/calculator.yaml"
+
+
+def from_sft(sft_dir, *more):
+    return load_config(CONFIG, [
+        f"model.path={sft_dir}", "model.build=null", "sft.enabled=false", "rl.steps=1",
+        "rl.tasks_per_step=2", "rl.group_size=4", "eval.tasks=8", "logging.progress=false",
+        "logging.tensorboard=false", *more])
+
+
+def break_engine(run: Run) -> None:
+    """A real engine failure: NaN weights make sampling raise inside the engine."""
+    with torch.no_grad():
+        for p in run.engine.model.parameters():
+            p.fill_(float("nan"))
+
+
+def test_a_broken_engine_fails_the_run_naming_the_first_error(calc_sft_dir, tmp_path):
+    run = Run(from_sft(calc_sft_dir), tmp_path)
+    break_engine(run)
+    with pytest.raises(RunError) as e:
+        rl(run)
+    msg = str(e.value)
+    assert "rl/0: 8 of 8 episodes aborted (rl.max_aborted_frac=0.1)" in msg
+    assert "first error: RuntimeError" in msg and "\n" not in msg
+
+
+def test_all_aborted_under_a_permissive_threshold_is_nothing_to_train(calc_sft_dir, tmp_path):
+    run = Run(from_sft(calc_sft_dir, "rl.max_aborted_frac=1.0"), tmp_path)
+    break_engine(run)
+    with pytest.raises(RunError, match=r"rl step 1: nothing to train.*'dropped/aborted': 8"):
+        rl(run)
+
+
+def test_aborted_episodes_are_counted_in_the_rollout_metrics():
+    def traj(status):
+        return Trajectory("t", 0, (1, 2), (0, 1), (0.0, 0.0), 1, ((1, 2),), (0,), (),
+                          Reward(0.0), status)
+
+    m = rollout_metrics([traj(Status.ABORTED), traj(Status.COMPLETED), traj(Status.ABORTED),
+                         traj(Status.ENV_ERROR)])
+    assert (m["aborted_rate"], m["env_error_rate"]) == (0.5, 0.25)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "constant"])
+def test_sft_without_completed_demos_is_one_line(tmp_path, schedule):
+    # every demo needs a tool call and an answer: with one turn none completes
+    result = CliRunner().invoke(app, [
+        "train", CONFIG, *TINY_RUN, "env.max_turns=1", "sft.imperfect_fraction=0",
+        f"sft.lr_schedule={schedule}", "-o", str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    line = result.output.strip()
+    assert line.startswith("error: sft: no expert demonstration completed") and "\n" not in line
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_unimportable_agent_loop_is_one_line(tmp_path):
+    result = CliRunner().invoke(app, ["train", CONFIG, *TINY_RUN, "agent.loop=no.such:loop",
+                                      "-o", str(tmp_path)])
+    assert result.exit_code == 2
+    assert result.output.strip().startswith(
+        "error: config field agent.loop: got 'no.such:loop'; cannot import it: "
+        "ModuleNotFoundError")
+    assert "\n" not in result.output.strip()
+
+
+def test_metrics_share_one_monotonic_global_step(tmp_path):
+    train(load_config(CONFIG, [*TINY_RUN, "logging.tensorboard=false"]), tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(steps)
+    sft = [r for r in rows if r["phase"] == "sft"]
+    rl_rows = [r for r in rows if r["phase"] == "rl"]
+    # SFT: 64 demos at most / batch 32 -> 2 steps; RL: one optimizer step per RL step
+    assert [r["phase_step"] for r in rl_rows] == [1, 2]
+    assert rl_rows[0]["step"] == sft[-1]["step"] + 1 and rl_rows[1]["step"] == sft[-1]["step"] + 2
+    evals = {r["phase"]: r["step"] for r in rows if r["phase"].startswith("eval")}
+    assert evals == {"eval_sft": sft[-1]["step"], "eval_rl": rl_rows[-1]["step"]}
+
+
+def test_env_error_rate_per_version_warns_when_it_rises(caplog):
+    def batch(version, errors, n=10):
+        return [Trajectory("t", i, (1,), (0,), (0.0,), 1, (), (version,), (), Reward(0.0),
+                           Status.ENV_ERROR if i < errors else Status.COMPLETED)
+                for i in range(n)]
+
+    trend = EnvErrorTrend(window=2, margin=0.05)
+    with caplog.at_level(logging.WARNING, logger="tiller.observe.health"):
+        for v, errors in enumerate([1, 1, 1, 1]):
+            assert trend.update(batch(v, errors))["env_error_rising"] == 0.0
+        m = trend.update(batch(4, 3))  # last two versions: 4/20 against 2/20 at the start
+    assert m == {"env_error_rising": 1.0, "env_error_rate_first": 0.1,
+                 "env_error_rate_recent": 0.2}
+    assert trend.by_version() == {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.1, 4: 0.3}
+    assert "env_error rate rose from 0.100" in caplog.text
