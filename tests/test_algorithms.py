@@ -9,8 +9,9 @@ from functools import partial
 
 import pytest
 import torch
+from pydantic import ValidationError
 
-from tiller.config import AlgorithmConfig
+from tiller.config import AlgorithmConfig, ConfigError
 from tiller.train.algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from tiller.train.algorithms.advantages import (
     gae_advantages,
@@ -323,6 +324,35 @@ def test_losses_take_exactly_their_declared_knobs():
     for name, fn in POLICY_LOSSES.items():
         params = list(inspect.signature(fn).parameters)
         assert params[4:] == list(POLICY_LOSSES.knobs[name]), name
+
+
+@pytest.mark.parametrize(
+    "settings, knob, why",
+    [
+        ({"policy_loss": "sapo", "eps_high": 0.3}, "eps_high",
+         "read only by policy_loss 'cispo', 'gspo', 'ppo_clip'"),
+        ({"tau_pos": 2.0}, "tau_pos", "read only by policy_loss 'sapo'"),
+        ({"policy_loss": "cispo", "clip_ratio_c": 3.0}, "clip_ratio_c",
+         "read only by policy_loss 'ppo_clip'"),
+        ({"critic": {"lam": 0.9}}, "critic.lam", "read only by advantage 'gae'"),
+        ({"aggregation": "token-sum", "l_max": 64}, "l_max",
+         "read only by aggregation 'seq-mean-token-sum-norm' and overlong.mode 'soft'"),
+    ],
+)
+def test_declared_knobs_drive_the_ignored_knob_rule(settings, knob, why):
+    with pytest.raises(ConfigError) as e:
+        AlgorithmConfig(**settings)
+    assert str(e.value).startswith(f"config field rl.algorithm.{knob}: got ")
+    assert str(e.value).endswith(f"the algorithm ignores it: {why}")
+
+
+def test_new_losses_resolve_their_own_defaults():
+    a = AlgorithmConfig(policy_loss="cispo", eps_high=2.0)
+    assert (a.eps_low, a.eps_high, a.tau_pos, a.clip_ratio_c) == (1.0, 2.0, None, None)
+    a = AlgorithmConfig(preset="dapo", policy_loss="sapo")  # the preset's clip range is dropped
+    assert (a.eps_low, a.eps_high, a.tau_pos, a.tau_neg) == (None, None, 1.0, 1.05)
+    with pytest.raises(ValidationError, match="greater than 0"):
+        AlgorithmConfig(policy_loss="sapo", tau_neg=0.0)
 
 
 def test_trainer_passes_the_declared_knobs():
