@@ -11,7 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from tiller.config import AlgorithmConfig, ConfigError
+from tiller.config import AlgorithmConfig, ConfigError, RLConfig
 from tiller.train.algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from tiller.train.algorithms.advantages import (
     gae_advantages,
@@ -31,7 +31,7 @@ from tiller.train.algorithms.losses import entropy_bonus
 from tiller.train.algorithms.offpolicy import mismatch_stats, staleness, tis_weights
 from tiller.train.algorithms.passk import mean_pass_at_k, pass_at_k
 from tiller.train.batch import Batch, minibatches
-from tiller.train.trainer import compute_advantages
+from tiller.train.trainer import Trainer, compute_advantages
 
 
 def close(actual: torch.Tensor, expected: list, atol: float = 1e-5) -> None:
@@ -366,6 +366,31 @@ def test_trainer_passes_the_declared_knobs():
     with pytest.raises(ValueError, match="advantage estimator 'gae' needs values"):
         ADVANTAGES.call("gae", alg, token_rewards=torch.zeros(1, 2), mask=torch.ones(1, 2),
                         eps=1e-6, values=None)
+
+
+def test_new_losses_train_through_the_trainer(calc_model_dir):
+    # On-policy with one mini-batch, rho = 1 on every token, so cispo's weight is 1 and sapo's
+    # gate weight 4 s (1 - s) is 1: both give ppo_clip's gradient -A per token, hence the same
+    # SGD update, through the trainer's real knob passing (sapo gets tau_pos / tau_neg).
+    from tiller.models import load_model
+
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0]])
+    batch = Batch(torch.tensor([[3, 7, 8, 9], [3, 10, 11, 0]]),
+                  torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]), mask, torch.zeros(2, 4),
+                  torch.tensor([1.0, 0.0]), torch.tensor([0, 0]))
+    deltas = {}
+    for loss in ("ppo_clip", "cispo", "sapo"):
+        model = load_model(calc_model_dir)
+        before = torch.cat([p.detach().flatten() for p in model.parameters()])
+        trainer = Trainer(model)
+        trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # delta = -gradient
+        cfg = RLConfig(micro_batch_size=2, max_grad_norm=1e9,
+                       algorithm={"policy_loss": loss, "advantage": "dr_grpo"})
+        trainer.rl_step(batch, cfg, l_max=4)
+        deltas[loss] = torch.cat([p.detach().flatten() for p in model.parameters()]) - before
+    assert deltas["ppo_clip"].abs().max() > 1e-6
+    assert torch.allclose(deltas["cispo"], deltas["ppo_clip"], atol=1e-6, rtol=1e-4)
+    assert torch.allclose(deltas["sapo"], deltas["ppo_clip"], atol=1e-6, rtol=1e-4)
 
 
 def test_entropy_bonus():
