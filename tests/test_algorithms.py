@@ -378,19 +378,32 @@ def test_new_losses_train_through_the_trainer(calc_model_dir):
     batch = Batch(torch.tensor([[3, 7, 8, 9], [3, 10, 11, 0]]),
                   torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]), mask, torch.zeros(2, 4),
                   torch.tensor([1.0, 0.0]), torch.tensor([0, 0]))
-    deltas = {}
-    for loss in ("ppo_clip", "cispo", "sapo"):
+
+    def update(mini_batches: int = 1, rewards: tuple[float, float] = (1.0, 0.0), **alg
+               ) -> torch.Tensor:
+        batch.rewards = torch.tensor(rewards)
         model = load_model(calc_model_dir)
         before = torch.cat([p.detach().flatten() for p in model.parameters()])
         trainer = Trainer(model)
         trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # delta = -gradient
-        cfg = RLConfig(micro_batch_size=2, max_grad_norm=1e9,
-                       algorithm={"policy_loss": loss, "advantage": "dr_grpo"})
+        cfg = RLConfig(micro_batch_size=2, max_grad_norm=1e9, mini_batches=mini_batches,
+                       algorithm={"advantage": "dr_grpo", **alg})
         trainer.rl_step(batch, cfg, l_max=4)
-        deltas[loss] = torch.cat([p.detach().flatten() for p in model.parameters()]) - before
-    assert deltas["ppo_clip"].abs().max() > 1e-6
-    assert torch.allclose(deltas["cispo"], deltas["ppo_clip"], atol=1e-6, rtol=1e-4)
-    assert torch.allclose(deltas["sapo"], deltas["ppo_clip"], atol=1e-6, rtol=1e-4)
+        return torch.cat([p.detach().flatten() for p in model.parameters()]) - before
+
+    ppo = update(policy_loss="ppo_clip")
+    assert ppo.abs().max() > 1e-6
+    assert torch.allclose(update(policy_loss="cispo"), ppo, atol=1e-6, rtol=1e-4)
+    assert torch.allclose(update(policy_loss="sapo"), ppo, atol=1e-6, rtol=1e-4)
+    # with two optimizer steps the second mini-batch (row 1) is off-policy (rho != 1), and
+    # there the knobs reach the loss: a sharper gate or a tighter weight bound changes the
+    # update. Row 1's advantage is +0.5 with rewards (0, 1), -0.5 with (1, 0).
+    for loss, knob, values, rewards in [("sapo", "tau_pos", (1.0, 8.0), (0.0, 1.0)),
+                                        ("sapo", "tau_neg", (1.05, 8.0), (1.0, 0.0)),
+                                        ("cispo", "eps_low", (1.0, 1e-3), (1.0, 0.0)),
+                                        ("cispo", "eps_high", (0.28, 1e-3), (1.0, 0.0))]:
+        a, b = (update(2, rewards, policy_loss=loss, **{knob: v}) for v in values)
+        assert (a - b).abs().max() > 1e-6, knob
 
 
 def test_entropy_bonus():
