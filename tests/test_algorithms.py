@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
+from pydantic import ValidationError
 
+from tiller.config import AlgorithmConfig, ConfigError, RLConfig
 from tiller.train.algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from tiller.train.algorithms.advantages import (
     gae_advantages,
@@ -25,6 +30,8 @@ from tiller.train.algorithms.kl import kl_beta_at, kl_in_reward
 from tiller.train.algorithms.losses import entropy_bonus
 from tiller.train.algorithms.offpolicy import mismatch_stats, staleness, tis_weights
 from tiller.train.algorithms.passk import mean_pass_at_k, pass_at_k
+from tiller.train.batch import Batch, minibatches
+from tiller.train.trainer import Trainer, compute_advantages
 
 
 def close(actual: torch.Tensor, expected: list, atol: float = 1e-5) -> None:
@@ -33,11 +40,12 @@ def close(actual: torch.Tensor, expected: list, atol: float = 1e-5) -> None:
 
 
 def test_registries():
-    assert sorted(ADVANTAGES) == ["dr_grpo", "grpo", "reinforce_pp", "rloo"]
-    assert sorted(POLICY_LOSSES) == ["gspo", "ppo_clip"]
-    assert sorted(KL_ESTIMATORS) == ["k1", "k2", "k3"]
+    assert sorted(ADVANTAGES) == ["dr_grpo", "gae", "grpo", "reinforce_pp", "rloo"]
+    assert sorted(POLICY_LOSSES) == ["cispo", "gspo", "ppo_clip", "sapo"]
+    assert sorted(KL_ESTIMATORS) == ["abs", "k1", "k1+", "k2", "k3", "k3+"]
     assert sorted(AGGREGATIONS) == [
-        "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-mean"
+        "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-mean",
+        "token-sum"
     ]
     with pytest.raises(KeyError, match="unknown advantage estimator"):
         ADVANTAGES["nope"]
@@ -78,7 +86,7 @@ def test_reinforce_pp_whitens_token_weighted():
     # mu = (0.5 - 0.5 + 2*1 + 0*(-1)) / 4 = 0.5; a - mu = [0, -1, 0.5, -1.5]
     # var = (1*0 + 1*1 + 2*0.25 + 0*2.25) / (4 - 1) = 0.5, std = 0.707107
     # A = [0, -1.414214, 0.707107, -2.121320]
-    adv = ADVANTAGES["reinforce_pp"](rewards, groups, tokens_per_seq=tokens)
+    adv = ADVANTAGES["reinforce_pp"](rewards, groups, tokens=tokens)
     close(adv, [0.0, -1.414214, 0.707107, -2.121320])
     # the same as whitening the advantages broadcast to every generated token
     mask = torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]])
@@ -102,7 +110,7 @@ def test_gae_skips_tool_span_and_empty_row():
     mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 0.0], [0.0] * 6])
     values = torch.tensor([[0.5, 0.4, 9.0, 9.0, 0.8, 7.0], [3.0] * 6])
     rewards = torch.tensor([[0.0, 0.0, 5.0, 0.0, 1.0, 0.0], [1.0] * 6])  # off-mask: ignored
-    adv, ret = gae_advantages(rewards, values, mask, gamma=0.9, lam=0.5, normalize=False)
+    adv, ret = gae_advantages(rewards, values, mask, gamma=0.9, lam=0.5, whiten=False)
     # t=4: delta = 1 + 0.9*0 - 0.8 = 0.2                          A4 = 0.2
     # t=1: next masked-in token is t=4 (tool span skipped, not terminal):
     #      delta = 0 + 0.9*0.8 - 0.4 = 0.32                       A1 = 0.32 + 0.45*0.2 = 0.41
@@ -238,6 +246,166 @@ def test_gspo_equals_ppo_at_ratio_one():
     assert torch.allclose(grads[0], -adv) and torch.allclose(grads[1], -adv)
 
 
+def test_cispo_clips_the_weight_and_keeps_every_gradient():
+    logp = _logp([1.0, 1.5, 0.5, 1.5, 0.5, 1.0])
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0, 0.0]])
+    loss, stats = POLICY_LOSSES["cispo"](logp, torch.zeros_like(logp), adv, mask,
+                                         eps_low=0.2, eps_high=0.28)
+    # w = sg[clip(rho, 0.8, 1.28)] = [1, 1.28, 0.8, 1.28, 0.8]; L = -w A logp,
+    # logp = [0, log 1.5 = 0.405465, log 0.5 = -0.693147, 0.405465, -0.693147]
+    # t0: -1 * 1 * 0 = 0;              t1: -1.28 * 1 * 0.405465 = -0.518995
+    # t2: -0.8 * -1 * -0.693147 = -0.554518;  t3: -1.28 * -1 * 0.405465 = 0.518995
+    # t4: -0.8 * 1 * -0.693147 = 0.554518;    t5 masked: 0
+    close(loss, [[0.0, -0.518995, -0.554518, 0.518995, 0.554518, 0.0]])
+    close(stats["clipped_high"], [[0, 1, 0, 1, 0, 0]])  # weight truncated, whatever A's sign
+    close(stats["clipped_low"], [[0, 0, 1, 0, 1, 0]])
+    close(stats["clipped"], [[0, 1, 1, 1, 1, 0]])
+    close(stats["dual_clipped"], [[0] * 6])
+    loss.sum().backward()
+    # the weight is stop-gradient: dL/dlogp = -w * A on EVERY token, clipped ones included
+    # (ppo_clip gives 0 on t1 and t2, where its clipped branch is taken)
+    close(logp.grad, [[-1.0, -1.28, 0.8, 1.28, -0.8, 0.0]])
+    # defaults: eps_low = 1 leaves the lower bound open (0), eps_high = 0.28
+    logp = _logp([0.1, 3.0])
+    loss, stats = POLICY_LOSSES["cispo"](logp, torch.zeros_like(logp), torch.ones(1, 2),
+                                         torch.ones(1, 2))
+    loss.sum().backward()
+    close(logp.grad, [[-0.1, -1.28]])  # w = 0.1 (not clipped), 1.28
+    close(stats["clipped"], [[0.0, 1.0]])
+
+
+def test_sapo_soft_gate_values_and_gradients():
+    logp = _logp([1.0, 1.5, 1.5, 0.5, 1.0, 2.0])
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, -1.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0, 0.0]])
+    loss, stats = POLICY_LOSSES["sapo"](logp, torch.zeros_like(logp), adv, mask,
+                                        tau_pos=1.0, tau_neg=2.0)
+    # s = sigmoid(tau (rho - 1)), L = -(4 / tau) s A; tau = 1 where A > 0, 2 where A < 0
+    # t0: rho 1,   A +1, s = 0.5                 -> L = -4 * 0.5 = -2
+    # t1: rho 1.5, A +1, s = sigmoid(0.5) = 0.622459 -> L = -4 * 0.622459 = -2.489837
+    # t2: rho 1.5, A -1, s = sigmoid(1) = 0.731059   -> L = 2 * 0.731059 = 1.462117
+    # t3: rho 0.5, A -1, s = sigmoid(-1) = 0.268941  -> L = 2 * 0.268941 = 0.537883
+    # t4: rho 1,   A -1, s = 0.5                 -> L = 2 * 0.5 = 1;  t5 masked: 0
+    close(loss, [[-2.0, -2.489837, 1.462117, 0.537883, 1.0, 0.0]])
+    assert all(float(v.sum()) == 0.0 for v in stats.values())  # no hard clip anywhere
+    loss.sum().backward()
+    # dL/dlogp = -4 s (1 - s) rho A: -A at rho = 1 for either tau (t0, t4), damped elsewhere
+    # t1: -4 * 0.622459 * 0.377541 * 1.5 = -1.410022
+    # t2: 4 * 0.731059 * 0.268941 * 1.5 = 1.179672;  t3: 4 * 0.268941 * 0.731059 * 0.5 = 0.393224
+    close(logp.grad, [[-1.0, -1.410022, 1.179672, 0.393224, 1.0, 0.0]])
+    # the defaults are tau_pos = 1, tau_neg = 1.05: t2 becomes (4 / 1.05) sigmoid(0.525)
+    default, _ = POLICY_LOSSES["sapo"](logp, torch.zeros_like(logp), adv, mask)
+    expected = 4 / 1.05 / (1 + math.exp(-0.525))
+    assert default[0, 2].item() == pytest.approx(expected, abs=1e-5)
+
+
+def test_losses_take_exactly_their_declared_knobs():
+    logp = torch.zeros(1, 2)
+    args = (logp, logp, torch.ones(1, 2), torch.ones(1, 2))
+    with pytest.raises(TypeError):  # a misspelled knob is an error, not silently ignored
+        POLICY_LOSSES["ppo_clip"](*args, eps_hgh=0.3)
+    with pytest.raises(TypeError):  # GSPO has no dual clip
+        POLICY_LOSSES["gspo"](*args, clip_ratio_c=3.0)
+    with pytest.raises(TypeError):  # aggregations too
+        AGGREGATIONS["token-mean"](logp, logp, total_token=1.0, total_seqs=1, l_max=1)
+    assert POLICY_LOSSES.knobs == {
+        "ppo_clip": ("eps_low", "eps_high", "clip_ratio_c"), "gspo": ("eps_low", "eps_high"),
+        "cispo": ("eps_low", "eps_high"), "sapo": ("tau_pos", "tau_neg"),
+    }
+    # every declared knob and input is a parameter of the function, and every keyword
+    # parameter of a policy loss is a declared knob (what it reads is what it declares)
+    for registry in (ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, AGGREGATIONS):
+        for name, fn in registry.items():
+            params = inspect.signature(fn).parameters
+            wanted = {k.rsplit(".", 1)[-1] for k in registry.knobs[name]} | set(
+                registry.inputs[name])
+            assert wanted <= set(params), (registry.kind, name)
+    for name, fn in POLICY_LOSSES.items():
+        params = list(inspect.signature(fn).parameters)
+        assert params[4:] == list(POLICY_LOSSES.knobs[name]), name
+
+
+@pytest.mark.parametrize(
+    "settings, knob, why",
+    [
+        ({"policy_loss": "sapo", "eps_high": 0.3}, "eps_high",
+         "read only by policy_loss 'cispo', 'gspo', 'ppo_clip'"),
+        ({"tau_pos": 2.0}, "tau_pos", "read only by policy_loss 'sapo'"),
+        ({"policy_loss": "cispo", "clip_ratio_c": 3.0}, "clip_ratio_c",
+         "read only by policy_loss 'ppo_clip'"),
+        ({"critic": {"lam": 0.9}}, "critic.lam", "read only by advantage 'gae'"),
+        ({"aggregation": "token-sum", "l_max": 64}, "l_max",
+         "read only by aggregation 'seq-mean-token-sum-norm' and overlong.mode 'soft'"),
+    ],
+)
+def test_declared_knobs_drive_the_ignored_knob_rule(settings, knob, why):
+    with pytest.raises(ConfigError) as e:
+        AlgorithmConfig(**settings)
+    assert str(e.value).startswith(f"config field rl.algorithm.{knob}: got ")
+    assert str(e.value).endswith(f"the algorithm ignores it: {why}")
+
+
+def test_new_losses_resolve_their_own_defaults():
+    a = AlgorithmConfig(policy_loss="cispo", eps_high=2.0)
+    assert (a.eps_low, a.eps_high, a.tau_pos, a.clip_ratio_c) == (1.0, 2.0, None, None)
+    a = AlgorithmConfig(preset="dapo", policy_loss="sapo")  # the preset's clip range is dropped
+    assert (a.eps_low, a.eps_high, a.tau_pos, a.tau_neg) == (None, None, 1.0, 1.05)
+    with pytest.raises(ValidationError, match="greater than 0"):
+        AlgorithmConfig(policy_loss="sapo", tau_neg=0.0)
+
+
+def test_trainer_passes_the_declared_knobs():
+    alg = AlgorithmConfig(policy_loss="sapo", tau_neg=2.0)
+    assert POLICY_LOSSES.knob_values("sapo", alg) == {"tau_pos": 1.0, "tau_neg": 2.0}
+    alg = AlgorithmConfig(preset="ppo")
+    assert POLICY_LOSSES.knob_values("ppo_clip", alg) == {
+        "eps_low": 0.2, "eps_high": 0.2, "clip_ratio_c": None}
+    # dotted knobs read the section, keyed by the last part
+    assert ADVANTAGES.knob_values("gae", alg) == {"gamma": 1.0, "lam": 0.95, "whiten": True}
+    with pytest.raises(ValueError, match="advantage estimator 'gae' needs values"):
+        ADVANTAGES.call("gae", alg, token_rewards=torch.zeros(1, 2), mask=torch.ones(1, 2),
+                        eps=1e-6, values=None)
+
+
+def test_new_losses_train_through_the_trainer(calc_model_dir):
+    # On-policy with one mini-batch, rho = 1 on every token, so cispo's weight is 1 and sapo's
+    # gate weight 4 s (1 - s) is 1: both give ppo_clip's gradient -A per token, hence the same
+    # SGD update, through the trainer's real knob passing (sapo gets tau_pos / tau_neg).
+    from tiller.models import load_model
+
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0]])
+    batch = Batch(torch.tensor([[3, 7, 8, 9], [3, 10, 11, 0]]),
+                  torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]), mask, torch.zeros(2, 4),
+                  torch.tensor([1.0, 0.0]), torch.tensor([0, 0]))
+
+    def update(mini_batches: int = 1, rewards: tuple[float, float] = (1.0, 0.0), **alg
+               ) -> torch.Tensor:
+        batch.rewards = torch.tensor(rewards)
+        model = load_model(calc_model_dir)
+        before = torch.cat([p.detach().flatten() for p in model.parameters()])
+        trainer = Trainer(model)
+        trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # delta = -gradient
+        cfg = RLConfig(micro_batch_size=2, max_grad_norm=1e9, mini_batches=mini_batches,
+                       algorithm={"advantage": "dr_grpo", **alg})
+        trainer.rl_step(batch, cfg, l_max=4)
+        return torch.cat([p.detach().flatten() for p in model.parameters()]) - before
+
+    ppo = update(policy_loss="ppo_clip")
+    assert ppo.abs().max() > 1e-6
+    assert torch.allclose(update(policy_loss="cispo"), ppo, atol=1e-6, rtol=1e-4)
+    assert torch.allclose(update(policy_loss="sapo"), ppo, atol=1e-6, rtol=1e-4)
+    # with two optimizer steps the second mini-batch (row 1) is off-policy (rho != 1), and
+    # there the knobs reach the loss: a sharper gate or a tighter weight bound changes the
+    # update. Row 1's advantage is +0.5 with rewards (0, 1), -0.5 with (1, 0).
+    for loss, knob, values, rewards in [("sapo", "tau_pos", (1.0, 8.0), (0.0, 1.0)),
+                                        ("sapo", "tau_neg", (1.05, 8.0), (1.0, 0.0)),
+                                        ("cispo", "eps_low", (1.0, 1e-3), (1.0, 0.0)),
+                                        ("cispo", "eps_high", (0.28, 1e-3), (1.0, 0.0))]:
+        a, b = (update(2, rewards, policy_loss=loss, **{knob: v}) for v in values)
+        assert (a - b).abs().max() > 1e-6, knob
+
+
 def test_entropy_bonus():
     # L - 0.1 * H: 1 - 0.05, 2 - 0.1
     close(entropy_bonus(torch.tensor([1.0, 2.0]), torch.tensor([0.5, 1.0]), 0.1), [0.95, 1.9])
@@ -252,6 +420,32 @@ def test_kl_estimators():
     close(KL_ESTIMATORS["k2"](logp, ref), [0.125, 0.5, 0.0])  # d^2 / 2
     # exp(-0.5) + 0.5 - 1 = 0.106531; e - 1 - 1 = 0.718282; 1 - 0 - 1 = 0
     close(KL_ESTIMATORS["k3"](logp, ref), [0.106531, 0.718282, 0.0])
+
+
+def test_kl_abs_and_straight_through_values_and_gradients():
+    ref = torch.tensor([-1.5, -1.0, -0.7])
+    # d = ref - logp = [-0.5, 1.0, 0]
+    grads = {}
+    for name in ("abs", "k1+", "k3+", "k1", "k2", "k3"):
+        logp = torch.tensor([-1.0, -2.0, -0.7], requires_grad=True)
+        value = KL_ESTIMATORS[name](logp, ref)
+        value.sum().backward()
+        grads[name] = logp.grad
+        if name == "abs":
+            close(value, [0.5, 1.0, 0.0])  # |d|
+        if name == "k1+":
+            close(value, [0.5, -1.0, 0.0])  # k1's value, -d
+        if name == "k3+":
+            close(value, [0.106531, 0.718282, 0.0])  # k3's value, exp(d) - d - 1
+    close(grads["abs"], [1.0, -1.0, 0.0])  # sign(logp - ref)
+    # k2's gradient d(0.5 d^2)/dlogp = -d = logp - ref = [0.5, -1, 0] ...
+    close(grads["k2"], [0.5, -1.0, 0.0])
+    # ... is the straight-through variants' gradient, not their own estimator's:
+    # k1's is 1 everywhere, k3's is 1 - exp(d) = [0.393469, -1.718282, 0]
+    close(grads["k1+"], [0.5, -1.0, 0.0])
+    close(grads["k3+"], [0.5, -1.0, 0.0])
+    close(grads["k1"], [1.0, 1.0, 1.0])
+    close(grads["k3"], [0.393469, -1.718282, 0.0])
 
 
 def test_kl_in_reward_and_schedule():
@@ -271,16 +465,17 @@ def test_kl_in_reward_and_schedule():
 # ---------------------------------------------------------------- aggregation
 AGG_LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
 AGG_MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])  # row 2 empty
-AGG_NORM = {"total_tokens": 4.0, "total_seqs": 3, "l_max": 4}
+AGG_NORM = {"total_tokens": 4.0, "total_seqs": 2, "l_max": 4}  # the empty row is no sequence
 
 
 @pytest.mark.parametrize(
     "mode, expected",
     [
         ("token-mean", 3.0),  # (1 + 2 + 4 + 5) / 4
-        ("seq-mean-token-mean", 2.0),  # (3/2 + 9/2 + 0) / 3
-        ("seq-mean-token-sum", 4.0),  # (3 + 9 + 0) / 3
-        ("seq-mean-token-sum-norm", 1.0),  # 12 / (3 * 4)
+        ("seq-mean-token-mean", 3.0),  # (3/2 + 9/2 + 0) / 2
+        ("seq-mean-token-sum", 6.0),  # (3 + 9 + 0) / 2
+        ("seq-mean-token-sum-norm", 1.5),  # 12 / (2 * 4)
+        ("token-sum", 12.0),  # 1 + 2 + 4 + 5, no normalizer
     ],
 )
 def test_aggregation_values(mode: str, expected: float):
@@ -297,7 +492,7 @@ def test_gradient_accumulation_equals_full_batch(mode: str):
     for i, n in enumerate(generated):
         mask[i, 1 : 1 + n] = 1.0
     mask[0, 3] = 0.0  # a tool-output token in the middle of row 0
-    norm = {"total_tokens": float(mask.sum()), "total_seqs": 5, "l_max": 6}
+    norm = {"total_tokens": float(mask.sum()), "total_seqs": 4, "l_max": 6}  # row 2 is empty
 
     def per_token_loss(rows: slice, width: int) -> torch.Tensor:
         return layer(x[rows, :width]).squeeze(-1) ** 2
@@ -315,6 +510,31 @@ def test_gradient_accumulation_equals_full_batch(mode: str):
     assert total == pytest.approx(full.item(), rel=1e-5)
     for p, g in zip(layer.parameters(), full_grads, strict=True):
         assert torch.allclose(p.grad, g, atol=1e-6)
+
+
+def _batch(mask: list[list[float]]) -> Batch:
+    """A batch with this loss mask (ids, logprobs and rewards do not matter here)."""
+    m = torch.tensor(mask)
+    n = m.size(0)
+    return Batch(torch.zeros_like(m, dtype=torch.long), torch.ones_like(m, dtype=torch.long), m,
+                 torch.zeros_like(m), torch.zeros(n), torch.zeros(n, dtype=torch.long))
+
+
+def test_empty_rows_do_not_count_as_sequences():
+    # rows 0 and 1 have loss tokens; row 2 was masked out entirely (e.g. overlong: mask)
+    mask = [[0.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
+    [(_, _, totals)] = minibatches(_batch(mask), 1, 8, l_max=4)
+    assert totals == {"total_tokens": 3.0, "total_seqs": 2, "l_max": 4}
+    # so a seq-mean loss is the same with or without the masked row:
+    # ((1 + 3) / 2 + 5 / 1) / 2 = 3.5, not (2 + 5) / 3 = 2.333
+    loss = torch.tensor([[9.0, 1.0, 3.0], [9.0, 5.0, 9.0], [9.0, 9.0, 9.0]])
+    with_empty = AGGREGATIONS["seq-mean-token-mean"](loss, torch.tensor(mask), **totals)
+    [(_, _, totals2)] = minibatches(_batch(mask[:2]), 1, 8, l_max=4)
+    without = AGGREGATIONS["seq-mean-token-mean"](loss[:2], torch.tensor(mask[:2]), **totals2)
+    assert with_empty.item() == pytest.approx(3.5) and without.item() == pytest.approx(3.5)
+    # per optimizer step: the strided mini-batches are rows {0, 2} and {1}: one sequence each
+    steps = minibatches(_batch(mask), 2, 8, l_max=4)
+    assert [t["total_seqs"] for _, _, t in steps] == [1, 1]
 
 
 # ---------------------------------------------------------------- off-policy
@@ -357,23 +577,33 @@ TURN_MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
 TURN_GROUPS = torch.tensor([0, 0, 1])  # rows 0, 1 share a task; row 2 is a group of one
 
 
+def estimator(name: str) -> Callable[..., torch.Tensor]:
+    """The outcome estimator as the trainer binds it: exactly its declared inputs (no knobs)."""
+    return partial(ADVANTAGES.call, name, None, eps=1e-6)
+
+
+TURN_TOKENS = torch.tensor([[2.0, 1.0, 1.0], [1.0, 1.0, 0.0], [3.0, 0.0, 0.0]])
+
+
 def test_turn_advantages_per_turn():
-    adv = turn_advantages(TURN_R, TURN_MASK, TURN_GROUPS, estimator="dr_grpo")
+    adv = turn_advantages(TURN_R, TURN_MASK, TURN_TOKENS, TURN_GROUPS, estimator("dr_grpo"))
     # turn 0 of group 0: {1.5, 0.5}, mean 1 -> +-0.5; turn 1: {1, 0}, mean 0.5 -> +-0.5
     # turn 2: only row 0 has it -> 0; row 2 is alone -> 0; padded turns -> 0
     close(adv, [[0.5, 0.5, 0.0], [-0.5, -0.5, 0.0], [0.0, 0.0, 0.0]])
-    adv = turn_advantages(TURN_R, TURN_MASK, TURN_GROUPS, estimator="grpo")
+    adv = turn_advantages(TURN_R, TURN_MASK, TURN_TOKENS, TURN_GROUPS, estimator("grpo"))
     # std of two values 0.5 apart from their mean: sqrt(2 * 0.25 / 1) = 0.707107
     # -> 0.5 / 0.707107 = 0.707107
     close(adv, [[0.707107, 0.707107, 0.0], [-0.707107, -0.707107, 0.0], [0.0, 0.0, 0.0]])
 
 
 def test_turn_advantages_pooled():
-    adv = turn_advantages(TURN_R, TURN_MASK, TURN_GROUPS, estimator="dr_grpo", baseline="pooled")
+    adv = turn_advantages(TURN_R, TURN_MASK, TURN_TOKENS, TURN_GROUPS, estimator("dr_grpo"),
+                          baseline="pooled")
     # group 0's real turns {1.5, 1, 2, 0.5, 0}: mean 1 -> [0.5, 0, 1], [-0.5, -1, pad 0]
     close(adv, [[0.5, 0.0, 1.0], [-0.5, -1.0, 0.0], [0.0, 0.0, 0.0]])
     with pytest.raises(ValueError):
-        turn_advantages(TURN_R, TURN_MASK, TURN_GROUPS, baseline="per_token")
+        turn_advantages(TURN_R, TURN_MASK, TURN_TOKENS, TURN_GROUPS, estimator("grpo"),
+                        baseline="per_token")
 
 
 def test_broadcast_turns_and_key_steps():
@@ -382,6 +612,55 @@ def test_broadcast_turns_and_key_steps():
     close(out, [[0.0, 0.5, 0.5, 0.0, 0.0, -1.0, 0.0]])
     mask = torch.tensor([1.0, 1.0, 0.0, 1.0])
     close(apply_key_steps(mask, torch.tensor([1.0, 0.0, 1.0, 1.0])), [1.0, 0.0, 0.0, 1.0])
+
+
+# ---------------------------------------------------------------- compute_advantages
+def _turn_batch() -> Batch:
+    """Row 0: turns [1, 3) and [4, 5) (token 3 is tool output), per-turn rewards [0.5, 0],
+    outcome 1. Row 1: one turn [1, 2), per-turn reward 0.2, outcome 0. One group."""
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0, 0.0, 0.0]])
+    return Batch(torch.zeros(2, 6, dtype=torch.long), torch.ones(2, 6, dtype=torch.long), mask,
+                 torch.zeros(2, 6), torch.tensor([1.0, 0.0]), torch.tensor([0, 0]),
+                 (((1, 3), (4, 5)), ((1, 2),)), torch.tensor([[0.5, 0.0], [0.2, 0.0]]))
+
+
+def test_turn_credit_wraps_reinforce_pp():
+    # turn rewards + outcome on the last turn: row 0 [0.5, 1], row 1 [0.2]; gamma_turn 1:
+    # R = [1.5, 1], [0.2]. Per-turn group mean: turn 0 {1.5, 0.2} -> a = +-0.65; turn 1 -> 0.
+    # Whitened over tokens (turn weights 2, 1 and 1 loss tokens, N_tok = 4):
+    # mu = (2 * 0.65 + 0 - 0.65) / 4 = 0.1625; deviations 0.4875, -0.1625, -0.8125;
+    # var = (2 * 0.4875^2 + 0.1625^2 + 0.8125^2) / 3 = 0.387292, std = 0.622328
+    # A = 0.783351, -0.261117, -1.305585 on each turn's tokens
+    adv, returns = compute_advantages(_turn_batch(), AlgorithmConfig(advantage="reinforce_pp"))
+    close(adv, [[0.0, 0.783351, 0.783351, 0.0, -0.261117, 0.0],
+                [0.0, -1.305585, 0.0, 0.0, 0.0, 0.0]])
+    assert returns is None
+    # the same as whitening dr_grpo's turn advantages broadcast to the tokens
+    dr, _ = compute_advantages(_turn_batch(), AlgorithmConfig(advantage="dr_grpo"))
+    mask = _turn_batch().loss_mask
+    assert torch.allclose(adv, whiten(dr, mask), atol=1e-6)
+
+
+def test_a_new_estimator_needs_no_trainer_change():
+    # registered with the inputs it takes, it is chosen by config and wrapped in turn credit
+    # by what it declares (no branch on its name): A = 2 r, no baseline
+    @ADVANTAGES.register("test_double", inputs=("rewards",))
+    def double(rewards: torch.Tensor) -> torch.Tensor:
+        return 2 * rewards
+
+    try:
+        alg = AlgorithmConfig(advantage="test_double")
+        assert alg.credit.gamma_turn == 1.0  # outcome estimators get the turn-credit defaults
+        # turn credit: R = [1.5, 1] and [0.2] -> 2 R on each turn's tokens
+        adv, _ = compute_advantages(_turn_batch(), alg)
+        close(adv, [[0.0, 3.0, 3.0, 0.0, 2.0, 0.0], [0.0, 0.4, 0.0, 0.0, 0.0, 0.0]])
+        # outcome rewards [1, 0] when the verifier gives no turn rewards
+        batch = _turn_batch()
+        batch.turn_rewards = None
+        adv, _ = compute_advantages(batch, alg)
+        close(adv, [[0.0, 2.0, 2.0, 0.0, 2.0, 0.0], [0.0] * 6])
+    finally:
+        del ADVANTAGES["test_double"]
 
 
 # ---------------------------------------------------------------- pass@k

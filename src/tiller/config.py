@@ -112,7 +112,9 @@ class KLConfig(_Section):
     """KL(pi || pi_ref). beta = 0 means no reference model at all (no reference forward)."""
 
     beta: float = Field(0.0, ge=0.0)
-    estimator: str | None = Field(None, description="k1 | k2 | k3 (default k3); placement loss")
+    estimator: str | None = Field(
+        None, description="k1 | k2 | k3 | abs | k1+ | k3+ (default k3); placement loss"
+    )
     placement: Literal["loss", "reward"] | None = Field(
         None, description="loss: + beta * k per token; reward: - beta * k1 from the reward"
     )
@@ -173,13 +175,19 @@ def _registered(name: str, registry: Any) -> str:
     return name
 
 
+def _outcome_estimator(a: AlgorithmConfig) -> bool:
+    """Turn-level credit wraps estimators of outcome rewards (those that declare `rewards`)."""
+    from tiller.train.algorithms import ADVANTAGES
+
+    return "rewards" in ADVANTAGES.inputs[a.advantage]
+
+
 # An ignorable knob: (dotted name, is it used by this algorithm?, what uses it). A knob the final
 # algorithm ignores must stay unset: setting it is an error naming it, never a silent no-op.
-_IGNORABLE: list[tuple[str, Callable[[AlgorithmConfig], bool], str]] = [
-    ("clip_ratio_c", lambda a: a.policy_loss == "ppo_clip",
-     "only policy_loss 'ppo_clip' has a dual clip (GSPO clips its sequence ratio instead)"),
-    ("l_max", lambda a: a.aggregation == "seq-mean-token-sum-norm" or a.overlong.mode == "soft",
-     "only aggregation 'seq-mean-token-sum-norm' and overlong.mode 'soft' use it"),
+# The knobs of losses, estimators and aggregations come from their registry declarations
+# (`_declared_knobs`); these are the others.
+Ignorable = tuple[str, Callable[["AlgorithmConfig"], bool], str]
+_IGNORABLE: list[Ignorable] = [
     ("kl.placement", lambda a: a.kl.beta > 0, "used only when kl.beta > 0"),
     ("kl.off_after", lambda a: a.kl.beta > 0, "used only when kl.beta > 0"),
     ("kl.estimator", lambda a: a.kl.beta > 0 and a.kl.placement != "reward",
@@ -188,12 +196,41 @@ _IGNORABLE: list[tuple[str, Callable[[AlgorithmConfig], bool], str]] = [
      "used only when dynamic_sampling.enabled is true"),
     ("overlong.l_cache", lambda a: a.overlong.mode == "soft",
      "used only when overlong.mode is 'soft'"),
-    ("credit.gamma_turn", lambda a: a.advantage != "gae",
-     "not used by advantage 'gae' (turn rewards enter GAE per token, discounted by critic.gamma)"),
-    ("credit.turn_baseline", lambda a: a.advantage != "gae",
-     "not used by advantage 'gae' (the critic is the baseline)"),
-    ("critic", lambda a: a.advantage == "gae", "only advantage 'gae' has a critic"),
+    ("credit.gamma_turn", _outcome_estimator, "used only by outcome-reward estimators (a "
+     "per-token estimator such as gae takes turn rewards per token, discounted by critic.gamma)"),
+    ("credit.turn_baseline", _outcome_estimator,
+     "used only by outcome-reward estimators (gae's baseline is its critic)"),
 ]
+
+# Declared knobs that something outside the registries also reads: (is it used?, by what).
+_ALSO_USED: dict[str, tuple[Callable[[AlgorithmConfig], bool], str]] = {
+    "l_max": (lambda a: a.overlong.mode == "soft", "overlong.mode 'soft'"),
+}
+
+
+def _declared_knobs() -> list[Ignorable]:
+    """One row per knob (the section, for a dotted knob) that a registered policy loss,
+    advantage estimator or aggregation declares: used iff the chosen entry declares it (or
+    `_ALSO_USED` says so)."""
+    from tiller.train.algorithms import ADVANTAGES, AGGREGATIONS, POLICY_LOSSES
+
+    rows: list[Ignorable] = []
+    for field, registry in (("policy_loss", POLICY_LOSSES), ("advantage", ADVANTAGES),
+                            ("aggregation", AGGREGATIONS)):
+        roots = {knob.split(".")[0] for name in registry for knob in registry.knobs[name]}
+        for knob in sorted(roots):
+            also, also_who = _ALSO_USED.get(knob, (lambda a: False, ""))
+            names = ", ".join(repr(n) for n in sorted(registry) if registry.declares(n, knob))
+            also_by = f" and {also_who}" if also_who else ""
+            rows.append((knob, _reads(field, registry, knob, also),
+                         f"read only by {field} {names}{also_by}"))
+    return rows
+
+
+def _reads(field: str, registry: Any, knob: str, also: Callable[[AlgorithmConfig], bool]
+           ) -> Callable[[AlgorithmConfig], bool]:
+    """Is `knob` used: declared by the entry that `field` chooses, or `also` used."""
+    return lambda a: registry.declares(getattr(a, field), knob) or also(a)
 
 
 def _get(tree: Any, dotted: str) -> Any:
@@ -244,13 +281,20 @@ class AlgorithmConfig(_Section):
 
     preset: str | None = Field(None, description="grpo | dapo | dr_grpo | gspo | ppo | rloo | "
                                "reinforce_pp: a set of defaults for the knobs below")
-    advantage: str = "grpo"
-    policy_loss: str = "ppo_clip"
-    eps_low: float | None = Field(None, ge=0.0, description="default: the loss's own")
-    eps_high: float | None = Field(None, ge=0.0, description="default: the loss's own")
+    advantage: str = Field("grpo", description="grpo | dr_grpo | rloo | reinforce_pp | gae")
+    policy_loss: str = Field("ppo_clip", description="ppo_clip | gspo | cispo | sapo")
+    eps_low: float | None = Field(None, ge=0.0, description="clip range below 1 (ppo_clip, gspo; "
+                                  "cispo's IS-weight bound); default: the loss's own")
+    eps_high: float | None = Field(None, ge=0.0, description="clip range above 1 (ppo_clip, "
+                                   "gspo; cispo's IS-weight bound); default: the loss's own")
     clip_ratio_c: float | None = Field(None, gt=1.0, description="dual clip (ppo_clip only)")
+    tau_pos: float | None = Field(None, gt=0.0, description="sapo's gate temperature where "
+                                  "A > 0 (default 1.0)")
+    tau_neg: float | None = Field(None, gt=0.0, description="sapo's gate temperature where "
+                                  "A < 0 (default 1.05)")
     entropy_coef: float = Field(0.0, ge=0.0, description="entropy bonus: L -= coef * H")
-    aggregation: str = "token-mean"
+    aggregation: str = Field("token-mean", description="token-mean | seq-mean-token-mean | "
+                             "seq-mean-token-sum | seq-mean-token-sum-norm | token-sum")
     l_max: int | None = Field(
         None, ge=1, description="max generated tokens per episode (default: the env's budget, "
         "min(env.max_turns * sampling.max_new_tokens, env.max_episode_tokens))"
@@ -268,8 +312,7 @@ class AlgorithmConfig(_Section):
     def _known_advantage(cls, name: str) -> str:
         from tiller.train.algorithms import ADVANTAGES
 
-        # gae is per token and needs a critic, so it is not in the outcome-estimator registry
-        return _registered(name, [*ADVANTAGES, "gae"])
+        return _registered(name, ADVANTAGES)
 
     @field_validator("policy_loss")
     @classmethod
@@ -302,7 +345,7 @@ class AlgorithmConfig(_Section):
             base.pop("eps_low", None), base.pop("eps_high", None)
         merged = _merge(base, user)
         typed = handler(merged)  # types and ranges first, so the rules below read clean values
-        for knob, used, why in _IGNORABLE:
+        for knob, used, why in [*_declared_knobs(), *_IGNORABLE]:
             if _get(merged, knob) is None or used(typed):
                 continue
             mine = _get(user, knob)
@@ -317,12 +360,13 @@ class AlgorithmConfig(_Section):
 
 
 def _fill_defaults(merged: dict[str, Any], a: AlgorithmConfig) -> dict[str, Any]:
-    """The resolved values of the knobs this algorithm uses and the user left unset."""
-    from tiller.train.algorithms import POLICY_LOSSES
+    """The resolved values of the knobs this algorithm uses and the user left unset: a policy
+    loss's declared knobs get the loss's own defaults (None stays unset: off)."""
+    from tiller.train.algorithms import ADVANTAGES, POLICY_LOSSES
 
     params = inspect.signature(POLICY_LOSSES[a.policy_loss]).parameters
-    for knob in ("eps_low", "eps_high"):
-        if knob in params:
+    for knob in POLICY_LOSSES.declared(a.policy_loss):
+        if params[knob].default is not None:
             _put(merged, knob, params[knob].default)
     if a.kl.beta > 0:
         _put(merged, "kl.placement", "loss")
@@ -330,9 +374,9 @@ def _fill_defaults(merged: dict[str, Any], a: AlgorithmConfig) -> dict[str, Any]
             _put(merged, "kl.estimator", "k3")
     if a.dynamic_sampling.enabled:
         _put(merged, "dynamic_sampling.max_rounds", 3)
-    if a.advantage == "gae":
+    if ADVANTAGES.declares(a.advantage, "critic"):
         merged["critic"] = merged.get("critic") or {}
-    else:
+    if _outcome_estimator(a):
         _put(merged, "credit.gamma_turn", 1.0)
         _put(merged, "credit.turn_baseline", "per_turn")
     return merged

@@ -114,7 +114,9 @@ def minibatches(
         mini = torch.arange(n)[i::mini_batches]
         lengths = batch.attention_mask[mini].sum(-1)
         micros = [mini[idx] for idx in micro_batches(lengths, micro_batch_size)]
-        totals = {"total_tokens": float(batch.loss_mask[mini].sum()), "total_seqs": len(mini),
+        mask = batch.loss_mask[mini]
+        # the empty-row rule: a row with no loss token is not a sequence of the seq-mean modes
+        totals = {"total_tokens": float(mask.sum()), "total_seqs": int((mask.sum(-1) > 0).sum()),
                   "l_max": l_max}
         out.append((mini, micros, totals))
     return out

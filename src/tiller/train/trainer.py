@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,8 +14,8 @@ from torch import nn
 from tiller.config import AlgorithmConfig, RLConfig
 from tiller.rollout.weight_sync import WeightUpdate
 from tiller.train.algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
-from tiller.train.algorithms.advantages import gae_advantages, last_token_rewards, whiten
-from tiller.train.algorithms.credit import broadcast_turns, turn_advantages, turn_returns
+from tiller.train.algorithms.advantages import last_token_rewards
+from tiller.train.algorithms.credit import turn_credit, turn_sums
 from tiller.train.algorithms.kl import kl_beta_at, kl_in_reward
 from tiller.train.algorithms.losses import entropy_bonus
 from tiller.train.algorithms.offpolicy import mismatch_stats, tis_weights
@@ -22,16 +23,6 @@ from tiller.train.batch import Batch, micro_batches, minibatches, token_logprobs
 
 if TYPE_CHECKING:
     from tiller.train.critic import Critic
-
-
-def _turn_sums(x: torch.Tensor, spans: Sequence[Sequence[tuple[int, int]]], turns: int
-               ) -> torch.Tensor:
-    """[B, turns]: the sum of per-token x over each turn's tokens."""
-    out = x.new_zeros((x.size(0), turns))
-    for i, row in enumerate(spans):
-        for k, (start, end) in enumerate(row):
-            out[i, k] = x[i, start:end].sum()
-    return out
 
 
 def _at_turn_ends(turn_values: torch.Tensor, spans: Sequence[Sequence[tuple[int, int]]],
@@ -52,45 +43,45 @@ def compute_advantages(
     kl_reward: torch.Tensor | None = None,
     eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token advantages [B, T] (0 off the loss mask) and, for `gae`, the value targets.
+    """Per-token advantages [B, T] (0 off the loss mask) and, for a per-token estimator with a
+    critic (`gae`), the value targets.
 
-    `kl_reward` is the per-token KL-in-reward term -beta * k1 (`kl_in_reward`), or None. The
-    reward it joins depends on the estimator, so every path sees the same penalty:
-    - `gae`: per-token rewards = outcome on the last generated token + per-turn rewards on each
-      turn's last token + kl_reward; then GAE over masked-in tokens (critic settings);
-    - turn-level credit (the batch has `turn_rewards`): turn k's reward is its per-turn reward
-      (+ the outcome on the last turn) + the turn's summed kl_reward, returns discounted by
-      gamma_turn, the group baseline per turn index or pooled (`reinforce_pp` takes dr_grpo's
-      group mean, then whitens over tokens), broadcast to each turn's tokens;
-    - outcome estimators: r_i + sum_t kl_reward_{i,t}, then the named estimator, broadcast.
+    The estimator gets exactly the inputs and knobs it declares in `ADVANTAGES`; what it
+    declares, never its name, says which rewards it sees. `kl_reward` is the per-token
+    KL-in-reward term -beta * k1 (`kl_in_reward`), or None; every path sees the same penalty:
+    - per-token estimators (declare `token_rewards`): outcome on the last generated token +
+      per-turn rewards on each turn's last token + kl_reward;
+    - outcome estimators, when the batch has `turn_rewards`: wrapped in turn-level credit
+      (`credit.turn_credit`); turn k's reward is its per-turn reward (+ the outcome on the last
+      turn) + the turn's summed kl_reward;
+    - outcome estimators otherwise: r_i + sum_t kl_reward_{i,t}, broadcast to the row's tokens.
     """
     mask = batch.loss_mask
-    if alg.advantage == "gae":
-        assert values is not None and alg.critic is not None, "gae needs the critic's values"
+    name = alg.advantage
+    if "token_rewards" in ADVANTAGES.inputs[name]:
         token_rewards = last_token_rewards(batch.rewards, mask)
         if batch.turn_rewards is not None:
             token_rewards = token_rewards + _at_turn_ends(batch.turn_rewards, batch.turn_spans,
                                                           mask.size(1))
         if kl_reward is not None:
             token_rewards = token_rewards + kl_reward
-        c = alg.critic
-        return gae_advantages(token_rewards, values, mask, c.gamma, c.lam, c.whiten, eps)
+        return ADVANTAGES.call(name, alg, token_rewards=token_rewards, values=values, mask=mask,
+                               eps=eps)
+    estimate = partial(ADVANTAGES.call, name, alg, eps=eps)
     if batch.turn_rewards is not None:
         turns = batch.turn_rewards.size(1)
         counts = torch.tensor([len(s) for s in batch.turn_spans])
-        turn_mask = (torch.arange(turns)[None, :] < counts[:, None]).float()
         per_turn = batch.turn_rewards.clone()
         has_turn = counts > 0
         per_turn[has_turn, counts[has_turn] - 1] += batch.rewards[has_turn]
         if kl_reward is not None:
-            per_turn = per_turn + _turn_sums(kl_reward, batch.turn_spans, turns)
-        estimator = "dr_grpo" if alg.advantage == "reinforce_pp" else alg.advantage
-        turn_adv = turn_advantages(turn_returns(per_turn, alg.credit.gamma_turn), turn_mask,
-                                   batch.group_index, estimator, alg.credit.turn_baseline, eps)
-        adv = broadcast_turns(turn_adv, batch.turn_spans, mask.size(1)) * mask
-        return (whiten(adv, mask, eps) if alg.advantage == "reinforce_pp" else adv), None
+            per_turn = per_turn + turn_sums(kl_reward, batch.turn_spans, turns)
+        credit = alg.credit
+        adv = turn_credit(estimate, per_turn, batch.turn_spans, batch.group_index, mask,
+                          credit.gamma_turn, credit.turn_baseline)
+        return adv, None
     rewards = batch.rewards if kl_reward is None else batch.rewards + kl_reward.sum(-1)
-    adv = ADVANTAGES[alg.advantage](rewards, batch.group_index, eps, tokens_per_seq=mask.sum(-1))
+    adv = estimate(rewards=rewards, group_index=batch.group_index, tokens=mask.sum(-1))
     return adv[:, None] * mask, None
 
 
@@ -178,8 +169,7 @@ class Trainer:
         advantages, returns = compute_advantages(batch, alg, values, kl_reward)
 
         policy_loss = POLICY_LOSSES[alg.policy_loss]
-        loss_kw = {k: v for k, v in [("eps_low", alg.eps_low), ("eps_high", alg.eps_high),
-                                     ("clip_ratio_c", alg.clip_ratio_c)] if v is not None}
+        loss_kw = POLICY_LOSSES.knob_values(alg.policy_loss, alg)  # exactly the declared knobs
         aggregate = AGGREGATIONS[alg.aggregation]
         sums: dict[str, float] = defaultdict(float)
         self.model.train()

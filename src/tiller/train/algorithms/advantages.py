@@ -1,11 +1,14 @@
-"""Advantage estimators and reward shaping.
+"""Advantage estimators and reward shaping, registered in `ADVANTAGES` with the inputs they take.
 
-Outcome estimators (registered in `ADVANTAGES`) give one scalar per trajectory from its group's
-rewards: `fn(rewards[N], group_index[N], eps=1e-6, **kw) -> [N]`. `group_index[i]` names the
-group (task instance) of trajectory i; groups need not be contiguous nor numbered densely.
+Outcome estimators declare `rewards` and `group_index` (plus `eps`, `tokens` if they use them):
+`fn(rewards[N], group_index[N], ...) -> [N]`, one scalar per item from its group's rewards.
+`group_index[i]` names the group of item i; groups need not be contiguous nor numbered densely.
+An item is a trajectory, or one turn of one when the turn-credit wrapper (`credit.turn_credit`)
+calls the estimator on per-turn returns; `tokens[i]` is its number of loss tokens.
 
-`gae_advantages` is the per-token PPO estimator with a critic; it works on [B, T] tensors where
-`mask` is 1 on generated tokens only.
+Per-token estimators declare `token_rewards` (with `values`, `mask`): `gae` is PPO's estimator
+with a critic, on [B, T] tensors where `mask` is 1 on generated tokens only, and returns
+(advantages, returns).
 """
 
 from __future__ import annotations
@@ -44,10 +47,8 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6) -> torch.Tens
     return _weighted_whiten(x, mask, eps) * mask
 
 
-@ADVANTAGES.register("grpo")
-def grpo(
-    rewards: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-6, **_
-) -> torch.Tensor:
+@ADVANTAGES.register("grpo", inputs=("rewards", "group_index", "eps"))
+def grpo(rewards: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """GRPO: A_i = (r_i - mean(r)) / (std(r) + eps), std with Bessel's correction.
 
     A group of one gets 0; a group whose rewards are all equal gets 0 (no gradient).
@@ -56,10 +57,8 @@ def grpo(
     return torch.where(n > 1, (rewards - mean) / (std + eps), torch.zeros_like(rewards))
 
 
-@ADVANTAGES.register("dr_grpo")
-def dr_grpo(
-    rewards: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-6, **_
-) -> torch.Tensor:
+@ADVANTAGES.register("dr_grpo", inputs=("rewards", "group_index"))
+def dr_grpo(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
     """Dr. GRPO: A_i = r_i - mean(r), no std scaling (pair with `seq-mean-token-sum-norm`).
 
     A group of one gets 0 (r_i - r_i).
@@ -68,10 +67,8 @@ def dr_grpo(
     return rewards - mean
 
 
-@ADVANTAGES.register("rloo")
-def rloo(
-    rewards: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-6, **_
-) -> torch.Tensor:
+@ADVANTAGES.register("rloo", inputs=("rewards", "group_index"))
+def rloo(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
     """RLOO: A_i = r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean(r)).
 
     A group of one gets 0 (r_i - mean(r) = 0)."""
@@ -79,36 +76,33 @@ def rloo(
     return n / (n - 1).clamp(min=1) * (rewards - mean)
 
 
-@ADVANTAGES.register("reinforce_pp")
+@ADVANTAGES.register("reinforce_pp", inputs=("rewards", "group_index", "tokens", "eps"))
 def reinforce_pp(
-    rewards: torch.Tensor,
-    group_index: torch.Tensor,
-    eps: float = 1e-6,
-    *,
-    tokens_per_seq: torch.Tensor,
-    **_,
+    rewards: torch.Tensor, group_index: torch.Tensor, tokens: torch.Tensor, eps: float = 1e-6
 ) -> torch.Tensor:
     """REINFORCE++ (with group baseline): a_i = r_i - mean(r) within the group, then whitened
-    over the batch's masked tokens, A_i = (a_i - mu) / (sigma + eps), where each trajectory
-    counts once per generated token (n_i = tokens_per_seq[i] = |o_i|):
+    over the batch's masked tokens, A_i = (a_i - mu) / (sigma + eps), where each item counts
+    once per loss token (n_i = tokens[i], |o_i| for a trajectory):
 
         mu = sum_i n_i a_i / N_tok,  sigma^2 = sum_i n_i (a_i - mu)^2 / (N_tok - 1),
         N_tok = sum_i n_i.
 
-    This is exactly `whiten` of the advantage broadcast to tokens. `tokens_per_seq` is required
-    (keyword) because the definition weights by token counts.
+    This is exactly `whiten` of the advantage broadcast to tokens, for trajectories and, under
+    turn credit, for turns alike. `tokens` is required because the definition weights by it.
     """
     mean, _, _ = _group_stats(rewards, group_index)
-    return _weighted_whiten(rewards - mean, tokens_per_seq.to(rewards.dtype), eps)
+    return _weighted_whiten(rewards - mean, tokens.to(rewards.dtype), eps)
 
 
+@ADVANTAGES.register("gae", knobs=("critic.gamma", "critic.lam", "critic.whiten"),
+                     inputs=("token_rewards", "values", "mask", "eps"))
 def gae_advantages(
     token_rewards: torch.Tensor,
     values: torch.Tensor,
     mask: torch.Tensor,
     gamma: float = 1.0,
     lam: float = 1.0,
-    normalize: bool = True,
+    whiten: bool = True,
     eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over masked-in tokens only: returns (advantages, returns), both [B, T], 0 off-mask.
@@ -120,8 +114,9 @@ def gae_advantages(
         returns = A + V                          (before whitening)
 
     Tokens with m_t = 0 are skipped, not terminals: a tool-output span between two generated
-    turns is invisible to the recursion, and their rewards/values are ignored. With
-    `normalize` (the default) the advantages are then whitened over the batch (`whiten`).
+    turns is invisible to the recursion, and their rewards/values are ignored. With `whiten`
+    (the default; the knob `critic.whiten`) the advantages are then whitened over the batch's
+    masked tokens, as the module function `whiten` does (which the flag shadows here).
     """
     advantages = torch.zeros_like(values)
     next_value = torch.zeros_like(values[:, 0])
@@ -134,8 +129,8 @@ def gae_advantages(
         next_value = torch.where(on, values[:, t], next_value)
         next_adv = torch.where(on, adv, next_adv)
     returns = (advantages + values) * mask
-    if normalize:
-        advantages = whiten(advantages, mask, eps)
+    if whiten:
+        advantages = _weighted_whiten(advantages, mask, eps) * mask
     return advantages, returns
 
 
