@@ -97,7 +97,7 @@ def main(args: Args) -> dict[str, list[float]]:
         optimizer.step()
         optimizer.zero_grad()
         warmup.step()
-        history["sft_loss"].append(float(loss))
+        history["sft_loss"].append(float(loss.detach()))
 
     # the engine samples with its own copy of the weights; it learns new ones only by update
     engine = EmbeddedEngine(copy.deepcopy(policy), tok.pad_token_id, max_batch_size=128)
@@ -135,8 +135,10 @@ def main(args: Args) -> dict[str, list[float]]:
                 loss_tok, stats = POLICY_LOSSES["ppo_clip"](
                     logp, logp_old[rows, :width], adv[rows, :width], mb.loss_mask,
                     eps_low=args.clip_eps, eps_high=args.clip_eps)
+                # token-mean: sum of m * L over the mini-batch / its number of generated tokens
                 loss = AGGREGATIONS["token-mean"](loss_tok, mb.loss_mask,
-                                                  total_tokens=float(mb.loss_mask.sum()))
+                                                  total_tokens=float(mb.loss_mask.sum()),
+                                                  total_seqs=len(rows), l_max=0)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
                 optimizer.step()
