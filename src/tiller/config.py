@@ -48,7 +48,12 @@ class BuildConfig(_Section):
 class ModelConfig(_Section):
     path: str | None = Field(None, description="local Hugging Face checkpoint to load")
     build: BuildConfig | None = Field(None, description="build a tiny model instead")
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="engine weights and trainer compute (bf16 autocast); the "
+        "trainer's master weights and optimizer stay float32")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where the policy, engine, reference and critic run; auto = cuda "
+        "when available, else cpu")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -330,12 +335,15 @@ class RLConfig(_Section):
     lr: float = Field(5e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
-    mini_batches: int = Field(1, ge=1, description="optimizer steps per rollout batch")
+    mini_batches: int = Field(1, ge=1, description="optimizer steps per pass over the batch")
+    ppo_epochs: int = Field(
+        1, ge=1, description="passes over each rollout batch (logp_old fixed before the first); "
+        "with mini_batches 1 and ppo_epochs 1 the ratio is 1 and clipping never acts")
     micro_batch_size: int = Field(32, ge=1)
     env_error_weight: float = Field(
         0.0, ge=0.0, le=1.0,
         description="0 drops env_error trajectories; w > 0 keeps them in their group with "
-                    "their loss scaled by w")
+                    "their loss scaled by w (once: masks and normalizers are untouched)")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
 
 

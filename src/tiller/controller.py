@@ -28,7 +28,13 @@ import yaml
 from tiller.buffer import DataBuffer
 from tiller.config import BuildConfig, Config, ConfigError
 from tiller.envs import ENVS, Env, Task, ToolEnv
-from tiller.models import build_tiny_model, load_model, load_tokenizer, train_tokenizer
+from tiller.models import (
+    build_tiny_model,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    train_tokenizer,
+)
 from tiller.observe.evaluation import is_success, success_summary
 from tiller.observe.metrics import MetricsLogger, progress
 from tiller.rollout.agent_loop import (
@@ -103,15 +109,20 @@ class Run:
         self.timings: dict[str, float] = {}
 
         t = time.perf_counter()
+        self.device = resolve_device(cfg.model.device)
         model_path = self._model_path()
         self.tokenizer = load_tokenizer(model_path)
-        dtype = getattr(torch, cfg.model.dtype)
-        self.model = load_model(model_path, dtype)
+        self.dtype = getattr(torch, cfg.model.dtype)
+        # fp32 master weights for the optimizer whatever model.dtype is (see Trainer)
+        self.model = load_model(model_path, torch.float32).to(self.device)
         self.timings["build_s"] = time.perf_counter() - t
-        self.trainer = Trainer(self.model, temperature=cfg.sampling.temperature or 1.0)
-        # The engine holds its own copy of the weights and only learns new ones by update.
+        self.trainer = Trainer(self.model, temperature=cfg.sampling.temperature or 1.0,
+                               compute_dtype=self.dtype)
+        # The engine holds its own copy of the weights, in model.dtype, and only learns new
+        # ones by update.
         self.engine = EmbeddedEngine(
-            copy.deepcopy(self.model), self.tokenizer.pad_token_id, cfg.max_batch_size
+            copy.deepcopy(self.model).to(self.dtype), self.tokenizer.pad_token_id,
+            cfg.max_batch_size
         )
         self.logger = MetricsLogger(self.dir, cfg.logging.tensorboard, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.model_dump())
@@ -299,8 +310,8 @@ class Run:
 
     def _rl_batch(self, kept: list[Trajectory], group_index: torch.Tensor,
                   key_steps: KeyStepFn | None) -> tuple[Batch, dict[str, float]]:
-        """The training batch: shaped rewards, and the loss mask scaled for env_error
-        trajectories (`rl.env_error_weight`, when they are kept), narrowed by overlong masking
+        """The training batch: shaped rewards, the loss weight `rl.env_error_weight` on env_error
+        trajectories (when they are kept), the loss mask narrowed by overlong masking
         (truncated episodes leave the loss but keep their place in the group statistics) and
         by the key-step hook."""
         alg = self.cfg.rl.algorithm
@@ -309,7 +320,7 @@ class Run:
         stats: dict[str, float] = {}
         hit = torch.tensor([t.status is Status.ENV_ERROR for t in kept])
         if hit.any():  # kept only when rl.env_error_weight > 0
-            batch.loss_mask[hit] *= self.cfg.rl.env_error_weight
+            batch.loss_weight[hit] = self.cfg.rl.env_error_weight
             stats["env_error_trained"] = float(hit.sum())
         if alg.overlong.mode == "mask":
             cut = torch.tensor([t.status is Status.TRUNCATED for t in kept])
@@ -333,7 +344,7 @@ class Run:
         tasks = iter(self.env_cls.make_tasks("train", n_tasks, self.cfg.seed + 3,
                                              self.cfg.env.difficulty))
         # kl.beta = 0 (or switched off from the start): no reference model exists or runs
-        self.ref_model = (copy.deepcopy(self.model).eval()
+        self.ref_model = (copy.deepcopy(self.model).to(self.dtype).eval()
                           if kl_beta_at(0, alg.kl.beta, alg.kl.off_after) > 0 else None)
         self.critic = Critic(self.model, alg.critic) if alg.critic is not None else None
         key_steps = load_key_steps(alg.credit.key_steps)
