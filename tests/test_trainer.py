@@ -12,6 +12,7 @@ from tiller.rollout.trajectory import Status, Trajectory
 from tiller.rollout.weight_sync import WeightSyncError, WeightUpdate
 from tiller.train.algorithms import ADVANTAGES, AGGREGATIONS
 from tiller.train.batch import Batch, token_logprobs
+from tiller.train.critic import Critic
 from tiller.train.trainer import Trainer, compute_advantages
 
 
@@ -212,8 +213,6 @@ def test_generate_and_rl_step_on_cuda(calc_model_dir):
         gen = asyncio.run(engine.generate(prompt, params_, seed=k))
         t = make_traj(prompt, gen.token_ids, float(k % 2))
         trajs.append(Trajectory(**{**t.__dict__, "logprobs": (0.0,) * 4 + tuple(gen.logprobs)}))
-    from tiller.train.critic import Critic
-
     cfg = RLConfig(micro_batch_size=2, ppo_epochs=2, mini_batches=2,
                    algorithm={"preset": "ppo"})
     trainer = Trainer(model)
