@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 
-from tiller.config import RLConfig
+from tiller.config import ConfigError, RLConfig
 from tiller.envs.verifiers import Reward
 from tiller.models import load_model
 from tiller.rollout.engine import EmbeddedEngine, SamplingParams
@@ -97,6 +97,20 @@ def test_clipping_acts_after_the_first_optimizer_step(calc_model_dir, mini_batch
     assert metrics["clip_frac"] == pytest.approx(
         metrics["clip_frac_low"] + metrics["clip_frac_high"])
     assert trainer.version == mini_batches * ppo_epochs
+
+
+def test_more_mini_batches_than_rows_is_an_error(model):
+    trainer = Trainer(model)
+    trainer.set_optimizer(lr=1e-3)
+    # a small batch at run time (dynamic sampling, dropped env errors) ...
+    with pytest.raises(ConfigError, match="^config field rl.mini_batches: got 6; this step's "
+                       "batch has only 4 trajectories"):
+        trainer.rl_step(clip_batch(), RLConfig(micro_batch_size=8, mini_batches=6), l_max=8)
+    assert trainer.version == 0
+    # ... and the configured batch itself, at load
+    with pytest.raises(ConfigError, match="expected at most rl.tasks_per_step \\* "
+                       "rl.group_size = 8"):
+        RLConfig(tasks_per_step=2, group_size=4, mini_batches=9)
 
 
 def test_clipped_tokens_get_no_gradient(calc_model_dir):

@@ -346,6 +346,14 @@ class RLConfig(_Section):
                     "their loss scaled by w (once: masks and normalizers are untouched)")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
 
+    @model_validator(mode="after")
+    def _steps_have_rows(self) -> RLConfig:
+        rows = self.tasks_per_step * self.group_size
+        if self.mini_batches > rows:
+            raise ConfigError(f"config field rl.mini_batches: got {self.mini_batches}; expected "
+                              f"at most rl.tasks_per_step * rl.group_size = {rows}")
+        return self
+
 
 class EvalConfig(_Section):
     tasks: int = Field(256, ge=1)

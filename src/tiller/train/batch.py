@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
+from tiller.config import ConfigError
 from tiller.rollout.trajectory import Trajectory
 
 
@@ -123,8 +124,12 @@ def minibatches(
     """The rows of each optimizer step (strided, so each step sees every group), their
     micro-batches, and the step's normalizers for the aggregation: every micro-batch divides by
     its optimizer batch's totals, so accumulation equals one big batch in every mode. The
-    policy and the critic walk the same partition."""
+    policy and the critic walk the same partition. More steps than rows would leave some steps
+    empty (an optimizer step and a version with no data), so that is an error."""
     n = len(batch.input_ids)
+    if mini_batches > n:
+        raise ConfigError(f"config field rl.mini_batches: got {mini_batches}; this step's batch "
+                          f"has only {n} trajectories (one optimizer step needs at least one)")
     out = []
     for i in range(mini_batches):
         mini = torch.arange(n)[i::mini_batches]
