@@ -238,3 +238,16 @@ def test_generate_and_rl_step_on_cuda(calc_model_dir):
     assert trainer.version == 4 and critic.device.type == "cuda"
     engine.update_weights(trainer.weight_update())
     assert engine.version == 4
+
+
+def test_sft_loss_is_at_temperature_one(calc_model_dir):
+    # SFT fits the data's likelihood; the sampling temperature (the RL trainer's) must not enter
+    batch = Batch.collate([make_traj([5, 6, 7, 8], [20, 21, 22], 1.0)], 0)
+    losses = []
+    for temperature in (1.0, 0.5):
+        trainer = Trainer(load_model(calc_model_dir), temperature=temperature)
+        trainer.set_optimizer(lr=1e-3)
+        losses.append(trainer.sft_step(batch, micro_batch_size=1)["sft_loss"])
+    with torch.no_grad():
+        logp, _ = token_logprobs(load_model(calc_model_dir), batch, 1.0)
+    assert losses[0] == losses[1] == pytest.approx(-float((logp * batch.loss_mask).sum()) / 3)

@@ -132,13 +132,13 @@ class Trainer:
     def weight_update(self) -> WeightUpdate:
         return WeightUpdate.full(self.model, self.version)
 
-    def _forward(self, model: nn.Module, mb: Batch, with_entropy: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, model: nn.Module, mb: Batch, temperature: float,
+                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`token_logprobs` of a micro-batch already on the model's device, under bf16
         autocast when that is the compute dtype (log-softmax stays fp32 either way)."""
         bf16 = self.compute_dtype == torch.bfloat16
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
-            return token_logprobs(model, mb, self.temperature, with_entropy)
+            return token_logprobs(model, mb, temperature, with_entropy)
 
     def _step(self, max_grad_norm: float) -> float:
         assert self.optimizer is not None, "call set_optimizer first"
@@ -155,7 +155,7 @@ class Trainer:
         loss_sum = 0.0
         for idx in micro_batches(batch.attention_mask.sum(-1), micro_batch_size):
             mb = batch.rows(idx).to(self.device)
-            logp, _ = self._forward(self.model, mb)
+            logp, _ = self._forward(self.model, mb, 1.0)  # SFT: the data's likelihood at T = 1
             loss = -(logp * mb.loss_mask).sum() / max(total, 1.0)
             loss.backward()
             loss_sum += float(loss.detach())
@@ -167,7 +167,8 @@ class Trainer:
         out = torch.zeros_like(batch.loss_mask)
         for idx in micro_batches(batch.attention_mask.sum(-1), micro_batch_size):
             mb = batch.rows(idx).to(self.device)
-            out[idx, : mb.input_ids.size(1)] = self._forward(model, mb)[0].to(out.device)
+            out[idx, : mb.input_ids.size(1)] = self._forward(model, mb, self.temperature)[0].to(
+                out.device)
         return out
 
     def rl_step(
@@ -224,7 +225,8 @@ class Trainer:
                 for rows in micros:
                     mb = batch.rows(rows).to(dev)
                     width = mb.input_ids.size(1)
-                    logp, ent = self._forward(self.model, mb, with_entropy=True)
+                    logp, ent = self._forward(self.model, mb, self.temperature,
+                                            with_entropy=True)
                     if not prepass:
                         logp_old[rows, :width] = logp.detach().to(logp_old.device)
                     old, m = _on(logp_old, rows, width, dev), mb.loss_mask
