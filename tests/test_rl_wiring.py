@@ -7,11 +7,14 @@ import math
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from tiller.buffer import DataBuffer
+from tiller.cli import app
 from tiller.config import AlgorithmConfig, ConfigError, RLConfig, load_config
 from tiller.controller import rl
 from tiller.envs.verifiers import Reward
+from tiller.models import resolve_device
 from tiller.observe.evaluation import success_summary
 from tiller.rollout.trajectory import Status, Trajectory
 from tiller.run import Run
@@ -218,6 +221,56 @@ def test_overlong_soft_penalty_and_mask(calc_sft_dir, tmp_path):
     batch, stats = rl_batch([long, short], torch.tensor([0, 0]), [1.0, 1.0], 0, alg, 0.0)
     assert batch.loss_mask[0].sum() == 0 and batch.loss_mask[1].sum() == 1
     assert batch.rewards.tolist() == [1.0, 1.0] and stats == {"overlong_masked": 1.0}
+
+
+def test_env_error_weight_scales_the_row_loss_exactly_once(calc_sft_dir, tmp_path):
+    # one group of four, row 1 an env_error episode kept with weight w
+    trajs = [traj([3, 4, 5 + i, 6 + 2 * i], [0, 1, 1, 1], [(1, 4)], float(i % 2), k=i,
+                  status=Status.ENV_ERROR if i == 1 else Status.COMPLETED) for i in range(4)]
+    alg = tiny(calc_sft_dir, "rl.env_error_weight=0.5").rl.algorithm
+    cfg = RLConfig(micro_batch_size=4, max_grad_norm=1e9)  # token-mean
+    delta = {}
+    for w in (0.0, 0.5, 1.0):
+        batch, stats = rl_batch(trajs, torch.tensor([0, 0, 0, 0]),
+                                [t.reward.value for t in trajs], 0, alg, w)
+        assert stats == {"env_error_trained": 1.0}
+        assert batch.loss_mask.tolist() == [[0.0, 1.0, 1.0, 1.0]] * 4  # masks untouched
+        assert batch.loss_weight.tolist() == [1.0, w, 1.0, 1.0]
+        delta[w], _ = update_of(calc_sft_dir, batch, cfg)
+    # SGD delta = -gradient = clean rows' part + w * the row's part: the weighted row's gradient
+    # at w is w times its gradient at 1, and the clean rows' part is the same at every w
+    # (their normalizer does not move)
+    row = delta[1.0] - delta[0.0]
+    assert row.abs().max() > 1e-4
+    assert torch.allclose(delta[0.5], delta[0.0] + 0.5 * row, atol=1e-6)
+
+
+def test_bf16_run_keeps_fp32_master_weights(calc_model_dir, tmp_path):
+    run = Run(tiny(calc_model_dir, "model.dtype=bfloat16"), tmp_path)
+    assert next(run.model.parameters()).dtype == torch.float32
+    assert next(run.engine.model.parameters()).dtype == torch.bfloat16
+    before = torch.cat([p.detach().flatten() for p in run.model.parameters()])
+    batch = Batch.collate([traj([3, 4, 5 + i, 6 + 2 * i], [0, 1, 1, 1], [(1, 4)], float(i % 2),
+                                k=i) for i in range(4)], 0)
+    run.trainer.set_optimizer(lr=1e-6)
+    run.trainer.rl_step(batch, RLConfig(micro_batch_size=4), l_max=8)
+    after = torch.cat([p.detach().flatten() for p in run.model.parameters()])
+    # AdamW's first step moves every weight with a gradient by ~lr; on bf16 weights (~0.02,
+    # resolution ~1e-4) almost all of those updates would round away
+    assert float((after != before).float().mean()) > 0.5
+    run.push_weights()  # the engine's copy takes the update in its own dtype
+    assert next(run.engine.model.parameters()).dtype == torch.bfloat16 and run.engine.version == 1
+
+
+def test_cuda_without_cuda_is_one_config_error_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    result = CliRunner().invoke(app, ["train", CONFIG, "model.device=cuda",
+                                      "--output-dir", str(tmp_path / "run")])
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and lines == [
+        "error: config field model.device: got 'cuda'; CUDA is not available on this machine "
+        "(use model.device=cpu or auto)"]
 
 
 def first_generated_token_only(t: Trajectory, tokenizer) -> list[int]:

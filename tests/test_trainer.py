@@ -1,14 +1,19 @@
+import asyncio
 import copy
 
 import pytest
 import torch
 
-from tiller.config import RLConfig
+from tiller.config import ConfigError, RLConfig
 from tiller.envs.verifiers import Reward
+from tiller.models import load_model
+from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.rollout.trajectory import Status, Trajectory
+from tiller.rollout.weight_sync import WeightSyncError, WeightUpdate
 from tiller.train.algorithms import ADVANTAGES, AGGREGATIONS
 from tiller.train.batch import Batch, token_logprobs
-from tiller.train.trainer import Trainer
+from tiller.train.critic import Critic
+from tiller.train.trainer import Trainer, compute_advantages
 
 
 def make_traj(prompt, completion, reward, task="task"):
@@ -57,7 +62,80 @@ def test_grpo_step_raises_probability_of_rewarded_sequence(model, tokenizer):
     assert after[0] > before[0] and after[1] < before[1]
     assert trainer.version == 1
     assert metrics["logp_mismatch_max"] < 1e-4  # the supplied logprobs were the policy's own
-    assert metrics["clip_frac"] == 0.0  # one on-policy mini-batch never clips
+
+
+def params(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def clip_batch():
+    """Two groups of two; completions differ per row so every token has its own gradient."""
+    trajs = [make_traj([3, 4, 5, 6], [7 + i, 8 + 2 * i, 9 + i], float(i % 2), task=f"t{i // 2}")
+             for i in range(4)]
+    return Batch.collate(trajs, 0)
+
+
+def sgd_step(model_dir, batch, cfg, lr=1.0):
+    """One rl_step of plain SGD (delta = -lr * gradient) on a fresh copy of the model."""
+    m = load_model(model_dir)
+    trainer = Trainer(m)
+    trainer.optimizer = torch.optim.SGD(m.parameters(), lr=lr)
+    return m, trainer, trainer.rl_step(batch, cfg, l_max=8)
+
+
+@pytest.mark.parametrize("mini_batches, ppo_epochs, loss", [
+    (2, 1, "ppo_clip"), (1, 2, "ppo_clip"), (1, 2, "gspo")])
+def test_clipping_acts_after_the_first_optimizer_step(calc_model_dir, mini_batches, ppo_epochs,
+                                                      loss):
+    # logp_old is fixed before the first update, so later steps see rho != 1 (lr 1 moves the
+    # tiny model's log-probabilities by more than the 0.2 clip range)
+    cfg = RLConfig(micro_batch_size=8, max_grad_norm=1e9, mini_batches=mini_batches,
+                   ppo_epochs=ppo_epochs, algorithm={"policy_loss": loss,
+                                                     "aggregation": "token-mean"})
+    _, trainer, metrics = sgd_step(calc_model_dir, clip_batch(), cfg)
+    assert metrics["clip_frac"] > 0
+    assert metrics["clip_frac"] == pytest.approx(
+        metrics["clip_frac_low"] + metrics["clip_frac_high"])
+    assert trainer.version == mini_batches * ppo_epochs
+
+
+def test_more_mini_batches_than_rows_is_an_error(model):
+    trainer = Trainer(model)
+    trainer.set_optimizer(lr=1e-3)
+    # a small batch at run time (dynamic sampling, dropped env errors) ...
+    with pytest.raises(ConfigError, match="^config field rl.mini_batches: got 6; this step's "
+                       "batch has only 4 trajectories"):
+        trainer.rl_step(clip_batch(), RLConfig(micro_batch_size=8, mini_batches=6), l_max=8)
+    assert trainer.version == 0
+    # ... and the configured batch itself, at load
+    with pytest.raises(ConfigError, match="expected at most rl.tasks_per_step \\* "
+                       "rl.group_size = 8"):
+        RLConfig(tasks_per_step=2, group_size=4, mini_batches=9)
+
+
+def test_clipped_tokens_get_no_gradient(calc_model_dir):
+    batch = clip_batch()
+    alg = {"aggregation": "token-mean"}  # grpo advantages, ppo_clip 0.2 / 0.2
+    cfg = RLConfig(micro_batch_size=8, max_grad_norm=1e9, ppo_epochs=2, algorithm=alg)
+    two, _, metrics = sgd_step(calc_model_dir, batch, cfg)
+    # epoch 1 alone is the plain policy gradient (rho = 1): replay it to get the weights that
+    # epoch 2 starts from
+    one, _, _ = sgd_step(calc_model_dir, batch, RLConfig(micro_batch_size=8, max_grad_norm=1e9,
+                                                         algorithm=alg))
+    with torch.no_grad():
+        logp0, _ = token_logprobs(load_model(calc_model_dir), batch)
+    # epoch 2 by hand: token-mean of -rho * A over the tokens that were NOT clipped only
+    logp1, _ = token_logprobs(one, batch)
+    mask = batch.loss_mask
+    adv = compute_advantages(batch, cfg.algorithm)[0]
+    ratio = torch.exp(logp1 - logp0)
+    clipped = (((adv > 0) & (ratio > 1.2)) | ((adv < 0) & (ratio < 0.8))).float() * mask
+    assert 0 < clipped.sum() < mask.sum()  # both kinds of token are in the batch
+    (-(ratio * adv * mask * (1 - clipped)).sum() / mask.sum()).backward()
+    expected = torch.cat([(p - p.grad).detach().flatten() for p in one.parameters()])
+    assert torch.allclose(params(two), expected, atol=1e-5)
+    # the clip fraction counts epoch 2's clipped tokens over both epochs' token visits
+    assert metrics["clip_frac"] == pytest.approx(float(clipped.sum()) / (2 * float(mask.sum())))
 
 
 # the extra terms must accumulate like the policy loss: entropy bonus, KL in the loss, TIS
@@ -71,8 +149,6 @@ EXTRAS = {
 @pytest.mark.parametrize("extras", list(EXTRAS))
 @pytest.mark.parametrize("aggregation", sorted(AGGREGATIONS))
 def test_micro_batching_gives_the_same_update(calc_model_dir, tokenizer, aggregation, extras):
-    from tiller.models import load_model
-
     pad = tokenizer.pad_token_id
     trajs = [make_traj([3, 4, 5, 6][: 2 + i % 3], [7 + i, 8, 9 + i][: 1 + i % 3], float(i % 2),
                        task=f"t{i // 3}") for i in range(6)]
@@ -107,3 +183,71 @@ def test_sft_step_lowers_loss_on_assistant_tokens_only(model, tokenizer):
         last = trainer.sft_step(batch, micro_batch_size=4)
     assert last["sft_loss"] < first["sft_loss"]
     assert first["tokens"] == 3.0  # the 4 prompt tokens carry no loss
+
+
+def test_full_weight_update_must_cover_the_model(model):
+    engine = EmbeddedEngine(copy.deepcopy(model), 0)
+    full = WeightUpdate.full(model, 3).tensors
+    name = "model.layers.0.self_attn.q_proj.weight"  # not tied to another tensor
+    before = params(engine.model)
+    shape = tuple(full[name][:-1].shape)
+    bad = [  # (tensors, what the one-line error must say)
+        ({k: v for k, v in full.items() if k != name}, f"missing tensors (a full update must "
+         f"cover the model; pass partial=True for a subset): {name}"),
+        ({**full, "extra.weight": torch.zeros(1)}, "tensors the model lacks: extra.weight"),
+        ({**full, name: full[name][:-1]}, f"shape mismatch: {name} {shape} vs the model's"),
+    ]
+    for tensors, words in bad:
+        with pytest.raises(WeightSyncError) as e:
+            engine.update_weights(WeightUpdate(3, tensors))
+        assert str(e.value).startswith("weight update v3 does not fit the model: ")
+        assert words in str(e.value) and "\n" not in str(e.value)
+        assert engine.version == 0 and torch.equal(params(engine.model), before)
+    # a subset is fine when the update says it is one; the other tensors stay as they were
+    changed = full[name] + 1.0
+    engine.update_weights(WeightUpdate(4, {name: changed}, partial=True))
+    assert engine.version == 4 and torch.equal(engine.model.state_dict()[name], changed)
+    others = {k: v for k, v in engine.model.state_dict().items() if k != name}
+    assert all(torch.equal(v, full[k]) for k, v in others.items())
+    with pytest.raises(WeightSyncError, match="tensors the model lacks: nope"):
+        engine.update_weights(WeightUpdate(5, {"nope": changed}, partial=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (model.device=cuda)")
+def test_generate_and_rl_step_on_cuda(calc_model_dir):
+    # engine, trainer, reference and critic on the GPU; the engine's logprobs of what it
+    # sampled agree with the trainer's recomputation on the same device
+    model = load_model(calc_model_dir).to("cuda")
+    engine = EmbeddedEngine(copy.deepcopy(model), 0)
+    prompt = [3, 4, 5, 6]
+    params_ = SamplingParams(max_new_tokens=8)
+    trajs = []
+    for k in range(4):
+        gen = asyncio.run(engine.generate(prompt, params_, seed=k))
+        t = make_traj(prompt, gen.token_ids, float(k % 2))
+        trajs.append(Trajectory(**{**t.__dict__, "logprobs": (0.0,) * 4 + tuple(gen.logprobs)}))
+    cfg = RLConfig(micro_batch_size=2, ppo_epochs=2, mini_batches=2,
+                   algorithm={"preset": "ppo"})
+    trainer = Trainer(model)
+    trainer.set_optimizer(lr=1e-3)
+    critic = Critic(model, cfg.algorithm.critic)
+    m = trainer.rl_step(Batch.collate(trajs, 0), cfg, l_max=8,
+                        ref_model=copy.deepcopy(model), critic=critic)
+    assert m["logp_mismatch_max"] < 1e-3 and m["clip_frac"] >= 0.0
+    assert trainer.version == 4 and critic.device.type == "cuda"
+    engine.update_weights(trainer.weight_update())
+    assert engine.version == 4
+
+
+def test_sft_loss_is_at_temperature_one(calc_model_dir):
+    # SFT fits the data's likelihood; the sampling temperature (the RL trainer's) must not enter
+    batch = Batch.collate([make_traj([5, 6, 7, 8], [20, 21, 22], 1.0)], 0)
+    losses = []
+    for temperature in (1.0, 0.5):
+        trainer = Trainer(load_model(calc_model_dir), temperature=temperature)
+        trainer.set_optimizer(lr=1e-3)
+        losses.append(trainer.sft_step(batch, micro_batch_size=1)["sft_loss"])
+    with torch.no_grad():
+        logp, _ = token_logprobs(load_model(calc_model_dir), batch, 1.0)
+    assert losses[0] == losses[1] == pytest.approx(-float((logp * batch.loss_mask).sum()) / 3)

@@ -63,7 +63,12 @@ class BuildConfig(_Section):
 class ModelConfig(_Section):
     path: str | None = Field(None, description="local Hugging Face checkpoint to load")
     build: BuildConfig | None = Field(None, description="build a tiny model instead")
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="engine weights and trainer compute (bf16 autocast); the "
+        "trainer's master weights and optimizer stay float32")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where the policy, engine, reference and critic run; auto = cuda "
+        "when available, else cpu")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -389,17 +394,28 @@ class RLConfig(_Section):
     lr: float = Field(5e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
-    mini_batches: int = Field(1, ge=1, description="optimizer steps per rollout batch")
+    mini_batches: int = Field(1, ge=1, description="optimizer steps per pass over the batch")
+    ppo_epochs: int = Field(
+        1, ge=1, description="passes over each rollout batch (logp_old fixed before the first); "
+        "with mini_batches 1 and ppo_epochs 1 the ratio is 1 and clipping never acts")
     micro_batch_size: int = Field(32, ge=1)
     env_error_weight: float = Field(
         0.0, ge=0.0, le=1.0,
         description="0 drops env_error trajectories; w > 0 keeps them in their group with "
-                    "their loss scaled by w")
+                    "their loss scaled by w (once: masks and normalizers are untouched)")
     max_aborted_frac: float = Field(
         0.1, ge=0.0, le=1.0,
         description="fail the run when more than this share of a step's (or an eval's) "
                     "episodes aborted (engine or loop failure), naming the first error")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+
+    @model_validator(mode="after")
+    def _steps_have_rows(self) -> RLConfig:
+        rows = self.tasks_per_step * self.group_size
+        if self.mini_batches > rows:
+            raise ConfigError(f"config field rl.mini_batches: got {self.mini_batches}; expected "
+                              f"at most rl.tasks_per_step * rl.group_size = {rows}")
+        return self
 
 
 class EvalConfig(_Section):

@@ -99,7 +99,8 @@ def rl(run: Run) -> dict[str, Any]:
     rounds = (alg.dynamic_sampling.max_rounds or 1) if alg.dynamic_sampling.enabled else 1
     tasks = iter(run.tasks("train", max(cfg.steps * cfg.tasks_per_step * rounds, 1), 3))
     # kl.beta = 0 (or switched off from the start): no reference model exists or runs
-    ref = copy.deepcopy(run.model).eval() if kl_beta_at(0, alg.kl.beta, alg.kl.off_after) else None
+    ref = (copy.deepcopy(run.model).to(run.dtype).eval()
+           if kl_beta_at(0, alg.kl.beta, alg.kl.off_after) else None)
     critic = Critic(run.model, alg.critic) if alg.critic is not None else None
     buffer = DataBuffer(keep_env_errors=cfg.env_error_weight > 0)
     trend, params = EnvErrorTrend(), run.sampling(run.cfg.sampling.temperature)

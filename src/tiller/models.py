@@ -56,6 +56,19 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tok
 
 
+def resolve_device(name: str) -> torch.device:
+    """`model.device`: auto = cuda when CUDA is available, else cpu; cuda without CUDA is a
+    start-up error."""
+    from tiller.config import ConfigError
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("config field model.device: got 'cuda'; CUDA is not available on this "
+                          "machine (use model.device=cpu or auto)")
+    return torch.device(name)
+
+
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     return AutoModelForCausalLM.from_pretrained(_check_path(path), dtype=dtype)
 

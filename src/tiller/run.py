@@ -19,7 +19,7 @@ import yaml
 from tiller.config import Config, ConfigError
 from tiller.envs import ENVS, Env, Task, ToolEnv
 from tiller.errors import RunError
-from tiller.models import build_env_model, load_model, load_tokenizer
+from tiller.models import build_env_model, load_model, load_tokenizer, resolve_device
 from tiller.observe.metrics import MetricsLogger
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits, load_episode_fn
 from tiller.rollout.collect import collect, collect_expert, first_error
@@ -56,14 +56,19 @@ class Run:
         self.limits = EpisodeLimits(cfg.env.max_turns, cfg.env.max_episode_tokens)
         self.timings: dict[str, float] = {}
 
+        self.device = resolve_device(cfg.model.device)
         path = Path(cfg.model.path) if cfg.model.path is not None else build_env_model(
             self.env_cls, self.dir / "base_model", cfg.model.build, seed=cfg.seed,
             difficulty=cfg.env.difficulty, max_turns=cfg.env.max_turns)
         self.tokenizer = load_tokenizer(path)
-        self.model = load_model(path, getattr(torch, cfg.model.dtype))
-        self.trainer = Trainer(self.model, temperature=cfg.sampling.temperature or 1.0)
-        self.engine = EmbeddedEngine(copy.deepcopy(self.model), self.tokenizer.pad_token_id,
-                                     cfg.max_batch_size)
+        # fp32 master weights for the optimizer whatever model.dtype is (see Trainer); the
+        # engine's copy (and the reference model) are in model.dtype
+        self.dtype = getattr(torch, cfg.model.dtype)
+        self.model = load_model(path, torch.float32).to(self.device)
+        self.trainer = Trainer(self.model, temperature=cfg.sampling.temperature or 1.0,
+                               compute_dtype=self.dtype)
+        self.engine = EmbeddedEngine(copy.deepcopy(self.model).to(self.dtype),
+                                     self.tokenizer.pad_token_id, cfg.max_batch_size)
         self.logger = MetricsLogger(self.dir, cfg.logging.tensorboard, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.model_dump())
         self.tools = ToolStack(cfg.env.tools, self.dir)

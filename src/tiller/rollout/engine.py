@@ -68,6 +68,7 @@ class EmbeddedEngine:
 
     def __init__(self, model: PreTrainedModel, pad_token_id: int, max_batch_size: int = 64):
         self.model = model.eval()
+        self.device = next(model.parameters()).device  # inputs and generators live there
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.max_context = getattr(model.config, "max_position_embeddings", 4096)
@@ -127,14 +128,14 @@ class EmbeddedEngine:
     def _decode(self, batch: list[_Request]) -> list[Generation]:
         p = batch[0].params
         n, width = len(batch), max(len(r.prompt_ids) for r in batch)
-        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
+        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long, device=self.device)
+        mask = torch.zeros((n, width), dtype=torch.long, device=self.device)
         for i, r in enumerate(batch):  # left padding keeps every row's next token aligned
             ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
             mask[i, width - len(r.prompt_ids):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         budget = [min(p.max_new_tokens, self.max_context - len(r.prompt_ids)) for r in batch]
-        gens = [torch.Generator().manual_seed(r.seed) for r in batch]
+        gens = [torch.Generator(self.device).manual_seed(r.seed) for r in batch]
         out_ids: list[list[int]] = [[] for _ in batch]
         out_lp: list[list[float]] = [[] for _ in batch]
         reason = ["length"] * n
@@ -163,7 +164,7 @@ class EmbeddedEngine:
                     done[i] = True
             if bool(done.all()) or step == max(budget) - 1:
                 break
-            mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
+            mask = torch.cat([mask, mask.new_ones((n, 1))], dim=1)
             pos = pos[:, -1:] + 1
             logits, cache = self._forward(token[:, None], mask, pos, cache)
         return [

@@ -9,11 +9,12 @@ alignment and the same mask.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
 
+from tiller.config import ConfigError
 from tiller.rollout.trajectory import Trajectory
 
 
@@ -27,6 +28,13 @@ class Batch:
     group_index: torch.Tensor  # [B] long, the group (task instance) of each row
     turn_spans: tuple[tuple[tuple[int, int], ...], ...] = ()  # each row's generated turns
     turn_rewards: torch.Tensor | None = None  # [B, K] per-turn rewards (without the outcome)
+    # [B] float, each row's weight on its per-token loss (rl.env_error_weight); default 1.
+    # A weight, not a mask: advantages, masks and the aggregation's normalizers ignore it.
+    loss_weight: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.loss_weight is None:
+            self.loss_weight = torch.ones(len(self.input_ids))
 
     @classmethod
     def collate(
@@ -72,7 +80,16 @@ class Batch:
         width = int(self.attention_mask[index].sum(-1).max())
         return Batch(self.input_ids[index, :width], self.attention_mask[index, :width],
                      self.loss_mask[index, :width], self.rollout_logprobs[index, :width],
-                     self.rewards[index], self.group_index[index])
+                     self.rewards[index], self.group_index[index],
+                     loss_weight=self.loss_weight[index])
+
+    def to(self, device: torch.device) -> Batch:
+        """The same batch with every tensor on `device` (the model's, for a forward pass)."""
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, torch.Tensor):
+                moved[name] = value.to(device)
+        return Batch(**moved)
 
 
 def token_logprobs(
@@ -107,8 +124,12 @@ def minibatches(
     """The rows of each optimizer step (strided, so each step sees every group), their
     micro-batches, and the step's normalizers for the aggregation: every micro-batch divides by
     its optimizer batch's totals, so accumulation equals one big batch in every mode. The
-    policy and the critic walk the same partition."""
+    policy and the critic walk the same partition. More steps than rows would leave some steps
+    empty (an optimizer step and a version with no data), so that is an error."""
     n = len(batch.input_ids)
+    if mini_batches > n:
+        raise ConfigError(f"config field rl.mini_batches: got {mini_batches}; this step's batch "
+                          f"has only {n} trajectories (one optimizer step needs at least one)")
     out = []
     for i in range(mini_batches):
         mini = torch.arange(n)[i::mini_batches]

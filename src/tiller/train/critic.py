@@ -65,9 +65,13 @@ class Critic:
 
     def __init__(self, policy: PreTrainedModel, cfg: CriticConfig):
         self.cfg = cfg
-        self.model = ValueModel(policy)
+        self.model = ValueModel(policy).to(policy.device)  # the policy's device
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.value_lr,
                                            betas=(0.9, 0.99))
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.head.weight.device
 
     @torch.no_grad()
     def values(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
@@ -75,37 +79,43 @@ class Critic:
         out = torch.zeros_like(batch.loss_mask)
         for _, micros, _ in minibatches(batch, 1, micro_batch_size):
             for rows in micros:
-                mb = batch.rows(rows)
-                out[rows, : mb.input_ids.size(1)] = self.model(mb.input_ids, mb.attention_mask)
+                mb = batch.rows(rows).to(self.device)
+                v = self.model(mb.input_ids, mb.attention_mask)
+                out[rows, : mb.input_ids.size(1)] = v.to(out.device)
         return out
 
     def update(self, batch: Batch, returns: torch.Tensor, old_values: torch.Tensor,
                cfg: RLConfig, l_max: int) -> dict[str, float]:
         """Clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2), aggregated like the policy
-        loss; logs it with the explained variance of the values the advantages used."""
+        loss and weighted per row like it (`loss_weight`), over the policy's partition:
+        `cfg.ppo_epochs` passes of `cfg.mini_batches` optimizer steps. Logs the loss with the
+        explained variance of the values the advantages used."""
         aggregate = AGGREGATIONS[cfg.algorithm.aggregation]
         mask = batch.loss_mask
+        dev = self.device
         sums: dict[str, float] = defaultdict(float)
         self.model.train()
         steps = minibatches(batch, cfg.mini_batches, cfg.micro_batch_size, l_max)
-        for _, micros, totals in steps:
-            for rows in micros:
-                mb = batch.rows(rows)
-                width = mb.input_ids.size(1)
-                v = self.model(mb.input_ids, mb.attention_mask)
-                loss_tok, stats = value_loss(v, old_values[rows, :width], returns[rows, :width],
-                                             mb.loss_mask, self.cfg.value_clip)
-                loss = aggregate(loss_tok, mb.loss_mask, **totals)
-                loss.backward()
-                sums["value_loss"] += float(loss.detach())
-                sums["clipped"] += float(stats["clipped"].sum())
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        for _epoch in range(cfg.ppo_epochs):
+            for _, micros, totals in steps:
+                for rows in micros:
+                    mb = batch.rows(rows).to(dev)
+                    width = mb.input_ids.size(1)
+                    v = self.model(mb.input_ids, mb.attention_mask)
+                    loss_tok, stats = value_loss(v, old_values[rows, :width].to(dev),
+                                                 returns[rows, :width].to(dev), mb.loss_mask,
+                                                 self.cfg.value_clip)
+                    loss = aggregate(loss_tok * mb.loss_weight[:, None], mb.loss_mask, **totals)
+                    loss.backward()
+                    sums["value_loss"] += float(loss.detach())
+                    sums["clipped"] += float(stats["clipped"].sum())
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
         n_tok = max(float(mask.sum()), 1.0)
         return {
-            "value_loss": sums["value_loss"] / len(steps),
-            "value_clip_frac": sums["clipped"] / n_tok,
+            "value_loss": sums["value_loss"] / (cfg.ppo_epochs * len(steps)),
+            "value_clip_frac": sums["clipped"] / (n_tok * cfg.ppo_epochs),
             "value_mean": float((old_values * mask).sum()) / n_tok,
             "explained_variance": explained_variance(old_values, returns, mask),
         }

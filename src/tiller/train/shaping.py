@@ -37,14 +37,15 @@ def rl_batch(kept: Sequence[Trajectory], group_index: torch.Tensor, rewards: Seq
              pad_token_id: int, alg: AlgorithmConfig, env_error_weight: float,
              key_steps: KeyStepFn | None = None, tokenizer: Any = None
              ) -> tuple[Batch, dict[str, float]]:
-    """The training batch: env_error trajectories (kept only when env_error_weight > 0) scaled
-    by their weight, truncated episodes masked out of the loss under `overlong: mask` (they
-    keep their place in the group statistics), and the key-step hook's narrowing."""
+    """The training batch: env_error trajectories (kept only when env_error_weight > 0) with
+    their loss weighted once by it, truncated episodes masked out of the loss under
+    `overlong: mask` (they keep their place in the group statistics), and the key-step hook's
+    narrowing."""
     batch = Batch.collate(kept, pad_token_id, rewards, group_index)
     stats: dict[str, float] = {}
     hit = torch.tensor([t.status is Status.ENV_ERROR for t in kept])
-    if hit.any():
-        batch.loss_mask[hit] *= env_error_weight
+    if hit.any():  # a per-row loss weight: masks, advantages and normalizers never see it
+        batch.loss_weight[hit] = env_error_weight
         stats["env_error_trained"] = float(hit.sum())
     if alg.overlong.mode == "mask":
         cut = torch.tensor([t.status is Status.TRUNCATED for t in kept])

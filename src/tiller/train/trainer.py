@@ -85,14 +85,35 @@ def compute_advantages(
     return adv[:, None] * mask, None
 
 
-class Trainer:
-    """Owns the policy's optimizer and weight version; publishes `WeightUpdate`s."""
+def _on(x: torch.Tensor, rows: torch.Tensor, width: int, device: torch.device) -> torch.Tensor:
+    """One micro-batch's slice of a whole-batch (host) tensor, on the model's device."""
+    return x[rows, :width].to(device)
 
-    def __init__(self, model: nn.Module, temperature: float = 1.0):
+
+class Trainer:
+    """Owns the policy's optimizer and weight version; publishes `WeightUpdate`s.
+
+    `model` holds the master weights the optimizer steps, fp32 in a run whatever `model.dtype`
+    says: AdamW updates of RL's learning rates (~1e-6) are far below bf16's resolution
+    (2^-8 relative) and would round away. With `compute_dtype` bfloat16 the forward passes run
+    under bf16 autocast; the engine keeps its own copy of the weights in that dtype.
+
+    Devices: the batch and every whole-batch tensor (logp_old, advantages, values) stay on the
+    host, where the advantages are computed; each micro-batch moves to the model's device for
+    its pass, and its results come back.
+    """
+
+    def __init__(self, model: nn.Module, temperature: float = 1.0,
+                 compute_dtype: torch.dtype = torch.float32):
         self.model = model
         self.temperature = temperature
+        self.compute_dtype = compute_dtype
         self.version = 0
         self.optimizer: torch.optim.Optimizer | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     def set_optimizer(self, lr: float, weight_decay: float = 0.0) -> None:
         self.optimizer = torch.optim.AdamW(
@@ -101,6 +122,14 @@ class Trainer:
 
     def weight_update(self) -> WeightUpdate:
         return WeightUpdate.full(self.model, self.version)
+
+    def _forward(self, model: nn.Module, mb: Batch, temperature: float,
+                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`token_logprobs` of a micro-batch already on the model's device, under bf16
+        autocast when that is the compute dtype (log-softmax stays fp32 either way)."""
+        bf16 = self.compute_dtype == torch.bfloat16
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
+            return token_logprobs(model, mb, temperature, with_entropy)
 
     def _step(self, max_grad_norm: float) -> float:
         assert self.optimizer is not None, "call set_optimizer first"
@@ -116,8 +145,8 @@ class Trainer:
         total = float(batch.loss_mask.sum())
         loss_sum = 0.0
         for idx in micro_batches(batch.attention_mask.sum(-1), micro_batch_size):
-            mb = batch.rows(idx)
-            logp, _ = token_logprobs(self.model, mb, 1.0)
+            mb = batch.rows(idx).to(self.device)
+            logp, _ = self._forward(self.model, mb, 1.0)  # SFT: the data's likelihood at T = 1
             loss = -(logp * mb.loss_mask).sum() / max(total, 1.0)
             loss.backward()
             loss_sum += float(loss.detach())
@@ -128,8 +157,9 @@ class Trainer:
         model.eval()
         out = torch.zeros_like(batch.loss_mask)
         for idx in micro_batches(batch.attention_mask.sum(-1), micro_batch_size):
-            mb = batch.rows(idx)
-            out[idx, : mb.input_ids.size(1)] = token_logprobs(model, mb, self.temperature)[0]
+            mb = batch.rows(idx).to(self.device)
+            out[idx, : mb.input_ids.size(1)] = self._forward(model, mb, self.temperature)[0].to(
+                out.device)
         return out
 
     def rl_step(
@@ -141,24 +171,30 @@ class Trainer:
         critic: Critic | None = None,
         step: int = 0,
     ) -> dict[str, float]:
-        """One update from a rollout batch (`cfg.mini_batches` optimizer steps): advantages by
-        the configured estimator, then the policy loss (+ TIS weight, entropy bonus, KL term),
-        aggregated over the optimizer batch; the critic, when there is one, learns after.
+        """One update from a rollout batch: advantages by the configured estimator, then
+        `cfg.ppo_epochs` passes over the batch, each split into `cfg.mini_batches` optimizer
+        steps, with the policy loss (+ TIS weight, entropy bonus, KL term) times each row's
+        `loss_weight`, aggregated over the optimizer batch; the critic, when there is one,
+        learns after on the same epochs and mini-batches.
 
-        logp_old is recomputed with the weights that sampled the batch; its gap to the engine's
-        logprobs is the rollout-vs-trainer mismatch metric. With one mini-batch and no KL in the
+        logp_old is computed once, before the first update, with the weights that sampled the
+        batch, so from the second optimizer step on rho = exp(logp - logp_old) moves away from 1
+        and the clip acts; its gap to the engine's logprobs is the rollout-vs-trainer mismatch
+        metric. With a single optimizer step (one mini-batch, one epoch) and no KL in the
         reward, the weights do not move before the gradient pass, so that pass's own (detached)
-        logprobs are logp_old and the separate no-grad pass is skipped. The reference model
-        runs only while the KL coefficient (`kl_beta_at(step)`) is above 0.
+        logprobs are logp_old, the separate no-grad pass is skipped, and rho = 1 exactly.
+        The reference model runs only while the KL coefficient (`kl_beta_at(step)`) is above 0.
         """
         alg = cfg.algorithm
         mask = batch.loss_mask
+        dev = self.device
         beta = kl_beta_at(step, alg.kl.beta, alg.kl.off_after)
         if beta > 0 and ref_model is None:
             raise ValueError("rl.algorithm.kl.beta > 0 needs a reference model")
         kl_in_loss = beta > 0 and alg.kl.placement == "loss"
         kl_in_rew = beta > 0 and alg.kl.placement == "reward"
-        prepass = cfg.mini_batches > 1 or kl_in_rew  # the reward penalty needs logp_old first
+        one_update = cfg.mini_batches == 1 and cfg.ppo_epochs == 1
+        prepass = not one_update or kl_in_rew  # the reward penalty needs logp_old first
         micro = cfg.micro_batch_size
         logp_old = self._logprobs(self.model, batch, micro) if prepass else torch.zeros_like(mask)
         logp_ref = self._logprobs(ref_model, batch, micro) if beta > 0 else None
@@ -174,49 +210,56 @@ class Trainer:
         sums: dict[str, float] = defaultdict(float)
         self.model.train()
         steps = minibatches(batch, cfg.mini_batches, micro, l_max)
-        for _, micros, totals in steps:
-            for rows in micros:
-                mb = batch.rows(rows)
-                width = mb.input_ids.size(1)
-                logp, ent = token_logprobs(self.model, mb, self.temperature, with_entropy=True)
-                if not prepass:
-                    logp_old[rows, :width] = logp.detach()
-                old, m = logp_old[rows, :width], mb.loss_mask
-                loss_tok, stats = policy_loss(logp, old, advantages[rows, :width], m, **loss_kw)
-                if alg.tis_c is not None:
-                    loss_tok = loss_tok * tis_weights(old, mb.rollout_logprobs, alg.tis_c)
-                if alg.entropy_coef > 0:
-                    loss_tok = entropy_bonus(loss_tok, ent, alg.entropy_coef)
-                if kl_in_loss:
-                    kl = KL_ESTIMATORS[alg.kl.estimator](logp, logp_ref[rows, :width])
-                    loss_tok = loss_tok + beta * kl
-                    sums["kl"] += float((kl.detach() * m).sum())
-                loss = aggregate(loss_tok, m, **totals)
-                loss.backward()
-                sums["loss"] += float(loss.detach())
-                sums["entropy"] += float((ent.detach() * m).sum())
-                for key in ("clipped", "clipped_low", "clipped_high", "dual_clipped"):
-                    sums[key] += float(stats[key].sum())  # stats are 0 off the mask
-            sums["grad_norm"] += self._step(cfg.max_grad_norm)
+        for _epoch in range(cfg.ppo_epochs):
+            for _, micros, totals in steps:
+                for rows in micros:
+                    mb = batch.rows(rows).to(dev)
+                    width = mb.input_ids.size(1)
+                    logp, ent = self._forward(self.model, mb, self.temperature,
+                                            with_entropy=True)
+                    if not prepass:
+                        logp_old[rows, :width] = logp.detach().to(logp_old.device)
+                    old, m = _on(logp_old, rows, width, dev), mb.loss_mask
+                    loss_tok, stats = policy_loss(logp, old, _on(advantages, rows, width, dev), m,
+                                                  **loss_kw)
+                    if alg.tis_c is not None:
+                        loss_tok = loss_tok * tis_weights(old, mb.rollout_logprobs, alg.tis_c)
+                    if alg.entropy_coef > 0:
+                        loss_tok = entropy_bonus(loss_tok, ent, alg.entropy_coef)
+                    if kl_in_loss:
+                        kl = KL_ESTIMATORS[alg.kl.estimator](logp, _on(logp_ref, rows, width, dev))
+                        loss_tok = loss_tok + beta * kl
+                        sums["kl"] += float((kl.detach() * m).sum())
+                    # rl.env_error_weight: scales the row's loss, never its normalizers
+                    loss = aggregate(loss_tok * mb.loss_weight[:, None], m, **totals)
+                    loss.backward()
+                    sums["loss"] += float(loss.detach())
+                    sums["entropy"] += float((ent.detach() * m).sum())
+                    for key in ("clipped", "clipped_low", "clipped_high", "dual_clipped"):
+                        sums[key] += float(stats[key].sum())  # stats are 0 off the mask
+                sums["grad_norm"] += self._step(cfg.max_grad_norm)
 
+        updates = cfg.ppo_epochs * len(steps)
         n_tok = max(float(mask.sum()), 1.0)
+        seen = n_tok * cfg.ppo_epochs  # token visits: the per-token means below are over them
         metrics = {
             **mismatch_stats(batch.rollout_logprobs, logp_old, mask),
             **_weight_stats(logp_old, batch.rollout_logprobs, mask, alg.tis_c),
-            "loss": sums["loss"] / len(steps),
-            "grad_norm": sums["grad_norm"] / len(steps),
-            "entropy": sums["entropy"] / n_tok,
-            "clip_frac": sums["clipped"] / n_tok,
-            "clip_frac_low": sums["clipped_low"] / n_tok,
-            "clip_frac_high": sums["clipped_high"] / n_tok,
+            "loss": sums["loss"] / updates,
+            "grad_norm": sums["grad_norm"] / updates,
+            "entropy": sums["entropy"] / seen,
+            "clip_frac": sums["clipped"] / seen,
+            "clip_frac_low": sums["clipped_low"] / seen,
+            "clip_frac_high": sums["clipped_high"] / seen,
             "advantage_abs_mean": float((advantages.abs() * mask).sum()) / n_tok,
         }
         if alg.clip_ratio_c is not None:
-            metrics["dual_clip_frac"] = sums["dual_clipped"] / n_tok
+            metrics["dual_clip_frac"] = sums["dual_clipped"] / seen
         if beta > 0:
             metrics["kl_beta"] = beta
             # the estimator in the loss, or k1 (what the reward pays) in the reward
-            metrics["kl"] = (sums["kl"] if kl_in_loss else float(-kl_reward.sum()) / beta) / n_tok
+            metrics["kl"] = (sums["kl"] / seen if kl_in_loss
+                             else float(-kl_reward.sum()) / beta / n_tok)
         if critic is not None:
             assert values is not None and returns is not None
             metrics.update(critic.update(batch, returns, values, cfg, l_max))
