@@ -320,3 +320,34 @@ def test_gate_override_logs_instead_of_refusing(caplog):
     with caplog.at_level(logging.WARNING, logger="tiller.tools.executor"):
         probe(0.95).check(override=True)
     assert "overridden" in caplog.text and "shaky" in caplog.text
+
+
+def test_identical_calls_in_flight_wait_for_the_first_instead_of_missing_the_cache():
+    """Episodes of one group make the same call at the same moment: the first runs, the rest
+    wait for it and are cache hits. When the first fails, the next one runs itself."""
+    runs = []
+
+    @tool
+    async def square(x: int) -> int:
+        """Square slowly, failing the first time.
+
+        Args:
+            x: The number.
+        """
+        runs.append(x)
+        await asyncio.sleep(0.02)
+        if len(runs) == 1:
+            raise OSError("service hiccup")  # env_error: not cached
+        return x * x
+
+    ex = ToolExecutor(ToolRegistry([square]), fast(cache=True))
+
+    async def main():
+        return await asyncio.gather(*(ex.invoke(ToolCall("square", {"x": 7})) for _ in range(5)))
+
+    results = asyncio.run(main())
+    assert [r.outcome for r in results] == [ToolOutcome.ENV_ERROR] + [ToolOutcome.OK] * 4
+    assert [r.cached for r in results] == [False, False, True, True, True]
+    assert runs == [7, 7]
+    stats = ex.stats()
+    assert (stats["calls/square"], stats["cache_hits/square"]) == (5, 3)
