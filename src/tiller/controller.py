@@ -42,6 +42,7 @@ from tiller.rollout.agent_loop import (
 from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.rollout.trajectory import Status, Trajectory
 from tiller.tools.executor import ToolReliabilityError
+from tiller.tools.sandbox import set_unsafe_fallback
 from tiller.tools.stack import ToolStack
 from tiller.train.algorithms.advantages import overlong_penalty
 from tiller.train.algorithms.credit import apply_key_steps
@@ -101,6 +102,9 @@ class Run:
         torch.manual_seed(cfg.seed)
         self.limits = EpisodeLimits(cfg.env.max_turns, cfg.env.max_episode_tokens)
         self.timings: dict[str, float] = {}
+        # Before any work: a bad replay path or a missing sandbox must stop the run at once.
+        self.tools = ToolStack(cfg.env.tools, self.dir)
+        set_unsafe_fallback(cfg.env.tools.sandbox.allow_unsafe_fallback)
 
         t = time.perf_counter()
         model_path = self._model_path()
@@ -116,7 +120,6 @@ class Run:
         self.logger = MetricsLogger(self.dir, cfg.logging.tensorboard, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.model_dump())
         self.params = self._sampling(cfg.sampling.temperature)
-        self.tools = ToolStack(cfg.env.tools, self.dir)
 
     # ---- model ---------------------------------------------------------------------------
 

@@ -36,12 +36,21 @@ class GateConfig(BaseModel):
     override: bool = Field(False, description="train anyway below the threshold (logged)")
 
 
+class SandboxConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    allow_unsafe_fallback: bool = Field(
+        False, description="let envs that run model-written code (code env, unit-test "
+        "verifiers) run it UNSANDBOXED when bubblewrap does not work; otherwise they refuse")
+
+
 class ToolsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     executor: ExecutorConfig = ExecutorConfig()
     faults: FaultConfig | None = None
     replay: ReplayConfig | None = None
     gate: GateConfig = GateConfig()
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig,
+                                   description="running model-written code")
 
 
 class ToolStack:
@@ -51,8 +60,8 @@ class ToolStack:
         self.store = None
         if cfg.replay is not None:
             path = Path(cfg.replay.path)
-            self.store = ReplayStore(path if path.is_absolute() else run_dir / path,
-                                     cfg.replay.mode)
+            self.store = ReplayStore(_replay_path(path if path.is_absolute() else run_dir / path,
+                                                  cfg.replay.mode), cfg.replay.mode)
         self.executor = ToolExecutor(config=cfg.executor)
         self.first_error: dict[str, str] = {}
 
@@ -103,3 +112,18 @@ class ToolStack:
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
+
+
+def _replay_path(path: Path, mode: str) -> Path:
+    """The replay file, checked before any work: SQLite would fail on a missing folder with a
+    traceback, and would quietly create an empty file to replay (every call a miss)."""
+    from tiller.config import ConfigError  # not at the top: tiller.config imports this module
+
+    where = "config field env.tools.replay.path"
+    if not path.parent.is_dir():
+        raise ConfigError(f"{where}: got {str(path)!r}; the folder {str(path.parent)!r} does "
+                          "not exist (create it, or use a path relative to the run folder)")
+    if mode == "replay" and not path.is_file():
+        raise ConfigError(f"{where}: got {str(path)!r}; mode 'replay' needs a recorded file "
+                          "(record one with mode 'record')")
+    return path
