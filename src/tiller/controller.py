@@ -102,7 +102,8 @@ class Run:
         torch.manual_seed(cfg.seed)
         self.limits = EpisodeLimits(cfg.env.max_turns, cfg.env.max_episode_tokens)
         self.timings: dict[str, float] = {}
-        # Before any work: a bad replay path or a missing sandbox must stop the run at once.
+        # Before any work: a bad replay path stops the run here, and the sandbox policy holds
+        # from the first env on (a code env without bwrap refuses unless it is allowed).
         self.tools = ToolStack(cfg.env.tools, self.dir)
         set_unsafe_fallback(cfg.env.tools.sandbox.allow_unsafe_fallback)
 
