@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 
 import pytest
@@ -320,3 +321,53 @@ def test_gate_override_logs_instead_of_refusing(caplog):
     with caplog.at_level(logging.WARNING, logger="tiller.tools.executor"):
         probe(0.95).check(override=True)
     assert "overridden" in caplog.text and "shaky" in caplog.text
+
+
+def test_identical_calls_in_flight_wait_for_the_first_instead_of_missing_the_cache():
+    """Episodes of one group make the same call at the same moment: the first runs, the rest
+    wait for it and are cache hits. When the first fails, the next one runs itself."""
+    runs = []
+
+    @tool
+    async def square(x: int) -> int:
+        """Square slowly, failing the first time.
+
+        Args:
+            x: The number.
+        """
+        runs.append(x)
+        await asyncio.sleep(0.02)
+        if len(runs) == 1:
+            raise OSError("service hiccup")  # env_error: not cached
+        return x * x
+
+    ex = ToolExecutor(ToolRegistry([square]), fast(cache=True))
+
+    async def main():
+        return await asyncio.gather(*(ex.invoke(ToolCall("square", {"x": 7})) for _ in range(5)))
+
+    results = asyncio.run(main())
+    assert [r.outcome for r in results] == [ToolOutcome.ENV_ERROR] + [ToolOutcome.OK] * 4
+    assert [r.cached for r in results] == [False, False, True, True, True]
+    assert runs == [7, 7]
+    stats = ex.stats()
+    assert (stats["calls/square"], stats["cache_hits/square"]) == (5, 3)
+
+
+def test_one_executor_serves_successive_loops_but_not_two_at_once():
+    """A run calls through one executor from a fresh asyncio.run per phase: the limits are
+    rebuilt per loop. Two loops at once would share nothing safely, so that is an error."""
+    ex = ToolExecutor(ToolRegistry([nap]), fast(max_concurrency=1))
+    for _ in range(2):  # asyncio semaphores bound to the first loop would fail in the second
+        assert asyncio.run(ex.invoke(ToolCall("nap", {"seconds": 0}))).content == "awake"
+
+    other = threading.Thread(target=asyncio.run,
+                             args=(ex.invoke(ToolCall("nap", {"seconds": 0.5})),))
+    other.start()
+    try:
+        time.sleep(0.2)  # the other loop's call is running
+        with pytest.raises(RuntimeError, match="second event loop"):
+            asyncio.run(ex.invoke(ToolCall("nap", {"seconds": 0})))
+    finally:
+        other.join()
+    assert ex.stats()["calls/nap"] == 3  # the refused call never ran

@@ -9,7 +9,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from helpers import TINY_RUN
 
+from tiller.config import ConfigError, load_config
+from tiller.controller import train
 from tiller.tools.executor import ExecutorConfig, ToolExecutor, ToolPolicy
 from tiller.tools.registry import ToolCall, ToolError, ToolOutcome, ToolRegistry, tool
 from tiller.tools.replay import ReplayStore
@@ -157,3 +160,18 @@ def test_many_concurrent_episodes_across_threads(tmp_path):
 def test_unknown_mode_is_refused(tmp_path):
     with pytest.raises(ValueError, match="replay mode must be one of"):
         ReplayStore(tmp_path / "x.sqlite", "playback")
+
+
+@pytest.mark.parametrize("where, mode, message", [
+    ("{tmp}/no/such/folder/tools.sqlite", "record", "the folder .* does not exist"),
+    ("{tmp}/never-recorded.sqlite", "replay", "mode 'replay' needs a recorded file"),
+])
+def test_bad_replay_path_is_one_line_config_error_before_any_work(tmp_path, where, mode,
+                                                                    message):
+    """A replay file in a missing folder was an sqlite3 traceback after the model was built."""
+    path = where.format(tmp=tmp_path)
+    cfg = load_config("configs/calculator.yaml",
+                      [*TINY_RUN, f"env.tools.replay={{path: {path}, mode: {mode}}}"])
+    with pytest.raises(ConfigError, match=rf"^config field env.tools.replay.path: .*{message}"):
+        train(cfg, tmp_path / "run")
+    assert not (tmp_path / "run" / "base_model").exists()  # refused before building the model

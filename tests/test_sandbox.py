@@ -18,11 +18,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from tiller.config import ConfigError
 from tiller.tools import sandbox as sb
 from tiller.tools.sandbox import Sandbox, SandboxLimits, SandboxOutcome
 
@@ -373,7 +376,7 @@ def test_host_crash_takes_the_sandbox_down() -> None:
     )
     trainer = subprocess.Popen([sys.executable, "-c", host])
     try:
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # the interpreter and imports start slowly on a busy host
         while not _sleepers(token) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert _sleepers(token), "the sandboxed program never started"
@@ -395,6 +398,101 @@ def test_nested_user_namespaces_are_blocked(box: Sandbox) -> None:
     r = box.run_python(code)
     assert r.ok, r
     assert r.stdout.splitlines() == ["unshare -1 1", "tool 1", "thread ok"]  # 1 == EPERM
+
+
+def _host_shmem_mib() -> float:
+    """Host RAM in shared memory (SysV segments, memfds, tmpfs), from /proc/meminfo."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Shmem:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no Shmem line in /proc/meminfo")
+
+
+# Tries to hold 6 x 32 MiB of SysV shared memory (attached, written, detached: outside the
+# address space once detached) and 6 x 16 MiB in memfds (written, never mapped), then holds it
+# for a second; bounded at 288 MiB and 12 objects whatever the sandbox does.
+MEMORY_OUTSIDE_ADDRESS_SPACE = """\
+import ctypes, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+libc.shmdt.argtypes = [ctypes.c_void_p]
+MB = 1 << 20
+shm = memfd = 0
+for _ in range(6):
+    sid = libc.shmget(0, 32 * MB, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600
+    if sid < 0:
+        print('shmget errno', ctypes.get_errno())
+        break
+    addr = libc.shmat(sid, None, 0)
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        break
+    ctypes.memset(addr, 1, 32 * MB)
+    libc.shmdt(ctypes.c_void_p(addr))
+    shm += 32
+fds = []
+for _ in range(6):
+    try:
+        fds.append(os.memfd_create('hog'))
+        for _ in range(16):
+            os.write(fds[-1], b'x' * MB)
+            memfd += 1
+    except OSError as e:
+        print('memfd', e.errno)
+        break
+print('held', shm, memfd, flush=True)
+time.sleep(1)
+"""
+
+
+@needs_bwrap
+def test_memory_outside_the_address_space_is_denied() -> None:
+    """RLIMIT_AS only counts mapped memory: detached SysV segments and unmapped memfds used to
+    let a 48 MiB sandbox grow host shared memory by 192 MiB. seccomp now denies both."""
+    box = Sandbox(replace(LIMITS, memory_mb=48, wall_seconds=6), backend="bwrap")
+    before = _host_shmem_mib()
+    peak, done = [before], threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _host_shmem_mib())
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        r = box.run_python(MEMORY_OUTSIDE_ADDRESS_SPACE)
+    finally:
+        done.set()
+        watcher.join()
+    assert r.ok, r
+    assert r.stdout.splitlines() == ["shmget errno 1", "memfd 1", "held 0 0"]  # EPERM
+    # other processes on the host move Shmem a little; the payload would add >= 192 MiB
+    assert peak[0] - before < 32, f"host shared memory grew by {peak[0] - before:.0f} MiB"
+
+
+# Run in a fresh interpreter that is a child subreaper: any process the sandbox leaves behind
+# (an orphan bwrap, a zombie) is re-parented to it and shows up as its child.
+REAPER = """\
+import ctypes, glob, sys
+from tiller.tools.sandbox import Sandbox, SandboxLimits
+ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+code = "import os, time\\nif os.fork() == 0:\\n    os.setsid()\\ntime.sleep(9)  # bounded\\n"
+r = Sandbox(SandboxLimits(wall_seconds=1), backend='bwrap').run_python(code)
+left = [p for f in glob.glob('/proc/self/task/*/children') for p in open(f).read().split()]
+print(r.outcome.value, len(left))
+"""
+
+
+@needs_bwrap
+def test_no_process_of_the_sandbox_survives_the_call() -> None:
+    """Killing only the outer bwrap left its child (the sandbox's pid 1) to --die-with-parent
+    and the host's init to reap; now the child is killed first and bwrap reaps it."""
+    env = {**os.environ, "PYTHONPATH": str(Path(sb.__file__).parents[2])}
+    proc = subprocess.run([sys.executable, "-c", REAPER], capture_output=True, text=True,
+                          timeout=30, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["timeout", "0"]
 
 
 # --- sandbox failures are reported as such ----------------------------------------------------
@@ -488,16 +586,80 @@ def test_fallback_enforces_cpu_and_wall_limits(fallback: Sandbox) -> None:
     _assert_no_sleepers(token)  # its process group was killed
 
 
-def test_auto_falls_back_loudly_without_bwrap(monkeypatch) -> None:
+@pytest.fixture
+def fresh_probe(monkeypatch) -> None:
+    """A process that has not probed bwrap yet, and has not been told to allow the fallback."""
+    monkeypatch.setattr(sb, "_probe", sb._Probe())
+    monkeypatch.setattr(sb, "_fallback_allowed", False)
     monkeypatch.setattr(sb, "_warned_fallback", False)
+    monkeypatch.setattr(sb, "PROBE_BACKOFF_S", 0.01)
+
+
+def test_auto_refuses_to_run_unsandboxed_without_bwrap(monkeypatch, fresh_probe) -> None:
+    """Without bwrap, `auto` used to fall back to an unsandboxed subprocess (as root, with
+    network) after a warning; now it is a one-line ConfigError unless the fallback is allowed."""
     monkeypatch.setattr(sb.shutil, "which", lambda name: None)
-    sb._bwrap_problem.cache_clear()
-    try:
-        with pytest.warns(RuntimeWarning, match="bubblewrap .bwrap. is not installed"):
-            box = Sandbox(LIMITS)
-        assert box.backend == "subprocess"
-        assert box.run_python("print(1)").backend == "subprocess"
-        with pytest.raises(RuntimeError, match="not installed"):
-            Sandbox(backend="bwrap")
-    finally:
-        sb._bwrap_problem.cache_clear()
+    with pytest.raises(ConfigError) as refused:
+        Sandbox(LIMITS)
+    msg = str(refused.value)
+    assert "\n" not in msg
+    assert "bubblewrap (bwrap) is not installed" in msg
+    assert "env.tools.sandbox.allow_unsafe_fallback=true" in msg
+    with pytest.warns(RuntimeWarning, match="bubblewrap .bwrap. is not installed"):
+        box = Sandbox(LIMITS, allow_unsafe_fallback=True)
+    assert box.run_python("print(1)").backend == "subprocess"
+    sb.set_unsafe_fallback(True)  # what a run with the config knob set does
+    assert Sandbox(LIMITS).backend == "subprocess"
+    with pytest.raises(RuntimeError, match="not installed"):
+        Sandbox(backend="bwrap")
+
+
+@needs_bwrap
+def test_a_failed_probe_is_retried_counted_and_then_refused(monkeypatch, fresh_probe,
+                                                            caplog) -> None:
+    """A single failed bwrap test run used to switch the whole process to the unsandboxed
+    fallback. Now it is retried; only PROBE_ATTEMPTS failures in a row refuse."""
+    real_binds, broken_runs = sb._python_binds, [1]  # the first probe's bwrap fails to start
+
+    def flaky_binds():
+        if broken_runs:
+            broken_runs.pop()
+            missing = f"/nonexistent-{secrets.token_hex(4)}"
+            return [(missing, missing)]
+        return real_binds()
+
+    monkeypatch.setattr(sb, "_python_binds", flaky_binds)
+    assert Sandbox(LIMITS).backend == "bwrap"  # the retry worked
+    assert sb.probe_failures() == 1 and "probe 1/3" in caplog.text
+
+    monkeypatch.setattr(sb, "_probe", sb._Probe())
+    broken_runs.extend([1] * sb.PROBE_ATTEMPTS)  # bwrap keeps failing
+    with pytest.raises(ConfigError, match=r"bwrap failed a test run .*, 3 times"):
+        Sandbox(LIMITS)
+    assert sb.probe_failures() == 3
+    with pytest.raises(ConfigError):  # the verdict holds; no silent fallback later
+        Sandbox(LIMITS)
+
+
+def test_code_env_refuses_to_start_without_the_sandbox(monkeypatch, fresh_probe,
+                                                        tmp_path) -> None:
+    """A run of the code env without bubblewrap stops at once with one line, unless
+    env.tools.sandbox.allow_unsafe_fallback is set."""
+    from helpers import TINY_ENV_RUN
+
+    from tiller.config import load_config
+    from tiller.controller import train
+    from tiller.envs.code import CodeEnv
+
+    monkeypatch.setattr(sb.shutil, "which", lambda name: None)
+    cfg = load_config("configs/code.yaml", TINY_ENV_RUN)
+    with pytest.raises(ConfigError, match="allow_unsafe_fallback=true") as refused:
+        train(cfg, tmp_path)
+    assert "\n" not in str(refused.value)
+    assert not (tmp_path / "metrics.jsonl").exists() and not list(tmp_path.rglob("*.safetensors"))
+
+    allowed = load_config("configs/code.yaml", ["env.tools.sandbox.allow_unsafe_fallback=true"])
+    assert allowed.env.tools.sandbox.allow_unsafe_fallback is True
+    sb.set_unsafe_fallback(allowed.env.tools.sandbox.allow_unsafe_fallback)  # as Run does
+    with pytest.warns(RuntimeWarning, match="WITHOUT bubblewrap"):
+        assert CodeEnv().sandbox.backend == "subprocess"

@@ -8,6 +8,7 @@ from tiller.rollout.agent_loop import ExpertActor, run_episode
 from tiller.rollout.trajectory import Status
 from tiller.tools.executor import ExecutorConfig, ToolPolicy
 from tiller.tools.faults import FaultConfig
+from tiller.tools.registry import ToolCall, ToolRegistry, tool
 from tiller.tools.stack import ReplayConfig, ToolsConfig, ToolStack
 from tiller.train.batch import Batch
 
@@ -94,3 +95,49 @@ def test_gate_reports_the_failing_tool(tmp_path, tokenizer, limits):
     healthy = ToolStack(ToolsConfig(), tmp_path)
     expert_episodes(healthy, tokenizer, limits, n=10)
     assert healthy.probe_report().failing() == {}
+
+
+def episode_registry(state):
+    """A fresh registry per episode (like a per-episode database) whose tool records the most
+    calls it saw running at once, across every episode sharing `state`."""
+
+    @tool
+    async def lookup(key: int) -> int:
+        """Look a key up in a slow service.
+
+        Args:
+            key: The key.
+        """
+        state["now"] += 1
+        state["max"] = max(state["max"], state["now"])
+        state["calls"] += 1
+        await asyncio.sleep(0.01)
+        state["now"] -= 1
+        return key * 10
+
+    return ToolRegistry([lookup])
+
+
+def test_run_level_limits_and_cache_span_episodes_and_event_loops(tmp_path):
+    """One executor per run: max_concurrency bounds all episodes together, and a result cached
+    by one episode (or in an earlier phase, i.e. event loop) is a hit for the next."""
+    state = {"now": 0, "max": 0, "calls": 0}
+    cfg = ToolsConfig(executor=ExecutorConfig(
+        max_concurrency=1, tools={"lookup": ToolPolicy(cache=True)}))
+    stack = ToolStack(cfg, tmp_path)
+
+    async def phase(tag, keys):
+        invokes = [stack.wrapper(f"{tag}/{i}")(episode_registry(state)) for i in range(len(keys))]
+        results = await asyncio.gather(*(
+            invoke(ToolCall("lookup", {"key": k}))
+            for invoke, k in zip(invokes, keys, strict=True)))
+        return [r.content for r in results]
+
+    assert asyncio.run(phase("a", range(8))) == [str(k * 10) for k in range(8)]
+    assert state["max"] == 1  # 8 episodes, one call at a time
+    first = stack.stats(reset=True)
+    assert (first["tool_calls/lookup"], first["tool_peak_concurrency/lookup"]) == (8, 1)
+    assert asyncio.run(phase("b", [3, 3, 9, 3])) == ["30", "30", "90", "30"]  # a new loop
+    second = stack.stats(reset=True)
+    assert second["tool_cache_hits/lookup"] == 3  # key 3 was cached in the first phase
+    assert state["calls"] == 9  # only key 9 reached the tool again

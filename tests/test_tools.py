@@ -75,3 +75,64 @@ def test_rejected_input_is_policy_fault_and_crash_is_env_fault():
                                                     "value must be non-negative")
     assert crashed.outcome is ToolOutcome.ENV_ERROR
     assert "RuntimeError: disk on fire" in crashed.content
+
+
+def test_calculator_input_it_chokes_on_is_the_policys_fault():
+    """A 5,000-digit operand makes int() raise ValueError: the policy's input, so tool_error
+    (before, every non-ToolError exception was env_error and escaped the penalty)."""
+    from tiller.envs.calculator import calculate
+
+    result = asyncio.run(ToolRegistry([calculate]).invoke(
+        ToolCall("calculate", {"expression": "9" * 5000 + " * 2"})))
+    assert result.outcome is ToolOutcome.TOOL_ERROR
+    assert result.content.startswith("ValueError: Exceeds the limit (4300 digits)")
+
+
+@tool
+def divide(a: int, b: int) -> float:
+    """Divide two numbers, over a flaky service.
+
+    Args:
+        a: The dividend.
+        b: The divisor; a negative one makes the service drop the connection.
+    """
+    if b < 0:
+        raise ConnectionResetError("service went away")
+    return a / b
+
+
+def test_argument_errors_are_tool_errors_and_infrastructure_errors_env_errors():
+    registry = ToolRegistry([divide])
+
+    def outcome(a, b):
+        return asyncio.run(registry.invoke(ToolCall("divide", {"a": a, "b": b}))).outcome
+
+    assert outcome(1, 0) is ToolOutcome.TOOL_ERROR  # ZeroDivisionError: an ArithmeticError
+    assert outcome(1, -1) is ToolOutcome.ENV_ERROR  # ConnectionError: an OSError
+    assert outcome(6, 3) is ToolOutcome.OK
+
+
+class QuotaExceeded(Exception):
+    """A service's own exception, raised when the policy asks for too much."""
+
+
+@tool(policy_errors=(QuotaExceeded,), env_errors=(ValueError,))
+def fetch(n: int) -> str:
+    """Fetch n records.
+
+    Args:
+        n: How many.
+    """
+    if n > 100:
+        raise QuotaExceeded(f"{n} records is over the quota of 100")
+    raise ValueError("the service sent a malformed page")  # this service's ValueError is its own
+
+
+def test_a_tool_overrides_the_rule_per_exception_class():
+    registry = ToolRegistry([fetch])
+    over = asyncio.run(registry.invoke(ToolCall("fetch", {"n": 101})))
+    malformed = asyncio.run(registry.invoke(ToolCall("fetch", {"n": 1})))
+    assert (over.outcome, over.content) == (ToolOutcome.TOOL_ERROR,
+                                            "QuotaExceeded: 101 records is over the quota of 100")
+    assert malformed.outcome is ToolOutcome.ENV_ERROR  # the default would blame the policy
+    assert malformed.content == "fetch failed: ValueError: the service sent a malformed page"

@@ -25,6 +25,7 @@ from tiller.rollout.agent_loop import EngineActor, EpisodeLimits, load_episode_f
 from tiller.rollout.collect import collect, collect_expert, first_error
 from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.rollout.trajectory import Status, Trajectory
+from tiller.tools.sandbox import set_unsafe_fallback
 from tiller.tools.stack import ToolStack
 from tiller.train.shaping import load_key_steps
 from tiller.train.trainer import Trainer
@@ -55,6 +56,10 @@ class Run:
         torch.manual_seed(cfg.seed)
         self.limits = EpisodeLimits(cfg.env.max_turns, cfg.env.max_episode_tokens)
         self.timings: dict[str, float] = {}
+        # Before any work: a bad replay path stops the run here, and the sandbox policy holds
+        # from the first env on (a code env without bwrap refuses unless it is allowed).
+        self.tools = ToolStack(cfg.env.tools, self.dir)
+        set_unsafe_fallback(cfg.env.tools.sandbox.allow_unsafe_fallback)
 
         self.device = resolve_device(cfg.model.device)
         path = Path(cfg.model.path) if cfg.model.path is not None else build_env_model(
@@ -71,7 +76,6 @@ class Run:
                                      self.tokenizer.pad_token_id, cfg.max_batch_size)
         self.logger = MetricsLogger(self.dir, cfg.logging.tensorboard, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.model_dump())
-        self.tools = ToolStack(cfg.env.tools, self.dir)
 
     def log(self, phase: str, metrics: dict[str, Any], phase_step: int | None = None) -> None:
         """Metrics at the global step: the trainer's weight version (optimizer steps so far),

@@ -156,6 +156,8 @@ class CodeEnv(ToolEnv):
     expert_turn = staticmethod(expert_turn)
 
     def __init__(self, sandbox: Sandbox | None = None, **kwargs: Any):
+        # backend "auto": without a working bubblewrap this refuses (a ConfigError) unless
+        # the process allows the unsafe fallback (a run's config knob)
         self.sandbox = sandbox or Sandbox(SandboxLimits(cpu_seconds=2, wall_seconds=20))
 
         @tool
@@ -166,8 +168,8 @@ class CodeEnv(ToolEnv):
                 code: the program; print what you want to see.
             """
             r = await self.sandbox.arun_python(code)
-            if r.outcome is SandboxOutcome.SANDBOX_ERROR:
-                raise RuntimeError(f"sandbox failed: {r.stderr[-300:]}")  # env_error
+            if r.outcome is SandboxOutcome.SANDBOX_ERROR:  # an OSError: env_error
+                raise OSError(f"sandbox failed: {r.stderr[-300:]}")
             return f"[{r.outcome.value}]\n{r.stdout[-800:]}{r.stderr[-800:]}".rstrip()
 
         super().__init__([run_python], **kwargs)

@@ -8,9 +8,13 @@ training run needs:
 - a timeout per attempt: a tool that runs past it is an `env_error`, not a stuck episode;
 - retries with exponential backoff and seeded jitter, for `env_error` only. A `tool_error` is the
   policy's mistake (bad arguments, a rejected input) and the same call would fail again;
-- an opt-in result cache for deterministic tools (only `ok` results are kept);
+- an opt-in result cache for deterministic tools (only `ok` results are kept); identical calls
+  made while the first is running wait for it instead of all missing the cache;
 - a global and a per-tool concurrency limit, so a burst of episodes cannot overload a service;
 - per-tool counters (`stats()`) the trainer logs next to the rewards.
+
+A run shares one executor across all its episodes (`bind` puts each episode's own registry
+behind it), so the limits, the cache and the counters are the run's, not an episode's.
 
 This module also holds the tool reliability gate (`probe_tools`), which runs scripted calls
 before training and refuses a tool set that fails too often to give a meaningful reward.
@@ -101,19 +105,28 @@ class ToolCounters:
     retries: int = 0
     timeouts: int = 0
     cache_hits: int = 0
+    peak_concurrency: int = 0  # most calls of the tool running at once (a maximum, not a sum)
+
+
+def _slots(limit: int | None) -> asyncio.Semaphore | nullcontext:
+    return asyncio.Semaphore(limit) if limit else nullcontext()
 
 
 class ToolExecutor:
-    """Runs calls through `target` (a registry or any invoke callable, e.g. a fault injector).
+    """Runs calls through `target` (a registry or any invoke callable, e.g. a fault injector)
+    with `invoke`, or through other targets with the invoke callables `bind` returns; all of
+    them share the limits, the cache and the counters.
 
-    Create one per event loop: its semaphores belong to the loop that first waits on them.
+    asyncio semaphores belong to the loop that first waits on them, and a run starts a fresh
+    loop per phase (`asyncio.run`), so the limits are rebuilt when the running loop changes:
+    one executor serves successive loops, one at a time (two at once is an error).
     A timed-out sync tool is abandoned, not stopped: its worker thread runs to the end in the
     background (Python cannot kill a thread), so give sync tools their own deadlines too.
     """
 
-    def __init__(self, target: ToolRegistry | Invoke, config: ExecutorConfig | None = None,
-                 tool_names: Iterable[str] | None = None):
-        self.inner = as_invoke(target)
+    def __init__(self, target: ToolRegistry | Invoke | None = None,
+                 config: ExecutorConfig | None = None, tool_names: Iterable[str] | None = None):
+        self.inner = as_invoke(target) if target is not None else None
         self.config = config or ExecutorConfig()
         # Names the model invents would each get their own counters and metrics; with the tool
         # names known (always, for a registry), they are pooled under one bucket.
@@ -123,10 +136,38 @@ class ToolExecutor:
         self.counters: dict[str, ToolCounters] = {}
         self._policies: dict[str, ToolPolicy] = {}
         self._limits: dict[str, asyncio.Semaphore | nullcontext] = {}
-        self._global = (asyncio.Semaphore(self.config.max_concurrency)
-                        if self.config.max_concurrency else nullcontext())
+        self._global: asyncio.Semaphore | nullcontext = nullcontext()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._in_flight = 0  # calls between entering and leaving `_run`, all tools
+        self._running: dict[str, int] = {}  # attempts inside the limits, per tool
         self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._pending: dict[tuple[str, str], asyncio.Future[None]] = {}  # cached calls running
         self._rng = random.Random(self.config.seed)
+
+    def bind(self, target: ToolRegistry | Invoke) -> Invoke:
+        """An invoke callable that runs calls through `target` under this executor: e.g. one
+        episode's own registry (stateful tools stay per episode, the limits do not)."""
+        if isinstance(target, ToolRegistry):
+            self.tool_names = (self.tool_names or set()) | set(target.tools)
+        inner = as_invoke(target)
+
+        async def invoke(call: ToolCall) -> ExecutedResult:
+            return await self._run(call, inner)
+
+        return invoke
+
+    def _use_loop(self) -> None:
+        """Rebuild the semaphores for a new running loop (they are bound to their first one)."""
+        loop = asyncio.get_running_loop()
+        if loop is self._loop:
+            return
+        if self._in_flight:
+            raise RuntimeError("ToolExecutor called from a second event loop while calls of "
+                               "another are running; use one executor per concurrent loop")
+        self._loop = loop
+        self._pending = {}  # futures are loop-bound too (and none is pending: nothing in flight)
+        self._global = _slots(self.config.max_concurrency)
+        self._limits = {name: _slots(p.max_concurrency) for name, p in self._policies.items()}
 
     def _bucket(self, name: str) -> str:
         if self.tool_names is None or name in self.tool_names:
@@ -137,28 +178,59 @@ class ToolExecutor:
         if bucket not in self._policies:
             policy = self.config.policy(bucket)
             self._policies[bucket] = policy
-            self._limits[bucket] = (asyncio.Semaphore(policy.max_concurrency)
-                                    if policy.max_concurrency else nullcontext())
+            self._limits[bucket] = _slots(policy.max_concurrency)
             self.counters[bucket] = ToolCounters()
         return self._policies[bucket], self.counters[bucket]
 
     async def invoke(self, call: ToolCall) -> ExecutedResult:
+        """Run `call` through the executor's own target."""
+        if self.inner is None:
+            raise TypeError("this ToolExecutor has no target: call it through bind(target)")
+        return await self._run(call, self.inner)
+
+    async def _run(self, call: ToolCall, inner: Invoke) -> ExecutedResult:
+        self._use_loop()
+        self._in_flight += 1
+        try:
+            return await self._execute(call, inner)
+        finally:
+            self._in_flight -= 1
+
+    async def _execute(self, call: ToolCall, inner: Invoke) -> ExecutedResult:
         bucket = self._bucket(call.name)
         policy, counts = self._setup(bucket)
         counts.calls += 1
         key = (call.name, canonical_json(call.arguments)) if policy.cache else None
-        if key is not None and key in self._cache:
-            self._cache.move_to_end(key)
-            counts.cache_hits += 1
-            counts.ok += 1
-            return ExecutedResult(call, ToolOutcome.OK, self._cache[key], 0.0, attempts=0,
-                                  cached=True)
+        while key is not None:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                counts.cache_hits += 1
+                counts.ok += 1
+                return ExecutedResult(call, ToolOutcome.OK, self._cache[key], 0.0, attempts=0,
+                                      cached=True)
+            if key not in self._pending:
+                break
+            # The identical call is running: wait for it, then look again (a failed one leaves
+            # nothing cached, and then this call runs itself). shield: our cancellation must
+            # not cancel the others' wait.
+            await asyncio.shield(self._pending[key])
+        if key is None:
+            return await self._call(call, inner, bucket, policy, counts, key)
+        done = self._pending[key] = asyncio.get_running_loop().create_future()
+        try:
+            return await self._call(call, inner, bucket, policy, counts, key)
+        finally:
+            del self._pending[key]
+            done.set_result(None)
 
+    async def _call(self, call: ToolCall, inner: Invoke, bucket: str, policy: ToolPolicy,
+                    counts: ToolCounters, key: tuple[str, str] | None) -> ExecutedResult:
+        """The attempts of one call that the cache did not answer, with retries."""
         start = time.perf_counter()
         attempt = 0
         while True:
             attempt += 1
-            result, timed_out = await self._attempt(call, bucket, policy)
+            result, timed_out = await self._attempt(call, inner, bucket, policy, counts)
             counts.timeouts += timed_out
             if result.outcome is not ToolOutcome.ENV_ERROR or attempt > policy.retries:
                 break
@@ -174,18 +246,22 @@ class ToolExecutor:
         return ExecutedResult(call, result.outcome, result.content, time.perf_counter() - start,
                               attempts=attempt, timed_out=timed_out)
 
-    async def _attempt(self, call: ToolCall, bucket: str,
-                       policy: ToolPolicy) -> tuple[ToolResult, bool]:
+    async def _attempt(self, call: ToolCall, inner: Invoke, bucket: str, policy: ToolPolicy,
+                       counts: ToolCounters) -> tuple[ToolResult, bool]:
         """One try under the limits. The timeout starts once a slot is free: waiting for one
         is back-pressure, not the tool's slowness."""
         async with self._limits[bucket], self._global:
             start = time.perf_counter()
+            self._running[bucket] = self._running.get(bucket, 0) + 1
+            counts.peak_concurrency = max(counts.peak_concurrency, self._running[bucket])
             try:
-                return await asyncio.wait_for(self.inner(call), policy.timeout_s), False
+                return await asyncio.wait_for(inner(call), policy.timeout_s), False
             except asyncio.TimeoutError:
                 msg, timed_out = f"{call.name} timed out after {policy.timeout_s:g}s", True
             except Exception as e:  # an invoke callable that broke its never-raise contract
                 msg, timed_out = f"{call.name} failed: {type(e).__name__}: {e}", False
+            finally:
+                self._running[bucket] -= 1
         latency = time.perf_counter() - start
         return ToolResult(call, ToolOutcome.ENV_ERROR, msg, latency), timed_out
 
@@ -197,13 +273,17 @@ class ToolExecutor:
             out[f"calls/{name}"] = c.calls
             for outcome in ToolOutcome:
                 out[f"{outcome.value}_rate/{name}"] = getattr(c, outcome.value) / max(c.calls, 1)
-            for f in ("retries", "timeouts", "cache_hits"):
+            for f in ("retries", "timeouts", "cache_hits", "peak_concurrency"):
                 out[f"{f}/{name}"] = getattr(c, f)
         if reset:
-            for c in self.counters.values():
-                for f in fields(c):
-                    setattr(c, f.name, 0)
+            self.reset()
         return out
+
+    def reset(self) -> None:
+        """Zero the counters: a new window of per-step figures (the cache stays)."""
+        for c in self.counters.values():
+            for f in fields(c):
+                setattr(c, f.name, 0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ wraps tools so that a configured share of calls fails the way real tools fail:
 
 - `timeout`: the tool hangs for `hang_s` (the executor's timeout cuts it short, as it would a
   stuck service) and then raises `TimeoutError`;
-- `crash`: the tool raises `InjectedFault`, which the registry reports as an `env_error`;
+- `crash`: the tool raises `InjectedFault`, which the registry reports as an `env_error` (an
+  unclassified exception: see `Tool.blame`);
 - `garbage`: the tool returns a random string, an `ok` result with useless content (a
   truncated page, a corrupted response: nothing tells the policy it is wrong).
 
@@ -28,6 +29,7 @@ import hashlib
 import random
 import string
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -100,7 +102,7 @@ class FaultInjector:
                 return "".join(rng.choices(string.printable, k=rng.randint(1, 64)))
             return await t(**arguments)
 
-        return Tool(name=t.name, fn=faulty, schema=t.schema, args_model=t.args_model)
+        return replace(t, fn=faulty)  # the same name, schema, validation and blame rule
 
     def wrap(self, registry: ToolRegistry, key: str = "") -> ToolRegistry:
         """A registry of the same tools with faults; pass it (or its `.invoke`) on."""

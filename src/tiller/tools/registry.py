@@ -5,6 +5,13 @@ A tool is an ordinary (sync or async) function with type hints and a Google-styl
 validates the model's arguments before calling it. Every call ends in a `ToolResult` whose
 `outcome` keeps the policy's mistakes (`tool_error`: unknown tool, bad arguments, a rejected
 input) apart from the environment's (`env_error`: the tool crashed, timed out or is down).
+
+Who is at fault for an exception a tool raises is decided by its type (`Tool.blame`): errors of
+handling the policy's arguments (`POLICY_ERRORS`: `ToolError`, `ValueError`, `TypeError`,
+`ArithmeticError`) are `tool_error`, so a policy cannot escape its penalty (or learn to crash
+tools) by feeding a tool input it chokes on; infrastructure failures (`ENV_ERRORS`: timeouts,
+`OSError` and so connection errors) and anything unclassified are `env_error`. A tool adds its
+own classes with `@tool(policy_errors=..., env_errors=...)`, which are checked first.
 """
 
 from __future__ import annotations
@@ -24,6 +31,13 @@ from transformers.utils import get_json_schema
 
 class ToolError(Exception):
     """Raised by a tool that rejects its input: the policy's fault, shown to the model."""
+
+
+# The default rule (docs/tools.md): checked after a tool's own classes, environment first, since
+# TimeoutError and ConnectionError are OSErrors and an OSError is never the policy's doing.
+POLICY_ERRORS: tuple[type[BaseException], ...] = (ToolError, ValueError, TypeError,
+                                                  ArithmeticError)
+ENV_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, OSError)
 
 
 class ToolOutcome(str, Enum):
@@ -54,6 +68,18 @@ class Tool:
     fn: Callable[..., Any]
     schema: dict[str, Any]
     args_model: type[pydantic.BaseModel] = field(repr=False, compare=False)
+    policy_errors: tuple[type[BaseException], ...] = ()  # the tool's own tool_error classes
+    env_errors: tuple[type[BaseException], ...] = ()  # the tool's own env_error classes
+
+    def blame(self, error: Exception) -> ToolOutcome:
+        """Whose fault `error` is: the tool's own classes first (env before policy), then the
+        default rule; an exception nobody classified is the environment's."""
+        for env, policy in ((self.env_errors, self.policy_errors), (ENV_ERRORS, POLICY_ERRORS)):
+            if isinstance(error, env):
+                return ToolOutcome.ENV_ERROR
+            if isinstance(error, policy):
+                return ToolOutcome.TOOL_ERROR
+        return ToolOutcome.ENV_ERROR
 
     async def __call__(self, **arguments: Any) -> Any:
         if inspect.iscoroutinefunction(self.fn):
@@ -63,8 +89,12 @@ class Tool:
         return await asyncio.to_thread(self.fn, **arguments)
 
 
-def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> Any:
-    """Make a `Tool` from a typed function; usable as `@tool` or `@tool(name=...)`."""
+def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None,
+         policy_errors: tuple[type[BaseException], ...] = (),
+         env_errors: tuple[type[BaseException], ...] = ()) -> Any:
+    """Make a `Tool` from a typed function; usable as `@tool` or `@tool(name=..., ...)`.
+    `policy_errors` / `env_errors` are exception classes this tool raises that are the policy's
+    (`tool_error`) or the environment's (`env_error`) fault, overriding the default rule."""
 
     def wrap(f: Callable[..., Any]) -> Tool:
         schema = get_json_schema(f)
@@ -84,7 +114,8 @@ def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> An
             },
             __config__=pydantic.ConfigDict(extra="forbid"),
         )
-        return Tool(name=schema["function"]["name"], fn=f, schema=schema, args_model=args_model)
+        return Tool(name=schema["function"]["name"], fn=f, schema=schema, args_model=args_model,
+                    policy_errors=tuple(policy_errors), env_errors=tuple(env_errors))
 
     return wrap(fn) if fn is not None else wrap
 
@@ -120,12 +151,15 @@ class ToolRegistry:
         args = self.check(call)
         if isinstance(args, str):
             return ToolResult(call, ToolOutcome.TOOL_ERROR, args, time.perf_counter() - start)
+        t = self.tools[call.name]
         try:
-            value = await self.tools[call.name](**args)
-        except ToolError as e:
+            value = await t(**args)
+        except ToolError as e:  # written for the model: shown as it is
             return ToolResult(call, ToolOutcome.TOOL_ERROR, str(e), time.perf_counter() - start)
-        except Exception as e:  # a crashing tool is the environment's failure, not the policy's
-            msg = f"{call.name} failed: {type(e).__name__}: {e}"
-            return ToolResult(call, ToolOutcome.ENV_ERROR, msg, time.perf_counter() - start)
+        except Exception as e:  # every other exception is classified, never swallowed
+            outcome = t.blame(e)
+            msg = (f"{type(e).__name__}: {e}" if outcome is ToolOutcome.TOOL_ERROR
+                   else f"{call.name} failed: {type(e).__name__}: {e}")
+            return ToolResult(call, outcome, msg, time.perf_counter() - start)
         content = value if isinstance(value, str) else json.dumps(value)
         return ToolResult(call, ToolOutcome.OK, content, time.perf_counter() - start)

@@ -1,4 +1,4 @@
-"""Run model-written (untrusted) Python in a sandbox: bubblewrap if it works, else a loud fallback.
+"""Run model-written (untrusted) Python in a sandbox: bubblewrap, or refuse (unless allowed).
 
 Layers, and why each one is there (docs/sandbox.md has the user-facing summary):
 
@@ -21,18 +21,27 @@ Layers, and why each one is there (docs/sandbox.md has the user-facing summary):
   uid in [2**30, 2**31), so concurrent sandboxes do not share one process budget.
 * **seccomp** denies `unshare`, `setns` and `clone(CLONE_NEWUSER)` (`clone3` answers ENOSYS so libc
   falls back to `clone`): a nested user namespace would let the code mount an uncapped tmpfs and
-  spend host RAM outside RLIMIT_AS.
+  spend host RAM outside RLIMIT_AS. It also denies memory that lives outside any address space
+  and so outside RLIMIT_AS: System V shared memory, message queues and semaphores (`shmget`,
+  `msgget`, `semget`: a 48 MiB program held 192 MiB of host shmem in detached segments until
+  the IPC namespace died) and `memfd_create`/`memfd_secret` (each memfd is a RLIMIT_FSIZE-sized
+  file in host RAM, one per open file).
 * **rlimits**, set by a tiny launcher inside the sandbox just before it execs the model's program:
   CPU seconds, address space, processes, file size, open files, no core dumps (a core would be
   handed to the host's core_pattern handler). Not `preexec_fn`: that is unsafe in a threaded
   host (`arun_python` uses threads), and it would set RLIMIT_NPROC before bwrap's user namespace
   exists, where it would count all of the caller's processes.
-* **Host side**: a wall-clock deadline that SIGKILLs the whole process group (bwrap's
-  `--die-with-parent` then takes the pid namespace down with it), output read in bounded chunks
+* **Host side**: a wall-clock deadline, then SIGKILL to the sandbox's pid 1 (bwrap's child, whose
+  host pid `--info-fd` tells us; the kernel then kills its whole pid namespace) and to the
+  process group, and the outer bwrap is reaped: killing only the outer bwrap would leave its
+  child to `--die-with-parent` and the host's init to reap. Output is read in bounded chunks
   (at most `max_output_bytes` kept per stream, the rest drained and dropped), stdin from a file.
 
-The fallback (`backend="subprocess"`) keeps only the rlimits, the timeout, a cleared environment
-and a temp cwd, and says so with a warning once per process.
+`backend="auto"` refuses to run without a working bwrap (a one-line `ConfigError`) unless the
+unsafe fallback is allowed (`allow_unsafe_fallback=True`, or `set_unsafe_fallback(True)` for the
+process, as a run does from `env.tools.sandbox.allow_unsafe_fallback`). The probe that decides
+it is retried before it fails. The fallback (`backend="subprocess"`) keeps only the rlimits, the
+timeout, a cleared environment and a temp cwd, and says so with a warning once per process.
 
 Outcomes: a wall-clock timeout and the CPU rlimit (SIGXCPU) are TIMEOUT; any other signal is
 KILLED (e.g. SIGKILL once the hard CPU limit is hit by code that ignores SIGXCPU, SIGSEGV, SIGABRT);
@@ -61,6 +70,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -76,6 +86,8 @@ _WORKDIR = "/tmp"  # the writable tmpfs: cwd and HOME of the sandboxed program
 _NOBODY = 65534  # the uid inside a user namespace (non-root callers)
 _ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime")
 _DRAIN_SECONDS = 0.2  # how long to keep reading pipes after the program exited or was killed
+PROBE_ATTEMPTS = 3  # test runs of bwrap before `auto` gives up on it (one failure may be transient)
+PROBE_BACKOFF_S = 0.5  # sleep before the 2nd probe; doubles for each further one
 
 
 @dataclass(frozen=True)
@@ -142,10 +154,12 @@ os.execv(cfg["python"], [cfg["python"], "-E", "-s", "-u", "main.py"])
 
 
 class Sandbox:
-    """Runs Python source under `limits`; `backend` is "auto" (bwrap if it works), "bwrap" or
-    "subprocess" (the unsandboxed fallback)."""
+    """Runs Python source under `limits`; `backend` is "auto" (bwrap if it works, else refuse
+    unless `allow_unsafe_fallback`), "bwrap" or "subprocess" (the unsandboxed fallback).
+    `allow_unsafe_fallback=None` uses the process's setting (`set_unsafe_fallback`)."""
 
-    def __init__(self, limits: SandboxLimits = SandboxLimits(), backend: str = "auto") -> None:
+    def __init__(self, limits: SandboxLimits = SandboxLimits(), backend: str = "auto",
+                 allow_unsafe_fallback: bool | None = None) -> None:
         if backend not in ("auto", "bwrap", "subprocess"):
             raise ValueError(f"backend must be auto, bwrap or subprocess, not {backend!r}")
         if not sys.executable:
@@ -154,8 +168,19 @@ class Sandbox:
         if backend == "bwrap" and shutil.which("bwrap") is None:
             raise RuntimeError("backend='bwrap' but bubblewrap is not installed (apt bubblewrap)")
         if backend == "auto":
-            problem = _bwrap_problem()
+            problem = bwrap_problem()
             backend = "subprocess" if problem else "bwrap"
+            if allow_unsafe_fallback is None:
+                allow_unsafe_fallback = _fallback_allowed
+            if problem and not allow_unsafe_fallback:
+                # imported here: tiller.config pulls in torch, which this module never needs
+                from tiller.config import ConfigError
+
+                raise ConfigError(
+                    f"cannot sandbox model-written code: {problem}; install bubblewrap "
+                    "(apt-get install bubblewrap) or set env.tools.sandbox.allow_unsafe_fallback"
+                    "=true to run it unsandboxed"
+                )
             if problem:
                 _warn_fallback(problem)
         elif backend == "subprocess":
@@ -191,6 +216,7 @@ class Sandbox:
     def _run(self, inbox: str, stdin_file: IO[bytes], bpf_file: IO[bytes]) -> SandboxResult:
         python = sys.executable
         ready_r, ready_w = os.pipe()
+        info_r, info_w = os.pipe()  # bwrap writes {"child-pid": N} here (bwrap backend only)
         cfg = {
             "rlimits": _rlimits(self.limits),
             "python": python,
@@ -201,13 +227,14 @@ class Sandbox:
         }
         pass_fds = [ready_w]
         if self.backend == "bwrap":
+            pass_fds.append(info_w)
             cfg["inbox"] = _INBOX
             if os.geteuid() == 0:
                 cfg["uid"] = (1 << 30) + secrets.randbelow(1 << 30)
             bpf_fd = bpf_file.fileno() if _seccomp_program() else None
             if bpf_fd is not None:
                 pass_fds.append(bpf_fd)
-            prefix = _bwrap_argv(self.limits, inbox, python, bpf_fd)
+            prefix = _bwrap_argv(self.limits, inbox, python, bpf_fd, info_w)
             env, cwd = {}, "/"
         else:
             cfg["parent_pid"] = os.getpid()
@@ -228,18 +255,22 @@ class Sandbox:
             )
         except OSError as e:
             os.close(ready_r)
+            os.close(info_r)
             return SandboxResult(
                 SandboxOutcome.SANDBOX_ERROR, None, "", f"could not start sandbox: {e}",
                 time.monotonic() - start, self.backend,
             )  # fmt: skip
         finally:
             os.close(ready_w)
+            os.close(info_w)
         try:
             out, err, truncated, started, timed_out = _supervise(
-                proc, ready_r, start + self.limits.wall_seconds, self.limits.max_output_bytes
+                proc, ready_r, info_r, start + self.limits.wall_seconds,
+                self.limits.max_output_bytes,
             )
         finally:
             os.close(ready_r)
+            os.close(info_r)
         wall = time.monotonic() - start
 
         rc = proc.returncode
@@ -260,15 +291,16 @@ class Sandbox:
 
 
 def _supervise(
-    proc: subprocess.Popen, ready_fd: int, deadline: float, max_bytes: int
+    proc: subprocess.Popen, ready_fd: int, info_fd: int, deadline: float, max_bytes: int
 ) -> tuple[bytearray, bytearray, bool, bool, bool]:
     """Pump stdout/stderr until the program exits or `deadline` passes, keeping at most
-    `max_bytes` of each, then kill the process group and reap. Returns
-    (stdout, stderr, truncated, started, timed_out)."""
+    `max_bytes` of each, then kill the sandbox (bwrap's child, then the process group) and
+    reap. Returns (stdout, stderr, truncated, started, timed_out)."""
     bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    info = bytearray()
     state = {"truncated": False, "started": False}
     sel = selectors.DefaultSelector()
-    for fd in (*bufs, ready_fd):
+    for fd in (*bufs, ready_fd, info_fd):
         sel.register(fd, selectors.EVENT_READ)
 
     def streams_open() -> bool:
@@ -281,6 +313,8 @@ def _supervise(
                 sel.unregister(key.fd)
             elif key.fd == ready_fd:
                 state["started"] = True
+            elif key.fd == info_fd:
+                info.extend(chunk[: 4096 - len(info)])  # a few bytes of JSON from bwrap itself
             else:
                 buf = bufs[key.fd]
                 room = max(max_bytes - len(buf), 0)
@@ -302,8 +336,14 @@ def _supervise(
         while not exited() and time.monotonic() < deadline:
             time.sleep(0.002)
         timed_out = not exited()
+        if info_fd in sel.get_map():
+            pump(0)  # bwrap writes the child's pid right after it starts it
+        if _kill_bwrap_child(bytes(info), proc.pid):
+            # bwrap reaps its child and exits by itself; killing it first would orphan the child
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(_DRAIN_SECONDS)
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # stragglers too; bwrap's pid 1 dies with it
+            os.killpg(proc.pid, signal.SIGKILL)  # the outer bwrap (and the fallback's program)
         proc.wait()
         drain_until = time.monotonic() + _DRAIN_SECONDS  # last words of a killed program
         while streams_open() and time.monotonic() < drain_until:
@@ -316,6 +356,32 @@ def _supervise(
         proc.stderr.close()
     out, err = bufs.values()
     return out, err, state["truncated"], state["started"], timed_out
+
+
+def _kill_bwrap_child(info: bytes, bwrap_pid: int) -> bool:
+    """SIGKILL bwrap's child, the sandbox's pid 1 (the kernel then kills everything in its pid
+    namespace), so the outer bwrap reaps it and exits: nothing is left for the host's init.
+    The pid comes from `--info-fd`; a pidfd whose parent is still our bwrap cannot be a
+    recycled pid. Returns whether it was signalled."""
+    if not info:
+        return False  # the fallback, or bwrap failed before starting a child
+    pid = json.loads(info.decode())["child-pid"]
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False  # gone and reaped by bwrap already
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        parent = next(int(ln.split()[1]) for ln in status.splitlines()
+                      if ln.startswith("PPid:"))
+        if parent != bwrap_pid:
+            return False
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        return True
+    except (FileNotFoundError, ProcessLookupError):
+        return False  # exited meanwhile: nothing to kill
+    finally:
+        os.close(pidfd)
 
 
 def _rlimits(limits: SandboxLimits) -> dict[str, tuple[int, int]]:
@@ -383,9 +449,11 @@ def _under(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
-def _bwrap_argv(limits: SandboxLimits, inbox: str, python: str, bpf_fd: int | None) -> list[str]:
+def _bwrap_argv(limits: SandboxLimits, inbox: str, python: str, bpf_fd: int | None,
+                info_fd: int) -> list[str]:
     bwrap = shutil.which("bwrap") or "bwrap"  # a full path: bwrap itself runs with an empty env
     argv = [bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net"]
+    argv += ["--info-fd", str(info_fd)]
     argv += ["--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]
     if os.geteuid() == 0:  # privileged bwrap; the launcher drops to a random uid
         argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
@@ -422,21 +490,23 @@ def _bwrap_argv(limits: SandboxLimits, inbox: str, python: str, bpf_fd: int | No
 # Classic BPF for seccomp: (code, jump-if-true, jump-if-false, k).
 _LD_W_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
 _ALLOW, _ERRNO = 0x7FFF0000, 0x00050000
-# audit arch, then syscall numbers of unshare, setns, clone3, clone
+# audit arch; syscalls denied outright (namespaces: unshare, setns; memory outside the address
+# space: shmget, msgget, semget, memfd_create, memfd_secret); then clone3 and clone
 _SYSCALLS = {
-    "x86_64": (0xC000003E, 272, 308, 435, 56),
-    "aarch64": (0xC00000B7, 97, 268, 435, 220),
+    "x86_64": (0xC000003E, (272, 308, 29, 68, 64, 319, 447), 435, 56),
+    "aarch64": (0xC00000B7, (97, 268, 194, 186, 190, 279, 447), 435, 220),
 }
 
 
 @cache
 def _seccomp_program() -> bytes | None:
-    """Deny creating or entering namespaces; None (and a warning) on other architectures."""
+    """Deny creating or entering namespaces and memory that RLIMIT_AS does not count; None (and
+    a warning) on other architectures."""
     if platform.machine() not in _SYSCALLS:
-        logger.warning("tiller.tools.sandbox: no seccomp filter for %s; nested user namespaces "
-                       "are not blocked", platform.machine())  # fmt: skip
+        logger.warning("tiller.tools.sandbox: no seccomp filter for %s; nested user namespaces, "
+                       "SysV IPC and memfds are not blocked", platform.machine())  # fmt: skip
         return None
-    arch, unshare, setns, clone3, clone = _SYSCALLS[platform.machine()]
+    arch, denied, clone3, clone = _SYSCALLS[platform.machine()]
     eperm, enosys = _ERRNO | 1, _ERRNO | 38
     prog = [
         (_LD_W_ABS, 0, 0, 4),  # seccomp_data.arch
@@ -445,10 +515,10 @@ def _seccomp_program() -> bytes | None:
         (_LD_W_ABS, 0, 0, 0),  # seccomp_data.nr
         (_JGE, 0, 1, 0x40000000),
         (_RET, 0, 0, eperm),  # x32 syscalls
-        (_JEQ, 0, 1, unshare),
-        (_RET, 0, 0, eperm),
-        (_JEQ, 0, 1, setns),
-        (_RET, 0, 0, eperm),
+    ]
+    for nr in denied:
+        prog += [(_JEQ, 0, 1, nr), (_RET, 0, 0, eperm)]
+    prog += [
         (_JEQ, 0, 1, clone3),
         (_RET, 0, 0, enosys),  # its flags live in memory we cannot inspect; libc falls back
         (_JEQ, 1, 0, clone),
@@ -461,16 +531,57 @@ def _seccomp_program() -> bytes | None:
     return b"".join(struct.pack("=HBBI", *insn) for insn in prog)
 
 
-@cache
-def _bwrap_problem() -> str | None:
-    """Why the bwrap backend cannot be used here (None if it can), checked once per process by
-    running a trivial program: bwrap may be installed yet unusable (no user namespaces, too old)."""
+@dataclass
+class _Probe:
+    done: bool = False
+    problem: str | None = None
+    failures: int = 0  # failed test runs of bwrap in this process, each one logged
+
+
+_probe = _Probe()
+_probe_lock = threading.Lock()
+_fallback_allowed = False
+
+
+def set_unsafe_fallback(allowed: bool) -> None:
+    """Whether `backend="auto"` may run code unsandboxed when bwrap does not work, for every
+    `Sandbox` of this process that does not say (a run sets it from its config)."""
+    global _fallback_allowed
+    _fallback_allowed = allowed
+
+
+def probe_failures() -> int:
+    """How many test runs of bwrap failed in this process (each was also logged)."""
+    return _probe.failures
+
+
+def bwrap_problem() -> str | None:
+    """Why the bwrap backend cannot be used here (None if it can), decided once per process by
+    running a trivial program: bwrap may be installed yet unusable (no user namespaces, too old).
+    A failed run may be transient (a fork under memory pressure), so it is retried up to
+    `PROBE_ATTEMPTS` times with backoff, each failure counted and logged; the last verdict holds
+    for the process."""
+    with _probe_lock:
+        if not _probe.done:
+            _probe.problem = _probe_bwrap()
+            _probe.done = True
+        return _probe.problem
+
+
+def _probe_bwrap() -> str | None:
     if shutil.which("bwrap") is None:
         return "bubblewrap (bwrap) is not installed"
-    result = Sandbox(backend="bwrap").run_python("print('ok')")
-    if result.ok and result.stdout == "ok\n":
-        return None
-    return f"bwrap is installed but failed a test run: {result.stderr[-500:]!r}"
+    for attempt in range(1, PROBE_ATTEMPTS + 1):
+        result = Sandbox(backend="bwrap").run_python("print('ok')")
+        if result.ok and result.stdout == "ok\n":
+            return None
+        _probe.failures += 1
+        why = " ".join(result.stderr.split())[-300:] or "no output"
+        problem = f"bwrap failed a test run ({result.outcome.value}: {why})"
+        logger.warning("tiller sandbox: probe %d/%d: %s", attempt, PROBE_ATTEMPTS, problem)
+        if attempt < PROBE_ATTEMPTS:
+            time.sleep(PROBE_BACKOFF_S * 2 ** (attempt - 1))
+    return f"{problem}, {PROBE_ATTEMPTS} times"
 
 
 _warned_fallback = False

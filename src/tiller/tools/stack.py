@@ -1,10 +1,11 @@
-"""The tool stack of a run: fault injection -> executor -> record/replay, per episode.
+"""The tool stack of a run: fault injection -> executor -> record/replay.
 
 Each episode's environment hands its own `ToolRegistry` to `ToolStack.wrapper(key)`, which
-wraps it (inside out) with the fault injector, a `ToolExecutor` and the replay store, so that
-stateful tools (a per-episode database) work as well as shared ones. The stack keeps the
-executors it made and merges their counters into per-tool metrics (`env_error_rate/<tool>`)
-and, before training, into the reliability gate's report.
+wraps it (inside out) with the fault injector, the run's one `ToolExecutor` (`bind`) and the
+replay store, so that stateful tools (a per-episode database) work as well as shared ones,
+while the executor's concurrency limits, cache and counters span every episode of the run.
+Its counters become per-tool metrics (`env_error_rate/<tool>`) and, before training, the
+reliability gate's report.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tiller.tools.executor import ExecutorConfig, Invoke, ProbeReport, ToolCounters, ToolExecutor
+from tiller.tools.executor import ExecutorConfig, Invoke, ProbeReport, ToolExecutor
 from tiller.tools.faults import FaultConfig, FaultInjector
 from tiller.tools.registry import ToolCall, ToolOutcome, ToolRegistry, ToolResult
 from tiller.tools.replay import ReplayStore
@@ -35,12 +36,21 @@ class GateConfig(BaseModel):
     override: bool = Field(False, description="train anyway below the threshold (logged)")
 
 
+class SandboxConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    allow_unsafe_fallback: bool = Field(
+        False, description="let envs that run model-written code (code env, unit-test "
+        "verifiers) run it UNSANDBOXED when bubblewrap does not work; otherwise they refuse")
+
+
 class ToolsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     executor: ExecutorConfig = ExecutorConfig()
     faults: FaultConfig | None = None
     replay: ReplayConfig | None = None
     gate: GateConfig = GateConfig()
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig,
+                                   description="running model-written code")
 
 
 class ToolStack:
@@ -50,9 +60,9 @@ class ToolStack:
         self.store = None
         if cfg.replay is not None:
             path = Path(cfg.replay.path)
-            self.store = ReplayStore(path if path.is_absolute() else run_dir / path,
-                                     cfg.replay.mode)
-        self.executors: list[ToolExecutor] = []
+            self.store = ReplayStore(_replay_path(path if path.is_absolute() else run_dir / path,
+                                                  cfg.replay.mode), cfg.replay.mode)
+        self.executor = ToolExecutor(config=cfg.executor)
         self.first_error: dict[str, str] = {}
 
     def wrapper(self, key: str) -> Callable[[ToolRegistry], Invoke]:
@@ -61,11 +71,9 @@ class ToolStack:
 
         def wrap(registry: ToolRegistry) -> Invoke:
             target = registry if self.injector is None else self.injector.wrap(registry, key)
-            executor = ToolExecutor(target, self.cfg.executor)
-            self.executors.append(executor)
-            invoke = executor.invoke
+            invoke = self.executor.bind(target)
             if self.store is not None:  # (an empty store is falsy: it has a __len__)
-                invoke = self.store.wrap(executor.invoke, key)
+                invoke = self.store.wrap(invoke, key)
 
             async def noted(call: ToolCall) -> ToolResult:
                 result = await invoke(call)
@@ -78,32 +86,23 @@ class ToolStack:
 
         return wrap
 
-    def counters(self) -> dict[str, ToolCounters]:
-        merged: dict[str, ToolCounters] = {}
-        for ex in self.executors:
-            for name, c in ex.counters.items():
-                m = merged.setdefault(name, ToolCounters())
-                for f in m.__dataclass_fields__:
-                    setattr(m, f, getattr(m, f) + getattr(c, f))
-        return merged
-
     def stats(self, reset: bool = True) -> dict[str, float]:
         """Per-tool rates and counts over the episodes since the last reset."""
         out: dict[str, float] = {}
-        for name, c in self.counters().items():
+        for name, c in self.executor.counters.items():
             out[f"tool_calls/{name}"] = float(c.calls)
             for outcome in ToolOutcome:
                 out[f"{outcome.value}_rate/{name}"] = getattr(c, outcome.value) / max(c.calls, 1)
-            for f in ("retries", "timeouts", "cache_hits"):
+            for f in ("retries", "timeouts", "cache_hits", "peak_concurrency"):
                 out[f"tool_{f}/{name}"] = float(getattr(c, f))
         if reset:
-            self.executors.clear()
+            self.executor.reset()
         return out
 
     def probe_report(self) -> ProbeReport:
         """The gate's view of the episodes so far: every scripted call should succeed."""
         report = ProbeReport(self.cfg.gate.threshold)
-        for name, c in self.counters().items():
+        for name, c in self.executor.counters.items():
             report.total[name] = c.calls
             report.ok[name] = c.ok
             if name in self.first_error:
@@ -113,3 +112,18 @@ class ToolStack:
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
+
+
+def _replay_path(path: Path, mode: str) -> Path:
+    """The replay file, checked before any work: SQLite would fail on a missing folder with a
+    traceback, and would quietly create an empty file to replay (every call a miss)."""
+    from tiller.config import ConfigError  # not at the top: tiller.config imports this module
+
+    where = "config field env.tools.replay.path"
+    if not path.parent.is_dir():
+        raise ConfigError(f"{where}: got {str(path)!r}; the folder {str(path.parent)!r} does "
+                          "not exist (create it, or use a path relative to the run folder)")
+    if mode == "replay" and not path.is_file():
+        raise ConfigError(f"{where}: got {str(path)!r}; mode 'replay' needs a recorded file "
+                          "(record one with mode 'record')")
+    return path
