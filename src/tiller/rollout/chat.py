@@ -9,7 +9,6 @@ turns into an error observation for the model.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 
 from tiller.tools.registry import ToolCall
@@ -63,11 +62,6 @@ CHAT_TEMPLATE = r"""
 {%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}
 """
 
-_TOOL_CALL_RE = re.compile(
-    re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL
-)
-
-
 @dataclass(frozen=True)
 class ParsedTurn:
     """An assistant turn split into free text, well-formed tool calls and parse errors."""
@@ -77,35 +71,58 @@ class ParsedTurn:
     parse_errors: list[str] = field(default_factory=list)
 
 
-def _parse_one(body: str) -> ToolCall | str:
+def _loads(text: str) -> tuple[object, str | None]:
+    """json.loads that reports instead of raising: also on deep nesting (RecursionError) and
+    on integers longer than Python's 4300-digit conversion limit (ValueError)."""
     try:
-        obj = json.loads(body)
+        return json.loads(text), None
     except json.JSONDecodeError as e:
-        return f"tool call is not valid JSON ({e.msg} at char {e.pos}): {body.strip()[:200]}"
+        return None, f"{e.msg} at char {e.pos}"
+    except (ValueError, RecursionError) as e:
+        return None, f"{type(e).__name__}: {str(e)[:100]}"
+
+
+def _parse_one(body: str) -> ToolCall | str:
+    obj, error = _loads(body)
+    if error is not None:
+        return f"tool call is not valid JSON ({error}): {body.strip()[:200]}"
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return f'tool call must be an object with a string "name": {body.strip()[:200]}'
     args = obj.get("arguments", {})
     if isinstance(args, str):  # some models emit the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return f"arguments of {obj['name']!r} are a string that is not JSON: {args[:200]}"
+        args, error = _loads(args)
+        if error is not None:
+            return f"arguments of {obj['name']!r} are a string that is not JSON: {error}"
     return ToolCall(name=obj["name"], arguments=args)
 
 
 def parse_tool_calls(text: str) -> ParsedTurn:
-    """Parse a generated assistant turn (the eos marker, if present, is ignored)."""
+    """Parse a generated assistant turn (the eos marker, if present, is ignored).
+
+    Never raises, on any string. Each `<tool_call>` is closed by the first `</tool_call>`
+    after it; the scan uses `str.find`, so it is linear in the text (a lazy regex retried
+    from every unclosed tag is quadratic).
+    """
     text = text.split(IM_END, 1)[0]
     calls: list[ToolCall] = []
     errors: list[str] = []
-    for match in _TOOL_CALL_RE.finditer(text):
-        parsed = _parse_one(match.group(1))
+    rest: list[str] = []  # the text outside well-delimited calls
+    pos = 0
+    while (start := text.find(TOOL_CALL_OPEN, pos)) >= 0:
+        end = text.find(TOOL_CALL_CLOSE, start + len(TOOL_CALL_OPEN))
+        if end < 0:
+            break
+        rest.append(text[pos:start])
+        parsed = _parse_one(text[start + len(TOOL_CALL_OPEN):end])
         (calls if isinstance(parsed, ToolCall) else errors).append(parsed)
-    rest = _TOOL_CALL_RE.sub("", text)
-    if TOOL_CALL_OPEN in rest or TOOL_CALL_CLOSE in rest:
+        pos = end + len(TOOL_CALL_CLOSE)
+    rest.append(text[pos:])
+    content = "".join(rest)
+    if TOOL_CALL_OPEN in content or TOOL_CALL_CLOSE in content:
         errors.append("unbalanced <tool_call> tags: every <tool_call> needs a </tool_call>")
-        rest = rest.replace(TOOL_CALL_OPEN, "").replace(TOOL_CALL_CLOSE, "")
-    return ParsedTurn(content=rest.strip(), tool_calls=calls, parse_errors=errors)
+        while TOOL_CALL_OPEN in content or TOOL_CALL_CLOSE in content:  # "<tool_<tool_call>call>"
+            content = content.replace(TOOL_CALL_OPEN, "").replace(TOOL_CALL_CLOSE, "")
+    return ParsedTurn(content=content.strip(), tool_calls=calls, parse_errors=errors)
 
 
 def tool_calls_as_messages(calls: list[ToolCall]) -> list[dict]:
