@@ -35,10 +35,12 @@ from tiller.rollout.agent_loop import (
     EngineActor,
     EpisodeLimits,
     ExpertActor,
+    check_rollout_setup,
     derive_seed,
     load_episode_fn,
     run_episode,
 )
+from tiller.rollout.chat import stop_token_ids
 from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.rollout.trajectory import Status, Trajectory
 from tiller.tools.executor import ToolReliabilityError
@@ -107,6 +109,7 @@ class Run:
         self.tokenizer = load_tokenizer(model_path)
         dtype = getattr(torch, cfg.model.dtype)
         self.model = load_model(model_path, dtype)
+        check_rollout_setup(self.tokenizer, self.model.config, self.limits)
         self.timings["build_s"] = time.perf_counter() - t
         self.trainer = Trainer(self.model, temperature=cfg.sampling.temperature or 1.0)
         # The engine holds its own copy of the weights and only learns new ones by update.
@@ -133,7 +136,8 @@ class Run:
         s = self.cfg.sampling
         return SamplingParams(temperature=temperature, top_p=s.top_p, top_k=s.top_k,
                               max_new_tokens=s.max_new_tokens,
-                              stop_token_ids=(self.tokenizer.eos_token_id,))
+                              stop_token_ids=stop_token_ids(self.tokenizer,
+                                                            self.model.generation_config))
 
     def push_weights(self) -> None:
         self.engine.update_weights(self.trainer.weight_update())

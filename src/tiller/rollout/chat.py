@@ -4,13 +4,22 @@ Tool calls are `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` inside
 turn; tool results come back as `<tool_response>...</tool_response>` in a user turn. The parser
 never raises: every malformed call becomes a message in `parse_errors`, which the environment
 turns into an error observation for the model.
+
+`ChatFormat` is what the agent loop needs from a tokenizer's chat template, for any model
+family: the first prompt's ids, the ids of the observation after a generated turn (the
+"bridge"), the parse of a generated turn, and the template's end-of-turn token.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
+from jinja2 import TemplateError
+from transformers import GenerationConfig, PreTrainedTokenizerBase
+
+from tiller.config import ConfigError
 from tiller.tools.registry import ToolCall
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -129,3 +138,95 @@ def tool_calls_as_messages(calls: list[ToolCall]) -> list[dict]:
     """Tool calls in the OpenAI/HF message shape the chat template renders."""
     return [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             for c in calls]
+
+
+def assistant_message(turn: ParsedTurn) -> dict[str, Any]:
+    """A parsed assistant turn as the message the chat template renders."""
+    msg: dict[str, Any] = {"role": "assistant", "content": turn.content}
+    if turn.tool_calls:
+        msg["tool_calls"] = tool_calls_as_messages(turn.tool_calls)
+    return msg
+
+
+_PROBE = "tiller-end-of-turn-probe"
+
+
+def end_of_turn_token(tokenizer: PreTrainedTokenizerBase) -> str:
+    """The token the chat template closes an assistant turn with (`<|im_end|>`, `<|eot_id|>`,
+    `<end_of_turn>`, ...): the first token the template renders after an assistant message's
+    content. It must be one added (atomic) token, or the model has no way to say "my turn is
+    over"; ConfigError (one line) otherwise."""
+    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}]
+    try:
+        text = tokenizer.apply_chat_template(probe, tokenize=False)
+    except (TemplateError, ValueError, TypeError) as e:
+        raise ConfigError(f"the tokenizer's chat template cannot render a user/assistant "
+                          f"exchange ({type(e).__name__}: {e}); use a chat model's template") from e
+    after = text.split(_PROBE, 1)[1] if _PROBE in text else ""
+    ids = tokenizer.encode(after, add_special_tokens=False)
+    if not ids or ids[0] not in tokenizer.added_tokens_decoder:
+        raise ConfigError(f"cannot determine the chat template's end-of-turn token: after an "
+                          f"assistant message it renders {after[:40]!r}, not a special token; "
+                          "use a model whose chat template ends each turn with one")
+    return tokenizer.convert_ids_to_tokens(ids[0])
+
+
+def stop_token_ids(
+    tokenizer: PreTrainedTokenizerBase, generation_config: GenerationConfig | None = None
+) -> tuple[int, ...]:
+    """What ends a generated turn: the chat template's end-of-turn token, then every id of the
+    model's `generation_config.eos_token_id` (an int or a list). The tokenizer's `eos_token` is
+    not assumed to end a turn: for many models it ends the whole document instead."""
+    ids = [tokenizer.convert_tokens_to_ids(end_of_turn_token(tokenizer))]
+    eos = getattr(generation_config, "eos_token_id", None)
+    ids += [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return tuple(dict.fromkeys(ids))  # unique, in order
+
+
+class ChatFormat:
+    """A tokenizer's chat template as the agent loop uses it, for one episode's tool schemas.
+
+    The prompt is rendered once; after that only new ids are appended: the engine's ids for a
+    generated turn, and for an observation the text the template adds after the generated
+    end-of-turn token, tokenized on its own:
+
+        obs = render(messages + new, generation_prompt)[len(before):]
+        before = render(messages) cut after its last end-of-turn token
+
+    which is exact for any template that is prefix-stable across turns (checked per turn).
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, tools: list[dict] | None = None):
+        self.tokenizer, self.tools = tokenizer, tools
+        self.end_of_turn = end_of_turn_token(tokenizer)
+        self.end_of_turn_id: int = tokenizer.convert_tokens_to_ids(self.end_of_turn)
+
+    def render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False
+        )
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The first prompt: every opening message, then the assistant's generation prompt."""
+        return self.tokenizer.encode(self.render(messages, True), add_special_tokens=False)
+
+    def parse(self, ids: list[int]) -> ParsedTurn:
+        """A generated turn's ids, decoded only to find its tool calls."""
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        return parse_tool_calls(text.split(self.end_of_turn, 1)[0])
+
+    def observation_ids(self, messages: list[dict], new: list[dict]) -> list[int]:
+        """The ids the template adds for `new` messages (and the next generation prompt) after
+        the assistant turn that ends `messages`. ValueError if the template is not
+        prefix-stable, i.e. rendering more messages changes what it rendered before."""
+        before = self.render(messages, False)
+        cut = before.rfind(self.end_of_turn)
+        if cut < 0:
+            raise ValueError(f"the chat template rendered no {self.end_of_turn!r} after the "
+                             "assistant turn")
+        before = before[: cut + len(self.end_of_turn)]
+        after = self.render([*messages, *new], True)
+        if not after.startswith(before):
+            raise ValueError("the chat template is not prefix-stable across turns: rendering "
+                             "the next messages changes the text of earlier ones")
+        return self.tokenizer.encode(after[len(before):], add_special_tokens=False)
