@@ -122,8 +122,8 @@ _PIECES = st.sampled_from([
     "\x00", "\n",
 ])
 _TEXT = st.one_of(
-    st.text(),  # any code points, lone surrogates included
-    st.lists(st.one_of(_PIECES, st.text(max_size=5)), max_size=20).map("".join),
+    st.text(max_size=40),  # any code points, lone surrogates included
+    st.lists(_PIECES | st.text(max_size=3), max_size=12).map("".join),
     st.builds(lambda open_, body, n, close: open_ + body * n + close,  # nesting, huge inputs
               st.sampled_from([TOOL_CALL_OPEN, "", "x"]), _PIECES | st.text(max_size=3),
               st.integers(0, 5000), st.sampled_from([TOOL_CALL_CLOSE, "", "<|im_end|>"])),

@@ -1,6 +1,7 @@
 """The TrajectoryBuilder, and the ~20-line custom loop of the docs against tiller's own loop."""
 
 import asyncio
+from pathlib import Path
 
 import pytest
 from custom_loop import run_episode as custom_episode
@@ -70,3 +71,11 @@ def test_custom_loop_writes_the_default_loops_tokens_for_the_engine(model, token
         assert (a.token_ids, a.loss_mask, a.turn_spans) == (b.token_ids, b.loss_mask, b.turn_spans)
         # which episodes share an engine batch moves logprobs by float noise only
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/architecture.md"])
+def test_the_docs_show_exactly_the_tested_loop(doc):
+    text = Path(doc).read_text()
+    shown = text[text.index("```python\nasync def run_episode") + len("```python\n"):]
+    shown = shown[: shown.index("```")]
+    assert shown in Path("tests/custom_loop.py").read_text() and shown.count("\n") >= 20

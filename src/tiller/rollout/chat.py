@@ -152,8 +152,8 @@ _PROBE = "tiller-end-of-turn-probe"
 
 
 def end_of_turn_token(tokenizer: PreTrainedTokenizerBase) -> str:
-    """The token the chat template closes an assistant turn with (`<|im_end|>`, `<|eot_id|>`,
-    `<end_of_turn>`, ...): the first token the template renders after an assistant message's
+    """The token the chat template closes an assistant turn with (`<|im_end|>` for the
+    Hermes/Qwen template): the first token the template renders after an assistant message's
     content. It must be one added (atomic) token, or the model has no way to say "my turn is
     over"; ConfigError (one line) otherwise."""
     probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}]
