@@ -3,6 +3,7 @@
 import asyncio
 
 from tiller.envs import ENVS
+from tiller.envs.verifiers import Reward
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits, ExpertActor, run_episode
 from tiller.rollout.engine import EmbeddedEngine, Generation, SamplingParams
 from tiller.rollout.trajectory import Status
@@ -141,3 +142,96 @@ def test_expert_with_guesses_sometimes_skips_the_tool(tokenizer, limits):
     no_tool = sum(t.tool_calls == 0 for t in trajs)
     assert 10 <= no_tool <= 30
     assert all(t.reward.value == 1.0 for t in trajs if t.tool_calls)
+
+
+class FailingCalc(Calc):
+    """The calculator env with one part broken, and a record of whether close ran."""
+
+    def __init__(self, broken: str = "", verify_env_error: bool = False):
+        super().__init__()
+        self.broken, self.verify_env_error, self.closed = broken, verify_env_error, 0
+
+    async def reset(self, task, seed):
+        if self.broken == "reset":
+            raise ConnectionError("sandbox did not start")
+        return await super().reset(task, seed)
+
+    async def step(self, action):
+        if self.broken == "step":
+            raise OSError("tool server gone")
+        return await super().step(action)
+
+    async def verify(self, final):
+        reward = await super().verify(final)
+        if self.verify_env_error:  # what the code env answers when its sandbox fails
+            return Reward(0.0, {"tests": 0.0}, env_error=True)
+        return reward
+
+    async def close(self):
+        self.closed += 1
+        if self.broken == "close":
+            raise OSError("temp dir busy")
+
+
+def run_with(env, actor, tokenizer, limits, task):
+    return asyncio.run(run_episode(env, task, actor, tokenizer, seed=0, limits=limits))
+
+
+def test_env_error_reported_by_the_verifier_is_an_env_error_episode(tokenizer, limits):
+    task = two_step_task()
+    env = FailingCalc(verify_env_error=True)
+    traj = run_with(env, ExpertActor(Calc, task, tokenizer), tokenizer, limits, task)
+    assert traj.status is Status.ENV_ERROR and traj.reward.env_error
+    assert traj.env_errors == 1 and traj.reward.value == 0.0
+    assert traj.info["error"] == "env.verify: the verifier reported env_error"
+    assert traj.num_turns == 3 and env.closed == 1  # the episode itself ran to the end
+
+
+def test_a_failing_reset_is_an_env_error_episode_and_close_still_runs(tokenizer, limits):
+    task = two_step_task()
+    env = FailingCalc("reset")
+    traj = run_with(env, ExpertActor(Calc, task, tokenizer), tokenizer, limits, task)
+    assert traj.status is Status.ENV_ERROR and traj.env_errors == 1
+    assert traj.info["error"] == "env.reset: ConnectionError: sandbox did not start"
+    assert traj.token_ids == () and traj.num_turns == 0 and env.closed == 1
+
+
+def test_a_failing_step_still_closes_the_env(tokenizer, limits):
+    task = two_step_task()
+    env = FailingCalc("step")
+    traj = run_with(env, ExpertActor(Calc, task, tokenizer), tokenizer, limits, task)
+    assert traj.status is Status.ENV_ERROR and traj.num_turns == 1 and env.closed == 1
+    assert traj.info["error"] == "env.step: OSError: tool server gone"
+
+
+def test_a_failing_close_is_logged_and_recorded_not_swallowed(tokenizer, limits, caplog):
+    task = two_step_task()
+    env = FailingCalc("close")
+    with caplog.at_level("WARNING", logger="tiller.rollout.agent_loop"):
+        traj = run_with(env, ExpertActor(Calc, task, tokenizer), tokenizer, limits, task)
+    # the episode's data is sound: it keeps its status and reward
+    assert traj.status is Status.COMPLETED and traj.reward.value == 1.0
+    assert traj.info == {"close_error": "env.close: OSError: temp dir busy"}
+    assert "env.close: OSError: temp dir busy" in caplog.text and env.closed == 1
+
+
+class Broken:
+    """An engine that fails on its second call."""
+
+    def __init__(self, tokenizer, task):
+        self.expert, self.calls = ExpertActor(Calc, task, tokenizer), 0
+
+    async def act(self, prompt_ids, messages, seed):
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("CUDA error: device-side assert")
+        return await self.expert.act(prompt_ids, messages, seed)
+
+
+def test_an_engine_failure_aborts_the_episode_with_the_error_recorded(tokenizer, limits):
+    task = two_step_task()
+    env = FailingCalc()
+    traj = run_with(env, Broken(tokenizer, task), tokenizer, limits, task)
+    assert traj.status is Status.ABORTED and traj.num_turns == 1 and env.closed == 1
+    assert traj.info["error"] == "engine: RuntimeError: CUDA error: device-side assert"
+    assert all(m["role"] != "error" for m in traj.messages)  # messages stay renderable

@@ -1,4 +1,15 @@
-from tiller.rollout.chat import CHAT_TEMPLATE, parse_tool_calls
+import time
+
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from tiller.rollout.chat import (
+    CHAT_TEMPLATE,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    ParsedTurn,
+    parse_tool_calls,
+)
 from tiller.tools.registry import ToolCall
 
 
@@ -83,3 +94,57 @@ def test_plain_answer_has_no_calls():
     turn = parse_tool_calls("The answer is 42.")
     assert turn.tool_calls == [] and turn.parse_errors == []
     assert turn.content == "The answer is 42."
+
+
+def test_deep_nesting_and_huge_numbers_are_parse_errors_not_exceptions():
+    # json.loads raises RecursionError on deep nesting and ValueError on a >4300-digit int
+    for body in ["[" * 3000, "[" * 3000 + "]" * 3000, '{"a": ' * 3000, "1" * 5000,
+                 '{"name": "a", "arguments": "' + "[" * 3000 + '"}']:
+        turn = parse_tool_calls(TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE)
+        assert turn.tool_calls == [] and len(turn.parse_errors) == 1, body[:20]
+        assert turn.parse_errors[0].startswith(("tool call is not valid JSON", "arguments of"))
+
+
+def test_many_unclosed_tags_parse_in_linear_time():
+    start = time.perf_counter()
+    turn = parse_tool_calls(TOOL_CALL_OPEN * 200_000)
+    assert time.perf_counter() - start < 2.0  # a regex scan from every tag is quadratic
+    assert turn.parse_errors == ["unbalanced <tool_call> tags: every <tool_call> needs a "
+                                 "</tool_call>"]
+    assert turn.content == ""
+
+
+# Pieces the parser reacts to, so random text hits its branches rather than only plain text.
+_PIECES = st.sampled_from([
+    TOOL_CALL_OPEN, TOOL_CALL_CLOSE, "<tool_", "call>", "</tool_", "<|im_end|>", "{", "}", "[",
+    "]", '"', ":", ",", "\\", '"name"', '"arguments"', '"calculate"', "null", "1e999", "-0",
+    "\\ud800", "\ud800", '{"name": "a", "arguments": ', '{"name": "a", "arguments": "{',
+    "\x00", "\n",
+])
+_TEXT = st.one_of(
+    st.text(max_size=40),  # any code points, lone surrogates included
+    st.lists(_PIECES | st.text(max_size=3), max_size=12).map("".join),
+    st.builds(lambda open_, body, n, close: open_ + body * n + close,  # nesting, huge inputs
+              st.sampled_from([TOOL_CALL_OPEN, "", "x"]), _PIECES | st.text(max_size=3),
+              st.integers(0, 5000), st.sampled_from([TOOL_CALL_CLOSE, "", "<|im_end|>"])),
+)
+_fuzzed = []
+
+
+@settings(max_examples=10_000, derandomize=True, deadline=None, database=None,
+          phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck))
+@given(_TEXT)
+def _parse_never_raises(text):
+    _fuzzed.append(1)
+    turn = parse_tool_calls(text)
+    assert isinstance(turn, ParsedTurn)
+    assert all(isinstance(c, ToolCall) and isinstance(c.name, str) for c in turn.tool_calls)
+    assert all(isinstance(e, str) for e in turn.parse_errors)
+    assert TOOL_CALL_OPEN not in turn.content and TOOL_CALL_CLOSE not in turn.content
+    if TOOL_CALL_OPEN not in text and TOOL_CALL_CLOSE not in text:
+        assert turn == ParsedTurn(text.split("<|im_end|>", 1)[0].strip())
+
+
+def test_parser_never_raises_on_10k_fuzzed_inputs():
+    _parse_never_raises()
+    assert len(_fuzzed) >= 10_000

@@ -85,3 +85,37 @@ def test_top_p_keeps_only_the_nucleus(model):
     assert all(g.token_ids == greedy.token_ids for g in tiny)
     wide = gather(engine, PROMPTS[:1] * 3, SamplingParams(top_p=1.0, max_new_tokens=8), [1, 2, 3])
     assert len({tuple(g.token_ids) for g in wide}) > 1  # without truncation, seeds differ
+
+
+def test_a_cancelled_request_does_not_hang_the_rest_of_its_batch(model):
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12)
+
+    async def go():
+        tasks = [asyncio.create_task(engine.generate(p, params, s))
+                 for p, s in zip(PROMPTS, [1, 2, 3], strict=True)]
+        while engine._pending or engine._worker is None:  # until the batch is in the worker
+            await asyncio.sleep(0)
+        tasks[1].cancel()
+        return await asyncio.wait_for(asyncio.gather(tasks[0], tasks[2]), timeout=20)
+
+    first, third = asyncio.run(go())
+    alone = gather(engine, [PROMPTS[0], PROMPTS[2]], params, [1, 3])
+    assert [first.token_ids, third.token_ids] == [g.token_ids for g in alone]
+    assert engine.cancelled == 1
+
+
+def test_a_request_cancelled_before_its_batch_is_skipped(model):
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=4)
+
+    async def go():
+        tasks = [asyncio.create_task(engine.generate(p, params, s))
+                 for p, s in zip(PROMPTS, [1, 2, 3], strict=True)]
+        await asyncio.sleep(0)  # every request is pending, no batch has started
+        tasks[0].cancel()
+        return await asyncio.wait_for(asyncio.gather(tasks[1], tasks[2]), timeout=20)
+
+    outs = asyncio.run(go())
+    assert all(len(g.token_ids) == 4 for g in outs)
+    assert engine.cancelled == 1

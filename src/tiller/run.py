@@ -21,7 +21,13 @@ from tiller.envs import ENVS, Env, Task, ToolEnv
 from tiller.errors import RunError
 from tiller.models import build_env_model, load_model, load_tokenizer, resolve_device
 from tiller.observe.metrics import MetricsLogger
-from tiller.rollout.agent_loop import EngineActor, EpisodeLimits, load_episode_fn
+from tiller.rollout.agent_loop import (
+    EngineActor,
+    EpisodeLimits,
+    check_rollout_setup,
+    load_episode_fn,
+)
+from tiller.rollout.chat import stop_token_ids
 from tiller.rollout.collect import collect, collect_expert, first_error
 from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.rollout.trajectory import Status, Trajectory
@@ -70,6 +76,7 @@ class Run:
         # engine's copy (and the reference model) are in model.dtype
         self.dtype = getattr(torch, cfg.model.dtype)
         self.model = load_model(path, torch.float32).to(self.device)
+        check_rollout_setup(self.tokenizer, self.model.config, self.limits)
         self.trainer = Trainer(self.model, temperature=cfg.sampling.temperature or 1.0,
                                compute_dtype=self.dtype)
         self.engine = EmbeddedEngine(copy.deepcopy(self.model).to(self.dtype),
@@ -86,7 +93,8 @@ class Run:
         s = self.cfg.sampling
         return SamplingParams(temperature=temperature, top_p=s.top_p, top_k=s.top_k,
                               max_new_tokens=s.max_new_tokens,
-                              stop_token_ids=(self.tokenizer.eos_token_id,))
+                              stop_token_ids=stop_token_ids(self.tokenizer,
+                                                            self.model.generation_config))
 
     def push_weights(self) -> None:
         self.engine.update_weights(self.trainer.weight_update())

@@ -3,28 +3,32 @@
 The prompt is rendered with the tokenizer's chat template once. After that the loop only
 appends: each generated turn as the engine's ids (never decoded and re-encoded; decoding is
 used to parse tool calls, nothing else), then each observation as the text the chat template
-adds for the new messages, tokenized on its own. Users replace this function with their own
-`async def` of the same signature, named by a dotted path in the config (`agent.loop`).
+adds for the new messages, tokenized on its own (`ChatFormat`). Users replace this function
+with their own `async def` of the same signature, named by a dotted path in the config
+(`agent.loop`); a `TrajectoryBuilder` keeps their ids, mask and logprobs aligned.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from transformers import PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from tiller.config import import_dotted
+from tiller.config import ConfigError, import_dotted
 from tiller.envs.base import Env, Task
 from tiller.envs.verifiers import Reward
-from tiller.rollout.chat import ParsedTurn, parse_tool_calls, tool_calls_as_messages
+from tiller.rollout.chat import ChatFormat, ParsedTurn, assistant_message, end_of_turn_token
 from tiller.rollout.engine import EmbeddedEngine, Generation, SamplingParams
-from tiller.rollout.trajectory import Status, Trajectory
+from tiller.rollout.trajectory import Status, Trajectory, TrajectoryBuilder
 from tiller.tools.registry import ToolOutcome
+
+logger = logging.getLogger(__name__)
 
 
 class Actor(Protocol):
@@ -56,7 +60,7 @@ class ExpertActor:
         rng = random.Random(seed)
         text = self.env_cls.expert_turn(self.task, messages, rng, self.guess_prob)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        ids.append(self.tokenizer.eos_token_id)
+        ids.append(self.tokenizer.convert_tokens_to_ids(end_of_turn_token(self.tokenizer)))
         return Generation(ids, [0.0] * len(ids), "stop", version=-1)
 
 
@@ -71,11 +75,32 @@ def derive_seed(*parts: Any) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "big") >> 1
 
 
-def _assistant_message(turn: ParsedTurn) -> dict[str, Any]:
-    msg: dict[str, Any] = {"role": "assistant", "content": turn.content}
-    if turn.tool_calls:
-        msg["tool_calls"] = tool_calls_as_messages(turn.tool_calls)
-    return msg
+def check_rollout_setup(
+    tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig, limits: EpisodeLimits
+) -> None:
+    """Start-up checks, so that what would fail in every episode fails once, as one line
+    (ConfigError): the chat template has an end-of-turn token and is prefix-stable across a
+    tool round trip, and an episode fits in the model's context."""
+    context = getattr(model_config, "max_position_embeddings", None)
+    if context is not None and limits.max_episode_tokens > context:
+        raise ConfigError(f"config field env.max_episode_tokens: got {limits.max_episode_tokens}; "
+                          f"expected at most the model's context length "
+                          f"(max_position_embeddings={context})")
+    chat = ChatFormat(tokenizer, [{"type": "function", "function": {
+        "name": "calculate", "description": "Evaluate.", "parameters": {"type": "object"}}}])
+    call = {"type": "function", "function": {"name": "calculate", "arguments": {"x": "1"}}}
+    messages = [{"role": "system", "content": "Use the tools."},
+                {"role": "user", "content": "What is 1?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]}]
+    try:
+        chat.observation_ids(messages, [{"role": "tool", "name": "calculate", "content": "1"}])
+    except ValueError as e:
+        raise ConfigError(f"{e}; tiller appends observation tokens after each generated turn, "
+                          "so use a chat template that is prefix-stable") from e
+
+
+def _error(e: BaseException, where: str) -> str:
+    return f"{where}: {type(e).__name__}: {e}"
 
 
 async def run_episode(
@@ -88,53 +113,94 @@ async def run_episode(
     sample_index: int = 0,
     limits: EpisodeLimits = EpisodeLimits(),
 ) -> Trajectory:
-    """Run one episode and verify it. Never raises for what the policy or a tool did."""
+    """Run one episode and verify it; `env.close` always runs.
+
+    Never raises for what the policy, a tool, the env or the engine did; the status says what
+    happened and `info["error"]` why, when something failed:
+    COMPLETED (a final answer), TRUNCATED (turn limit, token budget or `max_new_tokens` first),
+    ABORTED (the engine failed, or the chat template broke prefix stability), ENV_ERROR
+    (reset, a step, a tool or the verifier failed, or the verifier reported `env_error`).
+    """
     t0 = time.perf_counter()
     timings = {"generate_s": 0.0, "env_s": 0.0}
-    tools = env.tool_schemas()
-    messages = await env.reset(task, seed)
-
-    def render(msgs: list[dict], generation_prompt: bool) -> str:
-        return tokenizer.apply_chat_template(
-            msgs, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
-        )
-
-    ids = tokenizer.encode(render(messages, True), add_special_tokens=False)
-    prompt_len = len(ids)
-    mask, logprobs = [0] * prompt_len, [0.0] * prompt_len
-    spans: list[tuple[int, int]] = []
-    versions: list[int] = []
+    traj = TrajectoryBuilder(task.id, sample_index)
     counts = {"tool_calls": 0, "tool_errors": 0, "env_errors": 0, "parse_errors": 0}
+    info: dict[str, str] = {}
+    messages: list[dict] = []
     final: ParsedTurn | None = None
     status = Status.TRUNCATED
+    try:
+        try:
+            messages = await env.reset(task, seed)
+        except Exception as e:  # the environment itself broke: nothing to verify
+            counts["env_errors"] += 1
+            info["error"] = _error(e, "env.reset")
+            reward = Reward(0.0, {"reset_error": 1.0})
+        else:
+            chat = ChatFormat(tokenizer, env.tool_schemas())
+            traj.append_prompt(chat.prompt_ids(messages))
+            final, status = await _turns(env, actor, chat, traj, messages, seed=seed,
+                                         limits=limits, counts=counts, info=info,
+                                         timings=timings)
+            try:
+                reward = await env.verify(final)
+            except Exception as e:  # a broken checker (sandbox down, ...) is the env's failure
+                counts["env_errors"] += 1
+                info.setdefault("error", _error(e, "env.verify"))
+                reward = Reward(0.0, {"verifier_error": 1.0})
+            if reward.env_error:  # the verifier says its own check could not run
+                counts["env_errors"] += 1
+                info.setdefault("error", "env.verify: the verifier reported env_error")
+    finally:
+        try:
+            await env.close()
+        except Exception as e:  # the episode is sound; the leak is logged and recorded
+            info["close_error"] = _error(e, "env.close")
+            logger.warning("task %s sample %d: %s", task.id, sample_index, info["close_error"])
+    if counts["env_errors"]:
+        status = Status.ENV_ERROR
+        reward = Reward(reward.value, reward.checks, reward.turn_rewards, env_error=True)
+    timings["total_s"] = time.perf_counter() - t0
+    return traj.finish(reward, status, messages=messages, timings=timings, info=info, **counts)
 
+
+async def _turns(
+    env: Env,
+    actor: Actor,
+    chat: ChatFormat,
+    traj: TrajectoryBuilder,
+    messages: list[dict],
+    *,
+    seed: int,
+    limits: EpisodeLimits,
+    counts: dict[str, int],
+    info: dict[str, str],
+    timings: dict[str, float],
+) -> tuple[ParsedTurn | None, Status]:
+    """The turns of `run_episode`: generate, parse, step, append the observation; returns the
+    final answer (None unless COMPLETED) and the status so far."""
     for turn in range(limits.max_turns):
         t = time.perf_counter()
         try:
-            gen = await actor.act(ids, messages, derive_seed(seed, turn))
+            gen = await actor.act(traj.token_ids, messages, derive_seed(seed, turn))
         except Exception as e:
-            status = Status.ABORTED
-            messages.append({"role": "error", "content": f"{type(e).__name__}: {e}"})
-            break
+            info["error"] = _error(e, "engine")
+            return None, Status.ABORTED
         timings["generate_s"] += time.perf_counter() - t
-        gen_ids = gen.token_ids[: max(0, limits.max_episode_tokens - len(ids))]
-        spans.append((len(ids), len(ids) + len(gen_ids)))
-        versions.append(gen.version)
-        ids += gen_ids
-        mask += [1] * len(gen_ids)
-        logprobs += gen.logprobs[: len(gen_ids)]
-        parsed = parse_tool_calls(tokenizer.decode(gen_ids, skip_special_tokens=False))
-        messages.append(_assistant_message(parsed))
-        if gen.finish_reason != "stop" or len(gen_ids) < len(gen.token_ids):
-            break  # the turn was cut off: truncated
+        keep = max(0, limits.max_episode_tokens - len(traj))
+        traj.append_generated(gen.token_ids[:keep], gen.logprobs[:keep], gen.version)
+        parsed = chat.parse(gen.token_ids[:keep])
+        messages.append(assistant_message(parsed))
+        if gen.finish_reason != "stop" or keep < len(gen.token_ids):
+            return None, Status.TRUNCATED  # the turn was cut off
 
         t = time.perf_counter()
         try:
             result = await env.step(parsed)
         except Exception as e:  # the environment itself broke
             counts["env_errors"] += 1
-            messages.append({"role": "error", "content": f"{type(e).__name__}: {e}"})
-            break
+            info["error"] = _error(e, "env.step")
+            return None, Status.TRUNCATED
         finally:
             timings["env_s"] += time.perf_counter() - t
         counts["parse_errors"] += len(parsed.parse_errors)
@@ -142,50 +208,22 @@ async def run_episode(
         outcomes = [r.outcome for r in result.tool_results]
         counts["tool_errors"] += outcomes.count(ToolOutcome.TOOL_ERROR)
         counts["env_errors"] += outcomes.count(ToolOutcome.ENV_ERROR)
+        for r in result.tool_results:
+            if r.outcome is ToolOutcome.ENV_ERROR:
+                info.setdefault("error", f"tool {r.call.name}: {r.content}"[:300])
         if result.done:
-            final, status = parsed, Status.COMPLETED
-            break
+            return parsed, Status.COMPLETED
 
-        # The observation is exactly what the template adds after the generated eos token.
-        before = render(messages, False)
-        before = before[: before.rindex(tokenizer.eos_token) + len(tokenizer.eos_token)]
+        try:
+            obs_ids = chat.observation_ids(messages, result.messages)
+        except ValueError as e:  # the template changed earlier text: ids would be wrong
+            info["error"] = _error(e, "chat template")
+            return None, Status.ABORTED
         messages.extend(result.messages)
-        after = render(messages, True)
-        if not after.startswith(before):
-            raise ValueError("the chat template is not prefix-stable across turns")
-        obs_ids = tokenizer.encode(after[len(before):], add_special_tokens=False)
-        if len(ids) + len(obs_ids) >= limits.max_episode_tokens:
-            break
-        ids += obs_ids
-        mask += [0] * len(obs_ids)
-        logprobs += [0.0] * len(obs_ids)
-
-    try:
-        reward = await env.verify(final)
-    except Exception as e:  # a broken checker (sandbox down, ...) is the environment's failure
-        counts["env_errors"] += 1
-        messages.append({"role": "error", "content": f"verifier: {type(e).__name__}: {e}"})
-        reward = Reward(0.0, {"verifier_error": 1.0})
-    if counts["env_errors"]:
-        status = Status.ENV_ERROR
-        reward = Reward(reward.value, reward.checks, reward.turn_rewards, env_error=True)
-    await env.close()
-    timings["total_s"] = time.perf_counter() - t0
-    return Trajectory(
-        task_id=task.id,
-        sample_index=sample_index,
-        token_ids=tuple(ids),
-        loss_mask=tuple(mask),
-        logprobs=tuple(logprobs),
-        prompt_len=prompt_len,
-        turn_spans=tuple(spans),
-        versions=tuple(versions),
-        messages=tuple(messages),
-        reward=reward,
-        status=status,
-        timings=timings,
-        **counts,
-    )
+        if len(traj) + len(obs_ids) >= limits.max_episode_tokens:
+            return None, Status.TRUNCATED
+        traj.append_observation(obs_ids)
+    return None, Status.TRUNCATED
 
 
 EpisodeFn = Callable[..., Awaitable[Trajectory]]

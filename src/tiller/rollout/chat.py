@@ -4,14 +4,22 @@ Tool calls are `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` inside
 turn; tool results come back as `<tool_response>...</tool_response>` in a user turn. The parser
 never raises: every malformed call becomes a message in `parse_errors`, which the environment
 turns into an error observation for the model.
+
+`ChatFormat` is what the agent loop needs from a tokenizer's chat template, for any model
+family: the first prompt's ids, the ids of the observation after a generated turn (the
+"bridge"), the parse of a generated turn, and the template's end-of-turn token.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
+from typing import Any
 
+from jinja2 import TemplateError
+from transformers import GenerationConfig, PreTrainedTokenizerBase
+
+from tiller.config import ConfigError
 from tiller.tools.registry import ToolCall
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -63,11 +71,6 @@ CHAT_TEMPLATE = r"""
 {%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}
 """
 
-_TOOL_CALL_RE = re.compile(
-    re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL
-)
-
-
 @dataclass(frozen=True)
 class ParsedTurn:
     """An assistant turn split into free text, well-formed tool calls and parse errors."""
@@ -77,38 +80,153 @@ class ParsedTurn:
     parse_errors: list[str] = field(default_factory=list)
 
 
-def _parse_one(body: str) -> ToolCall | str:
+def _loads(text: str) -> tuple[object, str | None]:
+    """json.loads that reports instead of raising: also on deep nesting (RecursionError) and
+    on integers longer than Python's 4300-digit conversion limit (ValueError)."""
     try:
-        obj = json.loads(body)
+        return json.loads(text), None
     except json.JSONDecodeError as e:
-        return f"tool call is not valid JSON ({e.msg} at char {e.pos}): {body.strip()[:200]}"
+        return None, f"{e.msg} at char {e.pos}"
+    except (ValueError, RecursionError) as e:
+        return None, f"{type(e).__name__}: {str(e)[:100]}"
+
+
+def _parse_one(body: str) -> ToolCall | str:
+    obj, error = _loads(body)
+    if error is not None:
+        return f"tool call is not valid JSON ({error}): {body.strip()[:200]}"
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return f'tool call must be an object with a string "name": {body.strip()[:200]}'
     args = obj.get("arguments", {})
     if isinstance(args, str):  # some models emit the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return f"arguments of {obj['name']!r} are a string that is not JSON: {args[:200]}"
+        args, error = _loads(args)
+        if error is not None:
+            return f"arguments of {obj['name']!r} are a string that is not JSON: {error}"
     return ToolCall(name=obj["name"], arguments=args)
 
 
 def parse_tool_calls(text: str) -> ParsedTurn:
-    """Parse a generated assistant turn (the eos marker, if present, is ignored)."""
+    """Parse a generated assistant turn (the eos marker, if present, is ignored).
+
+    Never raises, on any string. Each `<tool_call>` is closed by the first `</tool_call>`
+    after it; the scan uses `str.find`, so it is linear in the text (a lazy regex retried
+    from every unclosed tag is quadratic).
+    """
     text = text.split(IM_END, 1)[0]
     calls: list[ToolCall] = []
     errors: list[str] = []
-    for match in _TOOL_CALL_RE.finditer(text):
-        parsed = _parse_one(match.group(1))
+    rest: list[str] = []  # the text outside well-delimited calls
+    pos = 0
+    while (start := text.find(TOOL_CALL_OPEN, pos)) >= 0:
+        end = text.find(TOOL_CALL_CLOSE, start + len(TOOL_CALL_OPEN))
+        if end < 0:
+            break
+        rest.append(text[pos:start])
+        parsed = _parse_one(text[start + len(TOOL_CALL_OPEN):end])
         (calls if isinstance(parsed, ToolCall) else errors).append(parsed)
-    rest = _TOOL_CALL_RE.sub("", text)
-    if TOOL_CALL_OPEN in rest or TOOL_CALL_CLOSE in rest:
+        pos = end + len(TOOL_CALL_CLOSE)
+    rest.append(text[pos:])
+    content = "".join(rest)
+    if TOOL_CALL_OPEN in content or TOOL_CALL_CLOSE in content:
         errors.append("unbalanced <tool_call> tags: every <tool_call> needs a </tool_call>")
-        rest = rest.replace(TOOL_CALL_OPEN, "").replace(TOOL_CALL_CLOSE, "")
-    return ParsedTurn(content=rest.strip(), tool_calls=calls, parse_errors=errors)
+        while TOOL_CALL_OPEN in content or TOOL_CALL_CLOSE in content:  # "<tool_<tool_call>call>"
+            content = content.replace(TOOL_CALL_OPEN, "").replace(TOOL_CALL_CLOSE, "")
+    return ParsedTurn(content=content.strip(), tool_calls=calls, parse_errors=errors)
 
 
 def tool_calls_as_messages(calls: list[ToolCall]) -> list[dict]:
     """Tool calls in the OpenAI/HF message shape the chat template renders."""
     return [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             for c in calls]
+
+
+def assistant_message(turn: ParsedTurn) -> dict[str, Any]:
+    """A parsed assistant turn as the message the chat template renders."""
+    msg: dict[str, Any] = {"role": "assistant", "content": turn.content}
+    if turn.tool_calls:
+        msg["tool_calls"] = tool_calls_as_messages(turn.tool_calls)
+    return msg
+
+
+_PROBE = "tiller-end-of-turn-probe"
+
+
+def end_of_turn_token(tokenizer: PreTrainedTokenizerBase) -> str:
+    """The token the chat template closes an assistant turn with (`<|im_end|>` for the
+    Hermes/Qwen template): the first token the template renders after an assistant message's
+    content. It must be one added (atomic) token, or the model has no way to say "my turn is
+    over"; ConfigError (one line) otherwise."""
+    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}]
+    try:
+        text = tokenizer.apply_chat_template(probe, tokenize=False)
+    except (TemplateError, ValueError, TypeError) as e:
+        raise ConfigError(f"the tokenizer's chat template cannot render a user/assistant "
+                          f"exchange ({type(e).__name__}: {e}); use a chat model's template") from e
+    after = text.split(_PROBE, 1)[1] if _PROBE in text else ""
+    ids = tokenizer.encode(after, add_special_tokens=False)
+    if not ids or ids[0] not in tokenizer.added_tokens_decoder:
+        raise ConfigError(f"cannot determine the chat template's end-of-turn token: after an "
+                          f"assistant message it renders {after[:40]!r}, not a special token; "
+                          "use a model whose chat template ends each turn with one")
+    return tokenizer.convert_ids_to_tokens(ids[0])
+
+
+def stop_token_ids(
+    tokenizer: PreTrainedTokenizerBase, generation_config: GenerationConfig | None = None
+) -> tuple[int, ...]:
+    """What ends a generated turn: the chat template's end-of-turn token, then every id of the
+    model's `generation_config.eos_token_id` (an int or a list). The tokenizer's `eos_token` is
+    not assumed to end a turn: for many models it ends the whole document instead."""
+    ids = [tokenizer.convert_tokens_to_ids(end_of_turn_token(tokenizer))]
+    eos = getattr(generation_config, "eos_token_id", None)
+    ids += [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return tuple(dict.fromkeys(ids))  # unique, in order
+
+
+class ChatFormat:
+    """A tokenizer's chat template as the agent loop uses it, for one episode's tool schemas.
+
+    The prompt is rendered once; after that only new ids are appended: the engine's ids for a
+    generated turn, and for an observation the text the template adds after the generated
+    end-of-turn token, tokenized on its own:
+
+        obs = render(messages + new, generation_prompt)[len(before):]
+        before = render(messages) cut after its last end-of-turn token
+
+    which is exact for any template that is prefix-stable across turns (checked per turn).
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, tools: list[dict] | None = None):
+        self.tokenizer, self.tools = tokenizer, tools
+        self.end_of_turn = end_of_turn_token(tokenizer)
+        self.end_of_turn_id: int = tokenizer.convert_tokens_to_ids(self.end_of_turn)
+
+    def render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False
+        )
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The first prompt: every opening message, then the assistant's generation prompt."""
+        return self.tokenizer.encode(self.render(messages, True), add_special_tokens=False)
+
+    def parse(self, ids: list[int]) -> ParsedTurn:
+        """A generated turn's ids, decoded only to find its tool calls."""
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        return parse_tool_calls(text.split(self.end_of_turn, 1)[0])
+
+    def observation_ids(self, messages: list[dict], new: list[dict]) -> list[int]:
+        """The ids the template adds for `new` messages (and the next generation prompt) after
+        the assistant turn that ends `messages`. ValueError if the template is not
+        prefix-stable, i.e. rendering more messages changes what it rendered before."""
+        before = self.render(messages, False)
+        cut = before.rfind(self.end_of_turn)
+        if cut < 0:
+            raise ValueError(f"the chat template rendered no {self.end_of_turn!r} after the "
+                             "assistant turn")
+        before = before[: cut + len(self.end_of_turn)]
+        after = self.render([*messages, *new], True)
+        if not after.startswith(before):
+            raise ValueError("the chat template is not prefix-stable across turns: rendering "
+                             "the next messages changes the text of earlier ones")
+        return self.tokenizer.encode(after[len(before):], add_special_tokens=False)

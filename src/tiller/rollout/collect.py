@@ -59,13 +59,10 @@ def collect_expert(env_cls: type[Env], tasks: Sequence[Task], tokenizer: Any, *,
 
 
 def first_error(trajectories: Sequence[Trajectory]) -> str | None:
-    """The first error the loop recorded in an aborted episode (its `error` message)."""
+    """The error the loop recorded (`info["error"]`) in the first aborted episode."""
     for t in trajectories:
         if t.status is Status.ABORTED:
-            for m in t.messages:
-                if m.get("role") == "error":
-                    return str(m.get("content"))
-            return "aborted without an error message"
+            return str(t.info.get("error", "aborted without an error recorded"))
     return None
 
 

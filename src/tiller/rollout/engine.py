@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import threading
 from dataclasses import dataclass, field
 
@@ -22,6 +23,8 @@ import torch
 from transformers import PreTrainedModel
 
 from tiller.rollout.weight_sync import WeightUpdate
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class EmbeddedEngine:
         self._pending: list[_Request] = []
         self._worker: asyncio.Task | None = None
         self._lock = threading.Lock()  # weight updates never interleave with a batch
+        self.cancelled = 0  # requests whose episode was cancelled before the answer came
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, seed: int
@@ -96,6 +100,9 @@ class EmbeddedEngine:
         # Yield once so that every episode ready at this moment joins the first batch.
         await asyncio.sleep(0)
         while self._pending:
+            self._pending = [r for r in self._pending if self._live(r)]
+            if not self._pending:
+                break
             params = self._pending[0].params
             batch = [r for r in self._pending if r.params == params][: self.max_batch_size]
             self._pending = [r for r in self._pending if all(r is not b for b in batch)]
@@ -103,11 +110,22 @@ class EmbeddedEngine:
                 outs = await asyncio.to_thread(self._run_batch, batch)
             except Exception as e:  # hand the failure to every waiting episode
                 for r in batch:
-                    r.future.set_exception(e)
+                    if self._live(r):
+                        r.future.set_exception(e)
                 continue
-            for r, out in zip(batch, outs, strict=False):
-                r.future.set_result(out)
+            for r, out in zip(batch, outs, strict=True):
+                if self._live(r):
+                    r.future.set_result(out)
             await asyncio.sleep(0)
+
+    def _live(self, request: _Request) -> bool:
+        """False (and counted) for a request cancelled while it waited: its episode is gone,
+        and answering its future would raise and stop the worker for everyone else."""
+        if request.future.cancelled():
+            self.cancelled += 1
+            logger.info("engine request cancelled (%d so far)", self.cancelled)
+            return False
+        return True
 
     def update_weights(self, update: WeightUpdate) -> None:
         with self._lock:

@@ -3,11 +3,12 @@
 Token ids are the source of truth: `token_ids` is the prompt, then each generated turn as the
 engine returned it, then each observation as tokenized by the loop, concatenated. `loss_mask`
 is 1 exactly on generated tokens and `logprobs` holds the engine's log-probability there.
+A `TrajectoryBuilder` keeps these (and the turn spans and versions) aligned by construction.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -40,6 +41,8 @@ class Trajectory:
     env_errors: int = 0
     parse_errors: int = 0
     timings: Mapping[str, float] = field(default_factory=dict)
+    # "error": why the episode was aborted or is an env error; "close_error": env.close failed
+    info: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def num_generated(self) -> int:
@@ -48,3 +51,87 @@ class Trajectory:
     @property
     def num_turns(self) -> int:
         return len(self.turn_spans)
+
+
+class TrajectoryBuilder:
+    """Builds a `Trajectory` as an episode runs: the prompt first, then generated turns and
+    observations in order, then `finish`. Each append extends ids, loss mask and logprobs
+    together, so they cannot drift apart:
+
+        append_prompt(ids)                          mask 0, logprob 0, counted in prompt_len
+        append_generated(ids, logprobs, version)    mask 1, the engine's logprobs, a turn span
+        append_observation(ids)                     mask 0, logprob 0
+    """
+
+    def __init__(self, task_id: str, sample_index: int = 0):
+        self.task_id, self.sample_index = task_id, sample_index
+        self.prompt_len = 0
+        self._ids: list[int] = []
+        self._mask: list[int] = []
+        self._logprobs: list[float] = []
+        self._spans: list[tuple[int, int]] = []
+        self._versions: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """A copy of the ids so far: the prompt of the next turn."""
+        return list(self._ids)
+
+    def _extend(self, ids: Sequence[int], mask: int, logprobs: Sequence[float]) -> None:
+        self._ids += ids
+        self._mask += [mask] * len(ids)
+        self._logprobs += logprobs
+
+    def append_prompt(self, ids: Sequence[int]) -> None:
+        if len(self._ids) != self.prompt_len:
+            raise ValueError("append_prompt after a turn or observation: the prompt comes first")
+        self._extend(ids, 0, [0.0] * len(ids))
+        self.prompt_len = len(self._ids)
+
+    def append_generated(self, ids: Sequence[int], logprobs: Sequence[float], version: int
+                         ) -> None:
+        if len(ids) != len(logprobs):
+            raise ValueError(f"a generated turn needs one logprob per id: got {len(ids)} ids "
+                             f"and {len(logprobs)} logprobs")
+        self._spans.append((len(self._ids), len(self._ids) + len(ids)))
+        self._versions.append(version)
+        self._extend(ids, 1, logprobs)
+
+    def append_observation(self, ids: Sequence[int]) -> None:
+        self._extend(ids, 0, [0.0] * len(ids))
+
+    def finish(
+        self,
+        reward: Reward,
+        status: Status,
+        *,
+        messages: Sequence[dict[str, Any]] = (),
+        tool_calls: int = 0,
+        tool_errors: int = 0,
+        env_errors: int = 0,
+        parse_errors: int = 0,
+        timings: Mapping[str, float] | None = None,
+        info: Mapping[str, str] | None = None,
+    ) -> Trajectory:
+        return Trajectory(
+            task_id=self.task_id,
+            sample_index=self.sample_index,
+            token_ids=tuple(self._ids),
+            loss_mask=tuple(self._mask),
+            logprobs=tuple(self._logprobs),
+            prompt_len=self.prompt_len,
+            turn_spans=tuple(self._spans),
+            versions=tuple(self._versions),
+            messages=tuple(messages),
+            reward=reward,
+            status=status,
+            tool_calls=tool_calls,
+            tool_errors=tool_errors,
+            env_errors=env_errors,
+            parse_errors=parse_errors,
+            timings=dict(timings or {}),
+            info=dict(info or {}),
+        )

@@ -1,0 +1,104 @@
+"""End of turn and start-up checks: what would fail in every episode fails once, as one line."""
+
+import asyncio
+import copy
+import shutil
+import subprocess
+import sys
+
+import pytest
+from transformers import GenerationConfig
+
+from tiller.config import ConfigError, load_config
+from tiller.controller import Run
+from tiller.envs import ENVS
+from tiller.models import load_tokenizer
+from tiller.rollout.agent_loop import ExpertActor, run_episode
+from tiller.rollout.chat import CHAT_TEMPLATE, stop_token_ids
+from tiller.rollout.trajectory import Status
+
+Calc = ENVS["calculator"]
+CONFIG = "configs/calculator.yaml"
+NOT_PREFIX_STABLE = "{{- messages | length }}" + CHAT_TEMPLATE  # the header counts messages
+NO_END_OF_TURN = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+
+
+def with_eos(tokenizer, eos):
+    tok = copy.deepcopy(tokenizer)
+    tok.eos_token = eos
+    return tok
+
+
+def model_dir(calc_model_dir, tmp_path, *, eos=None, template=None, gen_eos=None):
+    """A copy of the tiny model with its tokenizer's eos, chat template or generation
+    config's eos ids changed."""
+    out = tmp_path / "model"
+    shutil.copytree(calc_model_dir, out)
+    tok = load_tokenizer(out)
+    if eos is not None:
+        tok.eos_token = eos
+    if template is not None:
+        tok.chat_template = template
+    tok.save_pretrained(out)
+    if gen_eos is not None:
+        GenerationConfig(eos_token_id=gen_eos).save_pretrained(out)
+    return out
+
+
+def run_config(path, *overrides):
+    return load_config(CONFIG, [f"model.path={path}", "model.build=null",
+                                "logging.progress=false", "logging.tensorboard=false",
+                                *overrides])
+
+
+def test_stop_tokens_are_end_of_turn_and_every_generation_config_eos(tokenizer):
+    tok = with_eos(tokenizer, "<|endoftext|>")  # eos ends a document here, not a turn
+    im_end, endoftext = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert stop_token_ids(tok) == (im_end,)
+    assert stop_token_ids(tok, GenerationConfig(eos_token_id=endoftext)) == (im_end, endoftext)
+    gen = GenerationConfig(eos_token_id=[endoftext, im_end, 7])
+    assert stop_token_ids(tok, gen) == (im_end, endoftext, 7)
+
+
+def test_an_episode_ends_turns_on_the_templates_end_of_turn_not_eos(tokenizer, limits):
+    tok = with_eos(tokenizer, "<|endoftext|>")
+    task = next(t for t in Calc.make_tasks("train", 50, 3, 2) if t.metadata["problem"].steps)
+    traj = asyncio.run(run_episode(Calc(), task, ExpertActor(Calc, task, tok), tok, seed=0,
+                                   limits=limits))
+    assert traj.status is Status.COMPLETED and traj.reward.value == 1.0 and traj.num_turns == 3
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert [traj.token_ids[end - 1] for _, end in traj.turn_spans] == [im_end] * 3
+
+
+def test_run_samples_until_end_of_turn_when_eos_differs(calc_model_dir, tmp_path):
+    path = model_dir(calc_model_dir, tmp_path, eos="<|endoftext|>", gen_eos=[0, 7])
+    run = Run(run_config(path), tmp_path / "run")
+    im_end = run.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert run.tokenizer.eos_token == "<|endoftext|>"
+    assert run.params.stop_token_ids == (im_end, 0, 7)
+    run.logger.close()
+
+
+@pytest.mark.parametrize("template, message", [
+    (NO_END_OF_TURN, "cannot determine the chat template's end-of-turn token: after an "
+                     "assistant message it renders '\\n', not a special token"),
+    (NOT_PREFIX_STABLE, "the chat template is not prefix-stable across turns"),
+])
+def test_unusable_chat_templates_stop_the_run_at_start_up(calc_model_dir, tmp_path, template,
+                                                          message):
+    path = model_dir(calc_model_dir, tmp_path, template=template)
+    with pytest.raises(ConfigError) as err:
+        Run(run_config(path), tmp_path / "run")
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_episode_budget_above_the_context_is_one_cli_line(calc_model_dir, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "tiller", "train", CONFIG, f"model.path={calc_model_dir}",
+         "model.build=null", "env.max_episode_tokens=4096", "--output-dir", str(tmp_path / "r")],
+        capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in out
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert lines == ["error: config field env.max_episode_tokens: got 4096; expected at most "
+                     "the model's context length (max_position_embeddings=2048)"]
