@@ -75,8 +75,8 @@ def test_run_samples_until_end_of_turn_when_eos_differs(calc_model_dir, tmp_path
     run = Run(run_config(path), tmp_path / "run")
     im_end = run.tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert run.tokenizer.eos_token == "<|endoftext|>"
-    assert run.params.stop_token_ids == (im_end, 0, 7)
-    run.logger.close()
+    assert run.sampling(1.0).stop_token_ids == (im_end, 0, 7)
+    run.close()
 
 
 @pytest.mark.parametrize("template, message", [
