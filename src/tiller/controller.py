@@ -26,11 +26,11 @@ import torch
 import yaml
 
 from tiller.buffer import DataBuffer
-from tiller.config import BuildConfig, Config, ConfigError
+from tiller.config import BuildConfig, Config, ConfigError, require_package
 from tiller.envs import ENVS, Env, Task, ToolEnv
 from tiller.models import build_tiny_model, load_model, load_tokenizer, train_tokenizer
 from tiller.observe.evaluation import is_success, success_summary
-from tiller.observe.metrics import MetricsLogger, progress
+from tiller.observe.metrics import MetricsLogger, check_backends, progress
 from tiller.rollout.agent_loop import (
     EngineActor,
     EpisodeLimits,
@@ -55,6 +55,8 @@ def resolve_env(name: str) -> type[Env]:
     if name not in ENVS:
         raise ConfigError(f"config field env.name: unknown env {name!r}; "
                           f"choose one of: {', '.join(sorted(ENVS))}")
+    for module, extra in ENVS[name].requires.items():
+        require_package(module, extra, f"env.name={name}")
     return ENVS[name]
 
 
@@ -84,6 +86,32 @@ def check_algorithm(cfg: Config) -> None:
     load_key_steps(cfg.rl.algorithm.credit.key_steps)
 
 
+def rl_task_count(cfg: Config) -> int:
+    """Train tasks RL draws: dynamic sampling may take up to max_rounds times a plain run's."""
+    alg = cfg.rl.algorithm
+    rounds = alg.dynamic_sampling.max_rounds if alg.dynamic_sampling.enabled else 1
+    return max(cfg.rl.steps * cfg.rl.tasks_per_step * (rounds or 1), 1)
+
+
+def check_task_counts(cfg: Config, env_cls: type[Env]) -> None:
+    """Every task list the run will draw fits the env's task space, checked before any work:
+    drawing more distinct tasks than exist would otherwise fail only after the model build."""
+    d = cfg.env.difficulty
+    wants = [("eval.tasks", "heldout", cfg.eval.tasks)]
+    if cfg.model.build is not None:
+        wants.append(("model.build.corpus_tasks", "train", cfg.model.build.corpus_tasks))
+    if cfg.sft.enabled:
+        wants.append(("sft.tasks", "train", cfg.sft.tasks))
+    if cfg.rl.steps > 0:
+        wants.append(("rl.steps × rl.tasks_per_step", "train", rl_task_count(cfg)))
+    for field, split, n in wants:
+        space = env_cls.task_space(split, d)
+        if space is not None and n > space:
+            raise ConfigError(f"config field {field}: got {n}; env {env_cls.name} has only "
+                              f"{space} {split} tasks at env.difficulty={d}: ask for at most "
+                              f"{space} or raise env.difficulty")
+
+
 class Run:
     """Everything one run needs, built from a validated `Config`."""
 
@@ -91,6 +119,8 @@ class Run:
         self.cfg = cfg
         self.env_cls = resolve_env(cfg.env.name)
         check_algorithm(cfg)
+        check_backends(cfg.logging.tensorboard, cfg.logging.wandb)
+        check_task_counts(cfg, self.env_cls)
         self.episode_fn = load_episode_fn(cfg.agent.loop)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.dir = Path(output_dir or cfg.output_dir or Path("runs") / f"{cfg.name}-{stamp}")
@@ -327,10 +357,7 @@ class Run:
         alg = cfg.algorithm
         t0 = time.perf_counter()
         self.trainer.set_optimizer(cfg.lr, cfg.weight_decay)
-        # dynamic sampling may draw up to max_rounds times the tasks of a plain run
-        rounds = alg.dynamic_sampling.max_rounds if alg.dynamic_sampling.enabled else 1
-        n_tasks = max(cfg.steps * cfg.tasks_per_step * (rounds or 1), 1)
-        tasks = iter(self.env_cls.make_tasks("train", n_tasks, self.cfg.seed + 3,
+        tasks = iter(self.env_cls.make_tasks("train", rl_task_count(self.cfg), self.cfg.seed + 3,
                                              self.cfg.env.difficulty))
         # kl.beta = 0 (or switched off from the start): no reference model exists or runs
         self.ref_model = (copy.deepcopy(self.model).eval()
