@@ -37,6 +37,7 @@ class Reward:
     checks: Mapping[str, float] = field(default_factory=dict)
     turn_rewards: tuple[float, ...] | None = None
     env_error: bool = False
+    error: str | None = None  # with env_error: what broke (e.g. the scorer's exception)
 
 
 # ---- combinators -------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import importlib
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from transformers import PreTrainedTokenizerBase
@@ -166,9 +166,11 @@ async def run_episode(
         counts["env_errors"] += 1
         messages.append({"role": "error", "content": f"verifier: {type(e).__name__}: {e}"})
         reward = Reward(0.0, {"verifier_error": 1.0})
+    if reward.env_error:  # the verifier found the env broken (sandbox down, scorer crashed)
+        counts["env_errors"] += 1
     if counts["env_errors"]:
         status = Status.ENV_ERROR
-        reward = Reward(reward.value, reward.checks, reward.turn_rewards, env_error=True)
+        reward = replace(reward, env_error=True)
     await env.close()
     timings["total_s"] = time.perf_counter() - t0
     return Trajectory(
