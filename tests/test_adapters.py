@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import RL_MOVES, TextActor, check_short_run
 
-from tiller.config import load_config
+from tiller.config import ConfigError, load_config
 from tiller.controller import collect_expert, train
 from tiller.envs import ENVS, adapters
 from tiller.envs.adapters import GuessNumberEnv, GuessNumberGame, reasoning_gym_env
@@ -133,6 +133,19 @@ def test_reasoning_gym_env_factory_takes_a_config():
         assert ENVS["reasoning_gym/leg_counting"] is env_cls
         tasks = env_cls.make_tasks("train", 10, seed=0)
         assert all(t.metadata["entry"]["metadata"]["num_animals"] == 1 for t in tasks)
+    finally:
+        ENVS["reasoning_gym/leg_counting"] = default
+
+
+@needs_rg
+def test_reasoning_gym_too_small_a_space_fails_fast_with_one_line():
+    default = ENVS["reasoning_gym/leg_counting"]
+    try:  # one animal: about 500 distinct questions
+        env_cls = reasoning_gym_env("leg_counting", min_animals=1, max_animals=1)
+        assert len({t.id for t in env_cls.make_tasks("heldout", 100, seed=0)}) == 100
+        with pytest.raises(ConfigError, match=r"^only 103 distinct heldout tasks exist \(7630 "
+                                              r"draws found no more\), 500 requested"):
+            env_cls.make_tasks("heldout", 500, seed=0)  # 500,000 draws before
     finally:
         ENVS["reasoning_gym/leg_counting"] = default
 

@@ -56,9 +56,9 @@ class Patience:
             self.found, self.last_new = self.found + 1, self.draws
         elif self.draws - self.last_new > max(self.min_draws, 2 * self.last_new):
             raise ConfigError(
-                f"only {self.found} distinct {self.split} tasks exist at this difficulty "
-                f"({self.draws} draws found no more), {self.n} requested: ask for fewer tasks "
-                "or raise env.difficulty"
+                f"only {self.found} distinct {self.split} tasks exist ({self.draws} draws "
+                f"found no more), {self.n} requested: ask for fewer tasks or a larger task "
+                "space (e.g. a higher env.difficulty)"
             )
 
 
