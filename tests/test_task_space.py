@@ -72,8 +72,8 @@ def test_cli_refuses_more_tasks_than_exist_before_any_work(tmp_path):
     line = _cli("train", "configs/calculator.yaml", "env.difficulty=1", "eval.tasks=2000",
                 "--output-dir", str(tmp_path / "run"))
     assert line == ("error: config field eval.tasks: got 2000; env calculator has only 1576 "
-                    "heldout tasks at env.difficulty=1: ask for at most 1576 or raise "
-                    "env.difficulty")
+                    "heldout tasks at env.difficulty=1: ask for at most 1576 or pick an "
+                    "env.difficulty with more")
     assert not (tmp_path / "run").exists()  # stopped before the run folder and the model
 
 

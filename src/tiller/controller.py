@@ -109,7 +109,7 @@ def check_task_counts(cfg: Config, env_cls: type[Env]) -> None:
         if space is not None and n > space:
             raise ConfigError(f"config field {field}: got {n}; env {env_cls.name} has only "
                               f"{space} {split} tasks at env.difficulty={d}: ask for at most "
-                              f"{space} or raise env.difficulty")
+                              f"{space} or pick an env.difficulty with more")
 
 
 class Run:

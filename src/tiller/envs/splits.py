@@ -39,10 +39,11 @@ class Patience:
     """Stops a draw loop, with one line, once the draws stop finding new instances.
 
     It fails when the draws since the last new instance outnumber both `min_draws` and twice
-    all the draws before it. When N instances are drawn uniformly, finding them all takes
-    about N·ln N draws and the wait for the last one is about N, so a space that still holds a
-    new instance almost never trips it (P ≈ N^-2), while one that is used up trips it after at
-    most three times the draws it took to use it up: seconds, not minutes.
+    all the draws before it. When a split's N instances are drawn uniformly, finding them all
+    takes about N·ln N draws and the wait for the last one about N, so a space that still
+    holds a new instance almost never trips it (P ≈ exp(-2 ln N) = N^-2), while a used-up one
+    trips it after max(min_draws, 2×) more draws than it took to use it up: seconds, not
+    minutes.
     """
 
     def __init__(self, split: str, n: int, min_draws: int = 1000):
