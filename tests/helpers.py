@@ -3,11 +3,23 @@ turns through the real agent loop."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import string
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import torch
+from safetensors.torch import load_file
+
+from tiller.config import Config
+from tiller.controller import collect_expert
+from tiller.envs import ENVS
+from tiller.models import load_tokenizer
+from tiller.observe.evaluation import is_success
+from tiller.rollout.agent_loop import EpisodeLimits, run_episode
 from tiller.rollout.engine import Generation
 
 # A whole pipeline (build, SFT, RL, eval) in seconds: for tests that check it runs, not learns.
@@ -24,6 +36,10 @@ TINY_ENV_RUN = [
     "rl.group_size=2", "eval.tasks=8", "sampling.max_new_tokens=64",
     "logging.progress=false", "logging.tensorboard=false",
 ]
+# A tiny policy never succeeds, so GRPO's advantages are all 0 and RL would leave the weights
+# as they are; an entropy bonus gives every trainable token a gradient, so a short run shows
+# whether RL trained on the env's episodes at all.
+RL_MOVES = ["rl.algorithm.entropy_coef=0.01"]
 
 
 # Which episodes share an engine batch depends on thread timing, which moves the engine's
@@ -64,3 +80,30 @@ class TextActor:
                 text = rng.choice(self.finals).replace("{junk}", junk)
         ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id]
         return Generation(ids, [0.0] * len(ids), "stop", version=0)
+
+
+def check_short_run(cfg: Config, summary: dict[str, Any], random_actor: Callable[[Any], Any]
+                    ) -> tuple[float, float]:
+    """What a tiny run must show besides finishing: on the run's own held-out tasks, with its
+    tokenizer and episode limits, the scripted expert succeeds and `random_actor(tokenizer)`
+    does not (so env and verifier tell them apart under the run's settings), and the RL steps
+    changed the weights. Returns (expert, random) success rates."""
+    env_cls = ENVS[cfg.env.name]
+    tok = load_tokenizer(summary["checkpoint"])
+    limits = EpisodeLimits(cfg.env.max_turns, cfg.env.max_episode_tokens)
+    tasks = env_cls.make_tasks("heldout", cfg.eval.tasks, cfg.seed, cfg.env.difficulty)
+    assert summary["heldout_after_rl"]["tasks"] == len(tasks)
+    experts = collect_expert(env_cls, tasks, tok, guess=0.0, limits=limits, seed=cfg.seed)
+
+    async def randoms():
+        return await asyncio.gather(*(run_episode(env_cls(), t, random_actor(tok), tok, seed=i,
+                                                  limits=limits) for i, t in enumerate(tasks)))
+    expert = sum(map(is_success, experts)) / len(tasks)
+    rand = sum(map(is_success, asyncio.run(randoms()))) / len(tasks)
+    assert expert >= 0.95 and rand <= 0.05, (expert, rand)
+
+    before = load_file(Path(summary["sft"]["checkpoint"]) / "model.safetensors")
+    after = load_file(Path(summary["checkpoint"]) / "model.safetensors")
+    assert before.keys() == after.keys()
+    assert any(not torch.equal(before[k], after[k]) for k in before), "RL left the weights"
+    return expert, rand

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import logging
 import random
 import string
 from pathlib import Path
 
 import pytest
+from helpers import RL_MOVES, TextActor, check_short_run
 
-from tiller.config import load_config
+from tiller.config import ConfigError, load_config
 from tiller.controller import train
-from tiller.envs import ENVS
+from tiller.envs import ENVS, adapters
 from tiller.envs.adapters import GuessNumberEnv, GuessNumberGame, reasoning_gym_env
 from tiller.models import train_tokenizer
 from tiller.observe.evaluation import is_success
@@ -21,6 +23,7 @@ from tiller.rollout.agent_loop import EpisodeLimits, run_episode
 from tiller.rollout.chat import ParsedTurn
 from tiller.rollout.collect import collect_expert
 from tiller.rollout.engine import Generation
+from tiller.rollout.trajectory import Status
 
 CALCULATOR = Path(__file__).parents[1] / "configs" / "calculator.yaml"
 LIMITS = EpisodeLimits(max_turns=10, max_episode_tokens=1 << 16)
@@ -102,6 +105,28 @@ def test_reasoning_gym_scoring_is_strict():
 
 
 @needs_rg
+def test_reasoning_gym_scorer_crash_is_an_env_error_not_a_zero(monkeypatch, caplog):
+    env_cls = ENVS["reasoning_gym/basic_arithmetic"]
+    task = env_cls.make_tasks("train", 1, seed=0)[0]
+
+    def broken_scorer(answer, entry):
+        raise KeyError("metadata")
+
+    monkeypatch.setattr(adapters, "_scorer", lambda dataset: broken_scorer)
+    with caplog.at_level(logging.WARNING, logger="tiller.envs.adapters"):
+        (traj,) = collect_expert(env_cls, [task], TOK, guess=0.0, limits=LIMITS, seed=0)
+    error = "basic_arithmetic scorer: KeyError: 'metadata'"
+    assert traj.reward.env_error and traj.reward.error == error
+    assert traj.reward.checks == {"format_ok": 1.0, "score": 0.0} and not is_success(traj)
+    assert traj.status is Status.ENV_ERROR and traj.env_errors == 1  # dropped, not trained
+    assert [r.getMessage() for r in caplog.records] == [f"env_error on task {task.id}: {error}"]
+    # no answer in the format: the scorer is not asked, and the policy is simply wrong
+    (traj,) = _run(env_cls, [task], TextActor(TOK, ["I think 3"]))
+    assert traj.reward.value == 0.0 and not traj.reward.env_error
+    assert traj.status is Status.COMPLETED
+
+
+@needs_rg
 def test_reasoning_gym_env_factory_takes_a_config():
     default = ENVS["reasoning_gym/leg_counting"]
     try:
@@ -109,6 +134,19 @@ def test_reasoning_gym_env_factory_takes_a_config():
         assert ENVS["reasoning_gym/leg_counting"] is env_cls
         tasks = env_cls.make_tasks("train", 10, seed=0)
         assert all(t.metadata["entry"]["metadata"]["num_animals"] == 1 for t in tasks)
+    finally:
+        ENVS["reasoning_gym/leg_counting"] = default
+
+
+@needs_rg
+def test_reasoning_gym_too_small_a_space_fails_fast_with_one_line():
+    default = ENVS["reasoning_gym/leg_counting"]
+    try:  # one animal: about 500 distinct questions
+        env_cls = reasoning_gym_env("leg_counting", min_animals=1, max_animals=1)
+        assert len({t.id for t in env_cls.make_tasks("heldout", 100, seed=0)}) == 100
+        with pytest.raises(ConfigError, match=r"^only 103 distinct heldout tasks exist \(7630 "
+                                              r"draws found no more\), 500 requested"):
+            env_cls.make_tasks("heldout", 500, seed=0)  # 500,000 draws before
     finally:
         ENVS["reasoning_gym/leg_counting"] = default
 
@@ -164,7 +202,7 @@ def test_guess_number_short_training_run(tmp_path):
         "model.build.corpus_tasks=40", "sft.tasks=40", "sft.epochs=1", "sft.batch_size=8",
         "rl.steps=2", "rl.tasks_per_step=2", "rl.group_size=2", "eval.tasks=8",
         "sampling.max_new_tokens=8", "logging.progress=false", "logging.tensorboard=false",
-        f"output_dir={tmp_path}",
+        *RL_MOVES, f"output_dir={tmp_path}",
     ])  # fmt: skip
-    train(cfg)
-    assert (tmp_path / "summary.json").is_file()
+    summary = train(cfg)
+    check_short_run(cfg, summary, TextActor)

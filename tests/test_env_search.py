@@ -10,7 +10,7 @@ import random
 from pathlib import Path
 
 import pytest
-from helpers import TINY_ENV_RUN, TextActor
+from helpers import RL_MOVES, TINY_ENV_RUN, TextActor, check_short_run
 
 from tiller.config import load_config
 from tiller.controller import train
@@ -128,8 +128,8 @@ def test_verifier_normalizes_but_is_exact():
 
 
 def test_short_training_run(tmp_path):
-    cfg = load_config(CONFIG, [*TINY_ENV_RUN, "model.build.corpus_tasks=50",
+    cfg = load_config(CONFIG, [*TINY_ENV_RUN, *RL_MOVES, "model.build.corpus_tasks=50",
                                "sampling.max_new_tokens=48", f"output_dir={tmp_path}"])
     summary = train(cfg)
-    assert (tmp_path / "summary.json").is_file()
     assert summary["sft"]["expert_success"] >= 0.5
+    check_short_run(cfg, summary, RandomSearch)

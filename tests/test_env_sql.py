@@ -8,7 +8,7 @@ import asyncio
 import json
 from pathlib import Path
 
-from helpers import TINY_ENV_RUN, TextActor
+from helpers import RL_MOVES, TINY_ENV_RUN, TextActor, check_short_run
 
 from tiller.config import load_config
 from tiller.controller import train
@@ -30,11 +30,11 @@ SQL_WORDS = ["SELECT", "UPDATE", "DELETE", "FROM", "WHERE", "SET", "employees", 
              "products", "*", "=", "1", "dept"]
 
 
-def RandomSql(turns=None):
+def RandomSql(turns=None, tok=TOK):
     def make_args(rng, junk):
         return {"sql": " ".join(rng.choice(SQL_WORDS) for _ in range(rng.randint(1, 8)))}
 
-    return TextActor(TOK, turns, tools=("query", "execute"), make_args=make_args,
+    return TextActor(tok, turns, tools=("query", "execute"), make_args=make_args,
                      finals=("{junk}", "Done."))
 
 
@@ -137,8 +137,8 @@ def test_query_is_read_only_and_rows_come_back_as_text():
 
 
 def test_short_training_run(tmp_path):
-    cfg = load_config(CONFIG, [*TINY_ENV_RUN, "model.build.corpus_tasks=50",
+    cfg = load_config(CONFIG, [*TINY_ENV_RUN, *RL_MOVES, "model.build.corpus_tasks=50",
                                f"output_dir={tmp_path}"])
     summary = train(cfg)
-    assert (tmp_path / "summary.json").is_file()
     assert summary["sft"]["expert_success"] >= 0.5
+    check_short_run(cfg, summary, lambda tok: RandomSql(tok=tok))

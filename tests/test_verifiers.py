@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import sys
 
 import pytest
 
+from tiller.config import ConfigError
 from tiller.envs import verifiers as v
 from tiller.tools.sandbox import Sandbox, SandboxLimits, SandboxOutcome, SandboxResult
 
@@ -92,6 +94,13 @@ def test_json_schema_valid():
     assert v.json_schema_valid({"n": 3}, schema)
     assert not v.json_schema_valid('{"n": "3"}', schema)
     assert not v.json_schema_valid("{n: 3}", schema)  # not JSON
+
+
+def test_json_schema_valid_names_its_extra_when_jsonschema_is_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "jsonschema", None)
+    with pytest.raises(ConfigError, match=r"^json_schema_valid needs the 'jsonschema' package, "
+                                          r"which is not installed: pip install 'tiller\[jsonsch"):
+        v.json_schema_valid("{}", {"type": "object"})
 
 
 def test_state_matches():

@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tiller.config import ConfigError, load_config
@@ -29,7 +30,8 @@ OutputDir = Annotated[Path | None, typer.Option("--output-dir", "-o", help="run 
 
 
 def _fail(message: str, code: int = 2) -> None:
-    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    # escaped: "pip install 'tiller[search]'" is not rich markup
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

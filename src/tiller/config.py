@@ -12,6 +12,7 @@ import importlib
 import inspect
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Literal
 
 import yaml
@@ -44,6 +45,15 @@ def import_dotted(path: str, field: str) -> Callable[..., Any]:
     if not callable(fn):
         raise ConfigError(f"config field {field}: got {path!r}; expected a callable")
     return fn
+def require_package(module: str, extra: str, needed_for: str, instead: str = "") -> ModuleType:
+    """Import an optional package, or stop with one line naming the pip extra that installs it
+    (`instead`: another way out, e.g. "set logging.wandb=false")."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        alternative = f" (or {instead})" if instead else ""
+        raise ConfigError(f"{needed_for} needs the {module!r} package, which is not installed: "
+                          f"pip install 'tiller[{extra}]'{alternative}") from e
 
 
 class _Section(BaseModel):

@@ -23,7 +23,7 @@ from tiller.observe.health import EnvErrorTrend
 from tiller.observe.metrics import progress
 from tiller.rollout.collect import rollout_metrics
 from tiller.rollout.trajectory import Status, Trajectory
-from tiller.run import Run
+from tiller.run import Run, rl_task_count
 from tiller.tools.executor import ToolReliabilityError
 from tiller.train.algorithms.kl import kl_beta_at
 from tiller.train.critic import Critic
@@ -96,8 +96,7 @@ def rl(run: Run) -> dict[str, Any]:
     """`rl.steps` steps of: fill the buffer with groups, train on them, push the weights."""
     cfg, alg, t0 = run.cfg.rl, run.cfg.rl.algorithm, time.perf_counter()
     run.trainer.set_optimizer(cfg.lr, cfg.weight_decay)
-    rounds = (alg.dynamic_sampling.max_rounds or 1) if alg.dynamic_sampling.enabled else 1
-    tasks = iter(run.tasks("train", max(cfg.steps * cfg.tasks_per_step * rounds, 1), 3))
+    tasks = iter(run.tasks("train", rl_task_count(run.cfg), 3))
     # kl.beta = 0 (or switched off from the start): no reference model exists or runs
     ref = (copy.deepcopy(run.model).to(run.dtype).eval()
            if kl_beta_at(0, alg.kl.beta, alg.kl.off_after) else None)

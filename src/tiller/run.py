@@ -16,11 +16,11 @@ import numpy as np
 import torch
 import yaml
 
-from tiller.config import Config, ConfigError
+from tiller.config import Config, ConfigError, require_package
 from tiller.envs import ENVS, Env, Task, ToolEnv
 from tiller.errors import RunError
 from tiller.models import build_env_model, load_model, load_tokenizer, resolve_device
-from tiller.observe.metrics import MetricsLogger
+from tiller.observe.metrics import MetricsLogger, check_backends
 from tiller.rollout.agent_loop import (
     EngineActor,
     EpisodeLimits,
@@ -41,7 +41,35 @@ def get_env(name: str) -> type[Env]:
     if name not in ENVS:
         raise ConfigError(f"config field env.name: unknown env {name!r}; "
                           f"choose one of: {', '.join(sorted(ENVS))}")
+    for module, extra in ENVS[name].requires.items():
+        require_package(module, extra, f"env.name={name}")
     return ENVS[name]
+
+
+def rl_task_count(cfg: Config) -> int:
+    """Train tasks RL draws: dynamic sampling may take up to max_rounds times a plain run's."""
+    alg = cfg.rl.algorithm
+    rounds = (alg.dynamic_sampling.max_rounds or 1) if alg.dynamic_sampling.enabled else 1
+    return max(cfg.rl.steps * cfg.rl.tasks_per_step * rounds, 1)
+
+
+def check_task_counts(cfg: Config, env_cls: type[Env]) -> None:
+    """Every task list the run will draw fits the env's task space, checked before any work:
+    drawing more distinct tasks than exist would otherwise fail only after the model build."""
+    d = cfg.env.difficulty
+    wants = [("eval.tasks", "heldout", cfg.eval.tasks)]
+    if cfg.model.build is not None:
+        wants.append(("model.build.corpus_tasks", "train", cfg.model.build.corpus_tasks))
+    if cfg.sft.enabled:
+        wants.append(("sft.tasks", "train", cfg.sft.tasks))
+    if cfg.rl.steps > 0:
+        wants.append(("rl.steps × rl.tasks_per_step", "train", rl_task_count(cfg)))
+    for field, split, n in wants:
+        space = env_cls.task_space(split, d)
+        if space is not None and n > space:
+            raise ConfigError(f"config field {field}: got {n}; env {env_cls.name} has only "
+                              f"{space} {split} tasks at env.difficulty={d}: ask for at most "
+                              f"{space} or pick an env.difficulty with more")
 
 
 class Run:
@@ -51,6 +79,8 @@ class Run:
     def __init__(self, cfg: Config, output_dir: str | Path | None = None):
         self.cfg = cfg
         self.env_cls = get_env(cfg.env.name)
+        check_backends(cfg.logging.tensorboard, cfg.logging.wandb)
+        check_task_counts(cfg, self.env_cls)
         self.episode_fn = load_episode_fn(cfg.agent.loop)
         self.key_steps = load_key_steps(cfg.rl.algorithm.credit.key_steps)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import random
 import re
@@ -22,8 +23,9 @@ from collections.abc import Callable, Iterator
 from functools import cache
 from typing import Any, ClassVar
 
+from tiller.config import require_package
 from tiller.envs.base import Env, StepResult, Task, ToolEnv, register_env
-from tiller.envs.splits import draw_split, stable_id
+from tiller.envs.splits import draw_split, split_size, stable_id
 from tiller.envs.verifiers import Reward, all_of, extract_tagged
 from tiller.rollout.chat import ParsedTurn
 
@@ -33,6 +35,8 @@ try:  # the game subclasses gymnasium.Env when it is installed; the adapter only
     _GymBase: type = gymnasium.Env
 except ImportError:  # pragma: no cover - exercised only without the `gym` extra
     gymnasium, _GymBase = None, object
+
+logger = logging.getLogger(__name__)
 
 # ---- reasoning-gym ---------------------------------------------------------------------------
 
@@ -63,6 +67,7 @@ class ReasoningGymEnv(ToolEnv):
     """One reasoning-gym dataset; make a registered subclass with `reasoning_gym_env(name)`."""
 
     name: ClassVar[str] = "reasoning_gym"
+    requires = {"reasoning_gym": "reasoning"}
     dataset: ClassVar[str] = "basic_arithmetic"
     config: ClassVar[dict[str, Any]] = {}
 
@@ -72,7 +77,7 @@ class ReasoningGymEnv(ToolEnv):
     @classmethod
     def make_tasks(cls, split: str, n: int, seed: int, difficulty: int = 1,
                    heldout_fraction: float = 0.2) -> list[Task]:  # type: ignore[override]
-        import reasoning_gym
+        reasoning_gym = require_package("reasoning_gym", "reasoning", f"env {cls.name}")
 
         def entries() -> Iterator[dict[str, Any]]:
             for chunk in range(1_000_000):  # chunks of the dataset, each with its own seed
@@ -96,15 +101,20 @@ class ReasoningGymEnv(ToolEnv):
         return f"<answer>{task.answer}</answer>"
 
     async def verify(self, final: ParsedTurn | None) -> Reward:
+        """Gated on the format and a full score. A scorer that raises is the env's failure
+        (env_error, with the exception), not a 0 the policy would be trained on."""
         assert self.task is not None
         answer = extract_tagged(final.content) if final is not None else None
-        score, meta = 0.0, self.task.metadata
-        if answer is not None:
-            try:
-                score = float(_scorer(meta["dataset"])(answer, meta["entry"]))
-            except Exception:  # a scorer choking on a strange answer: the answer is wrong
-                score = 0.0
-        return all_of(format_ok=answer is not None, score=score)
+        if answer is None:
+            return all_of(format_ok=False, score=0.0)
+        meta = self.task.metadata
+        try:
+            score = float(_scorer(meta["dataset"])(answer, meta["entry"]))
+        except Exception as e:  # any scorer bug: recorded and logged below, never dropped
+            error = f"{meta['dataset']} scorer: {type(e).__name__}: {e}"
+            logger.warning("env_error on task %s: %s", self.task.id, error)
+            return Reward(0.0, {"format_ok": 1.0, "score": 0.0}, env_error=True, error=error)
+        return all_of(format_ok=True, score=score)
 
 
 def reasoning_gym_env(dataset: str, **config: Any) -> type[ReasoningGymEnv]:
@@ -189,6 +199,8 @@ class GuessNumberGame(_GymBase):  # type: ignore[misc, valid-type]
     random too) with "Higher."/"Lower." feedback; reward 1 when right. There are enough tries
     for binary search plus one, so only a policy that uses the feedback wins reliably."""
 
+    LOWS = range(1, 1001)  # where the range may start
+
     def __init__(self, size: int = 100):
         self.size, self.max_tries = size, math.ceil(math.log2(size + 1)) + 1
         self.low, self.secret, self.tries = 1, 1, 0
@@ -199,12 +211,16 @@ class GuessNumberGame(_GymBase):  # type: ignore[misc, valid-type]
     def reset(self, *, seed: int | None = None,
               options: dict | None = None) -> tuple[str, dict[str, Any]]:
         rng = random.Random(seed)
-        self.low, self.tries = rng.randint(1, 1000), 0
+        self.low, self.tries = rng.choice(self.LOWS), 0
         high = self.low + self.size - 1
         self.secret = rng.randint(self.low, high)
         obs = (f"I'm thinking of a whole number from {self.low} to {high}. Guess it in at "
                f"most {self.max_tries} tries; reply with just the number.")
-        return obs, {"instance": f"{self.low}-{high}:{self.secret}"}
+        return obs, {"instance": self.instance(self.low, self.secret)}
+
+    def instance(self, low: int, secret: int) -> str:
+        """What a game is: its range and its secret."""
+        return f"{low}-{low + self.size - 1}:{secret}"
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         self.tries += 1
@@ -243,3 +259,13 @@ class GuessNumberEnv(GymTextEnv):
     system = "Play the game. Reply to each message with your next move only."
     make_env = staticmethod(lambda difficulty: GuessNumberGame(size=10 * 2**difficulty))
     expert_turn = staticmethod(_binary_search_turn)
+
+    @staticmethod
+    def task_space(split: str, difficulty: int, heldout_fraction: float = 0.2) -> int:
+        """Distinct games of `split`: 1000 range starts times `size` secrets, counted by hash
+        up to 200,000 games, the expected share beyond."""
+        game = GuessNumberEnv.make_env(difficulty)
+        if len(game.LOWS) * game.size > 200_000:
+            return split_size(len(game.LOWS) * game.size, split, heldout_fraction)
+        keys = (game.instance(low, low + i) for low in game.LOWS for i in range(game.size))
+        return split_size(keys, split, heldout_fraction)

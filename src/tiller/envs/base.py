@@ -40,6 +40,9 @@ class Env(ABC):
     """One episode at a time: `reset`, then `step` until done, then `close`."""
 
     name: ClassVar[str]
+    requires: ClassVar[dict[str, str]] = {}
+    """Optional packages the env imports -> the pip extra that installs each (checked at
+    start-up, so a missing one is one line, not a traceback minutes in)."""
 
     @abstractmethod
     async def reset(self, task: Task, seed: int) -> list[dict[str, Any]]:
@@ -63,6 +66,13 @@ class Env(ABC):
     @abstractmethod
     def make_tasks(split: str, n: int, seed: int, difficulty: int) -> list[Task]:
         """`n` distinct tasks of `split` ("train" or "heldout"); the splits never overlap."""
+
+    @staticmethod
+    def task_space(split: str, difficulty: int, heldout_fraction: float = 0.2) -> int | None:
+        """How many distinct tasks of `split` exist at `difficulty` (counted, or the expected
+        share of a space too big to list); None when unknown. A run checks every task count
+        it will ask `make_tasks` for against it before any work."""
+        return None
 
     @staticmethod
     @abstractmethod

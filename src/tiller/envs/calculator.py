@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiller.envs.base import Task, ToolEnv, register_env
-from tiller.envs.splits import check_split, split_of, stable_id
+from tiller.envs.splits import Patience, check_split, split_of, split_size, stable_id
 from tiller.envs.verifiers import Reward, all_of
 from tiller.rollout.chat import ParsedTurn
 from tiller.tools.registry import ToolError, tool
@@ -29,6 +29,9 @@ SYSTEM = (
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 _BINARY = re.compile(r"^\s*(-?\d+)\s*([-+*])\s*(-?\d+)\s*$")
 _ANSWER = re.compile(r"answer is\s+(-?\d+)\s*\.?\s*$", re.IGNORECASE)
+# The numbers a problem draws from: two factors, then per step an addend/subtrahend or a
+# multiplier. `task_space` counts problems from the same ranges.
+_FACTORS, _TERMS, _MULTIPLIERS = range(11, 100), range(10, 1000), range(2, 10)
 _NAMES = ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun"]
 _ITEMS = ["marbles", "stamps", "coins", "shells", "cards", "beads", "pens", "apples"]
 _CONTAINERS = ["bags", "boxes", "jars", "crates", "tins", "trays"]
@@ -76,8 +79,8 @@ def _draw(rng: random.Random, difficulty: int) -> Problem:
     steps = []
     for _ in range(n_ops - 1):
         op = rng.choice("+-*")
-        steps.append((op, rng.randint(2, 9) if op == "*" else rng.randint(10, 999)))
-    return Problem(rng.randint(11, 99), rng.randint(11, 99), tuple(steps))
+        steps.append((op, rng.choice(_MULTIPLIERS if op == "*" else _TERMS)))
+    return Problem(rng.choice(_FACTORS), rng.choice(_FACTORS), tuple(steps))
 
 
 def _text(problem: Problem, rng: random.Random) -> str:
@@ -95,9 +98,12 @@ def make_tasks(
     check_split(split)
     rng = random.Random(f"calculator/{split}/{seed}/{difficulty}")
     tasks: dict[str, Task] = {}
+    patience = Patience(split, n)  # difficulty 1 has only 89² problems
     while len(tasks) < n:
         problem = _draw(rng, difficulty)
-        if split_of(problem.key(), heldout_fraction) != split or problem.key() in tasks:
+        new = split_of(problem.key(), heldout_fraction) == split and problem.key() not in tasks
+        patience.record(new)
+        if not new:
             continue
         tasks[problem.key()] = Task(
             id=stable_id("calc", problem.key()),
@@ -108,6 +114,17 @@ def make_tasks(
             metadata={"problem": problem},
         )
     return list(tasks.values())
+
+
+def task_space(split: str, difficulty: int, heldout_fraction: float = 0.2) -> int:
+    """Distinct problems of `split`: the 89² one-operation ones are counted (split by hash),
+    beyond difficulty 1 there are 89²·Σ_{k<d} 1988^k (millions), so their expected share."""
+    if difficulty == 1:
+        keys = (Problem(a, b, ()).key() for a in _FACTORS for b in _FACTORS)
+        return split_size(keys, split, heldout_fraction)
+    per_step = 2 * len(_TERMS) + len(_MULTIPLIERS)  # + and - take a term, * a multiplier
+    total = len(_FACTORS) ** 2 * sum(per_step**k for k in range(difficulty))
+    return split_size(total, split, heldout_fraction)
 
 
 def expert_turn(task: Task, messages: list[dict[str, Any]], rng: random.Random,
@@ -147,6 +164,7 @@ class CalculatorEnv(ToolEnv):
     name = "calculator"
 
     make_tasks = staticmethod(make_tasks)
+    task_space = staticmethod(task_space)
     expert_turn = staticmethod(expert_turn)
 
     def __init__(self, **kwargs: Any):

@@ -11,13 +11,14 @@ compares). The policy may try code with `run_python`; its final answer holds `so
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from dataclasses import replace
 from typing import Any
 
 from tiller.envs.base import Task, ToolEnv, register_env
-from tiller.envs.splits import draw_split, stable_id
+from tiller.envs.splits import draw_split, split_size, stable_id
 from tiller.envs.verifiers import Reward, all_of, extract_code_block, run_unit_tests
 from tiller.rollout.chat import ParsedTurn
 from tiller.tools.registry import tool
@@ -27,18 +28,19 @@ SYSTEM = (
     "Write the Python function the user asks for. You may test code with run_python. "
     "End with the complete function in one ```python code block."
 )
-# (english with {p}, python line with {p}, how to draw p) per step; the line rebinds xs or s.
+# (english with {p}, python line with {p}, the values p is drawn from) per step; the line
+# rebinds xs or s.
 _LIST_STEPS = {
     "keep_gt": ("keep only the elements greater than {p}",
-                "xs = [x for x in xs if x > {p}]", lambda r: r.randint(-5, 10)),
+                "xs = [x for x in xs if x > {p}]", range(-5, 11)),
     "keep_mult": ("keep only the elements divisible by {p}",
-                  "xs = [x for x in xs if x % {p} == 0]", lambda r: r.randint(2, 5)),
+                  "xs = [x for x in xs if x % {p} == 0]", range(2, 6)),
     "mul": ("multiply every element by {p}", "xs = [x * {p} for x in xs]",
-            lambda r: r.randint(2, 5)),
-    "add": ("add {p} to every element", "xs = [x + {p} for x in xs]", lambda r: r.randint(-9, 9)),
+            range(2, 6)),
+    "add": ("add {p} to every element", "xs = [x + {p} for x in xs]", range(-9, 10)),
     "abs": ("replace every element by its absolute value", "xs = [abs(x) for x in xs]", None),
     "largest": ("keep only the {p} largest elements, largest first (all if fewer)",
-                "xs = sorted(xs, reverse=True)[:{p}]", lambda r: r.randint(1, 4)),
+                "xs = sorted(xs, reverse=True)[:{p}]", range(1, 5)),
     "reverse": ("reverse the order of the elements", "xs = xs[::-1]", None),
     "dedupe": ("drop repeated values, keeping each first occurrence",
                "xs = list(dict.fromkeys(xs))", None),
@@ -52,12 +54,12 @@ _LIST_FINALS = {
 _STR_STEPS = {
     "upper": ("convert it to upper case", "s = s.upper()", None),
     "reverse": ("reverse it", "s = s[::-1]", None),
-    "remove": ("remove every {p!r}", "s = s.replace({p!r}, '')", lambda r: r.choice("aeiost")),
+    "remove": ("remove every {p!r}", "s = s.replace({p!r}, '')", "aeiost"),
     "caesar": ("shift every lowercase letter {p} places forward in the alphabet, z wrapping to a",
                "s = ''.join(chr((ord(c) - 97 + {p}) % 26 + 97) if 'a' <= c <= 'z' else c "
-               "for c in s)", lambda r: r.randint(1, 25)),
+               "for c in s)", range(1, 26)),
     "rotate": ("move its first {p} characters to the end (unchanged if shorter)",
-               "s = s[{p}:] + s[:{p}] if len(s) >= {p} else s", lambda r: r.randint(1, 4)),
+               "s = s[{p}:] + s[:{p}] if len(s) >= {p} else s", range(1, 5)),
     "no_digits": ("remove all digits", "s = ''.join(c for c in s if not c.isdigit())", None),
     "squeeze": ("collapse each run of equal characters into one",
                 "s = ''.join(c for i, c in enumerate(s) if i == 0 or c != s[i - 1])", None),
@@ -78,8 +80,8 @@ def _draw(rng: random.Random, difficulty: int) -> tuple[str, tuple, str]:
     steps = []
     for _ in range(rng.randint(1, difficulty)):
         name = rng.choice(sorted(steps_table))
-        draw_p = steps_table[name][2]
-        steps.append((name, draw_p(rng) if draw_p else None))
+        values = steps_table[name][2]
+        steps.append((name, rng.choice(values) if values else None))
     return family, tuple(steps), rng.choice(sorted(finals))
 
 
@@ -133,6 +135,25 @@ def make_tasks(split: str, n: int, seed: int, difficulty: int = 2,
     return tasks
 
 
+def task_space(split: str, difficulty: int, heldout_fraction: float = 0.2) -> int:
+    """Distinct specs of `split`: per family Σ_{k=1..d} (step variants)^k · finals (317 at
+    difficulty 1), counted by hash up to difficulty 2, the expected share beyond."""
+    def variants(table: dict) -> list[tuple[str, Any]]:
+        return [(name, p) for name, (_, _, values) in sorted(table.items())
+                for p in (values or [None])]
+
+    if difficulty <= 2:
+        keys = (_key((family, steps, final))
+                for family, (table, finals, _, _) in sorted(_FAMILIES.items())
+                for k in range(1, difficulty + 1)
+                for steps in itertools.product(variants(table), repeat=k)
+                for final in sorted(finals))
+        return split_size(keys, split, heldout_fraction)
+    total = sum(len(variants(table)) ** k * len(finals)
+                for table, finals, _, _ in _FAMILIES.values() for k in range(1, difficulty + 1))
+    return split_size(total, split, heldout_fraction)
+
+
 def expert_turn(task: Task, messages: list[dict[str, Any]], rng: random.Random,
                 guess_prob: float = 0.0) -> str:
     """Try the reference once with run_python, then answer with it. With `guess_prob` it
@@ -153,6 +174,7 @@ class CodeEnv(ToolEnv):
     name = "code"
 
     make_tasks = staticmethod(make_tasks)
+    task_space = staticmethod(task_space)
     expert_turn = staticmethod(expert_turn)
 
     def __init__(self, sandbox: Sandbox | None = None, **kwargs: Any):

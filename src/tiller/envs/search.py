@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from tiller.config import require_package
 from tiller.envs.base import Task, ToolEnv, register_env
-from tiller.envs.splits import draw_split, stable_id
+from tiller.envs.splits import draw_split, split_size, stable_id
 from tiller.envs.verifiers import Reward, all_of, extract_answer_is, normalized_match
 from tiller.rollout.chat import ParsedTurn
 from tiller.tools.registry import ToolError, tool
@@ -68,7 +69,7 @@ def _names(rng: random.Random, n: int, used: set[str]) -> list[str]:
 @cache
 def world(seed: int = WORLD_SEED, n_countries: int = 200) -> World:
     """The corpus and its BM25 index, built once per process (deterministic from `seed`)."""
-    import bm25s  # optional: pip install 'tiller[search]'
+    bm25s = require_package("bm25s", "search", "env search")
 
     rng = random.Random(f"search-world/{seed}")
     used = set(bm25s.stopwords.STOPWORDS_EN)  # a name must never be dropped from a query
@@ -108,13 +109,24 @@ def search_passages(w: World, query: str, k: int = TOP_K) -> list[str]:
     return [w.passages[d] for d, s in zip(docs[0], scores[0], strict=True) if s > 0]
 
 
-def _draw(rng: random.Random, difficulty: int, w: World) -> tuple[str, tuple[str, ...]]:
-    """An anchor and a chain of relations (a random walk, retried) with no shortcut: no passage
-    names two entities of the chain that are not neighbours in it (e.g. a teacher born in the
-    same town as the student would let "birthplace of the student" answer in one hop)."""
-    hops = rng.randint(min(difficulty, 2), min(difficulty, 3))
+def _hops(difficulty: int) -> range:
+    return range(min(difficulty, 2), min(difficulty, 3) + 1)
+
+
+def _no_shortcut(w: World, nodes: list[str]) -> bool:
+    """No entity repeats and no passage names two entities of the chain that are not
+    neighbours in it (e.g. a teacher born in the same town as the student would let
+    "birthplace of the student" answer in one hop)."""
+    return len(set(nodes)) == len(nodes) and not any(
+        w.mentions[a] & w.mentions[b] for i, a in enumerate(nodes) for b in nodes[i + 2 :])
+
+
+def _draw(rng: random.Random, difficulty: int, w: World,
+          max_tries: int = 10_000) -> tuple[str, tuple[str, ...]]:
+    """An anchor and a chain of relations with no shortcut: a random walk, retried."""
+    hops = rng.choice(_hops(difficulty))
     subjects = sorted({s for s, _ in w.facts})
-    while True:
+    for _ in range(max_tries):
         anchor = node = rng.choice(subjects)
         relations: list[str] = []
         while len(relations) < hops:
@@ -123,10 +135,9 @@ def _draw(rng: random.Random, difficulty: int, w: World) -> tuple[str, tuple[str
                 break
             relations.append(rng.choice(options))
             node = w.facts[(node, relations[-1])]
-        nodes = chain(w, anchor, tuple(relations)) if len(relations) == hops else []
-        if nodes and not any(w.mentions[a] & w.mentions[b] for i, a in enumerate(nodes)
-                             for b in nodes[i + 2 :]) and len(set(nodes)) == len(nodes):
+        if len(relations) == hops and _no_shortcut(w, chain(w, anchor, tuple(relations))):
             return anchor, tuple(relations)
+    raise RuntimeError(f"search: no {hops}-hop question without a shortcut in {max_tries} walks")
 
 
 def chain(w: World, anchor: str, relations: tuple[str, ...]) -> list[str]:
@@ -157,6 +168,23 @@ def make_tasks(split: str, n: int, seed: int, difficulty: int = 2,
             metadata={"anchor": anchor, "relations": relations, "chain": nodes},
         ))  # fmt: skip
     return tasks
+
+
+def task_space(split: str, difficulty: int, heldout_fraction: float = 0.2) -> int:
+    """Distinct questions of `split`: every chain of the world's facts with a hop count the
+    difficulty allows and no shortcut, counted (about 880 train ones at difficulty 2)."""
+    w = world()
+
+    def walks(node: str, hops: int) -> list[tuple[str, ...]]:
+        if hops == 0:
+            return [()]
+        return [(r, *rest) for r in _RELATIONS if (node, r) in w.facts
+                for rest in walks(w.facts[(node, r)], hops - 1)]
+
+    keys = (json.dumps((anchor, relations))
+            for anchor in sorted({s for s, _ in w.facts}) for hops in _hops(difficulty)
+            for relations in walks(anchor, hops) if _no_shortcut(w, chain(w, anchor, relations)))
+    return split_size(keys, split, heldout_fraction)
 
 
 def expert_turn(task: Task, messages: list[dict[str, Any]], rng: random.Random,
@@ -191,7 +219,9 @@ async def search(query: str) -> str:
 class SearchEnv(ToolEnv):
     name = "search"
 
+    requires = {"bm25s": "search"}
     make_tasks = staticmethod(make_tasks)
+    task_space = staticmethod(task_space)
     expert_turn = staticmethod(expert_turn)
 
     def __init__(self, **kwargs: Any):

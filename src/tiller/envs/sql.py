@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from tiller.envs.base import Task, ToolEnv, register_env
-from tiller.envs.splits import draw_split, stable_id
+from tiller.envs.splits import draw_split, split_size, stable_id
 from tiller.envs.verifiers import Reward, all_of, state_matches
 from tiller.rollout.chat import ParsedTurn
 from tiller.tools.registry import ToolError, tool
@@ -107,15 +107,19 @@ def _draw_change(rng: random.Random, db: sqlite3.Connection) -> tuple[str, str, 
             f"{look} WHERE price > {x}")
 
 
-def _draw(rng: random.Random, difficulty: int) -> tuple[int, tuple[tuple[str, str, str], ...]]:
+def _draw(rng: random.Random, difficulty: int,
+          max_tries: int = 1000) -> tuple[int, tuple[tuple[str, str, str], ...]]:
     db_seed, changes, k = rng.randrange(2**31), [], rng.randint(1, min(difficulty, 3))
     db = build_db(db_seed)
-    while len(changes) < k:
+    for _ in range(max_tries):
         change = _draw_change(rng, db)
         if change not in changes and db.execute(change[1]).rowcount > 0:  # must touch a row
             changes.append(change)
-    db.close()
-    return db_seed, tuple(changes)
+        if len(changes) == k:
+            db.close()
+            return db_seed, tuple(changes)
+    raise RuntimeError(f"sql: database {db_seed} gave only {len(changes)} of {k} distinct "
+                       f"changes that touch a row in {max_tries} draws")
 
 
 def snapshot(db: sqlite3.Connection) -> dict[str, list[Any]]:
@@ -147,6 +151,11 @@ def make_tasks(split: str, n: int, seed: int, difficulty: int = 2,
                      x[0] if i == 0 else x[0][0].lower() + x[0][1:] for i, x in enumerate(c)),
                  answer=[x[1] for x in c], metadata={"db_seed": s, "changes": c})
             for s, c in drawn]  # fmt: skip
+
+
+def task_space(split: str, difficulty: int, heldout_fraction: float = 0.2) -> int:
+    """At least the expected share of the 2^31 database seeds (each task has its own)."""
+    return split_size(2**31, split, heldout_fraction)
 
 
 def expert_turn(task: Task, messages: list[dict[str, Any]], rng: random.Random,
@@ -192,6 +201,7 @@ class SqlEnv(ToolEnv):
     name = "sql"
 
     make_tasks = staticmethod(make_tasks)
+    task_space = staticmethod(task_space)
     expert_turn = staticmethod(expert_turn)
 
     def __init__(self, **kwargs: Any):

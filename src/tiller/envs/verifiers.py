@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiller.config import require_package
 from tiller.tools.sandbox import Sandbox, SandboxLimits, SandboxOutcome
 
 
@@ -37,6 +38,7 @@ class Reward:
     checks: Mapping[str, float] = field(default_factory=dict)
     turn_rewards: tuple[float, ...] | None = None
     env_error: bool = False
+    error: str | None = None  # with env_error: what broke (e.g. the scorer's exception)
 
 
 # ---- combinators -------------------------------------------------------------------------
@@ -155,7 +157,7 @@ def regex_match(answer: str | None, pattern: str | re.Pattern[str], flags: int =
 
 def json_schema_valid(answer: str | Any, schema: Mapping[str, Any]) -> bool:
     """The answer (JSON text, or an already parsed value) is valid under `schema`."""
-    import jsonschema  # optional: pip install 'tiller[jsonschema]'
+    jsonschema = require_package("jsonschema", "jsonschema", "json_schema_valid")
 
     if isinstance(answer, str):
         try:

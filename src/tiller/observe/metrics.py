@@ -10,6 +10,18 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from tiller.config import require_package
+
+
+def check_backends(tensorboard: bool, wandb: bool) -> None:
+    """A logging backend the config turns on must be installed: one line at start-up if not,
+    rather than a run that silently logs nowhere."""
+    if tensorboard:
+        require_package("tensorboard", "tensorboard", "logging.tensorboard=true",
+                        instead="set logging.tensorboard=false")
+    if wandb:
+        require_package("wandb", "wandb", "logging.wandb=true", instead="set logging.wandb=false")
+
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, tensorboard: bool = True, wandb: bool = False,
@@ -18,13 +30,11 @@ class MetricsLogger:
         self._file = self.path.open("a")
         self._tb = None
         self._wandb = None
+        check_backends(tensorboard, wandb)
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # the tensorboard extra is not installed
-                SummaryWriter = None
-            if SummaryWriter is not None:
-                self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
         if wandb:
             import wandb as wb
 
