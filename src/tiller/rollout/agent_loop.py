@@ -15,7 +15,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -150,7 +150,7 @@ async def run_episode(
                 reward = Reward(0.0, {"verifier_error": 1.0})
             if reward.env_error:  # the verifier says its own check could not run
                 counts["env_errors"] += 1
-                info.setdefault("error", "env.verify: the verifier reported env_error")
+                info.setdefault("error", f"env.verify: {reward.error or 'reported env_error'}")
     finally:
         try:
             await env.close()
@@ -159,7 +159,7 @@ async def run_episode(
             logger.warning("task %s sample %d: %s", task.id, sample_index, info["close_error"])
     if counts["env_errors"]:
         status = Status.ENV_ERROR
-        reward = Reward(reward.value, reward.checks, reward.turn_rewards, env_error=True)
+        reward = replace(reward, env_error=True)
     timings["total_s"] = time.perf_counter() - t0
     return traj.finish(reward, status, messages=messages, timings=timings, info=info, **counts)
 
