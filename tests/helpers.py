@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load_file
 
 from tiller.config import Config
-from tiller.controller import collect_expert
 from tiller.envs import ENVS
 from tiller.models import load_tokenizer
 from tiller.observe.evaluation import is_success
 from tiller.rollout.agent_loop import EpisodeLimits, run_episode
+from tiller.rollout.collect import collect_expert
 from tiller.rollout.engine import Generation
 
 # A whole pipeline (build, SFT, RL, eval) in seconds: for tests that check it runs, not learns.

@@ -10,12 +10,12 @@ import pytest
 from transformers import GenerationConfig
 
 from tiller.config import ConfigError, load_config
-from tiller.controller import Run
 from tiller.envs import ENVS
 from tiller.models import load_tokenizer
 from tiller.rollout.agent_loop import ExpertActor, run_episode
 from tiller.rollout.chat import CHAT_TEMPLATE, stop_token_ids
 from tiller.rollout.trajectory import Status
+from tiller.run import Run
 
 Calc = ENVS["calculator"]
 CONFIG = "configs/calculator.yaml"

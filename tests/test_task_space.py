@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from tiller.config import ConfigError, load_config
-from tiller.controller import Run
 from tiller.envs import ENVS
 from tiller.envs.splits import draw_split, split_of, split_size
+from tiller.run import Run
 
 
 def test_draw_split_gives_up_fast_when_the_space_runs_out():
