@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 from helpers import TINY_RUN
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from typer.testing import CliRunner
 
 from tiller.cli import app
@@ -17,7 +18,7 @@ from tiller.controller import rl, train
 from tiller.envs.verifiers import Reward
 from tiller.errors import RunError
 from tiller.observe.health import EnvErrorTrend
-from tiller.rollout.collect import rollout_metrics
+from tiller.rollout.collect import check_aborted, rollout_metrics
 from tiller.rollout.trajectory import Status, Trajectory
 from tiller.run import Run
 
@@ -56,14 +57,25 @@ def test_all_aborted_under_a_permissive_threshold_is_nothing_to_train(calc_sft_d
         rl(run)
 
 
-def test_aborted_episodes_are_counted_in_the_rollout_metrics():
-    def traj(status):
-        return Trajectory("t", 0, (1, 2), (0, 1), (0.0, 0.0), 1, ((1, 2),), (0,), (),
-                          Reward(0.0), status)
+def traj(status, error=""):
+    return Trajectory("t", 0, (1, 2), (0, 1), (0.0, 0.0), 1, ((1, 2),), (0,), (),
+                      Reward(0.0), status, info={"error": error} if error else {})
 
+
+def test_aborted_episodes_are_counted_in_the_rollout_metrics():
     m = rollout_metrics([traj(Status.ABORTED), traj(Status.COMPLETED), traj(Status.ABORTED),
                          traj(Status.ENV_ERROR)])
     assert (m["aborted_rate"], m["env_error_rate"]) == (0.5, 0.25)
+
+
+def test_the_aborted_threshold_is_a_strict_share_and_names_the_first_error():
+    one = [traj(Status.ABORTED, "engine: boom")] + [traj(Status.COMPLETED)] * 7
+    check_aborted(one, 0.125, "rl/3")  # 1 of 8 is not more than 0.125
+    two = [traj(Status.COMPLETED), traj(Status.ABORTED, "engine: first"),
+           traj(Status.ABORTED, "engine: second")] + [traj(Status.COMPLETED)] * 5
+    with pytest.raises(RunError, match=r"^rl/3: 2 of 8 episodes aborted "
+                       r"\(rl.max_aborted_frac=0.125\); first error: engine: first$"):
+        check_aborted(two, 0.125, "rl/3")
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "constant"])
@@ -89,10 +101,21 @@ def test_unimportable_agent_loop_is_one_line(tmp_path):
 
 
 def test_metrics_share_one_monotonic_global_step(tmp_path):
-    train(load_config(CONFIG, [*TINY_RUN, "logging.tensorboard=false"]), tmp_path)
+    summary = train(load_config(CONFIG, TINY_RUN), tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows]
     assert steps == sorted(steps)
+    # TensorBoard gets the same steps, with the phase in the scalar's name
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("rl/reward_mean")] == [
+        r["step"] for r in rows if r["phase"] == "rl"]
+    assert [e.step for e in events.Scalars("sft/sft_loss")] == [
+        r["step"] for r in rows if r["phase"] == "sft"]
+    # the env_error trend is in every RL row and, per weight version, in the summary
+    assert all(r["env_error_rising"] == 0.0 for r in rows if r["phase"] == "rl")
+    sampled_at = {r["step"] - 1 for r in rows if r["phase"] == "rl"}  # sampled, then trained
+    assert set(summary["rl"]["env_error_rate_by_version"]) == sampled_at
     sft = [r for r in rows if r["phase"] == "sft"]
     rl_rows = [r for r in rows if r["phase"] == "rl"]
     # SFT: 64 demos at most / batch 32 -> 2 steps; RL: one optimizer step per RL step
@@ -111,8 +134,8 @@ def test_env_error_rate_per_version_warns_when_it_rises(caplog):
     trend = EnvErrorTrend(window=2, margin=0.05)
     with caplog.at_level(logging.WARNING, logger="tiller.observe.health"):
         for v, errors in enumerate([1, 1, 1, 1]):
-            assert trend.update(batch(v, errors))["env_error_rising"] == 0.0
-        m = trend.update(batch(4, 3))  # last two versions: 4/20 against 2/20 at the start
+            assert trend.update(batch(v, errors), v)["env_error_rising"] == 0.0
+        m = trend.update(batch(4, 3), 4)  # last two versions: 4/20 against 2/20 at the start
     assert m == {"env_error_rising": 1.0, "env_error_rate_first": 0.1,
                  "env_error_rate_recent": 0.2}
     assert trend.by_version() == {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.1, 4: 0.3}

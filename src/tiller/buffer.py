@@ -19,7 +19,8 @@ from tiller.rollout.trajectory import Status, Trajectory
 
 class DataBuffer:
     """`keep_env_errors` keeps env_error trajectories (to be trained at a reduced weight)
-    instead of dropping them; aborted ones are always dropped."""
+    instead of dropping them; aborted ones are always dropped, and so are trajectories with no
+    generated token (nothing to train on)."""
 
     def __init__(self, keep_env_errors: bool = False) -> None:
         self.groups: dict[str, list[Trajectory]] = defaultdict(list)
@@ -32,8 +33,10 @@ class DataBuffer:
             if env_failed or t.status is Status.ABORTED:
                 # the environment or engine failed: not evidence about the policy
                 self.ledger[f"dropped/{t.status.value}"] += 1
-                continue
-            self.groups[t.task_id].append(t)
+            elif t.num_generated == 0:  # e.g. a kept env_error whose reset failed
+                self.ledger["dropped/empty"] += 1
+            else:
+                self.groups[t.task_id].append(t)
 
     def zero_variance_groups(self, reward: Callable[[Trajectory], float]) -> list[str]:
         """Task ids of the buffered groups whose rewards are all equal (a group of one too):

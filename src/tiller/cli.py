@@ -16,8 +16,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from tiller.config import ConfigError, load_config
-from tiller.errors import RunError
+from tiller.config import load_config
+from tiller.errors import ConfigError, RunError
 from tiller.models import ModelLoadError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,

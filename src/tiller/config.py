@@ -8,11 +8,9 @@ same validation.
 from __future__ import annotations
 
 import copy
-import importlib
 import inspect
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Literal
 
 import yaml
@@ -26,34 +24,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from tiller.errors import ConfigError, import_dotted, require_package  # noqa: F401 (re-exported)
 from tiller.tools.stack import ToolsConfig
-
-
-class ConfigError(Exception):
-    """A configuration that cannot be used; the message says which field and why."""
-
-
-def import_dotted(path: str, field: str) -> Callable[..., Any]:
-    """The callable at `package.module:name` (or `package.module.name`) that config `field`
-    names; a one-line ConfigError when it cannot be imported or is not callable."""
-    module, _, name = path.partition(":") if ":" in path else path.rpartition(".")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ConfigError(f"config field {field}: got {path!r}; cannot import it: "
-                          f"{type(e).__name__}: {e}") from e
-    if not callable(fn):
-        raise ConfigError(f"config field {field}: got {path!r}; expected a callable")
-    return fn
-def require_package(module: str, extra: str, needed_for: str, instead: str = "") -> ModuleType:
-    """Import an optional package, or stop with one line naming the pip extra that installs it
-    (`instead`: another way out, e.g. "set logging.wandb=false")."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        alternative = f" (or {instead})" if instead else ""
-        raise ConfigError(f"{needed_for} needs the {module!r} package, which is not installed: "
-                          f"pip install 'tiller[{extra}]'{alternative}") from e
 
 
 class _Section(BaseModel):

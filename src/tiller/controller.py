@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from tiller.buffer import DataBuffer, fill_groups
-from tiller.config import Config, ConfigError
-from tiller.errors import RunError
+from tiller.config import Config
+from tiller.errors import ConfigError, RunError
 from tiller.observe.evaluation import is_success, success_summary
 from tiller.observe.health import EnvErrorTrend
 from tiller.observe.metrics import progress
@@ -113,7 +113,7 @@ def rl(run: Run) -> dict[str, Any]:
             sampled, m = fill_groups(
                 buffer, lambda ts_, tag: run.episodes(ts_, cfg.group_size, params, tag), tasks,
                 cfg.tasks_per_step, alg.dynamic_sampling, reward, step)
-            m.update(rollout_metrics(sampled), **trend.update(sampled),
+            m.update(rollout_metrics(sampled), **trend.update(sampled, run.trainer.version),
                      rollout_s=time.perf_counter() - ts)
             kept, group_index = buffer.take_batch()
             if not kept:

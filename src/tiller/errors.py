@@ -1,6 +1,44 @@
-"""Errors a user can act on. Each message is one line: what went wrong and what to change."""
+"""Errors a user can act on, each one line: what went wrong and what to change. This module
+imports nothing from tiller, so every box can raise them without import cycles."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+
+class ConfigError(Exception):
+    """A configuration that cannot be used; the message says which field and why."""
 
 
 class RunError(RuntimeError):
     """The run cannot learn (a broken engine, a step with nothing to train, no demonstrations):
     it stops with one line naming the cause instead of finishing without learning."""
+
+
+def import_dotted(path: str, field: str) -> Callable[..., Any]:
+    """The callable at `package.module:name` (or `package.module.name`) that config `field`
+    names; a one-line ConfigError when it cannot be imported (whatever the import raised: a
+    syntax error in the user's module too) or is not callable."""
+    module, _, name = path.partition(":") if ":" in path else path.rpartition(".")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except Exception as e:  # the user's module may fail in any way while importing
+        raise ConfigError(f"config field {field}: got {path!r}; cannot import it: "
+                          f"{type(e).__name__}: {e}") from e
+    if not callable(fn):
+        raise ConfigError(f"config field {field}: got {path!r}; expected a callable")
+    return fn
+
+
+def require_package(module: str, extra: str, needed_for: str, instead: str = "") -> ModuleType:
+    """Import an optional package, or stop with one line naming the pip extra that installs it
+    (`instead`: another way out, e.g. "set logging.wandb=false")."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        alternative = f" (or {instead})" if instead else ""
+        raise ConfigError(f"{needed_for} needs the {module!r} package, which is not installed: "
+                          f"pip install 'tiller[{extra}]'{alternative}") from e

@@ -25,6 +25,7 @@ from transformers.utils import logging as hf_logging
 
 from tiller.config import BuildConfig
 from tiller.envs.base import Env
+from tiller.errors import ConfigError
 from tiller.rollout.agent_loop import EpisodeLimits
 from tiller.rollout.chat import CHAT_TEMPLATE, IM_END, SPECIAL_TOKENS
 from tiller.rollout.collect import collect_expert
@@ -59,8 +60,6 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 def resolve_device(name: str) -> torch.device:
     """`model.device`: auto = cuda when CUDA is available, else cpu; cuda without CUDA is a
     start-up error."""
-    from tiller.config import ConfigError
-
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import random
+import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -16,9 +17,9 @@ import numpy as np
 import torch
 import yaml
 
-from tiller.config import Config, ConfigError, require_package
+from tiller.config import Config
 from tiller.envs import ENVS, Env, Task, ToolEnv
-from tiller.errors import RunError
+from tiller.errors import ConfigError, require_package
 from tiller.models import build_env_model, load_model, load_tokenizer, resolve_device
 from tiller.observe.metrics import MetricsLogger, check_backends
 from tiller.rollout.agent_loop import (
@@ -28,9 +29,9 @@ from tiller.rollout.agent_loop import (
     load_episode_fn,
 )
 from tiller.rollout.chat import stop_token_ids
-from tiller.rollout.collect import collect, collect_expert, first_error
+from tiller.rollout.collect import check_aborted, collect, collect_expert
 from tiller.rollout.engine import EmbeddedEngine, SamplingParams
-from tiller.rollout.trajectory import Status, Trajectory
+from tiller.rollout.trajectory import Trajectory
 from tiller.tools.sandbox import set_unsafe_fallback
 from tiller.tools.stack import ToolStack
 from tiller.train.shaping import load_key_steps
@@ -97,6 +98,7 @@ class Run:
         self.tools = ToolStack(cfg.env.tools, self.dir)
         set_unsafe_fallback(cfg.env.tools.sandbox.allow_unsafe_fallback)
 
+        t0 = time.perf_counter()
         self.device = resolve_device(cfg.model.device)
         path = Path(cfg.model.path) if cfg.model.path is not None else build_env_model(
             self.env_cls, self.dir / "base_model", cfg.model.build, seed=cfg.seed,
@@ -107,6 +109,7 @@ class Run:
         self.dtype = getattr(torch, cfg.model.dtype)
         self.model = load_model(path, torch.float32).to(self.device)
         check_rollout_setup(self.tokenizer, self.model.config, self.limits)
+        self.timings["build_s"] = time.perf_counter() - t0
         self.trainer = Trainer(self.model, temperature=cfg.sampling.temperature or 1.0,
                                compute_dtype=self.dtype)
         self.engine = EmbeddedEngine(copy.deepcopy(self.model).to(self.dtype),
@@ -148,11 +151,7 @@ class Run:
             tasks, samples, EngineActor(self.engine, params), episode_fn=self.episode_fn,
             make_env=self.make_env, tokenizer=self.tokenizer, limits=self.limits,
             seed=self.cfg.seed, tag=tag, on_done=on_done))
-        aborted = sum(t.status is Status.ABORTED for t in trajs)
-        if aborted > self.cfg.rl.max_aborted_frac * len(trajs):
-            raise RunError(f"{'/'.join(map(str, tag))}: {aborted} of {len(trajs)} episodes "
-                           f"aborted (rl.max_aborted_frac={self.cfg.rl.max_aborted_frac}); "
-                           f"first error: {first_error(trajs)}")
+        check_aborted(trajs, self.cfg.rl.max_aborted_frac, "/".join(map(str, tag)))
         return trajs
 
     def expert(self, tasks: Sequence[Task], guess: float, tag: str) -> list[Trajectory]:

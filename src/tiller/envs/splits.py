@@ -13,7 +13,7 @@ import random
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
-from tiller.config import ConfigError
+from tiller.errors import ConfigError
 
 T = TypeVar("T")
 SPLITS = ("train", "heldout")

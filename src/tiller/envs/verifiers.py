@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiller.config import require_package
+from tiller.errors import require_package
 from tiller.tools.sandbox import Sandbox, SandboxLimits, SandboxOutcome
 
 

@@ -29,9 +29,11 @@ class EnvErrorTrend:
     def by_version(self) -> dict[int, float]:
         return {v: err / n for v, (err, n) in sorted(self.counts.items())}
 
-    def update(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    def update(self, trajectories: Sequence[Trajectory], version: int) -> dict[str, float]:
+        """Count `trajectories`; one that generated nothing (its reset failed) counts under
+        `version`, the weights current when it ran."""
         for t in trajectories:
-            c = self.counts[t.versions[0] if t.versions else -1]
+            c = self.counts[t.versions[0] if t.versions else version]
             c[0] += t.status is Status.ENV_ERROR
             c[1] += 1
         versions = sorted(self.counts)

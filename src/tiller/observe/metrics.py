@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from tiller.config import require_package
+from tiller.errors import require_package
 
 
 def check_backends(tensorboard: bool, wandb: bool) -> None:

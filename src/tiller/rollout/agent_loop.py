@@ -20,9 +20,9 @@ from typing import Any, Protocol
 
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from tiller.config import ConfigError, import_dotted
 from tiller.envs.base import Env, Task
 from tiller.envs.verifiers import Reward
+from tiller.errors import ConfigError, import_dotted
 from tiller.rollout.chat import ChatFormat, ParsedTurn, assistant_message, end_of_turn_token
 from tiller.rollout.engine import EmbeddedEngine, Generation, SamplingParams
 from tiller.rollout.trajectory import Status, Trajectory, TrajectoryBuilder
@@ -150,7 +150,8 @@ async def run_episode(
                 reward = Reward(0.0, {"verifier_error": 1.0})
             if reward.env_error:  # the verifier says its own check could not run
                 counts["env_errors"] += 1
-                info.setdefault("error", f"env.verify: {reward.error or 'reported env_error'}")
+                info.setdefault("error",
+                                f"env.verify: {reward.error or 'the verifier reported env_error'}")
     finally:
         try:
             await env.close()

@@ -19,7 +19,7 @@ from typing import Any
 from jinja2 import TemplateError
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from tiller.config import ConfigError
+from tiller.errors import ConfigError
 from tiller.tools.registry import ToolCall
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"

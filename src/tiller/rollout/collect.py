@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tiller.envs.base import Env, Task
+from tiller.errors import RunError
 from tiller.observe.evaluation import is_success
 from tiller.rollout.agent_loop import (
     Actor,
@@ -58,12 +59,15 @@ def collect_expert(env_cls: type[Env], tasks: Sequence[Task], tokenizer: Any, *,
     return asyncio.run(run_all())
 
 
-def first_error(trajectories: Sequence[Trajectory]) -> str | None:
-    """The error the loop recorded (`info["error"]`) in the first aborted episode."""
-    for t in trajectories:
-        if t.status is Status.ABORTED:
-            return str(t.info.get("error", "aborted without an error recorded"))
-    return None
+def check_aborted(trajectories: Sequence[Trajectory], max_frac: float, where: str) -> None:
+    """Stop the run (RunError, one line) when more than `max_frac` of the episodes aborted (the
+    engine or the loop failed: a broken engine cannot teach anything), naming the first error
+    the loop recorded (`info["error"]`)."""
+    aborted = [t for t in trajectories if t.status is Status.ABORTED]
+    if len(aborted) > max_frac * len(trajectories):
+        first = aborted[0].info.get("error", "aborted without an error recorded")
+        raise RunError(f"{where}: {len(aborted)} of {len(trajectories)} episodes aborted "
+                       f"(rl.max_aborted_frac={max_frac}); first error: {first}")
 
 
 def rollout_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:

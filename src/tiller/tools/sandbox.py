@@ -79,6 +79,8 @@ from functools import cache
 from pathlib import Path, PurePosixPath
 from typing import IO
 
+from tiller.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 _INBOX = "/inbox"  # where the code and files are bound (read-only) inside bwrap
@@ -173,9 +175,6 @@ class Sandbox:
             if allow_unsafe_fallback is None:
                 allow_unsafe_fallback = _fallback_allowed
             if problem and not allow_unsafe_fallback:
-                # imported here: tiller.config pulls in torch, which this module never needs
-                from tiller.config import ConfigError
-
                 raise ConfigError(
                     f"cannot sandbox model-written code: {problem}; install bubblewrap "
                     "(apt-get install bubblewrap) or set env.tools.sandbox.allow_unsafe_fallback"

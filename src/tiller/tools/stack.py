@@ -16,6 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tiller.errors import ConfigError
 from tiller.tools.executor import ExecutorConfig, Invoke, ProbeReport, ToolExecutor
 from tiller.tools.faults import FaultConfig, FaultInjector
 from tiller.tools.registry import ToolCall, ToolOutcome, ToolRegistry, ToolResult
@@ -117,8 +118,6 @@ class ToolStack:
 def _replay_path(path: Path, mode: str) -> Path:
     """The replay file, checked before any work: SQLite would fail on a missing folder with a
     traceback, and would quietly create an empty file to replay (every call a miss)."""
-    from tiller.config import ConfigError  # not at the top: tiller.config imports this module
-
     where = "config field env.tools.replay.path"
     if not path.parent.is_dir():
         raise ConfigError(f"{where}: got {str(path)!r}; the folder {str(path.parent)!r} does "

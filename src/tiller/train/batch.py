@@ -14,7 +14,6 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from tiller.config import ConfigError
 from tiller.rollout.trajectory import Trajectory
 
 
@@ -124,12 +123,11 @@ def minibatches(
     """The rows of each optimizer step (strided, so each step sees every group), their
     micro-batches, and the step's normalizers for the aggregation: every micro-batch divides by
     its optimizer batch's totals, so accumulation equals one big batch in every mode. The
-    policy and the critic walk the same partition. More steps than rows would leave some steps
-    empty (an optimizer step and a version with no data), so that is an error."""
+    policy and the critic walk the same partition. A batch with fewer rows than `mini_batches`
+    (filtering and dropped episodes shrink it) gets one step per row: never an empty step (an
+    optimizer step and a weight version with no data). The trainer logs the steps taken."""
     n = len(batch.input_ids)
-    if mini_batches > n:
-        raise ConfigError(f"config field rl.mini_batches: got {mini_batches}; this step's batch "
-                          f"has only {n} trajectories (one optimizer step needs at least one)")
+    mini_batches = min(mini_batches, n)
     out = []
     for i in range(mini_batches):
         mini = torch.arange(n)[i::mini_batches]

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from tiller.config import AlgorithmConfig, import_dotted
+from tiller.config import AlgorithmConfig
+from tiller.errors import import_dotted
 from tiller.rollout.trajectory import Status, Trajectory
 from tiller.train.algorithms.advantages import overlong_penalty
 from tiller.train.algorithms.credit import apply_key_steps

@@ -247,6 +247,7 @@ class Trainer:
             **_weight_stats(logp_old, batch.rollout_logprobs, mask, alg.tis_c),
             "loss": sums["loss"] / updates,
             "grad_norm": sums["grad_norm"] / updates,
+            "optimizer_steps": float(updates),
             "entropy": sums["entropy"] / seen,
             "clip_frac": sums["clipped"] / seen,
             "clip_frac_low": sums["clipped_low"] / seen,
