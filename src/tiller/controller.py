@@ -54,12 +54,12 @@ def sft(run: Run) -> dict[str, Any]:
     demos = run.expert(run.tasks("train", cfg.tasks, 2), cfg.imperfect_fraction, "sft")
     run.log("sft_demos", run.tools.stats(reset=True))
     demos = [d for d in demos if d.status is Status.COMPLETED]
-    with progress(run.cfg.logging.progress) as bars:
-        bar = bars.add_task("SFT", total=cfg.epochs * -(-len(demos) // cfg.batch_size), info="")
+    total = cfg.epochs * -(-len(demos) // cfg.batch_size)
+    with progress(run.cfg.logging.progress, "SFT", total) as advance:
 
         def on_step(step: int, m: dict[str, float]) -> None:
             run.log("sft", m, step)
-            bars.update(bar, advance=1, info=f"loss={m['sft_loss']:.3f}")
+            advance(f"loss={m['sft_loss']:.3f}")
 
         steps = train_sft(run.trainer, demos, cfg, run.tokenizer.pad_token_id, run.cfg.seed,
                           on_step)
@@ -73,13 +73,12 @@ def evaluate(run: Run, tasks: list, label: str) -> dict[str, float]:
     """Held-out success: eval.samples_per_task samples per task, pass@1 (= `success`) and,
     with eval.pass_k > 1, unbiased pass@k, each with a 95% bootstrap CI over tasks."""
     ev, t0 = run.cfg.eval, time.perf_counter()
-    with progress(run.cfg.logging.progress) as bars:
-        bar = bars.add_task(f"eval ({label})", total=len(tasks) * ev.samples_per_task, info="")
-        done: list[bool] = []
+    total, done = len(tasks) * ev.samples_per_task, []
+    with progress(run.cfg.logging.progress, f"eval ({label})", total) as advance:
 
         def tick(t: Trajectory) -> None:
             done.append(is_success(t))
-            bars.update(bar, advance=1, info=f"success={sum(done) / len(done):.2f}")
+            advance(f"success={sum(done) / len(done):.2f}")
 
         trajs = run.episodes(tasks, ev.samples_per_task, run.sampling(ev.temperature),
                              ("eval", label), tick)
@@ -104,8 +103,8 @@ def rl(run: Run) -> dict[str, Any]:
     buffer = DataBuffer(keep_env_errors=cfg.env_error_weight > 0)
     trend, params = EnvErrorTrend(), run.sampling(run.cfg.sampling.temperature)
     reward = lambda t: train_reward(t, alg, run.cfg.l_max, run.cfg.l_cache)  # noqa: E731
-    with progress(run.cfg.logging.progress) as bars:
-        bar = bars.add_task(f"RL ({alg.preset or alg.advantage})", total=cfg.steps, info="")
+    with progress(run.cfg.logging.progress, f"RL ({alg.preset or alg.advantage})",
+                  cfg.steps) as advance:
         for step in range(cfg.steps):
             ts = time.perf_counter()
             if kl_beta_at(step, alg.kl.beta, alg.kl.off_after) == 0:
@@ -128,9 +127,8 @@ def rl(run: Run) -> dict[str, Any]:
                      version=run.trainer.version)
             m.update({f"ledger/{k}": v for k, v in buffer.ledger.items()})
             run.log("rl", m, step + 1)
-            bars.update(bar, advance=1, info=(
-                f"reward={m['reward_mean']:.2f} success={m['success_rate']:.2f} "
-                f"zero_var={m['zero_variance_group_frac']:.2f}"))
+            advance(f"reward={m['reward_mean']:.2f} success={m['success_rate']:.2f} "
+                    f"zero_var={m['zero_variance_group_frac']:.2f}")
     run.timings["rl_s"] = time.perf_counter() - t0
     return {"ledger": dict(buffer.ledger), "env_error_rate_by_version": trend.by_version()}
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -65,13 +67,12 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def progress(enabled: bool = True) -> Progress:
-    """A progress bar whose `info` field shows live figures (reward, success, loss)."""
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[info]}"),
-        disable=not enabled,
-    )
+@contextmanager
+def progress(enabled: bool, description: str, total: int) -> Iterator[Callable[[str], None]]:
+    """A live progress bar for one phase; yields `advance(info)`, which moves it one step and
+    shows `info` (reward, success, loss) beside it."""
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), TextColumn("{task.fields[info]}"), disable=not enabled)
+    with bar:
+        task = bar.add_task(description, total=total, info="")
+        yield lambda info: bar.update(task, advance=1, info=info)
