@@ -57,6 +57,17 @@ def test_all_aborted_under_a_permissive_threshold_is_nothing_to_train(calc_sft_d
         rl(run)
 
 
+def test_flat_steps_are_skipped_until_max_idle_steps(calc_sft_dir, tmp_path):
+    # the one-step-SFT model never succeeds: under dynamic sampling every group is flat
+    cfg = from_sft(calc_sft_dir, "rl.steps=3", "rl.max_idle_steps=1",
+                   "rl.algorithm={preset: dapo}")
+    with pytest.raises(RunError, match=r"^rl step 2: nothing to train \(2 step\(s\) in a row\)"):
+        rl(Run(cfg, tmp_path))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    (first,) = [r for r in rows if r["phase"] == "rl"]
+    assert first["skipped"] == 1.0 and first["ledger/filtered/zero_variance"] == 24
+
+
 def traj(status, error=""):
     return Trajectory("t", 0, (1, 2), (0, 1), (0.0, 0.0), 1, ((1, 2),), (0,), (),
                       Reward(0.0), status, info={"error": error} if error else {})

@@ -385,6 +385,12 @@ class RLConfig(_Section):
         0.0, ge=0.0, le=1.0,
         description="0 drops env_error trajectories; w > 0 keeps them in their group with "
                     "their loss scaled by w (once: masks and normalizers are untouched)")
+    max_idle_steps: int = Field(
+        3, ge=0,
+        description="consecutive RL steps allowed with nothing to train because dynamic "
+                    "sampling filtered every group as zero-variance (each is skipped, logged "
+                    "`skipped` = 1, with a warning); one more stops the run. A step whose "
+                    "episodes were all dropped (env or engine failures) stops it at once")
     max_aborted_frac: float = Field(
         0.1, ge=0.0, le=1.0,
         description="fail the run when more than this share of a step's (or an eval's) "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ from tiller.train.algorithms.kl import kl_beta_at
 from tiller.train.critic import Critic
 from tiller.train.sft import train_sft
 from tiller.train.shaping import rl_batch, train_reward
+
+log = logging.getLogger(__name__)
 
 
 def gate(run: Run) -> dict[str, float]:
@@ -103,6 +106,7 @@ def rl(run: Run) -> dict[str, Any]:
     buffer = DataBuffer(keep_env_errors=cfg.env_error_weight > 0)
     trend, params = EnvErrorTrend(), run.sampling(run.cfg.sampling.temperature)
     reward = lambda t: train_reward(t, alg, run.cfg.l_max, run.cfg.l_cache)  # noqa: E731
+    idle = 0
     with progress(run.cfg.logging.progress, f"RL ({alg.preset or alg.advantage})",
                   cfg.steps) as advance:
         for step in range(cfg.steps):
@@ -115,16 +119,23 @@ def rl(run: Run) -> dict[str, Any]:
             m.update(rollout_metrics(sampled), **trend.update(sampled, run.trainer.version),
                      rollout_s=time.perf_counter() - ts)
             kept, group_index = buffer.take_batch()
-            if not kept:
-                raise RunError(f"rl step {step + 1}: nothing to train: every episode was "
-                               f"dropped or filtered (ledger: {dict(buffer.ledger)})")
-            batch, stats = rl_batch(kept, group_index, [reward(t) for t in kept],
-                                    run.tokenizer.pad_token_id, alg, cfg.env_error_weight,
-                                    run.key_steps, run.tokenizer)
-            m.update(stats, **run.trainer.rl_step(batch, cfg, run.cfg.l_max, ref, critic, step))
-            run.push_weights()
+            idle = 0 if kept else idle + 1
+            if not kept and (not m.get("groups_dropped") or idle > cfg.max_idle_steps):
+                raise RunError(f"rl step {step + 1}: nothing to train ({idle} step(s) in a row): "
+                               f"every episode was dropped or filtered (ledger: "
+                               f"{dict(buffer.ledger)}; rl.max_idle_steps={cfg.max_idle_steps})")
+            if not kept:  # every group was flat: no signal this step, which is not a failure
+                log.warning("rl step %d: every group had equal rewards; nothing to train, "
+                            "skipped (%d in a row)", step + 1, idle)
+            else:
+                batch, stats = rl_batch(kept, group_index, [reward(t) for t in kept],
+                                        run.tokenizer.pad_token_id, alg,
+                                        cfg.env_error_weight, run.key_steps, run.tokenizer)
+                m.update(stats, **run.trainer.rl_step(batch, cfg, run.cfg.l_max, ref, critic,
+                                                      step))
+                run.push_weights()
             m.update(run.tools.stats(reset=True), step_s=time.perf_counter() - ts,
-                     version=run.trainer.version)
+                     version=run.trainer.version, skipped=float(not kept))
             m.update({f"ledger/{k}": v for k, v in buffer.ledger.items()})
             run.log("rl", m, step + 1)
             advance(f"reward={m['reward_mean']:.2f} success={m['success_rate']:.2f} "
