@@ -150,7 +150,8 @@ async def run_episode(
                 reward = Reward(0.0, {"verifier_error": 1.0})
             if reward.env_error:  # the verifier says its own check could not run
                 counts["env_errors"] += 1
-                info.setdefault("error", f"env.verify: {reward.error or 'reported env_error'}")
+                why = reward.error or "the verifier reported env_error"
+                info.setdefault("error", f"env.verify: {why}")
     finally:
         try:
             await env.close()
