@@ -114,6 +114,16 @@ def test_many_unclosed_tags_parse_in_linear_time():
     assert turn.content == ""
 
 
+def test_nested_leftover_tags_are_removed_in_linear_time():
+    # each removed "<tool_call>" joins a "<tool_" and a "call>" into the next one: replacing
+    # until none is left takes one pass per layer, ~30 s for these 440 KB (0.1 s linear)
+    n = 40_000
+    start = time.perf_counter()
+    turn = parse_tool_calls("<tool_" * n + TOOL_CALL_OPEN + "call>" * n + "ok")
+    assert time.perf_counter() - start < 2.0
+    assert turn.content == "ok" and turn.tool_calls == [] and len(turn.parse_errors) == 1
+
+
 # Pieces the parser reacts to, so random text hits its branches rather than only plain text.
 _PIECES = st.sampled_from([
     TOOL_CALL_OPEN, TOOL_CALL_CLOSE, "<tool_", "call>", "</tool_", "<|im_end|>", "{", "}", "[",
