@@ -1,6 +1,6 @@
 import time
 
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from tiller.rollout.chat import (
@@ -138,12 +138,31 @@ _TEXT = st.one_of(
               st.sampled_from([TOOL_CALL_OPEN, "", "x"]), _PIECES | st.text(max_size=3),
               st.integers(0, 5000), st.sampled_from([TOOL_CALL_CLOSE, "", "<|im_end|>"])),
 )
+# The two ways json.loads raises other than JSONDecodeError, inside a call or inside its
+# string arguments: nesting past the recursion limit (RecursionError), and an integer of more
+# than 4300 digits (ValueError). (prefix, repeated unit, suffix) of a call body:
+_DEEP = st.sampled_from([("", "[", ""), ("", '{"a":', ""), ("", "{", ""),
+                         ('{"name":"a","arguments":"', "[", '"}'),
+                         ('{"name":"a","arguments":"', '{\\"a\\":', '"}')])
+_DIGITS = st.sampled_from([("", ""), ('{"name":"a","arguments":{"x":', "}}"),
+                           ('{"name":"a","arguments":"', '"}'), ("[", "]")])
+_CRASHERS = st.one_of(
+    st.builds(lambda part, n: TOOL_CALL_OPEN + part[0] + part[1] * n + part[2] + TOOL_CALL_CLOSE,
+              _DEEP, st.integers(1000, 5000)),
+    st.builds(lambda part, n: TOOL_CALL_OPEN + part[0] + "7" * n + part[1] + TOOL_CALL_CLOSE,
+              _DIGITS, st.integers(4300, 6000)),
+)
 _fuzzed = []
 
 
 @settings(max_examples=10_000, derandomize=True, deadline=None, database=None,
-          phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck))
-@given(_TEXT)
+          phases=[Phase.explicit, Phase.generate, Phase.shrink],
+          suppress_health_check=list(HealthCheck))
+@given(_TEXT | _CRASHERS)
+@example(TOOL_CALL_OPEN + "[" * 5000 + TOOL_CALL_CLOSE)
+@example(TOOL_CALL_OPEN + '{"name":"a","arguments":"' + "[" * 5000 + '"}' + TOOL_CALL_CLOSE)
+@example(TOOL_CALL_OPEN + "1" * 4301 + TOOL_CALL_CLOSE)
+@example(TOOL_CALL_OPEN + '{"name":"a","arguments":"' + "1" * 4301 + '"}' + TOOL_CALL_CLOSE)
 def _parse_never_raises(text):
     _fuzzed.append(1)
     turn = parse_tool_calls(text)
