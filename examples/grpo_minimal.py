@@ -23,6 +23,7 @@ from tiller.envs import ENVS
 from tiller.models import build_env_model, load_model, load_tokenizer
 from tiller.observe.evaluation import is_success
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits, run_episode
+from tiller.rollout.chat import stop_token_ids
 from tiller.rollout.collect import collect, collect_expert
 from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.rollout.weight_sync import WeightUpdate
@@ -64,7 +65,7 @@ class Args:
 
 def rollout(env_cls, engine, tok, tasks, samples, seed, tag, limits) -> list:
     params = SamplingParams(temperature=1.0, max_new_tokens=48,
-                            stop_token_ids=(tok.eos_token_id,))
+                            stop_token_ids=stop_token_ids(tok, engine.model.generation_config))
     return asyncio.run(collect(tasks, samples, EngineActor(engine, params),
                                episode_fn=run_episode, make_env=lambda *_: env_cls(),
                                tokenizer=tok, limits=limits, seed=seed, tag=tag))

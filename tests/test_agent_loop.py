@@ -2,11 +2,17 @@
 
 import asyncio
 
+import pytest
+
+from tiller.config import ConfigError
 from tiller.envs import ENVS
 from tiller.envs.verifiers import Reward
+from tiller.errors import RunError
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits, ExpertActor, run_episode
+from tiller.rollout.chat import CHAT_TEMPLATE
 from tiller.rollout.engine import EmbeddedEngine, Generation, SamplingParams
 from tiller.rollout.trajectory import Status
+from tiller.tools.registry import ToolOutcome, ToolResult
 from tiller.train.batch import Batch, token_logprobs
 
 Calc = ENVS["calculator"]
@@ -145,23 +151,29 @@ def test_expert_with_guesses_sometimes_skips_the_tool(tokenizer, limits):
 
 
 class FailingCalc(Calc):
-    """The calculator env with one part broken, and a record of whether close ran."""
+    """The calculator env with one part broken (raising `error`, or a default per part), and a
+    record of whether close ran."""
 
-    def __init__(self, broken: str = "", verify_env_error: bool = False):
-        super().__init__()
+    def __init__(self, broken: str = "", verify_env_error: bool = False,
+                 error: Exception | None = None, **kwargs):
+        super().__init__(**kwargs)
         self.broken, self.verify_env_error, self.closed = broken, verify_env_error, 0
+        self.error = error
+
+    def fail(self, part: str, default: Exception) -> None:
+        if self.broken == part:
+            raise self.error or default
 
     async def reset(self, task, seed):
-        if self.broken == "reset":
-            raise ConnectionError("sandbox did not start")
+        self.fail("reset", ConnectionError("sandbox did not start"))
         return await super().reset(task, seed)
 
     async def step(self, action):
-        if self.broken == "step":
-            raise OSError("tool server gone")
+        self.fail("step", OSError("tool server gone"))
         return await super().step(action)
 
     async def verify(self, final):
+        self.fail("verify", OSError("checker gone"))
         reward = await super().verify(final)
         if self.verify_env_error:  # what the code env answers when its sandbox fails
             return Reward(0.0, {"tests": 0.0}, env_error=True)
@@ -235,3 +247,104 @@ def test_an_engine_failure_aborts_the_episode_with_the_error_recorded(tokenizer,
     assert traj.status is Status.ABORTED and traj.num_turns == 1 and env.closed == 1
     assert traj.info["error"] == "engine: RuntimeError: CUDA error: device-side assert"
     assert all(m["role"] != "error" for m in traj.messages)  # messages stay renderable
+
+
+async def sandbox_down(call):
+    return ToolResult(call, ToolOutcome.ENV_ERROR, "sandbox down")
+
+
+def test_an_engine_failure_after_a_tool_env_error_is_aborted_not_env_error(tokenizer, limits):
+    # aborted wins: an env_error status would hide the engine failure from rl.max_aborted_frac
+    task = two_step_task()
+    env = FailingCalc(wrap=lambda registry: sandbox_down)
+    traj = run_with(env, Broken(tokenizer, task), tokenizer, limits, task)
+    assert traj.status is Status.ABORTED and traj.env_errors == 1 and traj.num_turns == 1
+    assert traj.info["error"] == "engine: RuntimeError: CUDA error: device-side assert"
+
+
+@pytest.mark.parametrize("part", ["reset", "step", "verify"])
+@pytest.mark.parametrize("error", [ConfigError("code sandbox: bwrap not found; install it"),
+                                   RunError("the tool server refuses this run")])
+def test_config_and_run_errors_in_the_env_stop_the_run(tokenizer, limits, part, error):
+    # fail-closed start-up problems are the run's, not one episode's env_error (success 0)
+    task = two_step_task()
+    env = FailingCalc(part, error=error)
+    with pytest.raises(type(error)) as raised:
+        run_with(env, ExpertActor(Calc, task, tokenizer), tokenizer, limits, task)
+    assert raised.value is error and env.closed == 1
+
+
+class BadShape:
+    """A custom actor whose generation has one logprob too few."""
+
+    async def act(self, prompt_ids, messages, seed):
+        return Generation([1, 2, 3], [0.0, 0.0], "stop", 0)
+
+
+class NoneContentCalc(FailingCalc):
+    """A calculator whose tool messages have no text (an env bug the template cannot render)."""
+
+    async def step(self, action):
+        result = await super().step(action)
+        for m in result.messages:
+            m["content"] = None
+        return result
+
+
+def test_loop_failures_abort_the_episode_instead_of_raising(tokenizer, limits):
+    task = two_step_task()
+    expert = ExpertActor(Calc, task, tokenizer)
+    raising = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    raising.chat_template = CHAT_TEMPLATE.replace(
+        "{%- elif m.role == 'tool' %}",
+        "{%- elif m.role == 'tool' %}{{ raise_exception('no tool role here') }}")
+    cases = [
+        (FailingCalc(), expert, raising, "chat template: TemplateError: no tool role here"),
+        (NoneContentCalc(), expert, tokenizer, "chat template: UndefinedError: "),
+        (FailingCalc(), BadShape(), tokenizer, "agent loop: ValueError: a generated turn needs "
+                                               "one logprob per id: got 3 ids and 2 logprobs"),
+    ]
+    for env, actor, tok, error in cases:
+        traj = run_with(env, actor, tok, limits, task)
+        assert traj.status is Status.ABORTED and env.closed == 1, error
+        assert traj.info["error"].startswith(error)
+
+
+class BadPrompt(FailingCalc):
+    async def reset(self, task, seed):
+        return [{"role": "user", "content": None}]
+
+
+def test_a_prompt_the_template_cannot_render_aborts_the_episode(tokenizer, limits):
+    task = two_step_task()
+    env = BadPrompt()
+    traj = run_with(env, ExpertActor(Calc, task, tokenizer), tokenizer, limits, task)
+    assert traj.status is Status.ABORTED and traj.token_ids == () and env.closed == 1
+    assert traj.info["error"].startswith("agent loop: UndefinedError: ")
+
+
+class EndsConversation:
+    """Answers correctly, but stops on <|endoftext|> (a generation_config eos, not the
+    template's end of turn) as a Qwen base model can."""
+
+    def __init__(self, tokenizer, task):
+        self.tokenizer, self.task, self.calls = tokenizer, task, 0
+
+    async def act(self, prompt_ids, messages, seed):
+        self.calls += 1
+        ids = self.tokenizer.encode(f"The answer is {self.task.answer}.<|endoftext|>",
+                                    add_special_tokens=False)
+        return Generation(ids, [0.0] * len(ids), "stop", 0)
+
+
+def test_a_stop_on_another_eos_ends_the_conversation(tokenizer, limits):
+    # the template has no turn after <|endoftext|>: continuing would append observations the
+    # chat template never renders, so the episode ends: completed, scored with no final answer
+    task = two_step_task()
+    actor = EndsConversation(tokenizer, task)
+    traj = run_with(FailingCalc(), actor, tokenizer, limits, task)
+    assert traj.status is Status.COMPLETED and actor.calls == 1 and traj.num_turns == 1
+    assert traj.reward.value == 0.0 and traj.info == {"ended_by": "<|endoftext|>"}
+    assert tokenizer.decode([traj.token_ids[-1]]) == "<|endoftext|>"
+    assert traj.messages[-1] == {"role": "assistant",
+                                 "content": f"The answer is {task.answer}."}

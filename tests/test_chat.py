@@ -1,6 +1,6 @@
 import time
 
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from tiller.rollout.chat import (
@@ -114,6 +114,16 @@ def test_many_unclosed_tags_parse_in_linear_time():
     assert turn.content == ""
 
 
+def test_nested_leftover_tags_are_removed_in_linear_time():
+    # each removed "<tool_call>" joins a "<tool_" and a "call>" into the next one: replacing
+    # until none is left takes one pass per layer, ~30 s for these 440 KB (0.1 s linear)
+    n = 40_000
+    start = time.perf_counter()
+    turn = parse_tool_calls("<tool_" * n + TOOL_CALL_OPEN + "call>" * n + "ok")
+    assert time.perf_counter() - start < 2.0
+    assert turn.content == "ok" and turn.tool_calls == [] and len(turn.parse_errors) == 1
+
+
 # Pieces the parser reacts to, so random text hits its branches rather than only plain text.
 _PIECES = st.sampled_from([
     TOOL_CALL_OPEN, TOOL_CALL_CLOSE, "<tool_", "call>", "</tool_", "<|im_end|>", "{", "}", "[",
@@ -128,12 +138,31 @@ _TEXT = st.one_of(
               st.sampled_from([TOOL_CALL_OPEN, "", "x"]), _PIECES | st.text(max_size=3),
               st.integers(0, 5000), st.sampled_from([TOOL_CALL_CLOSE, "", "<|im_end|>"])),
 )
+# The two ways json.loads raises other than JSONDecodeError, inside a call or inside its
+# string arguments: nesting past the recursion limit (RecursionError), and an integer of more
+# than 4300 digits (ValueError). (prefix, repeated unit, suffix) of a call body:
+_DEEP = st.sampled_from([("", "[", ""), ("", '{"a":', ""), ("", "{", ""),
+                         ('{"name":"a","arguments":"', "[", '"}'),
+                         ('{"name":"a","arguments":"', '{\\"a\\":', '"}')])
+_DIGITS = st.sampled_from([("", ""), ('{"name":"a","arguments":{"x":', "}}"),
+                           ('{"name":"a","arguments":"', '"}'), ("[", "]")])
+_CRASHERS = st.one_of(
+    st.builds(lambda part, n: TOOL_CALL_OPEN + part[0] + part[1] * n + part[2] + TOOL_CALL_CLOSE,
+              _DEEP, st.integers(1000, 5000)),
+    st.builds(lambda part, n: TOOL_CALL_OPEN + part[0] + "7" * n + part[1] + TOOL_CALL_CLOSE,
+              _DIGITS, st.integers(4300, 6000)),
+)
 _fuzzed = []
 
 
 @settings(max_examples=10_000, derandomize=True, deadline=None, database=None,
-          phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck))
-@given(_TEXT)
+          phases=[Phase.explicit, Phase.generate, Phase.shrink],
+          suppress_health_check=list(HealthCheck))
+@given(_TEXT | _CRASHERS)
+@example(TOOL_CALL_OPEN + "[" * 5000 + TOOL_CALL_CLOSE)
+@example(TOOL_CALL_OPEN + '{"name":"a","arguments":"' + "[" * 5000 + '"}' + TOOL_CALL_CLOSE)
+@example(TOOL_CALL_OPEN + "1" * 4301 + TOOL_CALL_CLOSE)
+@example(TOOL_CALL_OPEN + '{"name":"a","arguments":"' + "1" * 4301 + '"}' + TOOL_CALL_CLOSE)
 def _parse_never_raises(text):
     _fuzzed.append(1)
     turn = parse_tool_calls(text)

@@ -219,7 +219,7 @@ def test_generate_and_rl_step_on_cuda(calc_model_dir):
     model = load_model(calc_model_dir).to("cuda")
     engine = EmbeddedEngine(copy.deepcopy(model), 0)
     prompt = [3, 4, 5, 6]
-    params_ = SamplingParams(max_new_tokens=8)
+    params_ = SamplingParams(max_new_tokens=8, stop_token_ids=(-1,))  # sample all 8
     trajs = []
     for k in range(4):
         gen = asyncio.run(engine.generate(prompt, params_, seed=k))

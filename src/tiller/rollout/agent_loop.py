@@ -22,7 +22,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from tiller.envs.base import Env, Task
 from tiller.envs.verifiers import Reward
-from tiller.errors import ConfigError, import_dotted
+from tiller.errors import ConfigError, RunError, import_dotted
 from tiller.rollout.chat import ChatFormat, ParsedTurn, assistant_message, end_of_turn_token
 from tiller.rollout.engine import EmbeddedEngine, Generation, SamplingParams
 from tiller.rollout.trajectory import Status, Trajectory, TrajectoryBuilder
@@ -99,6 +99,11 @@ def check_rollout_setup(
                           "so use a chat template that is prefix-stable") from e
 
 
+# The run's own configuration or state is broken (a sandbox that refuses to start, fail-closed):
+# every episode would fail the same way, so these stop the run instead of scoring an episode.
+RUN_FAILURES = (ConfigError, RunError)
+
+
 def _error(e: BaseException, where: str) -> str:
     return f"{where}: {type(e).__name__}: {e}"
 
@@ -115,11 +120,16 @@ async def run_episode(
 ) -> Trajectory:
     """Run one episode and verify it; `env.close` always runs.
 
-    Never raises for what the policy, a tool, the env or the engine did; the status says what
-    happened and `info["error"]` why, when something failed:
-    COMPLETED (a final answer), TRUNCATED (turn limit, token budget or `max_new_tokens` first),
-    ABORTED (the engine failed, or the chat template broke prefix stability), ENV_ERROR
-    (reset, a step, a tool or the verifier failed, or the verifier reported `env_error`).
+    Never raises for what the policy, a tool, the env, the engine or the chat template did; the
+    status says what happened and `info["error"]` why, when something failed:
+    COMPLETED (a final answer, or the model ended the conversation with a stop token that is
+    not the end-of-turn token: then `info["ended_by"]` names it and the verifier scores no
+    final answer), TRUNCATED (turn limit, token budget or `max_new_tokens` first), ABORTED (the
+    engine or the loop failed: a chat template that raises or breaks prefix stability, a
+    generation with one logprob per id missing; it wins over ENV_ERROR, so that
+    `rl.max_aborted_frac` sees it), ENV_ERROR (reset, a step, a tool or the verifier failed,
+    or the verifier reported `env_error`). A `ConfigError` or `RunError` raised by the env or
+    the actor is the run's problem, not the episode's: it propagates (after `env.close`).
     """
     t0 = time.perf_counter()
     timings = {"generate_s": 0.0, "env_s": 0.0}
@@ -132,26 +142,36 @@ async def run_episode(
     try:
         try:
             messages = await env.reset(task, seed)
+        except RUN_FAILURES:
+            raise
         except Exception as e:  # the environment itself broke: nothing to verify
             counts["env_errors"] += 1
             info["error"] = _error(e, "env.reset")
             reward = Reward(0.0, {"reset_error": 1.0})
         else:
-            chat = ChatFormat(tokenizer, env.tool_schemas())
-            traj.append_prompt(chat.prompt_ids(messages))
-            final, status = await _turns(env, actor, chat, traj, messages, seed=seed,
-                                         limits=limits, counts=counts, info=info,
-                                         timings=timings)
+            try:
+                chat = ChatFormat(tokenizer, env.tool_schemas())
+                traj.append_prompt(chat.prompt_ids(messages))
+                final, status = await _turns(env, actor, chat, traj, messages, seed=seed,
+                                             limits=limits, counts=counts, info=info,
+                                             timings=timings)
+            except RUN_FAILURES:
+                raise
+            except Exception as e:  # the loop broke (template, tokenizer, a generation's shape)
+                info["error"] = _error(e, "agent loop")
+                status = Status.ABORTED
             try:
                 reward = await env.verify(final)
+            except RUN_FAILURES:
+                raise
             except Exception as e:  # a broken checker (sandbox down, ...) is the env's failure
                 counts["env_errors"] += 1
                 info.setdefault("error", _error(e, "env.verify"))
                 reward = Reward(0.0, {"verifier_error": 1.0})
             if reward.env_error:  # the verifier says its own check could not run
                 counts["env_errors"] += 1
-                info.setdefault("error",
-                                f"env.verify: {reward.error or 'the verifier reported env_error'}")
+                why = reward.error or "the verifier reported env_error"
+                info.setdefault("error", f"env.verify: {why}")
     finally:
         try:
             await env.close()
@@ -159,8 +179,9 @@ async def run_episode(
             info["close_error"] = _error(e, "env.close")
             logger.warning("task %s sample %d: %s", task.id, sample_index, info["close_error"])
     if counts["env_errors"]:
-        status = Status.ENV_ERROR
         reward = replace(reward, env_error=True)
+        if status is not Status.ABORTED:  # an abort is counted against rl.max_aborted_frac
+            status = Status.ENV_ERROR
     timings["total_s"] = time.perf_counter() - t0
     return traj.finish(reward, status, messages=messages, timings=timings, info=info, **counts)
 
@@ -184,20 +205,32 @@ async def _turns(
         t = time.perf_counter()
         try:
             gen = await actor.act(traj.token_ids, messages, derive_seed(seed, turn))
+        except RUN_FAILURES:
+            raise
         except Exception as e:
             info["error"] = _error(e, "engine")
             return None, Status.ABORTED
         timings["generate_s"] += time.perf_counter() - t
         keep = max(0, limits.max_episode_tokens - len(traj))
-        traj.append_generated(gen.token_ids[:keep], gen.logprobs[:keep], gen.version)
-        parsed = chat.parse(gen.token_ids[:keep])
+        ids = gen.token_ids[:keep]
+        traj.append_generated(ids, gen.logprobs[:keep], gen.version)
+        cut_off = gen.finish_reason != "stop" or keep < len(gen.token_ids)
+        # A stop on a generation_config eos that is not the end-of-turn token (Qwen's
+        # <|endoftext|>) ends the conversation: the template cannot continue after it.
+        ended = not cut_off and bool(ids) and ids[-1] != chat.end_of_turn_id
+        parsed = chat.parse(ids[:-1] if ended else ids)
         messages.append(assistant_message(parsed))
-        if gen.finish_reason != "stop" or keep < len(gen.token_ids):
-            return None, Status.TRUNCATED  # the turn was cut off
+        if cut_off:
+            return None, Status.TRUNCATED
+        if ended:
+            info["ended_by"] = chat.tokenizer.convert_ids_to_tokens(ids[-1])
+            return None, Status.COMPLETED
 
         t = time.perf_counter()
         try:
             result = await env.step(parsed)
+        except RUN_FAILURES:
+            raise
         except Exception as e:  # the environment itself broke
             counts["env_errors"] += 1
             info["error"] = _error(e, "env.step")
@@ -217,7 +250,7 @@ async def _turns(
 
         try:
             obs_ids = chat.observation_ids(messages, result.messages)
-        except ValueError as e:  # the template changed earlier text: ids would be wrong
+        except Exception as e:  # the template raised or changed earlier text: ids would be wrong
             info["error"] = _error(e, "chat template")
             return None, Status.ABORTED
         messages.extend(result.messages)

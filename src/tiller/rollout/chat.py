@@ -105,12 +105,29 @@ def _parse_one(body: str) -> ToolCall | str:
     return ToolCall(name=obj["name"], arguments=args)
 
 
+def _strip_tags(text: str) -> str:
+    """`text` with tool-call tags removed until none is left, "<tool_<tool_call>call>" included.
+
+    One pass with a stack of kept characters: a tag can only appear as the stack's suffix when a
+    '>' is pushed, and is popped then. Linear, where replacing until no tag is left is quadratic
+    on "<tool_" * n + "<tool_call>" + "call>" * n (one layer per pass)."""
+    kept: list[str] = []
+    for ch in text:
+        kept.append(ch)
+        if ch == ">":
+            for tag in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE):
+                if len(kept) >= len(tag) and "".join(kept[-len(tag):]) == tag:
+                    del kept[-len(tag):]
+                    break
+    return "".join(kept)
+
+
 def parse_tool_calls(text: str) -> ParsedTurn:
     """Parse a generated assistant turn (the eos marker, if present, is ignored).
 
     Never raises, on any string. Each `<tool_call>` is closed by the first `</tool_call>`
     after it; the scan uses `str.find`, so it is linear in the text (a lazy regex retried
-    from every unclosed tag is quadratic).
+    from every unclosed tag is quadratic), and so is the removal of leftover tags.
     """
     text = text.split(IM_END, 1)[0]
     calls: list[ToolCall] = []
@@ -129,8 +146,7 @@ def parse_tool_calls(text: str) -> ParsedTurn:
     content = "".join(rest)
     if TOOL_CALL_OPEN in content or TOOL_CALL_CLOSE in content:
         errors.append("unbalanced <tool_call> tags: every <tool_call> needs a </tool_call>")
-        while TOOL_CALL_OPEN in content or TOOL_CALL_CLOSE in content:  # "<tool_<tool_call>call>"
-            content = content.replace(TOOL_CALL_OPEN, "").replace(TOOL_CALL_CLOSE, "")
+        content = _strip_tags(content)
     return ParsedTurn(content=content.strip(), tool_calls=calls, parse_errors=errors)
 
 

@@ -33,7 +33,15 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 64
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # required: see __post_init__
+
+    def __post_init__(self) -> None:
+        # Without a stop token every turn runs to max_new_tokens and the episode is truncated:
+        # a forgotten argument would look like a policy that never stops talking.
+        if not self.stop_token_ids:
+            raise ValueError("SamplingParams.stop_token_ids is empty, so no turn could end: pass "
+                             "tiller.rollout.chat.stop_token_ids(tokenizer, "
+                             "model.generation_config)")
 
 
 @dataclass(frozen=True)
