@@ -71,7 +71,7 @@ class ToolStack:
 
         def wrap(registry: ToolRegistry) -> Invoke:
             target = registry if self.injector is None else self.injector.wrap(registry, key)
-            invoke = self.executor.bind(target)
+            invoke = self.executor.bind(target, episode=key)
             if self.store is not None:  # (an empty store is falsy: it has a __len__)
                 invoke = self.store.wrap(invoke, key)
 
