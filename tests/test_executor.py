@@ -19,6 +19,7 @@ from tiller.tools.executor import (
     probe_tools,
 )
 from tiller.tools.registry import ToolCall, ToolError, ToolOutcome, ToolRegistry, tool
+from tiller.tools.threads import abandoned_threads
 
 
 def fast(**knobs) -> ExecutorConfig:
@@ -102,6 +103,30 @@ def test_sync_tool_times_out_too():
     assert r.outcome is ToolOutcome.ENV_ERROR and r.timed_out
     assert r.latency_s < 0.25  # answered at the deadline, not when the thread finished
     assert time.perf_counter() - start < 1.0
+
+
+def test_hung_sync_tool_does_not_hold_up_the_phase():
+    """A timed-out sync tool's thread is abandoned (counted), and `asyncio.run` returns at the
+    timeout, not when the thread ends (it used to wait for the default executor's threads)."""
+    release = threading.Event()
+
+    @tool
+    def hang() -> str:
+        """Block until released (bounded, so a broken fix cannot hang the test run)."""
+        release.wait(30)
+        return "released"
+
+    ex = ToolExecutor(ToolRegistry([hang]), ExecutorConfig(default=ToolPolicy(timeout_s=0.2)))
+    before = abandoned_threads()
+    start = time.perf_counter()
+    try:
+        r = asyncio.run(ex.invoke(ToolCall("hang", {})))
+        elapsed = time.perf_counter() - start
+    finally:
+        release.set()
+    assert r.outcome is ToolOutcome.ENV_ERROR and r.timed_out
+    assert elapsed < 10  # 30 without the fix; the bound is loose for a busy machine
+    assert abandoned_threads() == before + 1
 
 
 def test_retries_recover_a_flaky_tool_and_are_counted():

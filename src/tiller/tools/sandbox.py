@@ -55,7 +55,6 @@ and exiting 1.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -79,6 +78,8 @@ from functools import cache
 from pathlib import Path, PurePosixPath
 from typing import IO
 
+from tiller.tools.threads import run_in_thread
+
 logger = logging.getLogger(__name__)
 
 _INBOX = "/inbox"  # where the code and files are bound (read-only) inside bwrap
@@ -88,6 +89,8 @@ _ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/
 _DRAIN_SECONDS = 0.2  # how long to keep reading pipes after the program exited or was killed
 PROBE_ATTEMPTS = 3  # test runs of bwrap before `auto` gives up on it (one failure may be transient)
 PROBE_BACKOFF_S = 0.5  # sleep before the 2nd probe; doubles for each further one
+MAX_CONCURRENT_RUNS = min(32, (os.cpu_count() or 1) + 4)  # `arun_python`s running at once
+_run_slots = threading.BoundedSemaphore(MAX_CONCURRENT_RUNS)
 
 
 @dataclass(frozen=True)
@@ -190,9 +193,15 @@ class Sandbox:
     async def arun_python(
         self, code: str, stdin: str = "", files: dict[str, str | bytes] | None = None
     ) -> SandboxResult:
-        """`run_python` in a worker thread (the blocking part is waiting on pipes), so at most
-        the default executor's worker count run at once."""
-        return await asyncio.to_thread(self.run_python, code, stdin, files)
+        """`run_python` in a thread of its own (the blocking part is waiting on pipes); at most
+        `MAX_CONCURRENT_RUNS` run at once in the process, and the deadline starts after the wait
+        for a slot, so queueing is not the code's timeout."""
+        return await run_in_thread(self._run_python_in_slot, code, stdin, files)
+
+    def _run_python_in_slot(self, code: str, stdin: str,
+                            files: dict[str, str | bytes] | None) -> SandboxResult:
+        with _run_slots:
+            return self.run_python(code, stdin, files)
 
     def run_python(
         self, code: str, stdin: str = "", files: dict[str, str | bytes] | None = None
