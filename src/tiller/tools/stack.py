@@ -20,6 +20,7 @@ from tiller.tools.executor import ExecutorConfig, Invoke, ProbeReport, ToolExecu
 from tiller.tools.faults import FaultConfig, FaultInjector
 from tiller.tools.registry import ToolCall, ToolOutcome, ToolRegistry, ToolResult
 from tiller.tools.replay import ReplayStore
+from tiller.tools.threads import abandoned_threads
 
 
 class ReplayConfig(BaseModel):
@@ -64,6 +65,7 @@ class ToolStack:
                                                   cfg.replay.mode), cfg.replay.mode)
         self.executor = ToolExecutor(config=cfg.executor)
         self.first_error: dict[str, str] = {}
+        self._window_start: dict[str, int] = {}  # totals of the counters outside the executor
 
     def wrapper(self, key: str) -> Callable[[ToolRegistry], Invoke]:
         """What an environment calls with its registry; `key` names the episode (replay and
@@ -95,6 +97,14 @@ class ToolStack:
                 out[f"{outcome.value}_rate/{name}"] = getattr(c, outcome.value) / max(c.calls, 1)
             for f in ("retries", "timeouts", "cache_hits", "peak_concurrency"):
                 out[f"tool_{f}/{name}"] = float(getattr(c, f))
+        # Counters outside the executor, as counts since the last reset like the rest.
+        totals = {"tool_abandoned_threads": abandoned_threads()}
+        if self.store is not None:
+            totals["replay_misses"] = self.store.misses
+        for name, total in totals.items():
+            out[name] = float(total - self._window_start.get(name, 0))
+            if reset:
+                self._window_start[name] = total
         if reset:
             self.executor.reset()
         return out
