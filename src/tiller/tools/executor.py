@@ -279,16 +279,16 @@ class ToolExecutor:
         latency = time.perf_counter() - start
         return ToolResult(call, ToolOutcome.ENV_ERROR, msg, latency), timed_out
 
-    def stats(self, reset: bool = False) -> dict[str, float]:
-        """Per-tool metrics, e.g. `env_error_rate/calculate`; `reset` starts a new window
-        (call it once per training step to log per-step figures)."""
+    def stats(self, reset: bool = False, prefix: str = "") -> dict[str, float]:
+        """Per-tool metrics, e.g. `env_error_rate/calculate` and `{prefix}calls/calculate`;
+        `reset` starts a new window (call it once per training step to log per-step figures)."""
         out: dict[str, float] = {}
         for name, c in self.counters.items():
-            out[f"calls/{name}"] = c.calls
+            out[f"{prefix}calls/{name}"] = float(c.calls)
             for outcome in ToolOutcome:
                 out[f"{outcome.value}_rate/{name}"] = getattr(c, outcome.value) / max(c.calls, 1)
             for f in ("retries", "timeouts", "cache_hits", "peak_concurrency"):
-                out[f"{f}/{name}"] = getattr(c, f)
+                out[f"{prefix}{f}/{name}"] = float(getattr(c, f))
         if reset:
             self.reset()
         return out

@@ -90,13 +90,7 @@ class ToolStack:
 
     def stats(self, reset: bool = True) -> dict[str, float]:
         """Per-tool rates and counts over the episodes since the last reset."""
-        out: dict[str, float] = {}
-        for name, c in self.executor.counters.items():
-            out[f"tool_calls/{name}"] = float(c.calls)
-            for outcome in ToolOutcome:
-                out[f"{outcome.value}_rate/{name}"] = getattr(c, outcome.value) / max(c.calls, 1)
-            for f in ("retries", "timeouts", "cache_hits", "peak_concurrency"):
-                out[f"tool_{f}/{name}"] = float(getattr(c, f))
+        out = self.executor.stats(reset=reset, prefix="tool_")
         # Counters outside the executor, as counts since the last reset like the rest.
         totals = {"tool_abandoned_threads": abandoned_threads()}
         if self.store is not None:
@@ -105,8 +99,6 @@ class ToolStack:
             out[name] = float(total - self._window_start.get(name, 0))
             if reset:
                 self._window_start[name] = total
-        if reset:
-            self.executor.reset()
         return out
 
     def probe_report(self) -> ProbeReport:
