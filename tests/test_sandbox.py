@@ -508,6 +508,20 @@ def test_bwrap_setup_failure_is_sandbox_error(monkeypatch) -> None:
 
 
 @needs_bwrap
+def test_unreadable_info_fd_is_sandbox_error_and_still_kills(monkeypatch) -> None:
+    """A partial `--info-fd` read (here: cut to 5 bytes) is the infrastructure's failure, not
+    the policy's, and the sandbox is still killed (through the process group)."""
+    monkeypatch.setattr(sb, "_INFO_MAX_BYTES", 5)
+    token = _sleep_token()
+    code = (f"import subprocess, time\nsubprocess.Popen(['sleep', {token!r}])\n"
+            "time.sleep(9)  # bounded\n")
+    r = Sandbox(SandboxLimits(wall_seconds=1), backend="bwrap").run_python(code)
+    assert r.outcome is SandboxOutcome.SANDBOX_ERROR, r
+    assert "unreadable bwrap --info-fd" in r.stderr
+    _assert_no_sleepers(token)
+
+
+@needs_bwrap
 def test_model_cannot_fake_a_sandbox_error(box: Sandbox) -> None:
     code = 'import sys\nsys.stderr.write("bwrap: Can\'t mount proc\\n")\nsys.exit(1)\n'
     assert box.run_python(code).outcome is SandboxOutcome.ERROR
