@@ -153,7 +153,8 @@ def test_unit_tests_resist_reward_hacks():
 @needs_bwrap
 def test_unit_test_timeout_is_the_policys_failure():
     box = Sandbox(SandboxLimits(cpu_seconds=1, wall_seconds=3))
-    report = _tests("while True:\n    pass\n", [("1", 1)], box)
+    busy = "import time\nt0 = time.monotonic()\nwhile time.monotonic() < t0 + 30:\n    pass\n"
+    report = _tests(busy, [("1", 1)], box)
     assert report.passed == 0 and not report.env_error and "timeout" in report.detail
 
 

@@ -571,7 +571,9 @@ _fallback_allowed = False
 
 def set_unsafe_fallback(allowed: bool) -> None:
     """Whether `backend="auto"` may run code unsandboxed when bwrap does not work, for every
-    `Sandbox` of this process that does not say (a run sets it from its config)."""
+    `Sandbox` of this process that does not say (a run sets it from its config, so it holds
+    until the next run sets it; `set_unsafe_fallback(False)` resets it). Every Sandbox that
+    falls back warns, so a setting left from an earlier run is never silent."""
     global _fallback_allowed
     _fallback_allowed = allowed
 
@@ -610,14 +612,9 @@ def _probe_bwrap() -> str | None:
     return f"{problem}, {PROBE_ATTEMPTS} times"
 
 
-_warned_fallback = False
-
-
 def _warn_fallback(reason: str) -> None:
-    global _warned_fallback
-    if _warned_fallback:
-        return
-    _warned_fallback = True
+    """Warn for every unsandboxed `Sandbox`, not once per process: the fallback may have been
+    allowed by an earlier run in this process (`set_unsafe_fallback`), and must not go quiet."""
     root = " As root, RLIMIT_NPROC is not enforced either." if os.geteuid() == 0 else ""
     msg = (
         f"tiller sandbox: running model-written code WITHOUT bubblewrap ({reason}). Only rlimits, "
