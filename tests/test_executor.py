@@ -382,17 +382,26 @@ def test_identical_calls_in_flight_wait_for_the_first_instead_of_missing_the_cac
 def test_one_executor_serves_successive_loops_but_not_two_at_once():
     """A run calls through one executor from a fresh asyncio.run per phase: the limits are
     rebuilt per loop. Two loops at once would share nothing safely, so that is an error."""
-    ex = ToolExecutor(ToolRegistry([nap]), fast(max_concurrency=1))
+    started, release = threading.Event(), threading.Event()
+
+    @tool
+    def hold() -> str:
+        """Signal that the call runs, then wait to be released (bounded)."""
+        started.set()
+        release.wait(10)
+        return "released"
+
+    ex = ToolExecutor(ToolRegistry([nap, hold]), fast(max_concurrency=1))
     for _ in range(2):  # asyncio semaphores bound to the first loop would fail in the second
         assert asyncio.run(ex.invoke(ToolCall("nap", {"seconds": 0}))).content == "awake"
 
-    other = threading.Thread(target=asyncio.run,
-                             args=(ex.invoke(ToolCall("nap", {"seconds": 0.5})),))
+    other = threading.Thread(target=asyncio.run, args=(ex.invoke(ToolCall("hold", {})),))
     other.start()
     try:
-        time.sleep(0.2)  # the other loop's call is running
+        assert started.wait(10)  # the other loop's call is running
         with pytest.raises(RuntimeError, match="second event loop"):
             asyncio.run(ex.invoke(ToolCall("nap", {"seconds": 0})))
     finally:
+        release.set()
         other.join()
-    assert ex.stats()["calls/nap"] == 3  # the refused call never ran
+    assert ex.stats()["calls/nap"] == 2 and ex.stats()["calls/hold"] == 1  # refused: never ran
