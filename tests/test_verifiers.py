@@ -208,3 +208,12 @@ def test_malformed_results_fail_the_policy_not_the_env():
     assert v._parse_verdict('[{"value": 1}]', ["assert 1"]).startswith("test 0")
     assert v._parse_verdict('{"a": 1}', ["assert 1"]) == "dict results for 1 tests"
     assert v._parse_verdict('[{"ok": true}]', ["assert 1"]) == [{"ok": True}]
+
+
+@needs_bwrap
+def test_policy_code_cannot_read_the_harness_parents_memory():
+    """The parent holds the nonce; /proc/<parent>/mem must be closed to the child (same uid)."""
+    peek = ("import os\ndef peek():\n    try:\n"
+            "        open(f'/proc/{os.getppid()}/mem', 'rb').close()\n"
+            "    except OSError:\n        return 'denied'\n    return 'readable'\n")
+    assert _tests(peek, [("peek()", "denied")]).all_passed

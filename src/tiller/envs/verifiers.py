@@ -221,7 +221,7 @@ def plain(value: Any) -> Any:
 # host compares each expression's value. The code can still forge the results it sends through
 # the pipe (or lie with `__eq__`), which only fools statement tests: they are weaker evidence.
 _HARNESS = (
-    "from __future__ import annotations\nimport io, json, os, signal, sys\n\n"
+    "from __future__ import annotations\nimport ctypes, io, json, os, signal, sys\n\n"
     + inspect.getsource(plain)
     + """
 
@@ -286,6 +286,10 @@ def _main():
         _child(p, results_w, go_r)
     os.close(results_w)
     os.close(go_r)
+    # Not dumpable: the child (same uid) can no longer read or write our memory through
+    # /proc/<pid>/mem, where the nonce is about to be.
+    if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
     nonce = sys.stdin.read().strip()  # the rest of stdin
     os.close(0)  # so the child cannot reopen it through /proc/<parent>/fd/0
     os.write(go_w, b"g")
