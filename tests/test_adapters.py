@@ -195,6 +195,34 @@ def test_gym_text_env_turns_tool_calls_into_an_error_message():
     assert is_success(traj)
 
 
+class StrictGame(GuessNumberGame):
+    """A game that rejects a non-number with ValueError, as many Gymnasium envs do."""
+
+    def step(self, action: str):
+        int(action)  # ValueError on "seven"
+        return super().step(action)
+
+
+class StrictGuessEnv(GuessNumberEnv):
+    make_env = staticmethod(lambda difficulty: StrictGame(size=10 * 2**difficulty))
+
+
+def test_gym_env_rejecting_an_action_is_the_policys_fault_not_an_env_error():
+    task = StrictGuessEnv.make_tasks("train", 1, seed=0, difficulty=1)[0]
+
+    class WordThenExpert:
+        async def act(self, prompt_ids, messages, seed):
+            if len(messages) == 2:
+                return _generation("seven")
+            return _generation(StrictGuessEnv.expert_turn(task, messages[:2] + messages[4:],
+                                                          random.Random(seed)))
+
+    traj = _run(StrictGuessEnv, [task], WordThenExpert())[0]
+    assert traj.status is not Status.ENV_ERROR and not traj.reward.env_error
+    assert traj.messages[3]["content"].startswith("error: invalid action: ValueError")
+    assert traj.reward.checks["invalid_actions"] == 1.0 and is_success(traj)
+
+
 def test_guess_number_short_training_run(tmp_path):
     cfg = load_config(CALCULATOR, [
         "env.name=guess_number", "env.max_turns=8", "model.build.hidden_size=64",

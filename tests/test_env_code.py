@@ -19,8 +19,8 @@ from tiller.observe.evaluation import is_success
 from tiller.rollout.agent_loop import EpisodeLimits, run_episode
 from tiller.rollout.chat import ParsedTurn
 from tiller.rollout.collect import collect_expert
+from tiller.tools import sandbox
 from tiller.tools.registry import ToolCall
-from tiller.tools.sandbox import SandboxOutcome, SandboxResult
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed")
 CONFIG = Path(__file__).parents[1] / "configs" / "code.yaml"
@@ -99,7 +99,8 @@ def test_verifier_is_strict():
     assert _verify(task, None).value == 0.0
 
 
-def test_run_python_tool_and_sandbox_failure():
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_run_python_tool_and_sandbox_failure(monkeypatch):
     env = CodeEnv()
     task = make_tasks("train", 1, seed=0)[0]
 
@@ -110,11 +111,11 @@ def test_run_python_tool_and_sandbox_failure():
     r = asyncio.run(call("print(6 * 7)"))
     assert r.outcome.value == "ok" and r.content == "[ok]\n42"
 
-    async def broken(code, stdin="", files=None):
-        return SandboxResult(SandboxOutcome.SANDBOX_ERROR, None, "", "bwrap: boom", 0.0, "bwrap")
-
-    env.sandbox.arun_python = broken  # type: ignore[method-assign]
-    assert asyncio.run(call("print(1)")).outcome.value == "env_error"
+    # a real bwrap failure: the python it binds into the sandbox does not exist
+    missing = "/nonexistent-python-dir"
+    monkeypatch.setattr(sandbox, "_python_binds", lambda: [(missing, missing)])
+    failed = asyncio.run(call("print(1)"))
+    assert failed.outcome.value == "env_error" and "bwrap" in failed.content
     reward = _verify(task, f"```python\n{task.answer}```", env)
     assert reward.env_error and reward.value == 0.0
 

@@ -19,6 +19,7 @@ from tiller.tools.executor import (
     probe_tools,
 )
 from tiller.tools.registry import ToolCall, ToolError, ToolOutcome, ToolRegistry, tool
+from tiller.tools.threads import abandoned_threads
 
 
 def fast(**knobs) -> ExecutorConfig:
@@ -102,6 +103,30 @@ def test_sync_tool_times_out_too():
     assert r.outcome is ToolOutcome.ENV_ERROR and r.timed_out
     assert r.latency_s < 0.25  # answered at the deadline, not when the thread finished
     assert time.perf_counter() - start < 1.0
+
+
+def test_hung_sync_tool_does_not_hold_up_the_phase():
+    """A timed-out sync tool's thread is abandoned (counted), and `asyncio.run` returns at the
+    timeout, not when the thread ends (it used to wait for the default executor's threads)."""
+    release = threading.Event()
+
+    @tool
+    def hang() -> str:
+        """Block until released (bounded, so a broken fix cannot hang the test run)."""
+        release.wait(30)
+        return "released"
+
+    ex = ToolExecutor(ToolRegistry([hang]), ExecutorConfig(default=ToolPolicy(timeout_s=0.2)))
+    before = abandoned_threads()
+    start = time.perf_counter()
+    try:
+        r = asyncio.run(ex.invoke(ToolCall("hang", {})))
+        elapsed = time.perf_counter() - start
+    finally:
+        release.set()
+    assert r.outcome is ToolOutcome.ENV_ERROR and r.timed_out
+    assert elapsed < 10  # 30 without the fix; the bound is loose for a busy machine
+    assert abandoned_threads() == before + 1
 
 
 def test_retries_recover_a_flaky_tool_and_are_counted():
@@ -357,17 +382,26 @@ def test_identical_calls_in_flight_wait_for_the_first_instead_of_missing_the_cac
 def test_one_executor_serves_successive_loops_but_not_two_at_once():
     """A run calls through one executor from a fresh asyncio.run per phase: the limits are
     rebuilt per loop. Two loops at once would share nothing safely, so that is an error."""
-    ex = ToolExecutor(ToolRegistry([nap]), fast(max_concurrency=1))
+    started, release = threading.Event(), threading.Event()
+
+    @tool
+    def hold() -> str:
+        """Signal that the call runs, then wait to be released (bounded)."""
+        started.set()
+        release.wait(10)
+        return "released"
+
+    ex = ToolExecutor(ToolRegistry([nap, hold]), fast(max_concurrency=1))
     for _ in range(2):  # asyncio semaphores bound to the first loop would fail in the second
         assert asyncio.run(ex.invoke(ToolCall("nap", {"seconds": 0}))).content == "awake"
 
-    other = threading.Thread(target=asyncio.run,
-                             args=(ex.invoke(ToolCall("nap", {"seconds": 0.5})),))
+    other = threading.Thread(target=asyncio.run, args=(ex.invoke(ToolCall("hold", {})),))
     other.start()
     try:
-        time.sleep(0.2)  # the other loop's call is running
+        assert started.wait(10)  # the other loop's call is running
         with pytest.raises(RuntimeError, match="second event loop"):
             asyncio.run(ex.invoke(ToolCall("nap", {"seconds": 0})))
     finally:
+        release.set()
         other.join()
-    assert ex.stats()["calls/nap"] == 3  # the refused call never ran
+    assert ex.stats()["calls/nap"] == 2 and ex.stats()["calls/hold"] == 1  # refused: never ran

@@ -16,6 +16,7 @@ from tiller.controller import train
 from tiller.tools.executor import ExecutorConfig, ToolExecutor, ToolPolicy
 from tiller.tools.registry import ToolCall, ToolError, ToolOutcome, ToolRegistry, tool
 from tiller.tools.replay import ReplayStore
+from tiller.tools.stack import ReplayConfig, ToolsConfig, ToolStack
 
 
 @tool
@@ -175,3 +176,20 @@ def test_bad_replay_path_is_one_line_config_error_before_any_work(tmp_path, wher
     with pytest.raises(ConfigError, match=rf"^config field env.tools.replay.path: .*{message}"):
         train(cfg, tmp_path / "run")
     assert not (tmp_path / "run" / "base_model").exists()  # refused before building the model
+
+
+def test_replay_misses_are_in_the_stack_stats_per_window(tmp_path):
+    """Misses reach the per-step tool metrics (`replay_misses`), counted since the last reset."""
+    db = tmp_path / "calls.sqlite"
+    with ReplayStore(db, "record") as store:
+        asyncio.run(run_calls(store.wrap(LIVE, key="ep"), SEQUENCE[:2]))
+    stack = ToolStack(ToolsConfig(replay=ReplayConfig(path=str(db), mode="replay")), tmp_path)
+    try:
+        invoke = stack.wrapper("ep")(DEAD)
+        asyncio.run(run_calls(invoke, [*SEQUENCE[:2], SEQUENCE[0], SEQUENCE[0]]))
+        assert stack.stats(reset=True)["replay_misses"] == 2.0
+        assert stack.stats(reset=True)["replay_misses"] == 0.0  # a new window
+        asyncio.run(stack.wrapper("other")(DEAD)(SEQUENCE[0]))
+        assert stack.stats()["replay_misses"] == 1.0
+    finally:
+        stack.close()

@@ -123,7 +123,7 @@ def test_run_level_limits_and_cache_span_episodes_and_event_loops(tmp_path):
     by one episode (or in an earlier phase, i.e. event loop) is a hit for the next."""
     state = {"now": 0, "max": 0, "calls": 0}
     cfg = ToolsConfig(executor=ExecutorConfig(
-        max_concurrency=1, tools={"lookup": ToolPolicy(cache=True)}))
+        max_concurrency=1, tools={"lookup": ToolPolicy(cache=True, cache_scope="run")}))
     stack = ToolStack(cfg, tmp_path)
 
     async def phase(tag, keys):
@@ -141,3 +141,28 @@ def test_run_level_limits_and_cache_span_episodes_and_event_loops(tmp_path):
     second = stack.stats(reset=True)
     assert second["tool_cache_hits/lookup"] == 3  # key 3 was cached in the first phase
     assert state["calls"] == 9  # only key 9 reached the tool again
+
+
+def test_cache_does_not_leak_a_query_between_episodes(tmp_path):
+    """Each SQL task has its own database: the same query must not get another task's rows
+    from the run's cache (the default scope is the episode), but repeats within one episode
+    are hits."""
+    cfg = ToolsConfig(executor=ExecutorConfig(tools={"query": ToolPolicy(cache=True)}))
+    stack = ToolStack(cfg, tmp_path)
+    sql_env = ENVS["sql"]
+    tasks = sql_env.make_tasks("train", 2, seed=0)
+    assert tasks[0].metadata["db_seed"] != tasks[1].metadata["db_seed"]
+    call = ToolCall("query", {"sql": "SELECT * FROM employees ORDER BY id"})
+
+    async def episode(i, task):
+        env = sql_env(wrap=stack.wrapper(f"run/{i}"))
+        await env.reset(task, seed=i)
+        first, again = await env.invoke(call), await env.invoke(call)
+        await env.close()
+        return first, again
+
+    results = [asyncio.run(episode(i, task)) for i, task in enumerate(tasks)]
+    (a, a2), (b, b2) = results
+    assert a.outcome.value == b.outcome.value == "ok", (a.content, b.content)
+    assert a.content != b.content and not b.cached  # different databases, different rows
+    assert a2.cached and b2.cached and (a2.content, b2.content) == (a.content, b.content)

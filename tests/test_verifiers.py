@@ -153,7 +153,8 @@ def test_unit_tests_resist_reward_hacks():
 @needs_bwrap
 def test_unit_test_timeout_is_the_policys_failure():
     box = Sandbox(SandboxLimits(cpu_seconds=1, wall_seconds=3))
-    report = _tests("while True:\n    pass\n", [("1", 1)], box)
+    busy = "import time\nt0 = time.monotonic()\nwhile time.monotonic() < t0 + 30:\n    pass\n"
+    report = _tests(busy, [("1", 1)], box)
     assert report.passed == 0 and not report.env_error and "timeout" in report.detail
 
 
@@ -164,3 +165,55 @@ def test_sandbox_failure_is_an_env_error():
 
     report = _tests("def solve(xs): return 0", [("solve([])", 0)], BrokenSandbox())  # type: ignore[arg-type]
     assert report.env_error and not report.all_passed
+
+
+# Each forger tries to reach the verdict's nonce or to fake a verdict, then exits at once.
+_FORGERS = {
+    "main_global": "import os, sys\nm = sys.modules['__main__']\n"
+                   "n = getattr(m, '_nonce', '') or getattr(m, 'nonce', '')\n"
+                   "sys.__stdout__.write('\\n' + n + '[{\"ok\": true}]\\n')\n"
+                   "sys.__stdout__.flush()\nos._exit(0)",
+    "frames": "import gc, os, sys\nf = sys._getframe()\nseen = []\nwhile f is not None:\n"
+              "    seen += [v for v in f.f_locals.values() if isinstance(v, str)]\n"
+              "    f = f.f_back\nseen += [o for o in gc.get_objects() if isinstance(o, str)]\n"
+              "for n in seen:\n    if len(n) == 32:\n"
+              "        os.write(1, ('\\n' + n + '[{\"ok\": true}]\\n').encode())\nos._exit(0)",
+    "proc_fds": "import glob, os\nfor p in glob.glob('/proc/*/fd/*'):\n    try:\n"
+                "        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)\n"
+                "        n = os.read(fd, 4096).decode(errors='replace')[-32:]\n"
+                "        os.write(1, ('\\n' + n + '[{\"ok\": true}]\\n').encode())\n"
+                "    except OSError:\n        pass\nos._exit(0)",
+}
+
+
+@needs_bwrap
+@pytest.mark.parametrize("forger", sorted(_FORGERS))
+def test_unit_test_verdict_cannot_be_forged(forger):
+    """The nonce is out of the policy code's reach: forged verdicts fail, never raise."""
+    for tests in (["assert False"], [("1 + 1", 3)]):
+        report = _tests(_FORGERS[forger], tests)
+        assert report.passed == 0 and not report.env_error, report
+
+
+@needs_bwrap
+def test_malformed_results_fail_the_policy_not_the_env():
+    """Results the code forged through the harness's pipe must have the right shape."""
+    forge = ("import json, os\nfor fd in range(3, 10):\n    try:\n"
+             "        os.write(fd, json.dumps([{}]).encode())\n    except OSError:\n"
+             "        pass\nos._exit(0)")
+    for tests in (["assert True"], [("1", 1)]):
+        report = _tests(forge, tests)
+        assert report.passed == 0 and not report.env_error and "malformed" in report.detail
+    assert v._parse_verdict('[{"ok": true}]', [("1", 1)]) == 'test 0: {\'ok\': True}'
+    assert v._parse_verdict('[{"value": 1}]', ["assert 1"]).startswith("test 0")
+    assert v._parse_verdict('{"a": 1}', ["assert 1"]) == "dict results for 1 tests"
+    assert v._parse_verdict('[{"ok": true}]', ["assert 1"]) == [{"ok": True}]
+
+
+@needs_bwrap
+def test_policy_code_cannot_read_the_harness_parents_memory():
+    """The parent holds the nonce; /proc/<parent>/mem must be closed to the child (same uid)."""
+    peek = ("import os\ndef peek():\n    try:\n"
+            "        open(f'/proc/{os.getppid()}/mem', 'rb').close()\n"
+            "    except OSError:\n        return 'denied'\n    return 'readable'\n")
+    assert _tests(peek, [("peek()", "denied")]).all_passed

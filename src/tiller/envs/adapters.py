@@ -28,6 +28,7 @@ from tiller.envs.splits import draw_split, split_size, stable_id
 from tiller.envs.verifiers import Reward, all_of, extract_tagged
 from tiller.errors import require_package
 from tiller.rollout.chat import ParsedTurn
+from tiller.tools.registry import POLICY_ERRORS
 
 try:  # the game subclasses gymnasium.Env when it is installed; the adapter only duck-types
     import gymnasium
@@ -147,6 +148,7 @@ class GymTextEnv(Env):
         self.inner: Any = None
         self.rewards: list[float] = []
         self.terminated = False
+        self.invalid_actions = 0  # actions the wrapped env rejected (ValueError, TypeError...)
 
     def tool_schemas(self) -> list[dict[str, Any]]:
         return []
@@ -154,7 +156,7 @@ class GymTextEnv(Env):
     async def reset(self, task: Task, seed: int) -> list[dict[str, Any]]:
         self.inner = type(self).make_env(task.metadata["difficulty"])
         obs, _ = self.inner.reset(seed=task.metadata["env_seed"])
-        self.rewards, self.terminated = [], False
+        self.rewards, self.terminated, self.invalid_actions = [], False, 0
         system = [{"role": "system", "content": self.system}] if self.system else []
         return [*system, {"role": "user", "content": obs}]
 
@@ -162,7 +164,14 @@ class GymTextEnv(Env):
         if action.tool_calls or action.parse_errors:
             msg = "error: this environment has no tools; reply with plain text"
             return StepResult([{"role": "user", "content": msg}], done=False)
-        obs, reward, terminated, truncated, _ = self.inner.step(action.content)
+        try:
+            obs, reward, terminated, truncated, _ = self.inner.step(action.content)
+        except POLICY_ERRORS as e:  # the env rejected the policy's action: its fault, no env_error
+            self.invalid_actions += 1
+            logger.info("%s: invalid action %r: %s: %s", type(self).__name__,
+                        action.content[:100], type(e).__name__, e)
+            msg = f"error: invalid action: {type(e).__name__}: {e}"
+            return StepResult([{"role": "user", "content": msg}], done=False)
         self.rewards.append(float(reward))
         self.terminated = bool(terminated)
         return StepResult([{"role": "user", "content": obs}], done=terminated or truncated)
@@ -176,7 +185,8 @@ class GymTextEnv(Env):
         rewards: turn-level credit adds the outcome to the last turn, so passing both would
         count every step reward twice."""
         total = sum(self.rewards)
-        return Reward(total, {"terminated": float(self.terminated), "return": total})
+        return Reward(total, {"terminated": float(self.terminated), "return": total,
+                              "invalid_actions": float(self.invalid_actions)})
 
     @classmethod
     def make_tasks(cls, split: str, n: int, seed: int, difficulty: int = 1,

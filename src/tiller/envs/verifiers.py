@@ -212,35 +212,102 @@ def plain(value: Any) -> Any:
     return ["unsupported", t.__name__]
 
 
-# The harness reads the code and the tests from stdin before running any policy code, so they
-# are never in a file the code could open. Expected values never enter the sandbox at all: the
-# harness prints each expression's value (after a nonce, so stray output is not mistaken for
-# it) and the host compares. Statement tests are judged inside, so they are weaker evidence.
+# The harness is two processes. The parent reads the code and the tests (a length-prefixed JSON
+# header on stdin, read without read-ahead), forks a child, and only then reads the nonce that
+# marks its verdict line: the child, which runs the policy's code, never has the nonce in its
+# memory, its stdin is closed before the parent reads the nonce, and it may only start once the
+# nonce is read; its stdout/stderr go to /dev/null. It sends raw results to the parent through a
+# pipe, and the parent writes the one verdict line. Expected values never enter the sandbox: the
+# host compares each expression's value. The code can still forge the results it sends through
+# the pipe (or lie with `__eq__`), which only fools statement tests: they are weaker evidence.
 _HARNESS = (
-    "from __future__ import annotations\nimport io, json, sys\n\n"
+    "from __future__ import annotations\nimport ctypes, io, json, os, signal, sys\n\n"
     + inspect.getsource(plain)
     + """
-_p = json.loads(sys.stdin.read())
-_nonce, _tests, _out, _dumps = _p["nonce"], _p["tests"], sys.__stdout__, json.dumps
-sys.stdout = sys.stderr = io.StringIO()  # the code's prints must not crowd out the verdict
-_ns = {"__name__": "solution"}
-try:
-    exec(compile(_p["code"], "solution.py", "exec"), _ns)
-except BaseException as e:
-    _results = [{"error": f"solution: {type(e).__name__}: {e}"[:300]}] * len(_tests)
-else:
-    _results = []
-    for _i, _t in enumerate(_tests):
-        try:
-            if isinstance(_t, str):
-                exec(compile(_t, f"test_{_i}", "exec"), dict(_ns))
-                _results.append({"ok": True})
-            else:
-                _results.append({"value": plain(eval(_t[0], dict(_ns)))})
-        except BaseException as e:
-            _results.append({"error": f"{type(e).__name__}: {e}"[:300]})
-_out.write("\\n" + _nonce + _dumps(_results) + "\\n")
-_out.flush()
+
+def _read_exact(n):
+    data = b""
+    while len(data) < n:
+        chunk = os.read(0, n - len(data))
+        if not chunk:
+            raise EOFError("short header")
+        data += chunk
+    return data
+
+
+def _header():
+    size = b""
+    while not size.endswith(b"\\n"):  # byte by byte: no read-ahead into the nonce
+        byte = os.read(0, 1)
+        if not byte:
+            raise EOFError("no header")
+        size += byte
+    return json.loads(_read_exact(int(size)))
+
+
+def _child(p, results_w, go_r):
+    os.close(0)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    os.read(go_r, 1)  # the parent has read the nonce: nothing left on stdin
+    os.close(go_r)
+    sys.stdout = sys.stderr = io.StringIO()
+    tests, ns = p["tests"], {"__name__": "solution"}
+    try:
+        exec(compile(p["code"], "solution.py", "exec"), ns)
+    except BaseException as e:
+        results = [{"error": f"solution: {type(e).__name__}: {e}"[:300]}] * len(tests)
+    else:
+        results = []
+        for i, t in enumerate(tests):
+            try:
+                if isinstance(t, str):
+                    exec(compile(t, f"test_{i}", "exec"), dict(ns))
+                    results.append({"ok": True})
+                else:
+                    results.append({"value": plain(eval(t[0], dict(ns)))})
+            except BaseException as e:
+                results.append({"error": f"{type(e).__name__}: {e}"[:300]})
+    data = json.dumps(results).encode()
+    while data:
+        data = data[os.write(results_w, data):]
+    os._exit(0)
+
+
+def _main():
+    p = _header()
+    results_r, results_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(results_r)
+        os.close(go_w)
+        _child(p, results_w, go_r)
+    os.close(results_w)
+    os.close(go_r)
+    # Not dumpable: the child (same uid) can no longer read or write our memory through
+    # /proc/<pid>/mem, where the nonce is about to be.
+    if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+    nonce = sys.stdin.read().strip()  # the rest of stdin
+    os.close(0)  # so the child cannot reopen it through /proc/<parent>/fd/0
+    os.write(go_w, b"g")
+    os.close(go_w)
+    chunks = []
+    while chunk := os.read(results_r, 1 << 16):
+        chunks.append(chunk)
+    status = os.waitpid(pid, 0)[1]
+    if os.WIFSIGNALED(status):  # e.g. SIGXCPU: the sandbox reads the child's fate off ours
+        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    if os.waitstatus_to_exitcode(status) != 0:
+        os._exit(os.waitstatus_to_exitcode(status))
+    sys.stdout.write("\\n" + nonce + b"".join(chunks).decode(errors="replace") + "\\n")
+    sys.stdout.flush()
+
+
+_main()
 """
 )
 
@@ -263,7 +330,8 @@ async def run_unit_tests(
     box = sandbox or Sandbox(limits)
     nonce = secrets.token_hex(16)
     sent = [t if isinstance(t, str) else [t[0]] for t in tests]
-    stdin = json.dumps({"nonce": nonce, "code": code, "tests": sent})
+    header = json.dumps({"code": code, "tests": sent})
+    stdin = f"{len(header.encode())}\n{header}{nonce}"
     result = await box.arun_python(_HARNESS, stdin=stdin)
     total = len(tests)
     if result.outcome is SandboxOutcome.SANDBOX_ERROR:
@@ -272,12 +340,9 @@ async def run_unit_tests(
     if result.outcome is not SandboxOutcome.OK or len(verdicts) != 1:
         why = f"no verdict (sandbox outcome {result.outcome.value}): {result.stderr[-300:]}"
         return UnitTestReport(0, total, detail=why)
-    try:
-        results = json.loads(verdicts[0][len(nonce) :])
-    except json.JSONDecodeError:
-        results = []
-    if len(results) != total:
-        return UnitTestReport(0, total, detail=f"{len(results)} verdicts for {total} tests")
+    results = _parse_verdict(verdicts[0][len(nonce) :], tests)
+    if isinstance(results, str):
+        return UnitTestReport(0, total, detail=f"malformed verdict: {results}")
     fails = []
     for i, (test, got) in enumerate(zip(tests, results, strict=True)):
         if "error" in got:
@@ -285,3 +350,27 @@ async def run_unit_tests(
         elif not isinstance(test, str) and got["value"] != json.loads(json.dumps(plain(test[1]))):
             fails.append(f"test {i}: {test[0]} gave {got['value']}, expected {plain(test[1])}")
     return UnitTestReport(total - len(fails), total, detail="\n".join(fails[:5]))
+
+
+def _parse_verdict(text: str, tests: Sequence[UnitTest]) -> list[dict[str, Any]] | str:
+    """The per-test results of a verdict line, or why they are malformed. The child that ran the
+    policy's code wrote them, so their shape is checked strictly: one object per test, either
+    `{"error": str}`, `{"ok": true}` for a statement test or `{"value": ...}` for an expression
+    test. A malformed verdict fails every test (the policy's code wrote it), it never raises."""
+    try:
+        results = json.loads(text)
+    except json.JSONDecodeError as e:
+        return f"not JSON ({e})"
+    if not isinstance(results, list) or len(results) != len(tests):
+        n = len(results) if isinstance(results, list) else type(results).__name__
+        return f"{n} results for {len(tests)} tests"
+    for i, (test, got) in enumerate(zip(tests, results, strict=True)):
+        if not isinstance(got, dict) or len(got) != 1:
+            return f"test {i}: {str(got)[:100]}"
+        (kind, value), = got.items()
+        valid = ((kind == "error" and isinstance(value, str))
+                 or (kind == "ok" and value is True and isinstance(test, str))
+                 or (kind == "value" and not isinstance(test, str)))
+        if not valid:
+            return f"test {i}: {str(got)[:100]}"
+    return results

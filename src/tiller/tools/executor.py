@@ -9,7 +9,10 @@ training run needs:
 - retries with exponential backoff and seeded jitter, for `env_error` only. A `tool_error` is the
   policy's mistake (bad arguments, a rejected input) and the same call would fail again;
 - an opt-in result cache for deterministic tools (only `ok` results are kept); identical calls
-  made while the first is running wait for it instead of all missing the cache;
+  made while the first is running wait for it instead of all missing the cache. A cached result
+  is reused only within its episode (`cache_scope="episode"`, the default: a tool bound to the
+  episode's state, e.g. its own database, answers the same call differently per episode), or
+  across the run for tools declared stateless (`cache_scope="run"`);
 - a global and a per-tool concurrency limit, so a burst of episodes cannot overload a service;
 - per-tool counters (`stats()`) the trainer logs next to the rewards.
 
@@ -23,6 +26,7 @@ before training and refuses a tool set that fails too often to give a meaningful
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import random
@@ -31,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -66,6 +70,9 @@ class ToolPolicy(BaseModel):
     backoff_s: float = Field(0.1, ge=0, description="first retry delay; doubles each retry")
     jitter: float = Field(0.5, ge=0, le=1, description="delay is scaled by 1 ± jitter")
     cache: bool = Field(False, description="reuse ok results; only for deterministic tools")
+    cache_scope: Literal["episode", "run"] = Field(
+        "episode", description="where a cached result is reused: within the episode that made "
+        "it (safe for tools bound to per-episode state), or across the run (stateless tools)")
     max_concurrency: int | None = Field(None, ge=1, description="calls of this tool at once")
 
 
@@ -140,19 +147,23 @@ class ToolExecutor:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._in_flight = 0  # calls between entering and leaving `_run`, all tools
         self._running: dict[str, int] = {}  # attempts inside the limits, per tool
-        self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
-        self._pending: dict[tuple[str, str], asyncio.Future[None]] = {}  # cached calls running
+        # cache key: (scope, tool name, canonical arguments); scope is the episode's, or "run"
+        self._cache: OrderedDict[tuple[str, str, str], str] = OrderedDict()
+        self._pending: dict[tuple[str, str, str], asyncio.Future[None]] = {}  # cached, running
+        self._binds = itertools.count()
         self._rng = random.Random(self.config.seed)
 
-    def bind(self, target: ToolRegistry | Invoke) -> Invoke:
+    def bind(self, target: ToolRegistry | Invoke, episode: str | None = None) -> Invoke:
         """An invoke callable that runs calls through `target` under this executor: e.g. one
-        episode's own registry (stateful tools stay per episode, the limits do not)."""
+        episode's own registry (stateful tools stay per episode, the limits do not). `episode`
+        names the episode for the cache's episode scope (default: one of its own per bind)."""
         if isinstance(target, ToolRegistry):
             self.tool_names = (self.tool_names or set()) | set(target.tools)
         inner = as_invoke(target)
+        scope = f"episode:{episode}" if episode is not None else f"bind:{next(self._binds)}"
 
         async def invoke(call: ToolCall) -> ExecutedResult:
-            return await self._run(call, inner)
+            return await self._run(call, inner, scope)
 
         return invoke
 
@@ -186,21 +197,24 @@ class ToolExecutor:
         """Run `call` through the executor's own target."""
         if self.inner is None:
             raise TypeError("this ToolExecutor has no target: call it through bind(target)")
-        return await self._run(call, self.inner)
+        return await self._run(call, self.inner, "own")
 
-    async def _run(self, call: ToolCall, inner: Invoke) -> ExecutedResult:
+    async def _run(self, call: ToolCall, inner: Invoke, scope: str) -> ExecutedResult:
         self._use_loop()
         self._in_flight += 1
         try:
-            return await self._execute(call, inner)
+            return await self._execute(call, inner, scope)
         finally:
             self._in_flight -= 1
 
-    async def _execute(self, call: ToolCall, inner: Invoke) -> ExecutedResult:
+    async def _execute(self, call: ToolCall, inner: Invoke, scope: str) -> ExecutedResult:
         bucket = self._bucket(call.name)
         policy, counts = self._setup(bucket)
         counts.calls += 1
-        key = (call.name, canonical_json(call.arguments)) if policy.cache else None
+        key = None
+        if policy.cache:
+            where = "run" if policy.cache_scope == "run" else scope
+            key = (where, call.name, canonical_json(call.arguments))
         while key is not None:
             if key in self._cache:
                 self._cache.move_to_end(key)
@@ -224,7 +238,7 @@ class ToolExecutor:
             done.set_result(None)
 
     async def _call(self, call: ToolCall, inner: Invoke, bucket: str, policy: ToolPolicy,
-                    counts: ToolCounters, key: tuple[str, str] | None) -> ExecutedResult:
+                    counts: ToolCounters, key: tuple[str, str, str] | None) -> ExecutedResult:
         """The attempts of one call that the cache did not answer, with retries."""
         start = time.perf_counter()
         attempt = 0
@@ -265,16 +279,16 @@ class ToolExecutor:
         latency = time.perf_counter() - start
         return ToolResult(call, ToolOutcome.ENV_ERROR, msg, latency), timed_out
 
-    def stats(self, reset: bool = False) -> dict[str, float]:
-        """Per-tool metrics, e.g. `env_error_rate/calculate`; `reset` starts a new window
-        (call it once per training step to log per-step figures)."""
+    def stats(self, reset: bool = False, prefix: str = "") -> dict[str, float]:
+        """Per-tool metrics, e.g. `env_error_rate/calculate` and `{prefix}calls/calculate`;
+        `reset` starts a new window (call it once per training step to log per-step figures)."""
         out: dict[str, float] = {}
         for name, c in self.counters.items():
-            out[f"calls/{name}"] = c.calls
+            out[f"{prefix}calls/{name}"] = float(c.calls)
             for outcome in ToolOutcome:
                 out[f"{outcome.value}_rate/{name}"] = getattr(c, outcome.value) / max(c.calls, 1)
             for f in ("retries", "timeouts", "cache_hits", "peak_concurrency"):
-                out[f"{f}/{name}"] = getattr(c, f)
+                out[f"{prefix}{f}/{name}"] = float(getattr(c, f))
         if reset:
             self.reset()
         return out

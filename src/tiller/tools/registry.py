@@ -16,7 +16,6 @@ own classes with `@tool(policy_errors=..., env_errors=...)`, which are checked f
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import json
 import time
@@ -27,6 +26,8 @@ from typing import Any
 
 import pydantic
 from transformers.utils import get_json_schema
+
+from tiller.tools.threads import run_in_thread
 
 
 class ToolError(Exception):
@@ -84,9 +85,9 @@ class Tool:
     async def __call__(self, **arguments: Any) -> Any:
         if inspect.iscoroutinefunction(self.fn):
             return await self.fn(**arguments)
-        # Sync tools run in a worker thread so a slow one never blocks the event loop
-        # that drives every other episode's generation.
-        return await asyncio.to_thread(self.fn, **arguments)
+        # Sync tools run in a thread of their own so a slow one never blocks the event loop
+        # that drives every other episode's generation, nor (timed out) the loop's shutdown.
+        return await run_in_thread(self.fn, **arguments)
 
 
 def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None,

@@ -55,7 +55,6 @@ and exiting 1.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -77,7 +76,9 @@ from dataclasses import dataclass
 from enum import Enum
 from functools import cache
 from pathlib import Path, PurePosixPath
-from typing import IO
+from typing import IO, Any
+
+from tiller.tools.threads import run_in_thread
 
 from tiller.errors import ConfigError
 
@@ -87,9 +88,12 @@ _INBOX = "/inbox"  # where the code and files are bound (read-only) inside bwrap
 _WORKDIR = "/tmp"  # the writable tmpfs: cwd and HOME of the sandboxed program
 _NOBODY = 65534  # the uid inside a user namespace (non-root callers)
 _ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime")
+_INFO_MAX_BYTES = 4096  # bwrap's --info-fd JSON is a few bytes
 _DRAIN_SECONDS = 0.2  # how long to keep reading pipes after the program exited or was killed
 PROBE_ATTEMPTS = 3  # test runs of bwrap before `auto` gives up on it (one failure may be transient)
 PROBE_BACKOFF_S = 0.5  # sleep before the 2nd probe; doubles for each further one
+MAX_CONCURRENT_RUNS = min(32, (os.cpu_count() or 1) + 4)  # `arun_python`s running at once
+_run_slots = threading.BoundedSemaphore(MAX_CONCURRENT_RUNS)
 
 
 @dataclass(frozen=True)
@@ -189,9 +193,15 @@ class Sandbox:
     async def arun_python(
         self, code: str, stdin: str = "", files: dict[str, str | bytes] | None = None
     ) -> SandboxResult:
-        """`run_python` in a worker thread (the blocking part is waiting on pipes), so at most
-        the default executor's worker count run at once."""
-        return await asyncio.to_thread(self.run_python, code, stdin, files)
+        """`run_python` in a thread of its own (the blocking part is waiting on pipes); at most
+        `MAX_CONCURRENT_RUNS` run at once in the process, and the deadline starts after the wait
+        for a slot, so queueing is not the code's timeout."""
+        return await run_in_thread(self._run_python_in_slot, code, stdin, files)
+
+    def _run_python_in_slot(self, code: str, stdin: str,
+                            files: dict[str, str | bytes] | None) -> SandboxResult:
+        with _run_slots:
+            return self.run_python(code, stdin, files)
 
     def run_python(
         self, code: str, stdin: str = "", files: dict[str, str | bytes] | None = None
@@ -263,7 +273,7 @@ class Sandbox:
             os.close(ready_w)
             os.close(info_w)
         try:
-            out, err, truncated, started, timed_out = _supervise(
+            out, err, truncated, started, timed_out, info_error = _supervise(
                 proc, ready_r, info_r, start + self.limits.wall_seconds,
                 self.limits.max_output_bytes,
             )
@@ -275,7 +285,7 @@ class Sandbox:
         rc = proc.returncode
         if self.backend == "bwrap" and 128 < rc < 128 + signal.NSIG:
             rc = -(rc - 128)  # bwrap reports "killed by signal n" as exit status 128 + n
-        if not started:
+        if not started or info_error:
             outcome = SandboxOutcome.SANDBOX_ERROR
         elif timed_out or rc == -signal.SIGXCPU:
             outcome = SandboxOutcome.TIMEOUT
@@ -286,18 +296,20 @@ class Sandbox:
         else:
             outcome = SandboxOutcome.ERROR
         out, err = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+        if info_error:
+            err += f"\nsandbox: {info_error}"
         return SandboxResult(outcome, rc, out, err, wall, self.backend, truncated)
 
 
 def _supervise(
     proc: subprocess.Popen, ready_fd: int, info_fd: int, deadline: float, max_bytes: int
-) -> tuple[bytearray, bytearray, bool, bool, bool]:
+) -> tuple[bytearray, bytearray, bool, bool, bool, str | None]:
     """Pump stdout/stderr until the program exits or `deadline` passes, keeping at most
     `max_bytes` of each, then kill the sandbox (bwrap's child, then the process group) and
-    reap. Returns (stdout, stderr, truncated, started, timed_out)."""
+    reap. Returns (stdout, stderr, truncated, started, timed_out, info_error)."""
     bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     info = bytearray()
-    state = {"truncated": False, "started": False}
+    state: dict[str, Any] = {"truncated": False, "started": False, "info_error": None}
     sel = selectors.DefaultSelector()
     for fd in (*bufs, ready_fd, info_fd):
         sel.register(fd, selectors.EVENT_READ)
@@ -313,7 +325,7 @@ def _supervise(
             elif key.fd == ready_fd:
                 state["started"] = True
             elif key.fd == info_fd:
-                info.extend(chunk[: 4096 - len(info)])  # a few bytes of JSON from bwrap itself
+                info.extend(chunk[: _INFO_MAX_BYTES - len(info)])  # a few bytes of JSON
             else:
                 buf = bufs[key.fd]
                 room = max(max_bytes - len(buf), 0)
@@ -337,7 +349,13 @@ def _supervise(
         timed_out = not exited()
         if info_fd in sel.get_map():
             pump(0)  # bwrap writes the child's pid right after it starts it
-        if _kill_bwrap_child(bytes(info), proc.pid):
+        try:
+            killed = _kill_bwrap_child(bytes(info), proc.pid)
+        except SandboxInfoError as e:  # the process-group kill below still stops everything
+            logger.warning("tiller sandbox: %s; killing bwrap's process group instead", e)
+            state["info_error"] = str(e)
+            killed = False
+        if killed:
             # bwrap reaps its child and exits by itself; killing it first would orphan the child
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(_DRAIN_SECONDS)
@@ -354,7 +372,11 @@ def _supervise(
         proc.stdout.close()
         proc.stderr.close()
     out, err = bufs.values()
-    return out, err, state["truncated"], state["started"], timed_out
+    return out, err, state["truncated"], state["started"], timed_out, state["info_error"]
+
+
+class SandboxInfoError(RuntimeError):
+    """bwrap's `--info-fd` report could not be read: an infrastructure failure."""
 
 
 def _kill_bwrap_child(info: bytes, bwrap_pid: int) -> bool:
@@ -364,7 +386,11 @@ def _kill_bwrap_child(info: bytes, bwrap_pid: int) -> bool:
     recycled pid. Returns whether it was signalled."""
     if not info:
         return False  # the fallback, or bwrap failed before starting a child
-    pid = json.loads(info.decode())["child-pid"]
+    try:
+        pid = int(json.loads(info.decode())["child-pid"])
+    except (ValueError, KeyError, TypeError) as e:  # JSON and UTF-8 errors are ValueErrors
+        raise SandboxInfoError(f"unreadable bwrap --info-fd output {info[:100]!r}: "
+                               f"{type(e).__name__}: {e}") from e
     try:
         pidfd = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -544,7 +570,9 @@ _fallback_allowed = False
 
 def set_unsafe_fallback(allowed: bool) -> None:
     """Whether `backend="auto"` may run code unsandboxed when bwrap does not work, for every
-    `Sandbox` of this process that does not say (a run sets it from its config)."""
+    `Sandbox` of this process that does not say (a run sets it from its config, so it holds
+    until the next run sets it; `set_unsafe_fallback(False)` resets it). Every Sandbox that
+    falls back warns, so a setting left from an earlier run is never silent."""
     global _fallback_allowed
     _fallback_allowed = allowed
 
@@ -583,14 +611,9 @@ def _probe_bwrap() -> str | None:
     return f"{problem}, {PROBE_ATTEMPTS} times"
 
 
-_warned_fallback = False
-
-
 def _warn_fallback(reason: str) -> None:
-    global _warned_fallback
-    if _warned_fallback:
-        return
-    _warned_fallback = True
+    """Warn for every unsandboxed `Sandbox`, not once per process: the fallback may have been
+    allowed by an earlier run in this process (`set_unsafe_fallback`), and must not go quiet."""
     root = " As root, RLIMIT_NPROC is not enforced either." if os.geteuid() == 0 else ""
     msg = (
         f"tiller sandbox: running model-written code WITHOUT bubblewrap ({reason}). Only rlimits, "

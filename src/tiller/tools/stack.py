@@ -21,6 +21,7 @@ from tiller.tools.executor import ExecutorConfig, Invoke, ProbeReport, ToolExecu
 from tiller.tools.faults import FaultConfig, FaultInjector
 from tiller.tools.registry import ToolCall, ToolOutcome, ToolRegistry, ToolResult
 from tiller.tools.replay import ReplayStore
+from tiller.tools.threads import abandoned_threads
 
 
 class ReplayConfig(BaseModel):
@@ -65,6 +66,7 @@ class ToolStack:
                                                   cfg.replay.mode), cfg.replay.mode)
         self.executor = ToolExecutor(config=cfg.executor)
         self.first_error: dict[str, str] = {}
+        self._window_start: dict[str, int] = {}  # totals of the counters outside the executor
 
     def wrapper(self, key: str) -> Callable[[ToolRegistry], Invoke]:
         """What an environment calls with its registry; `key` names the episode (replay and
@@ -72,7 +74,7 @@ class ToolStack:
 
         def wrap(registry: ToolRegistry) -> Invoke:
             target = registry if self.injector is None else self.injector.wrap(registry, key)
-            invoke = self.executor.bind(target)
+            invoke = self.executor.bind(target, episode=key)
             if self.store is not None:  # (an empty store is falsy: it has a __len__)
                 invoke = self.store.wrap(invoke, key)
 
@@ -89,15 +91,15 @@ class ToolStack:
 
     def stats(self, reset: bool = True) -> dict[str, float]:
         """Per-tool rates and counts over the episodes since the last reset."""
-        out: dict[str, float] = {}
-        for name, c in self.executor.counters.items():
-            out[f"tool_calls/{name}"] = float(c.calls)
-            for outcome in ToolOutcome:
-                out[f"{outcome.value}_rate/{name}"] = getattr(c, outcome.value) / max(c.calls, 1)
-            for f in ("retries", "timeouts", "cache_hits", "peak_concurrency"):
-                out[f"tool_{f}/{name}"] = float(getattr(c, f))
-        if reset:
-            self.executor.reset()
+        out = self.executor.stats(reset=reset, prefix="tool_")
+        # Counters outside the executor, as counts since the last reset like the rest.
+        totals = {"tool_abandoned_threads": abandoned_threads()}
+        if self.store is not None:
+            totals["replay_misses"] = self.store.misses
+        for name, total in totals.items():
+            out[name] = float(total - self._window_start.get(name, 0))
+            if reset:
+                self._window_start[name] = total
         return out
 
     def probe_report(self) -> ProbeReport:
