@@ -168,3 +168,4 @@ class Run:
     def close(self) -> None:
         self.logger.close()
         self.tools.close()
+        set_unsafe_fallback(False)  # the run's sandbox policy does not outlive the run
