@@ -78,9 +78,8 @@ from functools import cache
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
-from tiller.tools.threads import run_in_thread
-
 from tiller.errors import ConfigError
+from tiller.tools.threads import run_in_thread
 
 logger = logging.getLogger(__name__)
 
