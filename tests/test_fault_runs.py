@@ -86,7 +86,8 @@ def test_run_level_concurrency_limit_and_cache_span_the_episodes(tmp_path):
     cfg = load_config("configs/calculator.yaml", [
         *TINY_RUN, "sft.enabled=false", "rl.steps=0", "eval.tasks=8", "eval.samples_per_task=4",
         "agent.loop=test_fault_runs:expert_loop", "env.tools.gate.enabled=false",
-        "env.tools.executor={max_concurrency: 1, tools: {calculate: {cache: true}}}"])
+        "env.tools.executor={max_concurrency: 1, "
+        "tools: {calculate: {cache: true, cache_scope: run}}}"])  # calculate is stateless
     train(cfg, tmp_path)
     ev = rows(tmp_path, "eval_sft")[0]
     calls, hits = ev["tool_calls/calculate"], ev["tool_cache_hits/calculate"]
