@@ -22,6 +22,8 @@ def test_demo_config_validates_and_overrides_apply():
         ("rl.algorithm.eps_hgh=0.3", ["rl.algorithm.eps_hgh", "Extra inputs are not permitted"]),
         ("sampling.top_p=1.5", ["sampling.top_p", "1.5", "less than or equal to 1"]),
         ("model.path=/somewhere", ["model", "exactly one of model.path"]),
+        ("env.tools.executor={tools: {calculate: {cache_scope: run}}}",
+         ["env.tools.executor.tools.calculate", "cache_scope only applies with cache: true"]),
     ],
 )
 def test_bad_fields_name_field_value_and_expectation(override, words):

@@ -217,3 +217,22 @@ def test_policy_code_cannot_read_the_harness_parents_memory():
             "        open(f'/proc/{os.getppid()}/mem', 'rb').close()\n"
             "    except OSError:\n        return 'denied'\n    return 'readable'\n")
     assert _tests(peek, [("peek()", "denied")]).all_passed
+
+
+@needs_bwrap
+def test_code_killing_itself_is_the_policys_failure_not_a_harness_traceback():
+    # SIGKILL takes no handler: the harness must pass the child's fate on without crashing
+    report = _tests("import os\nos.kill(os.getpid(), 9)", ["True"])
+    assert (report.passed, report.env_error) == (0, False)
+    assert "Traceback" not in report.detail and "killed" in report.detail
+
+
+@needs_bwrap
+def test_a_failing_harness_is_env_error_and_the_code_cannot_pose_as_one():
+    # a harness that cannot read its header exits HARNESS_FAILED before any code runs ...
+    box = Sandbox(LIMITS)
+    result = asyncio.run(box.arun_python(v._HARNESS, stdin="99\n{"))
+    assert result.returncode == v.HARNESS_FAILED
+    # ... while code that exits with that status itself is the policy's failure
+    report = _tests(f"import os\nos._exit({v.HARNESS_FAILED})", ["True"])
+    assert (report.passed, report.env_error) == (0, False)

@@ -97,7 +97,15 @@ class Run:
         # from the first env on (a code env without bwrap refuses unless it is allowed).
         self.tools = ToolStack(cfg.env.tools, self.dir)
         set_unsafe_fallback(cfg.env.tools.sandbox.allow_unsafe_fallback)
+        try:
+            self._build_models()
+        except BaseException:  # nothing of a run that did not start outlives it
+            self.tools.close()
+            set_unsafe_fallback(False)
+            raise
 
+    def _build_models(self) -> None:
+        cfg = self.cfg
         t0 = time.perf_counter()
         self.device = resolve_device(cfg.model.device)
         path = Path(cfg.model.path) if cfg.model.path is not None else build_env_model(

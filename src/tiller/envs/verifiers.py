@@ -220,8 +220,11 @@ def plain(value: Any) -> Any:
 # pipe, and the parent writes the one verdict line. Expected values never enter the sandbox: the
 # host compares each expression's value. The code can still forge the results it sends through
 # the pipe (or lie with `__eq__`), which only fools statement tests: they are weaker evidence.
+HARNESS_FAILED = 86  # the harness's own exit code when it (not the code under test) failed
+
 _HARNESS = (
     "from __future__ import annotations\nimport ctypes, io, json, os, signal, sys\n\n"
+    + f"HARNESS_FAILED = {HARNESS_FAILED}\n\n"
     + inspect.getsource(plain)
     + """
 
@@ -276,6 +279,13 @@ def _child(p, results_w, go_r):
 
 
 def _main():
+    try:
+        _setup_and_run()
+    except BaseException:  # the harness itself failed, not the code under test
+        os._exit(HARNESS_FAILED)
+
+
+def _setup_and_run():
     p = _header()
     results_r, results_w = os.pipe()
     go_r, go_w = os.pipe()
@@ -299,10 +309,12 @@ def _main():
         chunks.append(chunk)
     status = os.waitpid(pid, 0)[1]
     if os.WIFSIGNALED(status):  # e.g. SIGXCPU: the sandbox reads the child's fate off ours
-        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
-        os.kill(os.getpid(), os.WTERMSIG(status))
+        sig = os.WTERMSIG(status)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # these take no handler
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
     if os.waitstatus_to_exitcode(status) != 0:
-        os._exit(os.waitstatus_to_exitcode(status))
+        os._exit(1)  # the code's own exit code may not pose as HARNESS_FAILED
     sys.stdout.write("\\n" + nonce + b"".join(chunks).decode(errors="replace") + "\\n")
     sys.stdout.flush()
 
@@ -324,8 +336,10 @@ async def run_unit_tests(
     """Run `code`, then every test (each in a fresh copy of the code's namespace), in one
     sandboxed process; see `UnitTest` for the two kinds of test.
 
-    A timeout, a crash or a missing verdict fails every test (the policy's code did it); only
-    a sandbox that could not start is an `env_error`.
+    A timeout, a crash or a missing verdict fails every test (the policy's code did it); a
+    sandbox that could not start, or a harness that failed before running the code (exit
+    status `HARNESS_FAILED`, which the code's own exit status is remapped away from), is an
+    `env_error`.
     """
     box = sandbox or Sandbox(limits)
     nonce = secrets.token_hex(16)
@@ -334,7 +348,7 @@ async def run_unit_tests(
     stdin = f"{len(header.encode())}\n{header}{nonce}"
     result = await box.arun_python(_HARNESS, stdin=stdin)
     total = len(tests)
-    if result.outcome is SandboxOutcome.SANDBOX_ERROR:
+    if result.outcome is SandboxOutcome.SANDBOX_ERROR or result.returncode == HARNESS_FAILED:
         return UnitTestReport(0, total, env_error=True, detail=result.stderr[-500:])
     verdicts = [ln for ln in result.stdout.splitlines() if ln.startswith(nonce)]
     if result.outcome is not SandboxOutcome.OK or len(verdicts) != 1:

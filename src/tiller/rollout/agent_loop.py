@@ -29,6 +29,7 @@ from tiller.rollout.trajectory import Status, Trajectory, TrajectoryBuilder
 from tiller.tools.registry import ToolOutcome
 
 logger = logging.getLogger(__name__)
+_logged: set[type[BaseException]] = set()  # exception types whose traceback was logged
 
 
 class Actor(Protocol):
@@ -160,6 +161,10 @@ async def run_episode(
             except Exception as e:  # the loop broke (template, tokenizer, a generation's shape)
                 info["error"] = _error(e, "agent loop")
                 status = Status.ABORTED
+                if type(e) not in _logged:  # a bug's traceback, once per exception type
+                    _logged.add(type(e))
+                    logger.exception("task %s sample %d: the agent loop broke; the episode is "
+                                     "aborted", task.id, sample_index)
             try:
                 reward = await env.verify(final)
             except RUN_FAILURES:
@@ -217,7 +222,9 @@ async def _turns(
         cut_off = gen.finish_reason != "stop" or keep < len(gen.token_ids)
         # A stop on a generation_config eos that is not the end-of-turn token (Qwen's
         # <|endoftext|>) ends the conversation: the template cannot continue after it.
-        ended = not cut_off and bool(ids) and ids[-1] != chat.end_of_turn_id
+        # (Only a special token: an actor that strips its stop token ends a plain turn.)
+        ended = (not cut_off and bool(ids) and ids[-1] != chat.end_of_turn_id
+                 and ids[-1] in chat.tokenizer.all_special_ids)
         parsed = chat.parse(ids[:-1] if ended else ids)
         messages.append(assistant_message(parsed))
         if cut_off:

@@ -37,7 +37,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tiller.tools.registry import ToolCall, ToolOutcome, ToolRegistry, ToolResult
 
@@ -74,6 +74,12 @@ class ToolPolicy(BaseModel):
         "episode", description="where a cached result is reused: within the episode that made "
         "it (safe for tools bound to per-episode state), or across the run (stateless tools)")
     max_concurrency: int | None = Field(None, ge=1, description="calls of this tool at once")
+
+    @model_validator(mode="after")
+    def _scope_needs_cache(self) -> ToolPolicy:
+        if "cache_scope" in self.model_fields_set and not self.cache:
+            raise ValueError("cache_scope only applies with cache: true")
+        return self
 
 
 class ExecutorConfig(BaseModel):

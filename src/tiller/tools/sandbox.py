@@ -55,6 +55,7 @@ and exiting 1.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -195,11 +196,18 @@ class Sandbox:
         """`run_python` in a thread of its own (the blocking part is waiting on pipes); at most
         `MAX_CONCURRENT_RUNS` run at once in the process, and the deadline starts after the wait
         for a slot, so queueing is not the code's timeout."""
-        return await run_in_thread(self._run_python_in_slot, code, stdin, files)
+        cancelled = threading.Event()
+        try:
+            return await run_in_thread(self._run_python_in_slot, code, stdin, files, cancelled)
+        except asyncio.CancelledError:
+            cancelled.set()  # still queued for a slot: the code must not run later
+            raise
 
-    def _run_python_in_slot(self, code: str, stdin: str,
-                            files: dict[str, str | bytes] | None) -> SandboxResult:
+    def _run_python_in_slot(self, code: str, stdin: str, files: dict[str, str | bytes] | None,
+                            cancelled: threading.Event) -> SandboxResult:
         with _run_slots:
+            if cancelled.is_set():  # nobody awaits this result any more
+                raise RuntimeError("sandbox run cancelled while it waited for a slot")
             return self.run_python(code, stdin, files)
 
     def run_python(

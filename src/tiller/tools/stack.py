@@ -66,7 +66,9 @@ class ToolStack:
                                                   cfg.replay.mode), cfg.replay.mode)
         self.executor = ToolExecutor(config=cfg.executor)
         self.first_error: dict[str, str] = {}
-        self._window_start: dict[str, int] = {}  # totals of the counters outside the executor
+        # totals of the counters outside the executor; abandoned threads are process-wide, so
+        # this run counts from its own start
+        self._window_start: dict[str, int] = {"tool_abandoned_threads": abandoned_threads()}
 
     def wrapper(self, key: str) -> Callable[[ToolRegistry], Invoke]:
         """What an environment calls with its registry; `key` names the episode (replay and

@@ -12,6 +12,7 @@ kill a thread, so such a thread runs on in the background; each is counted
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import threading
@@ -45,11 +46,16 @@ async def run_in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     def work() -> None:
         try:
             result = context.run(fn, *args, **kwargs)
+        except StopIteration as e:  # a future cannot hold StopIteration: it would never settle
+            error = RuntimeError(f"{getattr(fn, '__name__', 'call')} raised StopIteration")
+            error.__cause__ = e
+            outcome: tuple[Callable[[Any], None], Any] = (future.set_exception, error)
         except BaseException as e:  # handed to the awaiting caller, which re-raises it
-            outcome: tuple[Callable[[Any], None], Any] = (future.set_exception, e)
+            outcome = (future.set_exception, e)
         else:
             outcome = (future.set_result, result)
-        if not loop.is_closed():  # closed: the caller gave up long ago (counted then)
+        # a closed loop: the caller gave up long ago (counted then)
+        with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(settle, *outcome)
 
     thread = threading.Thread(target=work, name=f"tiller-{getattr(fn, '__name__', 'call')}",

@@ -8,6 +8,7 @@ alignment and the same mask.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -15,6 +16,8 @@ import torch
 from torch import nn
 
 from tiller.rollout.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -127,7 +130,10 @@ def minibatches(
     (filtering and dropped episodes shrink it) gets one step per row: never an empty step (an
     optimizer step and a weight version with no data). The trainer logs the steps taken."""
     n = len(batch.input_ids)
-    mini_batches = min(mini_batches, n)
+    if mini_batches > n:
+        log.warning("this step's batch has %d rows, fewer than rl.mini_batches=%d: one "
+                    "optimizer step per row", n, mini_batches)
+        mini_batches = n
     out = []
     for i in range(mini_batches):
         mini = torch.arange(n)[i::mini_batches]
