@@ -559,8 +559,9 @@ def test_unprivileged_caller_gets_a_user_namespace() -> None:
         "        pass\n"
         "print(os.getuid(), n, wrote)\n"
     )
+    src = str(Path(sb.__file__).parents[2])  # tiller's stdlib-only modules, for the imports
     driver = (
-        "import json, sys, types\n"
+        f"import json, sys, types\nsys.path.insert(0, {src!r})\n"
         "mod = types.ModuleType('sandbox_under_test'); sys.modules[mod.__name__] = mod\n"
         "exec(compile(sys.stdin.read(), 'sandbox.py', 'exec'), mod.__dict__)\n"
         "box = mod.Sandbox(mod.SandboxLimits(max_processes=8, wall_seconds=4), backend='bwrap')\n"

@@ -79,6 +79,8 @@ from functools import cache
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
+# Only stdlib-only tiller modules: the sandbox also runs under a bare system Python (the
+# unprivileged-user test executes this file with /usr/bin/python3 and tiller's src on the path).
 from tiller.errors import ConfigError
 from tiller.tools.threads import run_in_thread
 
