@@ -77,7 +77,7 @@ class ToolPolicy(BaseModel):
 
     @model_validator(mode="after")
     def _scope_needs_cache(self) -> ToolPolicy:
-        if "cache_scope" in self.model_fields_set and not self.cache:
+        if self.cache_scope == "run" and not self.cache:  # (a dumped config says "episode")
             raise ValueError("cache_scope only applies with cache: true")
         return self
 
