@@ -22,6 +22,7 @@ def test_demo_config_validates_and_overrides_apply():
         ("rl.algorithm.eps_hgh=0.3", ["rl.algorithm.eps_hgh", "Extra inputs are not permitted"]),
         ("sampling.top_p=1.5", ["sampling.top_p", "1.5", "less than or equal to 1"]),
         ("model.path=/somewhere", ["model", "exactly one of model.path"]),
+        ("rl.max_idle_steps=5", ["rl.max_idle_steps", "dynamic_sampling.enabled: true"]),
         ("env.tools.executor={tools: {calculate: {cache_scope: run}}}",
          ["env.tools.executor.tools.calculate", "cache_scope only applies with cache: true"]),
     ],

@@ -403,6 +403,10 @@ class RLConfig(_Section):
         if self.mini_batches > rows:
             raise ConfigError(f"config field rl.mini_batches: got {self.mini_batches}; expected "
                               f"at most rl.tasks_per_step * rl.group_size = {rows}")
+        default = type(self).model_fields["max_idle_steps"].default
+        if self.max_idle_steps != default and not self.algorithm.dynamic_sampling.enabled:
+            raise ConfigError(f"config field rl.max_idle_steps: got {self.max_idle_steps}; it "
+                              "only applies with rl.algorithm.dynamic_sampling.enabled: true")
         return self
 
 
