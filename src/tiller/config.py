@@ -80,6 +80,45 @@ class SamplingConfig(_Section):
     max_new_tokens: int = Field(48, ge=1)
 
 
+class EngineConfig(_Section):
+    """Where rollouts are generated: the embedded engine in this process, or `tiller serve`
+    (or SGLang) servers over HTTP, which get the trainer's weights after every step."""
+
+    backend: Literal["embedded", "http"] = Field(
+        "embedded", description="embedded: a continuous-batching engine in this process; "
+        "http: the servers in engine.urls, through SGLang's /generate contract")
+    urls: list[str] = Field(
+        default_factory=list, description="http: base URLs of the servers (e.g. "
+        "http://127.0.0.1:30000); episodes stick to one, new episodes go to the least loaded")
+    api_key: str | None = Field(
+        None, description="http: bearer token the servers were started with (--api-key); "
+        "default: the TILLER_API_KEY environment variable, if set")
+    weights_dir: str | None = Field(
+        None, description="http: folder the trainer writes each weight version to, which "
+        "must be below every server's --weights-root; default <run dir>/weights")
+    request_timeout_s: float = Field(
+        300.0, gt=0, description="http: seconds one generate or control request may take")
+    max_retries: int = Field(
+        2, ge=0, description="http: times a request that failed on a dead or unreachable "
+        "server is retried on another (each counted and logged)")
+    max_batch_size: int = Field(128, ge=1, description="embedded: rows decoded at once")
+    cache_bytes: int = Field(
+        1 << 30, ge=0, description="embedded: byte budget of the KV kept between turns and "
+        "for shared prefixes (LRU); 0 turns reuse off, so every turn re-prefills")
+
+    @model_validator(mode="after")
+    def _backend_fields(self) -> EngineConfig:
+        if self.backend == "http" and not self.urls:
+            raise ConfigError("config field engine.urls: engine.backend is http, so list at "
+                              "least one server URL (start one with `tiller serve MODEL`)")
+        if self.backend == "embedded":
+            for name in ("urls", "api_key", "weights_dir"):
+                if getattr(self, name):
+                    raise ConfigError(f"config field engine.{name}: only used with "
+                                      "engine.backend: http")
+        return self
+
+
 class SFTConfig(_Section):
     enabled: bool = True
     tasks: int = Field(2000, ge=1, description="expert demonstrations (one per train task)")
@@ -443,7 +482,7 @@ class Config(_Section):
     rl: RLConfig = RLConfig()
     eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
-    max_batch_size: int = Field(128, ge=1, description="engine: episodes generated at once")
+    engine: EngineConfig = EngineConfig()
 
     @property
     def l_max(self) -> int:

@@ -121,7 +121,7 @@ class Run:
         self.trainer = Trainer(self.model, temperature=cfg.sampling.temperature or 1.0,
                                compute_dtype=self.dtype)
         self.engine = EmbeddedEngine(copy.deepcopy(self.model).to(self.dtype),
-                                     self.tokenizer.pad_token_id, cfg.max_batch_size)
+                                     self.tokenizer.pad_token_id, cfg.engine.max_batch_size)
         self.logger = MetricsLogger(self.dir, cfg.logging.tensorboard, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.model_dump())
 

@@ -10,9 +10,12 @@ cast to the receiver's dtype and device (an fp32 trainer feeds a bf16 engine).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 
@@ -30,6 +33,41 @@ class WeightUpdate:
     def full(cls, model: nn.Module, version: int) -> WeightUpdate:
         """Every parameter and buffer, copied so later training steps cannot alter it."""
         return cls(version, {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+    def save(self, folder: str | Path) -> Path:
+        """Write the tensors to `folder/model.safetensors` and the version to
+        `folder/tiller_version.json` (what `tiller serve`'s /update_weights_from_disk reads)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.tensors.items()},
+                  str(folder / "model.safetensors"))
+        (folder / "tiller_version.json").write_text(
+            json.dumps({"version": self.version, "partial": self.partial}))
+        return folder
+
+    @classmethod
+    def load(cls, folder: str | Path, version: int, model: nn.Module) -> WeightUpdate:
+        """Every `*.safetensors` file in `folder` (a `save` or an HF `save_pretrained`
+        checkpoint) as a full update of `model`. Names the model ties to a tensor in the files
+        (lm_head to the embeddings) may be absent; anything else that does not fit raises
+        `WeightSyncError` before a weight is written."""
+        files = sorted(Path(folder).glob("*.safetensors"))
+        if not files:
+            raise WeightSyncError(f"no *.safetensors file in {str(folder)!r}")
+        tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            tensors.update(load_file(str(f)))
+        by_storage: dict[int, list[str]] = {}
+        for name, t in model.state_dict().items():
+            by_storage.setdefault(t.data_ptr(), []).append(name)
+        for names in by_storage.values():  # tied names share one storage: fill the absent ones
+            present = [n for n in names if n in tensors]
+            for n in names:
+                if n not in tensors and present:
+                    tensors[n] = tensors[present[0]]
+        update = cls(version, tensors)
+        update.check(model)
+        return update
 
     def check(self, model: nn.Module) -> None:
         """Raise `WeightSyncError` naming the unexpected, missing (full updates only) and
