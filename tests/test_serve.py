@@ -486,6 +486,18 @@ def test_a_failing_engine_answers_500_json_and_logs(model, tokenizer, caplog):
     assert any("the engine failed" in rec.getMessage() for rec in caplog.records)
 
 
+def test_a_generation_past_the_timeout_is_aborted_with_504(model, tokenizer):
+    app = _app(model, tokenizer, request_timeout_s=1.0)
+    engine = app.state.server.engine
+    with TestClient(app) as c:
+        engine.pause()  # nothing decodes: the request waits until the timeout
+        r = c.post("/generate", json=GEN)
+        assert r.status_code == 504
+        assert "/continue_generation" in r.json()["error"]["message"]
+        engine.resume()
+        assert c.post("/generate", json=GEN).json()["meta_info"]["completion_tokens"] == 4
+
+
 def test_chat_template_rendering_matches_the_agent_loop(tokenizer, episode):
     """The server renders OpenAI messages exactly as the agent loop rendered the episode."""
     from tiller.serve.openai_routes import _template_message

@@ -93,15 +93,17 @@ class Server:
                                       request_id=request_id)
                  for seed, request_id in zip(seeds, ids, strict=True)]
         timeout = self.settings.request_timeout_s
+        work = asyncio.ensure_future(asyncio.gather(*calls, return_exceptions=True))
         try:
-            results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True),
-                                             timeout)
-        except asyncio.TimeoutError as e:
-            for request_id in ids:
-                await asyncio.to_thread(self.engine.abort, request_id)
-            raise APIError(504, f"generation did not finish within {timeout:g} s "
-                                "(--request-timeout-s); is generation paused? "
-                                "POST /continue_generation resumes it") from e
+            done, _ = await asyncio.wait({work}, timeout=timeout)
+            if not done:  # abort in the engine first, so no choice keeps decoding unseen
+                for request_id in ids:
+                    await asyncio.to_thread(self.engine.abort, request_id)
+                work.cancel()
+                raise APIError(504, f"generation did not finish within {timeout:g} s "
+                                    "(--request-timeout-s); is generation paused? "
+                                    "POST /continue_generation resumes it")
+            results = work.result()
         finally:
             del self.inflight[rid]
         for r in results:
