@@ -110,7 +110,8 @@ class _Request:
     seed: int
     session_id: str | None
     request_id: str | None
-    future: concurrent.futures.Future = field(repr=False)
+    future: concurrent.futures.Future | asyncio.Future = field(repr=False)
+    loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)  # of an asyncio
     out_ids: list[int] = field(default_factory=list)
     out_lp: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -163,37 +164,45 @@ class EmbeddedEngine:
         self._row_params: dict[str, torch.Tensor] = {}
         self.counters = {name: 0 for name in (
             "requests", "prompt_tokens", "prefill_tokens", "cached_tokens", "generated_tokens",
-            "decode_steps", "decoded_row_steps", "finished_row_steps", "prefill_calls",
-            "aborted", "cancelled", "weight_updates", "failed_batches")}
+            "decode_steps", "decoded_row_steps", "prefill_calls",
+            "aborted", "cancelled", "undelivered", "weight_updates", "failed_batches")}
         self.busy_s = 0.0
         self.max_rows = 0
+        # answers for asyncio callers, delivered once per loop per iteration: one wake-up of
+        # each event loop instead of one per finished request
+        self._outbox: dict[asyncio.AbstractEventLoop, list] = {}
 
     # ----- the API (any thread) -----
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, seed: int, *,
                        session_id: str | None = None, request_id: str | None = None
                        ) -> Generation:
-        future = self.submit(prompt_ids, params, seed, session_id=session_id,
-                             request_id=request_id)
-        return await asyncio.wrap_future(future)  # cancelling the await cancels the request
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()  # cancelling the await cancels the request
+        self._enqueue(_Request(list(prompt_ids), params, seed & (2**63 - 1), session_id,
+                               request_id, future, loop))
+        return await future
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, seed: int, *,
                session_id: str | None = None, request_id: str | None = None
                ) -> concurrent.futures.Future:
-        """Queue a request; the future resolves to its `Generation` (from any thread)."""
+        """Queue a request from any thread; the future resolves to its `Generation`."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        if len(prompt_ids) >= self.max_context:
-            future.set_result(Generation([], [], "length", self.version,
-                                         prompt_tokens=len(prompt_ids)))
-            return future
-        request = _Request(list(prompt_ids), params, seed & (2**63 - 1), session_id,
-                           request_id, future)
+        self._enqueue(_Request(list(prompt_ids), params, seed & (2**63 - 1), session_id,
+                               request_id, future))
+        return future
+
+    def _enqueue(self, request: _Request) -> None:
+        if len(request.prompt_ids) >= self.max_context:
+            self._resolve(request, Generation([], [], "length", self.version,
+                                              prompt_tokens=len(request.prompt_ids)))
+            self._flush_outbox()
+            return
         with self._cond:
             self._check_open()
             self._waiting.append(request)
             self._ensure_worker()
             self._cond.notify()
-        return future
 
     def abort(self, request_id: str) -> bool:
         """End the request now (queued or running); its caller gets the partial output with
@@ -295,6 +304,7 @@ class EmbeddedEngine:
                     op.done.set_result(op.apply())
                 except Exception as e:  # the caller gets the error; the engine goes on
                     op.done.set_exception(e)
+            self._flush_outbox()
             if self._paused:
                 continue
             try:
@@ -307,9 +317,9 @@ class EmbeddedEngine:
                                  len(self._rows))
                 self.counters["failed_batches"] += 1
                 for r in self._rows:
-                    if not r.future.done():
-                        r.future.set_exception(e)
+                    self._resolve(r, error=e)
                 self._reset_batch()
+            self._flush_outbox()
 
     def _fail_all(self, error: BaseException) -> None:
         with self._cond:
@@ -318,8 +328,8 @@ class EmbeddedEngine:
             controls = list(self._controls)
             self._controls.clear()
         for r in pending:
-            if not r.future.done():
-                r.future.set_exception(error)
+            self._resolve(r, error=error)
+        self._flush_outbox()
         for op in controls:
             if not op.done.done():
                 op.done.set_exception(error)
@@ -545,10 +555,30 @@ class EmbeddedEngine:
         self._answer(r, reason)
 
     def _answer(self, r: _Request, reason: str) -> None:
-        if not r.future.done():
-            r.future.set_result(Generation(
-                r.out_ids, r.out_lp, reason, self.version, tuple(r.versions),
-                prompt_tokens=len(r.prompt_ids), cached_tokens=r.cached))
+        self._resolve(r, Generation(r.out_ids, r.out_lp, reason, self.version,
+                                    tuple(r.versions), prompt_tokens=len(r.prompt_ids),
+                                    cached_tokens=r.cached))
+
+    def _resolve(self, r: _Request, result: Generation | None = None,
+                 error: BaseException | None = None) -> None:
+        if r.loop is None:
+            if not r.future.done():
+                if error is None:
+                    r.future.set_result(result)
+                else:
+                    r.future.set_exception(error)
+        else:
+            self._outbox.setdefault(r.loop, []).append((r.future, result, error))
+
+    def _flush_outbox(self) -> None:
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the caller's event loop has closed: nobody is waiting
+                self.counters["undelivered"] += len(items)
+                logger.warning("engine: %d answers for a closed event loop were dropped",
+                               len(items))
 
     def _abort(self, match: Callable[[_Request], bool], waiting: bool = True) -> int:
         """End the matching requests with finish_reason "abort" (partial output)."""
@@ -571,6 +601,16 @@ class EmbeddedEngine:
             self._select(keep)
         self.counters["aborted"] += n
         return n
+
+
+def _deliver(items: list) -> None:
+    """On the caller's event loop: answer each still-awaited future."""
+    for future, result, error in items:
+        if not future.done():
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
 
 
 def _left_pad(t: torch.Tensor, pad: int) -> torch.Tensor:
