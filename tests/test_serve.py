@@ -5,6 +5,7 @@ in-process on FastAPI's TestClient."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -472,11 +473,18 @@ def test_api_key_guards_every_route_but_health(model, tokenizer):
 
 
 def test_a_failing_engine_answers_500_json_and_logs(model, tokenizer, caplog):
-    def broken_forward(*args, **kwargs):
-        raise RuntimeError("the accelerator fell over")
+    forward, calls = model.forward, []
 
-    model.forward = broken_forward  # a fault inside the real engine's decode
-    with TestClient(_app(model, tokenizer), raise_server_exceptions=False) as c, \
+    @functools.wraps(forward)  # the engine reads its signature
+    def broken_forward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("the accelerator fell over")
+        return forward(*args, **kwargs)
+
+    model.forward = broken_forward  # a fault inside the real engine: prefill works, decode not
+    with TestClient(_app(model, tokenizer, request_timeout_s=60), \
+                    raise_server_exceptions=False) as c, \
             caplog.at_level(logging.ERROR, logger="tiller.serve"):
         r = c.post("/generate", json=GEN)
         assert r.status_code == 500

@@ -66,13 +66,13 @@ async def update_weights(server: Server, request: Request) -> dict[str, Any]:
     engine = server.engine
     async with server.update_lock:
         version = engine.version + 1 if body.weight_version is None else body.weight_version
+        policy = "abort" if body.abort_all_requests else "continue"
         try:
             update = await asyncio.to_thread(WeightUpdate.load, folder, version, engine.model)
-        except (WeightSyncError, SafetensorError, OSError) as e:
+            applied = await asyncio.to_thread(engine.update_weights, update, in_flight=policy)
+        except (WeightSyncError, SafetensorError, OSError) as e:  # nothing was applied
             raise APIError(400, f"cannot load {body.model_path!r}: {type(e).__name__}: {e}"
                            [:500]) from e
-        policy = "abort" if body.abort_all_requests else "continue"
-        applied = await asyncio.to_thread(engine.update_weights, update, in_flight=policy)
     logger.info("weights updated from %s to version %d", folder, applied)
     return {"success": True, "message": f"loaded {body.model_path!r} as version {applied}",
             "weight_version": applied}

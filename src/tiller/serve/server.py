@@ -18,6 +18,8 @@ from tiller.serve.protocol import APIError
 
 logger = logging.getLogger(__name__)
 
+ABORT_GRACE_S = 5.0  # an aborted request answers at the engine's next step
+
 
 @dataclass(frozen=True)
 class ServeSettings:
@@ -96,10 +98,15 @@ class Server:
         work = asyncio.ensure_future(asyncio.gather(*calls, return_exceptions=True))
         try:
             done, _ = await asyncio.wait({work}, timeout=timeout)
-            if not done:  # abort in the engine first, so no choice keeps decoding unseen
+            if not done:  # abort in the engine, so no choice keeps decoding unseen
                 for request_id in ids:
                     await asyncio.to_thread(self.engine.abort, request_id)
-                work.cancel()
+                done, _ = await asyncio.wait({work}, timeout=ABORT_GRACE_S)
+                if not done:
+                    logger.error("request %s: the engine did not answer its abort within "
+                                 "%g s", rid, ABORT_GRACE_S)
+                    work.add_done_callback(_retrieve)  # nobody awaits it any more
+                    work.cancel()
                 raise APIError(504, f"generation did not finish within {timeout:g} s "
                                     "(--request-timeout-s); is generation paused? "
                                     "POST /continue_generation resumes it")
@@ -118,6 +125,12 @@ class Server:
         if ids and ids[-1] in params.stop_token_ids:
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Mark a dropped future's outcome as seen, so asyncio does not log it as lost."""
+    if not future.cancelled():
+        future.exception()
 
 
 def draw_seed(seed: int | None) -> int:
