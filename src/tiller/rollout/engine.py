@@ -354,7 +354,7 @@ class EmbeddedEngine:
             return
         rows = self._rows  # _prefill appended the new rows after the running ones
         p = self._row_params
-        steps = torch.tensor([len(r.out_ids) for r in rows], device=self.device)
+        steps = self._pos - p["prompt_len"]  # each row's index of the token it samples
         tokens, lps = sample(torch.cat(logits), p["temperature"], p["top_k"], p["top_p"],
                              p["seed"], steps, max_top_k=self._max_top_k,
                              any_top_p=self._any_top_p)
@@ -543,6 +543,7 @@ class EmbeddedEngine:
             "top_k": torch.tensor([r.params.top_k for r in rows], device=dev),
             "top_p": torch.tensor([r.params.top_p for r in rows], device=dev),
             "seed": torch.tensor([r.seed for r in rows], dtype=torch.long, device=dev),
+            "prompt_len": torch.tensor([len(r.prompt_ids) for r in rows], device=dev),
         }
         self._max_top_k = max(r.params.top_k for r in rows)
         self._any_top_p = any(r.params.top_p < 1.0 for r in rows)
