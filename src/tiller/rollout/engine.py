@@ -162,6 +162,7 @@ class EmbeddedEngine:
         self._last = torch.zeros(0, dtype=torch.long, device=self.device)
         self._pos = torch.zeros(0, dtype=torch.long, device=self.device)
         self._row_params: dict[str, torch.Tensor] = {}
+        self._admitting: list[_Request] = []  # taken from the queue, not yet in the batch
         self._max_top_k, self._any_top_p = 0, False
         self.counters = {name: 0 for name in (
             "requests", "prompt_tokens", "prefill_tokens", "cached_tokens", "generated_tokens",
@@ -317,7 +318,7 @@ class EmbeddedEngine:
                 logger.exception("engine iteration failed; its %d rows get the error",
                                  len(self._rows))
                 self.counters["failed_batches"] += 1
-                for r in self._rows:
+                for r in {id(r): r for r in self._rows + self._admitting}.values():
                     self._resolve(r, error=e)
                 self._reset_batch()
             self._flush_outbox()
@@ -344,7 +345,7 @@ class EmbeddedEngine:
 
     def _step(self) -> None:
         self._drop_cancelled()
-        new = self._take_admissions()
+        new = self._admitting = self._take_admissions()
         logits = []
         if self._rows:
             logits.append(self._decode())
