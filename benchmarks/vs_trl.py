@@ -339,8 +339,8 @@ def table(result: dict[str, dict[str, float]]) -> str:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help=f"HF checkpoint (default: {DEMO_SFT} if it exists, else the "
-                   "demo's SFT is run to make one)")
+    p.add_argument("--model", help=f"starting HF checkpoint, adapted unless --adapt-tasks 0 "
+                   f"(default: {DEMO_SFT} if it exists, else the demo's SFT is run to make one)")
     p.add_argument("--adapt-tasks", type=int, default=1024,
                    help="expert episodes of SFT on the long prompts before the runs (0: none)")
     p.add_argument("--sides", default="tiller,trl", help="comma-separated: tiller, trl")
@@ -359,13 +359,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads")
-    p.add_argument("--quick", action="store_true", help="seconds-long smoke run: " +
+    p.add_argument("--quick", action="store_true", help="seconds-long smoke run; defaults " +
                    ", ".join(f"{k}={v}" for k, v in QUICK.items()) + ", a tiny untrained model")
     p.add_argument("--out", help="output folder (default: runs/bench-vs-trl-<time>)")
     args = p.parse_args()
-    if args.quick:
-        for k, v in QUICK.items():
-            setattr(args, k, v)
+    if args.quick:  # the quick values as defaults: flags given still win
+        p.set_defaults(**QUICK)
+        args = p.parse_args()
     per_step = args.tasks_per_step * args.group_size
     if per_step % args.micro_batch_size and args.micro_batch_size < per_step:
         raise SystemExit(f"error: --micro-batch-size {args.micro_batch_size} must divide "
