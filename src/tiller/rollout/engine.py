@@ -162,6 +162,8 @@ class EmbeddedEngine:
         self._last = torch.zeros(0, dtype=torch.long, device=self.device)
         self._pos = torch.zeros(0, dtype=torch.long, device=self.device)
         self._row_params: dict[str, torch.Tensor] = {}
+        self._admitting: list[_Request] = []  # taken from the queue, not yet in the batch
+        self._max_top_k, self._any_top_p = 0, False
         self.counters = {name: 0 for name in (
             "requests", "prompt_tokens", "prefill_tokens", "cached_tokens", "generated_tokens",
             "decode_steps", "decoded_row_steps", "prefill_calls",
@@ -316,7 +318,7 @@ class EmbeddedEngine:
                 logger.exception("engine iteration failed; its %d rows get the error",
                                  len(self._rows))
                 self.counters["failed_batches"] += 1
-                for r in self._rows:
+                for r in {id(r): r for r in self._rows + self._admitting}.values():
                     self._resolve(r, error=e)
                 self._reset_batch()
             self._flush_outbox()
@@ -343,7 +345,7 @@ class EmbeddedEngine:
 
     def _step(self) -> None:
         self._drop_cancelled()
-        new = self._take_admissions()
+        new = self._admitting = self._take_admissions()
         logits = []
         if self._rows:
             logits.append(self._decode())
@@ -353,9 +355,10 @@ class EmbeddedEngine:
             return
         rows = self._rows  # _prefill appended the new rows after the running ones
         p = self._row_params
-        steps = torch.tensor([len(r.out_ids) for r in rows], device=self.device)
+        steps = self._pos - p["prompt_len"]  # each row's index of the token it samples
         tokens, lps = sample(torch.cat(logits), p["temperature"], p["top_k"], p["top_p"],
-                             p["seed"], steps, truncate=bool(p["truncate"]))
+                             p["seed"], steps, max_top_k=self._max_top_k,
+                             any_top_p=self._any_top_p)
         packed = torch.stack([tokens.double(), lps.double()]).tolist()  # the one host sync
         self._last, keep = tokens, []
         for i, (r, token, lp) in enumerate(zip(rows, packed[0], packed[1], strict=True)):
@@ -541,8 +544,10 @@ class EmbeddedEngine:
             "top_k": torch.tensor([r.params.top_k for r in rows], device=dev),
             "top_p": torch.tensor([r.params.top_p for r in rows], device=dev),
             "seed": torch.tensor([r.seed for r in rows], dtype=torch.long, device=dev),
-            "truncate": any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows),
+            "prompt_len": torch.tensor([len(r.prompt_ids) for r in rows], device=dev),
         }
+        self._max_top_k = max(r.params.top_k for r in rows)
+        self._any_top_p = any(r.params.top_p < 1.0 for r in rows)
 
     def _finish(self, i: int, reason: str) -> None:
         r = self._rows[i]
