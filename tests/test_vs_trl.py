@@ -40,7 +40,6 @@ def test_the_sides_prefill_the_same_prompts_of_the_asked_length(vs_trl, calc_mod
 
 
 def test_quick_runs_both_sides_to_a_table(tmp_path):
-    pytest.importorskip("trl", reason="TRL is the `bench` extra (pip install -e .[bench])")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
