@@ -50,6 +50,9 @@ class Generation:
     logprobs: list[float]
     finish_reason: str  # "stop" (a stop token was sampled) or "length"
     version: int
+    versions: tuple[int, ...] = ()  # weight version of each token
+    prompt_tokens: int = 0  # tokens in the prompt
+    cached_tokens: int = 0  # prompt tokens whose KV was reused (not prefilled)
 
 
 @dataclass
@@ -139,6 +142,13 @@ class EmbeddedEngine:
         with self._lock:
             update.apply_to(self.model)
             self.version = update.version
+
+    def stats(self) -> dict[str, float]:
+        return {"cancelled": float(self.cancelled)}
+
+    def close(self) -> None:
+        """Nothing to stop: batches run on the caller's event loop and a worker thread per
+        batch."""
 
     def _forward(self, ids, mask, pos, cache):
         kwargs = {self._cache_arg: cache} if cache is not None else {}
