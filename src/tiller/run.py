@@ -133,7 +133,9 @@ class Run:
                                   initial=self.trainer.weight_update())
         else:
             self.engine = EmbeddedEngine(copy.deepcopy(self.model).to(self.dtype),
-                                         self.tokenizer.pad_token_id, cfg.engine.max_batch_size)
+                                         self.tokenizer.pad_token_id,
+                                         max_batch_size=cfg.engine.max_batch_size,
+                                         cache_bytes=cfg.engine.cache_bytes)
         self.logger = MetricsLogger(self.dir, cfg.logging.tensorboard, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.model_dump())
 
