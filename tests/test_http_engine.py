@@ -36,8 +36,7 @@ from tiller.rollout.http_engine import HttpEngine, connect
 from tiller.rollout.weight_sync import WeightUpdate
 from tiller.run import Run
 
-MINI_SERVER = Path(__file__).parent / "mini_server.py"
-START_TIMEOUT_S = 120.0  # importing torch and transformers on a loaded 2-core box is slow
+START_TIMEOUT_S = 180.0  # importing torch and transformers on a loaded 2-core box is slow
 
 
 def free_port() -> int:
@@ -46,16 +45,19 @@ def free_port() -> int:
 
 
 class Servers:
-    """Real server subprocesses on free ports; `kill(i)` is a SIGKILL (a crash, no goodbye)."""
+    """`tiller serve` subprocesses on free ports, reading weights below `root`; `kill(i)` is a
+    SIGKILL (a crash, no goodbye)."""
 
-    def __init__(self, model_dir: Path, n: int, log_dir: Path, version_offsets=None):
+    def __init__(self, model_dir: Path, n: int, root: Path):
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []
-        self.logs = [log_dir / f"server{i}.log" for i in range(n)]
+        self.logs = [root / f"server{i}.log" for i in range(n)]
         for i in range(n):
             port = free_port()
-            cmd = [sys.executable, str(MINI_SERVER), str(model_dir), "--port", str(port),
-                   "--version-offset", str((version_offsets or [0] * n)[i])]
+            cmd = [sys.executable, "-m", "tiller", "serve", str(model_dir), "--port", str(port),
+                   "--weights-root", str(root)]
             with open(self.logs[i], "w") as log:
                 self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
             self.urls.append(f"http://127.0.0.1:{port}")
@@ -70,7 +72,7 @@ class Servers:
                 except httpx.TransportError:
                     pass
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"server {url} did not answer /health within "
+                    raise TimeoutError(f"tiller serve at {url} did not answer /health within "
                                        f"{START_TIMEOUT_S} s")
                 time.sleep(0.2)
 
@@ -90,10 +92,10 @@ class Servers:
 
 
 @contextmanager
-def servers(model_dir: Path, n: int, log_dir: Path, **kwargs) -> Iterator[Servers]:
+def servers(model_dir: Path, n: int, root: Path) -> Iterator[Servers]:
     s = None
     try:
-        s = Servers(model_dir, n, log_dir, **kwargs)
+        s = Servers(model_dir, n, root)
         yield s
     finally:
         if s is not None:
@@ -110,7 +112,7 @@ def shared_servers(calc_model_dir, tmp_path_factory):
 def two_servers(shared_servers, calc_model_dir, tmp_path):
     """The module's two servers, holding the fixture model's weights at version 0 (a test may
     have pushed others)."""
-    http = engine_for(shared_servers.urls, tmp_path / "reset")
+    http = HttpEngine(shared_servers.urls, weights_dir=shared_servers.root / "reset")
     try:
         http.update_weights(WeightUpdate.full(load_model(calc_model_dir), 0))
     finally:
@@ -121,7 +123,7 @@ def two_servers(shared_servers, calc_model_dir, tmp_path):
 @pytest.fixture()
 def own_servers(calc_model_dir, tmp_path):
     """Two servers of this test's own (it kills one)."""
-    with servers(calc_model_dir, 2, tmp_path) as s:
+    with servers(calc_model_dir, 2, tmp_path / "servers") as s:
         yield s
 
 
@@ -131,9 +133,13 @@ def params(tokenizer, model):
                           stop_token_ids=stop_token_ids(tokenizer, model.generation_config))
 
 
-def engine_for(urls, tmp_path, **kwargs) -> HttpEngine:
+def engine_for(servers_or_urls, tmp_path, **kwargs) -> HttpEngine:
+    """An engine over real servers (writing weights below their --weights-root) or bare URLs."""
     kwargs.setdefault("request_timeout_s", 60.0)
-    return HttpEngine(urls, weights_dir=tmp_path / "weights", **kwargs)
+    if isinstance(servers_or_urls, Servers):
+        weights = servers_or_urls.root / f"weights-{tmp_path.name}"
+        return HttpEngine(servers_or_urls.urls, weights_dir=weights, **kwargs)
+    return HttpEngine(servers_or_urls, weights_dir=tmp_path / "weights", **kwargs)
 
 
 def server_version(url: str) -> int:
@@ -200,7 +206,7 @@ def test_a_server_killed_mid_collection_is_retried_on_the_other(
         own_servers, model, tokenizer, params, limits, tmp_path, caplog):
     env_cls = ENVS["calculator"]
     tasks = env_cls.make_tasks("train", 8, 0, 2)
-    http = engine_for(own_servers.urls, tmp_path)
+    http = engine_for(own_servers, tmp_path)
     a, b = http.servers
     killed_with: list[int] = []
 
@@ -267,7 +273,7 @@ def perturbed(model, version: int) -> WeightUpdate:
 
 def test_weight_push_reaches_every_server_with_its_version(two_servers, model, tokenizer,
                                                            params, tmp_path):
-    http = engine_for(two_servers.urls, tmp_path)
+    http = engine_for(two_servers, tmp_path)
     prompt = tokenizer.encode("7 * 8 =")
     try:
         assert http.update_weights(perturbed(model, 1)) == 1
@@ -275,7 +281,7 @@ def test_weight_push_reaches_every_server_with_its_version(two_servers, model, t
         assert http.update_weights(update) == 2
         assert [server_version(u) for u in two_servers.urls] == [2, 2] and http.version == 2
         # only the latest version stays on disk
-        assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v2"]
+        assert sorted(p.name for p in http.weights_dir.iterdir()) == ["v2"]
         # each server samples exactly those weights: same tokens as a local engine holding them
         update.apply_to(model)
         want = asyncio.run(EmbeddedEngine(model, tokenizer.pad_token_id).generate(
@@ -288,11 +294,13 @@ def test_weight_push_reaches_every_server_with_its_version(two_servers, model, t
         http.close()
 
 
-def test_a_server_echoing_another_version_is_a_loud_error(two_servers, calc_model_dir, model,
-                                                        tmp_path):
-    with servers(calc_model_dir, 1, tmp_path, version_offsets=[1]) as liar:
-        urls = [two_servers.urls[0], liar.urls[0]]
-        http = engine_for(urls, tmp_path)
+def test_a_server_echoing_another_version_is_a_loud_error(two_servers, model, tmp_path):
+    """One real server and one that claims to have loaded another version."""
+    liar = {"/update_weights_from_disk": {"success": True, "weight_version": 5}}
+    with recorders(1, liar) as srvs:
+        urls = [two_servers.urls[0], url(srvs[0])]
+        http = HttpEngine(urls, weights_dir=two_servers.root / tmp_path.name,
+                          request_timeout_s=60.0)
         try:
             with pytest.raises(RunError) as e:
                 http.update_weights(WeightUpdate.full(model, 4))
@@ -306,12 +314,13 @@ def test_a_server_echoing_another_version_is_a_loud_error(two_servers, calc_mode
 
 def test_start_up_checks_the_model_and_pushes_the_initial_weights(two_servers, model,
                                                                   tmp_path):
-    pushed = engine_for(two_servers.urls, tmp_path)
+    pushed = engine_for(two_servers, tmp_path)
     try:  # servers holding other weights: the start-up push must bring them back to version 0
         pushed.update_weights(perturbed(model, 7))
     finally:
         pushed.close()
-    common = dict(weights_dir=tmp_path / "w", api_key=None, request_timeout_s=60.0,
+    weights = two_servers.root / tmp_path.name / "w"
+    common = dict(weights_dir=weights, api_key=None, request_timeout_s=60.0,
                   max_retries=2, initial=WeightUpdate.full(model, 0))
     with pytest.raises(ConfigError, match=r"serves a model with vocab_size=600, the trainer's "
                                           r"has 601: serve the run's model"):
@@ -325,7 +334,7 @@ def test_start_up_checks_the_model_and_pushes_the_initial_weights(two_servers, m
                    max_context=model.config.max_position_embeddings, **common)
     http.close()
     assert [server_version(u) for u in two_servers.urls] == [0, 0]
-    assert (tmp_path / "w" / "v0" / "model.safetensors").is_file()
+    assert (weights / "v0" / "model.safetensors").is_file()
 
 
 # ---------------------------------------------------------------- control calls and contract
@@ -444,8 +453,9 @@ def rl_config(sft_dir: Path, *more: str):
         "logging.progress=false", "logging.tensorboard=false", *more])
 
 
-def http_config(sft_dir: Path, urls: list[str]):
-    return rl_config(sft_dir, "engine.backend=http", f"engine.urls={json.dumps(urls)}")
+def http_config(sft_dir: Path, servers: Servers, name: str):
+    return rl_config(sft_dir, "engine.backend=http", f"engine.urls={json.dumps(servers.urls)}",
+                     f"engine.weights_dir={servers.root / name}")
 
 
 def rl_rows(run_dir: Path) -> list[dict]:
@@ -457,7 +467,7 @@ def test_a_training_run_over_two_servers_learns_like_the_embedded_run(two_server
                                                                       tmp_path):
     """Servers started from the untrained model get the run's (SFT) weights at start-up and
     every version after it; the run samples what the embedded engine samples."""
-    run = Run(http_config(calc_sft_dir, two_servers.urls), tmp_path / "http")
+    run = Run(http_config(calc_sft_dir, two_servers, tmp_path.name), tmp_path / "http")
     pushes: list[tuple[int, list[int]]] = []
     push = run.push_weights
 
@@ -486,7 +496,7 @@ def test_a_training_run_over_two_servers_learns_like_the_embedded_run(two_server
 
 def test_a_server_killed_mid_run_is_retried_and_every_episode_counted(own_servers,
                                                                       calc_sft_dir, tmp_path):
-    run = Run(http_config(calc_sft_dir, own_servers.urls), tmp_path)
+    run = Run(http_config(calc_sft_dir, own_servers, tmp_path.name), tmp_path)
     a = run.engine.servers[0]
     killed: list[int] = []
 
@@ -517,3 +527,29 @@ def test_a_server_killed_mid_run_is_retried_and_every_episode_counted(own_server
     assert sum(out["ledger"].values()) == 3 * 4 * 4 and "dropped/aborted" not in out["ledger"]
     assert all(r["aborted_rate"] == 0 for r in rows)
     assert server_version(own_servers.urls[1]) == run.trainer.version
+
+
+def test_pause_abort_and_resume_on_real_servers(two_servers, params, tmp_path):
+    """A request queued on a paused server is aborted there and comes back empty, "abort"."""
+    http = engine_for(two_servers, tmp_path)
+
+    async def main():
+        http.pause()
+        task = asyncio.create_task(http.generate([5, 6, 7], params, 0, request_id="r1"))
+        deadline = time.monotonic() + 30
+        # False until the request has reached its server (404 there, meanwhile)
+        while not await asyncio.to_thread(http.abort, "r1"):
+            assert time.monotonic() < deadline, "the request never reached a server"
+            await asyncio.sleep(0.05)
+        aborted = await asyncio.wait_for(task, 30)
+        http.resume()
+        after = await asyncio.wait_for(http.generate([5, 6, 7], params, 0), 30)
+        return aborted, after
+
+    try:
+        aborted, after = asyncio.run(main())
+        assert http.flush_cache() >= 0
+    finally:
+        http.close()
+    assert aborted.finish_reason == "abort" and aborted.token_ids == []
+    assert after.finish_reason in ("stop", "length") and len(after.token_ids) > 0

@@ -79,6 +79,8 @@ class HttpEngine:
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
         self.version = 0
+        # the servers' context length, from check_servers; None: prompts go out unchecked
+        self.max_context: int | None = None
         self.counters = dict.fromkeys(
             ("requests", "retries", "failed_requests", "session_moves", "servers_marked_down",
              "weight_pushes", "push_skipped_down", "servers_rejoined"), 0)
@@ -108,10 +110,10 @@ class HttpEngine:
                            f"(engine.request_timeout_s={self.request_timeout_s})") from e
 
     async def _post(self, server: Server, path: str, body: dict | None = None,
-                    timeout: float | None = None) -> Any:
+                    timeout: float | None = None, missing_ok: bool = False) -> Any:
         """POST (GET without a body) and decode the JSON answer; ServerDown for what says the
         server is dead, RunError (one line) for a 4xx, which no other server would answer
-        differently."""
+        differently (`missing_ok`: None for a 404)."""
         url = server.url + path
         kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         try:
@@ -123,6 +125,8 @@ class HttpEngine:
             raise ServerDown(f"{type(e).__name__}: {e}".rstrip(": ")) from e
         if r.status_code >= 500:
             raise ServerDown(f"HTTP {r.status_code}: {_short(r.text)}")
+        if r.status_code == 404 and missing_ok:
+            return None
         if r.status_code >= 400:
             hint = " (set engine.api_key or TILLER_API_KEY)" if r.status_code == 401 else ""
             raise RunError(f"server {server.url}: {path} answered HTTP {r.status_code}: "
@@ -175,11 +179,16 @@ class HttpEngine:
 
     async def _generate(self, prompt_ids: list[int], params: SamplingParams, seed: int,
                         session_id: str | None, rid: str) -> Generation:
+        max_new = params.max_new_tokens
+        if self.max_context is not None:  # as the embedded engine: the context bounds a turn
+            if len(prompt_ids) >= self.max_context:
+                return Generation([], [], "length", self.version, prompt_tokens=len(prompt_ids))
+            max_new = min(max_new, self.max_context - len(prompt_ids))
         body = {
             "input_ids": prompt_ids,
             "sampling_params": {
                 "temperature": params.temperature, "top_p": params.top_p,
-                "top_k": params.top_k, "max_new_tokens": params.max_new_tokens,
+                "top_k": params.top_k, "max_new_tokens": max_new,
                 "stop_token_ids": list(params.stop_token_ids), "seed": seed},
             "return_logprob": True,
             "rid": rid,
@@ -224,9 +233,10 @@ class HttpEngine:
         server = self._rids.get(request_id)
         if server is None:
             return False
-        self._call(self._post(server, "/abort_request", {"rid": request_id}),
-                   f"abort of {request_id} on {server.url}")
-        return True
+        answer = self._call(self._post(server, "/abort_request", {"rid": request_id},
+                                       missing_ok=True),
+                            f"abort of {request_id} on {server.url}")
+        return answer is not None  # None: 404, it finished before the abort arrived
 
     def _fan_out(self, path: str, body: dict | None = None) -> list[Any]:
         """POST to every up server at once; any failure is a RunError naming the server."""
@@ -291,6 +301,7 @@ class HttpEngine:
             await asyncio.gather(*(one(s) for s in self.servers))
 
         self._call(every(), "/get_model_info on every server")
+        self.max_context = max_context
 
     def update_weights(self, update: WeightUpdate, *, in_flight: str = "continue") -> int:
         """Write `update` to `<weights_dir>/v<version>` and have every server load it (all at
@@ -393,8 +404,13 @@ def _generation(url: str, answer: Any, prompt_tokens: int) -> Generation:
     if reason not in FINISH_REASONS:
         raise RunError(f"server {url}: finish_reason {reason!r}; expected one of "
                        f"{', '.join(FINISH_REASONS)}")
-    return Generation(ids, [float(p[0]) for p in pairs], reason, version,
-                      versions=(version,) * len(ids),
+    # per-token versions when the server reports them (tiller serve does), else the final one
+    versions = tuple(int(v) for v in meta.get("output_token_weight_versions") or
+                     [version] * len(ids))
+    if len(versions) != len(ids):
+        raise RunError(f"server {url}: {len(versions)} output_token_weight_versions for "
+                       f"{len(ids)} output ids")
+    return Generation(ids, [float(p[0]) for p in pairs], reason, version, versions=versions,
                       prompt_tokens=int(meta.get("prompt_tokens", prompt_tokens)),
                       cached_tokens=int(meta.get("cached_tokens", 0)))
 
