@@ -237,8 +237,10 @@ def test_a_server_killed_mid_collection_is_retried_on_the_other(
     finally:
         http.close()
     assert len(trajs) == 32 and all(t.status.value != "aborted" for t in trajs)
-    # each request in flight on server 0 when it died was retried once, on server 1
+    # each request in flight on server 0 when it died was retried once, on server 1, and its
+    # episode's session moved there with it
     assert stats["retries"] >= killed_with[0] >= 2 and stats["servers_marked_down"] == 1
+    assert stats["session_moves"] >= stats["retries"]
     assert stats["servers_up"] == 1 and a.down and a.last_error
     # every request was answered exactly once: by a before the kill or by b
     assert a.completed + b.completed == stats["requests"] == sum(t.num_turns for t in trajs)
@@ -553,3 +555,22 @@ def test_pause_abort_and_resume_on_real_servers(two_servers, params, tmp_path):
         http.close()
     assert aborted.finish_reason == "abort" and aborted.token_ids == []
     assert after.finish_reason in ("stop", "length") and len(after.token_ids) > 0
+
+
+def test_the_servers_context_bounds_a_turn(params, tmp_path):
+    """As in the embedded engine: max_new_tokens is cut to what fits, and a prompt that fills
+    the context comes back empty ("length") without a request."""
+    answer = {"output_ids": [4], "meta_info": {
+        "finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.5, 4, None]],
+        "weight_version": 0}}
+    with recorders(1, {"/generate": answer}) as srvs:
+        http = engine_for([url(srvs[0])], tmp_path)
+        http.max_context = 10
+        try:
+            full = asyncio.run(http.generate(list(range(10)), params, 0))
+            asyncio.run(http.generate(list(range(9)), params, 0))
+        finally:
+            http.close()
+    assert (full.token_ids, full.finish_reason, full.prompt_tokens) == ([], "length", 10)
+    assert [(p, b["sampling_params"]["max_new_tokens"]) for p, b, _ in srvs[0].calls] == [
+        ("/generate", 1)]  # 12 asked, 1 fits
