@@ -374,3 +374,16 @@ def test_a_failing_forward_fails_its_requests_and_the_engine_serves_the_next(mod
                    .token_ids) == 3
     finally:
         handle.remove()
+
+
+def test_non_finite_logits_fail_their_requests_loudly(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    futures = [engine.submit(p, sampling(max_new_tokens=3), seed=0) for p in PROMPTS]
+    for f in futures:
+        with pytest.raises(RuntimeError, match=r"logits are not finite \(NaN or inf\) at weight "
+                                               r"version 0"):
+            f.result(timeout=30)
+    assert engine.counters["failed_requests"] == 3 and engine.counters["requests"] == 3

@@ -167,7 +167,8 @@ class EmbeddedEngine:
         self.counters = {name: 0 for name in (
             "requests", "prompt_tokens", "prefill_tokens", "cached_tokens", "generated_tokens",
             "decode_steps", "decoded_row_steps", "prefill_calls",
-            "aborted", "cancelled", "undelivered", "weight_updates", "failed_batches")}
+            "aborted", "cancelled", "undelivered", "weight_updates", "failed_batches",
+            "failed_requests")}
         self.busy_s = 0.0
         self.max_rows = 0
         # answers for asyncio callers, delivered once per loop per iteration: one wake-up of
@@ -356,12 +357,20 @@ class EmbeddedEngine:
         rows = self._rows  # _prefill appended the new rows after the running ones
         p = self._row_params
         steps = self._pos - p["prompt_len"]  # each row's index of the token it samples
-        tokens, lps = sample(torch.cat(logits), p["temperature"], p["top_k"], p["top_p"],
-                             p["seed"], steps, max_top_k=self._max_top_k,
-                             any_top_p=self._any_top_p)
-        packed = torch.stack([tokens.double(), lps.double()]).tolist()  # the one host sync
+        logits = torch.cat(logits)
+        tokens, lps = sample(logits, p["temperature"], p["top_k"], p["top_p"], p["seed"],
+                             steps, max_top_k=self._max_top_k, any_top_p=self._any_top_p)
+        finite = torch.isfinite(logits).all(-1)
+        # the one host sync of the iteration: tokens, logprobs and the finite flags together
+        packed = torch.stack([tokens.double(), lps.double(), finite.double()]).tolist()
         self._last, keep = tokens, []
-        for i, (r, token, lp) in enumerate(zip(rows, packed[0], packed[1], strict=True)):
+        for i, (r, token, lp, ok) in enumerate(zip(rows, *packed, strict=True)):
+            if not ok:  # NaN/inf weights or activations: the request fails, loudly
+                self.counters["failed_requests"] += 1
+                self._resolve(r, error=RuntimeError(
+                    f"the model's logits are not finite (NaN or inf) at weight version "
+                    f"{self.version}"))
+                continue
             token = int(token)
             r.out_ids.append(token)
             r.out_lp.append(lp)

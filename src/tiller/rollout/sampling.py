@@ -86,7 +86,8 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 256) -> torc
     block_cdf = blocks.sum(-1).double().cumsum(-1)
     total = block_cdf[:, -1:]
     target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    b = torch.searchsorted(block_cdf, target, right=True)  # [rows, 1]
+    # (clamped: a row of NaN probabilities, which the engine reports as failed, stays in range)
+    b = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.size(1) - 1)
     before = torch.where(b > 0, block_cdf.gather(-1, (b - 1).clamp(min=0)),
                          torch.zeros_like(target))
     inner = blocks.gather(1, b[:, :, None].expand(rows, 1, block))[:, 0].cumsum(-1)
@@ -94,4 +95,4 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 256) -> torc
     rest = torch.minimum((target - before).float(),
                          torch.nextafter(inner_total, torch.zeros_like(inner_total)))
     j = torch.searchsorted(inner, rest, right=True).clamp_(max=block - 1)
-    return (b * block + j)[:, 0]
+    return (b * block + j)[:, 0].clamp_(max=vocab - 1)
