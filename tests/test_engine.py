@@ -168,6 +168,7 @@ def test_requests_with_different_sampling_params_share_a_batch(model):
                                       for i, k in enumerate(kinds)))
 
     crowd = asyncio.run(together())
+    # requests made in one turn of the event loop are admitted together
     assert engine.max_rows == 4 and engine.counters["prefill_calls"] == 1
     for i, (k, g) in enumerate(zip(kinds, crowd, strict=True)):
         alone = gather(EmbeddedEngine(model, 0), [PROMPTS[i % 3]], k, [i])[0]

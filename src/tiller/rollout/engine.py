@@ -174,6 +174,7 @@ class EmbeddedEngine:
         # answers for asyncio callers, delivered once per loop per iteration: one wake-up of
         # each event loop instead of one per finished request
         self._outbox: dict[asyncio.AbstractEventLoop, list] = {}
+        self._bursts: dict[asyncio.AbstractEventLoop, list[_Request]] = {}
 
     # ----- the API (any thread) -----
 
@@ -182,30 +183,49 @@ class EmbeddedEngine:
                        ) -> Generation:
         loop = asyncio.get_running_loop()
         future = loop.create_future()  # cancelling the await cancels the request
-        self._enqueue(_Request(list(prompt_ids), params, seed & (2**63 - 1), session_id,
-                               request_id, future, loop))
+        request = _Request(list(prompt_ids), params, seed & (2**63 - 1), session_id,
+                           request_id, future, loop)
+        # Requests made in the same turn of the event loop reach the worker together, so a
+        # burst (a GRPO group's first turns) is admitted, and its identical prompts prefilled,
+        # at once.
+        burst = self._bursts.setdefault(loop, [])
+        if not burst:
+            loop.call_soon(self._enqueue_burst, loop)
+        burst.append(request)
         return await future
+
+    def _enqueue_burst(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._enqueue(self._bursts.pop(loop, []))
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, seed: int, *,
                session_id: str | None = None, request_id: str | None = None
                ) -> concurrent.futures.Future:
         """Queue a request from any thread; the future resolves to its `Generation`."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._enqueue(_Request(list(prompt_ids), params, seed & (2**63 - 1), session_id,
-                               request_id, future))
+        self._check_open()
+        self._enqueue([_Request(list(prompt_ids), params, seed & (2**63 - 1), session_id,
+                                request_id, future)])
         return future
 
-    def _enqueue(self, request: _Request) -> None:
-        if len(request.prompt_ids) >= self.max_context:
-            self._resolve(request, Generation([], [], "length", self.version,
-                                              prompt_tokens=len(request.prompt_ids)))
-            self._flush_outbox()
-            return
+    def _enqueue(self, requests: list[_Request]) -> None:
+        """Queue `requests` for the worker; a prompt that fills the context is answered at
+        once ("length", no tokens), and on a closed engine every request fails. Runs on the
+        requests' event loop (or takes thread-safe futures), so it answers them directly."""
+        queued = []
+        for r in requests:
+            if len(r.prompt_ids) >= self.max_context:
+                _deliver([(r.future, Generation([], [], "length", self.version,
+                                                prompt_tokens=len(r.prompt_ids)), None)])
+            else:
+                queued.append(r)
         with self._cond:
-            self._check_open()
-            self._waiting.append(request)
-            self._ensure_worker()
-            self._cond.notify()
+            closed = self._closed
+            if not closed and queued:
+                self._waiting.extend(queued)
+                self._ensure_worker()
+                self._cond.notify()
+        if closed:
+            _deliver([(r.future, None, RuntimeError("the engine was closed")) for r in queued])
 
     def abort(self, request_id: str) -> bool:
         """End the request now (queued or running); its caller gets the partial output with
