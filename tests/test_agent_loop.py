@@ -349,3 +349,35 @@ def test_a_stop_on_another_eos_ends_the_conversation(tokenizer, limits):
     assert tokenizer.decode([traj.token_ids[-1]]) == "<|endoftext|>"
     assert traj.messages[-1] == {"role": "assistant",
                                  "content": f"The answer is {task.answer}."}
+
+
+class Versioned:
+    """The expert's turns, answered as an engine would after weight updates or an abort."""
+
+    def __init__(self, tokenizer, task, versions=None, finish_reason="stop"):
+        self.expert = ExpertActor(Calc, task, tokenizer)
+        self.versions, self.finish_reason, self.turn = versions, finish_reason, 0
+
+    async def act(self, prompt_ids, messages, seed, session_id=None):
+        gen = await self.expert.act(prompt_ids, messages, seed)
+        self.turn += 1
+        n = len(gen.token_ids)
+        return Generation(gen.token_ids, gen.logprobs, self.finish_reason, version=9,
+                          versions=tuple(self.versions(self.turn, n)) if self.versions else ())
+
+
+def test_a_turn_spanning_a_weight_update_counts_as_its_oldest_version(tokenizer, limits):
+    task = two_step_task()
+    # turn 1 sampled under v3 then v4; later turns under v4
+    actor = Versioned(tokenizer, task, lambda turn, n: [3] * (n // 2) + [4] * (n - n // 2)
+                      if turn == 1 else [4] * n)
+    traj = episode(actor, tokenizer, limits, task)
+    assert traj.status is Status.COMPLETED and traj.versions[0] == 3
+    assert set(traj.versions[1:]) == {4}
+
+
+def test_an_aborted_turn_aborts_the_episode(tokenizer, limits):
+    traj = episode(Versioned(tokenizer, two_step_task(), finish_reason="abort"), tokenizer,
+                   limits, two_step_task())
+    assert traj.status is Status.ABORTED
+    assert traj.info["error"] == "engine: the request was aborted mid-turn"

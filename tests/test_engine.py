@@ -298,7 +298,8 @@ def test_a_weight_update_mid_generation_continues_with_per_token_versions(model)
     switch = out.versions.index(7)
     assert 5 <= switch < 400
     assert out.versions == (0,) * switch + (7,) * (400 - switch)
-    assert len(engine.cache) == 1  # the KV stored after the update (older KV was flushed)
+    # its KV is partly the old weights': not kept, so a next turn prefills under v7 only
+    assert len(engine.cache) == 0
 
 
 def test_a_weight_update_can_abort_the_requests_in_flight(model):
@@ -338,15 +339,161 @@ def test_pause_holds_requests_until_resume_and_flush_empties_the_cache(model):
 def test_a_control_call_that_gets_no_safe_point_times_out_naming_what_it_waited_for(model):
     engine = EmbeddedEngine(model, pad_token_id=0, control_timeout_s=0.2)
     gate = threading.Event()
-    hook = model.register_forward_pre_hook(lambda *_: gate.wait(30))  # a stuck forward
+
+    def stuck(*_):  # a forward that hangs until the gate opens
+        gate.wait(30)
+
+    hook = model.register_forward_pre_hook(stuck)
     try:
-        engine.submit(PROMPTS[0], sampling(max_new_tokens=2), seed=0)
-        with pytest.raises(TimeoutError, match="weight update v5 was not applied within"):
+        first = engine.submit(PROMPTS[0], sampling(max_new_tokens=2), seed=0)
+        with pytest.raises(TimeoutError, match="weight update v5 was not applied within 0.2s"):
             engine.update_weights(WeightUpdate.full(model, 5))
     finally:
         gate.set()
         hook.remove()
-        engine.close()
+    assert len(first.result(timeout=30).token_ids) == 2
+    engine.submit(PROMPTS[0], sampling(max_new_tokens=2), seed=0).result(timeout=30)
+    # the caller was told it failed, so it never happens later behind its back
+    assert engine.version == 0 and engine.counters["weight_updates"] == 0
+    engine.close()
+
+
+def test_bad_prompts_and_sampling_params_fail_their_caller_only(model):
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        engine.submit([], sampling(), seed=0)
+    with pytest.raises(ValueError, match="token id 600 is outside the vocabulary"):
+        asyncio.run(engine.generate([5, 600], sampling(), seed=0))
+    with pytest.raises(ValueError, match=r"top_p=0 \(expected in \(0, 1\]\); max_new_tokens=0"):
+        sampling(top_p=0, max_new_tokens=0)
+    with pytest.raises(ValueError, match="request_id"):
+        engine.abort(None)
+
+
+def test_a_failing_prefill_fails_only_the_new_requests(model):
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    running = engine.submit(PROMPTS[0], sampling(max_new_tokens=300), seed=1)
+    wait_until(lambda: engine.counters["decode_steps"] >= 3, "decoding to start")
+
+    def poison(_, args, kwargs):  # a prompt holding token 599 breaks the model's forward
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and ids.size(1) > 1 and bool((ids == 599).any()):
+            raise RuntimeError("poisoned prompt")
+
+    hook = model.register_forward_pre_hook(poison, with_kwargs=True)
+    try:
+        bad = engine.submit([5, 599, 7], sampling(max_new_tokens=3), seed=2)
+        with pytest.raises(RuntimeError, match="poisoned prompt"):
+            bad.result(timeout=30)
+    finally:
+        hook.remove()
+    out = running.result(timeout=60)
+    assert len(out.token_ids) == 300 and out.finish_reason == "length"
+    alone = gather(EmbeddedEngine(model, 0), [PROMPTS[0]], sampling(max_new_tokens=300), [1])[0]
+    assert out.token_ids == alone.token_ids
+    assert engine.counters["failed_requests"] == 1 and engine.counters["failed_batches"] == 0
+
+
+def test_every_decoded_row_step_is_a_token_of_a_live_request(model):
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    rng = random.Random(1)
+    stops = tuple(range(100, 160))  # rows stop at different steps
+    outs = gather(engine, [[rng.randrange(10, 590) for _ in range(rng.randrange(2, 30))]
+                           for _ in range(24)], sampling(max_new_tokens=40, stop_token_ids=stops),
+                  list(range(24)))
+    c = engine.counters
+    assert len({len(g.token_ids) for g in outs}) > 5  # rows did leave at different steps
+    assert c["decoded_row_steps"] + c["requests"] == c["generated_tokens"] == sum(
+        len(g.token_ids) for g in outs)
+
+
+def test_an_iteration_reads_the_device_back_once(model, monkeypatch):
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    reads = {"n": 0, "on": False}
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu",
+                 "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _original=original, **k):
+            if reads["on"]:
+                reads["n"] += 1
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    step = engine._step
+
+    def counted_step():
+        reads["on"] = True
+        try:
+            step()
+        finally:
+            reads["on"] = False
+
+    engine._step = counted_step
+    params = sampling(max_new_tokens=20, top_p=0.9, top_k=5)
+    futures = [engine.submit([5, 6, 7 + i], params, i) for i in range(4)]
+    futures.append(engine.submit(list(range(5, 60)), params, 9, session_id="s"))
+    for f in futures:
+        f.result(timeout=30)
+    iterations = engine.counters["decode_steps"] + (engine.counters["decode_steps"] == 0)
+    assert reads["n"] <= iterations + engine.counters["prefill_calls"]
+    assert reads["n"] >= iterations  # the spy does see the one read per iteration
+
+
+def test_a_group_hitting_a_shared_prefix_is_still_prefilled_once(model):
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    system = list(range(100, 140))
+    engine.submit(system + [5, 6], sampling(max_new_tokens=3), 0, session_id="old").result(30)
+    before = engine.counters["prefill_tokens"]
+    group = system + [7, 8, 9, 10]
+
+    async def go():
+        return await asyncio.gather(*(engine.generate(group, sampling(max_new_tokens=3), s,
+                                                      session_id=f"g/{s}") for s in range(8)))
+
+    outs = asyncio.run(go())
+    assert outs[0].cached_tokens == 32
+    assert engine.counters["prefill_tokens"] - before == len(group) - 32
+
+
+def test_sessions_arriving_at_random_times_match_a_cold_engine(model):
+    """Threads run multi-turn sessions that join and leave the batch at random moments, with
+    mixed sampling parameters, stop sets and shared prefixes, through a small batch and prefill
+    budget (so rows queue, shift and trim): every turn equals a cold single-request engine."""
+    rng = random.Random(3)
+    engine = EmbeddedEngine(model, pad_token_id=0, max_batch_size=5, max_prefill_tokens=120)
+    system = [rng.randrange(10, 590) for _ in range(37)]
+    results, lock = [], threading.Lock()
+
+    def episode(e):
+        r = random.Random(e)
+        time.sleep(r.random() * 0.05)
+        prompt = (system if r.random() < 0.7 else []) + [r.randrange(10, 590)
+                                                         for _ in range(r.randrange(1, 30))]
+        for _ in range(r.randrange(1, 4)):
+            params = SamplingParams(
+                temperature=r.choice([0.0, 0.7, 1.0]), top_k=r.choice([0, 0, 5]),
+                top_p=r.choice([1.0, 1.0, 0.9]), max_new_tokens=r.randrange(1, 25),
+                stop_token_ids=tuple(r.sample(range(10, 590), r.randrange(1, 40))))
+            seed = r.randrange(1 << 40)
+            gen = engine.submit(prompt, params, seed, session_id=f"e{e}").result(timeout=120)
+            with lock:
+                results.append((list(prompt), params, seed, gen))
+            prompt = prompt + gen.token_ids + [r.randrange(10, 590)
+                                               for _ in range(r.randrange(1, 8))]
+            time.sleep(r.random() * 0.02)
+
+    threads = [threading.Thread(target=episode, args=(e,)) for e in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert len(results) >= 16 and engine.cache.hits > 0 and engine.max_rows == 5
+    cold = EmbeddedEngine(model, pad_token_id=0, cache_bytes=0)
+    for prompt, params, seed, gen in results:
+        want = cold.submit(prompt, params, seed).result(timeout=120)
+        assert gen.token_ids == want.token_ids
+        assert gen.logprobs == pytest.approx(want.logprobs, abs=1e-4)
 
 
 def test_sampling_params_without_stop_tokens_are_rejected():
@@ -355,21 +502,21 @@ def test_sampling_params_without_stop_tokens_are_rejected():
         SamplingParams(max_new_tokens=8)
 
 
-def test_a_failing_forward_fails_its_requests_and_the_engine_serves_the_next(model):
+def test_a_failing_decode_fails_its_batch_and_the_engine_serves_the_next(model):
     engine = EmbeddedEngine(model, pad_token_id=0)
     broken = {"on": True}
 
-    def hook(*_):
-        if broken["on"]:
+    def hook(_, args, kwargs):  # decode steps (one new token per row) fail
+        if broken["on"] and kwargs["input_ids"].size(1) == 1:
             raise RuntimeError("CUDA error: device-side assert triggered")
 
-    handle = model.register_forward_pre_hook(hook)
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         futures = [engine.submit(p, sampling(max_new_tokens=3), seed=0) for p in PROMPTS]
         for f in futures:  # every request, including those being admitted, gets the error
             with pytest.raises(RuntimeError, match="device-side assert"):
                 f.result(timeout=30)
-        assert engine.counters["failed_batches"] >= 1
+        assert engine.counters["failed_batches"] >= 1 and engine.counters["failed_requests"] == 0
         broken["on"] = False
         assert len(engine.submit(PROMPTS[0], sampling(max_new_tokens=3), 0).result(30)
                    .token_ids) == 3

@@ -56,10 +56,10 @@ def test_top_k_and_top_p_keep_the_hand_computed_sets():
     freq = torch.bincount(tokens, minlength=3).double() / n
     assert freq[0] == 0 and abs(float(freq[1]) - 0.5 / 0.8) < 0.012
     # top_p 0.6: mass before rank 1 is 0.5 < 0.6 (kept), before rank 2 it is 0.8 (dropped)
-    tokens, _ = draw(logits, top_p=torch.full((n,), 0.6))
-    assert set(tokens.tolist()) == {1, 2}
     # logprobs stay those of the untruncated distribution (what the trainer recomputes)
     assert torch.allclose(logp, torch.log(torch.tensor([0.2, 0.5, 0.3]))[tokens], atol=1e-6)
+    tokens, _ = draw(logits, top_p=torch.full((n,), 0.6))
+    assert set(tokens.tolist()) == {1, 2}
 
 
 def test_greedy_rows_take_the_argmax():

@@ -65,6 +65,14 @@ class SamplingParams:
             raise ValueError("SamplingParams.stop_token_ids is empty, so no turn could end: pass "
                              "tiller.rollout.chat.stop_token_ids(tokenizer, "
                              "model.generation_config)")
+        bad = [f"{name}={value!r} (expected {rule})" for name, value, ok, rule in (
+            ("temperature", self.temperature, self.temperature >= 0, ">= 0"),
+            ("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k, self.top_k >= 0, ">= 0, 0 = off"),
+            ("max_new_tokens", self.max_new_tokens, self.max_new_tokens >= 1, ">= 1"),
+        ) if not ok]
+        if bad:
+            raise ValueError("SamplingParams: " + "; ".join(bad))
 
 
 @dataclass(frozen=True)
@@ -117,6 +125,7 @@ class _Request:
     versions: list[int] = field(default_factory=list)
     cached: int = 0
     budget: int = 0
+    admitted_version: int = -1  # the weights its KV started under; stored only if unchanged
     segments: list[list[int]] = field(default_factory=list)  # real KV columns [start, end)
 
 
@@ -139,11 +148,13 @@ class EmbeddedEngine:
         self.max_prefill_tokens = max_prefill_tokens
         self.control_timeout_s = control_timeout_s
         self.max_context = getattr(model.config, "max_position_embeddings", 4096)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
         self.version = 0
         self.cache = PrefixCache(cache_bytes)
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._keep_arg = "logits_to_keep" in params
+        self._bool_mask = getattr(model.config, "_attn_implementation", None) == "sdpa"
         layers = DynamicCache(config=model.config).layers
         if not all(type(layer) is DynamicLayer for layer in layers):
             raise ValueError(f"the embedded engine needs full-attention layers; "
@@ -181,6 +192,7 @@ class EmbeddedEngine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams, seed: int, *,
                        session_id: str | None = None, request_id: str | None = None
                        ) -> Generation:
+        self._check_prompt(prompt_ids)
         loop = asyncio.get_running_loop()
         future = loop.create_future()  # cancelling the await cancels the request
         request = _Request(list(prompt_ids), params, seed & (2**63 - 1), session_id,
@@ -201,11 +213,22 @@ class EmbeddedEngine:
                session_id: str | None = None, request_id: str | None = None
                ) -> concurrent.futures.Future:
         """Queue a request from any thread; the future resolves to its `Generation`."""
+        self._check_prompt(prompt_ids)
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._check_open()
         self._enqueue([_Request(list(prompt_ids), params, seed & (2**63 - 1), session_id,
                                 request_id, future)])
         return future
+
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
+        """A bad prompt fails its own caller here, not the batch it would have joined (on CUDA
+        an out-of-vocabulary id is a device-side assert that breaks every later forward)."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: the engine needs at least one token")
+        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
 
     def _enqueue(self, requests: list[_Request]) -> None:
         """Queue `requests` for the worker; a prompt that fills the context is answered at
@@ -230,6 +253,8 @@ class EmbeddedEngine:
     def abort(self, request_id: str) -> bool:
         """End the request now (queued or running); its caller gets the partial output with
         finish_reason "abort". False when no such request is queued or running."""
+        if request_id is None:
+            raise ValueError("abort needs the request_id the request was made with")
         return bool(self._control(lambda: self._abort(lambda r: r.request_id == request_id),
                                   f"abort of request {request_id!r}"))
 
@@ -303,9 +328,11 @@ class EmbeddedEngine:
         try:
             return op.done.result(timeout=self.control_timeout_s)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"engine: {what} was not applied within "
-                               f"{self.control_timeout_s:.0f}s (no safe point between decode "
-                               "steps was reached)") from None
+            if op.done.cancel():  # never applied later, behind the caller's back
+                raise TimeoutError(f"engine: {what} was not applied within "
+                                   f"{self.control_timeout_s:g}s (no safe point between decode "
+                                   "steps was reached); it is cancelled") from None
+            return op.done.result()  # applied just now, as the wait ran out
 
     def _loop(self) -> None:
         """The worker: iterate while there is work; exit after a second idle (it is restarted
@@ -323,6 +350,8 @@ class EmbeddedEngine:
                 controls = list(self._controls)
                 self._controls.clear()
             for op in controls:
+                if not op.done.set_running_or_notify_cancel():
+                    continue  # its caller timed out and cancelled it
                 try:
                     op.done.set_result(op.apply())
                 except Exception as e:  # the caller gets the error; the engine goes on
@@ -354,7 +383,7 @@ class EmbeddedEngine:
             self._resolve(r, error=error)
         self._flush_outbox()
         for op in controls:
-            if not op.done.done():
+            if op.done.set_running_or_notify_cancel():
                 op.done.set_exception(error)
         self._reset_batch()
 
@@ -371,10 +400,18 @@ class EmbeddedEngine:
         if self._rows:
             logits.append(self._decode())
         if new:
-            logits.append(self._prefill(new))
+            try:
+                prefilled = self._prefill(new)
+            except Exception as e:  # only the new requests fail; the running batch goes on
+                logger.exception("engine: the prefill of %d new requests failed", len(new))
+                self.counters["failed_requests"] += len(new)
+                for r in new:
+                    self._resolve(r, error=e)
+            else:
+                logits.append(self._admit(new, *prefilled))
         if not logits:
             return
-        rows = self._rows  # _prefill appended the new rows after the running ones
+        rows = self._rows  # _admit appended the new rows after the running ones
         p = self._row_params
         steps = self._pos - p["prompt_len"]  # each row's index of the token it samples
         logits = torch.cat(logits)
@@ -434,6 +471,23 @@ class EmbeddedEngine:
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, kv: KV,
                  last_only: bool) -> tuple[torch.Tensor, KV]:
+        """Run `ids` [rows, q] after the KV `kv`; `mask` [rows, kv width + q] marks real
+        columns. The 4-D mask is built here (causal within the new tokens, each new token
+        always sees itself), so the model uses it as given: HF's own mask builder would read
+        the padding mask back from the device, a second host sync per step."""
+        q = ids.size(1)
+        allowed = mask.bool()[:, None, None, :]
+        if q > 1:
+            width = mask.size(1)
+            col = torch.arange(width, device=mask.device)
+            query_col = (width - q + torch.arange(q, device=mask.device))[:, None]
+            allowed = (allowed & (col <= query_col)) | (col == query_col)
+        if self._bool_mask:
+            attention = allowed
+        else:  # eager attention adds the mask to the scores
+            attention = torch.zeros(allowed.shape, dtype=self.model.dtype,
+                                    device=mask.device).masked_fill_(
+                ~allowed, torch.finfo(self.model.dtype).min)
         cache = DynamicCache(config=self.model.config)
         for layer, (k, v) in zip(cache.layers, kv, strict=False):
             layer.lazy_initialization(k, v)
@@ -441,8 +495,8 @@ class EmbeddedEngine:
         kwargs = {self._cache_arg: cache}
         if last_only and self._keep_arg:
             kwargs["logits_to_keep"] = 1
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                         **kwargs)
+        out = self.model(input_ids=ids, attention_mask=attention, position_ids=pos,
+                         use_cache=True, **kwargs)
         cache = getattr(out, self._cache_arg)
         return out.logits[:, -1].float(), [(layer.keys, layer.values) for layer in cache.layers]
 
@@ -459,14 +513,14 @@ class EmbeddedEngine:
         self.counters["decoded_row_steps"] += n
         return logits
 
-    def _prefill(self, new: list[_Request]) -> torch.Tensor:
-        """Run the uncached part of each new request's prompt (identical ones once), then
-        append the new rows to the running batch."""
+    def _prefill(self, new: list[_Request]) -> tuple:
+        """Run the uncached part of each new request's prompt (identical ones once); returns
+        what `_admit` needs, and changes nothing of the running batch."""
         looked = [self.cache.lookup(r.prompt_ids, r.session_id) for r in new]
         groups: dict[tuple, int] = {}
         unique, index = [], []
         for r, (c, kv) in zip(new, looked, strict=True):
-            key = (tuple(r.prompt_ids), c, id(kv[0][0]) if kv else None)
+            key = (tuple(r.prompt_ids), c)  # the same tokens' KV, whichever entry served it
             if key not in groups:
                 groups[key] = len(unique)
                 unique.append((r, c, kv))
@@ -498,22 +552,27 @@ class EmbeddedEngine:
         logits, kv = self._forward(ids, mask, pos, past, last_only=True)
         self.counters["prefill_calls"] += 1
         self.counters["prefill_tokens"] += sum(len(r.prompt_ids) - c for r, c, _ in unique)
+        sel = torch.tensor(index, device=self.device)
         if u < len(new):  # identical prompts share one prefill
-            sel = torch.tensor(index, device=self.device)
             logits, mask = logits[sel], mask[sel]
             kv = [(k[sel], v[sel]) for k, v in kv]
-        width = cmax + smax
-        for r, j in zip(new, index, strict=True):
-            _, c, _ = unique[j]
+        cached = [unique[j][1] for j in index]
+        return logits, kv, mask, pos[:, -1][sel] + 1, cached, cmax
+
+    def _admit(self, new: list[_Request], logits: torch.Tensor, kv: KV, mask: torch.Tensor,
+               next_pos: torch.Tensor, cached: list[int], cmax: int) -> torch.Tensor:
+        """Append the prefilled rows to the running batch; returns their logits."""
+        width = mask.size(1)
+        for r, c in zip(new, cached, strict=True):
             s = len(r.prompt_ids) - c
             r.cached = c
+            r.admitted_version = self.version
             r.budget = min(r.params.max_new_tokens, self.max_context - len(r.prompt_ids))
             r.segments = [[cmax - c, cmax], [width - s, width]] if c else [[width - s, width]]
             self.counters["requests"] += 1
             self.counters["prompt_tokens"] += len(r.prompt_ids)
             self.counters["cached_tokens"] += c
-        self._append_rows(new, kv, mask, pos[:, -1][torch.tensor(index, device=self.device)]
-                          + 1)
+        self._append_rows(new, kv, mask, next_pos)
         return logits
 
     # ----- batch bookkeeping -----
@@ -580,7 +639,9 @@ class EmbeddedEngine:
 
     def _finish(self, i: int, reason: str) -> None:
         r = self._rows[i]
-        if reason != "abort" and self.cache.budget_bytes > 0:
+        # KV computed (partly) by older weights is not kept: the next turn would reuse it
+        if (reason != "abort" and self.cache.budget_bytes > 0
+                and r.admitted_version == self.version):
             # the KV of the prompt and every generated token but the last (never run)
             kv = [(torch.cat([k[i:i + 1, :, a:b] for a, b in r.segments], dim=2),
                    torch.cat([v[i:i + 1, :, a:b] for a, b in r.segments], dim=2))
@@ -596,11 +657,13 @@ class EmbeddedEngine:
     def _resolve(self, r: _Request, result: Generation | None = None,
                  error: BaseException | None = None) -> None:
         if r.loop is None:
-            if not r.future.done():
+            try:
                 if error is None:
                     r.future.set_result(result)
                 else:
                     r.future.set_exception(error)
+            except concurrent.futures.InvalidStateError:  # cancelled by its caller meanwhile
+                self.counters["cancelled"] += 1
         else:
             self._outbox.setdefault(r.loop, []).append((r.future, result, error))
 

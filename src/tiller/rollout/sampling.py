@@ -66,7 +66,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     if any_top_p:  # found in sorted order, mapped back to vocab order
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         before = sorted_probs.cumsum(-1) - sorted_probs
-        keep_sorted = before < top_p[:, None] * sorted_probs.sum(-1, keepdim=True)
+        keep_sorted = (before < top_p[:, None] * sorted_probs.sum(-1, keepdim=True)) | (
+            top_p[:, None] >= 1)  # float drift must not cut a top_p = 1 row's tail
         keep = torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)
         probs = torch.where(keep, probs, torch.zeros_like(probs))
     tokens = _inverse_cdf(probs, uniform(seeds, steps))

@@ -32,7 +32,7 @@ class Trajectory:
     logprobs: tuple[float, ...]
     prompt_len: int
     turn_spans: tuple[tuple[int, int], ...]  # [start, end) of each generated turn
-    versions: tuple[int, ...]  # weight version that generated each turn
+    versions: tuple[int, ...]  # weight version that generated each turn (its oldest)
     messages: tuple[dict[str, Any], ...]
     reward: Reward
     status: Status
