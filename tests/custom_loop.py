@@ -18,7 +18,8 @@ async def run_episode(env, task, actor, tokenizer, *, seed, limits, sample_index
         traj.append_prompt(chat.prompt_ids(messages))
         final, status = None, Status.TRUNCATED
         for turn in range(limits.max_turns):
-            gen = await actor.act(traj.token_ids, messages, derive_seed(seed, turn))
+            gen = await actor.act(traj.token_ids, messages, derive_seed(seed, turn),
+                                  session_id=f"{task.id}/{sample_index}/{seed}")
             traj.append_generated(gen.token_ids, gen.logprobs, gen.version)
             parsed = chat.parse(gen.token_ids)
             messages.append(assistant_message(parsed))

@@ -66,7 +66,7 @@ class TextActor:
         self.make_args = make_args or (lambda rng, junk: {})
         self.finals = finals
 
-    async def act(self, prompt_ids, messages, seed):
+    async def act(self, prompt_ids, messages, seed, session_id=None):
         if self.turns is not None:
             text = self.turns[sum(m["role"] == "assistant" for m in messages)]
         else:

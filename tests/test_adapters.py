@@ -33,7 +33,7 @@ TOK = train_tokenizer([], 0)
 class RandomActor:
     """Random printable text, numbers, tagged junk and tool calls."""
 
-    async def act(self, prompt_ids, messages, seed):
+    async def act(self, prompt_ids, messages, seed, session_id=None):
         rng = random.Random(seed)
         junk = "".join(rng.choice(string.printable) for _ in range(rng.randint(1, 40)))
         return _generation(rng.choice([
@@ -182,7 +182,7 @@ def test_gym_text_env_turns_tool_calls_into_an_error_message():
     task = GuessNumberEnv.make_tasks("train", 1, seed=0, difficulty=1)[0]
 
     class ToolCallThenExpert:
-        async def act(self, prompt_ids, messages, seed):
+        async def act(self, prompt_ids, messages, seed, session_id=None):
             if len(messages) == 2:  # the system message and the opening observation
                 text = '<tool_call>\n{"name": "guess", "arguments": {}}\n</tool_call>'
             else:  # the expert, on the game minus the tool call and its error
@@ -211,7 +211,7 @@ def test_gym_env_rejecting_an_action_is_the_policys_fault_not_an_env_error():
     task = StrictGuessEnv.make_tasks("train", 1, seed=0, difficulty=1)[0]
 
     class WordThenExpert:
-        async def act(self, prompt_ids, messages, seed):
+        async def act(self, prompt_ids, messages, seed, session_id=None):
             if len(messages) == 2:
                 return _generation("seven")
             return _generation(StrictGuessEnv.expert_turn(task, messages[:2] + messages[4:],

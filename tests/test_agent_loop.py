@@ -24,9 +24,10 @@ class Recorder:
     def __init__(self, actor):
         self.actor, self.prompts, self.outputs = actor, [], []
 
-    async def act(self, prompt_ids, messages, seed):
+    async def act(self, prompt_ids, messages, seed, session_id=None):
         self.prompts.append(list(prompt_ids))
-        gen = await self.actor.act(prompt_ids, messages, seed)
+        self.sessions = [*getattr(self, "sessions", []), session_id]
+        gen = await self.actor.act(prompt_ids, messages, seed, session_id=session_id)
         self.outputs.append(gen)
         return gen
 
@@ -105,7 +106,7 @@ class Scripted:
     def __init__(self, tokenizer, texts):
         self.tokenizer, self.texts = tokenizer, list(texts)
 
-    async def act(self, prompt_ids, messages, seed):
+    async def act(self, prompt_ids, messages, seed, session_id=None):
         ids = self.tokenizer.encode(self.texts.pop(0), add_special_tokens=False)
         ids.append(self.tokenizer.eos_token_id)
         return Generation(ids, [0.0] * len(ids), "stop", 0)
@@ -233,7 +234,7 @@ class Broken:
     def __init__(self, tokenizer, task):
         self.expert, self.calls = ExpertActor(Calc, task, tokenizer), 0
 
-    async def act(self, prompt_ids, messages, seed):
+    async def act(self, prompt_ids, messages, seed, session_id=None):
         self.calls += 1
         if self.calls == 2:
             raise RuntimeError("CUDA error: device-side assert")
@@ -277,7 +278,7 @@ def test_config_and_run_errors_in_the_env_stop_the_run(tokenizer, limits, part, 
 class BadShape:
     """A custom actor whose generation has one logprob too few."""
 
-    async def act(self, prompt_ids, messages, seed):
+    async def act(self, prompt_ids, messages, seed, session_id=None):
         return Generation([1, 2, 3], [0.0, 0.0], "stop", 0)
 
 
@@ -330,7 +331,7 @@ class EndsConversation:
     def __init__(self, tokenizer, task):
         self.tokenizer, self.task, self.calls = tokenizer, task, 0
 
-    async def act(self, prompt_ids, messages, seed):
+    async def act(self, prompt_ids, messages, seed, session_id=None):
         self.calls += 1
         ids = self.tokenizer.encode(f"The answer is {self.task.answer}.<|endoftext|>",
                                     add_special_tokens=False)

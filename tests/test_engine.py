@@ -1,4 +1,7 @@
 import asyncio
+import random
+import threading
+import time
 
 import pytest
 import torch
@@ -6,7 +9,7 @@ import torch
 from tiller.envs.verifiers import Reward
 from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.rollout.trajectory import Status, Trajectory
-from tiller.rollout.weight_sync import WeightUpdate
+from tiller.rollout.weight_sync import WeightSyncError, WeightUpdate
 from tiller.train.batch import Batch, token_logprobs
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17]]
@@ -93,38 +96,256 @@ def test_top_p_keeps_only_the_nucleus(model):
     assert len({tuple(g.token_ids) for g in wide}) > 1  # without truncation, seeds differ
 
 
-def test_a_cancelled_request_does_not_hang_the_rest_of_its_batch(model):
+def wait_until(cond, what, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+
+def test_a_cancelled_request_leaves_the_batch_and_the_rest_are_unaffected(model):
     engine = EmbeddedEngine(model, pad_token_id=0)
-    params = sampling(temperature=1.0, max_new_tokens=12)
+    params = sampling(temperature=1.0, max_new_tokens=300)
 
     async def go():
         tasks = [asyncio.create_task(engine.generate(p, params, s))
                  for p, s in zip(PROMPTS, [1, 2, 3], strict=True)]
-        while engine._pending or engine._worker is None:  # until the batch is in the worker
-            await asyncio.sleep(0)
+        while engine.counters["decode_steps"] < 3:  # all three are decoding
+            await asyncio.sleep(0.001)
         tasks[1].cancel()
-        return await asyncio.wait_for(asyncio.gather(tasks[0], tasks[2]), timeout=20)
+        return await asyncio.wait_for(asyncio.gather(tasks[0], tasks[2]), timeout=60)
 
     first, third = asyncio.run(go())
     alone = gather(engine, [PROMPTS[0], PROMPTS[2]], params, [1, 3])
     assert [first.token_ids, third.token_ids] == [g.token_ids for g in alone]
-    assert engine.cancelled == 1
+    assert engine.counters["cancelled"] == 1
 
 
-def test_a_request_cancelled_before_its_batch_is_skipped(model):
+def test_a_request_cancelled_while_queued_never_runs(model):
     engine = EmbeddedEngine(model, pad_token_id=0)
     params = sampling(temperature=1.0, max_new_tokens=4)
+    engine.pause()  # requests queue, nothing is admitted
 
     async def go():
         tasks = [asyncio.create_task(engine.generate(p, params, s))
                  for p, s in zip(PROMPTS, [1, 2, 3], strict=True)]
-        await asyncio.sleep(0)  # every request is pending, no batch has started
+        await asyncio.sleep(0.05)
         tasks[0].cancel()
+        await asyncio.sleep(0)
+        engine.resume()
         return await asyncio.wait_for(asyncio.gather(tasks[1], tasks[2]), timeout=20)
 
     outs = asyncio.run(go())
     assert all(len(g.token_ids) == 4 for g in outs)
-    assert engine.cancelled == 1
+    assert engine.counters["cancelled"] == 1 and engine.counters["requests"] == 2
+
+
+def test_a_request_arriving_mid_decode_joins_without_waiting(model):
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    long = engine.submit(PROMPTS[0], sampling(max_new_tokens=2000), seed=1)
+    wait_until(lambda: engine.counters["decode_steps"] >= 5, "the long request to decode")
+    steps_before = engine.counters["decode_steps"]
+    greedy4 = sampling(temperature=0.0, max_new_tokens=4)
+    short = engine.submit(PROMPTS[1], greedy4, seed=2)
+    out = short.result(timeout=60)
+    assert not long.done()  # the short one finished while the long one kept decoding
+    # it joined the running batch: 4 tokens took 3 decode steps after its prefill
+    assert engine.counters["decode_steps"] - steps_before <= 3 + 2
+    assert engine.max_rows == 2
+    assert out.token_ids == gather(engine, [PROMPTS[1]], greedy4, [2])[0].token_ids
+    engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        long.result(timeout=10)
+
+
+def test_requests_with_different_sampling_params_share_a_batch(model):
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    kinds = [sampling(temperature=0.0, max_new_tokens=9), sampling(temperature=0.7, top_k=5),
+             sampling(top_p=0.8, max_new_tokens=12), sampling(temperature=1.3)]
+
+    async def together():
+        return await asyncio.gather(*(engine.generate(PROMPTS[i % 3], k, seed=i)
+                                      for i, k in enumerate(kinds)))
+
+    crowd = asyncio.run(together())
+    assert engine.max_rows == 4 and engine.counters["prefill_calls"] == 1
+    for i, (k, g) in enumerate(zip(kinds, crowd, strict=True)):
+        alone = gather(EmbeddedEngine(model, 0), [PROMPTS[i % 3]], k, [i])[0]
+        assert g.token_ids == alone.token_ids and len(g.token_ids) == k.max_new_tokens
+        assert g.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+
+
+def test_a_request_gives_the_same_tokens_alone_and_in_a_crowded_batch(model):
+    rng = random.Random(0)
+    crowd = [[rng.randrange(10, 590) for _ in range(rng.randrange(2, 60))] for _ in range(40)]
+    params = sampling(max_new_tokens=32)
+    target = [7, 8, 9, 10, 11]
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    alone = gather(engine, [target], params, [99])[0]
+    crowded = gather(EmbeddedEngine(model, pad_token_id=0), crowd + [target], params,
+                     list(range(40)) + [99])[-1]
+    assert crowded.token_ids == alone.token_ids
+    assert crowded.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+
+
+def two_turns(engine, model, obs=(21, 22, 23, 24, 25, 26, 27), session="s"):
+    params = sampling(max_new_tokens=10)
+    prompt = list(range(5, 45))
+    first = asyncio.run(engine.generate(prompt, params, seed=1, session_id=session))
+    second_prompt = prompt + first.token_ids + list(obs)
+    before = dict(engine.counters)
+    second = asyncio.run(engine.generate(second_prompt, params, seed=2, session_id=session))
+    prefilled = engine.counters["prefill_tokens"] - before["prefill_tokens"]
+    return first, second, second_prompt, prefilled
+
+
+def test_the_next_turn_prefills_only_its_new_tokens_with_identical_results(model):
+    cached = EmbeddedEngine(model, pad_token_id=0)
+    first, second, prompt2, prefilled = two_turns(cached, model)
+    # the observation and the previous turn's last token (sampled, never run) are new
+    assert prefilled == 7 + 1
+    assert second.cached_tokens == len(prompt2) - 8 and cached.cache.hits == 1
+    plain = EmbeddedEngine(model, pad_token_id=0, cache_bytes=0)
+    p_first, p_second, _, p_prefilled = two_turns(plain, model)
+    assert p_prefilled == len(prompt2) and p_second.cached_tokens == 0
+    assert (first.token_ids, second.token_ids) == (p_first.token_ids, p_second.token_ids)
+    assert second.logprobs == pytest.approx(p_second.logprobs, abs=1e-5)
+    # engine/trainer agreement with the cache on: the trainer scores the whole sequence
+    batch = Batch.collate([as_trajectory(prompt2, second)], pad_token_id=0)
+    logp, _ = token_logprobs(model, batch)
+    diff = (logp[0, len(prompt2):] - torch.tensor(second.logprobs)).abs().max()
+    assert float(diff.detach()) < 1e-4
+
+
+def test_a_shared_prefix_is_reused_across_episodes_in_whole_blocks(model):
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    params = sampling(max_new_tokens=3)
+    system = list(range(100, 140))  # 40 tokens: two whole blocks of 16
+    asyncio.run(engine.generate(system + [5, 6], params, seed=0, session_id="a"))
+    other = asyncio.run(engine.generate(system + [7, 8, 9], params, seed=0, session_id="b"))
+    assert other.cached_tokens == 32
+    fresh = gather(EmbeddedEngine(model, 0, cache_bytes=0), [system + [7, 8, 9]], params, [0])[0]
+    assert other.token_ids == fresh.token_ids
+
+
+def test_identical_prompts_arriving_together_are_prefilled_once(model):
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    outs = gather(engine, [PROMPTS[2]] * 4, sampling(max_new_tokens=5), [1, 2, 3, 4])
+    assert engine.counters["prefill_tokens"] == len(PROMPTS[2])
+    assert len({tuple(g.token_ids) for g in outs}) > 1  # the seeds still differ
+
+
+def test_the_kv_budget_evicts_least_recently_used_and_results_do_not_change(model):
+    c = model.config  # bytes of one token's KV: layers * (k, v) * kv heads * head dim * fp32
+    per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4
+    engine = EmbeddedEngine(model, pad_token_id=0, cache_bytes=per_token * 60)
+    params = sampling(max_new_tokens=6)
+    prompts = [[10 + i] * 30 for i in range(4)]
+    outs = [asyncio.run(engine.generate(p, params, seed=i, session_id=str(i)))
+            for i, p in enumerate(prompts)]
+    assert engine.cache.bytes == per_token * 35 and engine.cache.evictions == 3
+    assert len(engine.cache) == 1  # each 35-token entry fits alone
+    # session 0 was evicted: its next turn re-prefills and gives what a cold engine gives
+    turn2 = prompts[0] + outs[0].token_ids + [3, 4]
+    again = asyncio.run(engine.generate(turn2, params, seed=9, session_id="0"))
+    assert again.cached_tokens == 0
+    cold = gather(EmbeddedEngine(model, 0, cache_bytes=0), [turn2], params, [9])[0]
+    assert again.token_ids == cold.token_ids
+
+
+def test_abort_returns_the_partial_output_with_its_logprobs(model):
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    future = engine.submit(PROMPTS[0], sampling(max_new_tokens=3000), seed=3, request_id="r1")
+    wait_until(lambda: engine.counters["decode_steps"] >= 4, "decoding to start")
+    assert engine.abort("r1") is True
+    out = future.result(timeout=30)
+    assert out.finish_reason == "abort" and 4 <= len(out.token_ids) < 3000
+    assert len(out.logprobs) == len(out.token_ids) == len(out.versions)
+    full = gather(engine, [PROMPTS[0]], sampling(max_new_tokens=len(out.token_ids)), [3])[0]
+    assert full.token_ids == out.token_ids  # a prefix of what it would have generated
+    assert engine.abort("r1") is False and engine.abort("nobody") is False
+    assert engine.counters["aborted"] == 1
+
+
+def test_a_queued_request_can_be_aborted(model):
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    engine.pause()
+    future = engine.submit(PROMPTS[0], sampling(), seed=3, request_id="q")
+    assert engine.abort("q") is True
+    out = future.result(timeout=10)
+    assert (out.token_ids, out.finish_reason) == ([], "abort")
+
+
+def perturbed(model, version):
+    import copy
+
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    return WeightUpdate.full(other, version)
+
+
+def test_a_weight_update_mid_generation_continues_with_per_token_versions(model):
+    torch.manual_seed(1)
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    future = engine.submit(PROMPTS[0], sampling(max_new_tokens=400), seed=3)
+    wait_until(lambda: engine.counters["decode_steps"] >= 5, "decoding to start")
+    assert engine.update_weights(perturbed(model, 7)) == 7
+    out = future.result(timeout=60)
+    assert out.finish_reason == "length" and len(out.token_ids) == 400 and out.version == 7
+    switch = out.versions.index(7)
+    assert 5 <= switch < 400
+    assert out.versions == (0,) * switch + (7,) * (400 - switch)
+    assert len(engine.cache) == 1  # the KV stored after the update (older KV was flushed)
+
+
+def test_a_weight_update_can_abort_the_requests_in_flight(model):
+    torch.manual_seed(1)
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    future = engine.submit(PROMPTS[0], sampling(max_new_tokens=3000), seed=3)
+    wait_until(lambda: engine.counters["decode_steps"] >= 3, "decoding to start")
+    engine.update_weights(perturbed(model, 2), in_flight="abort")
+    out = future.result(timeout=30)
+    assert out.finish_reason == "abort" and set(out.versions) == {0} and out.token_ids
+    assert engine.version == 2
+
+
+def test_a_bad_update_is_refused_and_the_engine_keeps_its_version(model):
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    update = WeightUpdate(3, {"no.such.tensor": torch.zeros(1)}, partial=True)
+    with pytest.raises(WeightSyncError, match="no.such.tensor"):
+        engine.update_weights(update)
+    with pytest.raises(ValueError, match="in_flight"):
+        engine.update_weights(WeightUpdate.full(model, 1), in_flight="later")
+    assert engine.version == 0
+
+
+def test_pause_holds_requests_until_resume_and_flush_empties_the_cache(model):
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    two_turns(engine, model)
+    assert len(engine.cache) == 1
+    engine.pause()
+    future = engine.submit(PROMPTS[1], sampling(max_new_tokens=3), seed=0)
+    time.sleep(0.2)
+    assert not future.done() and engine.counters["requests"] == 2
+    engine.resume()
+    assert len(future.result(timeout=30).token_ids) == 3
+    assert engine.flush_cache() == 2 and len(engine.cache) == 0 and engine.cache.bytes == 0
+
+
+def test_a_control_call_that_gets_no_safe_point_times_out_naming_what_it_waited_for(model):
+    engine = EmbeddedEngine(model, pad_token_id=0, control_timeout_s=0.2)
+    gate = threading.Event()
+    hook = model.register_forward_pre_hook(lambda *_: gate.wait(30))  # a stuck forward
+    try:
+        engine.submit(PROMPTS[0], sampling(max_new_tokens=2), seed=0)
+        with pytest.raises(TimeoutError, match="weight update v5 was not applied within"):
+            engine.update_weights(WeightUpdate.full(model, 5))
+    finally:
+        gate.set()
+        hook.remove()
+        engine.close()
 
 
 def test_sampling_params_without_stop_tokens_are_rejected():

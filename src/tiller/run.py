@@ -121,7 +121,9 @@ class Run:
         self.trainer = Trainer(self.model, temperature=cfg.sampling.temperature or 1.0,
                                compute_dtype=self.dtype)
         self.engine = EmbeddedEngine(copy.deepcopy(self.model).to(self.dtype),
-                                     self.tokenizer.pad_token_id, cfg.engine.max_batch_size)
+                                     self.tokenizer.pad_token_id,
+                                     max_batch_size=cfg.engine.max_batch_size,
+                                     cache_bytes=cfg.engine.cache_bytes)
         self.logger = MetricsLogger(self.dir, cfg.logging.tensorboard, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.model_dump())
 
@@ -174,6 +176,7 @@ class Run:
         return out
 
     def close(self) -> None:
+        self.engine.close()
         self.logger.close()
         self.tools.close()
         set_unsafe_fallback(False)  # the run's sandbox policy does not outlive the run

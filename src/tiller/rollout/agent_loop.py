@@ -24,7 +24,7 @@ from tiller.envs.base import Env, Task
 from tiller.envs.verifiers import Reward
 from tiller.errors import ConfigError, RunError, import_dotted
 from tiller.rollout.chat import ChatFormat, ParsedTurn, assistant_message, end_of_turn_token
-from tiller.rollout.engine import EmbeddedEngine, Generation, SamplingParams
+from tiller.rollout.engine import Engine, Generation, SamplingParams
 from tiller.rollout.trajectory import Status, Trajectory, TrajectoryBuilder
 from tiller.tools.registry import ToolOutcome
 
@@ -33,18 +33,21 @@ _logged: set[type[BaseException]] = set()  # exception types whose traceback was
 
 
 class Actor(Protocol):
-    """Whatever writes the assistant turns: the engine, or a scripted expert."""
+    """Whatever writes the assistant turns: the engine, or a scripted expert. `session_id`
+    names the episode, so an engine can keep its KV between turns."""
 
-    async def act(self, prompt_ids: list[int], messages: list[dict], seed: int) -> Generation: ...
+    async def act(self, prompt_ids: list[int], messages: list[dict], seed: int,
+                  session_id: str | None = None) -> Generation: ...
 
 
 @dataclass
 class EngineActor:
-    engine: EmbeddedEngine
+    engine: Engine
     params: SamplingParams
 
-    async def act(self, prompt_ids: list[int], messages: list[dict], seed: int) -> Generation:
-        return await self.engine.generate(prompt_ids, self.params, seed)
+    async def act(self, prompt_ids: list[int], messages: list[dict], seed: int,
+                  session_id: str | None = None) -> Generation:
+        return await self.engine.generate(prompt_ids, self.params, seed, session_id=session_id)
 
 
 @dataclass
@@ -57,7 +60,8 @@ class ExpertActor:
     tokenizer: PreTrainedTokenizerBase
     guess_prob: float = 0.0
 
-    async def act(self, prompt_ids: list[int], messages: list[dict], seed: int) -> Generation:
+    async def act(self, prompt_ids: list[int], messages: list[dict], seed: int,
+                  session_id: str | None = None) -> Generation:
         rng = random.Random(seed)
         text = self.env_cls.expert_turn(self.task, messages, rng, self.guess_prob)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -154,6 +158,7 @@ async def run_episode(
                 chat = ChatFormat(tokenizer, env.tool_schemas())
                 traj.append_prompt(chat.prompt_ids(messages))
                 final, status = await _turns(env, actor, chat, traj, messages, seed=seed,
+                                             session_id=f"{task.id}/{sample_index}/{seed}",
                                              limits=limits, counts=counts, info=info,
                                              timings=timings)
             except RUN_FAILURES:
@@ -199,6 +204,7 @@ async def _turns(
     messages: list[dict],
     *,
     seed: int,
+    session_id: str,
     limits: EpisodeLimits,
     counts: dict[str, int],
     info: dict[str, str],
@@ -209,7 +215,8 @@ async def _turns(
     for turn in range(limits.max_turns):
         t = time.perf_counter()
         try:
-            gen = await actor.act(traj.token_ids, messages, derive_seed(seed, turn))
+            gen = await actor.act(traj.token_ids, messages, derive_seed(seed, turn),
+                                  session_id=session_id)
         except RUN_FAILURES:
             raise
         except Exception as e:

@@ -1,0 +1,91 @@
+"""Batched sampling with per-request seeds, against hand-computed distributions."""
+
+import math
+
+import pytest
+import torch
+
+from tiller.rollout.sampling import sample, uniform
+
+
+def rows(n, **over):
+    base = {"temperature": torch.ones(n), "top_k": torch.zeros(n, dtype=torch.long),
+            "top_p": torch.ones(n), "seeds": torch.arange(n), "steps": torch.zeros(n,
+                                                                                  dtype=torch.long)}
+    return {**base, **over}
+
+
+def draw(logits, truncate=False, **over):
+    n = logits.size(0)
+    r = rows(n, **over)
+    return sample(logits, r["temperature"], r["top_k"], r["top_p"], r["seeds"], r["steps"],
+                  truncate=truncate)
+
+
+def test_uniform_is_a_function_of_seed_and_step_and_looks_uniform():
+    seeds = torch.arange(200_000, dtype=torch.long) * 7919 + 2**62
+    u = uniform(seeds, torch.full_like(seeds, 3))
+    assert torch.equal(u, uniform(seeds.clone(), torch.full_like(seeds, 3)))
+    assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 0.003
+    counts = torch.histc(u.float(), bins=20, min=0, max=1)
+    chi2 = float(((counts - 10_000) ** 2 / 10_000).sum())
+    assert chi2 < 45  # 19 degrees of freedom: p < 0.001 beyond 43.8
+    other_step = uniform(seeds, torch.full_like(seeds, 4))
+    assert abs(float(torch.corrcoef(torch.stack([u, other_step]))[0, 1])) < 0.01
+
+
+def test_sampled_frequencies_match_the_tempered_softmax():
+    n = 40_000
+    logits = torch.tensor([[0.0, math.log(2), math.log(5), -1.0]]).repeat(n, 1)
+    for t in (1.0, 0.5):
+        tokens, logp = draw(logits, temperature=torch.full((n,), t))
+        expected = torch.softmax(logits[0] / t, -1)
+        freq = torch.bincount(tokens, minlength=4).double() / n
+        assert torch.allclose(freq, expected.double(), atol=0.01)
+        # the logprob is exactly log softmax(logits / T) of the sampled token
+        assert torch.allclose(logp, torch.log_softmax(logits / t, -1).gather(
+            -1, tokens[:, None])[:, 0])
+
+
+def test_top_k_and_top_p_keep_the_hand_computed_sets():
+    n = 20_000
+    # probabilities 0.5, 0.3, 0.2 (in a shuffled vocab order)
+    logits = torch.log(torch.tensor([[0.2, 0.5, 0.3]])).repeat(n, 1)
+    tokens, logp = draw(logits, truncate=True, top_k=torch.full((n,), 2, dtype=torch.long))
+    freq = torch.bincount(tokens, minlength=3).double() / n
+    assert freq[0] == 0 and abs(float(freq[1]) - 0.5 / 0.8) < 0.012
+    # top_p 0.6: mass before rank 1 is 0.5 < 0.6 (kept), before rank 2 it is 0.8 (dropped)
+    tokens, _ = draw(logits, truncate=True, top_p=torch.full((n,), 0.6))
+    assert set(tokens.tolist()) == {1, 2}
+    # logprobs stay those of the untruncated distribution (what the trainer recomputes)
+    assert torch.allclose(logp, torch.log(torch.tensor([0.2, 0.5, 0.3]))[tokens], atol=1e-6)
+
+
+def test_greedy_rows_take_the_argmax():
+    logits = torch.tensor([[0.1, 3.0, 0.2], [2.0, 0.0, 1.0]])
+    tokens, logp = draw(logits, temperature=torch.tensor([0.0, 0.0]))
+    assert tokens.tolist() == [1, 0]
+    assert torch.allclose(logp, torch.log_softmax(logits, -1)[[0, 1], [1, 0]])
+
+
+def test_a_rows_token_does_not_depend_on_its_neighbours():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    alone = [draw(logits[i:i + 1], seeds=torch.tensor([100 + i]))[0].item() for i in range(6)]
+    # the same rows in one batch, where other rows truncate and run greedy
+    batch, _ = draw(torch.cat([logits, torch.randn(3, 50)]), truncate=True,
+                    seeds=torch.tensor([100, 101, 102, 103, 104, 105, 1, 2, 3]),
+                    top_k=torch.tensor([0] * 6 + [3, 0, 0]),
+                    top_p=torch.tensor([1.0] * 6 + [1.0, 0.5, 1.0]),
+                    temperature=torch.tensor([1.0] * 6 + [1.0, 1.0, 0.0]))
+    assert batch[:6].tolist() == alone
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_top_k_one_is_greedy_and_top_k_never_exceeds_k(k):
+    torch.manual_seed(1)
+    logits = torch.randn(1, 30).repeat(500, 1)
+    tokens, _ = draw(logits, truncate=True, top_k=torch.full((500,), k, dtype=torch.long))
+    top = torch.topk(logits[0], k).indices.tolist()
+    assert set(tokens.tolist()) <= set(top) and len(set(tokens.tolist())) == k
