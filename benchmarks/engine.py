@@ -27,7 +27,8 @@ Multi-turn columns:
                       row of every wave. The floor is a little above 1: the last generated
                       token of a turn is first run through the model with the next turn.
   finished rows       the share of decoded row-steps spent on rows that had already finished.
-                      A: `stats()["finished_row_steps"] / stats()["decode_row_steps"]`;
+                      A: from `stats()` (`engine_counts`: decoded row-steps that produced
+                      no token of a live request, over all decoded row-steps);
                       B: (rows x steps of each `generate` call - tokens it really generated)
                       over rows x steps.
   wall / ideal        wall time over a modelled ideal engine's:
@@ -251,6 +252,20 @@ def stats_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     return {k: after[k] - before.get(k, 0.0) for k in after}
 
 
+def engine_counts(delta: dict[str, float]) -> dict[str, float]:
+    """The multi-turn counters from a `stats()` difference. Each request's first token comes
+    from its prefill, every later one from a decode row-step, so the decoded row-steps that
+    produced nothing for a live request are decoded_row_steps - (generated_tokens - requests).
+    Empty for an engine without `stats()` (the old one)."""
+    if not delta:
+        return {}
+    live = delta["generated_tokens"] - delta["requests"]
+    return {"prefill_tokens": delta["prefill_tokens"], "cached_tokens": delta["cached_tokens"],
+            "decode_row_steps": delta["decoded_row_steps"],
+            "finished_row_steps": delta["decoded_row_steps"] - live,
+            "busy_s": delta["busy_s"]}
+
+
 def count_real(tokens: Sequence[int], stop: Sequence[int]) -> int:
     """Generated tokens up to and including the first stop token (padding after it is not)."""
     for i, t in enumerate(tokens):
@@ -427,7 +442,8 @@ class HFWaveActor:
         self.prefill_tokens = self.row_steps = self.real_steps = 0
         self._worker: asyncio.Task | None = None
 
-    async def act(self, prompt_ids: list[int], messages: list[dict], seed: int) -> Generation:
+    async def act(self, prompt_ids: list[int], messages: list[dict], seed: int,
+                  session_id: str | None = None) -> Generation:
         future = asyncio.get_running_loop().create_future()
         self.pending.append(_Wait(list(prompt_ids), future))
         if self._worker is None or self._worker.done():
@@ -541,7 +557,7 @@ def multi_turn(args: argparse.Namespace, model: PreTrainedModel, tokenizer: Any
                         before = stats(engine)
                         trajs, wall = run_episodes(EngineActor(engine, params), env_cls, tasks,
                                                    group, tokenizer, limits, r)
-                        acc["A"].update(stats_delta(before, stats(engine)))
+                        acc["A"].update(engine_counts(stats_delta(before, stats(engine))))
                     else:
                         actor = HFWaveActor(model, params, tokenizer.pad_token_id,
                                             args.max_batch, r)

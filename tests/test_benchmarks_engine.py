@@ -54,6 +54,8 @@ def test_quick_run_fills_every_table(calc_sft_dir, tmp_path):
         assert r["A_aborted"] == r["B_aborted"] == 0
         assert sum(r["waves_b"]) >= 4 and r["c_prefill_token_s"] > 0 and r["c_decode_step_s"] > 0
         assert 0 <= r["B_finished_row_share"] < 1 and r["B_prefill_vs_nongen"] >= 1
+        # the engine's side comes from its stats() counters
+        assert r["A_prefill_vs_nongen"] > 0 and 0 <= r["A_finished_row_share"] < 1
     # the server: measured, or skipped with the reason printed
     if "skipped" in res["serve"][0]:
         assert f"SKIPPED serve section: {res['serve'][0]['skipped']}" in proc.stderr
@@ -72,7 +74,7 @@ def test_fixed_turns_env_runs_every_turn(tokenizer):
     eot = tokenizer.convert_tokens_to_ids(end_of_turn_token(tokenizer))
 
     class Chatty:
-        async def act(self, prompt_ids, messages, seed):
+        async def act(self, prompt_ids, messages, seed, session_id=None):
             ids = [*tokenizer.encode("The answer is 3.", add_special_tokens=False), eot]
             return Generation(ids, [0.0] * len(ids), "stop", 0)
 
