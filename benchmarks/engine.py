@@ -7,7 +7,7 @@ process, A and B alternating in each repeat (A first in even repeats, B first in
           generated tokens/s of tiller's engine, of `model.generate` (one batched, left-padded
           call, do_sample, same max_new_tokens; only real tokens up to and including the first
           stop token are counted) and of transformers' ContinuousBatchingManager
-          (`generate_batch`, logprobs on), on the demo model and on a ~25M-parameter Qwen3
+          (one started manager, logprobs on), on the demo model and on a ~25M-parameter Qwen3
           with random weights.
   multi   N concurrent episodes of the calculator env and of an 8-turn env (`FixedTurnsEnv`,
           below), through the real agent loop (`collect` / `run_episode`), driven (A) by
@@ -111,6 +111,10 @@ BUILD_SFT = ["sft.tasks=640", "sft.epochs=4"]
 QUICK_BUILD = ["model.build.hidden_size=64", "model.build.vocab_size=600",
                "model.build.corpus_tasks=60", "sft.tasks=32", "sft.epochs=1"]
 SECTIONS = ("single", "multi", "serve", "e2e")
+QUICK_SIZES = {"repeats": 1, "prompts": "4", "episodes": "4", "group_size": 2,
+               "max_new_tokens": 8, "big": "64,2,4", "clients": "2", "requests": "4",
+               "rl_steps": 1}
+QUICK_RL = ["rl.tasks_per_step=2", "rl.group_size=2", "sampling.max_new_tokens=8"]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -147,12 +151,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="e2e: extra config override (repeatable)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a seconds-long smoke run")
     args = p.parse_args(argv)
-    if args.quick:  # every size small; an explicit --model still wins
-        args.repeats, args.prompts, args.episodes = 1, "4", "4"
-        args.group_size, args.max_new_tokens, args.big = 2, 8, "64,2,4"
-        args.clients, args.requests, args.rl_steps = "2", "4", 1
-        args.set = [*args.set, "rl.tasks_per_step=2", "rl.group_size=2",
-                    "sampling.max_new_tokens=8"]
+    if args.quick:  # every size small, except those given on the command line
+        for name, value in QUICK_SIZES.items():
+            if getattr(args, name) == p.get_default(name):
+                setattr(args, name, value)
+        args.set = [*QUICK_RL, *args.set]
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = sorted(set(args.sections) - set(SECTIONS))
     if unknown:
@@ -312,27 +315,55 @@ def run_engine_single(engine: EmbeddedEngine, prompts: list[list[int]],
     return sum(len(g.token_ids) for g in asyncio.run(all_()))
 
 
-def run_cb_single(model: PreTrainedModel, prompts: list[list[int]], params: SamplingParams,
-                  pad: int, seed: int, args: argparse.Namespace) -> int:
-    """transformers' ContinuousBatchingManager through `generate_batch` (its manager is made
-    and torn down in the call, like `generate`'s cache); logprobs on, as tiller returns them."""
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+class CBManager:
+    """transformers' ContinuousBatchingManager, started once and fed each run's prompts, as an
+    engine would use it (`generate_batch` builds and tears one down per call, and its teardown
+    runs `gc.collect()` twice: ~1.4 s a call here). Logprobs on, as tiller returns them; sized
+    for `most` requests of up to `longest` prompt tokens, all prefilled in one step."""
 
-    page = args.cb_page_size
-    need = sum(-(-(len(p) + params.max_new_tokens) // page) for p in prompts)
-    cb = ContinuousBatchingConfig(
-        return_logprobs=True, seed=seed, page_size=page, num_blocks=need + len(prompts) + 16,
-        max_batch_tokens=sum(len(p) for p in prompts) + len(prompts),
-        max_requests_per_batch=min(args.max_batch, len(prompts)))
-    gen = GenerationConfig(do_sample=True, temperature=params.temperature, top_k=0, top_p=1.0,
-                           max_new_tokens=params.max_new_tokens,
-                           eos_token_id=list(params.stop_token_ids), pad_token_id=pad)
-    out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb,
-                               max_new_tokens=params.max_new_tokens)
-    if len(out) != len(prompts) or any(o.error for o in out.values()):
-        raise RuntimeError(f"ContinuousBatchingManager answered {len(out)} of {len(prompts)} "
-                           "requests or reported errors (its log says which)")
-    return sum(count_real(o.generated_tokens, params.stop_token_ids) for o in out.values())
+    def __init__(self, model: PreTrainedModel, params: SamplingParams, pad: int, most: int,
+                 longest: int, args: argparse.Namespace):
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        page, self.params = args.cb_page_size, params
+        pages = most * -(-(longest + params.max_new_tokens) // page)
+        # no block sharing: a run's prompts are all prefilled in one step, so they could not
+        # share pages anyway, and a repeat must not reuse the pages of the one before
+        cb = ContinuousBatchingConfig(
+            return_logprobs=True, seed=0, page_size=page, num_blocks=pages + most + 16,
+            allow_block_sharing=False,
+            max_batch_tokens=most * (longest + 1),
+            max_requests_per_batch=min(args.max_batch, most))
+        gen = GenerationConfig(do_sample=True, temperature=params.temperature, top_k=0,
+                               top_p=1.0, max_new_tokens=params.max_new_tokens,
+                               eos_token_id=list(params.stop_token_ids), pad_token_id=pad)
+        self.manager = model.init_continuous_batching(generation_config=gen,
+                                                      continuous_batching_config=cb)
+        self.manager.start()
+
+    def run(self, prompts: list[list[int]], timeout: float = 600.0) -> int:
+        ids = set(self.manager.add_requests(prompts, max_new_tokens=self.params.max_new_tokens))
+        tokens, deadline = 0, time.monotonic() + timeout
+        while ids:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ContinuousBatchingManager: {len(ids)} of {len(prompts)} "
+                                   f"requests unanswered after {timeout:.0f} s")
+            out = self.manager.get_result(timeout=1)
+            if out is None:
+                if not self.manager.is_running():
+                    raise RuntimeError("ContinuousBatchingManager's generation thread died "
+                                       "(its log says why)")
+                continue
+            if out.request_id in ids and out.is_finished():
+                if out.error:
+                    raise RuntimeError(f"ContinuousBatchingManager: {out.error}")
+                ids.discard(out.request_id)
+                tokens += count_real(out.generated_tokens, self.params.stop_token_ids)
+        return tokens
+
+    def close(self) -> None:
+        self.manager.stop(block=True, timeout=60)
+        self.manager.destroy()
 
 
 def timed(fn: Callable[[], int]) -> tuple[int, float]:
@@ -348,22 +379,23 @@ def single_turn(args: argparse.Namespace, name: str, model: PreTrainedModel, tok
     params = params_for(tokenizer, model, args.max_new_tokens)
     pad = tokenizer.pad_token_id
     engine = make_engine(model, tokenizer, args)
-    cb_model = None
-    if not args.no_cb:
+    every = {n: calc_prompts(tokenizer, n) for n in ints(args.prompts)}
+    cb = None
+    if not args.no_cb:  # its own copy: the manager switches the model's attention
         cb_model = copy.deepcopy(model).eval()
         cb_model.set_attn_implementation(args.cb_attn)
+        cb = CBManager(cb_model, params, pad, max(every),
+                       max(len(p) for ps in every.values() for p in ps), args)
     rows = []
     try:
-        for n in ints(args.prompts):
-            prompts = calc_prompts(tokenizer, n)
+        for n, prompts in every.items():
             sides: dict[str, Callable[[int], int]] = {
                 "tiller": lambda s, pr=prompts: run_engine_single(engine, pr, params, s),
                 "hf": lambda s, pr=prompts: sum(map(len, hf_generate(model, pr, params, pad,
                                                                       s)[0])),
             }
-            if cb_model is not None:
-                sides["cb"] = lambda s, pr=prompts: run_cb_single(cb_model, pr, params, pad, s,
-                                                                   args)
+            if cb is not None:  # one manager seed: its requests have no seeds of their own
+                sides["cb"] = lambda s, pr=prompts: cb.run(pr)
             for fn in sides.values():  # warm-up: first-call costs are not the steady state
                 fn(10**6)
             tokens = dict.fromkeys(sides, 0)
@@ -386,6 +418,8 @@ def single_turn(args: argparse.Namespace, name: str, model: PreTrainedModel, tok
                   + (f", cb {tps['cb']:.0f}" if "cb" in tps else ""), file=sys.stderr)
     finally:
         close_engine(engine)
+        if cb is not None:
+            cb.close()
     return rows
 
 
