@@ -37,7 +37,8 @@ Multi-turn columns:
                       G: generated tokens, decoded B rows at a time (B = the number of episodes,
                       i.e. the batch never shrinks); c_prefill: seconds per token of one bare
                       prefill forward of B rows of the median prompt length; c_step(B): seconds
-                      of one bare decode forward of B rows on that cache. Both are measured in
+                      of one bare decode forward of B rows on a cache as long as the mean
+                      position of the generated tokens in their trajectories. Both are measured in
                       this run with plain `model(...)` calls on a DynamicCache (logits of the
                       last position only); tools, the agent loop and sampling count as overhead.
 
@@ -55,7 +56,8 @@ columns show "-"). Run this same file against the old code with PYTHONPATH, then
 
     git worktree add /tmp/tiller-before e8a2ede
     PYTHONPATH=/tmp/tiller-before/src .venv/bin/python benchmarks/engine.py \\
-        --sections e2e,single,multi --label before
+        --sections e2e,single,multi --label before \\
+        --config /tmp/tiller-before/configs/calculator.yaml
     PYTHONPATH=src .venv/bin/python benchmarks/engine.py --sections e2e,single,multi \\
         --label after --compare runs/bench_engine/before.json
 """
@@ -529,22 +531,28 @@ class HFWaveActor:
 
 
 @torch.inference_mode()
-def bare_costs(model: PreTrainedModel, prompts: list[list[int]], batch: int, steps: int = 8
-               ) -> tuple[float, float]:
+def bare_costs(model: PreTrainedModel, prompts: list[list[int]], batch: int, context: int,
+               steps: int = 8) -> tuple[float, float]:
     """(seconds per prefill token, seconds per decode step of `batch` rows): plain forwards on a
-    DynamicCache, `batch` rows of the median prompt length, logits of the last position only;
-    the best of two tries (noise only ever adds time)."""
+    DynamicCache with logits of the last position only. Prefill: `batch` rows of the median
+    prompt length; decode: `batch` rows on a cache of `context` tokens (the generated tokens'
+    mean position: decode attention grows with it). The best of two tries (noise only ever
+    adds time)."""
     rows = [prompts[i % len(prompts)] for i in range(batch)]
-    length = int(statistics.median(map(len, rows)))
-    ids = torch.tensor([(r * (length // len(r) + 1))[:length] for r in rows])
-    best_prefill = best_step = math.inf
+
+    def tile(length: int) -> torch.Tensor:  # every row cut or repeated to `length` tokens
+        return torch.tensor([(r * (length // len(r) + 1))[:length] for r in rows])
+
+    short, long = tile(int(statistics.median(map(len, rows)))), tile(max(1, context))
     # transformers 5 renames past_key_values to cache (the engine makes the same check)
     arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    best_prefill = best_step = math.inf
     for _ in range(2):
-        cache = DynamicCache()
         t0 = time.perf_counter()
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{arg: cache})
-        best_prefill = min(best_prefill, (time.perf_counter() - t0) / ids.numel())
+        model(input_ids=short, use_cache=True, logits_to_keep=1, **{arg: DynamicCache()})
+        best_prefill = min(best_prefill, (time.perf_counter() - t0) / short.numel())
+        cache = DynamicCache()
+        out = model(input_ids=long, use_cache=True, logits_to_keep=1, **{arg: cache})
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -579,7 +587,6 @@ def multi_turn(args: argparse.Namespace, model: PreTrainedModel, tokenizer: Any
                                                                    ints(args.episodes)):
             group = max(1, min(args.group_size, n))
             tasks = CalculatorEnv.make_tasks("train", -(-n // group), 7, 2)
-            c_prefill, c_step = bare_costs(model, calc_prompts(tokenizer, n), n)
             acc = {side: Counter() for side in "AB"}
             waves: list[int] = []
             run_episodes(EngineActor(engine, params), env_cls, tasks[:1], 1, tokenizer, limits,
@@ -606,15 +613,20 @@ def multi_turn(args: argparse.Namespace, model: PreTrainedModel, tokenizer: Any
                     acc[side].update(wall=wall, generated=gen, nongen=nongen,
                                      episodes=len(trajs), turns=sum(t.num_turns for t in trajs),
                                      aborted=sum(t.status.value == "aborted" for t in trajs),
-                                     ideal=nongen * c_prefill + gen * c_step / len(trajs))
+                                     positions=sum(i for t in trajs
+                                                   for i, m in enumerate(t.loss_mask) if m))
+            both = acc["A"] + acc["B"]
+            context = round(both["positions"] / max(both["generated"], 1))
+            c_prefill, c_step = bare_costs(model, calc_prompts(tokenizer, n), n, context)
             row: dict[str, Any] = {"env": env_name, "episodes": n, "model": millions(model),
                                    "waves_b": waves, "c_prefill_token_s": c_prefill,
-                                   "c_decode_step_s": c_step}
+                                   "c_decode_step_s": c_step, "decode_context": context}
             for side, a in acc.items():
+                ideal = a["nongen"] * c_prefill + a["generated"] * c_step / n
                 row[f"{side}_tokens_per_s"] = a["generated"] / a["wall"]
                 row[f"{side}_turns_mean"] = a["turns"] / a["episodes"]
                 row[f"{side}_aborted"] = a["aborted"]
-                row[f"{side}_wall_vs_ideal"] = a["wall"] / a["ideal"]
+                row[f"{side}_wall_vs_ideal"] = a["wall"] / ideal
                 row[f"{side}_prefill_vs_nongen"] = ratio(a.get("prefill_tokens"), a["nongen"])
                 row[f"{side}_finished_row_share"] = ratio(a.get("finished_row_steps"),
                                                           a.get("decode_row_steps"))
