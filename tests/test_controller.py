@@ -46,7 +46,7 @@ def test_a_broken_engine_fails_the_run_naming_the_first_error(calc_sft_dir, tmp_
         rl(run)
     msg = str(e.value)
     assert "rl/0: 8 of 8 episodes aborted (rl.max_aborted_frac=0.1)" in msg
-    assert "first error: engine: RuntimeError: probability tensor contains" in msg
+    assert "first error: engine: RuntimeError: the model's logits are not finite" in msg
     assert "\n" not in msg
 
 

@@ -352,3 +352,38 @@ def test_sampling_params_without_stop_tokens_are_rejected():
     # a forgotten stop set would silently truncate every turn at max_new_tokens
     with pytest.raises(ValueError, match="stop_token_ids is empty, so no turn could end"):
         SamplingParams(max_new_tokens=8)
+
+
+def test_a_failing_forward_fails_its_requests_and_the_engine_serves_the_next(model):
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    broken = {"on": True}
+
+    def hook(*_):
+        if broken["on"]:
+            raise RuntimeError("CUDA error: device-side assert triggered")
+
+    handle = model.register_forward_pre_hook(hook)
+    try:
+        futures = [engine.submit(p, sampling(max_new_tokens=3), seed=0) for p in PROMPTS]
+        for f in futures:  # every request, including those being admitted, gets the error
+            with pytest.raises(RuntimeError, match="device-side assert"):
+                f.result(timeout=30)
+        assert engine.counters["failed_batches"] >= 1
+        broken["on"] = False
+        assert len(engine.submit(PROMPTS[0], sampling(max_new_tokens=3), 0).result(30)
+                   .token_ids) == 3
+    finally:
+        handle.remove()
+
+
+def test_non_finite_logits_fail_their_requests_loudly(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    futures = [engine.submit(p, sampling(max_new_tokens=3), seed=0) for p in PROMPTS]
+    for f in futures:
+        with pytest.raises(RuntimeError, match=r"logits are not finite \(NaN or inf\) at weight "
+                                               r"version 0"):
+            f.result(timeout=30)
+    assert engine.counters["failed_requests"] == 3 and engine.counters["requests"] == 3

@@ -15,11 +15,11 @@ def rows(n, **over):
     return {**base, **over}
 
 
-def draw(logits, truncate=False, **over):
+def draw(logits, **over):
     n = logits.size(0)
     r = rows(n, **over)
     return sample(logits, r["temperature"], r["top_k"], r["top_p"], r["seeds"], r["steps"],
-                  truncate=truncate)
+                  max_top_k=int(r["top_k"].max()), any_top_p=bool((r["top_p"] < 1).any()))
 
 
 def test_uniform_is_a_function_of_seed_and_step_and_looks_uniform():
@@ -52,11 +52,11 @@ def test_top_k_and_top_p_keep_the_hand_computed_sets():
     n = 20_000
     # probabilities 0.5, 0.3, 0.2 (in a shuffled vocab order)
     logits = torch.log(torch.tensor([[0.2, 0.5, 0.3]])).repeat(n, 1)
-    tokens, logp = draw(logits, truncate=True, top_k=torch.full((n,), 2, dtype=torch.long))
+    tokens, logp = draw(logits, top_k=torch.full((n,), 2, dtype=torch.long))
     freq = torch.bincount(tokens, minlength=3).double() / n
     assert freq[0] == 0 and abs(float(freq[1]) - 0.5 / 0.8) < 0.012
     # top_p 0.6: mass before rank 1 is 0.5 < 0.6 (kept), before rank 2 it is 0.8 (dropped)
-    tokens, _ = draw(logits, truncate=True, top_p=torch.full((n,), 0.6))
+    tokens, _ = draw(logits, top_p=torch.full((n,), 0.6))
     assert set(tokens.tolist()) == {1, 2}
     # logprobs stay those of the untruncated distribution (what the trainer recomputes)
     assert torch.allclose(logp, torch.log(torch.tensor([0.2, 0.5, 0.3]))[tokens], atol=1e-6)
@@ -74,7 +74,7 @@ def test_a_rows_token_does_not_depend_on_its_neighbours():
     logits = torch.randn(6, 50)
     alone = [draw(logits[i:i + 1], seeds=torch.tensor([100 + i]))[0].item() for i in range(6)]
     # the same rows in one batch, where other rows truncate and run greedy
-    batch, _ = draw(torch.cat([logits, torch.randn(3, 50)]), truncate=True,
+    batch, _ = draw(torch.cat([logits, torch.randn(3, 50)]),
                     seeds=torch.tensor([100, 101, 102, 103, 104, 105, 1, 2, 3]),
                     top_k=torch.tensor([0] * 6 + [3, 0, 0]),
                     top_p=torch.tensor([1.0] * 6 + [1.0, 0.5, 1.0]),
@@ -86,6 +86,30 @@ def test_a_rows_token_does_not_depend_on_its_neighbours():
 def test_top_k_one_is_greedy_and_top_k_never_exceeds_k(k):
     torch.manual_seed(1)
     logits = torch.randn(1, 30).repeat(500, 1)
-    tokens, _ = draw(logits, truncate=True, top_k=torch.full((500,), k, dtype=torch.long))
+    tokens, _ = draw(logits, top_k=torch.full((500,), k, dtype=torch.long))
     top = torch.topk(logits[0], k).indices.tolist()
     assert set(tokens.tolist()) <= set(top) and len(set(tokens.tolist())) == k
+
+
+def test_top_p_applies_to_the_renormalised_top_k_set():
+    n = 20_000
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]])).repeat(n, 1)
+    # top_k 3 keeps 4/9, 3/9, 2/9; top_p 0.5: mass before rank 1 is 4/9 < 0.5, before rank 2
+    # it is 7/9: the kept set is {0, 1}, drawn 4/7 and 3/7 of the time
+    tokens, _ = draw(logits, top_k=torch.full((n,), 3, dtype=torch.long),
+                     top_p=torch.full((n,), 0.5))
+    freq = torch.bincount(tokens, minlength=4).double() / n
+    assert freq[2] == freq[3] == 0 and abs(float(freq[0]) - 4 / 7) < 0.012
+
+
+def test_zero_probability_tokens_are_never_drawn_across_blocks():
+    n, vocab = 30_000, 700  # three 256-blocks, the last one partial
+    probs = torch.zeros(vocab)
+    probs[[0, 255, 256, 511, 699]] = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25])
+    logits = torch.log(probs).repeat(n, 1)  # -inf elsewhere
+    tokens, _ = draw(logits)
+    freq = torch.bincount(tokens, minlength=vocab).double() / n
+    assert set(tokens.tolist()) == {0, 255, 256, 511, 699}
+    assert torch.allclose(freq[[0, 255, 256, 511, 699]],
+                          torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25], dtype=torch.float64),
+                          atol=0.01)

@@ -137,6 +137,7 @@ def rl(run: Run) -> dict[str, Any]:
             m.update(run.tools.stats(reset=True), step_s=time.perf_counter() - ts,
                      version=run.trainer.version, skipped=float(not kept))
             m.update({f"ledger/{k}": v for k, v in buffer.ledger.items()})
+            m.update({f"engine/{k}": v for k, v in run.engine.stats().items()})  # e.g. retries
             run.log("rl", m, step + 1)
             advance(f"reward={m['reward_mean']:.2f} success={m['success_rate']:.2f} "
                     f"zero_var={m['zero_variance_group_frac']:.2f}")

@@ -120,10 +120,22 @@ class Run:
         self.timings["build_s"] = time.perf_counter() - t0
         self.trainer = Trainer(self.model, temperature=cfg.sampling.temperature or 1.0,
                                compute_dtype=self.dtype)
-        self.engine = EmbeddedEngine(copy.deepcopy(self.model).to(self.dtype),
-                                     self.tokenizer.pad_token_id,
-                                     max_batch_size=cfg.engine.max_batch_size,
-                                     cache_bytes=cfg.engine.cache_bytes)
+        if cfg.engine.backend == "http":  # the servers get the trainer's weights (version 0)
+            require_package("httpx", "serve", "engine.backend=http")
+            from tiller.rollout.http_engine import connect  # httpx is an optional extra
+
+            e = cfg.engine
+            self.engine = connect(e.urls, weights_dir=e.weights_dir or self.dir / "weights",
+                                  api_key=e.api_key, request_timeout_s=e.request_timeout_s,
+                                  max_retries=e.max_retries,
+                                  vocab_size=self.model.config.vocab_size,
+                                  max_context=self.model.config.max_position_embeddings,
+                                  initial=self.trainer.weight_update())
+        else:
+            self.engine = EmbeddedEngine(copy.deepcopy(self.model).to(self.dtype),
+                                         self.tokenizer.pad_token_id,
+                                         max_batch_size=cfg.engine.max_batch_size,
+                                         cache_bytes=cfg.engine.cache_bytes)
         self.logger = MetricsLogger(self.dir, cfg.logging.tensorboard, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.model_dump())
 

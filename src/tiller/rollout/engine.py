@@ -162,10 +162,13 @@ class EmbeddedEngine:
         self._last = torch.zeros(0, dtype=torch.long, device=self.device)
         self._pos = torch.zeros(0, dtype=torch.long, device=self.device)
         self._row_params: dict[str, torch.Tensor] = {}
+        self._admitting: list[_Request] = []  # taken from the queue, not yet in the batch
+        self._max_top_k, self._any_top_p = 0, False
         self.counters = {name: 0 for name in (
             "requests", "prompt_tokens", "prefill_tokens", "cached_tokens", "generated_tokens",
             "decode_steps", "decoded_row_steps", "prefill_calls",
-            "aborted", "cancelled", "undelivered", "weight_updates", "failed_batches")}
+            "aborted", "cancelled", "undelivered", "weight_updates", "failed_batches",
+            "failed_requests")}
         self.busy_s = 0.0
         self.max_rows = 0
         # answers for asyncio callers, delivered once per loop per iteration: one wake-up of
@@ -316,7 +319,7 @@ class EmbeddedEngine:
                 logger.exception("engine iteration failed; its %d rows get the error",
                                  len(self._rows))
                 self.counters["failed_batches"] += 1
-                for r in self._rows:
+                for r in {id(r): r for r in self._rows + self._admitting}.values():
                     self._resolve(r, error=e)
                 self._reset_batch()
             self._flush_outbox()
@@ -343,7 +346,7 @@ class EmbeddedEngine:
 
     def _step(self) -> None:
         self._drop_cancelled()
-        new = self._take_admissions()
+        new = self._admitting = self._take_admissions()
         logits = []
         if self._rows:
             logits.append(self._decode())
@@ -353,12 +356,21 @@ class EmbeddedEngine:
             return
         rows = self._rows  # _prefill appended the new rows after the running ones
         p = self._row_params
-        steps = torch.tensor([len(r.out_ids) for r in rows], device=self.device)
-        tokens, lps = sample(torch.cat(logits), p["temperature"], p["top_k"], p["top_p"],
-                             p["seed"], steps, truncate=bool(p["truncate"]))
-        packed = torch.stack([tokens.double(), lps.double()]).tolist()  # the one host sync
+        steps = self._pos - p["prompt_len"]  # each row's index of the token it samples
+        logits = torch.cat(logits)
+        tokens, lps = sample(logits, p["temperature"], p["top_k"], p["top_p"], p["seed"],
+                             steps, max_top_k=self._max_top_k, any_top_p=self._any_top_p)
+        finite = torch.isfinite(logits).all(-1)
+        # the one host sync of the iteration: tokens, logprobs and the finite flags together
+        packed = torch.stack([tokens.double(), lps.double(), finite.double()]).tolist()
         self._last, keep = tokens, []
-        for i, (r, token, lp) in enumerate(zip(rows, packed[0], packed[1], strict=True)):
+        for i, (r, token, lp, ok) in enumerate(zip(rows, *packed, strict=True)):
+            if not ok:  # NaN/inf weights or activations: the request fails, loudly
+                self.counters["failed_requests"] += 1
+                self._resolve(r, error=RuntimeError(
+                    f"the model's logits are not finite (NaN or inf) at weight version "
+                    f"{self.version}"))
+                continue
             token = int(token)
             r.out_ids.append(token)
             r.out_lp.append(lp)
@@ -541,8 +553,10 @@ class EmbeddedEngine:
             "top_k": torch.tensor([r.params.top_k for r in rows], device=dev),
             "top_p": torch.tensor([r.params.top_p for r in rows], device=dev),
             "seed": torch.tensor([r.seed for r in rows], dtype=torch.long, device=dev),
-            "truncate": any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows),
+            "prompt_len": torch.tensor([len(r.prompt_ids) for r in rows], device=dev),
         }
+        self._max_top_k = max(r.params.top_k for r in rows)
+        self._any_top_p = any(r.params.top_p < 1.0 for r in rows)
 
     def _finish(self, i: int, reason: str) -> None:
         r = self._rows[i]

@@ -42,30 +42,57 @@ def uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            top_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, *,
-           truncate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+           max_top_k: int = 0, any_top_p: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; returns (tokens int64 [B], logprobs float32 [B]).
 
-    logp = log_softmax(logits / T) per row (T = 1 for greedy rows). With `truncate` (some row
-    has top_k > 0 or top_p < 1), a row keeps the token of rank r (by probability) when
-    r < top_k (0: all) and the mass of the tokens ranked before r is below top_p (so at least
-    one token). The token is the first, in vocabulary order, whose cumulative kept mass
-    exceeds u * (kept mass), with u = uniform(seed, step): inverse-CDF sampling."""
+    logp = log_softmax(logits / T) per row (T = 1 for greedy rows), p = exp(logp). Top-k keeps
+    the tokens with p >= the row's k-th largest p (top_k 0: all); top-p then keeps, among those
+    and by decreasing p, each token whose renormalised mass of more likely kept tokens is below
+    top_p (so at least one). The token is the first, in vocabulary order, whose cumulative kept
+    mass exceeds u * (kept mass), with u = uniform(seed, step): inverse-CDF sampling.
+    `max_top_k` (the largest top_k of the batch) and `any_top_p` are the caller's Python
+    values, so no step reads them back from the device."""
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
     logp = torch.log_softmax(logits.float() / t[:, None], dim=-1)
     probs = logp.exp()
-    vocab = logp.size(-1)
-    if truncate:  # the kept set is found in sorted order and mapped back to vocab order
+    vocab = probs.size(-1)
+    if max_top_k > 0:
+        kth = torch.topk(probs, min(max_top_k, vocab), dim=-1).values
+        idx = top_k.clamp(1, min(max_top_k, vocab)) - 1
+        thr = torch.where(top_k > 0, kth.gather(-1, idx[:, None])[:, 0],
+                          torch.zeros_like(kth[:, 0]))
+        probs = torch.where(probs >= thr[:, None], probs, torch.zeros_like(probs))
+    if any_top_p:  # found in sorted order, mapped back to vocab order
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        rank = torch.arange(vocab, device=logits.device)
-        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
-        keep_sorted = (rank[None, :] < k[:, None]) & (
-            (sorted_probs.cumsum(-1) - sorted_probs) < top_p[:, None])
+        before = sorted_probs.cumsum(-1) - sorted_probs
+        keep_sorted = before < top_p[:, None] * sorted_probs.sum(-1, keepdim=True)
         keep = torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)
         probs = torch.where(keep, probs, torch.zeros_like(probs))
-    # always in vocab order, so a row samples the same token whatever its batch truncates
-    cdf = probs.double().cumsum(-1)
-    u = uniform(seeds, steps) * cdf[:, -1]
-    tokens = torch.searchsorted(cdf, u[:, None], right=True).clamp_(max=vocab - 1)[:, 0]
+    tokens = _inverse_cdf(probs, uniform(seeds, steps))
     tokens = torch.where(greedy, logits.argmax(-1), tokens)
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """The first index, in vocabulary order, whose cumulative mass exceeds u * (total mass).
+
+    Two levels keep it exact enough and cheap: block sums cumulated in float64 pick the block,
+    then a float32 cumsum of that block's entries picks the token (a float64 cumsum over a
+    150k vocabulary costs ten times a float32 one; a float32 one drifts by ~V * 6e-8)."""
+    rows, vocab = probs.shape
+    pad = -vocab % block
+    blocks = torch.nn.functional.pad(probs, (0, pad)).view(rows, -1, block)
+    block_cdf = blocks.sum(-1).double().cumsum(-1)
+    total = block_cdf[:, -1:]
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    # (clamped: a row of NaN probabilities, which the engine reports as failed, stays in range)
+    b = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.size(1) - 1)
+    before = torch.where(b > 0, block_cdf.gather(-1, (b - 1).clamp(min=0)),
+                         torch.zeros_like(target))
+    inner = blocks.gather(1, b[:, :, None].expand(rows, 1, block))[:, 0].cumsum(-1)
+    inner_total = inner[:, -1:]
+    rest = torch.minimum((target - before).float(),
+                         torch.nextafter(inner_total, torch.zeros_like(inner_total)))
+    j = torch.searchsorted(inner, rest, right=True).clamp_(max=block - 1)
+    return (b * block + j)[:, 0].clamp_(max=vocab - 1)

@@ -1,0 +1,433 @@
+"""The HTTP backend: the engine protocol over one or more servers speaking SGLang's `/generate`
+contract (`tiller serve`, or SGLang itself), so the trainer can sample from external engines.
+
+Token in, token out: a request carries the prompt's token ids and asks for the logprob of each
+sampled token; the answer's `output_ids` are appended to the trajectory as they are, and the
+token ids inside `output_token_logprobs` must equal them (a server that detokenised and
+re-tokenised, or mixed up requests, is a loud error, never a silent drift).
+
+The router spreads requests over the servers:
+- a session (an episode) sticks to the server that served its first turn, whose prefix cache
+  holds the conversation so far; a new session goes to the server with the fewest requests in
+  flight (ties: the first listed);
+- a request that fails on a server (connection error, timeout, 5xx) marks the server down and is
+  retried on another, up to `max_retries` times, each retry counted in `stats()` and logged; the
+  session moves with it (it re-prefills there: correct, only slower). With the same seed the
+  retried request samples the same tokens, when the servers hold the same weights;
+- a server marked down gets no new requests. It is probed again (`GET /health`) only at the next
+  weight push, and rejoins only if it then takes the new weights: a server that came back from a
+  crash holds stale weights and would otherwise sample another policy;
+- when every server is down, a request fails with one line naming each server and its last error.
+
+All HTTP runs on one event loop in a thread the engine owns, so `generate` may be awaited from
+any event loop (`asyncio.run` makes a new one per collection) and the control calls (`abort`,
+`update_weights`, ...) may come from any thread; each waits at most `request_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import shutil
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+from tiller.errors import ConfigError, RunError
+from tiller.rollout.engine import Generation, SamplingParams
+from tiller.rollout.weight_sync import WeightUpdate
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+FINISH_REASONS = ("stop", "length", "abort")
+MAX_SESSIONS = 1 << 16  # sticky sessions remembered (LRU); a forgotten one is just placed again
+HEALTH_TIMEOUT_S = 5.0  # a down server that cannot answer /health within this stays down
+
+
+class ServerDown(Exception):
+    """A server that did not answer (connection error, timeout) or answered 5xx."""
+
+
+@dataclass
+class Server:
+    url: str
+    inflight: int = 0  # generate requests sent and not yet answered
+    completed: int = 0  # generate requests it answered
+    down: bool = False
+    last_error: str = ""
+
+
+class HttpEngine:
+    """`Engine` over the servers at `urls`; weight versions go through `weights_dir`, a folder
+    every server can read (below each `tiller serve --weights-root`)."""
+
+    def __init__(self, urls: list[str], *, weights_dir: str | Path, api_key: str | None = None,
+                 request_timeout_s: float = 300.0, max_retries: int = 2):
+        if not urls:
+            raise ConfigError("config field engine.urls: list at least one server URL")
+        self.servers = [Server(u.rstrip("/")) for u in urls]
+        self.weights_dir = Path(weights_dir)
+        self.request_timeout_s = request_timeout_s
+        self.max_retries = max_retries
+        self.version = 0
+        # the servers' context length, from check_servers; None: prompts go out unchecked
+        self.max_context: int | None = None
+        self.counters = dict.fromkeys(
+            ("requests", "retries", "failed_requests", "session_moves", "servers_marked_down",
+             "weight_pushes", "push_skipped_down", "servers_rejoined"), 0)
+        self._sessions: OrderedDict[str, Server] = OrderedDict()
+        self._rids: dict[str, Server] = {}  # request id -> the server it is running on
+        self._written: list[Path] = []  # weight folders this engine wrote (only these are removed)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # no connection cap: 128 concurrent episodes must not queue behind httpx's default 100
+        self._client = httpx.AsyncClient(
+            headers=headers, timeout=httpx.Timeout(request_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="tiller-http-engine")
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the loop thread
+    def _call(self, coro: Coroutine[Any, Any, T], what: str, timeout: float | None = None) -> T:
+        """Run `coro` on the engine's loop and wait for it from this (non-loop) thread."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        wait = timeout if timeout is not None else self.request_timeout_s + 10.0
+        try:
+            return future.result(wait)
+        except concurrent.futures.TimeoutError as e:
+            future.cancel()
+            raise RunError(f"http engine: {what} took more than {wait:.0f} s "
+                           f"(engine.request_timeout_s={self.request_timeout_s})") from e
+
+    async def _post(self, server: Server, path: str, body: dict | None = None,
+                    timeout: float | None = None, missing_ok: bool = False) -> Any:
+        """POST (GET without a body) and decode the JSON answer; ServerDown for what says the
+        server is dead, RunError (one line) for a 4xx, which no other server would answer
+        differently (`missing_ok`: None for a 404)."""
+        url = server.url + path
+        kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        try:
+            if body is None:
+                r = await self._client.get(url, **kwargs)
+            else:
+                r = await self._client.post(url, json=body, **kwargs)
+        except httpx.TransportError as e:  # connect/read errors and timeouts
+            raise ServerDown(f"{type(e).__name__}: {e}".rstrip(": ")) from e
+        if r.status_code >= 500:
+            raise ServerDown(f"HTTP {r.status_code}: {_short(r.text)}")
+        if r.status_code == 404 and missing_ok:
+            return None
+        if r.status_code >= 400:
+            hint = " (set engine.api_key or TILLER_API_KEY)" if r.status_code == 401 else ""
+            raise RunError(f"server {server.url}: {path} answered HTTP {r.status_code}: "
+                           f"{_short(r.text)}{hint}")
+        try:
+            return r.json()
+        except ValueError:
+            return r.text
+
+    def _mark_down(self, server: Server, error: str) -> None:
+        if not server.down:
+            self.counters["servers_marked_down"] += 1
+            logger.warning("engine server %s is down (%s); it gets no new requests until the "
+                           "next weight push finds it healthy", server.url, error)
+        server.down, server.last_error = True, error
+
+    def _all_down(self) -> RunError:
+        states = "; ".join(f"{s.url}: {s.last_error}" for s in self.servers)
+        return RunError(f"every engine server is down ({states}): restart them (tiller serve) "
+                        f"or fix engine.urls")
+
+    # ------------------------------------------------------------------ routing
+    def _pick(self, session_id: str | None) -> Server:
+        """The session's server if it is up, else the up server with the fewest requests in
+        flight (the session then sticks to it)."""
+        if session_id is not None and session_id in self._sessions:
+            server = self._sessions[session_id]
+            if not server.down:
+                self._sessions.move_to_end(session_id)
+                return server
+            self.counters["session_moves"] += 1
+        up = [s for s in self.servers if not s.down]
+        if not up:
+            raise self._all_down()
+        server = min(up, key=lambda s: s.inflight)  # min keeps the first of equals
+        if session_id is not None:
+            self._sessions[session_id] = server
+            self._sessions.move_to_end(session_id)
+            if len(self._sessions) > MAX_SESSIONS:
+                self._sessions.popitem(last=False)
+        return server
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, seed: int, *,
+                       session_id: str | None = None,
+                       request_id: str | None = None) -> Generation:
+        future = asyncio.run_coroutine_threadsafe(
+            self._generate(list(prompt_ids), params, seed, session_id,
+                           request_id or uuid.uuid4().hex), self._loop)
+        return await asyncio.wrap_future(future)  # cancelling this cancels the request
+
+    async def _generate(self, prompt_ids: list[int], params: SamplingParams, seed: int,
+                        session_id: str | None, rid: str) -> Generation:
+        max_new = params.max_new_tokens
+        if self.max_context is not None:  # as the embedded engine: the context bounds a turn
+            if len(prompt_ids) >= self.max_context:
+                return Generation([], [], "length", self.version, prompt_tokens=len(prompt_ids))
+            max_new = min(max_new, self.max_context - len(prompt_ids))
+        body = {
+            "input_ids": prompt_ids,
+            "sampling_params": {
+                "temperature": params.temperature, "top_p": params.top_p,
+                "top_k": params.top_k, "max_new_tokens": max_new,
+                "stop_token_ids": list(params.stop_token_ids), "seed": seed},
+            "return_logprob": True,
+            "rid": rid,
+            "session_id": session_id,
+        }
+        self.counters["requests"] += 1
+        for attempt in range(self.max_retries + 1):
+            try:
+                server = self._pick(session_id)
+            except RunError:  # every server was already down
+                self.counters["failed_requests"] += 1
+                raise
+            self._rids[rid] = server
+            server.inflight += 1
+            try:
+                answer = await self._post(server, "/generate", body)
+            except ServerDown as e:
+                self._mark_down(server, str(e))
+                if all(s.down for s in self.servers):  # no other server to retry on
+                    self.counters["failed_requests"] += 1
+                    raise self._all_down() from e
+                if attempt == self.max_retries:
+                    self.counters["failed_requests"] += 1
+                    raise RunError(f"engine request {rid}: failed on {attempt + 1} server(s) "
+                                   f"(engine.max_retries={self.max_retries}); last: "
+                                   f"{server.url}: {e}") from e
+                self.counters["retries"] += 1
+                logger.warning("engine request %s failed on %s (%s); retry %d of %d on another "
+                               "server", rid, server.url, e, attempt + 1, self.max_retries)
+                continue
+            finally:
+                server.inflight -= 1
+                self._rids.pop(rid, None)
+            server.completed += 1
+            return _generation(server.url, answer, len(prompt_ids))
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    # ------------------------------------------------------------------ control
+    def abort(self, request_id: str) -> bool:
+        """Ask the server running `request_id` to end it (its `generate` then returns the partial
+        output, finish_reason "abort"); False when no server is running it."""
+        server = self._rids.get(request_id)
+        if server is None:
+            return False
+        answer = self._call(self._post(server, "/abort_request", {"rid": request_id},
+                                       missing_ok=True),
+                            f"abort of {request_id} on {server.url}")
+        return answer is not None  # None: 404, it finished before the abort arrived
+
+    def _fan_out(self, path: str, body: dict | None = None) -> list[Any]:
+        """POST to every up server at once; any failure is a RunError naming the server."""
+        up = [s for s in self.servers if not s.down]
+        if not up:
+            raise self._all_down()
+
+        async def one(server: Server) -> Any:
+            try:
+                return await self._post(server, path, body if body is not None else {})
+            except ServerDown as e:
+                self._mark_down(server, str(e))
+                raise RunError(f"server {server.url}: {path} failed: {e}") from e
+
+        async def every() -> list[Any]:
+            return list(await asyncio.gather(*(one(s) for s in up)))
+
+        return self._call(every(), f"{path} on {len(up)} server(s)")
+
+    def pause(self) -> None:
+        self._fan_out("/pause_generation")
+
+    def resume(self) -> None:
+        self._fan_out("/continue_generation")
+
+    def flush_cache(self) -> int:
+        """Entries dropped over every server (what each reports as `entries_dropped`)."""
+        return sum(int(a.get("entries_dropped", 0)) if isinstance(a, dict) else 0
+                   for a in self._fan_out("/flush_cache"))
+
+    def stats(self) -> dict[str, float]:
+        out = {k: float(v) for k, v in self.counters.items()}
+        out["servers_up"] = float(sum(not s.down for s in self.servers))
+        out["inflight"] = float(sum(s.inflight for s in self.servers))
+        return out
+
+    # ------------------------------------------------------------------ start-up and weights
+    def check_servers(self, vocab_size: int, max_context: int) -> None:
+        """Every server answers /get_model_info with the trainer's vocabulary size and context
+        length (`vocab_size`, `max_context`); otherwise one ConfigError naming the server."""
+
+        async def one(server: Server) -> None:
+            try:
+                info = await self._post(server, "/get_model_info", timeout=HEALTH_TIMEOUT_S)
+            except ServerDown as e:
+                raise ConfigError(f"config field engine.urls: server {server.url} is not "
+                                  f"reachable ({e}); start it with `tiller serve MODEL --port "
+                                  f"N`") from e
+            if not isinstance(info, dict):
+                raise ConfigError(f"config field engine.urls: server {server.url} answered "
+                                  f"/get_model_info with {_short(str(info))}, not a JSON object")
+            for name, ours in (("vocab_size", vocab_size), ("max_context", max_context)):
+                if name not in info:
+                    logger.warning("server %s: /get_model_info has no %s; not checked against "
+                                   "the trainer's %d", server.url, name, ours)
+                elif info[name] != ours:
+                    raise ConfigError(f"config field engine.urls: server {server.url} serves a "
+                                      f"model with {name}={info[name]}, the trainer's has "
+                                      f"{ours}: serve the run's model (model.path)")
+
+        async def every() -> None:
+            await asyncio.gather(*(one(s) for s in self.servers))
+
+        self._call(every(), "/get_model_info on every server")
+        self.max_context = max_context
+
+    def update_weights(self, update: WeightUpdate, *, in_flight: str = "continue") -> int:
+        """Write `update` to `<weights_dir>/v<version>` and have every server load it (all at
+        once), each echoing success and the version. A server that answers otherwise (an error,
+        4xx, another version) is a RunError naming it: it holds weights the trainer does not
+        know. A dead one (no answer, timeout, 5xx) is marked down and skipped, logged and
+        counted in `push_skipped_down`, like a server already down that does not answer
+        /health; one that does answer loads the weights and rejoins. No server taking the
+        weights is a RunError. Older versions this engine wrote are removed afterwards."""
+        if in_flight not in ("continue", "abort"):
+            raise ValueError(f"in_flight must be 'continue' or 'abort', got {in_flight!r}")
+        folder = update.save(self.weights_dir / f"v{update.version}").resolve()
+        body = {"model_path": str(folder), "weight_version": update.version,
+                "abort_all_requests": in_flight == "abort"}
+
+        async def one(server: Server) -> bool:
+            if server.down:
+                try:
+                    await self._post(server, "/health", timeout=HEALTH_TIMEOUT_S)
+                except ServerDown as e:
+                    server.last_error = str(e)
+                    self.counters["push_skipped_down"] += 1
+                    logger.warning("weight push v%d: server %s is still down (%s); skipped",
+                                   update.version, server.url, e)
+                    return False
+            try:
+                answer = await self._post(server, "/update_weights_from_disk", body)
+            except ServerDown as e:  # it died: like a dead server, it gets no requests
+                self._mark_down(server, str(e))
+                self.counters["push_skipped_down"] += 1
+                logger.warning("weight push v%d: server %s failed (%s); marked down, skipped",
+                               update.version, server.url, e)
+                return False
+            echoed = answer.get("weight_version") if isinstance(answer, dict) else None
+            if not (isinstance(answer, dict) and answer.get("success") is True
+                    and echoed == update.version):
+                raise RunError(f"weight push v{update.version}: server {server.url} answered "
+                               f"{_short(str(answer))} (expected success and weight_version "
+                               f"{update.version}): it does not hold the trainer's weights")
+            if server.down:
+                server.down = False
+                self.counters["servers_rejoined"] += 1
+                logger.warning("weight push v%d: server %s is back and rejoins", update.version,
+                               server.url)
+            return True
+
+        async def every() -> list[bool]:
+            return list(await asyncio.gather(*(one(s) for s in self.servers)))
+
+        pushed = self._call(every(), f"weight push v{update.version} to every server")
+        if not any(pushed):
+            raise self._all_down()
+        self.counters["weight_pushes"] += 1
+        for old in self._written:
+            if old != folder:
+                shutil.rmtree(old, ignore_errors=True)
+        self._written = [folder]
+        self.version = update.version
+        return update.version
+
+    def close(self) -> None:
+        """Close the connections and stop the loop thread; requests still waiting fail."""
+        if self._loop.is_closed():
+            return
+        try:
+            self._call(self._client.aclose(), "closing the HTTP client", timeout=10.0)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10.0)
+            if self._thread.is_alive():
+                raise RunError("http engine: its loop thread did not stop within 10 s")
+            self._loop.close()
+
+
+def _short(text: str, n: int = 200) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[:n] + "..."
+
+
+def _generation(url: str, answer: Any, prompt_tokens: int) -> Generation:
+    """A `Generation` from a /generate answer, checked: the logprobs' token ids must be the
+    output ids (token in, token out) and the finish reason one we know."""
+    try:
+        ids = [int(t) for t in answer["output_ids"]]
+        meta = answer["meta_info"]
+        pairs = meta["output_token_logprobs"]
+        reason = meta["finish_reason"]["type"]
+        version = int(meta["weight_version"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise RunError(f"server {url}: /generate answer lacks output_ids or meta_info "
+                       f"(output_token_logprobs, finish_reason.type, an integer weight_version)"
+                       f": {type(e).__name__}: {e}; ask with return_logprob") from e
+    logged = [int(p[1]) for p in pairs]
+    if logged != ids:
+        at = next((i for i, (a, b) in enumerate(zip(logged, ids, strict=False)) if a != b),
+                  min(len(logged), len(ids)))
+        raise RunError(f"server {url}: output_token_logprobs' token ids differ from output_ids "
+                       f"at position {at} ({len(logged)} vs {len(ids)} tokens): the server does "
+                       f"not return the tokens it sampled")
+    if reason not in FINISH_REASONS:
+        raise RunError(f"server {url}: finish_reason {reason!r}; expected one of "
+                       f"{', '.join(FINISH_REASONS)}")
+    # per-token versions when the server reports them (tiller serve does), else the final one
+    versions = tuple(int(v) for v in meta.get("output_token_weight_versions") or
+                     [version] * len(ids))
+    if len(versions) != len(ids):
+        raise RunError(f"server {url}: {len(versions)} output_token_weight_versions for "
+                       f"{len(ids)} output ids")
+    return Generation(ids, [float(p[0]) for p in pairs], reason, version, versions=versions,
+                      prompt_tokens=int(meta.get("prompt_tokens", prompt_tokens)),
+                      cached_tokens=int(meta.get("cached_tokens", 0)))
+
+
+def connect(urls: list[str], *, weights_dir: str | Path, api_key: str | None,
+            request_timeout_s: float, max_retries: int, vocab_size: int, max_context: int,
+            initial: WeightUpdate) -> HttpEngine:
+    """An `HttpEngine` whose servers were checked against the trainer's model and hold its
+    weights (`initial`): a server started from another checkpoint would otherwise sample
+    another policy. `api_key` None: the TILLER_API_KEY environment variable, if set."""
+    engine = HttpEngine(urls, weights_dir=weights_dir,
+                        api_key=api_key or os.environ.get("TILLER_API_KEY"),
+                        request_timeout_s=request_timeout_s, max_retries=max_retries)
+    try:
+        engine.check_servers(vocab_size, max_context)
+        engine.update_weights(initial)
+    except BaseException:
+        engine.close()
+        raise
+    return engine

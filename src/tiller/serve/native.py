@@ -1,0 +1,94 @@
+"""SGLang's native routes: /generate, /update_weights_from_disk and /abort_request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from typing import Any
+
+from fastapi import Request
+from safetensors import SafetensorError
+
+from tiller.rollout.weight_sync import WeightSyncError, WeightUpdate
+from tiller.serve.guard import resolve_below
+from tiller.serve.protocol import (
+    AbortRequest,
+    APIError,
+    GenerateRequest,
+    UpdateWeightsRequest,
+    parse_body,
+)
+from tiller.serve.server import Server, draw_seed, finish_reason
+
+logger = logging.getLogger(__name__)
+
+
+async def generate(server: Server, request: Request) -> dict[str, Any]:
+    """SGLang's POST /generate."""
+    body: GenerateRequest = parse_body(await request.body(), GenerateRequest)
+    sp = body.sampling_params
+    if (body.text is None) == (body.input_ids is None):
+        raise APIError(400, "give exactly one of 'text' and 'input_ids'")
+    if body.stream:
+        raise APIError(400, "stream=true is not supported by /generate; use "
+                            "/v1/completions with stream=true")
+    if sp.stop:
+        raise APIError(400, "stop strings are not supported; use sampling_params.stop_token_ids")
+    prompt = body.input_ids if body.input_ids is not None else server.tokenizer.encode(body.text)
+    server.check_prompt(prompt, sp.max_new_tokens)
+    params = server.sampling(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+                             max_new_tokens=sp.max_new_tokens, stop_token_ids=sp.stop_token_ids)
+    seed = draw_seed(sp.seed)
+    rid = body.rid or secrets.token_hex(16)
+    (g,) = await server.generate(prompt, params, [seed], rid=rid, session_id=body.session_id)
+    meta: dict[str, Any] = {
+        "id": rid, "finish_reason": finish_reason(g), "prompt_tokens": len(prompt),
+        "completion_tokens": len(g.token_ids), "cached_tokens": g.cached_tokens,
+        "weight_version": g.version, "output_token_weight_versions": list(g.versions),
+        "seed": seed,
+    }
+    if body.return_logprob:
+        meta["output_token_logprobs"] = [
+            [lp, t, None] for lp, t in zip(g.logprobs, g.token_ids, strict=True)]
+    return {"text": server.completion_text(g.token_ids, params), "output_ids": g.token_ids,
+            "meta_info": meta}
+
+
+async def update_weights(server: Server, request: Request) -> dict[str, Any]:
+    """POST /update_weights_from_disk: a checkpoint folder below --weights-root."""
+    body: UpdateWeightsRequest = parse_body(await request.body(), UpdateWeightsRequest)
+    root = server.settings.weights_root
+    if root is None:
+        raise APIError(403, "weight updates from disk are off: start tiller serve with "
+                            "--weights-root DIR and put checkpoints below DIR")
+    folder = resolve_below(root, body.model_path)
+    engine = server.engine
+    async with server.update_lock:
+        version = engine.version + 1 if body.weight_version is None else body.weight_version
+        policy = "abort" if body.abort_all_requests else "continue"
+        try:
+            update = await asyncio.to_thread(WeightUpdate.load, folder, version, engine.model)
+            applied = await asyncio.to_thread(engine.update_weights, update, in_flight=policy)
+        except (WeightSyncError, SafetensorError, OSError) as e:  # nothing was applied
+            raise APIError(400, f"cannot load {body.model_path!r}: {type(e).__name__}: {e}"
+                           [:500]) from e
+    logger.info("weights updated from %s to version %d", folder, applied)
+    return {"success": True, "message": f"loaded {body.model_path!r} as version {applied}",
+            "weight_version": applied}
+
+
+async def abort(server: Server, request: Request) -> dict[str, Any]:
+    """POST /abort_request {rid} or {abort_all: true}: the aborted requests answer with their
+    partial output and finish_reason abort."""
+    body: AbortRequest = parse_body(await request.body(), AbortRequest)
+    if body.abort_all == (body.rid is not None):
+        raise APIError(400, "give either 'rid' or 'abort_all': true")
+    if body.abort_all:
+        ids = [i for ids in server.inflight.values() for i in ids]
+    elif body.rid in server.inflight:
+        ids = server.inflight[body.rid]
+    else:
+        raise APIError(404, f"no request with rid {body.rid!r} is in flight")
+    aborted = [await asyncio.to_thread(server.engine.abort, i) for i in ids]
+    return {"success": True, "aborted": sum(aborted)}

@@ -1,0 +1,252 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions and /v1/chat/completions.
+
+Chat prompts are rendered with the model's chat template (`ChatFormat`, `tools` included) and
+each generated turn is parsed with the chat format's tool-call parser into `message.content` and
+`message.tool_calls`. The engine answers a request only once it is finished, so `stream=true`
+sends the finished output as Server-Sent Events (a role chunk, the content, the tool calls, the
+finish reason, optionally the usage, then `[DONE]`), not token by token.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from jinja2 import TemplateError
+
+from tiller.rollout.chat import ChatFormat
+from tiller.rollout.engine import Generation, SamplingParams
+from tiller.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    parse_body,
+)
+from tiller.serve.server import Server, choice_seeds, draw_seed
+
+NO_TOP_LOGPROBS = ("top log-probabilities are not supported: the engine returns only the "
+                   "sampled token's log-probability")
+
+
+def _check_common(server: Server, body: CompletionRequest | ChatCompletionRequest) -> None:
+    served = server.settings.model_path
+    if body.model != served:
+        raise APIError(404, f"model {body.model!r} is not served here; GET /v1/models lists "
+                            f"{served!r}")
+    if body.stop:
+        raise APIError(400, "stop strings are not supported; generation ends at the model's "
+                            "stop tokens")
+    server.check_n(body.n)
+
+
+def _finish(g: Generation, has_tool_calls: bool = False) -> str:
+    if g.finish_reason == "stop" and has_tool_calls:
+        return "tool_calls"
+    return g.finish_reason  # "stop", "length" or "abort"
+
+
+def _usage(prompt: list[int], gens: list[Generation]) -> dict[str, Any]:
+    completion = sum(len(g.token_ids) for g in gens)
+    return {"prompt_tokens": len(prompt), "completion_tokens": completion,
+            "total_tokens": len(prompt) + completion,
+            "prompt_tokens_details": {"cached_tokens": gens[0].cached_tokens}}
+
+
+async def _run(server: Server, body: CompletionRequest | ChatCompletionRequest,
+               prompt: list[int], max_new_tokens: int | None, prefix: str
+               ) -> tuple[str, list[Generation], int, SamplingParams]:
+    """Check the prompt, generate `n` choices, and return (id, choices, seed, params)."""
+    max_new = max_new_tokens or server.max_context - len(prompt)
+    server.check_prompt(prompt, max_new)
+    params = server.sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                             max_new_tokens=max_new)
+    seed = draw_seed(body.seed)
+    rid = f"{prefix}-{secrets.token_hex(12)}"
+    gens = await server.generate(prompt, params, choice_seeds(seed, body.n), rid=rid)
+    return rid, gens, seed, params
+
+
+def _sse(events: list[dict[str, Any]]) -> StreamingResponse:
+    def lines() -> Iterator[str]:
+        for event in events:
+            yield f"data: {json.dumps(event)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(lines(), media_type="text/event-stream")
+
+
+# ---- /v1/completions ----------------------------------------------------------------------
+
+def _completion_logprobs(server: Server, g: Generation) -> dict[str, Any]:
+    tokens = [server.tokenizer.decode([t]) for t in g.token_ids]
+    offsets, pos = [], 0
+    for tok in tokens:
+        offsets.append(pos)
+        pos += len(tok)
+    return {"tokens": tokens, "token_logprobs": list(g.logprobs),
+            "top_logprobs": None, "text_offset": offsets}
+
+
+async def completions(server: Server, request: Request) -> Any:
+    body: CompletionRequest = parse_body(await request.body(), CompletionRequest)
+    _check_common(server, body)
+    if body.logprobs:
+        raise APIError(400, f"logprobs={body.logprobs}: {NO_TOP_LOGPROBS}; use logprobs=0")
+    prompt = (server.tokenizer.encode(body.prompt) if isinstance(body.prompt, str)
+              else body.prompt)
+    rid, gens, seed, params = await _run(server, body, prompt, body.max_tokens, "cmpl")
+    choices = []
+    for i, g in enumerate(gens):
+        choice: dict[str, Any] = {
+            "index": i, "text": server.completion_text(g.token_ids, params),
+            "finish_reason": _finish(g), "seed": choice_seeds(seed, body.n)[i],
+            "logprobs": _completion_logprobs(server, g) if body.logprobs == 0 else None}
+        if body.return_token_ids:
+            choice["token_ids"] = g.token_ids
+        choices.append(choice)
+    head = {"id": rid, "object": "text_completion", "created": int(time.time()),
+            "model": body.model}
+    extra = {"prompt_token_ids": prompt} if body.return_token_ids else {}
+    if not body.stream:
+        return {**head, "choices": choices, "usage": _usage(prompt, gens), **extra}
+    events = []
+    for c in choices:  # the text with its logprobs, then the finish reason (and token ids)
+        events.append({**head, **extra, "choices": [{
+            "index": c["index"], "text": c["text"], "logprobs": c["logprobs"],
+            "finish_reason": None}]})
+        last = {"index": c["index"], "text": "", "logprobs": None,
+                "finish_reason": c["finish_reason"]}
+        if body.return_token_ids:
+            last["token_ids"] = c["token_ids"]
+        events.append({**head, "choices": [last]})
+    if body.stream_options and body.stream_options.include_usage:
+        events.append({**head, "choices": [], "usage": _usage(prompt, gens)})
+    return _sse(events)
+
+
+# ---- /v1/chat/completions -----------------------------------------------------------------
+
+def _template_message(m: ChatMessage) -> dict[str, Any]:
+    """An OpenAI message as the chat template renders it: text parts joined, a developer
+    message as a system one, tool-call arguments decoded from their JSON string."""
+    content = (m.content if isinstance(m.content, str) or m.content is None
+               else "".join(p.text for p in m.content))
+    msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                           "content": content or ""}
+    if m.name is not None:
+        msg["name"] = m.name
+    if m.tool_calls:
+        calls = []
+        for c in m.tool_calls:
+            try:
+                args = json.loads(c.function.arguments)
+            except json.JSONDecodeError as e:
+                raise APIError(400, f"tool call {c.function.name!r}: arguments are not a JSON "
+                                    f"string ({e.msg})") from e
+            calls.append({"type": "function",
+                          "function": {"name": c.function.name, "arguments": args}})
+        msg["tool_calls"] = calls
+    return msg
+
+
+def _chat_logprobs(server: Server, g: Generation) -> dict[str, Any]:
+    """One entry per generated token, the end-of-turn token included (they line up with
+    token_ids); top_logprobs is always empty."""
+    entries = []
+    for t, lp in zip(g.token_ids, g.logprobs, strict=True):
+        text = server.tokenizer.decode([t])
+        entries.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
+                        "top_logprobs": []})
+    return {"content": entries}
+
+
+def _chat_choice(server: Server, chat: ChatFormat, g: Generation, index: int,
+                 body: ChatCompletionRequest) -> dict[str, Any]:
+    turn = chat.parse(g.token_ids)
+    calls = [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
+              "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+             for c in turn.tool_calls]
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": turn.content if turn.content or not calls else None}
+    if calls:
+        message["tool_calls"] = calls
+    choice: dict[str, Any] = {
+        "index": index, "message": message, "finish_reason": _finish(g, bool(calls)),
+        "logprobs": _chat_logprobs(server, g) if body.logprobs else None}
+    if turn.parse_errors:  # malformed calls: said, not dropped
+        choice["tool_call_errors"] = turn.parse_errors
+    if body.return_token_ids:
+        choice["token_ids"] = g.token_ids
+    return choice
+
+
+async def chat_completions(server: Server, request: Request) -> Any:
+    body: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
+    _check_common(server, body)
+    if body.top_logprobs:
+        raise APIError(400, f"top_logprobs={body.top_logprobs}: {NO_TOP_LOGPROBS}")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true")
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    messages = [_template_message(m) for m in body.messages]
+    try:
+        chat = ChatFormat(server.tokenizer, tools)
+        prompt = chat.prompt_ids(messages)
+    except (TemplateError, TypeError, ValueError) as e:
+        raise APIError(400, f"the chat template cannot render these messages: "
+                            f"{type(e).__name__}: {e}"[:300]) from e
+    max_new = body.max_completion_tokens or body.max_tokens
+    rid, gens, seed, _ = await _run(server, body, prompt, max_new, "chatcmpl")
+    seeds = choice_seeds(seed, body.n)
+    choices = [{**_chat_choice(server, chat, g, i, body), "seed": seeds[i]}
+               for i, g in enumerate(gens)]
+    head = {"id": rid, "object": "chat.completion", "created": int(time.time()),
+            "model": body.model}
+    extra = {"prompt_token_ids": prompt} if body.return_token_ids else {}
+    if not body.stream:
+        return {**head, "choices": choices, "usage": _usage(prompt, gens), **extra}
+
+    head["object"] = "chat.completion.chunk"
+    events = []
+    for c in choices:
+        i, msg = c["index"], c["message"]
+        events.append({**head, **extra, "choices": [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+             "finish_reason": None}]})
+        if msg["content"]:
+            events.append({**head, "choices": [
+                {"index": i, "delta": {"content": msg["content"]}, "logprobs": c["logprobs"],
+                 "finish_reason": None}]})
+        for k, call in enumerate(msg.get("tool_calls", [])):
+            events.append({**head, "choices": [
+                {"index": i, "delta": {"tool_calls": [{"index": k, **call}]}, "logprobs": None,
+                 "finish_reason": None}]})
+        last: dict[str, Any] = {"index": i, "delta": {}, "logprobs": None,
+                                "finish_reason": c["finish_reason"]}
+        last.update({k: c[k] for k in ("token_ids", "tool_call_errors", "seed") if k in c})
+        events.append({**head, "choices": [last]})
+    if body.stream_options and body.stream_options.include_usage:
+        events.append({**head, "choices": [], "usage": _usage(prompt, gens)})
+    return _sse(events)
+
+
+def add_openai_routes(app: FastAPI, server: Server) -> None:
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": server.settings.model_path, "object": "model", "created": server.created,
+             "owned_by": "tiller", "max_model_len": server.max_context}]}
+
+    @app.post("/v1/completions")
+    async def completions_route(request: Request) -> Any:
+        return await completions(server, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_route(request: Request) -> Any:
+        return await chat_completions(server, request)

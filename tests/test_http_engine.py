@@ -1,0 +1,577 @@
+"""The HTTP backend against real servers on 127.0.0.1: token-in/token-out generation, sticky
+sessions and least-loaded placement, a server killed mid-collection (its requests retried on
+the other and counted, no episode lost), weight pushes checked per server, control calls fanned
+out, and short training runs with `engine.backend: http`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tiller.config import load_config
+from tiller.controller import rl
+from tiller.envs import ENVS
+from tiller.errors import ConfigError, RunError
+from tiller.models import load_model
+from tiller.rollout.agent_loop import EngineActor, run_episode
+from tiller.rollout.chat import stop_token_ids
+from tiller.rollout.collect import collect
+from tiller.rollout.engine import EmbeddedEngine, SamplingParams
+from tiller.rollout.http_engine import HttpEngine, connect
+from tiller.rollout.weight_sync import WeightUpdate
+from tiller.run import Run
+
+START_TIMEOUT_S = 180.0  # importing torch and transformers on a loaded 2-core box is slow
+
+
+def free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return s.getsockname()[1]
+
+
+class Servers:
+    """`tiller serve` subprocesses on free ports, reading weights below `root`; `kill(i)` is a
+    SIGKILL (a crash, no goodbye)."""
+
+    def __init__(self, model_dir: Path, n: int, root: Path):
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.procs: list[subprocess.Popen] = []
+        self.urls: list[str] = []
+        self.logs = [root / f"server{i}.log" for i in range(n)]
+        for i in range(n):
+            port = free_port()
+            cmd = [sys.executable, "-m", "tiller", "serve", str(model_dir), "--port", str(port),
+                   "--weights-root", str(root)]
+            with open(self.logs[i], "w") as log:
+                self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+            self.urls.append(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for i, url in enumerate(self.urls):
+            while True:
+                if self.procs[i].poll() is not None:
+                    raise RuntimeError(f"server {url} exited: {self.logs[i].read_text()[-2000:]}")
+                try:
+                    if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"tiller serve at {url} did not answer /health within "
+                                       f"{START_TIMEOUT_S} s")
+                time.sleep(0.2)
+
+    def freeze(self, i: int) -> None:
+        """SIGSTOP: requests sent to it now hang, so a kill that follows finds them in flight."""
+        self.procs[i].send_signal(signal.SIGSTOP)
+
+    def kill(self, i: int) -> None:
+        self.procs[i].kill()
+        self.procs[i].wait(10)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
+@contextmanager
+def servers(model_dir: Path, n: int, root: Path) -> Iterator[Servers]:
+    s = None
+    try:
+        s = Servers(model_dir, n, root)
+        yield s
+    finally:
+        if s is not None:
+            s.close()
+
+
+@pytest.fixture(scope="module")
+def shared_servers(calc_model_dir, tmp_path_factory):
+    with servers(calc_model_dir, 2, tmp_path_factory.mktemp("servers")) as s:
+        yield s
+
+
+@pytest.fixture()
+def two_servers(shared_servers, calc_model_dir, tmp_path):
+    """The module's two servers, holding the fixture model's weights at version 0 (a test may
+    have pushed others) and no KV kept from earlier tests."""
+    http = HttpEngine(shared_servers.urls, weights_dir=shared_servers.root / "reset")
+    try:
+        http.update_weights(WeightUpdate.full(load_model(calc_model_dir), 0))
+        http.flush_cache()
+    finally:
+        http.close()
+    return shared_servers
+
+
+@pytest.fixture()
+def own_servers(calc_model_dir, tmp_path):
+    """Two servers of this test's own (it kills one)."""
+    with servers(calc_model_dir, 2, tmp_path / "servers") as s:
+        yield s
+
+
+@pytest.fixture()
+def params(tokenizer, model):
+    return SamplingParams(temperature=1.0, max_new_tokens=12,
+                          stop_token_ids=stop_token_ids(tokenizer, model.generation_config))
+
+
+def engine_for(servers_or_urls, tmp_path, **kwargs) -> HttpEngine:
+    """An engine over real servers (writing weights below their --weights-root) or bare URLs."""
+    kwargs.setdefault("request_timeout_s", 60.0)
+    if isinstance(servers_or_urls, Servers):
+        weights = servers_or_urls.root / f"weights-{tmp_path.name}"
+        return HttpEngine(servers_or_urls.urls, weights_dir=weights, **kwargs)
+    return HttpEngine(servers_or_urls, weights_dir=tmp_path / "weights", **kwargs)
+
+
+def server_version(url: str) -> int:
+    return httpx.get(url + "/get_model_info", timeout=10).json()["weight_version"]
+
+
+async def wait_until(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout} s for {what}")
+        await asyncio.sleep(0.001)
+
+
+# ---------------------------------------------------------------- generation and routing
+def test_generate_round_trips_token_ids_and_logprobs(two_servers, model, tokenizer, params,
+                                                     tmp_path):
+    """The server samples what the embedded engine samples with the same weights and seed."""
+    http = engine_for(two_servers.urls[:1], tmp_path)
+    local = EmbeddedEngine(model, tokenizer.pad_token_id)
+    prompt = tokenizer.encode("2 + 3 =")
+    try:
+        got = asyncio.run(http.generate(prompt, params, 7, session_id="s"))
+        want = asyncio.run(local.generate(prompt, params, 7))
+    finally:
+        http.close()
+    assert got.token_ids == want.token_ids and len(got.token_ids) > 0
+    assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    assert got.finish_reason == want.finish_reason and got.version == 0
+    assert got.versions == (0,) * len(got.token_ids) and got.prompt_tokens == len(prompt)
+
+
+def test_sessions_stick_and_new_ones_go_to_the_least_loaded(two_servers, params, tmp_path):
+    http = engine_for(two_servers.urls, tmp_path)
+    a, b = http.servers
+
+    async def turns(sessions: list[str]) -> None:
+        await asyncio.gather(*(http.generate([5, 6, 7], params, i, session_id=s)
+                               for i, s in enumerate(sessions)))
+
+    try:
+        # 8 new sessions at once: each placement sees the in-flight counts, so they alternate
+        asyncio.run(turns([f"s{i}" for i in range(8)]))
+        assert (a.completed, b.completed) == (4, 4)
+        placed = {s: srv.url for s, srv in http._sessions.items()}
+        assert placed == {f"s{i}": (a.url if i % 2 == 0 else b.url) for i in range(8)}
+        # their next turns stick to a, although b is idle: a answers all 4
+        asyncio.run(turns(["s0", "s2", "s4", "s6"]))
+        assert (a.completed, b.completed) == (8, 4)
+        # with a idle and b busy, a new session goes to a; with both idle, to the first listed
+        b.inflight = 3  # as if three requests were running there
+        asyncio.run(turns(["new1"]))
+        b.inflight = 0
+        a.inflight = 2
+        asyncio.run(turns(["new2"]))
+        a.inflight = 0
+        assert (http._sessions["new1"], http._sessions["new2"]) == (a, b)
+        assert http.stats()["retries"] == 0 and http.stats()["requests"] == 14
+    finally:
+        http.close()
+
+
+def test_a_server_killed_mid_collection_is_retried_on_the_other(
+        own_servers, model, tokenizer, params, limits, tmp_path, caplog):
+    env_cls = ENVS["calculator"]
+    tasks = env_cls.make_tasks("train", 8, 0, 2)
+    http = engine_for(own_servers, tmp_path)
+    a, b = http.servers
+    killed_with: list[int] = []
+
+    async def killer() -> None:
+        # once server 0 has answered some requests, freeze it until requests hang there, and
+        # kill it: those requests are in flight when it dies
+        await wait_until(lambda: a.completed >= 1, "server 0 answering a request")
+        own_servers.freeze(0)
+        await wait_until(lambda: a.inflight >= 2, "requests hanging on the frozen server 0")
+        killed_with.append(a.inflight)
+        own_servers.kill(0)
+
+    async def main():
+        kill = asyncio.create_task(killer())
+        trajs = await collect(tasks, 4, EngineActor(http, params), episode_fn=run_episode,
+                              make_env=lambda *key: env_cls(), tokenizer=tokenizer,
+                              limits=limits, seed=0, tag=("rl", 0))
+        await asyncio.wait_for(kill, 1)
+        return trajs
+
+    try:
+        with caplog.at_level(logging.WARNING, "tiller.rollout.http_engine"):
+            trajs = asyncio.run(main())
+        stats = http.stats()
+        # the next weight push finds server 0 still dead: skipped, counted, server 1 updated
+        assert http.update_weights(WeightUpdate.full(model, 1)) == 1
+        assert http.stats()["push_skipped_down"] == 1 and server_version(b.url) == 1
+    finally:
+        http.close()
+    assert len(trajs) == 32 and all(t.status.value != "aborted" for t in trajs)
+    # each request in flight on server 0 when it died was retried once, on server 1, and its
+    # episode's session moved there with it
+    assert stats["retries"] >= killed_with[0] >= 2 and stats["servers_marked_down"] == 1
+    assert stats["session_moves"] >= stats["retries"]
+    assert stats["servers_up"] == 1 and a.down and a.last_error
+    # every request was answered exactly once: by a before the kill or by b
+    assert a.completed + b.completed == stats["requests"] == sum(t.num_turns for t in trajs)
+    assert stats["failed_requests"] == 0
+    retried = [r for r in caplog.records if "retry 1 of 2 on another server" in r.message]
+    assert len(retried) == stats["retries"] and a.url in retried[0].message
+
+
+def test_every_server_down_is_one_line_naming_each(params, tmp_path):
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]  # nothing listens there
+    http = engine_for(urls, tmp_path, max_retries=2)
+    try:
+        with pytest.raises(RunError) as e:
+            asyncio.run(http.generate([1, 2], params, 0))
+        stats = http.stats()
+    finally:
+        http.close()
+    msg = str(e.value)
+    assert msg.startswith("every engine server is down (") and "\n" not in msg
+    assert all(f"{u}: ConnectError" in msg for u in urls)
+    assert (stats["retries"], stats["failed_requests"], stats["servers_up"]) == (1, 1, 0)
+
+
+# ---------------------------------------------------------------- weights
+def perturbed(model, version: int) -> WeightUpdate:
+    torch.manual_seed(version)
+    update = WeightUpdate.full(model, version)
+    for t in update.tensors.values():
+        t.add_(0.05 * torch.randn_like(t))
+    return update
+
+
+def test_weight_push_reaches_every_server_with_its_version(two_servers, model, tokenizer,
+                                                           params, tmp_path):
+    http = engine_for(two_servers, tmp_path)
+    prompt = tokenizer.encode("7 * 8 =")
+    try:
+        assert http.update_weights(perturbed(model, 1)) == 1
+        update = perturbed(model, 2)
+        assert http.update_weights(update) == 2
+        assert [server_version(u) for u in two_servers.urls] == [2, 2] and http.version == 2
+        # only the latest version stays on disk
+        assert sorted(p.name for p in http.weights_dir.iterdir()) == ["v2"]
+        # each server samples exactly those weights: same tokens as a local engine holding them
+        update.apply_to(model)
+        want = asyncio.run(EmbeddedEngine(model, tokenizer.pad_token_id).generate(
+            prompt, params, 3))
+        for i in range(2):
+            got = asyncio.run(http.generate(prompt, params, 3, session_id=f"on{i}"))
+            assert got.token_ids == want.token_ids and got.version == 2
+        assert http.stats()["weight_pushes"] == 2
+    finally:
+        http.close()
+
+
+def test_a_server_echoing_another_version_is_a_loud_error(two_servers, model, tmp_path):
+    """One real server and one that claims to have loaded another version."""
+    liar = {"/update_weights_from_disk": {"success": True, "weight_version": 5}}
+    with recorders(1, liar) as srvs:
+        urls = [two_servers.urls[0], url(srvs[0])]
+        http = HttpEngine(urls, weights_dir=two_servers.root / tmp_path.name,
+                          request_timeout_s=60.0)
+        try:
+            with pytest.raises(RunError) as e:
+                http.update_weights(WeightUpdate.full(model, 4))
+        finally:
+            http.close()
+    msg = str(e.value)
+    assert msg.startswith(f"weight push v4: server {urls[1]} answered ") and "\n" not in msg
+    assert "'weight_version': 5" in msg and "expected success and weight_version 4" in msg
+    assert server_version(urls[0]) == 4  # the honest one took it
+
+
+def test_start_up_checks_the_model_and_pushes_the_initial_weights(two_servers, model,
+                                                                  tmp_path):
+    pushed = engine_for(two_servers, tmp_path)
+    try:  # servers holding other weights: the start-up push must bring them back to version 0
+        pushed.update_weights(perturbed(model, 7))
+    finally:
+        pushed.close()
+    weights = two_servers.root / tmp_path.name / "w"
+    common = dict(weights_dir=weights, api_key=None, request_timeout_s=60.0,
+                  max_retries=2, initial=WeightUpdate.full(model, 0))
+    with pytest.raises(ConfigError, match=r"serves a model with vocab_size=600, the trainer's "
+                                          r"has 601: serve the run's model"):
+        connect(two_servers.urls, vocab_size=601, max_context=model.config.max_position_embeddings,
+                **common)
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ConfigError, match=rf"server {dead} is not reachable \(ConnectError"):
+        connect([two_servers.urls[0], dead], vocab_size=600,
+                max_context=model.config.max_position_embeddings, **common)
+    http = connect(two_servers.urls, vocab_size=600,
+                   max_context=model.config.max_position_embeddings, **common)
+    http.close()
+    assert [server_version(u) for u in two_servers.urls] == [0, 0]
+    assert (weights / "v0" / "model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------- control calls and contract
+class Recorder(BaseHTTPRequestHandler):
+    """A server that records every request and answers as `self.server.answers` says; its
+    /generate waits for /abort_request (to test abort) or answers a canned body."""
+
+    def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+        srv = self.server
+        srv.calls.append((self.path, body, self.headers.get("Authorization")))
+        if self.path == "/generate" and srv.hold:
+            srv.generating.set()
+            srv.aborted.wait(10)
+        answer = srv.answers.get(self.path, {})
+        data = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        if self.path == "/abort_request":
+            srv.aborted.set()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@contextmanager
+def recorders(n: int, answers: dict, hold: bool = False) -> Iterator[list[ThreadingHTTPServer]]:
+    made = []
+    try:
+        for _ in range(n):
+            srv = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+            srv.calls, srv.answers, srv.hold = [], answers, hold
+            srv.generating, srv.aborted = threading.Event(), threading.Event()
+            threading.Thread(target=srv.serve_forever, daemon=True).start()
+            made.append(srv)
+        yield made
+    finally:
+        for srv in made:
+            srv.aborted.set()
+            srv.shutdown()
+            srv.server_close()
+
+
+def url(srv: ThreadingHTTPServer) -> str:
+    return f"http://127.0.0.1:{srv.server_address[1]}"
+
+
+def test_control_calls_fan_out_to_every_server_with_the_key(tmp_path):
+    with recorders(2, {"/flush_cache": {"entries_dropped": 3}}) as srvs:
+        http = engine_for([url(s) for s in srvs], tmp_path, api_key="k3y")
+        try:
+            http.pause()
+            http.resume()
+            assert http.flush_cache() == 6
+        finally:
+            http.close()
+    for srv in srvs:
+        assert [(p, a) for p, _, a in srv.calls] == [
+            ("/pause_generation", "Bearer k3y"), ("/continue_generation", "Bearer k3y"),
+            ("/flush_cache", "Bearer k3y")]
+
+
+def test_abort_goes_to_the_server_running_the_request(params, tmp_path):
+    partial = {"output_ids": [4, 9], "meta_info": {
+        "finish_reason": {"type": "abort"}, "output_token_logprobs": [[-0.5, 4, None],
+                                                                      [-1.5, 9, None]],
+        "weight_version": 0}}
+    with recorders(2, {"/generate": partial}, hold=True) as srvs:
+        http = engine_for([url(s) for s in srvs], tmp_path)
+
+        async def main():
+            task = asyncio.create_task(http.generate([1, 2], params, 0, request_id="r1"))
+            await asyncio.to_thread(srvs[0].generating.wait, 10)
+            assert await asyncio.to_thread(http.abort, "r1")
+            return await asyncio.wait_for(task, 10)
+
+        try:
+            gen = asyncio.run(main())
+            assert not http.abort("r1")  # finished: nothing to abort
+        finally:
+            http.close()
+    assert gen.finish_reason == "abort" and gen.token_ids == [4, 9] and gen.logprobs == [-0.5,
+                                                                                         -1.5]
+    assert ("/abort_request", {"rid": "r1"}) in [(p, b) for p, b, _ in srvs[0].calls]
+    assert srvs[1].calls == []
+    sent = srvs[0].calls[0][1]
+    assert sent["rid"] == "r1" and sent["return_logprob"] is True and sent["input_ids"] == [1, 2]
+    assert sent["sampling_params"]["seed"] == 0
+
+
+def test_tokens_the_server_did_not_sample_are_a_loud_error(params, tmp_path):
+    lying = {"output_ids": [4, 9, 2], "meta_info": {
+        "finish_reason": {"type": "stop"}, "weight_version": 0,
+        "output_token_logprobs": [[-0.5, 4, None], [-1.5, 8, None], [-0.1, 2, None]]}}
+    with recorders(1, {"/generate": lying}) as srvs:
+        http = engine_for([url(srvs[0])], tmp_path)
+        try:
+            with pytest.raises(RunError, match=r"output_token_logprobs' token ids differ from "
+                                               r"output_ids at position 1 \(3 vs 3 tokens\)"):
+                asyncio.run(http.generate([1], params, 0))
+        finally:
+            http.close()
+
+
+# ---------------------------------------------------------------- training runs
+CONFIG = "configs/calculator.yaml"
+
+
+def rl_config(sft_dir: Path, *more: str):
+    return load_config(CONFIG, [
+        f"model.path={sft_dir}", "model.build=null", "model.dtype=float32", "sft.enabled=false",
+        "rl.steps=3", "rl.tasks_per_step=4", "rl.group_size=4", "eval.tasks=8",
+        "logging.progress=false", "logging.tensorboard=false", *more])
+
+
+def http_config(sft_dir: Path, servers: Servers, name: str):
+    return rl_config(sft_dir, "engine.backend=http", f"engine.urls={json.dumps(servers.urls)}",
+                     f"engine.weights_dir={servers.root / name}")
+
+
+def rl_rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["phase"] == "rl"]
+
+
+def test_a_training_run_over_two_servers_learns_like_the_embedded_run(two_servers, calc_sft_dir,
+                                                                      tmp_path):
+    """Servers started from the untrained model get the run's (SFT) weights at start-up and
+    every version after it; the run samples what the embedded engine samples."""
+    run = Run(http_config(calc_sft_dir, two_servers, tmp_path.name), tmp_path / "http")
+    pushes: list[tuple[int, list[int]]] = []
+    push = run.push_weights
+
+    def push_and_check() -> None:
+        push()
+        pushes.append((run.trainer.version, [server_version(u) for u in two_servers.urls]))
+
+    run.push_weights = push_and_check
+    try:
+        out = rl(run)
+    finally:
+        run.close()
+    embedded = Run(rl_config(calc_sft_dir), tmp_path / "embedded")
+    try:
+        rl(embedded)
+    finally:
+        embedded.close()
+    assert pushes and all(servers == [v, v] for v, servers in pushes)
+    rows, ref = rl_rows(tmp_path / "http"), rl_rows(tmp_path / "embedded")
+    assert len(rows) == 3 and sum(out["ledger"].values()) == 3 * 4 * 4
+    assert all(0.0 <= r["reward_mean"] <= 1.0 and r["aborted_rate"] == 0 for r in rows)
+    assert [(r["engine/retries"], r["engine/session_moves"]) for r in rows] == [(0, 0)] * 3
+    assert rows[-1]["engine/requests"] >= 48  # every episode took at least one turn
+    assert [r["reward_mean"] for r in rows] == pytest.approx([r["reward_mean"] for r in ref])
+
+
+def test_a_server_killed_mid_run_is_retried_and_every_episode_counted(own_servers,
+                                                                      calc_sft_dir, tmp_path):
+    run = Run(http_config(calc_sft_dir, own_servers, tmp_path.name), tmp_path)
+    a = run.engine.servers[0]
+    killed: list[int] = []
+
+    def killer() -> None:  # in step 2: freeze server 0 until requests hang there, then kill it
+        deadline = time.monotonic() + 300
+        while run.engine.version < 1 and time.monotonic() < deadline:  # step 1 pushed
+            time.sleep(0.01)
+        own_servers.freeze(0)
+        while a.inflight < 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        killed.append(a.inflight)
+        own_servers.kill(0)
+
+    watchdog = threading.Thread(target=killer, daemon=True)
+    watchdog.start()
+    try:
+        out = rl(run)
+    finally:
+        run.close()
+        own_servers.kill(0)
+        watchdog.join(10)
+    rows = rl_rows(tmp_path)
+    assert killed and killed[0] >= 1 and len(rows) == 3
+    last = rows[-1]
+    assert last["engine/retries"] >= killed[0] and last["engine/servers_up"] == 1
+    assert last["engine/failed_requests"] == 0 and last["engine/push_skipped_down"] >= 1
+    # the ledger accounts for every episode: tasks x samples, none aborted
+    assert sum(out["ledger"].values()) == 3 * 4 * 4 and "dropped/aborted" not in out["ledger"]
+    assert all(r["aborted_rate"] == 0 for r in rows)
+    assert server_version(own_servers.urls[1]) == run.trainer.version
+
+
+def test_pause_abort_and_resume_on_real_servers(two_servers, params, tmp_path):
+    """A request queued on a paused server is aborted there and comes back empty, "abort"."""
+    http = engine_for(two_servers, tmp_path)
+
+    async def main():
+        http.pause()
+        task = asyncio.create_task(http.generate([5, 6, 7], params, 0, request_id="r1"))
+        deadline = time.monotonic() + 30
+        # False until the request has reached its server (404 there, meanwhile)
+        while not await asyncio.to_thread(http.abort, "r1"):
+            assert time.monotonic() < deadline, "the request never reached a server"
+            await asyncio.sleep(0.05)
+        aborted = await asyncio.wait_for(task, 30)
+        http.resume()
+        after = await asyncio.wait_for(http.generate([5, 6, 7], params, 0), 30)
+        return aborted, after
+
+    try:
+        aborted, after = asyncio.run(main())
+        assert http.flush_cache() >= 0
+    finally:
+        http.close()
+    assert aborted.finish_reason == "abort" and aborted.token_ids == []
+    assert after.finish_reason in ("stop", "length") and len(after.token_ids) > 0
+
+
+def test_the_servers_context_bounds_a_turn(params, tmp_path):
+    """As in the embedded engine: max_new_tokens is cut to what fits, and a prompt that fills
+    the context comes back empty ("length") without a request."""
+    answer = {"output_ids": [4], "meta_info": {
+        "finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.5, 4, None]],
+        "weight_version": 0}}
+    with recorders(1, {"/generate": answer}) as srvs:
+        http = engine_for([url(srvs[0])], tmp_path)
+        http.max_context = 10
+        try:
+            full = asyncio.run(http.generate(list(range(10)), params, 0))
+            asyncio.run(http.generate(list(range(9)), params, 0))
+        finally:
+            http.close()
+    assert (full.token_ids, full.finish_reason, full.prompt_tokens) == ([], "length", 10)
+    assert [(p, b["sampling_params"]["max_new_tokens"]) for p, b, _ in srvs[0].calls] == [
+        ("/generate", 1)]  # 12 asked, 1 fits
