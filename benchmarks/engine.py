@@ -648,7 +648,8 @@ def serve_missing() -> str | None:
     """Why the serve section cannot run here, or None."""
     missing = [m for m in ("fastapi", "uvicorn", "openai") if importlib.util.find_spec(m) is None]
     if missing:
-        return f"missing {', '.join(missing)} (pip install 'tiller[serve]')"
+        return (f"missing {', '.join(missing)}: pip install 'tiller[serve]' for the server, "
+                "openai (in tiller[dev]) for the client")
     probe = subprocess.run([sys.executable, "-m", "tiller", "serve", "--help"],
                            capture_output=True, text=True, timeout=120)
     if probe.returncode != 0:
@@ -726,7 +727,7 @@ async def load(base: str, messages: list[list[dict]], tools: list[dict], clients
             "p50_s": pct(0.50), "p99_s": pct(0.99)}
 
 
-def serve_load(args: argparse.Namespace, model_path: Path, tokenizer: Any) -> list[dict]:
+def serve_load(args: argparse.Namespace, model_path: Path) -> list[dict]:
     why = serve_missing()
     if why is not None:
         print(f"SKIPPED serve section: {why}", file=sys.stderr)
@@ -736,7 +737,7 @@ def serve_load(args: argparse.Namespace, model_path: Path, tokenizer: Any) -> li
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     cmd = [sys.executable, "-m", "tiller", "serve", str(model_path), "--port", str(port),
            "--host", "127.0.0.1"]
-    tasks, messages = calc_messages(max(ints(args.requests)), 11)
+    _, messages = calc_messages(max(ints(args.requests)), 11)
     tools = [{"type": "function", "function": s} if "function" not in s else s
              for s in CalculatorEnv().tool_schemas()]
     rows = []
@@ -913,16 +914,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                            "commit": git_commit(), "threads": args.threads,
                            "repeats": args.repeats, "model_path": str(path),
                            "argv": sys.argv[1:] if argv is None else list(argv)}
-    if "single" in args.sections:
-        big = big_model(tokenizer, *ints(args.big))
-        res["single"] = (single_turn(args, f"demo {millions(model)}", model, tokenizer)
-                         + single_turn(args, f"qwen3 {millions(big)} random", big, tokenizer))
-    if "multi" in args.sections:
-        res["multi"] = multi_turn(args, model, tokenizer)
-    if "serve" in args.sections:
-        res["serve"] = serve_load(args, path, tokenizer)
-    if "e2e" in args.sections:
-        res["e2e"] = end_to_end(args, path)
+    sections: dict[str, Callable[[], Any]] = {
+        "single": lambda: [*single_turn(args, f"demo {millions(model)}", model, tokenizer),
+                           *single_turn(args, f"qwen3 {millions(big)} random", big, tokenizer)],
+        "multi": lambda: multi_turn(args, model, tokenizer),
+        "serve": lambda: serve_load(args, path),
+        "e2e": lambda: end_to_end(args, path)}
+    big = big_model(tokenizer, *ints(args.big)) if "single" in args.sections else None
+    res["section_s"] = {}
+    for name in (s for s in SECTIONS if s in args.sections):
+        ts = time.perf_counter()
+        res[name] = sections[name]()
+        res["section_s"][name] = time.perf_counter() - ts
+        print(f"{name}: {res['section_s'][name]:.0f} s", file=sys.stderr)
     res["total_s"] = time.perf_counter() - t0
     text = tables(res)
     if args.compare:
