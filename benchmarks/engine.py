@@ -215,16 +215,16 @@ def millions(model: PreTrainedModel) -> str:
     return f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M"
 
 
-def calc_messages(n: int, seed: int) -> tuple[list[Task], list[list[dict]]]:
-    tasks = CalculatorEnv.make_tasks("train", n, seed, 2)
-    return tasks, [[{"role": "system", "content": t.system}, {"role": "user", "content": t.prompt}]
-                   for t in tasks]
+def calc_messages(n: int, seed: int) -> list[list[dict]]:
+    """The opening messages of n calculator tasks (what `CalculatorEnv.reset` returns)."""
+    return [[{"role": "system", "content": t.system}, {"role": "user", "content": t.prompt}]
+            for t in CalculatorEnv.make_tasks("train", n, seed, 2)]
 
 
 def calc_prompts(tokenizer: Any, n: int, seed: int = 0) -> list[list[int]]:
     """The first prompts of n calculator episodes, exactly as the agent loop renders them."""
     chat = ChatFormat(tokenizer, CalculatorEnv().tool_schemas())
-    return [chat.prompt_ids(m) for m in calc_messages(n, seed)[1]]
+    return [chat.prompt_ids(m) for m in calc_messages(n, seed)]
 
 
 def params_for(tokenizer: Any, model: PreTrainedModel, max_new_tokens: int) -> SamplingParams:
@@ -737,7 +737,7 @@ def serve_load(args: argparse.Namespace, model_path: Path) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     cmd = [sys.executable, "-m", "tiller", "serve", str(model_path), "--port", str(port),
            "--host", "127.0.0.1"]
-    _, messages = calc_messages(max(ints(args.requests)), 11)
+    messages = calc_messages(max(ints(args.requests)), 11)
     tools = [{"type": "function", "function": s} if "function" not in s else s
              for s in CalculatorEnv().tool_schemas()]
     rows = []

@@ -95,7 +95,7 @@ def test_hf_wave_actor_batches_every_waiting_turn(model, tokenizer):
     trajs, _ = bench.run_episodes(actor, bench.CalculatorEnv, tasks, 2, tokenizer,
                                   EpisodeLimits(3, 512), seed=0)
     chat = ChatFormat(tokenizer, bench.CalculatorEnv().tool_schemas())
-    first = [chat.prompt_ids(m) for m in bench.calc_messages(2, 0)[1]]
+    first = [chat.prompt_ids(m) for m in bench.calc_messages(2, 0)]
     assert actor.waves[0] == 4 and len(trajs) == 4
     assert actor.prefill_tokens >= 2 * sum(map(len, first))  # each prompt, twice per task
     assert actor.real_steps == sum(t.num_generated for t in trajs)
