@@ -876,9 +876,9 @@ def compare(res: dict[str, Any], old: dict[str, Any]) -> str:
         for key in ("episodes_per_s", "tokens_per_s"):
             rows.append([f"e2e {key}", fmt(old["e2e"][key]), fmt(res["e2e"][key]),
                          fmt(res["e2e"][key] / old["e2e"][key], ".2f", "x")])
-        rows.append(["e2e s_per_step (speed-up)", fmt(old["e2e"]["s_per_step"]),
-                     fmt(res["e2e"]["s_per_step"]),
-                     fmt(old["e2e"]["s_per_step"] / res["e2e"]["s_per_step"], ".2f", "x")])
+        for key in ("s_per_step", "rollout_s_per_step"):
+            rows.append([f"e2e {key} (speed-up)", fmt(old["e2e"][key]), fmt(res["e2e"][key]),
+                         fmt(old["e2e"][key] / res["e2e"][key], ".2f", "x")])
     for key, metric in (("single", "tiller_tokens_per_s"), ("multi", "A_tokens_per_s")):
         then = {(r.get("model", r.get("env")), r.get("prompts", r.get("episodes"))): r
                 for r in old.get(key, [])}
