@@ -126,7 +126,7 @@ class _Request:
     cached: int = 0
     budget: int = 0
     admitted_version: int = -1  # the weights its KV started under; stored only if unchanged
-    segments: list[list[int]] = field(default_factory=list)  # real KV columns [start, end)
+    kv_len: int = 0  # tokens whose KV is in its slot (the prompt, then each one decoded)
 
 
 @dataclass
@@ -166,12 +166,12 @@ class EmbeddedEngine:
         self._worker: threading.Thread | None = None
         self._closed = False
         self._paused = False
-        # the running batch: rows, per-layer KV, mask, next input token and position per row
+        # the running batch: row i sits in slot i of every layer's KV buffer, its KV in columns
+        # [0, kv_len); `_len` holds those lengths (= the next token's position) on the device
         self._rows: list[_Request] = []
-        self._kv: KV = []
-        self._mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
+        self._buf: KV = []  # per layer (keys, values), [row capacity, heads, columns, dim]
+        self._len = torch.zeros(0, dtype=torch.long, device=self.device)
         self._last = torch.zeros(0, dtype=torch.long, device=self.device)
-        self._pos = torch.zeros(0, dtype=torch.long, device=self.device)
         self._row_params: dict[str, torch.Tensor] = {}
         self._admitting: list[_Request] = []  # taken from the queue, not yet in the batch
         self._max_top_k, self._any_top_p = 0, False
@@ -344,6 +344,7 @@ class EmbeddedEngine:
                     if not self._cond.wait(timeout=1.0) and not self._controls and not (
                             self._waiting or self._rows):
                         self._worker = None
+                        self._buf = []  # an idle engine holds no KV memory
                         return
                 if self._closed:
                     return
@@ -388,10 +389,10 @@ class EmbeddedEngine:
         self._reset_batch()
 
     def _reset_batch(self) -> None:
-        self._rows, self._kv = [], []
-        self._mask = self._mask.new_zeros((0, 0))
+        """Empty the batch and free the KV buffers (they are reallocated on demand)."""
+        self._rows, self._buf = [], []
+        self._len = self._len.new_zeros(0)
         self._last = self._last.new_zeros(0)
-        self._pos = self._pos.new_zeros(0)
 
     def _step(self) -> None:
         self._drop_cancelled()
@@ -413,20 +414,21 @@ class EmbeddedEngine:
             return
         rows = self._rows  # _admit appended the new rows after the running ones
         p = self._row_params
-        steps = self._pos - p["prompt_len"]  # each row's index of the token it samples
+        steps = self._len - p["prompt_len"]  # each row's index of the token it samples
         logits = torch.cat(logits)
         tokens, lps = sample(logits, p["temperature"], p["top_k"], p["top_p"], p["seed"],
                              steps, max_top_k=self._max_top_k, any_top_p=self._any_top_p)
         finite = torch.isfinite(logits).all(-1)
         # the one host sync of the iteration: tokens, logprobs and the finite flags together
         packed = torch.stack([tokens.double(), lps.double(), finite.double()]).tolist()
-        self._last, keep = tokens, []
+        self._last, done = tokens, []
         for i, (r, token, lp, ok) in enumerate(zip(rows, *packed, strict=True)):
             if not ok:  # NaN/inf weights or activations: the request fails, loudly
                 self.counters["failed_requests"] += 1
                 self._resolve(r, error=RuntimeError(
                     f"the model's logits are not finite (NaN or inf) at weight version "
                     f"{self.version}"))
+                done.append(i)
                 continue
             token = int(token)
             r.out_ids.append(token)
@@ -434,13 +436,13 @@ class EmbeddedEngine:
             r.versions.append(self.version)
             if token in r.params.stop_token_ids:
                 self._finish(i, "stop")
+                done.append(i)
             elif len(r.out_ids) >= r.budget:
                 self._finish(i, "length")
-            else:
-                keep.append(i)
+                done.append(i)
         self.counters["generated_tokens"] += len(rows)
-        if len(keep) < len(rows):
-            self._select(keep)
+        if done:
+            self._remove_rows(done)
 
     def _drop_cancelled(self) -> None:
         """Requests whose caller went away (a cancelled episode): counted, never answered."""
@@ -448,12 +450,11 @@ class EmbeddedEngine:
             live = [r for r in self._waiting if not r.future.cancelled()]
             self.counters["cancelled"] += len(self._waiting) - len(live)
             self._waiting = deque(live)
-        keep = [i for i, r in enumerate(self._rows) if not r.future.cancelled()]
-        if len(keep) < len(self._rows):
-            self.counters["cancelled"] += len(self._rows) - len(keep)
-            logger.info("engine: %d cancelled requests left the batch",
-                        len(self._rows) - len(keep))
-            self._select(keep)
+        gone = [i for i, r in enumerate(self._rows) if r.future.cancelled()]
+        if gone:
+            self.counters["cancelled"] += len(gone)
+            logger.info("engine: %d cancelled requests left the batch", len(gone))
+            self._remove_rows(gone)
 
     def _take_admissions(self) -> list[_Request]:
         """Waiting requests, first come first served, while the batch has room and the
@@ -469,46 +470,39 @@ class EmbeddedEngine:
 
     # ----- forward passes -----
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, kv: KV,
-                 last_only: bool) -> tuple[torch.Tensor, KV]:
-        """Run `ids` [rows, q] after the KV `kv`; `mask` [rows, kv width + q] marks real
-        columns. The 4-D mask is built here (causal within the new tokens, each new token
-        always sees itself), so the model uses it as given: HF's own mask builder would read
-        the padding mask back from the device, a second host sync per step."""
-        q = ids.size(1)
-        allowed = mask.bool()[:, None, None, :]
-        if q > 1:
-            width = mask.size(1)
-            col = torch.arange(width, device=mask.device)
-            query_col = (width - q + torch.arange(q, device=mask.device))[:, None]
-            allowed = (allowed & (col <= query_col)) | (col == query_col)
+    def _forward(self, ids: torch.Tensor, allowed: torch.Tensor, pos: torch.Tensor,
+                 cache: DynamicCache, last_only: bool) -> torch.Tensor:
+        """Logits of the last position of each row of `ids` [rows, q], run after `cache`.
+        `allowed` [rows, 1, q, keys] says which keys each query sees. The engine builds this
+        4-D mask itself, so the model uses it as given: HF's own mask builder would read the
+        padding mask back from the device, a second host sync per step."""
         if self._bool_mask:
             attention = allowed
         else:  # eager attention adds the mask to the scores
             attention = torch.zeros(allowed.shape, dtype=self.model.dtype,
-                                    device=mask.device).masked_fill_(
+                                    device=allowed.device).masked_fill_(
                 ~allowed, torch.finfo(self.model.dtype).min)
-        cache = DynamicCache(config=self.model.config)
-        for layer, (k, v) in zip(cache.layers, kv, strict=False):
-            layer.lazy_initialization(k, v)
-            layer.keys, layer.values = k, v
         kwargs = {self._cache_arg: cache}
         if last_only and self._keep_arg:
             kwargs["logits_to_keep"] = 1
         out = self.model(input_ids=ids, attention_mask=attention, position_ids=pos,
                          use_cache=True, **kwargs)
-        cache = getattr(out, self._cache_arg)
-        return out.logits[:, -1].float(), [(layer.keys, layer.values) for layer in cache.layers]
+        return out.logits[:, -1].float()
 
     def _decode(self) -> torch.Tensor:
+        """One token for every running row: each writes its new KV column in place, at its own
+        length, and attends to its columns [0, length]."""
         n = len(self._rows)
-        self._mask = torch.cat([self._mask, self._mask.new_ones((n, 1))], dim=1)
-        logits, self._kv = self._forward(self._last[:, None], self._mask, self._pos[:, None],
-                                         self._kv, last_only=False)
-        width = self._mask.size(1)
-        for r in self._rows:  # the column just written is real for every row
-            r.segments[-1][1] = width
-        self._pos = self._pos + 1
+        width = max(r.kv_len for r in self._rows) + 1
+        self._ensure_capacity(n, width)
+        cols = torch.arange(width, device=self.device)
+        allowed = (cols[None, :] <= self._len[:, None])[:, None, None, :]
+        cache = _SlotCache(self._buf, n, width, self._len)
+        logits = self._forward(self._last[:, None], allowed, self._len[:, None], cache,
+                               last_only=False)
+        self._len = self._len + 1
+        for r in self._rows:
+            r.kv_len += 1
         self.counters["decode_steps"] += 1
         self.counters["decoded_row_steps"] += n
         return logits
@@ -549,80 +543,97 @@ class EmbeddedEngine:
                         v[j, :, cmax - c:] = kv[layer][1][0]
                 past.append((k, v))
         ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
-        logits, kv = self._forward(ids, mask, pos, past, last_only=True)
+        width = cmax + smax
+        col = torch.arange(width, device=self.device)
+        query_col = (cmax + torch.arange(smax, device=self.device))[:, None]
+        # causal over real columns; a padding query sees itself (a fully masked row is NaN)
+        allowed = ((mask.bool()[:, None, None, :] & (col <= query_col))
+                   | (col == query_col))
+        cache = DynamicCache(config=self.model.config)
+        for layer, (k, v) in zip(cache.layers, past, strict=False):
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
+        logits = self._forward(ids, allowed, pos, cache, last_only=True)
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
         self.counters["prefill_calls"] += 1
         self.counters["prefill_tokens"] += sum(len(r.prompt_ids) - c for r, c, _ in unique)
         sel = torch.tensor(index, device=self.device)
         if u < len(new):  # identical prompts share one prefill
             logits, mask = logits[sel], mask[sel]
             kv = [(k[sel], v[sel]) for k, v in kv]
-        cached = [unique[j][1] for j in index]
-        return logits, kv, mask, pos[:, -1][sel] + 1, cached, cmax
+        return logits, kv, mask, [unique[j][1] for j in index]
 
     def _admit(self, new: list[_Request], logits: torch.Tensor, kv: KV, mask: torch.Tensor,
-               next_pos: torch.Tensor, cached: list[int], cmax: int) -> torch.Tensor:
-        """Append the prefilled rows to the running batch; returns their logits."""
-        width = mask.size(1)
+               cached: list[int]) -> torch.Tensor:
+        """Copy the prefilled rows' real KV columns, in order, into the slots after the
+        running rows; returns their logits."""
+        n, u = len(self._rows), len(new)
+        lengths = [len(r.prompt_ids) for r in new]
+        width = max(lengths)
+        self._ensure_capacity(n + u, width + 1, like=kv)
+        # stable sort of "is padding": each row's real columns first, in their order
+        order = torch.argsort((mask == 0).to(torch.uint8), dim=1, stable=True)[:, :width]
+        for (keys, values), (k, v) in zip(self._buf, kv, strict=True):
+            idx = order[:, None, :, None].expand(u, k.size(1), width, k.size(3))
+            keys[n:n + u, :, :width] = k.gather(2, idx)
+            values[n:n + u, :, :width] = v.gather(2, idx)
+        self._len = torch.cat([self._len, torch.tensor(lengths, device=self.device)])
+        self._last = torch.cat([self._last, self._last.new_zeros(u)])  # set by the sampler
         for r, c in zip(new, cached, strict=True):
-            s = len(r.prompt_ids) - c
+            r.kv_len = len(r.prompt_ids)
             r.cached = c
             r.admitted_version = self.version
             r.budget = min(r.params.max_new_tokens, self.max_context - len(r.prompt_ids))
-            r.segments = [[cmax - c, cmax], [width - s, width]] if c else [[width - s, width]]
             self.counters["requests"] += 1
             self.counters["prompt_tokens"] += len(r.prompt_ids)
             self.counters["cached_tokens"] += c
-        self._append_rows(new, kv, mask, next_pos)
+        self._rows = self._rows + new
+        self.max_rows = max(self.max_rows, len(self._rows))
+        self._set_row_params()
         return logits
 
     # ----- batch bookkeeping -----
 
-    def _append_rows(self, new: list[_Request], kv: KV, mask: torch.Tensor,
-                     next_pos: torch.Tensor) -> None:
-        """Join `new` (their KV is [len(new), heads, w, dim]) to the running batch; the
-        narrower side is left-padded, so every row keeps its columns' order."""
-        w_old, w_new = self._mask.size(1), mask.size(1)
-        width = max(w_old, w_new)
-        if self._rows and w_old < width:
-            self._shift(width - w_old)
-        if w_new < width:
-            pad = width - w_new
-            mask = torch.cat([mask.new_zeros((len(new), pad)), mask], dim=1)
-            kv = [(_left_pad(k, pad), _left_pad(v, pad)) for k, v in kv]
-            for r in new:
-                r.segments = [[a + pad, b + pad] for a, b in r.segments]
-        if self._rows:
-            self._kv = [(torch.cat([k0, k1]), torch.cat([v0, v1]))
-                        for (k0, v0), (k1, v1) in zip(self._kv, kv, strict=True)]
-            self._mask = torch.cat([self._mask, mask])
-            self._pos = torch.cat([self._pos, next_pos])
-        else:
-            self._kv, self._mask, self._pos = kv, mask, next_pos
-        self._rows = self._rows + new
-        self.max_rows = max(self.max_rows, len(self._rows))
-        self._set_row_params()
-
-    def _shift(self, pad: int) -> None:
-        self._mask = torch.cat([self._mask.new_zeros((len(self._rows), pad)), self._mask], dim=1)
-        self._kv = [(_left_pad(k, pad), _left_pad(v, pad)) for k, v in self._kv]
-        for r in self._rows:
-            r.segments = [[a + pad, b + pad] for a, b in r.segments]
-
-    def _select(self, keep: list[int]) -> None:
-        """Keep only rows `keep` (finished rows leave), then drop the leading columns that are
-        padding in every remaining row."""
-        if not keep:
-            self._reset_batch()
+    def _ensure_capacity(self, rows: int, columns: int, like: KV | None = None) -> None:
+        """Grow the KV buffers (doubling, zero-filled: masked columns must be finite) to hold
+        `rows` rows of `columns` columns, keeping the running rows' KV; `like` gives the
+        layers' shapes when there is no buffer yet."""
+        have_rows = self._buf[0][0].size(0) if self._buf else 0
+        have_cols = self._buf[0][0].size(2) if self._buf else 0
+        if rows <= have_rows and columns <= have_cols:
             return
-        sel = torch.tensor(keep, device=self.device)
-        self._rows = [self._rows[i] for i in keep]
-        trim = min(r.segments[0][0] for r in self._rows)
-        self._kv = [(k[sel, :, trim:], v[sel, :, trim:]) for k, v in self._kv]
-        self._mask = self._mask[sel, trim:]
-        self._pos = self._pos[sel]
-        self._last = self._last[sel]
-        for r in self._rows:
-            r.segments = [[a - trim, b - trim] for a, b in r.segments]
+        new_rows = min(self.max_batch_size, max(rows, 2 * have_rows))
+        new_cols = max(columns, min(self.max_context + 1, max(2 * have_cols, 64)))
+        n, width = len(self._rows), max((r.kv_len for r in self._rows), default=0)
+        grown = []
+        for pair in self._buf or like:
+            fresh = tuple(t.new_zeros((new_rows, t.size(1), new_cols, t.size(3))) for t in pair)
+            if self._buf:
+                for f, t in zip(fresh, pair, strict=True):
+                    f[:n, :, :width] = t[:n, :, :width]
+            grown.append(fresh)
+        self._buf = grown
+
+    def _remove_rows(self, gone: list[int]) -> None:
+        """Rows `gone` leave the batch at once. The last rows move into the freed slots (only
+        their KV is copied), so the running rows stay in slots [0, rows)."""
+        gone_set = set(gone)
+        m = len(self._rows) - len(gone_set)
+        holes = [i for i in sorted(gone_set) if i < m]
+        movers = [i for i in range(m, len(self._rows)) if i not in gone_set]
+        order = list(range(m))
+        if holes:
+            width = max(self._rows[i].kv_len for i in movers)
+            dst = torch.tensor(holes, device=self.device)
+            src = torch.tensor(movers, device=self.device)
+            for keys, values in self._buf:
+                keys[dst, :, :width] = keys[src, :, :width]
+                values[dst, :, :width] = values[src, :, :width]
+            for hole, mover in zip(holes, movers, strict=True):
+                order[hole] = mover
+        sel = torch.tensor(order, dtype=torch.long, device=self.device)
+        self._rows = [self._rows[i] for i in order]
+        self._len, self._last = self._len[sel], self._last[sel]
         self._set_row_params()
 
     def _set_row_params(self) -> None:
@@ -634,7 +645,7 @@ class EmbeddedEngine:
             "seed": torch.tensor([r.seed for r in rows], dtype=torch.long, device=dev),
             "prompt_len": torch.tensor([len(r.prompt_ids) for r in rows], device=dev),
         }
-        self._max_top_k = max(r.params.top_k for r in rows)
+        self._max_top_k = max((r.params.top_k for r in rows), default=0)
         self._any_top_p = any(r.params.top_p < 1.0 for r in rows)
 
     def _finish(self, i: int, reason: str) -> None:
@@ -643,9 +654,8 @@ class EmbeddedEngine:
         if (reason != "abort" and self.cache.budget_bytes > 0
                 and r.admitted_version == self.version):
             # the KV of the prompt and every generated token but the last (never run)
-            kv = [(torch.cat([k[i:i + 1, :, a:b] for a, b in r.segments], dim=2),
-                   torch.cat([v[i:i + 1, :, a:b] for a, b in r.segments], dim=2))
-                  for k, v in self._kv]
+            kv = [(k[i:i + 1, :, :r.kv_len].clone(), v[i:i + 1, :, :r.kv_len].clone())
+                  for k, v in self._buf]
             self.cache.put(r.prompt_ids + r.out_ids[:-1], kv, r.session_id)
         self._answer(r, reason)
 
@@ -687,17 +697,13 @@ class EmbeddedEngine:
             for r in hit:
                 self._answer(r, "abort")
             n += len(hit)
-        keep = []
-        for i, r in enumerate(self._rows):
-            if match(r):
-                self._answer(r, "abort")
-                n += 1
-            else:
-                keep.append(i)
-        if len(keep) < len(self._rows):
-            self._select(keep)
-        self.counters["aborted"] += n
-        return n
+        hit = [i for i, r in enumerate(self._rows) if match(r)]
+        for i in hit:
+            self._answer(self._rows[i], "abort")
+        if hit:
+            self._remove_rows(hit)
+        self.counters["aborted"] += n + len(hit)
+        return n + len(hit)
 
 
 def _deliver(items: list) -> None:
@@ -710,5 +716,23 @@ def _deliver(items: list) -> None:
                 future.set_exception(error)
 
 
-def _left_pad(t: torch.Tensor, pad: int) -> torch.Tensor:
-    return torch.cat([t.new_zeros((t.size(0), t.size(1), pad, t.size(3))), t], dim=2)
+class _SlotCache(DynamicCache):
+    """The running batch's KV as the model sees it during a decode step: row i's new key and
+    value are written in place at column `lengths[i]` of its slot, and attention reads the
+    first `width` columns of the first `rows` slots (views, no copy)."""
+
+    def __init__(self, buffers: KV, rows: int, width: int, lengths: torch.Tensor):
+        super().__init__()
+        self._buffers, self._width, self._lengths = buffers, width, lengths
+        self._rows = torch.arange(rows, device=lengths.device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self._buffers[layer_idx]
+        keys[self._rows, :, self._lengths] = key_states[:, :, 0]
+        values[self._rows, :, self._lengths] = value_states[:, :, 0]
+        n = self._rows.numel()
+        return keys[:n, :, :self._width], values[:n, :, :self._width]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._width - 1
