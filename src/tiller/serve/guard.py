@@ -32,6 +32,7 @@ def resolve_below(root: Path, requested: str) -> tuple[Path, list[Path]]:
     the folder or a file lies outside `root` once `..` and symlinks are resolved; 400 when the
     path cannot be resolved (a NUL byte, a name too long, a symlink loop), is not a folder, or
     a file is not a regular file (a FIFO would hang the load)."""
+    shown = requested if len(requested) <= 100 else requested[:100] + "..."
     try:
         target = (root / requested).resolve()  # an absolute `requested` replaces root here
         if target != root and root not in target.parents:
@@ -51,7 +52,7 @@ def resolve_below(root: Path, requested: str) -> tuple[Path, list[Path]]:
         raise APIError(400, f"model_path {requested!r} is not a folder below --weights-root "
                             f"({e.strerror})") from e
     except (OSError, ValueError, RuntimeError) as e:  # NUL byte, ENAMETOOLONG, symlink loop
-        raise APIError(400, f"model_path {requested!r} cannot be resolved: "
+        raise APIError(400, f"model_path {shown!r} cannot be resolved: "
                             f"{type(e).__name__}: {e}"[:300]) from e
     return target, files
 
