@@ -369,10 +369,11 @@ class HttpEngine:
         """Write `update` to `<weights_dir>/v<version>` and have every server load it (all at
         once), each echoing success and the version. A server that answers otherwise (an error,
         4xx, another version) is a RunError naming it: it holds weights the trainer does not
-        know. A dead one (no answer, timeout, 5xx) is marked down and skipped, logged and
-        counted in `push_skipped_down`, like a server already down that does not answer
-        /health; one that does answer loads the weights and rejoins. No server taking the
-        weights is a RunError. Older versions this engine wrote are removed afterwards."""
+        know. A dead one (no answer, timeout, 502/503/504, a 500 and no /health) is marked down
+        and skipped, logged and counted in `push_skipped_down`, like a server already down that
+        does not answer /health; one that does answer loads the weights and rejoins. No server
+        taking the weights is a RunError, and the folder is removed. Older versions this engine
+        wrote are removed afterwards."""
         if in_flight not in ("continue", "abort"):
             raise ValueError(f"in_flight must be 'continue' or 'abort', got {in_flight!r}")
         folder = (self.weights_dir / f"v{update.version}").resolve()
@@ -422,7 +423,13 @@ class HttpEngine:
             return True
 
         async def every() -> list[bool]:
-            return list(await asyncio.gather(*(one(s) for s in self.servers)))
+            # every server's push ends before any error is raised (or the folder removed)
+            results = await asyncio.gather(*(one(s) for s in self.servers),
+                                           return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+            return list(results)
 
         try:
             pushed = self._call(every(), f"weight push v{update.version} to every server")
