@@ -61,6 +61,7 @@ T = TypeVar("T")
 FINISH_REASONS = ("stop", "length", "abort")
 MAX_SESSIONS = 1 << 16  # sticky sessions remembered (LRU); a forgotten one is just placed again
 HEALTH_TIMEOUT_S = 5.0  # a down server that cannot answer /health within this stays down
+KEEPALIVE_S = 2.0  # idle connections kept this long: under the servers' keep-alive timeout
 
 
 DOWN_STATUSES = (502, 503, 504)  # a proxy in front of a dead server, overload, a gateway timeout
@@ -107,10 +108,14 @@ class HttpEngine:
         self._rids: dict[str, Server] = {}  # request id -> the server it is running on
         self._written: list[Path] = []  # weight folders this engine wrote (only these are removed)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        # no connection cap: 128 concurrent episodes must not queue behind httpx's default 100
+        # no connection cap: 128 concurrent episodes must not queue behind httpx's default 100.
+        # Idle connections are dropped after 2 s, before the server drops them (uvicorn: 5 s,
+        # httpx's default is also 5 s): a request sent on a connection the server is closing
+        # fails with ReadError and would mark a healthy server down.
         self._client = httpx.AsyncClient(
             headers=headers, timeout=httpx.Timeout(request_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                keepalive_expiry=KEEPALIVE_S))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="tiller-http-engine")
