@@ -238,8 +238,10 @@ class HttpEngine:
                 answer = await self._post(server, "/generate", body)
                 gen = _generation(server.url, answer, len(prompt_ids))
                 self._check_fresh(server, answer, gen)
-            except RunError:  # a 4xx, a 500 about this request, a malformed answer
+            except RunError as e:  # a 4xx, a 500 about this request, a malformed answer
                 self.counters["failed_requests"] += 1
+                logger.warning("engine request %s failed on %s, not retried: %s", rid,
+                               server.url, e)
                 raise
             except ServerDown as e:
                 self._mark_down(server, str(e))
