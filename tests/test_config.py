@@ -34,6 +34,25 @@ def test_bad_fields_name_field_value_and_expectation(override, words):
         assert w in str(e.value)
 
 
+HTTP = ["engine.backend=http", 'engine.urls=["http://127.0.0.1:30000"]']
+
+
+def test_the_engine_api_key_stays_out_of_every_dump():
+    cfg = load_config(CONFIG, [*HTTP, "engine.api_key=s3cret-key"])
+    assert cfg.engine.api_key.get_secret_value() == "s3cret-key"
+    dumped = cfg.model_dump()  # what config.yaml and wandb get
+    assert dumped["engine"]["api_key"] == "**********"
+    assert "s3cret-key" not in str(dumped) + cfg.model_dump_json() + repr(cfg)
+
+
+@pytest.mark.parametrize("field", ["max_batch_size=64", "cache_bytes=0"])
+def test_embedded_engine_fields_with_the_http_backend_are_errors(field):
+    with pytest.raises(ConfigError, match=rf"engine.{field.split('=')[0]}: only used with "
+                                          r"engine.backend: embedded"):
+        load_config(CONFIG, [*HTTP, f"engine.{field}"])
+    load_config(CONFIG, [*HTTP, "engine.max_batch_size=128"])  # the default: nothing to ignore
+
+
 def test_unreadable_configs(tmp_path):
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("model: [unclosed\n")

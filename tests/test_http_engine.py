@@ -54,15 +54,21 @@ class Servers:
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []
         self.logs = [root / f"server{i}.log" for i in range(n)]
+        self.cmds = []
         for i in range(n):
             port = free_port()
-            cmd = [sys.executable, "-m", "tiller", "serve", str(model_dir), "--port", str(port),
-                   "--weights-root", str(root)]
+            self.cmds.append([sys.executable, "-m", "tiller", "serve", str(model_dir), "--port",
+                              str(port), "--weights-root", str(root)])
             with open(self.logs[i], "w") as log:
-                self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+                self.procs.append(subprocess.Popen(self.cmds[i], stdout=log,
+                                                   stderr=subprocess.STDOUT))
             self.urls.append(f"http://127.0.0.1:{port}")
+        self.wait_up(range(n))
+
+    def wait_up(self, which) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
-        for i, url in enumerate(self.urls):
+        for i in which:
+            url = self.urls[i]
             while True:
                 if self.procs[i].poll() is not None:
                     raise RuntimeError(f"server {url} exited: {self.logs[i].read_text()[-2000:]}")
@@ -83,6 +89,13 @@ class Servers:
     def kill(self, i: int) -> None:
         self.procs[i].kill()
         self.procs[i].wait(10)
+
+    def restart(self, i: int) -> None:
+        """SIGKILL server i and start it again on the same port (MODEL_DIR's weights)."""
+        self.kill(i)
+        with open(self.logs[i], "a") as log:
+            self.procs[i] = subprocess.Popen(self.cmds[i], stdout=log, stderr=subprocess.STDOUT)
+        self.wait_up([i])
 
     def close(self) -> None:
         for p in self.procs:
@@ -250,13 +263,16 @@ def test_a_server_killed_mid_collection_is_retried_on_the_other(
     assert len(retried) == stats["retries"] and a.url in retried[0].message
 
 
-def test_every_server_down_is_one_line_naming_each(params, tmp_path):
+def test_every_server_down_is_one_line_naming_each(params, model, tmp_path):
     urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]  # nothing listens there
     http = engine_for(urls, tmp_path, max_retries=2)
     try:
         with pytest.raises(RunError) as e:
             asyncio.run(http.generate([1, 2], params, 0))
         stats = http.stats()
+        with pytest.raises(RunError, match="every engine server is down"):
+            http.update_weights(WeightUpdate.full(model, 1))
+        assert not (http.weights_dir / "v1").exists()  # no server took it: not left on disk
     finally:
         http.close()
     msg = str(e.value)
@@ -297,6 +313,40 @@ def test_weight_push_reaches_every_server_with_its_version(two_servers, model, t
         http.close()
 
 
+def test_a_restarted_server_is_dropped_until_the_next_push_rejoins_it(two_servers, model,
+                                                                      tokenizer, params,
+                                                                      tmp_path):
+    """A server restarted after a push holds its checkpoint's weights; here it even reports the
+    pushed version (0), so only its new boot id gives it away. Its answer is dropped and the
+    request retried on the other server; the next push finds it healthy and it rejoins."""
+    http = engine_for(two_servers, tmp_path)
+    prompt = tokenizer.encode("7 * 8 =")
+    try:
+        http.update_weights(perturbed(model, 0))  # not the checkpoint's weights, version 0
+        first = asyncio.run(http.generate(prompt, params, 3, session_id="s"))
+        assert [s.completed for s in http.servers] == [1, 0]
+        two_servers.restart(0)
+        assert server_version(two_servers.urls[0]) == 0
+        again = asyncio.run(http.generate(prompt, params, 3, session_id="s"))
+        assert again.token_ids == first.token_ids  # sampled by server 1, from the pushed weights
+        assert [s.completed for s in http.servers] == [1, 1]
+        assert "restarted: answered with boot id" in http.servers[0].last_error
+        stats = http.stats()
+        assert {k: stats[k] for k in ("stale_answers", "retries", "servers_marked_down",
+                                      "session_moves", "servers_up", "failed_requests")} == {
+            "stale_answers": 1, "retries": 1, "servers_marked_down": 1, "session_moves": 1,
+            "servers_up": 1, "failed_requests": 0}
+        http.update_weights(perturbed(model, 1))  # /health answers: it takes v1 and rejoins
+        assert http.stats()["servers_rejoined"] == 1 and http.stats()["servers_up"] == 2
+        assert [server_version(u) for u in two_servers.urls] == [1, 1]
+        for i in range(2):
+            got = asyncio.run(http.generate(prompt, params, 3, session_id=f"after{i}"))
+            assert got.version == 1
+        assert [s.completed for s in http.servers] == [3, 1]  # ties go to the first listed
+    finally:
+        http.close()
+
+
 def test_a_server_echoing_another_version_is_a_loud_error(two_servers, model, tmp_path):
     """One real server and one that claims to have loaded another version."""
     liar = {"/update_weights_from_disk": {"success": True, "weight_version": 5}}
@@ -329,6 +379,10 @@ def test_start_up_checks_the_model_and_pushes_the_initial_weights(two_servers, m
                                           r"has 601: serve the run's model"):
         connect(two_servers.urls, vocab_size=601, max_context=model.config.max_position_embeddings,
                 **common)
+    with pytest.raises(ConfigError, match=rf"model.dtype: bfloat16, but server "
+                                          rf"{two_servers.urls[0]} serves dtype float32"):
+        connect(two_servers.urls, vocab_size=600, max_context=model.config.max_position_embeddings,
+                dtype="bfloat16", **common)
     dead = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ConfigError, match=rf"server {dead} is not reachable \(ConnectError"):
         connect([two_servers.urls[0], dead], vocab_size=600,
@@ -352,15 +406,23 @@ class Recorder(BaseHTTPRequestHandler):
         if self.path == "/generate" and srv.hold:
             srv.generating.set()
             srv.aborted.wait(10)
-        answer = srv.answers.get(self.path, {})
+        self._answer(srv.answers.get(self.path, {}))
+        if self.path == "/abort_request":
+            srv.aborted.set()
+
+    def do_GET(self) -> None:  # noqa: N802
+        self.server.calls.append((self.path, None, self.headers.get("Authorization")))
+        self._answer(self.server.answers.get(self.path, {"status": "ok"}))
+
+    def _answer(self, answer) -> None:
+        """`answer`: a JSON body with 200, or (status, body)."""
+        status, answer = answer if isinstance(answer, tuple) else (200, answer)
         data = json.dumps(answer).encode()
-        self.send_response(200)
+        self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
-        if self.path == "/abort_request":
-            srv.aborted.set()
 
     def log_message(self, *args) -> None:
         pass
@@ -389,14 +451,18 @@ def url(srv: ThreadingHTTPServer) -> str:
 
 
 def test_control_calls_fan_out_to_every_server_with_the_key(tmp_path):
+    dead = f"http://127.0.0.1:{free_port()}"  # skipped (marked down, counted), not a failure
     with recorders(2, {"/flush_cache": {"entries_dropped": 3}}) as srvs:
-        http = engine_for([url(s) for s in srvs], tmp_path, api_key="k3y")
+        http = engine_for([url(s) for s in srvs] + [dead], tmp_path, api_key="k3y")
         try:
             http.pause()
             http.resume()
             assert http.flush_cache() == 6
+            stats = http.stats()
         finally:
             http.close()
+    assert (stats["control_skipped_down"], stats["servers_marked_down"], stats["servers_up"]) == (
+        1, 1, 2)
     for srv in srvs:
         assert [(p, a) for p, _, a in srv.calls] == [
             ("/pause_generation", "Bearer k3y"), ("/continue_generation", "Bearer k3y"),
@@ -441,8 +507,65 @@ def test_tokens_the_server_did_not_sample_are_a_loud_error(params, tmp_path):
             with pytest.raises(RunError, match=r"output_token_logprobs' token ids differ from "
                                                r"output_ids at position 1 \(3 vs 3 tokens\)"):
                 asyncio.run(http.generate([1], params, 0))
+            assert (http.stats()["failed_requests"], http.stats()["retries"]) == (1, 0)
         finally:
             http.close()
+
+
+def test_abort_of_nothing_is_false_and_seeds_are_masked_to_63_bits(params, tmp_path):
+    partial = {"output_ids": [], "meta_info": {
+        "finish_reason": {"type": "abort"}, "output_token_logprobs": [], "weight_version": 0}}
+    answers = {"/generate": partial, "/abort_request": {"success": True, "aborted": 0}}
+    with recorders(1, answers, hold=True) as srvs:
+        http = engine_for([url(srvs[0])], tmp_path)
+
+        async def main():
+            task = asyncio.create_task(http.generate([1, 2], params, 2**64 + 7, request_id="r"))
+            await asyncio.to_thread(srvs[0].generating.wait, 10)
+            aborted = await asyncio.to_thread(http.abort, "r")
+            return aborted, await asyncio.wait_for(task, 10)
+
+        try:
+            aborted, gen = asyncio.run(main())
+        finally:
+            http.close()
+    assert aborted is False and gen.finish_reason == "abort"  # the server ended nothing
+    assert srvs[0].calls[0][1]["sampling_params"]["seed"] == 7  # as the embedded engine
+
+
+GENERATED = {"output_ids": [4], "meta_info": {
+    "finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.5, 4, None]],
+    "weight_version": 0}}
+
+
+def test_a_500_of_a_healthy_server_fails_only_that_request(params, tmp_path):
+    """tiller serve's 500 "the engine failed" is about the request: no retry, no server down;
+    a 503 (or a 500 whose server no longer answers /health) is a dead server: retried."""
+    broken = {"/generate": (500, {"error": {"message": "the engine failed: ValueError: x"}})}
+    with recorders(2, broken) as srvs:
+        http = engine_for([url(s) for s in srvs], tmp_path)
+        try:
+            with pytest.raises(RunError, match=rf"server {url(srvs[0])}: /generate answered "
+                                               r"HTTP 500: .*the engine failed: ValueError: x"):
+                asyncio.run(http.generate([1, 2], params, 0))
+            stats = http.stats()
+        finally:
+            http.close()
+    assert [p for p, _, _ in srvs[0].calls] == ["/generate", "/health"] and srvs[1].calls == []
+    assert (stats["failed_requests"], stats["retries"], stats["servers_up"]) == (1, 0, 2)
+
+    for dead in ({"/generate": (503, {})},
+                 {"/generate": (500, {}), "/health": (500, {})}):
+        with recorders(1, dead) as bad, recorders(1, {"/generate": GENERATED}) as good:
+            http = engine_for([url(bad[0]), url(good[0])], tmp_path)
+            try:
+                gen = asyncio.run(http.generate([1, 2], params, 0))
+                stats = http.stats()
+            finally:
+                http.close()
+        assert gen.token_ids == [4]
+        assert (stats["retries"], stats["servers_marked_down"], stats["failed_requests"]) == (
+            1, 1, 0)
 
 
 # ---------------------------------------------------------------- training runs
@@ -551,9 +674,10 @@ def test_pause_abort_and_resume_on_real_servers(two_servers, params, tmp_path):
 
     try:
         aborted, after = asyncio.run(main())
-        assert http.flush_cache() >= 0
+        dropped = (http.flush_cache(), http.flush_cache())
     finally:
         http.close()
+    assert dropped == (1, 0)  # the finished request's KV, kept for prefix sharing; then none
     assert aborted.finish_reason == "abort" and aborted.token_ids == []
     assert after.finish_reason in ("stop", "length") and len(after.token_ids) > 0
 
@@ -575,3 +699,21 @@ def test_the_servers_context_bounds_a_turn(params, tmp_path):
     assert (full.token_ids, full.finish_reason, full.prompt_tokens) == ([], "length", 10)
     assert [(p, b["sampling_params"]["max_new_tokens"]) for p, b, _ in srvs[0].calls] == [
         ("/generate", 1)]  # 12 asked, 1 fits
+
+
+def test_run_close_closes_every_part_when_the_engine_fails(tmp_path):
+    """A run whose engine cannot close (here: none to close) still closes its metrics file and
+    tool stack and resets the sandbox policy, then raises the engine's error."""
+    from tiller.observe.metrics import MetricsLogger
+    from tiller.tools import sandbox
+    from tiller.tools.stack import ToolsConfig, ToolStack
+
+    run = Run.__new__(Run)  # only the parts close() touches
+    run.engine = None
+    run.logger = MetricsLogger(tmp_path, tensorboard=False)
+    run.tools = ToolStack(ToolsConfig(), tmp_path)
+    sandbox.set_unsafe_fallback(True)
+    with pytest.raises(AttributeError, match="close"):
+        run.close()
+    assert run.logger._file.closed and sandbox._fallback_allowed is False
+

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from http.client import HTTPConnection
 from pathlib import Path
 
 import httpx
@@ -22,6 +23,7 @@ import openai
 import pytest
 import torch
 import torch.nn.functional as F
+import uvicorn
 from fastapi.testclient import TestClient
 
 from tiller.envs import ENVS
@@ -292,6 +294,20 @@ BAD = [  # (id, route, body: dict, or bytes sent as they are, expected status, m
     ("abort-nothing", "/abort_request", {}, 400, "rid"),
     ("update-unknown-field", "/update_weights_from_disk", {"model_path": "x", "pth": 1}, 400,
      "pth"),
+    ("huge-top-k", "/generate", {**GEN, "sampling_params": {"top_k": 2**70}}, 400, "top_k"),
+    ("huge-top-k-chat", "/v1/chat/completions", {**CHAT, "top_k": 2**31}, 400, "top_k"),
+    ("text-over-char-bound", "/generate", {"text": "x" * (32 * MAX_PROMPT + 1)}, 400,
+     "characters"),
+    ("chat-over-char-bound", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": "x" * (32 * MAX_PROMPT + 1)}]}, 400,
+     "characters"),
+    ("echo", "/v1/completions", {**CMPL, "echo": True}, 400, "echo"),
+    ("tool-schema-not-object", "/v1/chat/completions", {**CHAT, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     400, "type"),
+    ("pause-junk", "/pause_generation", {"junk": 1}, 400, "junk"),
+    ("continue-junk", "/continue_generation", {"mode": "x"}, 400, "mode"),
+    ("flush-junk", "/flush_cache", b"[1, 2]", 400, "invalid request"),
 ]
 
 
@@ -351,6 +367,11 @@ def checkpoints(tool_model_dir, weights_root, tmp_path_factory):
     (weights_root / "file_link").mkdir()
     (weights_root / "file_link" / "model.safetensors").symlink_to(
         outside / "ckpt" / "model.safetensors")
+    (weights_root / "loop_a").symlink_to(weights_root / "loop_b")  # a loop inside the root
+    (weights_root / "loop_b").symlink_to(weights_root / "loop_a")
+    (outside / "loop_c").symlink_to(outside / "loop_d")  # and one outside, linked from inside
+    (outside / "loop_d").symlink_to(outside / "loop_c")
+    (weights_root / "out_loop").symlink_to(outside / "loop_c")
     return outside
 
 
@@ -362,6 +383,10 @@ def checkpoints(tool_model_dir, weights_root, tmp_path_factory):
     ("file_link", 403, "links outside"),
     ("missing", 400, "not a folder"),
     ("misfit", 400, "does not fit the model"),
+    ("nul\x00byte", 400, "cannot be resolved"),
+    ("a" * 300, 400, "cannot be resolved"),
+    ("loop_a", 400, "cannot be resolved"),
+    ("out_loop", 400, "cannot be resolved"),
 ])
 def test_weights_outside_the_root_or_misfit_are_refused(http, checkpoints, path, status, part):
     before = _greedy(http)
@@ -373,6 +398,13 @@ def test_weights_outside_the_root_or_misfit_are_refused(http, checkpoints, path,
     after = _greedy(http)  # weights and version unchanged
     assert after["output_ids"] == before["output_ids"]
     assert after["meta_info"]["weight_version"] == before["meta_info"]["weight_version"]
+
+
+def test_a_fifo_named_safetensors_is_refused_without_hanging(http, weights_root):
+    (weights_root / "fifo").mkdir()
+    os.mkfifo(weights_root / "fifo" / "x.safetensors")  # opening it would block the load
+    r = http.post("/update_weights_from_disk", json={"model_path": "fifo"}, timeout=20)
+    assert r.status_code == 400 and "not a regular file" in r.json()["error"]["message"]
 
 
 def test_update_weights_from_disk_echoes_the_version_and_changes_outputs(http, checkpoints):
@@ -492,6 +524,44 @@ def test_a_failing_engine_answers_500_json_and_logs(model, tokenizer, caplog):
                                                 "accelerator fell over")
         assert c.get("/health").status_code == 200
     assert any("the engine failed" in rec.getMessage() for rec in caplog.records)
+
+
+def test_an_unexpected_error_is_a_json_500_and_the_connection_lives_on(model, tokenizer,
+                                                                        caplog):
+    """A real uvicorn on loopback: the 500 is answered without re-raising, so uvicorn keeps
+    the kept-alive connection (it drops it after an exception escapes the app)."""
+    app = _app(model, tokenizer)
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise KeyError("a bug")
+
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    conn = HTTPConnection("127.0.0.1", port, timeout=20)
+    try:
+        deadline = time.monotonic() + 30
+        while not srv.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.05)
+        with caplog.at_level(logging.ERROR, logger="tiller.serve"):
+            conn.request("GET", "/boom")
+            r = conn.getresponse()
+            assert r.status == 500
+            assert json.loads(r.read())["error"]["message"] == "internal error: KeyError"
+        sock = conn.sock
+        conn.request("GET", "/health")  # on the same connection
+        r = conn.getresponse()
+        assert (r.status, json.loads(r.read())) == (200, {"status": "ok"})
+        assert conn.sock is sock  # not reconnected
+        assert any("GET /boom failed" in rec.getMessage() for rec in caplog.records)
+    finally:
+        conn.close()
+        srv.should_exit = True
+        thread.join(timeout=20)
+    assert not thread.is_alive()
 
 
 def test_a_generation_past_the_timeout_is_aborted_with_504(model, tokenizer):

@@ -18,7 +18,9 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationError,
+    field_serializer,
     field_validator,
     model_validator,
 )
@@ -90,9 +92,10 @@ class EngineConfig(_Section):
     urls: list[str] = Field(
         default_factory=list, description="http: base URLs of the servers (e.g. "
         "http://127.0.0.1:30000); episodes stick to one, new episodes go to the least loaded")
-    api_key: str | None = Field(
+    api_key: SecretStr | None = Field(
         None, description="http: bearer token the servers were started with (--api-key); "
-        "default: the TILLER_API_KEY environment variable, if set")
+        "default: the TILLER_API_KEY environment variable, if set (recommended: a key in the "
+        "config file is kept out of dumps, config.yaml and wandb, but lives in the file)")
     weights_dir: str | None = Field(
         None, description="http: folder the trainer writes each weight version to, which "
         "must be below every server's --weights-root; default <run dir>/weights")
@@ -106,11 +109,21 @@ class EngineConfig(_Section):
         1 << 30, ge=0, description="embedded: byte budget of the KV kept between turns and "
         "for shared prefixes (LRU); 0 turns reuse off, so every turn re-prefills")
 
+    @field_serializer("api_key")
+    def _hide_key(self, key: SecretStr | None) -> str | None:
+        return None if key is None else "**********"  # dumps never carry the key
+
     @model_validator(mode="after")
     def _backend_fields(self) -> EngineConfig:
         if self.backend == "http" and not self.urls:
             raise ConfigError("config field engine.urls: engine.backend is http, so list at "
                               "least one server URL (start one with `tiller serve MODEL`)")
+        if self.backend == "http":
+            for name in ("max_batch_size", "cache_bytes"):
+                if getattr(self, name) != type(self).model_fields[name].default:
+                    raise ConfigError(f"config field engine.{name}: only used with "
+                                      "engine.backend: embedded (set the servers' own limits "
+                                      "with tiller serve's options)")
         if self.backend == "embedded":
             for name in ("urls", "api_key", "weights_dir"):
                 if getattr(self, name):

@@ -126,11 +126,12 @@ class Run:
 
             e = cfg.engine
             self.engine = connect(e.urls, weights_dir=e.weights_dir or self.dir / "weights",
-                                  api_key=e.api_key, request_timeout_s=e.request_timeout_s,
+                                  api_key=e.api_key.get_secret_value() if e.api_key else None,
+                                  request_timeout_s=e.request_timeout_s,
                                   max_retries=e.max_retries,
                                   vocab_size=self.model.config.vocab_size,
                                   max_context=self.model.config.max_position_embeddings,
-                                  initial=self.trainer.weight_update())
+                                  initial=self.trainer.weight_update(), dtype=cfg.model.dtype)
         else:
             self.engine = EmbeddedEngine(copy.deepcopy(self.model).to(self.dtype),
                                          self.tokenizer.pad_token_id,
@@ -188,7 +189,13 @@ class Run:
         return out
 
     def close(self) -> None:
-        self.engine.close()
-        self.logger.close()
-        self.tools.close()
-        set_unsafe_fallback(False)  # the run's sandbox policy does not outlive the run
+        try:  # each closes even when the one before it failed
+            self.engine.close()
+        finally:
+            try:
+                self.logger.close()
+            finally:
+                try:
+                    self.tools.close()
+                finally:
+                    set_unsafe_fallback(False)  # the run's sandbox policy ends with the run

@@ -10,10 +10,20 @@ The router spreads requests over the servers:
 - a session (an episode) sticks to the server that served its first turn, whose prefix cache
   holds the conversation so far; a new session goes to the server with the fewest requests in
   flight (ties: the first listed);
-- a request that fails on a server (connection error, timeout, 5xx) marks the server down and is
-  retried on another, up to `max_retries` times, each retry counted in `stats()` and logged; the
-  session moves with it (it re-prefills there: correct, only slower). With the same seed the
-  retried request samples the same tokens, when the servers hold the same weights;
+- a request that fails on a server (connection error, timeout, HTTP 502/503/504) marks the
+  server down and is retried on another, up to `max_retries` times, each retry counted in
+  `stats()` and logged; the session moves with it (it re-prefills there: correct, only
+  slower). With the same seed the retried request samples the same tokens, when the servers
+  hold the same weights;
+- an answer from another weight version than the one pushed to that server, or with another
+  boot id than the server reported at the push (`tiller serve` draws one at every start: a
+  restarted server reports the version its checkpoint starts at, which may equal the pushed
+  one), comes from a server that restarted with other weights: it is dropped, and the server
+  is marked down and the request retried, as for a dead server;
+- an HTTP 500 is about the request when the server still answers `GET /health`: the request
+  fails (RunError naming the server and its message, counted in `failed_requests`) and is not
+  retried, since every server would fail it alike; if /health does not answer, the server is
+  down;
 - a server marked down gets no new requests. It is probed again (`GET /health`) only at the next
   weight push, and rejoins only if it then takes the new weights: a server that came back from a
   crash holds stale weights and would otherwise sample another policy;
@@ -51,10 +61,15 @@ T = TypeVar("T")
 FINISH_REASONS = ("stop", "length", "abort")
 MAX_SESSIONS = 1 << 16  # sticky sessions remembered (LRU); a forgotten one is just placed again
 HEALTH_TIMEOUT_S = 5.0  # a down server that cannot answer /health within this stays down
+KEEPALIVE_S = 2.0  # idle connections kept this long: under the servers' keep-alive timeout
+
+
+DOWN_STATUSES = (502, 503, 504)  # a proxy in front of a dead server, overload, a gateway timeout
 
 
 class ServerDown(Exception):
-    """A server that did not answer (connection error, timeout) or answered 5xx."""
+    """A server that did not answer (connection error, timeout), answered 502/503/504, or
+    answered from weights other than those pushed to it (it restarted)."""
 
 
 @dataclass
@@ -64,6 +79,10 @@ class Server:
     completed: int = 0  # generate requests it answered
     down: bool = False
     last_error: str = ""
+    version: int = 0  # the weight version it confirmed at the last push
+    previous: int = 0  # the one before (an answer finished just before the push may carry it)
+    pending: int | None = None  # the version being pushed to it now
+    boot_id: str | None = None  # what it reported at the last push (None: it reports none)
 
 
 class HttpEngine:
@@ -83,15 +102,20 @@ class HttpEngine:
         self.max_context: int | None = None
         self.counters = dict.fromkeys(
             ("requests", "retries", "failed_requests", "session_moves", "servers_marked_down",
-             "weight_pushes", "push_skipped_down", "servers_rejoined"), 0)
+             "stale_answers", "weight_pushes", "push_skipped_down", "servers_rejoined",
+             "control_skipped_down"), 0)
         self._sessions: OrderedDict[str, Server] = OrderedDict()
         self._rids: dict[str, Server] = {}  # request id -> the server it is running on
         self._written: list[Path] = []  # weight folders this engine wrote (only these are removed)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        # no connection cap: 128 concurrent episodes must not queue behind httpx's default 100
+        # no connection cap: 128 concurrent episodes must not queue behind httpx's default 100.
+        # Idle connections are dropped after 2 s, before the server drops them (uvicorn: 5 s,
+        # httpx's default is also 5 s): a request sent on a connection the server is closing
+        # fails with ReadError and would mark a healthy server down.
         self._client = httpx.AsyncClient(
             headers=headers, timeout=httpx.Timeout(request_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                keepalive_expiry=KEEPALIVE_S))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="tiller-http-engine")
@@ -112,7 +136,8 @@ class HttpEngine:
     async def _post(self, server: Server, path: str, body: dict | None = None,
                     timeout: float | None = None, missing_ok: bool = False) -> Any:
         """POST (GET without a body) and decode the JSON answer; ServerDown for what says the
-        server is dead, RunError (one line) for a 4xx, which no other server would answer
+        server is dead (no answer, 502/503/504, a 500 with /health not answering), RunError (one
+        line) for a 4xx or a 500 of a healthy server, which no other server would answer
         differently (`missing_ok`: None for a 404)."""
         url = server.url + path
         kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
@@ -123,8 +148,13 @@ class HttpEngine:
                 r = await self._client.post(url, json=body, **kwargs)
         except httpx.TransportError as e:  # connect/read errors and timeouts
             raise ServerDown(f"{type(e).__name__}: {e}".rstrip(": ")) from e
-        if r.status_code >= 500:
+        if r.status_code in DOWN_STATUSES:
             raise ServerDown(f"HTTP {r.status_code}: {_short(r.text)}")
+        if r.status_code == 500 and path != "/health":
+            try:  # the request broke something, or the server is breaking down?
+                await self._post(server, "/health", timeout=HEALTH_TIMEOUT_S)
+            except (ServerDown, RunError) as e:
+                raise ServerDown(f"HTTP 500: {_short(r.text)}; then /health: {e}") from e
         if r.status_code == 404 and missing_ok:
             return None
         if r.status_code >= 400:
@@ -189,7 +219,8 @@ class HttpEngine:
             "sampling_params": {
                 "temperature": params.temperature, "top_p": params.top_p,
                 "top_k": params.top_k, "max_new_tokens": max_new,
-                "stop_token_ids": list(params.stop_token_ids), "seed": seed},
+                "stop_token_ids": list(params.stop_token_ids),
+                "seed": seed & (2**63 - 1)},  # as the embedded engine: 63 bits
             "return_logprob": True,
             "rid": rid,
             "session_id": session_id,
@@ -205,6 +236,13 @@ class HttpEngine:
             server.inflight += 1
             try:
                 answer = await self._post(server, "/generate", body)
+                gen = _generation(server.url, answer, len(prompt_ids))
+                self._check_fresh(server, answer, gen)
+            except RunError as e:  # a 4xx, a 500 about this request, a malformed answer
+                self.counters["failed_requests"] += 1
+                logger.warning("engine request %s failed on %s, not retried: %s", rid,
+                               server.url, e)
+                raise
             except ServerDown as e:
                 self._mark_down(server, str(e))
                 if all(s.down for s in self.servers):  # no other server to retry on
@@ -223,8 +261,23 @@ class HttpEngine:
                 server.inflight -= 1
                 self._rids.pop(rid, None)
             server.completed += 1
-            return _generation(server.url, answer, len(prompt_ids))
+            return gen
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _check_fresh(self, server: Server, answer: dict, gen: Generation) -> None:
+        """ServerDown when the answer was sampled from weights other than those pushed to
+        `server`: another boot id (it restarted) or a version neither confirmed nor being
+        pushed nor the one before (an answer that finished just before a push applied carries
+        that one, and the trajectory records it as its version)."""
+        boot = answer["meta_info"].get("boot_id")
+        if server.boot_id is not None and boot != server.boot_id:
+            problem = f"boot id {boot!r}, not {server.boot_id!r} as at the last weight push"
+        elif gen.version not in (server.version, server.pending, server.previous):
+            problem = f"weight version {gen.version}, not the pushed {server.version}"
+        else:
+            return
+        self.counters["stale_answers"] += 1
+        raise ServerDown(f"restarted: answered with {problem}; down until the next weight push")
 
     # ------------------------------------------------------------------ control
     def abort(self, request_id: str) -> bool:
@@ -236,10 +289,15 @@ class HttpEngine:
         answer = self._call(self._post(server, "/abort_request", {"rid": request_id},
                                        missing_ok=True),
                             f"abort of {request_id} on {server.url}")
-        return answer is not None  # None: 404, it finished before the abort arrived
+        if answer is None:  # 404: it finished before the abort arrived
+            return False
+        return not isinstance(answer, dict) or int(answer.get("aborted", 1)) > 0
 
     def _fan_out(self, path: str, body: dict | None = None) -> list[Any]:
-        """POST to every up server at once; any failure is a RunError naming the server."""
+        """POST to every up server at once and return the answers of those that answered; a
+        server that is dead now is marked down and skipped (logged, counted in
+        `control_skipped_down`), like at a weight push; none answering is a RunError. A 4xx or
+        a 500 of a healthy server is a RunError naming it."""
         up = [s for s in self.servers if not s.down]
         if not up:
             raise self._all_down()
@@ -249,12 +307,18 @@ class HttpEngine:
                 return await self._post(server, path, body if body is not None else {})
             except ServerDown as e:
                 self._mark_down(server, str(e))
-                raise RunError(f"server {server.url}: {path} failed: {e}") from e
+                self.counters["control_skipped_down"] += 1
+                logger.warning("%s: server %s is down (%s); skipped", path, server.url, e)
+                return _SKIPPED
 
         async def every() -> list[Any]:
             return list(await asyncio.gather(*(one(s) for s in up)))
 
-        return self._call(every(), f"{path} on {len(up)} server(s)")
+        answers = [a for a in self._call(every(), f"{path} on {len(up)} server(s)")
+                   if a is not _SKIPPED]
+        if not answers:
+            raise self._all_down()
+        return answers
 
     def pause(self) -> None:
         self._fan_out("/pause_generation")
@@ -274,9 +338,10 @@ class HttpEngine:
         return out
 
     # ------------------------------------------------------------------ start-up and weights
-    def check_servers(self, vocab_size: int, max_context: int) -> None:
-        """Every server answers /get_model_info with the trainer's vocabulary size and context
-        length (`vocab_size`, `max_context`); otherwise one ConfigError naming the server."""
+    def check_servers(self, vocab_size: int, max_context: int, dtype: str | None = None) -> None:
+        """Every server answers /get_model_info with the trainer's vocabulary size, context
+        length and (when given) the engine dtype (`model.dtype`); otherwise one ConfigError
+        naming the server."""
 
         async def one(server: Server) -> None:
             try:
@@ -288,10 +353,14 @@ class HttpEngine:
             if not isinstance(info, dict):
                 raise ConfigError(f"config field engine.urls: server {server.url} answered "
                                   f"/get_model_info with {_short(str(info))}, not a JSON object")
+            if dtype is not None and "dtype" in info and info["dtype"] != dtype:
+                raise ConfigError(f"config field model.dtype: {dtype}, but server {server.url} "
+                                  f"serves dtype {info['dtype']}: set model.dtype: "
+                                  f"{info['dtype']} or restart it with --dtype {dtype}")
             for name, ours in (("vocab_size", vocab_size), ("max_context", max_context)):
                 if name not in info:
                     logger.warning("server %s: /get_model_info has no %s; not checked against "
-                                   "the trainer's %d", server.url, name, ours)
+                                   "the trainer's %s", server.url, name, ours)
                 elif info[name] != ours:
                     raise ConfigError(f"config field engine.urls: server {server.url} serves a "
                                       f"model with {name}={info[name]}, the trainer's has "
@@ -307,17 +376,27 @@ class HttpEngine:
         """Write `update` to `<weights_dir>/v<version>` and have every server load it (all at
         once), each echoing success and the version. A server that answers otherwise (an error,
         4xx, another version) is a RunError naming it: it holds weights the trainer does not
-        know. A dead one (no answer, timeout, 5xx) is marked down and skipped, logged and
-        counted in `push_skipped_down`, like a server already down that does not answer
-        /health; one that does answer loads the weights and rejoins. No server taking the
-        weights is a RunError. Older versions this engine wrote are removed afterwards."""
+        know. A dead one (no answer, timeout, 502/503/504, a 500 and no /health) is marked down
+        and skipped, logged and counted in `push_skipped_down`, like a server already down that
+        does not answer /health; one that does answer loads the weights and rejoins. No server
+        taking the weights is a RunError, and the folder is removed. Older versions this engine
+        wrote are removed afterwards."""
         if in_flight not in ("continue", "abort"):
             raise ValueError(f"in_flight must be 'continue' or 'abort', got {in_flight!r}")
-        folder = update.save(self.weights_dir / f"v{update.version}").resolve()
+        folder = (self.weights_dir / f"v{update.version}").resolve()
+        fresh = folder not in self._written  # a failed push removes only a folder it wrote
+        update.save(folder)
         body = {"model_path": str(folder), "weight_version": update.version,
                 "abort_all_requests": in_flight == "abort"}
 
         async def one(server: Server) -> bool:
+            server.pending = update.version
+            try:
+                return await push(server)
+            finally:
+                server.pending = None
+
+        async def push(server: Server) -> bool:
             if server.down:
                 try:
                     await self._post(server, "/health", timeout=HEALTH_TIMEOUT_S)
@@ -341,6 +420,8 @@ class HttpEngine:
                 raise RunError(f"weight push v{update.version}: server {server.url} answered "
                                f"{_short(str(answer))} (expected success and weight_version "
                                f"{update.version}): it does not hold the trainer's weights")
+            server.previous, server.version = server.version, update.version
+            server.boot_id = answer.get("boot_id")
             if server.down:
                 server.down = False
                 self.counters["servers_rejoined"] += 1
@@ -349,11 +430,22 @@ class HttpEngine:
             return True
 
         async def every() -> list[bool]:
-            return list(await asyncio.gather(*(one(s) for s in self.servers)))
+            # every server's push ends before any error is raised (or the folder removed)
+            results = await asyncio.gather(*(one(s) for s in self.servers),
+                                           return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+            return list(results)
 
-        pushed = self._call(every(), f"weight push v{update.version} to every server")
-        if not any(pushed):
-            raise self._all_down()
+        try:
+            pushed = self._call(every(), f"weight push v{update.version} to every server")
+            if not any(pushed):
+                raise self._all_down()
+        except BaseException:
+            if fresh:  # no server holds it as the trainer's current weights
+                shutil.rmtree(folder, ignore_errors=True)
+            raise
         self.counters["weight_pushes"] += 1
         for old in self._written:
             if old != folder:
@@ -374,6 +466,9 @@ class HttpEngine:
             if self._thread.is_alive():
                 raise RunError("http engine: its loop thread did not stop within 10 s")
             self._loop.close()
+
+
+_SKIPPED = object()  # what a control call to a server found down returns
 
 
 def _short(text: str, n: int = 200) -> str:
@@ -417,7 +512,7 @@ def _generation(url: str, answer: Any, prompt_tokens: int) -> Generation:
 
 def connect(urls: list[str], *, weights_dir: str | Path, api_key: str | None,
             request_timeout_s: float, max_retries: int, vocab_size: int, max_context: int,
-            initial: WeightUpdate) -> HttpEngine:
+            initial: WeightUpdate, dtype: str | None = None) -> HttpEngine:
     """An `HttpEngine` whose servers were checked against the trainer's model and hold its
     weights (`initial`): a server started from another checkpoint would otherwise sample
     another policy. `api_key` None: the TILLER_API_KEY environment variable, if set."""
@@ -425,7 +520,7 @@ def connect(urls: list[str], *, weights_dir: str | Path, api_key: str | None,
                         api_key=api_key or os.environ.get("TILLER_API_KEY"),
                         request_timeout_s=request_timeout_s, max_retries=max_retries)
     try:
-        engine.check_servers(vocab_size, max_context)
+        engine.check_servers(vocab_size, max_context, dtype)
         engine.update_weights(initial)
     except BaseException:
         engine.close()

@@ -46,12 +46,15 @@ class WeightUpdate:
         return folder
 
     @classmethod
-    def load(cls, folder: str | Path, version: int, model: nn.Module) -> WeightUpdate:
+    def load(cls, folder: str | Path, version: int, model: nn.Module,
+             files: list[Path] | None = None) -> WeightUpdate:
         """Every `*.safetensors` file in `folder` (a `save` or an HF `save_pretrained`
-        checkpoint) as a full update of `model`. Names the model ties to a tensor in the files
-        (lm_head to the embeddings) may be absent; anything else that does not fit raises
-        `WeightSyncError` before a weight is written."""
-        files = sorted(Path(folder).glob("*.safetensors"))
+        checkpoint), or exactly `files` when given (paths a caller already checked), as a full
+        update of `model`. Names the model ties to a tensor in the files (lm_head to the
+        embeddings) may be absent; anything else that does not fit raises `WeightSyncError`
+        before a weight is written."""
+        if files is None:
+            files = sorted(Path(folder).glob("*.safetensors"))
         if not files:
             raise WeightSyncError(f"no *.safetensors file in {str(folder)!r}")
         tensors: dict[str, torch.Tensor] = {}

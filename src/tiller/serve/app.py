@@ -12,11 +12,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tiller.serve import native
-from tiller.serve.guard import Guard
+from tiller.serve.guard import Guard, reply
 from tiller.serve.openai_routes import add_openai_routes
-from tiller.serve.protocol import APIError
+from tiller.serve.protocol import APIError, EmptyRequest, parse_body
 from tiller.serve.server import Server, ServeSettings
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ def create_app(engine: Any, tokenizer: Any, settings: ServeSettings) -> FastAPI:
                   openapi_url=None)
     app.state.server = server
     app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(CatchAll)  # added last: the outermost, so it sees every exception
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -44,12 +46,6 @@ def create_app(engine: Any, tokenizer: Any, settings: ServeSettings) -> FastAPI:
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(APIError(e.status_code, str(e.detail)).body(),
                             status_code=e.status_code)
-
-    @app.exception_handler(Exception)
-    async def crash(request: Request, e: Exception) -> JSONResponse:
-        logger.error("%s %s failed", request.method, request.url.path, exc_info=e)
-        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}").body(),
-                            status_code=500)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -63,7 +59,8 @@ def create_app(engine: Any, tokenizer: Any, settings: ServeSettings) -> FastAPI:
                 "weight_version": engine.version, "dtype": s.dtype, "device": s.device,
                 "vocab_size": server.vocab_size, "stop_token_ids": list(s.stop_token_ids),
                 "max_batch_size": engine.max_batch_size, "max_n": s.max_n,
-                "max_body_bytes": s.max_body_bytes, "weights_root": s.weights_root is not None}
+                "max_body_bytes": s.max_body_bytes, "weights_root": s.weights_root is not None,
+                "boot_id": server.boot_id}
 
     @app.post("/generate")
     async def generate(request: Request) -> dict[str, Any]:
@@ -78,18 +75,49 @@ def create_app(engine: Any, tokenizer: Any, settings: ServeSettings) -> FastAPI:
         return await native.abort(server, request)
 
     @app.post("/flush_cache")
-    async def flush_cache() -> dict[str, Any]:
+    async def flush_cache(request: Request) -> dict[str, Any]:
+        parse_body(await request.body(), EmptyRequest)
         return {"success": True, "entries_dropped": await asyncio.to_thread(engine.flush_cache)}
 
     @app.post("/pause_generation")
-    async def pause_generation() -> dict[str, Any]:
+    async def pause_generation(request: Request) -> dict[str, Any]:
+        parse_body(await request.body(), EmptyRequest)
         await asyncio.to_thread(engine.pause)
         return {"success": True}
 
     @app.post("/continue_generation")
-    async def continue_generation() -> dict[str, Any]:
+    async def continue_generation(request: Request) -> dict[str, Any]:
+        parse_body(await request.body(), EmptyRequest)
         await asyncio.to_thread(engine.resume)
         return {"success": True}
 
     add_openai_routes(app, server)
     return app
+
+
+class CatchAll:
+    """ASGI middleware: an exception no route handled is logged and answered as a JSON 500
+    here, and not re-raised, so uvicorn keeps the connection (Starlette's catch-all handler
+    re-raises after answering, and uvicorn then drops the kept-alive connection)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception as e:
+            logger.error("%s %s failed", scope["method"], scope["path"], exc_info=e)
+            if started:  # half an answer is out: only dropping the connection says it failed
+                raise
+            await reply(send, APIError(500, f"internal error: {type(e).__name__}"))

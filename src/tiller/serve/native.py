@@ -35,6 +35,8 @@ async def generate(server: Server, request: Request) -> dict[str, Any]:
                             "/v1/completions with stream=true")
     if sp.stop:
         raise APIError(400, "stop strings are not supported; use sampling_params.stop_token_ids")
+    if body.text is not None:
+        server.check_text(len(body.text))
     prompt = body.input_ids if body.input_ids is not None else server.tokenizer.encode(body.text)
     server.check_prompt(prompt, sp.max_new_tokens)
     params = server.sampling(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
@@ -46,7 +48,7 @@ async def generate(server: Server, request: Request) -> dict[str, Any]:
         "id": rid, "finish_reason": finish_reason(g), "prompt_tokens": len(prompt),
         "completion_tokens": len(g.token_ids), "cached_tokens": g.cached_tokens,
         "weight_version": g.version, "output_token_weight_versions": list(g.versions),
-        "seed": seed,
+        "seed": seed, "boot_id": server.boot_id,
     }
     if body.return_logprob:
         meta["output_token_logprobs"] = [
@@ -62,20 +64,21 @@ async def update_weights(server: Server, request: Request) -> dict[str, Any]:
     if root is None:
         raise APIError(403, "weight updates from disk are off: start tiller serve with "
                             "--weights-root DIR and put checkpoints below DIR")
-    folder = resolve_below(root, body.model_path)
     engine = server.engine
-    async with server.update_lock:
+    async with server.update_lock:  # checked here, so nothing changes between check and load
+        folder, files = await asyncio.to_thread(resolve_below, root, body.model_path)
         version = engine.version + 1 if body.weight_version is None else body.weight_version
         policy = "abort" if body.abort_all_requests else "continue"
         try:
-            update = await asyncio.to_thread(WeightUpdate.load, folder, version, engine.model)
+            update = await asyncio.to_thread(WeightUpdate.load, folder, version, engine.model,
+                                             files=files)
             applied = await asyncio.to_thread(engine.update_weights, update, in_flight=policy)
         except (WeightSyncError, SafetensorError, OSError) as e:  # nothing was applied
             raise APIError(400, f"cannot load {body.model_path!r}: {type(e).__name__}: {e}"
                            [:500]) from e
     logger.info("weights updated from %s to version %d", folder, applied)
     return {"success": True, "message": f"loaded {body.model_path!r} as version {applied}",
-            "weight_version": applied}
+            "weight_version": applied, "boot_id": server.boot_id}
 
 
 async def abort(server: Server, request: Request) -> dict[str, Any]:

@@ -98,6 +98,8 @@ async def completions(server: Server, request: Request) -> Any:
     _check_common(server, body)
     if body.logprobs:
         raise APIError(400, f"logprobs={body.logprobs}: {NO_TOP_LOGPROBS}; use logprobs=0")
+    if isinstance(body.prompt, str):
+        server.check_text(len(body.prompt))
     prompt = (server.tokenizer.encode(body.prompt) if isinstance(body.prompt, str)
               else body.prompt)
     rid, gens, seed, params = await _run(server, body, prompt, body.max_tokens, "cmpl")
@@ -195,6 +197,8 @@ async def chat_completions(server: Server, request: Request) -> Any:
         raise APIError(400, "top_logprobs needs logprobs=true")
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     messages = [_template_message(m) for m in body.messages]
+    server.check_text(sum(len(m["content"]) for m in messages)
+                      + sum(len(json.dumps(t)) for t in tools or []))
     try:
         chat = ChatFormat(server.tokenizer, tools)
         prompt = chat.prompt_ids(messages)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_INT = 2**31 - 1  # bound of every count that reaches torch (top_k, token counts)
 
 
 class APIError(Exception):
@@ -53,8 +55,8 @@ def parse_body(raw: bytes, model: type[_Strict]) -> Any:
 class GenerateSamplingParams(_Strict):
     temperature: float = Field(1.0, ge=0, description="0 samples greedily")
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1, description="-1 or 0: no top-k truncation")
-    max_new_tokens: int = Field(128, ge=1, description="SGLang's default")
+    top_k: int = Field(-1, ge=-1, le=MAX_INT, description="-1 or 0: no top-k truncation")
+    max_new_tokens: int = Field(128, ge=1, le=MAX_INT, description="SGLang's default")
     stop_token_ids: list[int] | None = Field(None, description="default: the model's stop ids")
     stop: str | list[str] | None = Field(None, description="stop strings: not supported")
     seed: int | None = Field(None, ge=0, lt=2**63, description="drawn (and reported) if absent")
@@ -82,8 +84,9 @@ class _OpenAISampling(_Strict):
     model: str
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1, description="vLLM/SGLang extension; -1 or 0: off")
-    n: int = Field(1, ge=1)
+    top_k: int = Field(-1, ge=-1, le=MAX_INT,
+                       description="vLLM/SGLang extension; -1 or 0: off")
+    n: int = Field(1, ge=1, le=MAX_INT)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -94,16 +97,25 @@ class _OpenAISampling(_Strict):
 
 class CompletionRequest(_OpenAISampling):
     prompt: str | list[int]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=MAX_INT,
+                                   description="null: the rest of the context")
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False
 
 
 class FunctionDef(_Strict):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: bool | None = Field(None, description="accepted and ignored (OpenAI clients send "
+                                "it); arguments are parsed, not constrained")
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        # the chat template renders the schema as the model was trained to read it: an object
+        if v is not None and v.get("type") != "object":
+            raise ValueError('a tool\'s parameters must be a JSON schema of "type": "object"')
+        return v
 
 
 class ToolDef(_Strict):
@@ -117,7 +129,8 @@ class FunctionCall(_Strict):
 
 
 class ToolCallMessage(_Strict):
-    id: str | None = None
+    id: str | None = Field(None, description="accepted and ignored: the chat template does not "
+                           "render call ids")
     type: Literal["function"] = "function"
     function: FunctionCall
 
@@ -132,7 +145,9 @@ class ChatMessage(_Strict):
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None
-    tool_call_id: str | None = None
+    tool_call_id: str | None = Field(None, description="accepted and ignored (the openai client "
+                                     "sends it in tool messages; the template does not render "
+                                     "it)")
     refusal: None = None
 
 
@@ -140,8 +155,9 @@ class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["auto"] | None = Field(None, description="only 'auto' is supported")
-    max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT,
+                                   description="default: the rest of the context")
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -149,8 +165,10 @@ class ChatCompletionRequest(_OpenAISampling):
 # ---- control ------------------------------------------------------------------------------
 
 class UpdateWeightsRequest(_Strict):
-    model_path: str = Field(min_length=1, description="a folder below --weights-root")
-    weight_version: int | None = Field(None, ge=0, description="default: the current + 1")
+    model_path: str = Field(min_length=1, max_length=4096,
+                            description="a folder below --weights-root")
+    weight_version: int | None = Field(None, ge=0, lt=2**62,
+                                       description="default: the current + 1")
     abort_all_requests: bool = Field(False, description="abort in-flight requests (partial) "
                                      "instead of continuing them under the new weights")
     load_format: Literal["safetensors"] | None = None
@@ -159,3 +177,8 @@ class UpdateWeightsRequest(_Strict):
 class AbortRequest(_Strict):
     rid: str | None = None
     abort_all: bool = False
+
+
+class EmptyRequest(_Strict):
+    """/pause_generation, /continue_generation, /flush_cache: no fields (an empty body or
+    `{}`); anything else is a 400 naming it."""

@@ -19,6 +19,7 @@ from tiller.serve.protocol import APIError
 logger = logging.getLogger(__name__)
 
 ABORT_GRACE_S = 5.0  # an aborted request answers at the engine's next step
+CHARS_PER_TOKEN = 32  # text longer than this many characters per allowed token is refused
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,17 @@ class Server:
         self.created = int(time.time())
         self.inflight: dict[str, list[str]] = {}  # rid -> the engine request ids of its choices
         self.update_lock = asyncio.Lock()  # one weight update at a time
+        # new at every start: a client that sees it change knows the server restarted (with the
+        # weights of MODEL_PATH, whatever version it reports)
+        self.boot_id = secrets.token_hex(8)
+
+    def check_text(self, chars: int) -> None:
+        """APIError 400 for text so long it cannot fit --max-prompt-tokens, before tokenizing
+        it (tokenizing megabytes would hold up the event loop)."""
+        limit = CHARS_PER_TOKEN * self.max_prompt_tokens
+        if chars > limit:
+            raise APIError(400, f"the prompt has {chars} characters, over the limit of {limit} "
+                                f"({CHARS_PER_TOKEN} per token of --max-prompt-tokens)")
 
     def check_prompt(self, ids: list[int], max_new_tokens: int) -> None:
         """APIError 400 unless the prompt is non-empty, in the vocabulary, at most
