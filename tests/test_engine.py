@@ -535,3 +535,70 @@ def test_non_finite_logits_fail_their_requests_loudly(model):
                                                r"version 0"):
             f.result(timeout=30)
     assert engine.counters["failed_requests"] == 3 and engine.counters["requests"] == 3
+
+
+def test_aborting_a_row_that_is_not_last_moves_the_last_row_into_its_slot(model):
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    first = engine.submit(PROMPTS[0], sampling(max_new_tokens=3000), seed=1, request_id="a")
+    second = engine.submit(PROMPTS[2], sampling(max_new_tokens=40), seed=2, request_id="b")
+    wait_until(lambda: engine.max_rows == 2 and engine.counters["decode_steps"] >= 3,
+               "both rows to decode")
+    assert engine.abort("a") is True
+    assert first.result(timeout=30).finish_reason == "abort"
+    out = second.result(timeout=60)  # now in slot 0: its KV moved with it
+    alone = gather(EmbeddedEngine(model, 0), [PROMPTS[2]], sampling(max_new_tokens=40), [2])[0]
+    assert out.token_ids == alone.token_ids and out.finish_reason == "length"
+    assert engine.counters["aborted"] == 1
+
+
+def test_kv_buffers_grow_only_in_the_dimension_that_is_short(model):
+    model.config.max_position_embeddings = 32768
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    futures = []
+    for i in range(40):  # requests trickle in: rows grow many times, columns stay short
+        futures.append(engine.submit([5 + i % 7, 6, 7, 8], sampling(max_new_tokens=20), seed=i))
+        time.sleep(0.002)
+    for f in futures:
+        f.result(timeout=60)
+    rows, _, columns, _ = engine._buf[0][0].shape if engine._buf else (0, 0, 0, 0)
+    assert engine.max_rows > 1 and rows <= 64 and columns <= 64
+
+
+def test_a_row_with_non_finite_activations_fails_alone_and_leaves_its_slot_clean(model):
+    import copy
+
+    m = copy.deepcopy(model)
+    head = torch.nn.Linear(m.config.hidden_size, m.config.vocab_size)
+    with torch.no_grad():
+        head.weight.copy_(m.get_output_embeddings().weight)
+        head.bias.zero_()
+        head.bias[599] = -1e4  # finite, and never sampled
+        m.lm_head = head  # untied from the embeddings
+        m.get_input_embeddings().weight[599] = float("nan")  # a token whose activations are NaN
+    engine = EmbeddedEngine(m, pad_token_id=0, max_batch_size=8)
+    params = sampling(max_new_tokens=5, stop_token_ids=(599,))  # 599 is never sampled
+    alone = engine.submit([5, 6, 7, 8, 9], params, seed=3).result(timeout=30)
+    keeper = engine.submit(list(range(1, 101)), sampling(max_new_tokens=300), seed=1)
+    wait_until(lambda: engine.counters["decode_steps"] >= 2, "a long row to hold the batch")
+    bad = engine.submit([599] + list(range(1, 80)), params, seed=2)
+    with pytest.raises(RuntimeError, match="not finite"):
+        bad.result(timeout=30)
+    again = engine.submit([5, 6, 7, 8, 9], params, seed=3).result(timeout=30)  # a reused slot
+    assert again.token_ids == alone.token_ids
+    assert keeper.result(timeout=60).finish_reason == "length"
+
+
+def test_a_temperature_too_small_for_float32_fails_loudly_not_with_garbage(model):
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    with pytest.raises(RuntimeError, match="not finite.*temperature 1e-40"):
+        engine.submit(PROMPTS[0], sampling(temperature=1e-40), seed=0).result(timeout=30)
+
+
+def test_sampling_params_need_ints_and_the_engine_its_own_masks(model):
+    with pytest.raises(ValueError, match=r"top_k=2.0 \(expected an int >= 0"):
+        sampling(top_k=2.0)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=(1.5,))
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="needs attn_implementation 'sdpa' or 'eager'"):
+        EmbeddedEngine(model, pad_token_id=0)

@@ -65,11 +65,17 @@ class SamplingParams:
             raise ValueError("SamplingParams.stop_token_ids is empty, so no turn could end: pass "
                              "tiller.rollout.chat.stop_token_ids(tokenizer, "
                              "model.generation_config)")
+        def whole(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
         bad = [f"{name}={value!r} (expected {rule})" for name, value, ok, rule in (
             ("temperature", self.temperature, self.temperature >= 0, ">= 0"),
             ("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]"),
-            ("top_k", self.top_k, self.top_k >= 0, ">= 0, 0 = off"),
-            ("max_new_tokens", self.max_new_tokens, self.max_new_tokens >= 1, ">= 1"),
+            ("top_k", self.top_k, whole(self.top_k) and self.top_k >= 0, "an int >= 0, 0 = off"),
+            ("max_new_tokens", self.max_new_tokens,
+             whole(self.max_new_tokens) and self.max_new_tokens >= 1, "an int >= 1"),
+            ("stop_token_ids", self.stop_token_ids,
+             all(whole(t) for t in self.stop_token_ids), "ints"),
         ) if not ok]
         if bad:
             raise ValueError("SamplingParams: " + "; ".join(bad))
@@ -154,7 +160,12 @@ class EmbeddedEngine:
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._keep_arg = "logits_to_keep" in params
-        self._bool_mask = getattr(model.config, "_attn_implementation", None) == "sdpa"
+        attn = getattr(model.config, "_attn_implementation", None)
+        if attn not in ("sdpa", "eager"):
+            raise ValueError(f"the embedded engine passes its own 4-D attention masks, which "
+                             f"needs attn_implementation 'sdpa' or 'eager', not {attn!r}: load "
+                             "the model with one of them (or serve it with SGLang or vLLM)")
+        self._bool_mask = attn == "sdpa"
         layers = DynamicCache(config=model.config).layers
         if not all(type(layer) is DynamicLayer for layer in layers):
             raise ValueError(f"the embedded engine needs full-attention layers; "
@@ -403,6 +414,8 @@ class EmbeddedEngine:
         if new:
             try:
                 prefilled = self._prefill(new)
+                width = max(len(r.prompt_ids) for r in new) + 1  # + the next decode's column
+                self._ensure_capacity(len(self._rows) + len(new), width, like=prefilled[1])
             except Exception as e:  # only the new requests fail; the running batch goes on
                 logger.exception("engine: the prefill of %d new requests failed", len(new))
                 self.counters["failed_requests"] += len(new)
@@ -418,7 +431,7 @@ class EmbeddedEngine:
         logits = torch.cat(logits)
         tokens, lps = sample(logits, p["temperature"], p["top_k"], p["top_p"], p["seed"],
                              steps, max_top_k=self._max_top_k, any_top_p=self._any_top_p)
-        finite = torch.isfinite(logits).all(-1)
+        finite = torch.isfinite(logits).all(-1) & torch.isfinite(lps)
         # the one host sync of the iteration: tokens, logprobs and the finite flags together
         packed = torch.stack([tokens.double(), lps.double(), finite.double()]).tolist()
         self._last, done = tokens, []
@@ -427,7 +440,10 @@ class EmbeddedEngine:
                 self.counters["failed_requests"] += 1
                 self._resolve(r, error=RuntimeError(
                     f"the model's logits are not finite (NaN or inf) at weight version "
-                    f"{self.version}"))
+                    f"{self.version}, or temperature {r.params.temperature} overflows them"))
+                for keys, values in self._buf:  # masked columns are read: they must be finite
+                    keys[i].zero_()
+                    values[i].zero_()
                 done.append(i)
                 continue
             token = int(token)
@@ -570,7 +586,6 @@ class EmbeddedEngine:
         n, u = len(self._rows), len(new)
         lengths = [len(r.prompt_ids) for r in new]
         width = max(lengths)
-        self._ensure_capacity(n + u, width + 1, like=kv)
         # stable sort of "is padding": each row's real columns first, in their order
         order = torch.argsort((mask == 0).to(torch.uint8), dim=1, stable=True)[:, :width]
         for (keys, values), (k, v) in zip(self._buf, kv, strict=True):
@@ -602,8 +617,10 @@ class EmbeddedEngine:
         have_cols = self._buf[0][0].size(2) if self._buf else 0
         if rows <= have_rows and columns <= have_cols:
             return
-        new_rows = min(self.max_batch_size, max(rows, 2 * have_rows))
-        new_cols = max(columns, min(self.max_context + 1, max(2 * have_cols, 64)))
+        new_rows = have_rows if rows <= have_rows else min(self.max_batch_size,
+                                                            max(rows, 2 * have_rows))
+        new_cols = have_cols if columns <= have_cols else max(
+            columns, min(self.max_context + 1, max(2 * have_cols, 64)))
         n, width = len(self._rows), max((r.kv_len for r in self._rows), default=0)
         grown = []
         for pair in self._buf or like:
@@ -614,6 +631,7 @@ class EmbeddedEngine:
             grown.append(fresh)
         self._buf = grown
 
+    @torch.inference_mode()  # also called from control ops, which run outside a step
     def _remove_rows(self, gone: list[int]) -> None:
         """Rows `gone` leave the batch at once. The last rows move into the freed slots (only
         their KV is copied), so the running rows stay in slots [0, rows)."""
@@ -698,10 +716,11 @@ class EmbeddedEngine:
                 self._answer(r, "abort")
             n += len(hit)
         hit = [i for i, r in enumerate(self._rows) if match(r)]
-        for i in hit:
-            self._answer(self._rows[i], "abort")
+        aborted = [self._rows[i] for i in hit]
         if hit:
-            self._remove_rows(hit)
+            self._remove_rows(hit)  # first: an answered request must not stay in the batch
+        for r in aborted:
+            self._answer(r, "abort")
         self.counters["aborted"] += n + len(hit)
         return n + len(hit)
 
