@@ -149,8 +149,10 @@ def serve(
         max_body_bytes=max_body_bytes, max_n=max_n, max_prompt_tokens=max_prompt_tokens,
         request_timeout_s=request_timeout_s)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # keep-alive well above HttpEngine's 2 s idle expiry: a server that closes a pooled
+    # connection first makes the client's next request on it fail with ReadError
     uvicorn.run(create_app(engine, tokenizer, settings), host=host, port=port,
-                log_level="info", timeout_graceful_shutdown=5)
+                log_level="info", timeout_graceful_shutdown=5, timeout_keep_alive=75)
 
 
 def main() -> None:  # pragma: no cover - console entry point
