@@ -298,7 +298,9 @@ def hf_generate(model: PreTrainedModel, prompts: Sequence[Sequence[int]],
     torch.manual_seed(seed)  # generate samples from the global generator
     out = model.generate(
         input_ids=ids, attention_mask=mask, do_sample=params.temperature > 0,
-        temperature=params.temperature or None, top_k=params.top_k or None,
+        # top_k=0 explicitly: None would fall back to transformers' default top-k of 50, a
+        # different (shorter-tailed) distribution than the engine samples
+        temperature=params.temperature or None, top_k=params.top_k,
         top_p=params.top_p, max_new_tokens=params.max_new_tokens,
         eos_token_id=list(params.stop_token_ids), pad_token_id=pad)
     new = out[:, ids.size(1):].tolist()
