@@ -34,6 +34,14 @@ def as_trajectory(prompt, gen):
                       Reward(0.0), Status.COMPLETED)
 
 
+def trainer_gap(model, prompt, gen) -> float:
+    """Largest |engine logprob - trainer logprob| over the generated tokens, the trainer
+    scoring prompt + generation in one full forward."""
+    batch = Batch.collate([as_trajectory(prompt, gen)], pad_token_id=0)
+    logp, _ = token_logprobs(model, batch)
+    return float((logp[0, len(prompt):] - torch.tensor(gen.logprobs)).abs().max().detach())
+
+
 def test_batched_sampling_matches_single_requests_and_trainer_logprobs(model):
     engine = EmbeddedEngine(model, pad_token_id=0)
     params = sampling(temperature=1.0, max_new_tokens=12)
@@ -41,11 +49,7 @@ def test_batched_sampling_matches_single_requests_and_trainer_logprobs(model):
     for prompt, seed, gen in zip(PROMPTS, [1, 2, 3], batched, strict=True):
         alone = gather(engine, [prompt], params, [seed])[0]
         assert alone.token_ids == gen.token_ids  # independent of batch composition
-        batch = Batch.collate([as_trajectory(prompt, gen)], pad_token_id=0)
-        logp, _ = token_logprobs(model, batch)
-        diff = (logp[0, len(prompt):] - torch.tensor(gen.logprobs)).abs().max()
-        # left-padded KV-cached decode == right-padded full forward
-        assert float(diff.detach()) < 1e-4
+        assert trainer_gap(model, prompt, gen) < 1e-4  # KV-cached decode == full forward
 
 
 def test_stop_tokens_max_tokens_and_greedy(model):
@@ -212,10 +216,7 @@ def test_the_next_turn_prefills_only_its_new_tokens_with_identical_results(model
     assert (first.token_ids, second.token_ids) == (p_first.token_ids, p_second.token_ids)
     assert second.logprobs == pytest.approx(p_second.logprobs, abs=1e-5)
     # engine/trainer agreement with the cache on: the trainer scores the whole sequence
-    batch = Batch.collate([as_trajectory(prompt2, second)], pad_token_id=0)
-    logp, _ = token_logprobs(model, batch)
-    diff = (logp[0, len(prompt2):] - torch.tensor(second.logprobs)).abs().max()
-    assert float(diff.detach()) < 1e-4
+    assert trainer_gap(model, prompt2, second) < 1e-4
 
 
 def test_a_shared_prefix_is_reused_across_episodes_in_whole_blocks(model):

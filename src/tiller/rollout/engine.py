@@ -13,15 +13,16 @@ A worker thread keeps one running batch and loops over iterations:
 3. decode: one forward of [rows, 1] for every running row, rows with different sampling
    parameters together (they are applied per row);
 4. sample: one batched step (`sampling.sample`, per-request seeds) and one device-to-host copy
-   of the tokens and logprobs, the only host sync of the iteration;
+   of the tokens, logprobs and finite flags, the only host sync of the iteration;
 5. retire: a row that sampled a stop token or reached its budget leaves at once, its answer is
    delivered and its KV stored for the session's next turn.
 
-Rows of the batch sit in one KV tensor per layer, [rows, heads, width, dim], with an attention
-mask marking each row's real columns (a row may have padding on the left and holes where its
-cached prefix met its new tokens) and explicit position ids, so every row sees exactly its
-own sequence. Logprobs are those of the sampled tokens under softmax(logits / T); see
-`tiller.rollout.sampling` for how top-k / top-p relate to them.
+Row i of the batch sits in slot i of preallocated per-layer KV buffers, its KV in columns
+[0, length): a decode step writes each row's new key and value in place at its own length, with
+explicit position ids and a 4-D mask the engine builds, so every row sees exactly its own
+sequence. A prefill runs on its own cache (a cached prefix, padding, the new tokens) and its
+real columns are then copied into free slots. Logprobs are those of the sampled tokens under
+softmax(logits / T); see `tiller.rollout.sampling` for how top-k / top-p relate to them.
 """
 
 from __future__ import annotations
