@@ -367,7 +367,13 @@ class HttpEngine:
                                       f"{ours}: serve the run's model (model.path)")
 
         async def every() -> None:
-            await asyncio.gather(*(one(s) for s in self.servers))
+            # Raise the first failure in server order, not in completion order: the same
+            # misconfiguration gives the same message on every start.
+            results = await asyncio.gather(*(one(s) for s in self.servers),
+                                           return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
 
         self._call(every(), "/get_model_info on every server")
         self.max_context = max_context
