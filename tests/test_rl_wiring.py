@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from tiller.buffer import DataBuffer
+from tiller.buffer import DataBuffer, Group
 from tiller.cli import app
 from tiller.config import AlgorithmConfig, ConfigError, RLConfig, load_config
 from tiller.controller import rl
@@ -171,17 +171,22 @@ def last_rl_row(run_dir):
     return [r for r in rows if r["phase"] == "rl"][-1]
 
 
-def test_buffer_filters_zero_variance_groups_into_the_ledger():
+def test_buffer_admits_filters_and_takes_groups_in_launch_order():
     buffer = DataBuffer()
-    buffer.add([traj([1, 2], [0, 1], [(1, 2)], r, task=task, k=i)
-                for i, (task, r) in enumerate([("a", 1.0), ("a", 0.0), ("b", 1.0), ("b", 1.0),
-                                               ("c", 0.0)])])
-    flat = buffer.zero_variance_groups(lambda t: t.reward.value)
-    assert flat == ["b", "c"]  # all equal; a group of one has no variance either
-    assert buffer.drop_groups(flat, "zero_variance") == 3
-    kept, groups = buffer.take_batch()
-    assert [t.task_id for t in kept] == ["a", "a"] and groups.tolist() == [0, 0]
-    assert buffer.ledger == {"filtered/zero_variance": 3, "trained": 2}
+    members = buffer.admit([traj([1, 2], [0, 1], [(1, 2)], 1.0, task="a"),
+                            traj([1, 2], [0, 1], [(1, 2)], 0.0, task="a", status=Status.ABORTED),
+                            traj([1], [0], [], 0.0, task="a")])
+    assert len(members) == 1  # aborted and empty ones are dropped, with their reason
+    late, early, flat = (Group((0, 1, 0), "a", members), Group((0, 0, 1), "b", members * 2),
+                         Group((0, 0, 0), "c", members))
+    for g in (late, early, flat):
+        buffer.add(g)
+    buffer.filter(flat, "zero_variance")
+    kept, groups = buffer.take([late, early])  # finished late-first, batched in launch order
+    assert [t.task_id for t in kept] == ["a"] * 3 and groups.tolist() == [0, 0, 1]
+    assert buffer.ready == []
+    assert buffer.ledger == {"dropped/aborted": 1, "dropped/empty": 1,
+                             "filtered/zero_variance": 1, "trained": 3}
 
 
 @pytest.mark.parametrize("max_rounds, rounds, kept, dropped", [(3, 3, 2, 3), (2, 2, 1, 3)])

@@ -48,8 +48,7 @@ def test_injected_timeouts_and_crashes_are_env_errors_kept_out_of_the_loss(
     assert all(t.reward.value == 1.0 for t in clean)  # the expert never fails on its own
 
     buffer = DataBuffer()
-    buffer.add(trajs)
-    kept, _ = buffer.take_batch()
+    kept = buffer.admit(trajs)
     assert buffer.ledger["dropped/env_error"] == len(hit)
     assert not any(t.status is Status.ENV_ERROR for t in kept)
     batch = Batch.collate(kept, tokenizer.pad_token_id, [1.0] * len(kept))

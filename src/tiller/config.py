@@ -447,7 +447,36 @@ class RLConfig(_Section):
         0.1, ge=0.0, le=1.0,
         description="fail the run when more than this share of a step's (or an eval's) "
                     "episodes aborted (engine or loop failure), naming the first error")
+    mode: Literal["sync", "one_step_off", "async"] = Field(
+        "sync",
+        description="sync: sample a step's groups, then train on them; one_step_off: sample "
+                    "step k+1 while step k trains (data one step stale); async: keep episodes "
+                    "running continuously and train on the first tasks_per_step groups that "
+                    "finish, within rl.max_staleness (docs/async.md)")
+    max_staleness: int | None = Field(
+        None, ge=0,
+        description="async only (default 4): the most weight versions a trained token may lag "
+                    "the trainer (trainer version - the oldest version that sampled the "
+                    "trajectory). The producer does not start episodes that would exceed it; "
+                    "groups that still do are filtered (ledger filtered/stale)")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+
+    @property
+    def updates_per_step(self) -> int:
+        """Weight versions one RL step advances (optimizer steps)."""
+        return self.mini_batches * self.ppo_epochs
+
+    @property
+    def staleness_bound(self) -> int:
+        """The most versions a trained token may lag: 0 in sync, one step in one_step_off."""
+        if self.mode == "async":
+            return 4 if self.max_staleness is None else self.max_staleness
+        return self.updates_per_step if self.mode == "one_step_off" else 0
+
+    @property
+    def lag_steps(self) -> int:
+        """How many RL steps ahead of the trainer the producer may start groups."""
+        return self.staleness_bound // self.updates_per_step
 
     @model_validator(mode="after")
     def _steps_have_rows(self) -> RLConfig:
@@ -455,11 +484,37 @@ class RLConfig(_Section):
         if self.mini_batches > rows:
             raise ConfigError(f"config field rl.mini_batches: got {self.mini_batches}; expected "
                               f"at most rl.tasks_per_step * rl.group_size = {rows}")
+        if self.max_staleness is not None and self.mode != "async":
+            raise ConfigError(f"config field rl.max_staleness: got {self.max_staleness}; it "
+                              f"only applies with rl.mode: async (rl.mode is {self.mode})")
         default = type(self).model_fields["max_idle_steps"].default
         if self.max_idle_steps != default and not self.algorithm.dynamic_sampling.enabled:
             raise ConfigError(f"config field rl.max_idle_steps: got {self.max_idle_steps}; it "
                               "only applies with rl.algorithm.dynamic_sampling.enabled: true")
         return self
+
+
+class RolloutConfig(_Section):
+    """How the rollout manager runs episodes during RL (docs/async.md)."""
+
+    max_inflight: int | None = Field(
+        None, ge=1,
+        description="async only: the most episodes running at once (default: no bound but "
+                    "the staleness one); at least rl.group_size, since a group starts whole")
+    partial: Literal["continue", "abort_resume"] = Field(
+        "continue",
+        description="a turn being generated when new weights arrive: continue under the new "
+                    "weights (each token records its version) or abort it and resume it "
+                    "under the new weights (the tokens so far are kept, none is sampled twice)")
+    batch_timeout_s: float = Field(
+        1800.0, gt=0,
+        description="the most the trainer waits for one step's groups before the run stops "
+                    "with an error naming what it waited for")
+    shutdown_timeout_s: float = Field(
+        60.0, gt=0,
+        description="at the end of RL, how long episodes still running get to wind down "
+                    "(their requests are aborted) before they are cancelled; every one is "
+                    "counted in the ledger either way")
 
 
 class EvalConfig(_Section):
@@ -496,6 +551,7 @@ class Config(_Section):
     eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
     engine: EngineConfig = EngineConfig()
+    rollout: RolloutConfig = RolloutConfig()
 
     @property
     def l_max(self) -> int:
@@ -508,6 +564,22 @@ class Config(_Section):
     def l_cache(self) -> int:
         """DAPO's soft-overlong buffer: overlong.l_cache, or 20% of l_max (4096 of 20480)."""
         return self.rl.algorithm.overlong.l_cache or max(1, round(0.2 * self.l_max))
+
+    @model_validator(mode="after")
+    def _rollout_fits_rl(self) -> Config:
+        inflight = self.rollout.max_inflight
+        if inflight is not None and self.rl.mode != "async":
+            raise ConfigError(f"config field rollout.max_inflight: got {inflight}; it only "
+                              f"applies with rl.mode: async (rl.mode is {self.rl.mode})")
+        if self.rollout.partial != "continue" and self.rl.mode == "sync":
+            raise ConfigError(f"config field rollout.partial: got {self.rollout.partial}; in "
+                              "rl.mode: sync no episode runs while weights change (use "
+                              "one_step_off or async)")
+        if inflight is not None and inflight < self.rl.group_size:
+            raise ConfigError(f"config field rollout.max_inflight: got {inflight}; expected at "
+                              f"least rl.group_size = {self.rl.group_size} (a group starts "
+                              f"whole)")
+        return self
 
     @model_validator(mode="after")
     def _overlong_fits(self) -> Config:

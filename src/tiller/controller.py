@@ -1,8 +1,9 @@
-"""The controller: the synchronous schedule of a run (gate -> SFT -> eval -> RL -> eval).
+"""The controller: the schedule of a run (gate -> SFT -> eval -> RL -> eval).
 
 It owns nothing inside the boxes: `Run` wires them, the env makes tasks, the agent loop turns
 (env, engine) into trajectories, the buffer groups and filters them, `train.shaping` turns them
-into a batch, the trainer updates the weights and the engine gets each new version.
+into a batch, the trainer updates the weights and the engine gets each new version. During RL
+the rollout manager (`rollout.manager`) samples under rl.mode: sync, one_step_off or async.
 """
 
 from __future__ import annotations
@@ -11,18 +12,20 @@ import copy
 import json
 import logging
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
-from tiller.buffer import DataBuffer, fill_groups
 from tiller.config import Config
 from tiller.errors import ConfigError, RunError
 from tiller.observe.evaluation import is_success, success_summary
 from tiller.observe.health import EnvErrorTrend
 from tiller.observe.metrics import progress
 from tiller.rollout.collect import rollout_metrics
+from tiller.rollout.manager import RolloutManager
 from tiller.rollout.trajectory import Status, Trajectory
 from tiller.run import Run, rl_task_count
 from tiller.tools.executor import ToolReliabilityError
@@ -95,54 +98,112 @@ def evaluate(run: Run, tasks: list, label: str) -> dict[str, float]:
 
 
 def rl(run: Run) -> dict[str, Any]:
-    """`rl.steps` steps of: fill the buffer with groups, train on them, push the weights."""
-    cfg, alg, t0 = run.cfg.rl, run.cfg.rl.algorithm, time.perf_counter()
+    """`rl.steps` steps of: take a batch from the rollout manager, train on it, push the
+    weights. The manager samples under `rl.mode` (sync, one_step_off or async)."""
+    cfg, alg = run.cfg.rl, run.cfg.rl.algorithm
     run.trainer.set_optimizer(cfg.lr, cfg.weight_decay)
-    tasks = iter(run.tasks("train", rl_task_count(run.cfg), 3))
     # kl.beta = 0 (or switched off from the start): no reference model exists or runs
     ref = (copy.deepcopy(run.model).to(run.dtype).eval()
            if kl_beta_at(0, alg.kl.beta, alg.kl.off_after) else None)
     critic = Critic(run.model, alg.critic) if alg.critic is not None else None
-    buffer = DataBuffer(keep_env_errors=cfg.env_error_weight > 0)
-    trend, params = EnvErrorTrend(), run.sampling(run.cfg.sampling.temperature)
+    trend = EnvErrorTrend()
     reward = lambda t: train_reward(t, alg, run.cfg.l_max, run.cfg.l_cache)  # noqa: E731
-    idle = 0
-    with progress(run.cfg.logging.progress, f"RL ({alg.preset or alg.advantage})",
-                  cfg.steps) as advance:
-        for step in range(cfg.steps):
-            ts = time.perf_counter()
-            if kl_beta_at(step, alg.kl.beta, alg.kl.off_after) == 0:
-                ref = None  # the schedule switched the KL off: free the copy
-            sampled, m = fill_groups(
-                buffer, lambda ts_, tag: run.episodes(ts_, cfg.group_size, params, tag), tasks,
-                cfg.tasks_per_step, alg.dynamic_sampling, reward, step)
-            m.update(rollout_metrics(sampled), **trend.update(sampled, run.trainer.version),
-                     rollout_s=time.perf_counter() - ts)
-            kept, group_index = buffer.take_batch()
-            idle = 0 if kept else idle + 1
-            if not kept and (not m.get("groups_dropped") or idle > cfg.max_idle_steps):
-                raise RunError(f"rl step {step + 1}: nothing to train ({idle} step(s) in a row): "
-                               f"every episode was dropped or filtered (ledger: "
-                               f"{dict(buffer.ledger)}; rl.max_idle_steps={cfg.max_idle_steps})")
-            if not kept:  # every group was flat: no signal this step, which is not a failure
-                log.warning("rl step %d: every group had equal rewards; nothing to train, "
-                            "skipped (%d in a row)", step + 1, idle)
-            else:
-                batch, stats = rl_batch(kept, group_index, [reward(t) for t in kept],
-                                        run.tokenizer.pad_token_id, alg,
-                                        cfg.env_error_weight, run.key_steps, run.tokenizer)
-                m.update(stats, **run.trainer.rl_step(batch, cfg, run.cfg.l_max, ref, critic,
-                                                      step))
-                run.push_weights()
-            m.update(run.tools.stats(reset=True), step_s=time.perf_counter() - ts,
-                     version=run.trainer.version, skipped=float(not kept))
-            m.update({f"ledger/{k}": v for k, v in buffer.ledger.items()})
-            m.update({f"engine/{k}": v for k, v in run.engine.stats().items()})  # e.g. retries
-            run.log("rl", m, step + 1)
-            advance(f"reward={m['reward_mean']:.2f} success={m['success_rate']:.2f} "
-                    f"zero_var={m['zero_variance_group_frac']:.2f}")
+    in_flight = "abort" if run.cfg.rollout.partial == "abort_resume" else "continue"
+    engine_busy0 = run.engine.stats().get("busy_s")
+    t0 = time.perf_counter()
+    rollouts = RolloutManager(
+        run.cfg, run.engine, run.sampling(run.cfg.sampling.temperature),
+        iter(run.tasks("train", rl_task_count(run.cfg), 3)), episode_fn=run.episode_fn,
+        make_env=run.make_env, tokenizer=run.tokenizer, limits=run.limits, reward=reward,
+        version=run.trainer.version)
+    idle, trainer_s, staleness = 0, 0.0, Counter()
+    try:
+        with progress(run.cfg.logging.progress, f"RL ({alg.preset or alg.advantage}, "
+                      f"{cfg.mode})", cfg.steps) as advance:
+            for step in range(cfg.steps):
+                ts = time.perf_counter()
+                if kl_beta_at(step, alg.kl.beta, alg.kl.off_after) == 0:
+                    ref = None  # the schedule switched the KL off: free the copy
+                taken = rollouts.next_batch(step)
+                kept = taken.trajectories
+                m = {**taken.stats, **rollout_metrics(taken.ended),
+                     **trend.update(taken.ended, run.trainer.version),
+                     "rollout_tokens": float(sum(t.num_generated for t in taken.ended)),
+                     "rollout_s": time.perf_counter() - ts}  # the wait for the batch
+                idle = 0 if kept else idle + 1
+                if not kept and (not m.get("groups_dropped") or idle > cfg.max_idle_steps):
+                    raise RunError(f"rl step {step + 1}: nothing to train ({idle} step(s) in a "
+                                   f"row): every episode was dropped or filtered (ledger: "
+                                   f"{dict(rollouts.ledger)}; rl.max_idle_steps="
+                                   f"{cfg.max_idle_steps})")
+                if not kept:  # every group was flat: no signal this step, which is not a failure
+                    log.warning("rl step %d: every group had equal rewards; nothing to train, "
+                                "skipped (%d in a row)", step + 1, idle)
+                else:
+                    tt = time.perf_counter()
+                    stale = [run.trainer.version - min(t.versions) for t in kept]
+                    staleness.update(stale)
+                    m.update(staleness_metrics(stale))
+                    batch, stats = rl_batch(kept, torch.tensor(taken.group_index),
+                                            [reward(t) for t in kept],
+                                            run.tokenizer.pad_token_id, alg,
+                                            cfg.env_error_weight, run.key_steps, run.tokenizer)
+                    m.update(stats, **run.trainer.rl_step(batch, cfg, run.cfg.l_max, ref,
+                                                          critic, step))
+                    m["train_s"] = time.perf_counter() - tt
+                    ts_sync = time.perf_counter()
+                    run.push_weights(in_flight)
+                    m["sync_s"] = time.perf_counter() - ts_sync
+                    trainer_s += time.perf_counter() - tt
+                rollouts.weights_live(step + 1, run.trainer.version)
+                m.update(run.tools.stats(reset=True), step_s=time.perf_counter() - ts,
+                         version=run.trainer.version, skipped=float(not kept),
+                         trainer_busy_frac=trainer_s / (time.perf_counter() - t0))
+                m.update({f"ledger/{k}": v for k, v in rollouts.ledger.items()})
+                m.update({f"engine/{k}": v for k, v in run.engine.stats().items()})
+                run.log("rl", m, step + 1)
+                advance(f"reward={m['reward_mean']:.2f} success={m['success_rate']:.2f} "
+                        f"zero_var={m['zero_variance_group_frac']:.2f}")
+        wall = time.perf_counter() - t0
+        rollout_busy = rollouts.stats()["rollout_busy_s"]
+    finally:
+        ledger = rollouts.close()
     run.timings["rl_s"] = time.perf_counter() - t0
-    return {"ledger": dict(buffer.ledger), "env_error_rate_by_version": trend.by_version()}
+    summary = {"mode": cfg.mode, "ledger": dict(ledger),
+               "env_error_rate_by_version": trend.by_version(), "wall_s": wall,
+               "trainer_busy_frac": trainer_s / wall,
+               "rollout_train_ratio": rollout_busy / max(trainer_s, 1e-9),
+               "samples_per_s": ledger["trained"] / wall}
+    if engine_busy0 is not None:
+        summary["engine_busy_frac"] = (run.engine.stats()["busy_s"] - engine_busy0) / wall
+    if staleness:
+        summary["staleness_mean"] = (sum(s * n for s, n in staleness.items())
+                                     / sum(staleness.values()))
+        summary["staleness_max"] = max(staleness)
+    unaccounted = ledger_unaccounted(ledger)
+    if unaccounted:  # a bug in the accounting itself: say so loudly, keep the run's results
+        log.error("rl: %d started trajectories are not in the ledger (%s)", unaccounted,
+                  dict(ledger))
+        summary["ledger_unaccounted"] = unaccounted
+    run.log("rl_summary", {k: v for k, v in summary.items() if isinstance(v, (int, float))
+                           and not isinstance(v, bool)})
+    return summary
+
+
+def staleness_metrics(stale: list[int]) -> dict[str, float]:
+    """The batch's staleness (trainer version - oldest sampling version, per trajectory): mean,
+    max and the histogram as `staleness/<s>` = share of trajectories."""
+    out = {"staleness_mean": sum(stale) / len(stale), "staleness_max": float(max(stale))}
+    for s, n in sorted(Counter(stale).items()):
+        out[f"staleness/{s}"] = n / len(stale)
+    return out
+
+
+def ledger_unaccounted(ledger: Counter[str]) -> int:
+    """Started trajectories that did not end trained, filtered or dropped (0 unless a bug)."""
+    ended = sum(n for k, n in ledger.items()
+                if k == "trained" or k.startswith(("filtered/", "dropped/")))
+    return ledger["started"] - ended
 
 
 def train(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:

@@ -48,10 +48,13 @@ def get_env(name: str) -> type[Env]:
 
 
 def rl_task_count(cfg: Config) -> int:
-    """Train tasks RL draws: dynamic sampling may take up to max_rounds times a plain run's."""
+    """Train tasks RL may draw: dynamic sampling may take up to max_rounds times a plain run's,
+    and async mode room for one more group per trained one (a group filtered as stale gives
+    its place to a new one)."""
     alg = cfg.rl.algorithm
     rounds = (alg.dynamic_sampling.max_rounds or 1) if alg.dynamic_sampling.enabled else 1
-    return max(cfg.rl.steps * cfg.rl.tasks_per_step * rounds, 1)
+    refills = 2 if cfg.rl.mode == "async" else 1
+    return max(cfg.rl.steps * cfg.rl.tasks_per_step * rounds * refills, 1)
 
 
 def check_task_counts(cfg: Config, env_cls: type[Env]) -> None:
@@ -152,8 +155,8 @@ class Run:
                               stop_token_ids=stop_token_ids(self.tokenizer,
                                                             self.model.generation_config))
 
-    def push_weights(self) -> None:
-        self.engine.update_weights(self.trainer.weight_update())
+    def push_weights(self, in_flight: str = "continue") -> None:
+        self.engine.update_weights(self.trainer.weight_update(), in_flight=in_flight)
 
     def make_env(self, *key: Any) -> Env:
         """A fresh env for one episode, its tools behind the run's tool stack; `key` names the

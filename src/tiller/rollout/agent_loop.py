@@ -223,14 +223,14 @@ async def _turns(
             info["error"] = _error(e, "engine")
             return None, Status.ABORTED
         timings["generate_s"] += time.perf_counter() - t
+        keep = max(0, limits.max_episode_tokens - len(traj))
+        ids = gen.token_ids[:keep]
+        traj.discarded_tokens += len(gen.token_ids) - len(ids)
+        # each token keeps the version that sampled it; the turn counts as its oldest
+        traj.append_generated(ids, gen.logprobs[:keep], list(gen.versions[:keep]) or gen.version)
         if gen.finish_reason == "abort":  # a partial turn (abort, or an aborting weight update)
             info["error"] = "engine: the request was aborted mid-turn"
             return None, Status.ABORTED
-        keep = max(0, limits.max_episode_tokens - len(traj))
-        ids = gen.token_ids[:keep]
-        # a turn that spans a weight update counts as sampled by its oldest weights
-        traj.append_generated(ids, gen.logprobs[:keep],
-                              min(gen.versions[:keep], default=gen.version))
         cut_off = gen.finish_reason != "stop" or keep < len(gen.token_ids)
         # A stop on a generation_config eos that is not the end-of-turn token (Qwen's
         # <|endoftext|>) ends the conversation: the template cannot continue after it.

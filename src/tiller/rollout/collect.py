@@ -22,18 +22,26 @@ from tiller.rollout.trajectory import Status, Trajectory
 EpisodeFn = Callable[..., Any]  # the signature of `run_episode`
 
 
+async def run_one(task: Task, k: int, actor: Actor, *, episode_fn: EpisodeFn,
+                  make_env: Callable[..., Env], tokenizer: Any, limits: EpisodeLimits,
+                  seed: int, tag: tuple) -> Trajectory:
+    """Episode k of `task`: the env `make_env(*tag, task.id, k)` and the seed derived from
+    (seed, tag, task.id, k), so its tokens depend on nothing else."""
+    return await episode_fn(make_env(*tag, task.id, k), task, actor, tokenizer,
+                            seed=derive_seed(seed, tag, task.id, k), sample_index=k,
+                            limits=limits)
+
+
 async def collect(tasks: Sequence[Task], samples: int, actor: Actor, *, episode_fn: EpisodeFn,
                   make_env: Callable[..., Env], tokenizer: Any, limits: EpisodeLimits,
                   seed: int, tag: tuple, on_done: Callable[[Trajectory], None] | None = None
                   ) -> list[Trajectory]:
-    """`samples` episodes of each task, all at once (the engine batches their turns). Episode
-    (task, k) gets the env `make_env(*tag, task.id, k)` and the seed derived from
-    (seed, tag, task.id, k), so its tokens depend on nothing else."""
+    """`samples` episodes (`run_one`) of each task, all at once (the engine batches their
+    turns)."""
 
     async def one(task: Task, k: int) -> Trajectory:
-        traj = await episode_fn(make_env(*tag, task.id, k), task, actor, tokenizer,
-                                seed=derive_seed(seed, tag, task.id, k), sample_index=k,
-                                limits=limits)
+        traj = await run_one(task, k, actor, episode_fn=episode_fn, make_env=make_env,
+                             tokenizer=tokenizer, limits=limits, seed=seed, tag=tag)
         if on_done is not None:
             on_done(traj)
         return traj

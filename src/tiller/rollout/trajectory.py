@@ -43,6 +43,12 @@ class Trajectory:
     timings: Mapping[str, float] = field(default_factory=dict)
     # "error": why the episode was aborted or is an env error; "close_error": env.close failed
     info: Mapping[str, str] = field(default_factory=dict)
+    # the weight version that sampled each token, aligned with token_ids (-1 where not
+    # generated): a turn that spans a weight update (partial rollouts) keeps both versions
+    token_versions: tuple[int, ...] = ()
+    # tokens the engine generated that the trajectory does not keep (cut at the episode's
+    # token budget): with num_generated, every token the engine sampled for it
+    discarded_tokens: int = 0
 
     @property
     def num_generated(self) -> int:
@@ -71,6 +77,8 @@ class TrajectoryBuilder:
         self._logprobs: list[float] = []
         self._spans: list[tuple[int, int]] = []
         self._versions: list[int] = []
+        self._token_versions: list[int] = []
+        self.discarded_tokens = 0
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -80,10 +88,12 @@ class TrajectoryBuilder:
         """A copy of the ids so far: the prompt of the next turn."""
         return list(self._ids)
 
-    def _extend(self, ids: Sequence[int], mask: int, logprobs: Sequence[float]) -> None:
+    def _extend(self, ids: Sequence[int], mask: int, logprobs: Sequence[float],
+                versions: Sequence[int] | None = None) -> None:
         self._ids += ids
         self._mask += [mask] * len(ids)
         self._logprobs += logprobs
+        self._token_versions += [-1] * len(ids) if versions is None else versions
 
     def append_prompt(self, ids: Sequence[int]) -> None:
         if len(self._ids) != self.prompt_len:
@@ -91,14 +101,21 @@ class TrajectoryBuilder:
         self._extend(ids, 0, [0.0] * len(ids))
         self.prompt_len = len(self._ids)
 
-    def append_generated(self, ids: Sequence[int], logprobs: Sequence[float], version: int
-                         ) -> None:
+    def append_generated(self, ids: Sequence[int], logprobs: Sequence[float],
+                         version: int | Sequence[int]) -> None:
+        """`version`: the weight version that sampled each id, or one for the whole turn.
+        The turn's version (`Trajectory.versions`) is its oldest."""
         if len(ids) != len(logprobs):
             raise ValueError(f"a generated turn needs one logprob per id: got {len(ids)} ids "
                              f"and {len(logprobs)} logprobs")
+        per_token = [version] * len(ids) if isinstance(version, int) else list(version)
+        if len(per_token) != len(ids):
+            raise ValueError(f"a generated turn needs one version per id: got {len(ids)} ids "
+                             f"and {len(per_token)} versions")
         self._spans.append((len(self._ids), len(self._ids) + len(ids)))
-        self._versions.append(version)
-        self._extend(ids, 1, logprobs)
+        self._versions.append(min(per_token) if per_token else
+                              version if isinstance(version, int) else -1)
+        self._extend(ids, 1, logprobs, per_token)
 
     def append_observation(self, ids: Sequence[int]) -> None:
         self._extend(ids, 0, [0.0] * len(ids))
@@ -134,4 +151,6 @@ class TrajectoryBuilder:
             parse_errors=parse_errors,
             timings=dict(timings or {}),
             info=dict(info or {}),
+            token_versions=tuple(self._token_versions),
+            discarded_tokens=self.discarded_tokens,
         )

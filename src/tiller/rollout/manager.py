@@ -1,0 +1,455 @@
+"""The rollout manager: keeps episodes running for the trainer, under one of three schedules.
+
+    sync          unit s (rl.tasks_per_step groups) starts once step s-1's weights are pushed,
+                  and step s trains on exactly unit s
+    one_step_off  unit s+1 starts when step s's weights are pushed... one step ahead: step s
+                  trains on unit s, sampled by the weights of step s-1
+    async         groups start one at a time while the staleness bound and
+                  rollout.max_inflight allow; a step trains on the first tasks_per_step groups
+                  that finish
+
+One code path: a launch rule (`_next_launch`), a take rule (`_ready_batch`) and a stale filter.
+A unit is the tasks of one step's worth of groups; group (unit u, round r, index i) samples
+with the tag ("rl", u) (round 0) or ("rl", u, r) (a dynamic-sampling refill), so its episodes
+get the same seeds in every mode.
+
+Staleness of a group = trainer version - the oldest weight version among its tokens. The
+producer throttles: it starts a group only while fewer than (steps trained + lag + 1) *
+tasks_per_step groups are alive or trained (lag = rl.lag_steps), so a group trained in launch
+order is at most `lag` steps stale. Groups overtaken by later ones can still exceed the bound:
+they are filtered (ledger `filtered/stale`) and their slot goes to a new group.
+
+The trainer side sees only the `Rollouts` protocol: it asks for a batch, says when new weights
+are live, and closes. Everything crossing it is plain data (trajectories, ints), so another
+transport can put the producer in its own process or Ray actor; `RolloutManager` is the
+in-process one (an asyncio loop in a thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from tiller.buffer import DataBuffer, Group
+from tiller.config import Config
+from tiller.envs.base import Env, Task
+from tiller.errors import RunError
+from tiller.rollout.agent_loop import EpisodeLimits, derive_seed
+from tiller.rollout.collect import EpisodeFn, check_aborted, run_one
+from tiller.rollout.engine import Engine, Generation, SamplingParams
+from tiller.rollout.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Taken:
+    """One step's batch and what happened since the last one."""
+
+    trajectories: list[Trajectory]  # the batch, in launch order
+    group_index: list[int]
+    ended: list[Trajectory]  # every episode that ended since the last batch (for metrics)
+    stats: dict[str, float]
+
+
+class Rollouts(Protocol):
+    """The trainer's view of the rollout side."""
+
+    def next_batch(self, step: int) -> Taken:
+        """Step `step`'s groups (none when every group was dropped or filtered); waits at
+        most rollout.batch_timeout_s."""
+        ...
+
+    def weights_live(self, steps_trained: int, version: int) -> None:
+        """The engine now serves `version`, after `steps_trained` RL steps."""
+        ...
+
+    def stats(self) -> dict[str, float]: ...
+
+    def close(self) -> Counter[str]:
+        """Stop producing, account for every episode still running; returns the ledger."""
+        ...
+
+
+@dataclass
+class _Unit:
+    index: int
+    launched: int = 0  # round-0 groups started
+    pending: int = 0  # groups running (any round)
+    round: int = 0
+    flat: int = 0  # this round's groups filtered as zero-variance: refilled next round
+    owed: int = 0  # refill groups of `round` not started yet
+
+
+@dataclass
+class _Control:
+    """What the actors share with the manager: shutdown, the live requests, counters."""
+
+    stopping: bool = False
+    live: set[str] = field(default_factory=set)
+    resumed: int = 0
+
+
+@dataclass
+class RolloutActor:
+    """The policy's actor during RL: registers each request (so shutdown can abort it) and,
+    with `resume`, continues a turn that an aborting weight update cut short under the new
+    weights: the resumed request's prompt is the old one plus the tokens sampled so far, so no
+    token is sampled twice and none is lost, and each keeps the version that sampled it."""
+
+    engine: Engine
+    params: SamplingParams
+    control: _Control
+    resume: bool = False
+
+    async def act(self, prompt_ids: list[int], messages: list[dict], seed: int,
+                  session_id: str | None = None) -> Generation:
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        prompt_tokens = cached = 0
+        while True:
+            if self.control.stopping:
+                return Generation(ids, logprobs, "abort", self.engine.version, tuple(versions),
+                                  prompt_tokens, cached)
+            request_id = uuid.uuid4().hex
+            params = replace(self.params, max_new_tokens=self.params.max_new_tokens - len(ids))
+            self.control.live.add(request_id)
+            try:  # a resumed request draws fresh randomness: its own seed
+                gen = await self.engine.generate(
+                    prompt_ids + ids, params, derive_seed(seed, len(ids)) if ids else seed,
+                    session_id=session_id, request_id=request_id)
+            finally:
+                self.control.live.discard(request_id)
+            ids += gen.token_ids
+            logprobs += gen.logprobs
+            versions += gen.versions or [gen.version] * len(gen.token_ids)
+            prompt_tokens += gen.prompt_tokens
+            cached += gen.cached_tokens
+            finish = gen.finish_reason
+            if finish == "abort" and len(ids) >= self.params.max_new_tokens:
+                finish = "length"
+            if finish != "abort" or not self.resume or self.control.stopping:
+                return Generation(ids, logprobs, finish, gen.version, tuple(versions),
+                                  prompt_tokens, cached)
+            self.control.resumed += 1
+
+
+class RolloutManager:
+    """In-process `Rollouts`: an asyncio loop in a thread runs the episodes; the trainer thread
+    waits on a condition for batches. State shared by the two is guarded by `_cond`."""
+
+    def __init__(self, cfg: Config, engine: Engine, params: SamplingParams,
+                 tasks: Iterator[Task], *, episode_fn: EpisodeFn,
+                 make_env: Callable[..., Env], tokenizer: Any, limits: EpisodeLimits,
+                 reward: Callable[[Trajectory], float], version: int) -> None:
+        rl = cfg.rl
+        self.cfg, self.engine, self.reward = cfg, engine, reward
+        self.mode, self.B, self.G = rl.mode, rl.tasks_per_step, rl.group_size
+        self.lag, self.max_staleness = rl.lag_steps, rl.staleness_bound
+        self.max_inflight = cfg.rollout.max_inflight
+        self.dynamic = rl.algorithm.dynamic_sampling
+        self.rounds = (self.dynamic.max_rounds or 1) if self.dynamic.enabled else 1
+        self.tasks = tasks
+        self.control = _Control()
+        self.actor = RolloutActor(engine, params, self.control,
+                                  resume=cfg.rollout.partial == "abort_resume")
+        self._episode = dict(episode_fn=episode_fn, make_env=make_env, tokenizer=tokenizer,
+                             limits=limits, seed=cfg.seed)
+        self.buffer = DataBuffer(keep_env_errors=rl.env_error_weight > 0)
+        self.ledger = self.buffer.ledger
+        self._cond = threading.Condition()
+        self._units: dict[int, _Unit] = {}
+        self._next_unit = 0  # the unit whose round-0 groups start next
+        self._refills: deque[int] = deque()  # units owed refill groups, in order
+        self._slots = 0  # groups alive (running or ready) or trained
+        self._steps_trained = 0
+        self._version = version
+        self._inflight = 0  # episodes running
+        self._ended: list[Trajectory] = []
+        self._flat = self._groups_ended = self._flat_filtered = 0
+        self._nothing_kept = 0  # groups in a row with nothing kept (async: a run that cannot
+        self._error: BaseException | None = None  # learn must stop, not spin)
+        self._exhausted = False
+        self._tasks: set[asyncio.Task] = set()
+        self._busy_since: float | None = None  # rollout side busy: >= 1 episode running
+        self.busy_s = 0.0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="tiller-rollouts")
+        self._thread.start()
+        self._loop.call_soon_threadsafe(self._pump)
+
+    # ------------------------------------------------------------------ the trainer's side
+    def next_batch(self, step: int) -> Taken:
+        timeout = self.cfg.rollout.batch_timeout_s
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                self._check_aborted(step)
+                batch = self._ready_batch(step)
+                if batch is not None:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RunError(
+                        f"rl step {step + 1}: waited {timeout:g}s for {self.B} groups of "
+                        f"{self.G} episodes ({len(self.buffer.ready)} ready, {self._inflight} "
+                        f"episodes running); raise rollout.batch_timeout_s if episodes are "
+                        f"this slow")
+                self._cond.wait(min(left, 1.0))
+            ended, self._ended = self._ended, []
+            stats = {"zero_variance_group_frac": self._flat / max(self._groups_ended, 1),
+                     "groups_kept": float(len(batch)), "episodes_running": float(self._inflight),
+                     "groups_ready": float(len(self.buffer.ready) - len(batch)),
+                     "resumed_turns": float(self.control.resumed)}
+            if self.dynamic.enabled:
+                units = {g.key[0] for g in batch} | ({step} if self.mode != "async" else set())
+                stats["groups_dropped"] = float(self._flat_filtered)
+                stats["sampling_rounds"] = float(max(
+                    (self._units[u].round + 1 for u in units if u in self._units), default=1))
+            self._flat = self._groups_ended = self._flat_filtered = 0
+            check_aborted(ended, self.cfg.rl.max_aborted_frac, f"rl/{step}")
+            trajectories, group_index = self.buffer.take(batch)
+        return Taken(trajectories, group_index.tolist(), ended, stats)
+
+    def weights_live(self, steps_trained: int, version: int) -> None:
+        with self._cond:
+            self._steps_trained, self._version = steps_trained, version
+            self._filter_stale()
+        self._loop.call_soon_threadsafe(self._pump)
+
+    def stats(self) -> dict[str, float]:
+        with self._cond:
+            busy = self.busy_s + (time.perf_counter() - self._busy_since
+                                  if self._busy_since is not None else 0.0)
+            return {"rollout_busy_s": busy, "episodes_running": float(self._inflight)}
+
+    def close(self) -> Counter[str]:
+        """Stop starting episodes, abort the running requests (their episodes end as aborted,
+        `dropped/in_flight_at_end`), wait rollout.shutdown_timeout_s for them, cancel what is
+        left (`dropped/cancelled_at_end`), and count unused ready groups
+        (`dropped/unused_at_end`)."""
+        if self._loop.is_closed():
+            return self.ledger
+        with self._cond:
+            self.control.stopping = True
+        try:
+            done = asyncio.run_coroutine_threadsafe(self._wind_down(), self._loop)
+            done.result(timeout=self.cfg.rollout.shutdown_timeout_s + 30)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+            if not self._thread.is_alive():
+                self._loop.close()
+        with self._cond:
+            self.buffer.drop_all("unused_at_end")
+            self._stop_busy()
+        return self.ledger
+
+    # ------------------------------------------------------------------ rules (under _cond)
+    def _ready_batch(self, step: int) -> list[Group] | None:
+        """The groups of step `step` when they are all there, else None. Ordered modes train
+        unit `step` once it is complete (refills included); async the first B ready groups."""
+        if self._filter_stale():  # their slots go to new groups
+            self._loop.call_soon_threadsafe(self._pump)
+        ready = self.buffer.ready
+        if self.mode != "async":
+            unit = self._units.get(step)
+            if unit is None or unit.launched < self.B or unit.pending or unit.owed:
+                if self._exhausted and unit is None:
+                    raise RunError(f"rl step {step + 1}: no train tasks left to sample")
+                return None
+            return [g for g in ready if g.key[0] == step]
+        if len(ready) >= self.B:
+            return ready[: self.B]
+        if self._exhausted and not self._inflight and not self._refills:
+            raise RunError(f"rl step {step + 1}: no train tasks left to sample and "
+                           f"{len(ready)} of {self.B} groups ready")
+        return None
+
+    def _filter_stale(self) -> int:
+        """Filter the ready groups staler than the bound; returns how many."""
+        stale = 0
+        for g in list(self.buffer.ready):
+            staleness = self._version - g.oldest_version
+            if staleness > self.max_staleness:
+                log.info("group %s (task %s) is %d versions stale (bound %d): filtered",
+                         g.key, g.task_id, staleness, self.max_staleness)
+                self.buffer.filter(g, "stale")
+                self._slots -= 1
+                stale += 1
+        return stale
+
+    def _check_aborted(self, step: int) -> None:
+        """A broken engine cannot teach: stop as soon as a batch's worth of episodes ended
+        with too many aborted."""
+        if len(self._ended) >= self.B * self.G:
+            check_aborted(self._ended, self.cfg.rl.max_aborted_frac, f"rl/{step}")
+
+    def _next_launch(self) -> tuple[int, int] | None:
+        """(unit, round) of the next group to start, or None while the rules say wait."""
+        if self.control.stopping or self._error is not None or self._exhausted:
+            return None
+        room = (self.max_inflight is None or self._inflight + self.G <= self.max_inflight)
+        if self._refills and room:  # a refill reuses the slot of the group it replaces
+            u = self._refills[0]
+            return u, self._units[u].round
+        # never more groups than rl.steps can train: the last step's tail is not sampled
+        ahead = min(self._steps_trained + self.lag + 1, self.cfg.rl.steps)
+        if self.mode != "async":  # whole units, at most `lag` steps ahead of the trainer
+            unit = self._units.get(self._next_unit)
+            if unit is not None and unit.launched >= self.B:
+                self._next_unit += 1
+            return (self._next_unit, 0) if self._next_unit < ahead else None
+        if not room or self._slots >= ahead * self.B:
+            return None
+        unit = self._units.get(self._next_unit)
+        if unit is not None and unit.launched >= self.B:
+            self._next_unit += 1
+        return self._next_unit, 0
+
+    # ------------------------------------------------------------------ the producer (loop)
+    def _pump(self) -> None:
+        """Start every group the rules allow (runs on the loop thread)."""
+        with self._cond:
+            while (launch := self._next_launch()) is not None:
+                u, r = launch
+                task = next(self.tasks, None)
+                if task is None:
+                    self._exhausted = True
+                    log.warning("rl: no train tasks left to sample (%d units started)",
+                                len(self._units))
+                    self._cond.notify_all()
+                    break
+                unit = self._units.setdefault(u, _Unit(u))
+                if r == 0:
+                    key = (u, 0, unit.launched)
+                    unit.launched += 1
+                    self._slots += 1
+                else:
+                    key = (u, r, unit.owed)
+                    unit.owed -= 1
+                    if not unit.owed:
+                        self._refills.popleft()
+                unit.pending += 1
+                self._inflight += self.G
+                self.ledger["started"] += self.G
+                if self._busy_since is None:
+                    self._busy_since = time.perf_counter()
+                t = self._loop.create_task(self._group(key, task))
+                self._tasks.add(t)
+                t.add_done_callback(self._tasks.discard)
+
+    async def _group(self, key: tuple[int, int, int], task: Task) -> None:
+        u, r, _ = key
+        tag = ("rl", u) if r == 0 else ("rl", u, r)
+        episodes = [asyncio.ensure_future(self._one(task, k, tag)) for k in range(self.G)]
+        try:
+            trajs = list(await asyncio.gather(*episodes))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # a RunError/ConfigError of the env, or a bug: stop the run
+            for ep in episodes:
+                ep.cancel()
+            with self._cond:
+                self._error = self._error or e
+                self._cond.notify_all()
+            return
+        self._group_done(key, task, trajs)
+
+    async def _one(self, task: Task, k: int, tag: tuple) -> Trajectory:
+        try:
+            traj = await run_one(task, k, self.actor, tag=tag, **self._episode)
+        except asyncio.CancelledError:
+            with self._cond:
+                self.ledger["dropped/cancelled_at_end"] += 1
+                self._episode_ended()
+            raise
+        except BaseException:
+            with self._cond:
+                self.ledger["dropped/run_error"] += 1
+                self._episode_ended()
+            raise
+        with self._cond:
+            self.ledger["tokens/generated"] += traj.num_generated + traj.discarded_tokens
+            self._episode_ended()
+        return traj
+
+    def _episode_ended(self) -> None:
+        self._inflight -= 1
+        if not self._inflight:
+            self._stop_busy()
+
+    def _stop_busy(self) -> None:
+        if self._busy_since is not None:
+            self.busy_s += time.perf_counter() - self._busy_since
+            self._busy_since = None
+
+    def _group_done(self, key: tuple[int, int, int], task: Task, trajs: list[Trajectory]
+                    ) -> None:
+        with self._cond:
+            unit = self._units[key[0]]
+            unit.pending -= 1
+            self._ended += trajs
+            if self.control.stopping:
+                self.ledger["dropped/in_flight_at_end"] += len(trajs)
+                self._cond.notify_all()
+                return
+            self._groups_ended += 1
+            members = self.buffer.admit(trajs)
+            group = Group(key, task.id, members)
+            flat = bool(members) and len({self.reward(t) for t in members}) <= 1
+            self._flat += flat
+            if not members:
+                self._slots -= 1  # nothing to train: the slot goes to a new group
+            elif flat and self.dynamic.enabled:
+                self.buffer.filter(group, "zero_variance")
+                self._flat_filtered += 1
+                unit.flat += 1
+            else:
+                self.buffer.add(group)
+            self._nothing_kept = self._nothing_kept + 1 if not members else 0
+            if self.mode == "async" and self._nothing_kept > self.B * (
+                    self.cfg.rl.max_idle_steps + 1):
+                self._error = RunError(
+                    f"rl: nothing to train: the last {self._nothing_kept} groups had every "
+                    f"episode dropped (ledger: {dict(self.ledger)})")
+            if unit.launched >= self.B and not unit.pending and unit.flat:
+                self._end_round(unit)
+            self._cond.notify_all()
+        self._pump()
+
+    def _end_round(self, unit: _Unit) -> None:
+        """Refill a unit's zero-variance groups in its next round, or, after
+        dynamic_sampling.max_rounds rounds, give their slots up (the step trains on what there
+        is)."""
+        if unit.round + 1 < self.rounds:
+            unit.round += 1
+            unit.owed, unit.flat = unit.flat, 0
+            self._refills.append(unit.index)
+        else:
+            self._slots -= unit.flat
+            unit.flat = 0
+
+    async def _wind_down(self) -> None:
+        aborts = [asyncio.to_thread(self.engine.abort, rid) for rid in list(self.control.live)]
+        await asyncio.gather(*aborts)
+        running = list(self._tasks)
+        if running:
+            _, late = await asyncio.wait(running, timeout=self.cfg.rollout.shutdown_timeout_s)
+            for t in late:
+                t.cancel()
+            if late:
+                log.warning("rl: %d groups still running %gs after the end of RL were "
+                            "cancelled", len(late), self.cfg.rollout.shutdown_timeout_s)
+                await asyncio.wait(late, timeout=30)
