@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import pytest
@@ -156,3 +157,18 @@ def test_gate_catches_an_unreliable_tool():
     assert report.rates()["double"] == 1.0 and report.rates()["negate"] < 0.9
     with pytest.raises(GateError, match=r"negate succeeded \d+/200 \(\d+\.\d%\)"):
         report.check()
+
+
+def test_heavy_tailed_latency_is_seeded_counted_and_slept():
+    config = FaultConfig(latency_s=0.002, slow_prob=0.1, slow_s=0.03, seed=3)
+    wall = time.perf_counter()
+    results, injector = run(config, range(100))  # one at a time: the sleeps add up
+    wall = time.perf_counter() - wall
+    assert all(classify(r) == "clean" for r in results)  # latency is not a fault
+    slow = injector.injected["slow/double"]
+    assert 3 <= slow <= 20  # ~10 of 100 (binomial sd 3)
+    assert wall >= slow * 0.03 + (100 - slow) * 0.002
+    _, again = run(config, reversed(range(100)), concurrent=True)
+    assert again.injected["slow/double"] == slow  # drawn per call, not per position
+    draws = [FaultInjector(config).delay(random.Random(i), "double") for i in range(1000)]
+    assert set(draws) == {0.002, 0.03} and 60 < draws.count(0.03) < 140

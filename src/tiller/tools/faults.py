@@ -11,6 +11,10 @@ wraps tools so that a configured share of calls fails the way real tools fail:
 - `garbage`: the tool returns a random string, an `ok` result with useless content (a
   truncated page, a corrupted response: nothing tells the policy it is wrong).
 
+A call that does not fail can still be slow: `latency_s` for every call and `slow_s` for a
+`slow_prob` share of them, a heavy-tailed latency like real agent tools (the asynchronous
+schedule exists because of it). The wait is a sleep, so it costs no CPU.
+
 Faults are injected into the tool, behind the registry's argument validation, so a call with
 bad arguments is still the policy's `tool_error` and an injected fault is reported exactly like
 a real one. Compose with the executor as `ToolExecutor(injector.wrap(registry), config)`.
@@ -51,6 +55,11 @@ class FaultConfig(BaseModel):
     crash_prob: float = Field(0.0, ge=0, le=1)
     garbage_prob: float = Field(0.0, ge=0, le=1)
     hang_s: float = Field(60.0, ge=0, description="how long an injected timeout hangs")
+    latency_s: float = Field(0.0, ge=0, description="every call that does not fail sleeps this "
+                             "long first (a slow service; sleeping costs no CPU)")
+    slow_prob: float = Field(0.0, ge=0, le=1, description="share of those calls that sleep "
+                             "slow_s instead: a heavy-tailed latency, as agent tools have")
+    slow_s: float = Field(0.0, ge=0, description="the latency of a slow call")
     seed: int = 0
     tools: list[str] | None = Field(None, description="tools to inject into; None = all")
 
@@ -86,6 +95,15 @@ class FaultInjector:
                 return fault, rng
         return None, rng
 
+    def delay(self, rng: random.Random, name: str) -> float:
+        """The latency of a call that does not fail: slow_s with probability slow_prob, else
+        latency_s (drawn from the call's own RNG, so it is seeded like the faults)."""
+        c = self.config
+        slow = c.slow_prob > 0 and rng.random() < c.slow_prob
+        if slow:
+            self.injected[f"slow/{name}"] += 1
+        return c.slow_s if slow else c.latency_s
+
     def wrap_tool(self, t: Tool, key: str = "") -> Tool:
         """The same tool (name, schema, validation) with faults injected into its function."""
         if self.config.tools is not None and t.name not in self.config.tools:
@@ -100,6 +118,9 @@ class FaultInjector:
                 raise InjectedFault("injected crash")
             if fault == "garbage":
                 return "".join(rng.choices(string.printable, k=rng.randint(1, 64)))
+            delay = self.delay(rng, t.name)
+            if delay > 0:
+                await asyncio.sleep(delay)
             return await t(**arguments)
 
         return replace(t, fn=faulty)  # the same name, schema, validation and blame rule

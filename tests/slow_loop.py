@@ -1,0 +1,25 @@
+"""tiller's agent loop with a seeded, heavy-tailed wait around each episode, so episode
+lengths vary the way agent episodes do whatever the policy does (the tiny test policies rarely
+call a tool, so tool latency alone would not slow them). Name it as
+`agent.loop: slow_loop:run_episode`; tests set `SLOW` first. Half of the wait comes before the
+episode and half after it, so a group can finish well after its tokens were sampled."""
+
+import asyncio
+import random
+
+from tiller.rollout.agent_loop import run_episode as tiller_episode
+
+# prob: share of slow episodes; fast_first: that many episodes (in start order) are fast
+SLOW = {"prob": 0.3, "slow_s": 0.2, "fast_s": 0.001, "fast_first": 0, "started": 0}
+
+
+async def run_episode(env, task, actor, tokenizer, *, seed, limits, sample_index=0):
+    rng = random.Random(seed)
+    SLOW["started"] += 1
+    slow = rng.random() < SLOW["prob"] and SLOW["started"] > SLOW["fast_first"]
+    wait = SLOW["slow_s"] if slow else SLOW["fast_s"]
+    await asyncio.sleep(wait / 2)
+    traj = await tiller_episode(env, task, actor, tokenizer, seed=seed, limits=limits,
+                                sample_index=sample_index)
+    await asyncio.sleep(wait / 2)
+    return traj

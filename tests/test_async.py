@@ -1,0 +1,219 @@
+"""The three schedules (rl.mode) on real runs: staleness bound, ledger accounting, partial
+rollouts, and async with max_staleness 0 reproducing sync."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+
+import pytest
+import slow_loop
+import torch
+from helpers import RL_MOVES
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tiller.config import load_config
+from tiller.controller import ledger_unaccounted, rl
+from tiller.errors import ConfigError
+from tiller.rollout.manager import RolloutManager
+from tiller.rollout.weight_sync import WeightUpdate
+from tiller.run import Run, rl_task_count
+from tiller.train.shaping import train_reward
+
+CONFIG = "configs/calculator.yaml"
+
+
+def config(model_dir, *more):
+    return load_config(CONFIG, [
+        f"model.path={model_dir}", "model.build=null", "sft.enabled=false", "rl.steps=3",
+        "rl.tasks_per_step=2", "rl.group_size=2", "eval.tasks=8", "logging.progress=false",
+        "logging.tensorboard=false", *more])
+
+
+def rl_rows(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["phase"] == "rl"]
+
+
+def slow_episodes(monkeypatch, prob, seconds, fast_first=0):
+    for key, value in (("prob", prob), ("slow_s", seconds), ("fast_first", fast_first),
+                       ("started", 0)):
+        monkeypatch.setitem(slow_loop.SLOW, key, value)
+    return "agent.loop=slow_loop:run_episode"
+
+
+def accounted(ledger):
+    """Every started trajectory ended trained, filtered or dropped."""
+    assert ledger["started"] > 0 and ledger_unaccounted(Counter(ledger)) == 0, ledger
+
+
+@settings(max_examples=4, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(k=st.integers(0, 2), seed=st.integers(0, 10_000), slow_s=st.floats(0.05, 0.5),
+       slow_prob=st.floats(0.1, 0.5))
+def test_trained_staleness_never_exceeds_the_bound(calc_sft_dir, tmp_path_factory, monkeypatch,
+                                                   k, seed, slow_s, slow_prob):
+    out = tmp_path_factory.mktemp("stale")
+    cfg = config(calc_sft_dir, "rl.mode=async", f"rl.max_staleness={k}", "rl.steps=4",
+                 f"seed={seed}", slow_episodes(monkeypatch, slow_prob, slow_s))
+    summary = rl(Run(cfg, out))
+    rows = rl_rows(out)
+    assert len(rows) == 4
+    assert all(r["staleness_max"] <= k for r in rows if not r["skipped"])
+    assert summary["staleness_max"] <= k
+    accounted(summary["ledger"])
+
+
+def test_stale_groups_are_filtered_and_replaced(calc_sft_dir, tmp_path):
+    """Groups that become staler than the bound while they wait are filtered, and their slots
+    go to new groups (this is the filter behind the throttle, forced by a version jump)."""
+    cfg = config(calc_sft_dir, "rl.mode=async", "rl.max_staleness=1", "rl.steps=2")
+    run = Run(cfg, tmp_path)
+    manager = manager_for(run)
+    try:  # lag 1: two steps' worth of groups (4) start at once, sampled by v0
+        deadline = time.monotonic() + 60
+        while len(manager.buffer.ready) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(manager.buffer.ready) == 4 and manager.ledger["started"] == 8
+        # the trainer jumped to v5 and the engine serves it: every ready group is 5 stale
+        run.engine.update_weights(WeightUpdate.full(run.model, 5))
+        manager.weights_live(0, 5)
+        assert manager.ledger["filtered/stale"] == 8
+        taken = manager.next_batch(0)  # fresh groups were started in their place
+        assert len(taken.trajectories) == 4
+        assert all(min(t.versions) == 5 for t in taken.trajectories)
+    finally:
+        ledger = manager.close()
+    run.close()
+    accounted(ledger)
+    assert ledger["trained"] == 4 and ledger["started"] == 16
+
+
+def manager_for(run, **kw):
+    cfg = run.cfg
+    return RolloutManager(cfg, run.engine, run.sampling(1.0),
+                          iter(run.tasks("train", rl_task_count(cfg), 3)),
+                          episode_fn=run.episode_fn, make_env=run.make_env,
+                          tokenizer=run.tokenizer, limits=run.limits,
+                          reward=lambda t: train_reward(t, cfg.rl.algorithm, cfg.l_max,
+                                                        cfg.l_cache),
+                          version=run.trainer.version, **kw)
+
+
+@pytest.mark.parametrize("shutdown_s, bucket", [(30.0, "dropped/in_flight_at_end"),
+                                                 (0.2, "dropped/cancelled_at_end")])
+def test_the_ledger_accounts_for_episodes_in_flight_at_the_end(calc_sft_dir, tmp_path,
+                                                             monkeypatch, shutdown_s, bucket):
+    # The first group is fast, the second's episodes wait 3 s. The run ends (here: the manager
+    # closes after one batch, as when a run stops early) with the second group still running. With a long shutdown
+    # window its episodes reach their turn, whose request is refused (they end aborted); with
+    # a short one they are cancelled while they wait.
+    cfg = config(calc_sft_dir, "rl.mode=async", "rl.steps=2", "rl.tasks_per_step=1",
+                 "rl.group_size=4", f"rollout.shutdown_timeout_s={shutdown_s}",
+                 slow_episodes(monkeypatch, 1.0, 3.0, fast_first=4))
+    run = Run(cfg, tmp_path)
+    manager = manager_for(run)
+    try:
+        taken = manager.next_batch(0)
+    finally:
+        ledger = manager.close()
+        run.close()
+    accounted(ledger)
+    assert len(taken.trajectories) == 4 and ledger["trained"] == 4
+    assert ledger["started"] == 8 and ledger[bucket] > 0
+
+
+def test_one_step_off_trains_on_data_exactly_one_step_stale(calc_sft_dir, tmp_path):
+    summary = rl(Run(config(calc_sft_dir, "rl.mode=one_step_off"), tmp_path))
+    rows = rl_rows(tmp_path)
+    # step 1 trains on unit 0 (sampled by v0 at v0); later units were sampled one step back
+    assert [(r["staleness_mean"], r["staleness_max"]) for r in rows] == [(0, 0), (1, 1), (1, 1)]
+    assert summary["mode"] == "one_step_off"
+    accounted(summary["ledger"])
+    assert summary["ledger"]["started"] == 3 * 2 * 2  # never samples past the last step
+
+
+def test_async_with_max_staleness_0_gives_the_same_updates_as_sync(calc_sft_dir, tmp_path):
+    weights, rows = [], []
+    for mode in (["rl.mode=sync"], ["rl.mode=async", "rl.max_staleness=0"]):
+        run = Run(config(calc_sft_dir, "rl.steps=2", "rl.group_size=4", *RL_MOVES, *mode),
+                  tmp_path / mode[0])
+        start = {k: v.clone() for k, v in run.model.state_dict().items()}
+        try:
+            rl(run)
+        finally:
+            run.close()
+        weights.append({k: v.clone() for k, v in run.model.state_dict().items()})
+        rows.append([(r["reward_mean"], r["loss"], r["rollout_tokens"])
+                     for r in rl_rows(tmp_path / mode[0])])
+    assert rows[0] == rows[1]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert not all(torch.equal(start[k], weights[1][k]) for k in start)  # they trained
+
+
+@pytest.mark.parametrize("partial", ["continue", "abort_resume"])
+def test_partial_rollouts_keep_per_token_versions_and_lose_no_token(calc_model_dir, tmp_path,
+                                                                    partial):
+    # random weights: turns run to max_new_tokens, long enough for updates to land mid-turn
+    cfg = config(calc_model_dir, "rl.mode=async", "rl.max_staleness=100",
+                 f"rollout.partial={partial}", "sampling.max_new_tokens=96",
+                 "env.max_episode_tokens=600", "env.max_turns=2")
+    run = Run(cfg, tmp_path)
+    before = run.engine.stats()["generated_tokens"]
+    manager = manager_for(run)
+    stop = threading.Event()
+    in_flight = "abort" if partial == "abort_resume" else "continue"
+
+    def push():  # new weights every 30 ms while the episodes run (the same values: the test
+        version = 0  # is about versions and tokens, not learning)
+        while not stop.is_set():
+            version += 1
+            run.engine.update_weights(WeightUpdate.full(run.model, version), in_flight=in_flight)
+            manager.weights_live(0, 0)  # the trainer did not move: nothing is stale
+            time.sleep(0.03)
+
+    pusher = threading.Thread(target=push)
+    pusher.start()
+    try:
+        taken = manager.next_batch(0)
+    finally:
+        stop.set()
+        pusher.join(timeout=30)
+        ledger = manager.close()
+    accounted(ledger)
+    ended = taken.ended
+    for t in ended:
+        gen = [v for v, m in zip(t.token_versions, t.loss_mask, strict=True) if m]
+        assert len(gen) == t.num_generated and all(v >= 0 for v in gen)
+        assert [v for v, m in zip(t.token_versions, t.loss_mask, strict=True) if not m] == \
+            [-1] * (len(t.token_ids) - t.num_generated)
+        for (start, end), turn_version in zip(t.turn_spans, t.versions, strict=True):
+            span = t.token_versions[start:end]
+            assert list(span) == sorted(span) and turn_version == min(span, default=turn_version)
+    spanning = [t for t in ended for s, e in t.turn_spans if len(set(t.token_versions[s:e])) > 1]
+    assert spanning, "no turn spanned a weight update: the test did not test anything"
+    resumed = taken.stats["resumed_turns"]
+    assert (resumed > 0) if partial == "abort_resume" else (resumed == 0)
+    # every token the engine sampled is in exactly one trajectory the ledger counted
+    generated = run.engine.stats()["generated_tokens"] - before
+    assert ledger["tokens/generated"] == generated
+    run.close()
+
+
+def test_mode_knobs_are_validated(calc_sft_dir):
+    with pytest.raises(ConfigError, match=r"rl.max_staleness: got 2; it only applies with "
+                                          r"rl.mode: async \(rl.mode is sync\)"):
+        config(calc_sft_dir, "rl.max_staleness=2")
+    with pytest.raises(ConfigError, match=r"rollout.max_inflight: got 8; it only applies"):
+        config(calc_sft_dir, "rollout.max_inflight=8")
+    with pytest.raises(ConfigError, match=r"rollout.max_inflight: got 1; expected at least "
+                                          r"rl.group_size = 2"):
+        config(calc_sft_dir, "rl.mode=async", "rollout.max_inflight=1")
+    with pytest.raises(ConfigError, match=r"rollout.partial: got abort_resume; in rl.mode: "
+                                          r"sync no episode runs while weights change"):
+        config(calc_sft_dir, "rollout.partial=abort_resume")
+    cfg = config(calc_sft_dir, "rl.mode=async", "rl.mini_batches=2")
+    assert (cfg.rl.staleness_bound, cfg.rl.lag_steps) == (4, 2)  # versions, then steps
