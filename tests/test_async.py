@@ -107,10 +107,10 @@ def manager_for(run, **kw):
                                                  (0.2, "dropped/cancelled_at_end")])
 def test_the_ledger_accounts_for_episodes_in_flight_at_the_end(calc_sft_dir, tmp_path,
                                                              monkeypatch, shutdown_s, bucket):
-    # The first group is fast, the second's episodes wait 3 s. The run ends (here: the manager
-    # closes after one batch, as when a run stops early) with the second group still running. With a long shutdown
-    # window its episodes reach their turn, whose request is refused (they end aborted); with
-    # a short one they are cancelled while they wait.
+    # The first group is fast, the second's episodes wait 3 s. The run ends (here: the
+    # manager closes after one batch, as when a run stops early) with the second group still
+    # running. With a long shutdown window its episodes reach their turn, whose request is
+    # refused (they end aborted); with a short one they are cancelled while they wait.
     cfg = config(calc_sft_dir, "rl.mode=async", "rl.steps=2", "rl.tasks_per_step=1",
                  "rl.group_size=4", f"rollout.shutdown_timeout_s={shutdown_s}",
                  slow_episodes(monkeypatch, 1.0, 3.0, fast_first=4))

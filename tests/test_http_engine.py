@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -24,7 +25,7 @@ import pytest
 import torch
 
 from tiller.config import load_config
-from tiller.controller import rl
+from tiller.controller import ledger_unaccounted, rl
 from tiller.envs import ENVS
 from tiller.errors import ConfigError, RunError
 from tiller.models import load_model
@@ -597,8 +598,8 @@ def test_a_training_run_over_two_servers_learns_like_the_embedded_run(two_server
     pushes: list[tuple[int, list[int]]] = []
     push = run.push_weights
 
-    def push_and_check() -> None:
-        push()
+    def push_and_check(in_flight: str = "continue") -> None:
+        push(in_flight)
         pushes.append((run.trainer.version, [server_version(u) for u in two_servers.urls]))
 
     run.push_weights = push_and_check
@@ -613,11 +614,43 @@ def test_a_training_run_over_two_servers_learns_like_the_embedded_run(two_server
         embedded.close()
     assert pushes and all(servers == [v, v] for v, servers in pushes)
     rows, ref = rl_rows(tmp_path / "http"), rl_rows(tmp_path / "embedded")
-    assert len(rows) == 3 and sum(out["ledger"].values()) == 3 * 4 * 4
+    assert len(rows) == 3 and out["ledger"]["started"] == out["ledger"]["trained"] == 3 * 4 * 4
     assert all(0.0 <= r["reward_mean"] <= 1.0 and r["aborted_rate"] == 0 for r in rows)
     assert [(r["engine/retries"], r["engine/session_moves"]) for r in rows] == [(0, 0)] * 3
     assert rows[-1]["engine/requests"] >= 48  # every episode took at least one turn
     assert [r["reward_mean"] for r in rows] == pytest.approx([r["reward_mean"] for r in ref])
+
+
+def test_an_async_run_over_two_servers_pushes_every_version_and_counts_every_episode(
+        two_servers, calc_sft_dir, tmp_path):
+    """rl.mode: async against `tiller serve` processes: the servers take each version while
+    episodes run on them (aborted and resumed), every server echoes it, and the ledger
+    accounts for every episode started."""
+    cfg = rl_config(calc_sft_dir, "engine.backend=http",
+                    f"engine.urls={json.dumps(two_servers.urls)}",
+                    f"engine.weights_dir={two_servers.root / tmp_path.name}", "rl.mode=async",
+                    "rl.max_staleness=1", "rollout.partial=abort_resume", "rl.steps=4",
+                    "sampling.max_new_tokens=32")
+    run = Run(cfg, tmp_path)
+    pushes: list[tuple[int, list[int]]] = []
+    push = run.push_weights
+
+    def push_and_check(in_flight: str = "continue") -> None:
+        push(in_flight)
+        pushes.append((run.trainer.version, [server_version(u) for u in two_servers.urls]))
+
+    run.push_weights = push_and_check
+    try:
+        out = rl(run)
+    finally:
+        run.close()
+    assert [v for v, _ in pushes] == [1, 2, 3, 4]
+    assert all(servers == [v, v] for v, servers in pushes)
+    rows = rl_rows(tmp_path)
+    assert len(rows) == 4 and all(r["staleness_max"] <= 1 for r in rows)
+    ledger = out["ledger"]
+    assert ledger["trained"] == 4 * 4 * 4 and ledger_unaccounted(Counter(ledger)) == 0
+    assert out["staleness_max"] <= 1 and "dropped/aborted" not in ledger
 
 
 def test_a_server_killed_mid_run_is_retried_and_every_episode_counted(own_servers,
@@ -650,7 +683,8 @@ def test_a_server_killed_mid_run_is_retried_and_every_episode_counted(own_server
     assert last["engine/retries"] >= killed[0] and last["engine/servers_up"] == 1
     assert last["engine/failed_requests"] == 0 and last["engine/push_skipped_down"] >= 1
     # the ledger accounts for every episode: tasks x samples, none aborted
-    assert sum(out["ledger"].values()) == 3 * 4 * 4 and "dropped/aborted" not in out["ledger"]
+    ledger = out["ledger"]
+    assert ledger["started"] == ledger["trained"] == 3 * 4 * 4 and "dropped/aborted" not in ledger
     assert all(r["aborted_rate"] == 0 for r in rows)
     assert server_version(own_servers.urls[1]) == run.trainer.version
 

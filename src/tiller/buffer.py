@@ -68,7 +68,8 @@ class DataBuffer:
     def drop_all(self, reason: str) -> int:
         """Count every buffered group as `dropped/<reason>` and empty the buffer."""
         gone = sum(len(g.members) for g in self.ready)
-        self.ledger[f"dropped/{reason}"] += gone
+        if gone:
+            self.ledger[f"dropped/{reason}"] += gone
         self.ready.clear()
         return gone
 
