@@ -639,7 +639,10 @@ def test_off_policy_config_resolves_validates_and_replaces_tis_c():
         load_config("configs/calculator.yaml", ["rl.algorithm.tis_c=2.0"])
     assert str(e.value) == ("config field rl.algorithm.tis_c: got 2.0; it was replaced by "
                             "off_policy: tis with is_cap: C (the same weight "
-                            "min(exp(logp_old - logp_rollout), C))")
+                            "min(exp(logp_old - logp_rollout), C)); for tis_c: null, remove it "
+                            "(off_policy: none is the default)")
+    with pytest.raises(ConfigError, match="got None; it was replaced by off_policy: tis"):
+        AlgorithmConfig(tis_c=None)  # a config saved before the change
     with pytest.raises(ConfigError, match="config field rl.algorithm.off_policy: got 'icepop'; "
                        "expected one of: decoupled, mis, none, seq_is, tis"):
         load_config("configs/calculator.yaml", ["rl.algorithm.off_policy=icepop"])

@@ -393,7 +393,8 @@ class AlgorithmConfig(_Section):
         if "tis_c" in user:  # removed in issue 9: say what replaced it, not just "extra field"
             raise ConfigError(f"config field rl.algorithm.tis_c: got {user['tis_c']!r}; it was "
                               "replaced by off_policy: tis with is_cap: C (the same weight "
-                              "min(exp(logp_old - logp_rollout), C))")
+                              "min(exp(logp_old - logp_rollout), C)); for tis_c: null, remove "
+                              "it (off_policy: none is the default)")
         preset = user.get("preset")
         if preset is not None and preset not in PRESETS:
             raise ConfigError(f"config field rl.algorithm.preset: got {preset!r}; "
