@@ -43,8 +43,10 @@ RL_MOVES = ["rl.algorithm.entropy_coef=0.01"]
 
 
 # Which episodes share an engine batch depends on thread timing, which moves the engine's
-# logprobs by float noise (~1e-8): the samples do not change, these two diagnostics may.
-NOISE = ("time", "logp_mismatch_", "importance_weight_")
+# logprobs by float noise (~1e-8): the samples do not change, these diagnostics may (the
+# mismatch, raw and by staleness, and the off-policy weight computed from it).
+NOISE = ("time", "logp_mismatch_", "importance_weight_", "mismatch_", "staleness_weighted_",
+         "is_weight_")
 
 
 def numbers(run_dir: Path, skip_suffixes: tuple[str, ...] = ()) -> list[dict]:

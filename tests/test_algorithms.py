@@ -11,8 +11,14 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from tiller.config import AlgorithmConfig, ConfigError, RLConfig
-from tiller.train.algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from tiller.config import AlgorithmConfig, ConfigError, RLConfig, load_config
+from tiller.train.algorithms import (
+    ADVANTAGES,
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    OFF_POLICY,
+    POLICY_LOSSES,
+)
 from tiller.train.algorithms.advantages import (
     gae_advantages,
     last_token_rewards,
@@ -28,7 +34,12 @@ from tiller.train.algorithms.credit import (
 )
 from tiller.train.algorithms.kl import kl_beta_at, kl_in_reward
 from tiller.train.algorithms.losses import entropy_bonus
-from tiller.train.algorithms.offpolicy import mismatch_stats, staleness, tis_weights
+from tiller.train.algorithms.offpolicy import (
+    correction_stats,
+    mismatch_stats,
+    staleness,
+    staleness_stats,
+)
 from tiller.train.algorithms.passk import mean_pass_at_k, pass_at_k
 from tiller.train.batch import Batch, minibatches
 from tiller.train.trainer import Trainer, compute_advantages
@@ -47,8 +58,12 @@ def test_registries():
         "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-mean",
         "token-sum"
     ]
+    assert sorted(OFF_POLICY) == ["decoupled", "mis", "none", "seq_is", "tis"]
     with pytest.raises(KeyError, match="unknown advantage estimator"):
         ADVANTAGES["nope"]
+    with pytest.raises(KeyError, match="unknown off-policy correction 'icepop'; choose one of: "
+                       "decoupled, mis, none, seq_is, tis"):
+        OFF_POLICY["icepop"]
 
 
 # ---------------------------------------------------------------- outcome advantages
@@ -315,7 +330,7 @@ def test_losses_take_exactly_their_declared_knobs():
     }
     # every declared knob and input is a parameter of the function, and every keyword
     # parameter of a policy loss is a declared knob (what it reads is what it declares)
-    for registry in (ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, AGGREGATIONS):
+    for registry in (ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, AGGREGATIONS, OFF_POLICY):
         for name, fn in registry.items():
             params = inspect.signature(fn).parameters
             wanted = {k.rsplit(".", 1)[-1] for k in registry.knobs[name]} | set(
@@ -337,6 +352,10 @@ def test_losses_take_exactly_their_declared_knobs():
         ({"critic": {"lam": 0.9}}, "critic.lam", "read only by advantage 'gae'"),
         ({"aggregation": "token-sum", "l_max": 64}, "l_max",
          "read only by aggregation 'seq-mean-token-sum-norm' and overlong.mode 'soft'"),
+        ({"is_cap": 3.0}, "is_cap", "read only by off_policy 'decoupled', 'seq_is', 'tis'"),
+        ({"off_policy": "tis", "mis_high": 4.0}, "mis_high", "read only by off_policy 'mis'"),
+        ({"off_policy": "mis", "is_cap": 2.0}, "is_cap",
+         "read only by off_policy 'decoupled', 'seq_is', 'tis'"),
     ],
 )
 def test_declared_knobs_drive_the_ignored_knob_rule(settings, knob, why):
@@ -538,13 +557,95 @@ def test_empty_rows_do_not_count_as_sequences():
 
 
 # ---------------------------------------------------------------- off-policy
-def test_tis_weights():
-    logp_old = torch.tensor([0.0, -1.0, 0.0], requires_grad=True)
-    rollout = torch.tensor([-0.5, 0.0, -1.0])
-    w = tis_weights(logp_old, rollout)
-    # exp(0.5) = 1.648721, exp(-1) = 0.367879, exp(1) = 2.718 -> truncated at C = 2
-    close(w, [1.648721, 0.367879, 2.0])
+# logp_old - logp_rollout on the masked tokens: row 0 [0.5, -1, 1], row 1 [-0.5, 2, -3]; the
+# last column is off the mask (and must never count)
+OLD = torch.tensor([[0.0, -1.0, 0.0, -2.0], [-0.5, 0.0, -3.0, 0.0]])
+ROLLOUT = torch.tensor([[-0.5, 0.0, -1.0, -2.0], [0.0, -2.0, 0.0, 9.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0]])
+
+
+def test_off_policy_corrections_hand_computed():
+    old = OLD.clone().requires_grad_(True)
+    # rho = exp(delta): row 0 [1.648721, 0.367879, 2.718282], row 1 [0.606531, 7.389056, 0.049787]
+    w, stats = OFF_POLICY["tis"](old, ROLLOUT, MASK, is_cap=2.0)  # 2.718 and 7.389 capped at 2
+    close(w[:, :3], [[1.648721, 0.367879, 2.0], [0.606531, 2.0, 0.049787]])
+    close(stats["truncated"], [[0, 0, 1, 0], [0, 1, 0, 0]])
+    close(stats["masked"], [[0, 0, 0, 0], [0, 0, 0, 0]])
     assert not w.requires_grad
+    # decoupled: the same weight with logp_prox as logp_old, logp_behaviour as logp_rollout
+    prox, _ = OFF_POLICY["decoupled"](old, ROLLOUT, MASK, is_cap=2.0)
+    assert torch.equal(prox, w) and not prox.requires_grad
+    # mis [0.5, 5]: 0.367879 (row 0) and 7.389056, 0.049787 (row 1) leave the band -> 0
+    w, stats = OFF_POLICY["mis"](old, ROLLOUT, MASK, mis_low=0.5, mis_high=5.0)
+    close(w[:, :3], [[1, 0, 1], [1, 0, 0]])
+    close(stats["masked"], [[0, 1, 0, 0], [0, 1, 1, 0]])  # 3 of 6 masked tokens removed
+    # seq_is: sum of masked deltas row 0 = 0.5 -> exp = 1.648721, capped at 1.5;
+    # row 1 = -1.5 -> exp(-1.5) = 0.223130; one weight broadcast to the row
+    w, stats = OFF_POLICY["seq_is"](old, ROLLOUT, MASK, is_cap=1.5)
+    close(w, [[1.5] * 4, [0.223130] * 4])
+    close(stats["truncated"], [[1, 1, 1, 0], [0, 0, 0, 0]])
+    w, stats = OFF_POLICY["none"](old, ROLLOUT, MASK)
+    close(w, [[1.0] * 4, [1.0] * 4])
+
+
+def test_correction_stats_hand_computed():
+    # tis C = 2 on the masked tokens: mean (1.648721 + 0.367879 + 2 + 0.606531 + 2 + 0.049787)
+    # / 6 = 1.112153, max 2, truncated 2 of 6
+    stats = correction_stats(*OFF_POLICY["tis"](OLD, ROLLOUT, MASK, is_cap=2.0), MASK)
+    assert stats == pytest.approx({"is_weight_mean": 1.112153, "is_weight_max": 2.0,
+                                   "is_masked_frac": 0.0, "is_truncated_frac": 1 / 3}, abs=1e-6)
+    stats = correction_stats(*OFF_POLICY["mis"](OLD, ROLLOUT, MASK), MASK)  # defaults 0.5, 5
+    assert stats == {"is_weight_mean": 0.5, "is_weight_max": 1.0, "is_masked_frac": 0.5,
+                     "is_truncated_frac": 0.0}
+    empty = correction_stats(*OFF_POLICY["mis"](OLD, ROLLOUT, MASK * 0), MASK * 0)
+    assert empty == {"is_weight_mean": 1.0, "is_weight_max": 1.0, "is_masked_frac": 0.0,
+                     "is_truncated_frac": 0.0}
+
+
+def test_staleness_weighted_mismatch_hand_computed():
+    # |delta| per masked token: row 0 [0.5, 1, 1], row 1 [0.5, 2, 3], row 2 [0.2, 0.2],
+    # row 3 [4] (version unknown: left out); staleness 1, 3, 0, -1
+    old = torch.cat([OLD, torch.tensor([[0.2, 0.2, 0.0, 0.0], [4.0, 0.0, 0.0, 0.0]])])
+    rollout = torch.cat([ROLLOUT, torch.zeros(2, 4)])
+    mask = torch.cat([MASK, torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])])
+    stats = staleness_stats(rollout, old, mask, torch.tensor([1, 3, 0, -1]))
+    # weighted: (1 * 2.5 + 3 * 5.5) / (1 * 3 + 3 * 3) = 19 / 12; stale rows: 8 / 6; fresh: 0.2
+    assert stats == pytest.approx({"staleness_weighted_mismatch": 19 / 12,
+                                   "mismatch_stale": 8 / 6, "mismatch_fresh": 0.2}, abs=1e-6)
+    # nothing stale: the weighted mismatch is 0 and mismatch_stale is absent
+    fresh = staleness_stats(rollout, old, mask, torch.tensor([0, 0, 0, -1]))
+    assert fresh == pytest.approx({"staleness_weighted_mismatch": 0.0,
+                                   "mismatch_fresh": (2.5 + 5.5 + 0.4) / 8}, abs=1e-6)
+    assert staleness_stats(rollout, old, mask, torch.full((4,), -1)) == {
+        "staleness_weighted_mismatch": 0.0}
+
+
+def test_off_policy_config_resolves_validates_and_replaces_tis_c():
+    a = AlgorithmConfig(off_policy="mis")
+    assert (a.mis_low, a.mis_high, a.is_cap) == (0.5, 5.0, None)  # the function's defaults
+    assert AlgorithmConfig(off_policy="seq_is").is_cap == 2.0
+    assert AlgorithmConfig(off_policy="decoupled", is_cap=3.0).is_cap == 3.0
+    assert AlgorithmConfig().off_policy == "none" and AlgorithmConfig().is_cap is None
+    assert OFF_POLICY.knob_values("mis", AlgorithmConfig(off_policy="mis", mis_low=0.25)) == {
+        "mis_low": 0.25, "mis_high": 5.0}
+    with pytest.raises(ValidationError, match="less than 1"):  # lo < 1 < hi
+        AlgorithmConfig(off_policy="mis", mis_low=1.0)
+    with pytest.raises(ValidationError, match="greater than 1"):
+        AlgorithmConfig(off_policy="mis", mis_high=0.9)
+    with pytest.raises(ValidationError, match="expected one of: decoupled, mis, none, seq_is, "
+                       "tis"):
+        AlgorithmConfig(off_policy="icepop")
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/calculator.yaml", ["rl.algorithm.tis_c=2.0"])
+    assert str(e.value) == ("config field rl.algorithm.tis_c: got 2.0; it was replaced by "
+                            "off_policy: tis with is_cap: C (the same weight "
+                            "min(exp(logp_old - logp_rollout), C)); for tis_c: null, remove it "
+                            "(off_policy: none is the default)")
+    with pytest.raises(ConfigError, match="got None; it was replaced by off_policy: tis"):
+        AlgorithmConfig(tis_c=None)  # a config saved before the change
+    with pytest.raises(ConfigError, match="config field rl.algorithm.off_policy: got 'icepop'; "
+                       "expected one of: decoupled, mis, none, seq_is, tis"):
+        load_config("configs/calculator.yaml", ["rl.algorithm.off_policy=icepop"])
 
 
 def test_mismatch_stats():
@@ -556,9 +657,10 @@ def test_mismatch_stats():
     assert stats["logp_mismatch_mean"] == pytest.approx(0.75)
     assert stats["logp_mismatch_max"] == pytest.approx(1.0)
     assert stats["importance_weight_mean"] == pytest.approx(1.662406, abs=1e-6)
+    assert stats["importance_weight_max"] == pytest.approx(2.718282, abs=1e-6)
     empty = mismatch_stats(rollout, old, torch.zeros(1, 3))
     assert empty == {"logp_mismatch_mean": 0.0, "logp_mismatch_max": 0.0,
-                     "importance_weight_mean": 0.0}
+                     "importance_weight_mean": 0.0, "importance_weight_max": 0.0}
 
 
 def test_staleness_counts_oldest_version():

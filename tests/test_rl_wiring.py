@@ -1,5 +1,5 @@
-"""The algorithm library wired into training: advantages as the trainer assembles them, TIS,
-the critic, dynamic sampling, overlong handling, key steps and pass@k, with hand-computed
+"""The algorithm library wired into training: advantages as the trainer assembles them, the
+critic, dynamic sampling, overlong handling, key steps and pass@k, with hand-computed
 numbers where the wiring adds math."""
 
 import json
@@ -18,10 +18,10 @@ from tiller.models import resolve_device
 from tiller.observe.evaluation import success_summary
 from tiller.rollout.trajectory import Status, Trajectory
 from tiller.run import Run
-from tiller.train.batch import Batch, token_logprobs
+from tiller.train.batch import Batch
 from tiller.train.critic import Critic, explained_variance
 from tiller.train.shaping import load_key_steps, rl_batch, train_reward
-from tiller.train.trainer import Trainer, _weight_stats, compute_advantages
+from tiller.train.trainer import Trainer, compute_advantages
 
 CONFIG = "configs/calculator.yaml"
 
@@ -93,17 +93,6 @@ def test_explained_variance_hand_computed():
     assert math.isnan(explained_variance(values, torch.ones(5), mask))  # Var R = 0
 
 
-def test_importance_weight_stats_hand_computed():
-    old = torch.tensor([[-1.0, -2.0, 0.0]])
-    rollout = torch.tensor([[-1.5, -1.0, -9.0]])
-    mask = torch.tensor([[1.0, 1.0, 0.0]])
-    # weights exp(0.5) = 1.648721 and exp(-1) = 0.367879; C = 1.5 truncates one of two
-    stats = _weight_stats(old, rollout, mask, 1.5)
-    assert stats["importance_weight_max"] == pytest.approx(1.648721, abs=1e-6)
-    assert stats["tis_truncated_frac"] == 0.5
-    assert "tis_truncated_frac" not in _weight_stats(old, rollout, mask, None)
-
-
 # ---------------------------------------------------------------- trainer
 def update_of(model_dir, batch, cfg, ref_model=None):
     from tiller.models import load_model
@@ -114,28 +103,6 @@ def update_of(model_dir, batch, cfg, ref_model=None):
     trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # delta = -gradient
     metrics = trainer.rl_step(batch, cfg, l_max=8, ref_model=ref_model)
     return torch.cat([p.detach().flatten() for p in model.parameters()]) - before, metrics
-
-
-def test_tis_weight_multiplies_the_policy_loss(calc_model_dir):
-    from tiller.models import load_model
-
-    trajs = [traj([3, 4, 5, 6, 7], [0, 0, 1, 1, 1], [(2, 5)], 1.0, k=0),
-             traj([3, 4, 8, 9], [0, 0, 1, 1], [(2, 4)], 0.0, k=1)]
-    batch = Batch.collate(trajs, 0)
-    with torch.no_grad():
-        logp_old, _ = token_logprobs(load_model(calc_model_dir), batch)
-    cfg = {"micro_batch_size": 4, "max_grad_norm": 1e9}
-    batch.rollout_logprobs = logp_old * batch.loss_mask
-    plain, _ = update_of(calc_model_dir, batch, RLConfig(**cfg))
-    # the engine reported logprobs ln 2 lower: w = exp(ln 2) = 2 on every token (C = 5 > 2) ...
-    batch.rollout_logprobs = (logp_old - math.log(2.0)) * batch.loss_mask
-    doubled, m = update_of(calc_model_dir, batch, RLConfig(**cfg, algorithm={"tis_c": 5.0}))
-    assert torch.allclose(doubled, 2 * plain, atol=1e-6, rtol=1e-4)
-    assert m["importance_weight_mean"] == pytest.approx(2.0) and m["tis_truncated_frac"] == 0.0
-    # ... and C = 1.5 truncates it to 1.5
-    capped, m = update_of(calc_model_dir, batch, RLConfig(**cfg, algorithm={"tis_c": 1.5}))
-    assert torch.allclose(capped, 1.5 * plain, atol=1e-6, rtol=1e-4)
-    assert m["tis_truncated_frac"] == 1.0
 
 
 def test_ppo_explained_variance_rises_on_a_fixed_batch(model):

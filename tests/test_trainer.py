@@ -1,5 +1,6 @@
 import asyncio
 import copy
+import math
 
 import pytest
 import torch
@@ -136,11 +137,178 @@ def test_clipped_tokens_get_no_gradient(calc_model_dir):
     assert metrics["clip_frac"] == pytest.approx(float(clipped.sum()) / (2 * float(mask.sum())))
 
 
-# the extra terms must accumulate like the policy loss: entropy bonus, KL in the loss, TIS
+def rollout_at(batch, logp, shift):
+    """`batch` with the engine's logprobs set to `logp + shift` on generated tokens."""
+    out = copy.copy(batch)
+    out.rollout_logprobs = (logp + shift) * batch.loss_mask
+    return out
+
+
+# (settings, the uniform weight when the engine reported logprobs ln 2 below the trainer's,
+# i.e. rho = exp(logp_old - logp_rollout) = 2 on every token, is_truncated_frac, is_masked_frac)
+CORRECTIONS = [
+    ({"off_policy": "tis", "is_cap": 5.0}, 2.0, 0.0, 0.0),
+    ({"off_policy": "tis", "is_cap": 1.5}, 1.5, 1.0, 0.0),
+    ({"off_policy": "decoupled", "is_cap": 5.0}, 2.0, 0.0, 0.0),
+    ({"off_policy": "seq_is", "is_cap": 5.0}, 5.0, 1.0, 0.0),  # 2^3 per 3-token row, capped
+    ({"off_policy": "mis"}, 1.0, 0.0, 0.0),  # 2 is inside [0.5, 5]: kept, not reweighted
+    ({"off_policy": "mis", "mis_high": 1.5}, 0.0, 0.0, 1.0),  # 2 > 1.5: every token removed
+]
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "gspo", "cispo", "sapo"])
+def test_off_policy_weight_multiplies_every_policy_loss(calc_model_dir, loss):
+    batch = clip_batch()
+    with torch.no_grad():
+        logp_old, _ = token_logprobs(load_model(calc_model_dir), batch)
+    cfg = {"micro_batch_size": 8, "max_grad_norm": 1e9}
+    model, _, _ = sgd_step(calc_model_dir, rollout_at(batch, logp_old, 0.0),
+                           RLConfig(**cfg, algorithm={"policy_loss": loss}))
+    plain = params(model) - params(load_model(calc_model_dir))
+    assert plain.abs().max() > 1e-4
+    for settings, weight, truncated, masked in CORRECTIONS:
+        alg = {"policy_loss": loss, **settings}
+        model, _, m = sgd_step(calc_model_dir, rollout_at(batch, logp_old, -math.log(2.0)),
+                               RLConfig(**cfg, algorithm=alg))
+        delta = params(model) - params(load_model(calc_model_dir))
+        assert torch.allclose(delta, weight * plain, atol=1e-6, rtol=1e-4), settings
+        assert m["is_weight_mean"] == pytest.approx(weight, abs=1e-5), settings
+        assert m["is_weight_max"] == pytest.approx(weight, abs=1e-5), settings
+        assert (m["is_truncated_frac"], m["is_masked_frac"]) == (truncated, masked), settings
+        assert m["importance_weight_mean"] == pytest.approx(2.0, abs=1e-5)  # before correcting
+
+
+def test_decoupled_recomputes_the_proximal_policy_with_one_optimizer_step(calc_model_dir):
+    # sampled by the initial weights (logp0); the trainer's weights have moved since, so the
+    # behaviour weight min(exp(logp_prox - logp0), C) is not 1 on the first (only) pass
+    batch = clip_batch()
+    with torch.no_grad():
+        logp0, _ = token_logprobs(load_model(calc_model_dir), batch)
+    moved = load_model(calc_model_dir)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    state = copy.deepcopy(moved.state_dict())
+    alg = {"off_policy": "decoupled", "is_cap": 1.2, "aggregation": "token-mean"}
+    cfg = RLConfig(micro_batch_size=8, max_grad_norm=1e9, algorithm=alg)
+    forwards = []
+    moved.register_forward_hook(lambda *_: forwards.append(1))
+    trainer = Trainer(moved)
+    trainer.optimizer = torch.optim.SGD(moved.parameters(), lr=1.0)
+    m = trainer.rl_step(rollout_at(batch, logp0, 0.0), cfg, l_max=8)
+    assert len(forwards) == 2 and trainer.version == 1  # the no-grad prepass, then the update
+    # by hand: logp_prox with the moved weights, w = min(exp(logp_prox - logp0), 1.2), and the
+    # token-mean of -rho * A * w with rho = exp(logp - logp_prox) (1 in value)
+    hand = load_model(calc_model_dir)
+    hand.load_state_dict(state)
+    mask = batch.loss_mask
+    logp, _ = token_logprobs(hand, batch)
+    prox = logp.detach()
+    w = torch.exp(prox - logp0).clamp(max=1.2)
+    on = w[mask > 0]
+    assert on.min() < 0.9 and (on == 1.2).any()  # rho != 1: some tokens down, some capped
+    assert m["is_weight_mean"] == pytest.approx(float(on.mean()), abs=1e-5)
+    assert m["is_weight_max"] == pytest.approx(1.2)
+    assert m["is_truncated_frac"] == pytest.approx(float((torch.exp(prox - logp0)[mask > 0]
+                                                          > 1.2).float().mean()))
+    adv = compute_advantages(batch, cfg.algorithm)[0]
+    (-(torch.exp(logp - prox) * adv * w * mask).sum() / mask.sum()).backward()
+    expected = torch.cat([(p - p.grad).detach().flatten() for p in hand.parameters()])
+    assert torch.allclose(params(moved), expected, atol=1e-5)
+    # tis takes the gradient pass's own logprobs here: one forward, no prepass
+    forwards.clear()
+    moved.load_state_dict(state)
+    tis = RLConfig(micro_batch_size=8, max_grad_norm=1e9,
+                   algorithm={**alg, "off_policy": "tis"})
+    trainer = Trainer(moved)
+    trainer.optimizer = torch.optim.SGD(moved.parameters(), lr=1.0)
+    trainer.rl_step(rollout_at(batch, logp0, 0.0), tis, l_max=8)
+    assert len(forwards) == 1
+
+
+def test_decoupled_clips_against_the_proximal_policy(calc_model_dir):
+    # two epochs: epoch 2's ratio is exp(logp - logp_prox), logp_prox the prepass at train start
+    # (= logp0 here), NOT the behaviour policy (the engine reported logp0 + 0.3, so w = exp(-0.3))
+    batch = clip_batch()
+    alg = {"off_policy": "decoupled", "aggregation": "token-mean"}  # ppo_clip 0.2 / 0.2
+    with torch.no_grad():
+        logp0, _ = token_logprobs(load_model(calc_model_dir), batch)
+    behaviour = rollout_at(batch, logp0, 0.3)
+    cfg = RLConfig(micro_batch_size=8, max_grad_norm=1e9, ppo_epochs=2, algorithm=alg)
+    two, _, metrics = sgd_step(calc_model_dir, behaviour, cfg)
+    one, _, _ = sgd_step(calc_model_dir, behaviour,
+                         RLConfig(micro_batch_size=8, max_grad_norm=1e9, algorithm=alg))
+    mask = batch.loss_mask
+    adv = compute_advantages(batch, cfg.algorithm)[0]
+    w = math.exp(-0.3)
+    logp1, _ = token_logprobs(one, batch)
+    ratio = torch.exp(logp1 - logp0)
+
+    def clipped_at(r):
+        return (((adv > 0) & (r > 1.2)) | ((adv < 0) & (r < 0.8))).float() * mask
+
+    clipped = clipped_at(ratio)
+    assert 0 < clipped.sum() < mask.sum()
+    assert not torch.equal(clipped, clipped_at(ratio * w))  # anchoring on behaviour differs
+    (-(w * ratio * adv * mask * (1 - clipped)).sum() / mask.sum()).backward()
+    expected = torch.cat([(p - p.grad).detach().flatten() for p in one.parameters()])
+    assert torch.allclose(params(two), expected, atol=1e-5)
+    assert metrics["clip_frac"] == pytest.approx(float(clipped.sum()) / (2 * float(mask.sum())))
+    assert metrics["is_weight_mean"] == pytest.approx(w, abs=1e-6)
+
+
+def test_off_policy_metrics_on_a_tiny_batch(calc_model_dir):
+    # four rows of 3 generated tokens; the engine's logprobs differ from the trainer's by
+    # +0.1, -0.2, +0.3, -0.4 per row; rows sampled by versions 3, 1, (unknown), 2 and trained at
+    # version 3: staleness 0, 2, -, 1
+    batch = clip_batch()
+    with torch.no_grad():
+        logp, _ = token_logprobs(load_model(calc_model_dir), batch)
+    shift = torch.tensor([0.1, -0.2, 0.3, -0.4])[:, None]
+    batch.rollout_logprobs = (logp + shift) * batch.loss_mask
+    batch.sample_version = torch.tensor([3, 1, -1, 2])
+    model = load_model(calc_model_dir)
+    trainer = Trainer(model)
+    trainer.set_optimizer(lr=1e-3)
+    trainer.version = 3
+    cfg = RLConfig(micro_batch_size=8, algorithm={"off_policy": "tis", "is_cap": 1.2})
+    m = trainer.rl_step(batch, cfg, l_max=8)
+    # rho = exp(logp_old - logp_rollout) per row: exp(-0.1) = 0.904837, exp(0.2) = 1.221403,
+    # exp(-0.3) = 0.740818, exp(0.4) = 1.491825; C = 1.2 caps rows 1 and 3
+    expected = {
+        "logp_mismatch_mean": 0.25, "logp_mismatch_max": 0.4,
+        "importance_weight_mean": 1.089721, "importance_weight_max": 1.491825,
+        "is_weight_mean": (0.904837 + 1.2 + 0.740818 + 1.2) / 4, "is_weight_max": 1.2,
+        "is_truncated_frac": 0.5, "is_masked_frac": 0.0,
+        # (2 * 0.2 * 3 + 1 * 0.4 * 3) / (2 * 3 + 1 * 3); fresh: row 0; stale: rows 1 and 3
+        "staleness_weighted_mismatch": 2.4 / 9, "mismatch_fresh": 0.1, "mismatch_stale": 0.3,
+    }
+    assert {k: m[k] for k in expected} == pytest.approx(expected, abs=1e-5)
+    # a row sampled by weights newer than the trainer's is a pipeline bug, not a metric
+    batch.sample_version = torch.tensor([3, 5, 0, 0])
+    with pytest.raises(ValueError, match="sampled by weight version 5, newer than the "
+                       "trainer's version 4"):
+        trainer.rl_step(batch, cfg, l_max=8)
+
+
+def test_collate_records_each_rows_oldest_sample_version():
+    t = make_traj([3, 4], [5, 6], 1.0)
+    rows = [Trajectory(**{**t.__dict__, "versions": (4, 2, 3)}), t,
+            Trajectory(**{**t.__dict__, "turn_spans": (), "versions": ()})]
+    batch = Batch.collate(rows, 0)
+    assert batch.sample_version.tolist() == [2, 0, -1]
+    assert batch.rows(torch.tensor([2, 0])).sample_version.tolist() == [-1, 2]
+
+
+# the extra terms must accumulate like the policy loss: entropy bonus, KL in the loss, the
+# off-policy weight (decoupled: with its prepass)
 EXTRAS = {
     "plain": {},
-    "entropy+kl+tis": {"entropy_coef": 0.01, "kl": {"beta": 0.1}, "tis_c": 2.0},
+    "entropy+kl+tis": {"entropy_coef": 0.01, "kl": {"beta": 0.1}, "off_policy": "tis",
+                       "is_cap": 2.0},
     "gspo": {"policy_loss": "gspo"},
+    "decoupled": {"off_policy": "decoupled"},
 }
 
 

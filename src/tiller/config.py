@@ -249,13 +249,13 @@ _ALSO_USED: dict[str, tuple[Callable[[AlgorithmConfig], bool], str]] = {
 
 def _declared_knobs() -> list[Ignorable]:
     """One row per knob (the section, for a dotted knob) that a registered policy loss,
-    advantage estimator or aggregation declares: used iff the chosen entry declares it (or
-    `_ALSO_USED` says so)."""
-    from tiller.train.algorithms import ADVANTAGES, AGGREGATIONS, POLICY_LOSSES
+    advantage estimator, aggregation or off-policy correction declares: used iff the chosen
+    entry declares it (or `_ALSO_USED` says so)."""
+    from tiller.train.algorithms import ADVANTAGES, AGGREGATIONS, OFF_POLICY, POLICY_LOSSES
 
     rows: list[Ignorable] = []
     for field, registry in (("policy_loss", POLICY_LOSSES), ("advantage", ADVANTAGES),
-                            ("aggregation", AGGREGATIONS)):
+                            ("aggregation", AGGREGATIONS), ("off_policy", OFF_POLICY)):
         roots = {knob.split(".")[0] for name in registry for knob in registry.knobs[name]}
         for knob in sorted(roots):
             also, also_who = _ALSO_USED.get(knob, (lambda a: False, ""))
@@ -338,8 +338,16 @@ class AlgorithmConfig(_Section):
         None, ge=1, description="max generated tokens per episode (default: the env's budget, "
         "min(env.max_turns * sampling.max_new_tokens, env.max_episode_tokens))"
     )
-    tis_c: float | None = Field(None, gt=0.0, description="truncated importance sampling cap "
-                                "C (2 is usual); null = off")
+    off_policy: str = Field("none", description="off-policy correction, a weight on each "
+                            "token's policy loss: none | tis | mis | seq_is | decoupled")
+    is_cap: float | None = Field(None, gt=0.0, description="importance weight cap C of tis, "
+                                 "seq_is and decoupled (default 2.0)")
+    mis_low: float | None = Field(None, gt=0.0, lt=1.0, description="mis: tokens whose "
+                                  "exp(logp_old - logp_rollout) is below this are removed "
+                                  "(default 0.5)")
+    mis_high: float | None = Field(None, gt=1.0, description="mis: tokens whose "
+                                   "exp(logp_old - logp_rollout) is above this are removed "
+                                   "(default 5.0)")
     kl: KLConfig = Field(default_factory=KLConfig)
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
     overlong: OverlongConfig = Field(default_factory=OverlongConfig)
@@ -367,6 +375,13 @@ class AlgorithmConfig(_Section):
 
         return _registered(name, AGGREGATIONS)
 
+    @field_validator("off_policy")
+    @classmethod
+    def _known_off_policy(cls, name: str) -> str:
+        from tiller.train.algorithms import OFF_POLICY
+
+        return _registered(name, OFF_POLICY)
+
     @model_validator(mode="wrap")
     @classmethod
     def _resolve(cls, data: Any, handler: Callable[[Any], AlgorithmConfig]) -> AlgorithmConfig:
@@ -375,6 +390,11 @@ class AlgorithmConfig(_Section):
         from tiller.train.presets import PRESETS
 
         user = copy.deepcopy(data)
+        if "tis_c" in user:  # removed in issue 9: say what replaced it, not just "extra field"
+            raise ConfigError(f"config field rl.algorithm.tis_c: got {user['tis_c']!r}; it was "
+                              "replaced by off_policy: tis with is_cap: C (the same weight "
+                              "min(exp(logp_old - logp_rollout), C)); for tis_c: null, remove "
+                              "it (off_policy: none is the default)")
         preset = user.get("preset")
         if preset is not None and preset not in PRESETS:
             raise ConfigError(f"config field rl.algorithm.preset: got {preset!r}; "
@@ -399,14 +419,16 @@ class AlgorithmConfig(_Section):
 
 
 def _fill_defaults(merged: dict[str, Any], a: AlgorithmConfig) -> dict[str, Any]:
-    """The resolved values of the knobs this algorithm uses and the user left unset: a policy
-    loss's declared knobs get the loss's own defaults (None stays unset: off)."""
-    from tiller.train.algorithms import ADVANTAGES, POLICY_LOSSES
+    """The resolved values of the knobs this algorithm uses and the user left unset: the
+    declared knobs of the policy loss and the off-policy correction get the function's own
+    defaults (None stays unset: off)."""
+    from tiller.train.algorithms import ADVANTAGES, OFF_POLICY, POLICY_LOSSES
 
-    params = inspect.signature(POLICY_LOSSES[a.policy_loss]).parameters
-    for knob in POLICY_LOSSES.declared(a.policy_loss):
-        if params[knob].default is not None:
-            _put(merged, knob, params[knob].default)
+    for registry, name in ((POLICY_LOSSES, a.policy_loss), (OFF_POLICY, a.off_policy)):
+        params = inspect.signature(registry[name]).parameters
+        for knob in registry.declared(name):
+            if params[knob].default is not None:
+                _put(merged, knob, params[knob].default)
     if a.kl.beta > 0:
         _put(merged, "kl.placement", "loss")
         if a.kl.placement in (None, "loss"):

@@ -33,10 +33,15 @@ class Batch:
     # [B] float, each row's weight on its per-token loss (rl.env_error_weight); default 1.
     # A weight, not a mask: advantages, masks and the aggregation's normalizers ignore it.
     loss_weight: torch.Tensor | None = None
+    # [B] long, the weight version that sampled each row (its oldest turn's); -1 = unknown.
+    # The trainer's staleness metrics: trainer version at train start minus this.
+    sample_version: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.loss_weight is None:
             self.loss_weight = torch.ones(len(self.input_ids))
+        if self.sample_version is None:
+            self.sample_version = torch.full((len(self.input_ids),), -1, dtype=torch.long)
 
     @classmethod
     def collate(
@@ -48,7 +53,8 @@ class Batch:
     ) -> Batch:
         """Right-pad trajectories into tensors. `rewards` default to each `reward.value`,
         `group_index` to one group per task id; `turn_rewards` is set when any verifier gave
-        per-turn rewards (turn-level credit), padded with 0 to the longest episode's turns."""
+        per-turn rewards (turn-level credit), padded with 0 to the longest episode's turns;
+        `sample_version` is each trajectory's oldest turn version (-1 when it has no turn)."""
         width = max(len(t.token_ids) for t in trajectories)
         n = len(trajectories)
         ids = torch.full((n, width), pad_token_id, dtype=torch.long)
@@ -72,9 +78,11 @@ class Batch:
             for i, t in enumerate(trajectories):
                 given = (t.reward.turn_rewards or ())[: t.num_turns]
                 turn_rewards[i, : len(given)] = torch.tensor(given, dtype=torch.float)
+        versions = torch.tensor([min(t.versions, default=-1) for t in trajectories])
         return cls(ids, attn, mask, lp, torch.tensor(rewards, dtype=torch.float),
                    torch.as_tensor(group_index, dtype=torch.long),
-                   tuple(t.turn_spans for t in trajectories), turn_rewards)
+                   tuple(t.turn_spans for t in trajectories), turn_rewards,
+                   sample_version=versions)
 
     def rows(self, index: torch.Tensor) -> Batch:
         """A sub-batch for one gradient pass, trimmed to its own longest row (the turn
@@ -83,7 +91,8 @@ class Batch:
         return Batch(self.input_ids[index, :width], self.attention_mask[index, :width],
                      self.loss_mask[index, :width], self.rollout_logprobs[index, :width],
                      self.rewards[index], self.group_index[index],
-                     loss_weight=self.loss_weight[index])
+                     loss_weight=self.loss_weight[index],
+                     sample_version=self.sample_version[index])
 
     def to(self, device: torch.device) -> Batch:
         """The same batch with every tensor on `device` (the model's, for a forward pass)."""

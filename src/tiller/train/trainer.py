@@ -13,12 +13,18 @@ from torch import nn
 
 from tiller.config import AlgorithmConfig, RLConfig
 from tiller.rollout.weight_sync import WeightUpdate
-from tiller.train.algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from tiller.train.algorithms import (
+    ADVANTAGES,
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    OFF_POLICY,
+    POLICY_LOSSES,
+)
 from tiller.train.algorithms.advantages import last_token_rewards
 from tiller.train.algorithms.credit import turn_credit, turn_sums
 from tiller.train.algorithms.kl import kl_beta_at, kl_in_reward
 from tiller.train.algorithms.losses import entropy_bonus
-from tiller.train.algorithms.offpolicy import mismatch_stats, tis_weights
+from tiller.train.algorithms.offpolicy import correction_stats, mismatch_stats, staleness_stats
 from tiller.train.batch import Batch, micro_batches, minibatches, token_logprobs
 
 if TYPE_CHECKING:
@@ -173,17 +179,21 @@ class Trainer:
     ) -> dict[str, float]:
         """One update from a rollout batch: advantages by the configured estimator, then
         `cfg.ppo_epochs` passes over the batch, each split into `cfg.mini_batches` optimizer
-        steps, with the policy loss (+ TIS weight, entropy bonus, KL term) times each row's
-        `loss_weight`, aggregated over the optimizer batch; the critic, when there is one,
-        learns after on the same epochs and mini-batches.
+        steps, with the policy loss times the off-policy weight (`rl.algorithm.off_policy`),
+        plus the entropy bonus and KL term, times each row's `loss_weight`, aggregated over the
+        optimizer batch; the critic, when there is one, learns after on the same epochs and
+        mini-batches.
 
-        logp_old is computed once, before the first update, with the weights that sampled the
-        batch, so from the second optimizer step on rho = exp(logp - logp_old) moves away from 1
-        and the clip acts; its gap to the engine's logprobs is the rollout-vs-trainer mismatch
-        metric. With a single optimizer step (one mini-batch, one epoch) and no KL in the
-        reward, the weights do not move before the gradient pass, so that pass's own (detached)
-        logprobs are logp_old, the separate no-grad pass is skipped, and rho = 1 exactly.
+        logp_old is computed once, before the first update, with the weights at train start
+        (the proximal policy; in sync mode also the weights that sampled the batch), so from
+        the second optimizer step on rho = exp(logp - logp_old) moves away from 1 and the clip
+        acts; its gap to the engine's logprobs is the rollout-vs-trainer mismatch metric. With a
+        single optimizer step (one mini-batch, one epoch), no KL in the reward and a correction
+        that does not declare `logp_prox` (only `decoupled` does), the weights do not move
+        before the gradient pass, so that pass's own (detached) logprobs are logp_old, the
+        separate no-grad pass is skipped, and rho = 1 exactly.
         The reference model runs only while the KL coefficient (`kl_beta_at(step)`) is above 0.
+        Staleness metrics compare `batch.sample_version` with the version at train start.
         """
         alg = cfg.algorithm
         mask = batch.loss_mask
@@ -194,7 +204,12 @@ class Trainer:
         kl_in_loss = beta > 0 and alg.kl.placement == "loss"
         kl_in_rew = beta > 0 and alg.kl.placement == "reward"
         one_update = cfg.mini_batches == 1 and cfg.ppo_epochs == 1
-        prepass = not one_update or kl_in_rew  # the reward penalty needs logp_old first
+        # a no-grad prepass fixes logp_old before any update: several updates anchor on it, the
+        # reward penalty needs it first, and a correction that declares the proximal policy
+        # (`decoupled`) always gets it from one
+        proximal = "logp_prox" in OFF_POLICY.inputs[alg.off_policy]
+        prepass = not one_update or kl_in_rew or proximal
+        row_staleness = _row_staleness(self.version, batch.sample_version)
         micro = cfg.micro_batch_size
         logp_old = self._logprobs(self.model, batch, micro) if prepass else torch.zeros_like(mask)
         logp_ref = self._logprobs(ref_model, batch, micro) if beta > 0 else None
@@ -206,6 +221,7 @@ class Trainer:
 
         policy_loss = POLICY_LOSSES[alg.policy_loss]
         loss_kw = POLICY_LOSSES.knob_values(alg.policy_loss, alg)  # exactly the declared knobs
+        correction = partial(_correction, alg, prepass)
         aggregate = AGGREGATIONS[alg.aggregation]
         sums: dict[str, float] = defaultdict(float)
         self.model.train()
@@ -222,8 +238,7 @@ class Trainer:
                     old, m = _on(logp_old, rows, width, dev), mb.loss_mask
                     loss_tok, stats = policy_loss(logp, old, _on(advantages, rows, width, dev), m,
                                                   **loss_kw)
-                    if alg.tis_c is not None:
-                        loss_tok = loss_tok * tis_weights(old, mb.rollout_logprobs, alg.tis_c)
+                    loss_tok = loss_tok * correction(old, mb.rollout_logprobs, m)[0]
                     if alg.entropy_coef > 0:
                         loss_tok = entropy_bonus(loss_tok, ent, alg.entropy_coef)
                     if kl_in_loss:
@@ -244,7 +259,9 @@ class Trainer:
         seen = n_tok * cfg.ppo_epochs  # token visits: the per-token means below are over them
         metrics = {
             **mismatch_stats(batch.rollout_logprobs, logp_old, mask),
-            **_weight_stats(logp_old, batch.rollout_logprobs, mask, alg.tis_c),
+            # the weights the passes applied: a pure function of logp_old, fixed from the start
+            **correction_stats(*correction(logp_old, batch.rollout_logprobs, mask), mask),
+            **staleness_stats(batch.rollout_logprobs, logp_old, mask, row_staleness),
             "loss": sums["loss"] / updates,
             "grad_norm": sums["grad_norm"] / updates,
             "optimizer_steps": float(updates),
@@ -267,15 +284,23 @@ class Trainer:
         return metrics
 
 
-def _weight_stats(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor,
-                  tis_c: float | None) -> dict[str, float]:
-    """Importance weight exp(logp_old - logp_rollout) over masked tokens: its max and, with
-    TIS on, the share of tokens whose weight was truncated at C (the mean is in
-    `mismatch_stats`)."""
-    weight = torch.exp(logp_old - logp_rollout)[mask > 0]
-    if weight.numel() == 0:
-        weight = torch.ones(1)  # no generated token: nothing was reweighted
-    out = {"importance_weight_max": float(weight.max())}
-    if tis_c is not None:
-        out["tis_truncated_frac"] = float((weight > tis_c).float().mean())
-    return out
+def _correction(alg: AlgorithmConfig, prepass: bool, logp_old: torch.Tensor,
+                logp_rollout: torch.Tensor, mask: torch.Tensor
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The configured off-policy correction's (weight, stats). Behaviour = the rollout
+    logprobs; the proximal policy is logp_old only when a prepass computed it (a correction
+    that declares `logp_prox` is never called without one)."""
+    return OFF_POLICY.call(alg.off_policy, alg, logp_old=logp_old, logp_rollout=logp_rollout,
+                           logp_prox=logp_old if prepass else None,
+                           logp_behaviour=logp_rollout, mask=mask)
+
+
+def _row_staleness(version: int, sample_version: torch.Tensor) -> torch.Tensor:
+    """[B] trainer version - each row's sample version; -1 where the version is unknown. A row
+    sampled by weights newer than the trainer's is a pipeline bug: an error, never a metric."""
+    known = sample_version >= 0
+    if bool((sample_version[known] > version).any()):
+        newest = int(sample_version.max())
+        raise ValueError(f"batch rows were sampled by weight version {newest}, newer than the "
+                         f"trainer's version {version}")
+    return torch.where(known, version - sample_version, torch.full_like(sample_version, -1))

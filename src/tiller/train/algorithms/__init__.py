@@ -1,8 +1,9 @@
 """The algorithm library: estimators and losses of ALGORITHMS.md, registered by name.
 
 Registries (config chooses by name): `ADVANTAGES`, `POLICY_LOSSES`, `KL_ESTIMATORS`,
-`AGGREGATIONS`. Helpers that are not chosen by name live in their modules: `advantages`
-(GAE, whitening, value loss, overlong penalty), `kl`, `offpolicy`, `credit`, `passk`.
+`AGGREGATIONS`, `OFF_POLICY`. Helpers that are not chosen by name live in their modules:
+`advantages` (GAE, whitening, value loss, overlong penalty), `kl`, `offpolicy` (mismatch and
+staleness metrics), `credit`, `passk`.
 """
 
 from tiller.train.algorithms import advantages, aggregation, credit, kl, losses, offpolicy, passk  # noqa: F401
@@ -10,8 +11,10 @@ from tiller.train.algorithms.registry import (
     ADVANTAGES,
     AGGREGATIONS,
     KL_ESTIMATORS,
+    OFF_POLICY,
     POLICY_LOSSES,
     Registry,
 )
 
-__all__ = ["ADVANTAGES", "AGGREGATIONS", "KL_ESTIMATORS", "POLICY_LOSSES", "Registry"]
+__all__ = ["ADVANTAGES", "AGGREGATIONS", "KL_ESTIMATORS", "OFF_POLICY", "POLICY_LOSSES",
+           "Registry"]
