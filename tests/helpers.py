@@ -46,7 +46,12 @@ RL_MOVES = ["rl.algorithm.entropy_coef=0.01"]
 # logprobs by float noise (~1e-8): the samples do not change, these diagnostics may (the
 # mismatch, raw and by staleness, and the off-policy weight computed from it).
 NOISE = ("time", "logp_mismatch_", "importance_weight_", "mismatch_", "staleness_weighted_",
-         "is_weight_")
+         "is_weight_",
+         # how requests meet in the engine's batches, and shares of wall time, follow thread
+         # timing too (the tokens sampled do not)
+         "engine/decode_steps", "engine/decoded_row_steps", "engine/max_rows",
+         "engine/prefill_calls", "trainer_busy_frac", "rollout_train_ratio", "samples_per_s",
+         "engine_busy_frac", "episodes_running", "groups_ready")
 
 
 def numbers(run_dir: Path, skip_suffixes: tuple[str, ...] = ()) -> list[dict]:
