@@ -778,19 +778,9 @@ def end_to_end(args: argparse.Namespace, model_path: Path) -> dict[str, Any]:
                  "logging.tensorboard=false"]
     run = Run(load_config(args.config, overrides),
               Path(args.work) / f"e2e-{args.label}-{time.strftime('%Y%m%d-%H%M%S')}")
-    episodes = 0
-    plain = run.episodes
-
-    def counted(*a: Any, **k: Any) -> list:  # every episode the RL phase rolls out
-        nonlocal episodes
-        trajs = plain(*a, **k)
-        episodes += len(trajs)
-        return trajs
-
-    run.episodes = counted
     t0 = time.perf_counter()
     try:
-        rl(run)
+        episodes = rl(run)["ledger"]["started"]  # every episode the RL phase rolled out
     finally:
         run.close()
     wall = time.perf_counter() - t0
