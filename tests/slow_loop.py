@@ -9,14 +9,15 @@ import random
 
 from tiller.rollout.agent_loop import run_episode as tiller_episode
 
-# prob: share of slow episodes; fast_first: that many episodes (in start order) are fast
-SLOW = {"prob": 0.3, "slow_s": 0.2, "fast_s": 0.001, "fast_first": 0, "started": 0}
+# prob: share of slow episodes, drawn from the episode's seed; or pattern: which episodes,
+# in start order (cycled), are slow
+SLOW = {"prob": 0.3, "slow_s": 0.2, "fast_s": 0.001, "pattern": None, "started": 0}
 
 
 async def run_episode(env, task, actor, tokenizer, *, seed, limits, sample_index=0):
-    rng = random.Random(seed)
+    pattern, n = SLOW["pattern"], SLOW["started"]
     SLOW["started"] += 1
-    slow = rng.random() < SLOW["prob"] and SLOW["started"] > SLOW["fast_first"]
+    slow = pattern[n % len(pattern)] if pattern else random.Random(seed).random() < SLOW["prob"]
     wait = SLOW["slow_s"] if slow else SLOW["fast_s"]
     await asyncio.sleep(wait / 2)
     traj = await tiller_episode(env, task, actor, tokenizer, seed=seed, limits=limits,

@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from tiller.config import load_config
 from tiller.controller import ledger_unaccounted, rl
 from tiller.errors import ConfigError
+from tiller.rollout.agent_loop import derive_seed
 from tiller.rollout.manager import RolloutManager
 from tiller.rollout.weight_sync import WeightUpdate
-from tiller.run import Run, rl_task_count
+from tiller.run import Run
 from tiller.train.shaping import train_reward
 
 CONFIG = "configs/calculator.yaml"
@@ -38,8 +39,8 @@ def rl_rows(run_dir):
     return [r for r in rows if r["phase"] == "rl"]
 
 
-def slow_episodes(monkeypatch, prob, seconds, fast_first=0):
-    for key, value in (("prob", prob), ("slow_s", seconds), ("fast_first", fast_first),
+def slow_episodes(monkeypatch, prob, seconds, pattern=None):
+    for key, value in (("prob", prob), ("slow_s", seconds), ("pattern", pattern),
                        ("started", 0)):
         monkeypatch.setitem(slow_loop.SLOW, key, value)
     return "agent.loop=slow_loop:run_episode"
@@ -50,20 +51,34 @@ def accounted(ledger):
     assert ledger["started"] > 0 and ledger_unaccounted(Counter(ledger)) == 0, ledger
 
 
-@settings(max_examples=4, deadline=None, derandomize=True,
+def coin_reward(t, *_):
+    """A seeded 0/1 per episode: about half the groups of 2 are flat (equal rewards)."""
+    return float(derive_seed(t.task_id, t.sample_index) % 2)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(k=st.integers(0, 2), seed=st.integers(0, 10_000), slow_s=st.floats(0.05, 0.5),
-       slow_prob=st.floats(0.1, 0.5))
+       slow_prob=st.floats(0.1, 0.5), dynamic=st.booleans(), inflight=st.sampled_from([None, 4]))
 def test_trained_staleness_never_exceeds_the_bound(calc_sft_dir, tmp_path_factory, monkeypatch,
-                                                   k, seed, slow_s, slow_prob):
+                                                   k, seed, slow_s, slow_prob, dynamic,
+                                                   inflight):
+    """Over random episode latencies, with and without dynamic-sampling refills and an
+    in-flight cap: no trained trajectory is staler than k, the producer never runs more than
+    lag + 1 steps of groups ahead of the trainer, and every episode is in the ledger."""
     out = tmp_path_factory.mktemp("stale")
+    more = [f"rollout.max_inflight={inflight}"] if inflight else []
+    if dynamic:
+        monkeypatch.setattr("tiller.controller.train_reward", coin_reward)
+        more.append("rl.algorithm.dynamic_sampling={enabled: true, max_rounds: 3}")
     cfg = config(calc_sft_dir, "rl.mode=async", f"rl.max_staleness={k}", "rl.steps=4",
-                 f"seed={seed}", slow_episodes(monkeypatch, slow_prob, slow_s))
+                 f"seed={seed}", slow_episodes(monkeypatch, slow_prob, slow_s), *more)
     summary = rl(Run(cfg, out))
     rows = rl_rows(out)
     assert len(rows) == 4
     assert all(r["staleness_max"] <= k for r in rows if not r["skipped"])
     assert summary["staleness_max"] <= k
+    assert summary["groups_ahead_max"] <= (k + 1) * 2  # lag = k here (one version per step)
     accounted(summary["ledger"])
 
 
@@ -92,28 +107,30 @@ def test_stale_groups_are_filtered_and_replaced(calc_sft_dir, tmp_path):
     assert ledger["trained"] == 4 and ledger["started"] == 16
 
 
-def manager_for(run, **kw):
+def manager_for(run, reward=None):
     cfg = run.cfg
     return RolloutManager(cfg, run.engine, run.sampling(1.0),
-                          iter(run.tasks("train", rl_task_count(cfg), 3)),
+                          run.rl_tasks(),
                           episode_fn=run.episode_fn, make_env=run.make_env,
                           tokenizer=run.tokenizer, limits=run.limits,
-                          reward=lambda t: train_reward(t, cfg.rl.algorithm, cfg.l_max,
-                                                        cfg.l_cache),
-                          version=run.trainer.version, **kw)
+                          reward=reward or (lambda t: train_reward(t, cfg.rl.algorithm,
+                                                                   cfg.l_max, cfg.l_cache)),
+                          version=run.trainer.version)
 
 
-@pytest.mark.parametrize("shutdown_s, bucket", [(30.0, "dropped/in_flight_at_end"),
-                                                 (0.2, "dropped/cancelled_at_end")])
+@pytest.mark.parametrize("shutdown_s, buckets", [
+    (30.0, {"dropped/in_flight_at_end": 4}),
+    # the group's 3 fast episodes ended before it was cancelled: counted, not lost
+    (0.2, {"dropped/in_flight_at_end": 3, "dropped/cancelled_at_end": 1})])
 def test_the_ledger_accounts_for_episodes_in_flight_at_the_end(calc_sft_dir, tmp_path,
-                                                             monkeypatch, shutdown_s, bucket):
-    # The first group is fast, the second's episodes wait 3 s. The run ends (here: the
-    # manager closes after one batch, as when a run stops early) with the second group still
-    # running. With a long shutdown window its episodes reach their turn, whose request is
-    # refused (they end aborted); with a short one they are cancelled while they wait.
+                                                             monkeypatch, shutdown_s, buckets):
+    # The first group is fast; in the second, one episode waits 3 s. The run ends (here: the
+    # manager closes after one batch, as when a run stops early) with it still running. With a
+    # long shutdown window it reaches its turn, whose request is refused (it ends aborted);
+    # with a short one it is cancelled while it waits.
     cfg = config(calc_sft_dir, "rl.mode=async", "rl.steps=2", "rl.tasks_per_step=1",
                  "rl.group_size=4", f"rollout.shutdown_timeout_s={shutdown_s}",
-                 slow_episodes(monkeypatch, 1.0, 3.0, fast_first=4))
+                 slow_episodes(monkeypatch, 0.0, 3.0, pattern=[False] * 7 + [True]))
     run = Run(cfg, tmp_path)
     manager = manager_for(run)
     try:
@@ -123,7 +140,24 @@ def test_the_ledger_accounts_for_episodes_in_flight_at_the_end(calc_sft_dir, tmp
         run.close()
     accounted(ledger)
     assert len(taken.trajectories) == 4 and ledger["trained"] == 4
-    assert ledger["started"] == 8 and ledger[bucket] > 0
+    assert ledger["started"] == 8
+    assert {k: v for k, v in ledger.items() if k.endswith("_at_end")} == buckets
+
+
+def test_an_error_on_the_rollout_thread_stops_the_run_with_that_error(calc_sft_dir, tmp_path):
+    def broken(t, *_):
+        raise KeyError("the reward function broke")
+
+    run = Run(config(calc_sft_dir, "rl.mode=async"), tmp_path)
+    manager = manager_for(run, reward=broken)
+    try:
+        with pytest.raises(KeyError, match="the reward function broke"):
+            manager.next_batch(0)
+    finally:
+        ledger = manager.close()
+        run.close()
+    accounted(ledger)
+    assert ledger["dropped/run_error"] >= 2
 
 
 def test_one_step_off_trains_on_data_exactly_one_step_stale(calc_sft_dir, tmp_path):

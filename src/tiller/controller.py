@@ -27,7 +27,7 @@ from tiller.observe.metrics import progress
 from tiller.rollout.collect import rollout_metrics
 from tiller.rollout.manager import RolloutManager
 from tiller.rollout.trajectory import Status, Trajectory
-from tiller.run import Run, rl_task_count
+from tiller.run import Run
 from tiller.tools.executor import ToolReliabilityError
 from tiller.train.algorithms.kl import kl_beta_at
 from tiller.train.critic import Critic
@@ -113,7 +113,7 @@ def rl(run: Run) -> dict[str, Any]:
     t0 = time.perf_counter()
     rollouts = RolloutManager(
         run.cfg, run.engine, run.sampling(run.cfg.sampling.temperature),
-        iter(run.tasks("train", rl_task_count(run.cfg), 3)), episode_fn=run.episode_fn,
+        run.rl_tasks(), episode_fn=run.episode_fn,
         make_env=run.make_env, tokenizer=run.tokenizer, limits=run.limits, reward=reward,
         version=run.trainer.version)
     idle, trainer_s, staleness = 0, 0.0, Counter()
@@ -164,15 +164,18 @@ def rl(run: Run) -> dict[str, Any]:
                 run.log("rl", m, step + 1)
                 advance(f"reward={m['reward_mean']:.2f} success={m['success_rate']:.2f} "
                         f"zero_var={m['zero_variance_group_frac']:.2f}")
-        wall = time.perf_counter() - t0
-        rollout_busy = rollouts.stats()["rollout_busy_s"]
+        t_end = time.perf_counter()
     finally:
         ledger = rollouts.close()
-    run.timings["rl_s"] = time.perf_counter() - t0
+    # the wall time includes winding down the episodes still running: their cost is real
+    wall = run.timings["rl_s"] = time.perf_counter() - t0
+    produced = rollouts.stats()
     summary = {"mode": cfg.mode, "ledger": dict(ledger),
                "env_error_rate_by_version": trend.by_version(), "wall_s": wall,
+               "wind_down_s": wall - (t_end - t0),
+               "groups_ahead_max": produced["groups_ahead_max"],
                "trainer_busy_frac": trainer_s / wall,
-               "rollout_train_ratio": rollout_busy / max(trainer_s, 1e-9),
+               "rollout_train_ratio": produced["rollout_busy_s"] / max(trainer_s, 1e-9),
                "samples_per_s": ledger["trained"] / wall}
     if engine_busy0 is not None:
         summary["engine_busy_frac"] = (run.engine.stats()["busy_s"] - engine_busy0) / wall

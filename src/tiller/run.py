@@ -8,7 +8,7 @@ import asyncio
 import copy
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -48,13 +48,10 @@ def get_env(name: str) -> type[Env]:
 
 
 def rl_task_count(cfg: Config) -> int:
-    """Train tasks RL may draw: dynamic sampling may take up to max_rounds times a plain run's,
-    and async mode room for one more group per trained one (a group filtered as stale gives
-    its place to a new one)."""
+    """Train tasks RL draws: dynamic sampling may take up to max_rounds times a plain run's."""
     alg = cfg.rl.algorithm
     rounds = (alg.dynamic_sampling.max_rounds or 1) if alg.dynamic_sampling.enabled else 1
-    refills = 2 if cfg.rl.mode == "async" else 1
-    return max(cfg.rl.steps * cfg.rl.tasks_per_step * rounds * refills, 1)
+    return max(cfg.rl.steps * cfg.rl.tasks_per_step * rounds, 1)
 
 
 def check_task_counts(cfg: Config, env_cls: type[Env]) -> None:
@@ -168,6 +165,15 @@ class Run:
     def tasks(self, split: str, n: int, seed_offset: int) -> list[Task]:
         return self.env_cls.make_tasks(split, n, self.cfg.seed + seed_offset,
                                        self.cfg.env.difficulty)
+
+    def rl_tasks(self) -> Iterator[Task]:
+        """The train tasks RL samples: the same `rl_task_count` tasks in every mode; async
+        goes on with a reserve as large, drawn only if needed (groups filtered as stale give
+        their place to new ones)."""
+        n = rl_task_count(self.cfg)
+        yield from self.tasks("train", n, 3)
+        if self.cfg.rl.mode == "async":
+            yield from self.tasks("train", n, 4)
 
     def episodes(self, tasks: Sequence[Task], samples: int, params: SamplingParams, tag: tuple,
                  on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:

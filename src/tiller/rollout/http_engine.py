@@ -234,9 +234,10 @@ class HttpEngine:
                 raise
             self._rids[rid] = server
             server.inflight += 1
+            started = self.version  # the oldest weights that can have sampled this answer
             try:
                 answer = await self._post(server, "/generate", body)
-                gen = _generation(server.url, answer, len(prompt_ids))
+                gen = _generation(server.url, answer, len(prompt_ids), started)
                 self._check_fresh(server, answer, gen)
             except RunError as e:  # a 4xx, a 500 about this request, a malformed answer
                 self.counters["failed_requests"] += 1
@@ -482,7 +483,7 @@ def _short(text: str, n: int = 200) -> str:
     return text if len(text) <= n else text[:n] + "..."
 
 
-def _generation(url: str, answer: Any, prompt_tokens: int) -> Generation:
+def _generation(url: str, answer: Any, prompt_tokens: int, started: int) -> Generation:
     """A `Generation` from a /generate answer, checked: the logprobs' token ids must be the
     output ids (token in, token out) and the finish reason one we know."""
     try:
@@ -505,9 +506,11 @@ def _generation(url: str, answer: Any, prompt_tokens: int) -> Generation:
     if reason not in FINISH_REASONS:
         raise RunError(f"server {url}: finish_reason {reason!r}; expected one of "
                        f"{', '.join(FINISH_REASONS)}")
-    # per-token versions when the server reports them (tiller serve does), else the final one
+    # per-token versions when the server reports them (tiller serve does); else every token
+    # gets the version the request started under: a turn spanning an update then counts as
+    # staler than it is, never fresher
     versions = tuple(int(v) for v in meta.get("output_token_weight_versions") or
-                     [version] * len(ids))
+                     [min(started, version)] * len(ids))
     if len(versions) != len(ids):
         raise RunError(f"server {url}: {len(versions)} output_token_weight_versions for "
                        f"{len(ids)} output ids")

@@ -62,6 +62,8 @@ class Taken:
 class Rollouts(Protocol):
     """The trainer's view of the rollout side."""
 
+    ledger: Counter[str]  # what became of every trajectory started so far
+
     def next_batch(self, step: int) -> Taken:
         """Step `step`'s groups (none when every group was dropped or filtered); waits at
         most rollout.batch_timeout_s."""
@@ -82,10 +84,10 @@ class Rollouts(Protocol):
 class _Unit:
     index: int
     launched: int = 0  # round-0 groups started
+    drawn: int = 0  # groups started, refills included: the last part of a group's key
     pending: int = 0  # groups running (any round)
-    round: int = 0
-    flat: int = 0  # this round's groups filtered as zero-variance: refilled next round
-    owed: int = 0  # refill groups of `round` not started yet
+    owed: int = 0  # refill groups queued, not started yet
+    rounds: int = 1  # the most sampling rounds any of its slots took
 
 
 @dataclass
@@ -168,8 +170,11 @@ class RolloutManager:
         self._cond = threading.Condition()
         self._units: dict[int, _Unit] = {}
         self._next_unit = 0  # the unit whose round-0 groups start next
-        self._refills: deque[int] = deque()  # units owed refill groups, in order
+        # (unit, round) of each refill owed: a zero-variance group's slot is sampled again, at
+        # once, with the next task (up to dynamic_sampling.max_rounds rounds per slot)
+        self._refills: deque[tuple[int, int]] = deque()
         self._slots = 0  # groups alive (running or ready) or trained
+        self.max_ahead = 0  # the most groups ever alive beyond those trained (the throttle)
         self._steps_trained = 0
         self._version = version
         self._inflight = 0  # episodes running
@@ -216,7 +221,7 @@ class RolloutManager:
                 units = {g.key[0] for g in batch} | ({step} if self.mode != "async" else set())
                 stats["groups_dropped"] = float(self._flat_filtered)
                 stats["sampling_rounds"] = float(max(
-                    (self._units[u].round + 1 for u in units if u in self._units), default=1))
+                    (self._units[u].rounds for u in units if u in self._units), default=1))
             self._flat = self._groups_ended = self._flat_filtered = 0
             check_aborted(ended, self.cfg.rl.max_aborted_frac, f"rl/{step}")
             trajectories, group_index = self.buffer.take(batch)
@@ -232,7 +237,8 @@ class RolloutManager:
         with self._cond:
             busy = self.busy_s + (time.perf_counter() - self._busy_since
                                   if self._busy_since is not None else 0.0)
-            return {"rollout_busy_s": busy, "episodes_running": float(self._inflight)}
+            return {"rollout_busy_s": busy, "episodes_running": float(self._inflight),
+                    "groups_ahead_max": float(self.max_ahead)}
 
     def close(self) -> Counter[str]:
         """Stop starting episodes, abort the running requests (their episodes end as aborted,
@@ -243,13 +249,21 @@ class RolloutManager:
             return self.ledger
         with self._cond:
             self.control.stopping = True
+        limit = self.cfg.rollout.shutdown_timeout_s + 60
         try:
             done = asyncio.run_coroutine_threadsafe(self._wind_down(), self._loop)
-            done.result(timeout=self.cfg.rollout.shutdown_timeout_s + 30)
+            try:
+                done.result(timeout=limit)
+            except TimeoutError as e:
+                raise RunError(f"rl: the episodes running at the end of RL did not end or "
+                               f"cancel within {limit:g}s (rollout.shutdown_timeout_s + 60)"
+                               ) from e
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)
-            if not self._thread.is_alive():
+            if self._thread.is_alive():
+                log.error("rl: the rollout thread did not stop within 30 s")
+            else:
                 self._loop.close()
         with self._cond:
             self.buffer.drop_all("unused_at_end")
@@ -266,13 +280,14 @@ class RolloutManager:
         if self.mode != "async":
             unit = self._units.get(step)
             if unit is None or unit.launched < self.B or unit.pending or unit.owed:
-                if self._exhausted and unit is None:
-                    raise RunError(f"rl step {step + 1}: no train tasks left to sample")
+                if self._exhausted and (unit is None or not unit.pending):
+                    raise RunError(f"rl step {step + 1}: no train tasks left to sample "
+                                   f"(rl.steps x rl.tasks_per_step were drawn)")
                 return None
             return [g for g in ready if g.key[0] == step]
         if len(ready) >= self.B:
             return ready[: self.B]
-        if self._exhausted and not self._inflight and not self._refills:
+        if self._exhausted and not self._inflight:
             raise RunError(f"rl step {step + 1}: no train tasks left to sample and "
                            f"{len(ready)} of {self.B} groups ready")
         return None
@@ -301,9 +316,8 @@ class RolloutManager:
         if self.control.stopping or self._error is not None or self._exhausted:
             return None
         room = (self.max_inflight is None or self._inflight + self.G <= self.max_inflight)
-        if self._refills and room:  # a refill reuses the slot of the group it replaces
-            u = self._refills[0]
-            return u, self._units[u].round
+        if self._refills:  # a refill reuses the slot of the group it replaces
+            return self._refills[0] if room else None
         # never more groups than rl.steps can train: the last step's tail is not sampled
         ahead = min(self._steps_trained + self.lag + 1, self.cfg.rl.steps)
         if self.mode != "async":  # whole units, at most `lag` steps ahead of the trainer
@@ -320,7 +334,19 @@ class RolloutManager:
 
     # ------------------------------------------------------------------ the producer (loop)
     def _pump(self) -> None:
-        """Start every group the rules allow (runs on the loop thread)."""
+        """Start every group the rules allow (runs on the loop thread); an error here stops
+        the run through the trainer, like an episode's."""
+        try:
+            self._launch_all()
+        except BaseException as e:
+            self._fail(e)
+
+    def _fail(self, e: BaseException) -> None:
+        with self._cond:
+            self._error = self._error or e
+            self._cond.notify_all()
+
+    def _launch_all(self) -> None:
         with self._cond:
             while (launch := self._next_launch()) is not None:
                 u, r = launch
@@ -332,15 +358,17 @@ class RolloutManager:
                     self._cond.notify_all()
                     break
                 unit = self._units.setdefault(u, _Unit(u))
+                key = (u, r, unit.drawn)  # drawn in order: the j-th draw of a unit is fixed
+                unit.drawn += 1
                 if r == 0:
-                    key = (u, 0, unit.launched)
                     unit.launched += 1
                     self._slots += 1
+                    self.max_ahead = max(self.max_ahead,
+                                         self._slots - self._steps_trained * self.B)
                 else:
-                    key = (u, r, unit.owed)
+                    self._refills.popleft()
                     unit.owed -= 1
-                    if not unit.owed:
-                        self._refills.popleft()
+                    unit.rounds = max(unit.rounds, r + 1)
                 unit.pending += 1
                 self._inflight += self.G
                 self.ledger["started"] += self.G
@@ -353,21 +381,38 @@ class RolloutManager:
     async def _group(self, key: tuple[int, int, int], task: Task) -> None:
         u, r, _ = key
         tag = ("rl", u) if r == 0 else ("rl", u, r)
-        episodes = [asyncio.ensure_future(self._one(task, k, tag)) for k in range(self.G)]
+        finished: list[Trajectory] = []  # episodes that ended, should the group not
+        episodes = [asyncio.ensure_future(self._one(task, k, tag, finished))
+                    for k in range(self.G)]
         try:
             trajs = list(await asyncio.gather(*episodes))
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # shut down: the group's ended episodes are counted
+            for ep in episodes:
+                ep.cancel()
+            with self._cond:
+                self._count(finished, "dropped/in_flight_at_end")
             raise
         except BaseException as e:  # a RunError/ConfigError of the env, or a bug: stop the run
             for ep in episodes:
                 ep.cancel()
+            await asyncio.gather(*episodes, return_exceptions=True)
             with self._cond:
-                self._error = self._error or e
-                self._cond.notify_all()
+                self._count(finished, "dropped/run_error")
+            self._fail(e)
             return
-        self._group_done(key, task, trajs)
+        try:
+            self._group_done(key, task, trajs)
+        except BaseException as e:  # e.g. the reward function raised
+            with self._cond:
+                self._count(trajs, "dropped/run_error")
+            self._fail(e)
 
-    async def _one(self, task: Task, k: int, tag: tuple) -> Trajectory:
+    def _count(self, trajs: list[Trajectory], bucket: str) -> None:
+        if trajs:
+            self.ledger[bucket] += len(trajs)
+
+    async def _one(self, task: Task, k: int, tag: tuple, finished: list[Trajectory]
+                   ) -> Trajectory:
         try:
             traj = await run_one(task, k, self.actor, tag=tag, **self._episode)
         except asyncio.CancelledError:
@@ -383,6 +428,7 @@ class RolloutManager:
         with self._cond:
             self.ledger["tokens/generated"] += traj.num_generated + traj.discarded_tokens
             self._episode_ended()
+            finished.append(traj)
         return traj
 
     def _episode_ended(self) -> None:
@@ -402,20 +448,26 @@ class RolloutManager:
             unit.pending -= 1
             self._ended += trajs
             if self.control.stopping:
-                self.ledger["dropped/in_flight_at_end"] += len(trajs)
+                self._count(trajs, "dropped/in_flight_at_end")
                 self._cond.notify_all()
                 return
             self._groups_ended += 1
+            # rewards first: a reward function that raises leaves the ledger untouched
+            rewards = {id(t): self.reward(t) for t in trajs}
             members = self.buffer.admit(trajs)
             group = Group(key, task.id, members)
-            flat = bool(members) and len({self.reward(t) for t in members}) <= 1
+            flat = bool(members) and len({rewards[id(t)] for t in members}) <= 1
             self._flat += flat
-            if not members:
-                self._slots -= 1  # nothing to train: the slot goes to a new group
+            if not members:  # nothing to train; async gives the slot to a new group
+                self._slots -= 1
             elif flat and self.dynamic.enabled:
                 self.buffer.filter(group, "zero_variance")
                 self._flat_filtered += 1
-                unit.flat += 1
+                if key[1] + 1 < self.rounds:
+                    self._refills.append((key[0], key[1] + 1))
+                    unit.owed += 1
+                else:  # max_rounds reached: the step trains on what there is
+                    self._slots -= 1
             else:
                 self.buffer.add(group)
             self._nothing_kept = self._nothing_kept + 1 if not members else 0
@@ -424,26 +476,16 @@ class RolloutManager:
                 self._error = RunError(
                     f"rl: nothing to train: the last {self._nothing_kept} groups had every "
                     f"episode dropped (ledger: {dict(self.ledger)})")
-            if unit.launched >= self.B and not unit.pending and unit.flat:
-                self._end_round(unit)
             self._cond.notify_all()
         self._pump()
 
-    def _end_round(self, unit: _Unit) -> None:
-        """Refill a unit's zero-variance groups in its next round, or, after
-        dynamic_sampling.max_rounds rounds, give their slots up (the step trains on what there
-        is)."""
-        if unit.round + 1 < self.rounds:
-            unit.round += 1
-            unit.owed, unit.flat = unit.flat, 0
-            self._refills.append(unit.index)
-        else:
-            self._slots -= unit.flat
-            unit.flat = 0
-
     async def _wind_down(self) -> None:
         aborts = [asyncio.to_thread(self.engine.abort, rid) for rid in list(self.control.live)]
-        await asyncio.gather(*aborts)
+        failed = [r for r in await asyncio.gather(*aborts, return_exceptions=True)
+                  if isinstance(r, BaseException)]
+        if failed:  # their episodes still end: at their next turn, or cancelled below
+            log.warning("rl: %d of %d aborts at the end of RL failed; first: %s: %s",
+                        len(failed), len(aborts), type(failed[0]).__name__, failed[0])
         running = list(self._tasks)
         if running:
             _, late = await asyncio.wait(running, timeout=self.cfg.rollout.shutdown_timeout_s)
