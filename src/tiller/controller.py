@@ -155,12 +155,14 @@ def rl(run: Run) -> dict[str, Any]:
                     run.push_weights(in_flight)
                     m["sync_s"] = time.perf_counter() - ts_sync
                     trainer_s += time.perf_counter() - tt
-                rollouts.weights_live(step + 1, run.trainer.version)
                 m.update(run.tools.stats(reset=True), step_s=time.perf_counter() - ts,
                          version=run.trainer.version, skipped=float(not kept),
                          trainer_busy_frac=trainer_s / (time.perf_counter() - t0))
+                # counters as of this step, before the next groups may start (in sync they
+                # start only now, so these are exact per step)
                 m.update({f"ledger/{k}": v for k, v in rollouts.ledger.items()})
                 m.update({f"engine/{k}": v for k, v in run.engine.stats().items()})
+                rollouts.weights_live(step + 1, run.trainer.version)
                 run.log("rl", m, step + 1)
                 advance(f"reward={m['reward_mean']:.2f} success={m['success_rate']:.2f} "
                         f"zero_var={m['zero_variance_group_frac']:.2f}")
