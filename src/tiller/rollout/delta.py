@@ -97,7 +97,9 @@ class DeltaUpdate:
 
     def check(self, model: nn.Module) -> None:
         """Raise `WeightSyncError` for a tensor the model lacks or whose size differs."""
-        own = model.state_dict()
+        self._check(model.state_dict())
+
+    def _check(self, own: dict[str, torch.Tensor]) -> None:
         bad = [f"{k} ({d.numel} elements vs the model's "
                f"{own[k].numel() if k in own else 'none'})"
                for k, d in self.deltas.items() if k not in own or own[k].numel() != d.numel]
@@ -108,8 +110,8 @@ class DeltaUpdate:
     @torch.no_grad()
     def apply_to(self, model: nn.Module) -> None:
         """Write the changed elements into `model`, then verify the checksums (if any)."""
-        self.check(model)
         own = model.state_dict()
+        self._check(own)
         for name, d in self.deltas.items():
             if d.values.numel() == 0:
                 continue
@@ -121,7 +123,7 @@ class DeltaUpdate:
                                  f"{d.values.numel()} values of {d.numel} elements")
             target.view(-1)[idx] = d.values.to(target.device, target.dtype)
         if self.checksums is not None:
-            verify_checksums(model, self.checksums, self.version)
+            verify_checksums(own, self.checksums, self.version)
 
     def save(self, folder: str | Path) -> Path:
         """`folder/delta.safetensors` (`<name>/idx`, `<name>/val` per tensor) and

@@ -55,15 +55,16 @@ class WeightSync:
         first: dict[int, str] = {}
         for name, t in trainer.model.state_dict().items():
             self.aliases[name] = first.setdefault(t.data_ptr(), name)
+        own = trainer.model.state_dict()
+        # what the engine holds, in its dtype: the bytes of a full sync
+        self.full_bytes = sum(own[k].numel() for k in set(self.aliases.values())) * (
+            engine_dtype.itemsize)
         self.synced: dict[str, torch.Tensor] | None = None  # delta/auto: what the engine holds
         self.base: int | None = None  # the version `synced` is
 
     def _live(self) -> dict[str, torch.Tensor]:
         own = self.trainer.model.state_dict()
         return {name: own[name].detach() for name in dict.fromkeys(self.aliases.values())}
-
-    def _full_bytes(self, tensors: dict[str, torch.Tensor]) -> int:
-        return sum(t.numel() for t in tensors.values()) * self.dtype.itemsize
 
     def _engine_may_lack_base(self) -> bool:
         """True when a delta could not apply: no synced copy, the engine is at another version,
@@ -75,12 +76,12 @@ class WeightSync:
     def build(self, version: int) -> tuple[WeightUpdate | DeltaUpdate, dict[str, float]]:
         """The update for `version` and its metrics (bytes, full bytes, kind, changed fraction);
         in delta/auto mode the synced copy already holds `version` afterwards."""
-        live = self._live()
-        full_bytes = self._full_bytes(live)
+        full_bytes = self.full_bytes
         if self.cfg.mode == "full":
             update = WeightUpdate.live(self.trainer.model, version, checksum_dtype=self.dtype)
             return update, {"sync/bytes": full_bytes, "sync/full_bytes": full_bytes,
                             "sync/kind": 0.0, "sync/changed_frac": 1.0}
+        live = self._live()
         if self._engine_may_lack_base():
             self.synced = {k: t.to(self.dtype, copy=True) for k, t in live.items()}
             return self._full_from_synced(version), {

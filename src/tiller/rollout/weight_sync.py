@@ -55,22 +55,30 @@ def checksum_positions(numel: int, device: torch.device) -> torch.Tensor:
 @torch.no_grad()
 def checksums(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None
               ) -> dict[str, float]:
-    """Per tensor, the float64 sum of its values (cast to `dtype` first, as the receiver will
-    hold them) at `checksum_positions`: one gather per tensor and one host sync in all."""
+    """Per tensor, the float64 sum of its values (floating ones cast to `dtype` first, as the
+    receiver will hold them) at `checksum_positions`: one gather per tensor, one host sync."""
     if not tensors:
         return {}
-    sums = []
+    samples, counts = [], []
     for t in tensors.values():
         flat = t.detach().reshape(-1)
         sample = flat[checksum_positions(flat.numel(), flat.device)]
-        sums.append(sample.to(dtype or sample.dtype).double().sum().cpu())
-    return dict(zip(tensors, torch.stack(sums).tolist(), strict=True))
+        if dtype is not None and sample.is_floating_point():
+            sample = sample.to(dtype)
+        samples.append(sample.to(torch.float64, copy=False))
+        counts.append(sample.numel())
+    values = torch.cat(samples)
+    segment = torch.repeat_interleave(torch.arange(len(counts), device=values.device),
+                                      torch.tensor(counts, device=values.device))
+    sums = values.new_zeros(len(counts)).index_add_(0, segment, values)
+    return dict(zip(tensors, sums.tolist(), strict=True))
 
 
-def verify_checksums(model: nn.Module, expected: dict[str, float], version: int) -> None:
-    """Raise `WeightSyncError` naming the version and the first tensor whose checksum in `model`
-    differs from `expected` (beyond float64 rounding of the sum; NaN matches only NaN)."""
-    own = model.state_dict()
+def verify_checksums(own: dict[str, torch.Tensor], expected: dict[str, float],
+                     version: int) -> None:
+    """Raise `WeightSyncError` naming the version and the first tensor of `own` (a model's
+    state dict) whose checksum differs from `expected` (beyond float64 rounding of the sum;
+    NaN matches only NaN)."""
     missing = sorted(set(expected) - set(own))
     if missing:
         raise WeightSyncError(f"weight update v{version}: checksums name tensors the model "
@@ -158,7 +166,9 @@ class WeightUpdate:
     def check(self, model: nn.Module) -> None:
         """Raise `WeightSyncError` naming the unexpected, missing (full updates only) and
         mis-shaped tensors, if any."""
-        own = model.state_dict()
+        self._check(model.state_dict())
+
+    def _check(self, own: dict[str, torch.Tensor]) -> None:
         problems = []
         unexpected = sorted(set(self.tensors) - set(own))
         if unexpected:
@@ -180,8 +190,8 @@ class WeightUpdate:
         """Copy the tensors into `model` (cast to its dtype and device) after `check`: one
         in-place `copy_` per tensor, where tied names sharing a source and a target are written
         once, then verify the checksums if the update has them."""
-        self.check(model)
         own = model.state_dict()
+        self._check(own)
         written: set[tuple[int, int]] = set()
         for name, src in self.tensors.items():
             target = own[name]
@@ -190,7 +200,7 @@ class WeightUpdate:
                 written.add(pair)
                 target.copy_(src)
         if self.checksums is not None:
-            verify_checksums(model, self.checksums, self.version)
+            verify_checksums(own, self.checksums, self.version)
 
 
 def _names(items: list[str], shown: int = 5) -> str:
