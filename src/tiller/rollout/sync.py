@@ -50,21 +50,21 @@ class WeightSync:
         gen = torch.Generator().manual_seed(PROBE_SEED)
         self.probe = torch.randint(0, config.vocab_size, (cfg.parity_tokens,),
                                    generator=gen).tolist()
+        # the trainer's tensors by name, detached: the optimizer updates them in place, so
+        # these references stay valid (saves a state_dict() walk per sync)
+        self.own = {k: t.detach() for k, t in trainer.model.state_dict().items()}
         # one name per storage (tied embeddings are one tensor); `aliases` maps every name to it
         self.aliases: dict[str, str] = {}
         first: dict[int, str] = {}
-        for name, t in trainer.model.state_dict().items():
+        for name, t in self.own.items():
             self.aliases[name] = first.setdefault(t.data_ptr(), name)
-        own = trainer.model.state_dict()
         # what the engine holds, in its dtype: the bytes of a full sync
-        self.full_bytes = sum(own[k].numel() for k in set(self.aliases.values())) * (
-            engine_dtype.itemsize)
+        self.full_bytes = sum(t.numel() for t in self._live().values()) * engine_dtype.itemsize
         self.synced: dict[str, torch.Tensor] | None = None  # delta/auto: what the engine holds
         self.base: int | None = None  # the version `synced` is
 
     def _live(self) -> dict[str, torch.Tensor]:
-        own = self.trainer.model.state_dict()
-        return {name: own[name].detach() for name in dict.fromkeys(self.aliases.values())}
+        return {name: self.own[name] for name in dict.fromkeys(self.aliases.values())}
 
     def _engine_may_lack_base(self) -> bool:
         """True when a delta could not apply: no synced copy, the engine is at another version,
@@ -77,8 +77,10 @@ class WeightSync:
         """The update for `version` and its metrics (bytes, full bytes, kind, changed fraction);
         in delta/auto mode the synced copy already holds `version` afterwards."""
         full_bytes = self.full_bytes
-        if self.cfg.mode == "full":
-            update = WeightUpdate.live(self.trainer.model, version, checksum_dtype=self.dtype)
+        if self.cfg.mode == "full":  # the live tensors by reference: no copy here
+            sums = checksums({k: self.own[k] for k in dict.fromkeys(self.aliases.values())},
+                             self.dtype)
+            update = WeightUpdate(version, dict(self.own), checksums=sums)
             return update, {"sync/bytes": full_bytes, "sync/full_bytes": full_bytes,
                             "sync/kind": 0.0, "sync/changed_frac": 1.0}
         live = self._live()
@@ -117,11 +119,11 @@ class WeightSync:
         sync/seconds, sync/parity_mean_abs, sync/parity_max_abs). Any failure raises."""
         t0 = time.perf_counter()
         version = self.trainer.version
-        update, metrics = self.build(version)
         try:
+            update, metrics = self.build(version)
             applied = self.engine.update_weights(update, timeout_s=self.cfg.timeout_s)
         except BaseException:
-            self.base = None  # the engine may hold anything now: the next sync is full
+            self.base = None  # the engine (or the synced copy) may hold anything: next is full
             raise
         if applied != version:
             self.base = None
