@@ -187,8 +187,12 @@ class WeightUpdate:
         own = model.state_dict()
         self._check(own)
         written: set[tuple[int, int]] = set()
-        for name, src in self.tensors.items():
-            target = own[name]
+        # in the model's order, as load_state_dict: of tied names given different values (two
+        # clones), the last wins, whatever order the update's dict (or its file) has
+        for name, target in own.items():
+            if name not in self.tensors:
+                continue
+            src = self.tensors[name]
             pair = (target.data_ptr(), src.data_ptr())
             if pair not in written:
                 written.add(pair)
