@@ -630,6 +630,9 @@ def test_a_server_killed_mid_run_is_retried_and_every_episode_counted(own_server
         deadline = time.monotonic() + 300
         while run.engine.version < 1 and time.monotonic() < deadline:  # step 1 pushed
             time.sleep(0.01)
+        done = a.completed  # and its parity check done: server 0 answers step 2's requests
+        while a.completed == done and time.monotonic() < deadline:
+            time.sleep(0.001)
         own_servers.freeze(0)
         while a.inflight < 1 and time.monotonic() < deadline:
             time.sleep(0.001)

@@ -477,19 +477,23 @@ class HttpEngine:
     def score_servers(self, token_ids: list[int], *, timeout_s: float | None = None
                       ) -> dict[str, list[float]]:
         """Every up server's /score of `token_ids` (log p(token_i | tokens_<i), i >= 1), by URL,
-        each from the version last pushed to it (else a RunError naming both). A server that
-        does not answer within `timeout_s` (default `request_timeout_s`) is a RunError."""
+        each from the version last pushed to it (else a RunError naming both). A server found
+        dead now (no answer within `timeout_s`, default `request_timeout_s`, a connection
+        error, 502/503/504) is marked down and skipped, logged and counted in
+        `control_skipped_down`, as at a weight push; none answering is a RunError."""
         up = [s for s in self.servers if not s.down]
         if not up:
             raise self._all_down()
 
-        async def one(server: Server) -> list[float]:
+        async def one(server: Server) -> list[float] | object:
             try:
                 answer = await self._post(server, "/score", {"input_ids": token_ids},
                                           timeout=timeout_s)
             except ServerDown as e:
-                raise RunError(f"server {server.url}: scoring the parity probe failed: "
-                               f"{e}") from e
+                self._mark_down(server, f"scoring the parity probe: {e}")
+                self.counters["control_skipped_down"] += 1
+                logger.warning("/score: server %s is down (%s); skipped", server.url, e)
+                return _SKIPPED
             if (not isinstance(answer, dict) or answer.get("weight_version") != server.version
                     or not isinstance(answer.get("logprobs"), list)
                     or len(answer["logprobs"]) != len(token_ids) - 1):
@@ -498,12 +502,15 @@ class HttpEngine:
                                f"{server.version}")
             return [float(x) for x in answer["logprobs"]]
 
-        async def every() -> list[list[float]]:
+        async def every() -> list[list[float] | object]:
             return list(await asyncio.gather(*(one(s) for s in up)))
 
         wait = None if timeout_s is None else timeout_s + 10.0
         scores = self._call(every(), f"/score on {len(up)} server(s)", wait)
-        return {s.url: got for s, got in zip(up, scores, strict=True)}
+        answered = {s.url: got for s, got in zip(up, scores, strict=True) if got is not _SKIPPED}
+        if not answered:
+            raise self._all_down()
+        return answered
 
     def score(self, token_ids: list[int], *, timeout_s: float | None = None) -> list[float]:
         """The first up server's /score of `token_ids` (see `score_servers`)."""
