@@ -154,10 +154,10 @@ class Run:
                               stop_token_ids=stop_token_ids(self.tokenizer,
                                                             self.model.generation_config))
 
-    def push_weights(self) -> dict[str, float]:
+    def push_weights(self, in_flight: str = "continue") -> dict[str, float]:
         """Sync the trainer's weights to the engine (checked: checksums, echoed version,
         parity); the sync/* metrics to log."""
-        return self.weight_sync.push()
+        return self.weight_sync.push(in_flight)
 
     def make_env(self, *key: Any) -> Env:
         """A fresh env for one episode, its tools behind the run's tool stack; `key` names the

@@ -113,15 +113,17 @@ class WeightSync:
         tensors = {name: self.synced[first] for name, first in self.aliases.items()}
         return WeightUpdate(version, tensors, checksums=checksums(self.synced))
 
-    def push(self) -> dict[str, float]:
-        """Sync the trainer's current version to the engine and check it; the metrics
+    def push(self, in_flight: str = "continue") -> dict[str, float]:
+        """Sync the trainer's current version to the engine (`in_flight`: what its running
+        requests do, see `update_weights`) and check it; the metrics
         (sync/bytes, sync/full_bytes, sync/kind 0 full / 1 delta, sync/changed_frac,
         sync/seconds, sync/parity_mean_abs, sync/parity_max_abs). Any failure raises."""
         t0 = time.perf_counter()
         version = self.trainer.version
         try:
             update, metrics = self.build(version)
-            applied = self.engine.update_weights(update, timeout_s=self.cfg.timeout_s)
+            applied = self.engine.update_weights(update, in_flight=in_flight,
+                                                 timeout_s=self.cfg.timeout_s)
         except BaseException:
             self.base = None  # the engine (or the synced copy) may hold anything: next is full
             raise
