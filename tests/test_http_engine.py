@@ -598,9 +598,10 @@ def test_a_training_run_over_two_servers_learns_like_the_embedded_run(two_server
     pushes: list[tuple[int, list[int]]] = []
     push = run.push_weights
 
-    def push_and_check(in_flight: str = "continue") -> None:
-        push(in_flight)
+    def push_and_check(in_flight: str = "continue") -> dict[str, float]:
+        metrics = push(in_flight)
         pushes.append((run.trainer.version, [server_version(u) for u in two_servers.urls]))
+        return metrics
 
     run.push_weights = push_and_check
     try:
@@ -635,9 +636,10 @@ def test_an_async_run_over_two_servers_pushes_every_version_and_counts_every_epi
     pushes: list[tuple[int, list[int]]] = []
     push = run.push_weights
 
-    def push_and_check(in_flight: str = "continue") -> None:
-        push(in_flight)
+    def push_and_check(in_flight: str = "continue") -> dict[str, float]:
+        metrics = push(in_flight)
         pushes.append((run.trainer.version, [server_version(u) for u in two_servers.urls]))
+        return metrics
 
     run.push_weights = push_and_check
     try:
@@ -663,6 +665,9 @@ def test_a_server_killed_mid_run_is_retried_and_every_episode_counted(own_server
         deadline = time.monotonic() + 300
         while run.engine.version < 1 and time.monotonic() < deadline:  # step 1 pushed
             time.sleep(0.01)
+        done = a.completed  # and its parity check done: server 0 answers step 2's requests
+        while a.completed == done and time.monotonic() < deadline:
+            time.sleep(0.001)
         own_servers.freeze(0)
         while a.inflight < 1 and time.monotonic() < deadline:
             time.sleep(0.001)

@@ -132,6 +132,25 @@ class EngineConfig(_Section):
         return self
 
 
+class WeightSyncConfig(_Section):
+    """How the trainer's weights reach the engine after each optimizer step, and how the sync
+    is checked (docs/engine.md, "Weight sync")."""
+
+    mode: Literal["full", "delta", "auto"] = Field(
+        "auto", description="full: every tensor; delta: only the elements whose engine-dtype "
+        "value changed since the last sync (indices + values); auto: per sync, whichever is "
+        "fewer bytes (logged as sync/kind)")
+    parity_tol: float = Field(
+        0.05, gt=0, description="after every sync the engine and the trainer score a fixed "
+        "probe sequence; a mean |logprob difference| above this is a WeightSyncError")
+    parity_tokens: int = Field(
+        64, ge=2, le=4096, description="length of the seeded probe sequence the parity check "
+        "scores")
+    timeout_s: float = Field(
+        600.0, gt=0, description="seconds each wait of a sync (the update applied, the probe "
+        "scored) may take on an engine or server before the sync fails naming it")
+
+
 class SFTConfig(_Section):
     enabled: bool = True
     tasks: int = Field(2000, ge=1, description="expert demonstrations (one per train task)")
@@ -574,6 +593,7 @@ class Config(_Section):
     logging: LoggingConfig = LoggingConfig()
     engine: EngineConfig = EngineConfig()
     rollout: RolloutConfig = RolloutConfig()
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
 
     @property
     def l_max(self) -> int:

@@ -152,7 +152,7 @@ def rl(run: Run) -> dict[str, Any]:
                                                           critic, step))
                     m["train_s"] = time.perf_counter() - tt
                     ts_sync = time.perf_counter()
-                    run.push_weights(in_flight)
+                    m.update(run.push_weights(in_flight))  # sync/*: bytes, kind, parity
                     m["sync_s"] = time.perf_counter() - ts_sync
                     trainer_s += time.perf_counter() - tt
                 m.update(run.tools.stats(reset=True), step_s=time.perf_counter() - ts,

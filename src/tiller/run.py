@@ -31,6 +31,7 @@ from tiller.rollout.agent_loop import (
 from tiller.rollout.chat import stop_token_ids
 from tiller.rollout.collect import check_aborted, collect, collect_expert
 from tiller.rollout.engine import EmbeddedEngine, SamplingParams
+from tiller.rollout.sync import WeightSync
 from tiller.rollout.trajectory import Trajectory
 from tiller.tools.sandbox import set_unsafe_fallback
 from tiller.tools.stack import ToolStack
@@ -137,6 +138,7 @@ class Run:
                                          self.tokenizer.pad_token_id,
                                          max_batch_size=cfg.engine.max_batch_size,
                                          cache_bytes=cfg.engine.cache_bytes)
+        self.weight_sync = WeightSync(self.trainer, self.engine, cfg.weight_sync, self.dtype)
         self.logger = MetricsLogger(self.dir, cfg.logging.tensorboard, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.model_dump())
 
@@ -152,8 +154,10 @@ class Run:
                               stop_token_ids=stop_token_ids(self.tokenizer,
                                                             self.model.generation_config))
 
-    def push_weights(self, in_flight: str = "continue") -> None:
-        self.engine.update_weights(self.trainer.weight_update(), in_flight=in_flight)
+    def push_weights(self, in_flight: str = "continue") -> dict[str, float]:
+        """Sync the trainer's weights to the engine (checked: checksums, echoed version,
+        parity); the sync/* metrics to log."""
+        return self.weight_sync.push(in_flight)
 
     def make_env(self, *key: Any) -> Env:
         """A fresh env for one episode, its tools behind the run's tool stack; `key` names the

@@ -42,9 +42,10 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from tiller.rollout.delta import DeltaUpdate
 from tiller.rollout.kv_cache import KV, PrefixCache
 from tiller.rollout.sampling import sample
-from tiller.rollout.weight_sync import WeightUpdate
+from tiller.rollout.weight_sync import WeightSyncError, WeightUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +105,14 @@ class Engine(Protocol):
 
     def abort(self, request_id: str) -> bool: ...
 
-    def update_weights(self, update: WeightUpdate, *, in_flight: InFlight = "continue"
+    def update_weights(self, update: WeightUpdate | DeltaUpdate, *,
+                       in_flight: InFlight = "continue", timeout_s: float | None = None
                        ) -> int: ...
+
+    def score(self, token_ids: list[int], *, timeout_s: float | None = None) -> list[float]:
+        """log p(token_i | tokens_<i) at temperature 1 for i >= 1, under the engine's own
+        weights (the parity check)."""
+        ...
 
     def pause(self) -> None: ...
 
@@ -270,25 +277,50 @@ class EmbeddedEngine:
         return bool(self._control(lambda: self._abort(lambda r: r.request_id == request_id),
                                   f"abort of request {request_id!r}"))
 
-    def update_weights(self, update: WeightUpdate, *, in_flight: InFlight = "continue") -> int:
+    def update_weights(self, update: WeightUpdate | DeltaUpdate, *,
+                       in_flight: InFlight = "continue", timeout_s: float | None = None) -> int:
         """Apply `update` between two decode steps and return the new version. Running requests
         go on under the new weights (their tokens record the version that sampled each) or,
         with in_flight="abort", end at once with their partial output. Stored KV is dropped:
-        it was computed by the old weights."""
+        it was computed by the old weights. A delta applies only on top of its base version.
+        An update whose checksums do not match after applying raises `WeightSyncError` and
+        leaves the version as it was (the weights are then neither version: stop the run).
+        Waits at most `timeout_s` (default `control_timeout_s`) for the safe point."""
         if in_flight not in ("continue", "abort"):
             raise ValueError(f"in_flight must be 'continue' or 'abort', got {in_flight!r}")
         update.check(self.model)  # a bad update fails here, before the worker waits on it
 
         def apply() -> int:
+            base = getattr(update, "base_version", None)
+            if base is not None and base != self.version:
+                raise WeightSyncError(f"delta update v{update.version} is against v{base}, but "
+                                      f"the engine holds v{self.version}: send a full update")
             if in_flight == "abort":
                 self._abort(lambda r: True, waiting=False)
+            self.cache.flush()
             update.apply_to(self.model)
             self.version = update.version
-            self.cache.flush()
             self.counters["weight_updates"] += 1
             return self.version
 
-        return self._control(apply, f"weight update v{update.version}")
+        return self._control(apply, f"weight update v{update.version}", timeout_s)
+
+    def score(self, token_ids: list[int], *, timeout_s: float | None = None) -> list[float]:
+        """log p(token_i | tokens_<i) at temperature 1 for i >= 1, from one forward of the
+        engine's own weights at a safe point (waits at most `timeout_s`, default
+        `control_timeout_s`)."""
+        self._check_prompt(token_ids)
+        if len(token_ids) < 2:
+            raise ValueError("score needs at least two tokens (the first has no prefix)")
+
+        @torch.inference_mode()
+        def run() -> list[float]:
+            ids = torch.tensor([token_ids], device=self.device)
+            logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+            logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
+            return logp.tolist()
+
+        return self._control(run, f"scoring {len(token_ids)} probe tokens", timeout_s)
 
     def pause(self) -> None:
         """Stop decoding after the current step; running rows keep their state and new
@@ -330,7 +362,8 @@ class EmbeddedEngine:
                                             daemon=True)
             self._worker.start()
 
-    def _control(self, fn: Callable[[], object], what: str):
+    def _control(self, fn: Callable[[], object], what: str, timeout_s: float | None = None):
+        timeout = self.control_timeout_s if timeout_s is None else timeout_s
         op = _Control(fn)
         with self._cond:
             self._check_open()
@@ -338,12 +371,12 @@ class EmbeddedEngine:
             self._ensure_worker()
             self._cond.notify()
         try:
-            return op.done.result(timeout=self.control_timeout_s)
+            return op.done.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
             if op.done.cancel():  # never applied later, behind the caller's back
-                raise TimeoutError(f"engine: {what} was not applied within "
-                                   f"{self.control_timeout_s:g}s (no safe point between decode "
-                                   "steps was reached); it is cancelled") from None
+                raise TimeoutError(f"embedded engine: {what} was not applied within "
+                                   f"{timeout:g}s (no safe point between decode steps was "
+                                   "reached); it is cancelled") from None
             return op.done.result()  # applied just now, as the wait ran out
 
     def _loop(self) -> None:

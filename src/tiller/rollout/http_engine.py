@@ -52,6 +52,7 @@ from typing import Any, TypeVar
 import httpx
 
 from tiller.errors import ConfigError, RunError
+from tiller.rollout.delta import DeltaUpdate
 from tiller.rollout.engine import Generation, SamplingParams
 from tiller.rollout.weight_sync import WeightUpdate
 
@@ -146,7 +147,10 @@ class HttpEngine:
                 r = await self._client.get(url, **kwargs)
             else:
                 r = await self._client.post(url, json=body, **kwargs)
-        except httpx.TransportError as e:  # connect/read errors and timeouts
+        except httpx.TimeoutException as e:
+            wait = self.request_timeout_s if timeout is None else timeout
+            raise ServerDown(f"{path}: no answer within {wait:g} s ({type(e).__name__})") from e
+        except httpx.TransportError as e:  # connect/read errors
             raise ServerDown(f"{type(e).__name__}: {e}".rstrip(": ")) from e
         if r.status_code in DOWN_STATUSES:
             raise ServerDown(f"HTTP {r.status_code}: {_short(r.text)}")
@@ -379,15 +383,18 @@ class HttpEngine:
         self._call(every(), "/get_model_info on every server")
         self.max_context = max_context
 
-    def update_weights(self, update: WeightUpdate, *, in_flight: str = "continue") -> int:
+    def update_weights(self, update: WeightUpdate | DeltaUpdate, *, in_flight: str = "continue",
+                       timeout_s: float | None = None) -> int:
         """Write `update` to `<weights_dir>/v<version>` and have every server load it (all at
-        once), each echoing success and the version. A server that answers otherwise (an error,
-        4xx, another version) is a RunError naming it: it holds weights the trainer does not
-        know. A dead one (no answer, timeout, 502/503/504, a 500 and no /health) is marked down
-        and skipped, logged and counted in `push_skipped_down`, like a server already down that
-        does not answer /health; one that does answer loads the weights and rejoins. No server
-        taking the weights is a RunError, and the folder is removed. Older versions this engine
-        wrote are removed afterwards."""
+        once, each waited for at most `timeout_s`, default `request_timeout_s`), each echoing
+        success and the version. A delta goes only to the servers up now (a server that was
+        down missed versions; it rejoins at the next full update). A server that answers
+        otherwise (an error, 4xx, another version) is a RunError naming it: it holds weights the
+        trainer does not know. A dead one (no answer, timeout, 502/503/504, a 500 and no
+        /health) is marked down and skipped, logged and counted in `push_skipped_down`, like a
+        server already down that does not answer /health; one that does answer loads the
+        weights and rejoins. No server taking the weights is a RunError, and the folder is
+        removed. Older versions this engine wrote are removed afterwards."""
         if in_flight not in ("continue", "abort"):
             raise ValueError(f"in_flight must be 'continue' or 'abort', got {in_flight!r}")
         folder = (self.weights_dir / f"v{update.version}").resolve()
@@ -404,6 +411,11 @@ class HttpEngine:
                 server.pending = None
 
         async def push(server: Server) -> bool:
+            if server.down and isinstance(update, DeltaUpdate):
+                self.counters["push_skipped_down"] += 1
+                logger.warning("weight push v%d (a delta): server %s is down; skipped until a "
+                               "full update", update.version, server.url)
+                return False
             if server.down:
                 try:
                     await self._post(server, "/health", timeout=HEALTH_TIMEOUT_S)
@@ -414,9 +426,10 @@ class HttpEngine:
                                    update.version, server.url, e)
                     return False
             try:
-                answer = await self._post(server, "/update_weights_from_disk", body)
+                answer = await self._post(server, "/update_weights_from_disk", body,
+                                          timeout=timeout_s)
             except ServerDown as e:  # it died: like a dead server, it gets no requests
-                self._mark_down(server, str(e))
+                self._mark_down(server, f"weight update v{update.version}: {e}")
                 self.counters["push_skipped_down"] += 1
                 logger.warning("weight push v%d: server %s failed (%s); marked down, skipped",
                                update.version, server.url, e)
@@ -446,7 +459,8 @@ class HttpEngine:
             return list(results)
 
         try:
-            pushed = self._call(every(), f"weight push v{update.version} to every server")
+            wait = None if timeout_s is None else timeout_s + 10.0
+            pushed = self._call(every(), f"weight push v{update.version} to every server", wait)
             if not any(pushed):
                 raise self._all_down()
         except BaseException:
@@ -460,6 +474,48 @@ class HttpEngine:
         self._written = [folder]
         self.version = update.version
         return update.version
+
+    def score_servers(self, token_ids: list[int], *, timeout_s: float | None = None
+                      ) -> dict[str, list[float]]:
+        """Every up server's /score of `token_ids` (log p(token_i | tokens_<i), i >= 1), by URL,
+        each from the version last pushed to it (else a RunError naming both). A server found
+        dead now (no answer within `timeout_s`, default `request_timeout_s`, a connection
+        error, 502/503/504) is marked down and skipped, logged and counted in
+        `control_skipped_down`, as at a weight push; none answering is a RunError."""
+        up = [s for s in self.servers if not s.down]
+        if not up:
+            raise self._all_down()
+
+        async def one(server: Server) -> list[float] | object:
+            try:
+                answer = await self._post(server, "/score", {"input_ids": token_ids},
+                                          timeout=timeout_s)
+            except ServerDown as e:
+                self._mark_down(server, f"scoring the parity probe: {e}")
+                self.counters["control_skipped_down"] += 1
+                logger.warning("/score: server %s is down (%s); skipped", server.url, e)
+                return _SKIPPED
+            if (not isinstance(answer, dict) or answer.get("weight_version") != server.version
+                    or not isinstance(answer.get("logprobs"), list)
+                    or len(answer["logprobs"]) != len(token_ids) - 1):
+                raise RunError(f"server {server.url}: /score answered {_short(str(answer))}; "
+                               f"expected {len(token_ids) - 1} logprobs from weight version "
+                               f"{server.version}")
+            return [float(x) for x in answer["logprobs"]]
+
+        async def every() -> list[list[float] | object]:
+            return list(await asyncio.gather(*(one(s) for s in up)))
+
+        wait = None if timeout_s is None else timeout_s + 10.0
+        scores = self._call(every(), f"/score on {len(up)} server(s)", wait)
+        answered = {s.url: got for s, got in zip(up, scores, strict=True) if got is not _SKIPPED}
+        if not answered:
+            raise self._all_down()
+        return answered
+
+    def score(self, token_ids: list[int], *, timeout_s: float | None = None) -> list[float]:
+        """The first up server's /score of `token_ids` (see `score_servers`)."""
+        return next(iter(self.score_servers(token_ids, timeout_s=timeout_s).values()))
 
     def close(self) -> None:
         """Close the connections and stop the loop thread; requests still waiting fail."""

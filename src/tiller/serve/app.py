@@ -70,6 +70,10 @@ def create_app(engine: Any, tokenizer: Any, settings: ServeSettings) -> FastAPI:
     async def update_weights_from_disk(request: Request) -> dict[str, Any]:
         return await native.update_weights(server, request)
 
+    @app.post("/score")
+    async def score(request: Request) -> dict[str, Any]:
+        return await native.score(server, request)
+
     @app.post("/abort_request")
     async def abort_request(request: Request) -> dict[str, Any]:
         return await native.abort(server, request)

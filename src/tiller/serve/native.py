@@ -1,8 +1,10 @@
-"""SGLang's native routes: /generate, /update_weights_from_disk and /abort_request."""
+"""SGLang's native routes: /generate, /update_weights_from_disk and /abort_request, and tiller's
+/score (the weight sync's parity check)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 from typing import Any
@@ -10,12 +12,14 @@ from typing import Any
 from fastapi import Request
 from safetensors import SafetensorError
 
+from tiller.rollout.delta import DeltaUpdate
 from tiller.rollout.weight_sync import WeightSyncError, WeightUpdate
 from tiller.serve.guard import resolve_below
 from tiller.serve.protocol import (
     AbortRequest,
     APIError,
     GenerateRequest,
+    ScoreRequest,
     UpdateWeightsRequest,
     parse_body,
 )
@@ -57,8 +61,29 @@ async def generate(server: Server, request: Request) -> dict[str, Any]:
             "meta_info": meta}
 
 
+def _read_update(folder: Any, files: list, version: int, engine: Any
+                 ) -> WeightUpdate | DeltaUpdate:
+    """The update in `folder`: a delta when its tiller_version.json says so (refused unless the
+    engine holds its base version), else a full checkpoint; with the sender's checksums when the
+    json has them."""
+    meta_path = folder / "tiller_version.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    if meta.get("kind") == "delta":
+        update = DeltaUpdate.load(folder, meta, version)
+        if update.base_version != engine.version:
+            raise WeightSyncError(f"delta update v{version} is against base version "
+                                  f"v{update.base_version}, but this server holds "
+                                  f"v{engine.version}: push a full update")
+        update.check(engine.model)
+        return update
+    return WeightUpdate.load(folder, version, engine.model, files=files,
+                             checksums=meta.get("checksums"))
+
+
 async def update_weights(server: Server, request: Request) -> dict[str, Any]:
-    """POST /update_weights_from_disk: a checkpoint folder below --weights-root."""
+    """POST /update_weights_from_disk: a checkpoint folder below --weights-root (or a delta
+    written by tiller's weight sync). An update whose checksums fail after applying is a 500:
+    the weights are then neither version."""
     body: UpdateWeightsRequest = parse_body(await request.body(), UpdateWeightsRequest)
     root = server.settings.weights_root
     if root is None:
@@ -70,15 +95,27 @@ async def update_weights(server: Server, request: Request) -> dict[str, Any]:
         version = engine.version + 1 if body.weight_version is None else body.weight_version
         policy = "abort" if body.abort_all_requests else "continue"
         try:
-            update = await asyncio.to_thread(WeightUpdate.load, folder, version, engine.model,
-                                             files=files)
-            applied = await asyncio.to_thread(engine.update_weights, update, in_flight=policy)
-        except (WeightSyncError, SafetensorError, OSError) as e:  # nothing was applied
+            update = await asyncio.to_thread(_read_update, folder, files, version, engine)
+        except (WeightSyncError, SafetensorError, OSError, KeyError, ValueError) as e:
             raise APIError(400, f"cannot load {body.model_path!r}: {type(e).__name__}: {e}"
-                           [:500]) from e
+                           [:500]) from e  # nothing was applied
+        try:
+            applied = await asyncio.to_thread(engine.update_weights, update, in_flight=policy)
+        except WeightSyncError as e:  # the checksums, or the base version changed meanwhile
+            raise APIError(500, f"applying {body.model_path!r} failed: {e}"[:500]) from e
     logger.info("weights updated from %s to version %d", folder, applied)
     return {"success": True, "message": f"loaded {body.model_path!r} as version {applied}",
             "weight_version": applied, "boot_id": server.boot_id}
+
+
+async def score(server: Server, request: Request) -> dict[str, Any]:
+    """POST /score {input_ids}: log p(token_i | tokens_<i) at temperature 1 for i >= 1 under the
+    current weights, and their version (read under the update lock, so they match)."""
+    body: ScoreRequest = parse_body(await request.body(), ScoreRequest)
+    server.check_prompt(body.input_ids, 0)
+    async with server.update_lock:
+        logprobs = await asyncio.to_thread(server.engine.score, body.input_ids)
+        return {"logprobs": logprobs, "weight_version": server.engine.version}
 
 
 async def abort(server: Server, request: Request) -> dict[str, Any]:

@@ -174,6 +174,11 @@ class UpdateWeightsRequest(_Strict):
     load_format: Literal["safetensors"] | None = None
 
 
+class ScoreRequest(_Strict):
+    input_ids: list[int] = Field(min_length=2, description="the tokens to score (the parity "
+                                 "probe): the answer has log p(token_i | tokens_<i), i >= 1")
+
+
 class AbortRequest(_Strict):
     rid: str | None = None
     abort_all: bool = False

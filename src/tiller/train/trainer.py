@@ -129,6 +129,24 @@ class Trainer:
     def weight_update(self) -> WeightUpdate:
         return WeightUpdate.full(self.model, self.version)
 
+    @torch.no_grad()
+    def score(self, token_ids: list[int]) -> list[float]:
+        """log p(token_i | tokens_<i) at temperature 1 for i >= 1 under the trainer's weights,
+        through `_forward` (the training passes' autocast): the trainer's side of the parity
+        check after a weight sync."""
+        was_training = self.model.training
+        self.model.eval()
+        ids = torch.tensor([token_ids], device=self.device)
+        zeros = torch.zeros(ids.shape)
+        probe = Batch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=zeros,
+                      rollout_logprobs=zeros, rewards=torch.zeros(1),
+                      group_index=torch.zeros(1, dtype=torch.long))
+        try:
+            logp, _ = self._forward(self.model, probe, 1.0)
+        finally:
+            self.model.train(was_training)
+        return logp[0, 1:].float().tolist()
+
     def _forward(self, model: nn.Module, mb: Batch, temperature: float,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`token_logprobs` of a micro-batch already on the model's device, under bf16

@@ -1,0 +1,163 @@
+"""The trainer's side of a weight sync: build the update (full or delta), push it, check that the
+engine echoes its version, then check parity.
+
+- Full, embedded engine: the update holds references to the trainer's live tensors (no clone);
+  `update_weights` blocks until the engine applied it, and the trainer does not step meanwhile,
+  so the engine's one `copy_` (casting to its dtype) is the only pass over the weights.
+- Delta: the sender keeps the last synced copy in the engine's dtype and ships, per tensor, the
+  elements whose bit pattern changed (`tiller.rollout.delta`). Diffing against what the engine
+  holds, never against the previous trainer weights, means rounding never accumulates: after N
+  deltas the engine equals a full sync bit for bit.
+- auto: per sync, the one with fewer bytes (exact counts); a full sync whenever the engine may
+  not hold the base (the first sync, a failed one, an HTTP server that was down).
+- Every update carries checksums (`weight_sync.checksums`) that the receiver verifies.
+- Parity: engine and trainer score a fixed, seeded probe sequence; a mean |logprob difference|
+  above `parity_tol` is a `WeightSyncError` naming the version and the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from tiller.config import WeightSyncConfig
+from tiller.errors import ConfigError
+from tiller.rollout.delta import DeltaUpdate, TensorDelta, bits, encode_gaps
+from tiller.rollout.weight_sync import WeightSyncError, WeightUpdate, checksums
+from tiller.train.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+PROBE_SEED = 1234  # the probe sequence is the same in every run
+
+
+class WeightSync:
+    """Pushes the trainer's weights to `engine` (embedded or HTTP) as configured by `cfg`;
+    `engine_dtype` is the dtype the engine holds its weights in."""
+
+    def __init__(self, trainer: Trainer, engine: Any, cfg: WeightSyncConfig,
+                 engine_dtype: torch.dtype):
+        self.trainer, self.engine, self.cfg, self.dtype = trainer, engine, cfg, engine_dtype
+        config = trainer.model.config
+        context = getattr(config, "max_position_embeddings", cfg.parity_tokens)
+        if cfg.parity_tokens > context:
+            raise ConfigError(f"config field weight_sync.parity_tokens: got {cfg.parity_tokens}; "
+                              f"expected at most the model's context of {context} tokens")
+        gen = torch.Generator().manual_seed(PROBE_SEED)
+        self.probe = torch.randint(0, config.vocab_size, (cfg.parity_tokens,),
+                                   generator=gen).tolist()
+        # the trainer's tensors by name, detached: the optimizer updates them in place, so
+        # these references stay valid (saves a state_dict() walk per sync)
+        self.own = {k: t.detach() for k, t in trainer.model.state_dict().items()}
+        # one name per storage (tied embeddings are one tensor); `aliases` maps every name to it
+        self.aliases: dict[str, str] = {}
+        first: dict[int, str] = {}
+        for name, t in self.own.items():
+            self.aliases[name] = first.setdefault(t.data_ptr(), name)
+        # what the engine holds, in its dtype: the bytes of a full sync
+        self.full_bytes = sum(t.numel() for t in self._live().values()) * engine_dtype.itemsize
+        self.synced: dict[str, torch.Tensor] | None = None  # delta/auto: what the engine holds
+        self.base: int | None = None  # the version `synced` is
+
+    def _live(self) -> dict[str, torch.Tensor]:
+        return {name: self.own[name] for name in dict.fromkeys(self.aliases.values())}
+
+    def _engine_may_lack_base(self) -> bool:
+        """True when a delta could not apply: no synced copy, the engine is at another version,
+        or an HTTP server is down (it missed pushes and rejoins only through a full one)."""
+        down = any(s.down for s in getattr(self.engine, "servers", ()))
+        return self.synced is None or self.base != self.engine.version or down
+
+    @torch.no_grad()
+    def build(self, version: int) -> tuple[WeightUpdate | DeltaUpdate, dict[str, float]]:
+        """The update for `version` and its metrics (bytes, full bytes, kind, changed fraction);
+        in delta/auto mode the synced copy already holds `version` afterwards."""
+        full_bytes = self.full_bytes
+        if self.cfg.mode == "full":  # the live tensors by reference: no copy here
+            sums = checksums({k: self.own[k] for k in dict.fromkeys(self.aliases.values())},
+                             self.dtype)
+            update = WeightUpdate(version, dict(self.own), checksums=sums)
+            return update, {"sync/bytes": full_bytes, "sync/full_bytes": full_bytes,
+                            "sync/kind": 0.0, "sync/changed_frac": 1.0}
+        live = self._live()
+        if self._engine_may_lack_base():
+            self.synced = {k: t.to(self.dtype, copy=True) for k, t in live.items()}
+            return self._full_from_synced(version), {
+                "sync/bytes": full_bytes, "sync/full_bytes": full_bytes, "sync/kind": 0.0,
+                "sync/changed_frac": 1.0}
+        deltas: dict[str, TensorDelta] = {}
+        changed = 0
+        for name, t in live.items():
+            new = t.to(self.dtype)
+            old = self.synced[name]
+            idx = torch.nonzero(bits(new).reshape(-1) != bits(old).reshape(-1))[:, 0]
+            values = new.reshape(-1)[idx]
+            old.reshape(-1)[idx] = values  # the synced copy is now `version`
+            gaps = encode_gaps(idx.cpu().numpy())
+            deltas[name] = TensorDelta(t.numel(), torch.from_numpy(gaps), values)
+            changed += idx.numel()
+        delta = DeltaUpdate(version, self.base, deltas, checksums(self.synced))
+        numel = sum(t.numel() for t in live.values())
+        metrics = {"sync/full_bytes": full_bytes, "sync/changed_frac": changed / max(numel, 1)}
+        if self.cfg.mode == "delta" or delta.nbytes < full_bytes:
+            return delta, {**metrics, "sync/bytes": delta.nbytes, "sync/kind": 1.0}
+        return self._full_from_synced(version), {**metrics, "sync/bytes": full_bytes,
+                                                 "sync/kind": 0.0}
+
+    def _full_from_synced(self, version: int) -> WeightUpdate:
+        """A full update of the synced copy (every name, tied ones to the same tensor)."""
+        tensors = {name: self.synced[first] for name, first in self.aliases.items()}
+        return WeightUpdate(version, tensors, checksums=checksums(self.synced))
+
+    def push(self, in_flight: str = "continue") -> dict[str, float]:
+        """Sync the trainer's current version to the engine (`in_flight`: what its running
+        requests do, see `update_weights`) and check it; the metrics
+        (sync/bytes, sync/full_bytes, sync/kind 0 full / 1 delta, sync/changed_frac,
+        sync/seconds, sync/parity_mean_abs, sync/parity_max_abs). Any failure raises."""
+        t0 = time.perf_counter()
+        version = self.trainer.version
+        try:
+            update, metrics = self.build(version)
+            applied = self.engine.update_weights(update, in_flight=in_flight,
+                                                 timeout_s=self.cfg.timeout_s)
+        except BaseException:
+            self.base = None  # the engine (or the synced copy) may hold anything: next is full
+            raise
+        if applied != version:
+            self.base = None
+            raise WeightSyncError(f"weight sync v{version}: the engine echoed version {applied}")
+        self.base = version
+        kind = "delta" if metrics["sync/kind"] else "full"
+        logger.info("weight sync v%d: %s, %d bytes (full: %d), %.2f%% of elements changed",
+                    version, kind, metrics["sync/bytes"], metrics["sync/full_bytes"],
+                    100 * metrics["sync/changed_frac"])
+        metrics.update(self.check_parity(version))
+        metrics["sync/seconds"] = time.perf_counter() - t0
+        return {k: float(v) for k, v in metrics.items()}
+
+    def check_parity(self, version: int) -> dict[str, float]:
+        """Score the probe on the trainer and on the engine (each HTTP server); raise
+        `WeightSyncError` when the mean |logprob difference| on any is above `parity_tol`."""
+        want = np.array(self.trainer.score(self.probe))
+        if hasattr(self.engine, "score_servers"):
+            scored = self.engine.score_servers(self.probe, timeout_s=self.cfg.timeout_s)
+        else:
+            scored = {"the embedded engine": self.engine.score(self.probe,
+                                                               timeout_s=self.cfg.timeout_s)}
+        worst_mean = worst_max = 0.0
+        for where, got in scored.items():
+            diff = np.abs(np.array(got) - want)
+            mean, peak = float(diff.mean()), float(diff.max())
+            if not mean <= self.cfg.parity_tol:  # NaN fails too
+                self.base = None
+                raise WeightSyncError(
+                    f"weight sync v{version}: parity check failed on {where}: mean |logprob "
+                    f"difference| to the trainer {mean:.4g} > weight_sync.parity_tol "
+                    f"{self.cfg.parity_tol:g} (max {peak:.4g}, {len(got)} probe tokens): the "
+                    f"engine does not hold the trainer's weights")
+            worst_mean, worst_max = max(worst_mean, mean), max(worst_max, peak)
+        return {"sync/parity_mean_abs": worst_mean, "sync/parity_max_abs": worst_max}

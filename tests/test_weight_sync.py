@@ -1,0 +1,361 @@
+"""Weight sync (tiller.rollout.sync): delta equals full bit for bit, the index encoding, auto's
+choice by exact byte counts, corrupted syncs caught (checksum and parity), unresponsive engines
+timing out with an error naming what was waited for, and deltas over HTTP through real
+`tiller serve` subprocesses."""
+
+from __future__ import annotations
+
+import copy
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from test_http_engine import servers
+
+from tiller.config import WeightSyncConfig, load_config
+from tiller.errors import ConfigError, RunError
+from tiller.rollout.delta import DeltaUpdate, bits, decode_gaps, encode_gaps
+from tiller.rollout.engine import EmbeddedEngine
+from tiller.rollout.http_engine import HttpEngine
+from tiller.rollout.sync import WeightSync
+from tiller.rollout.weight_sync import WeightSyncError, checksum_positions
+from tiller.train.trainer import Trainer
+
+
+def engine_of(model, dtype=torch.bfloat16) -> EmbeddedEngine:
+    return EmbeddedEngine(copy.deepcopy(model).to(dtype), 0)
+
+
+def syncer(model, engine, dtype=torch.bfloat16, **cfg) -> WeightSync:
+    return WeightSync(Trainer(model), engine, WeightSyncConfig(**cfg), dtype)
+
+
+def step(sync: WeightSync) -> None:
+    """What an optimizer step does to the sender: a new version."""
+    sync.trainer.version += 1
+
+
+def same_bits(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(bits(sa[k]), bits(sb[k])) for k in sa)
+
+
+# ---------------------------------------------------------------- the index encoding
+@pytest.mark.parametrize("indices", [
+    [], [0], [5], list(range(1000)), [0, 127, 128, 16511, 2**40, 2**40 + 1, 2**62],
+    sorted(np.random.default_rng(0).choice(10**7, 5000, replace=False).tolist()),
+])
+def test_gap_encoding_round_trips(indices):
+    idx = np.array(indices, dtype=np.int64)
+    data = encode_gaps(idx)
+    assert data.dtype == np.uint8
+    assert decode_gaps(data).tolist() == indices
+    gaps = np.diff(idx, prepend=0)
+    # LEB128: 7 bits a byte, so a gap costs max(1, ceil(bit_length / 7)) bytes
+    assert data.size == sum(max(1, -(-int(g).bit_length() // 7)) for g in gaps)
+
+
+def test_all_changed_costs_one_byte_per_index_and_a_cut_varint_is_refused():
+    assert encode_gaps(np.arange(300)).size == 300
+    with pytest.raises(ValueError, match="end inside a varint"):
+        decode_gaps(encode_gaps(np.array([2**20]))[:-1])
+
+
+# ---------------------------------------------------------------- delta == full
+def perturb(model, rng: np.random.Generator) -> str:
+    """One random update of the trainer's fp32 weights; returns what kind it was."""
+    kind = rng.choice(["sparse", "tiny", "dense", "none"], p=[0.5, 0.2, 0.2, 0.1])
+    with torch.no_grad():
+        for p in model.parameters():
+            if kind == "none":
+                continue
+            if kind == "dense":
+                p.add_(1e-2 * torch.randn_like(p))
+                continue
+            mask = torch.rand_like(p) < rng.uniform(0.001, 0.05)
+            # "tiny" changes round away in bf16 (relative 1e-5, far below bf16's 2^-8)
+            scale = 1e-5 if kind == "tiny" else float(10 ** rng.uniform(-4, -1))
+            p.add_(mask * scale * p.abs().clamp_min(1e-3) * torch.randn_like(p))
+    return str(kind)
+
+
+def test_delta_equals_full_bit_for_bit_after_50_random_updates(model):
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    by_delta, by_full = engine_of(model), engine_of(model)
+    delta = syncer(model, by_delta, mode="delta")
+    full = WeightSync(delta.trainer, by_full, WeightSyncConfig(mode="full"), torch.bfloat16)
+    kinds, changed = [], []
+    try:
+        for _ in range(50):
+            kinds.append(perturb(model, rng))
+            step(delta)
+            m = delta.push()
+            full.push()
+            changed.append(m["sync/changed_frac"])
+            assert m["sync/kind"] == (0.0 if len(changed) == 1 else 1.0)
+        assert by_delta.version == by_full.version == 50
+        assert same_bits(by_delta.model, by_full.model)
+        assert same_bits(by_delta.model, copy.deepcopy(model).to(torch.bfloat16))
+        # the draw covered each kind, and updates that round away changed (almost) nothing
+        assert set(kinds) == {"sparse", "tiny", "dense", "none"}
+        nothing = [c for k, c in zip(kinds[1:], changed[1:], strict=True) if k == "none"]
+        assert nothing and max(nothing) == 0.0
+        assert max(c for k, c in zip(kinds[1:], changed[1:], strict=True) if k == "tiny") < 0.01
+    finally:
+        by_delta.close()
+        by_full.close()
+
+
+def test_negative_zero_and_nan_are_shipped_by_bit_pattern(model):
+    engine = engine_of(model, torch.float32)
+    sync = syncer(model, engine, torch.float32, mode="delta")
+    try:
+        sync.push()
+        norm = next(n for n, p in model.named_parameters() if "norm" in n)
+        with torch.no_grad():
+            dict(model.named_parameters())[norm][:2] = torch.tensor([0.0, -0.0])
+        step(sync)
+        sync.push(in_flight="abort")  # passed on to the engine
+        with torch.no_grad():
+            dict(model.named_parameters())[norm][0] = -0.0  # == 0.0, but another bit pattern
+        step(sync)
+        update, m = sync.build(sync.trainer.version)
+        assert isinstance(update, DeltaUpdate) and m["sync/bytes"] == 1 + 4  # one gap, one fp32
+        assert update.deltas[norm].values.numel() == 1
+        assert torch.signbit(update.deltas[norm].values[0])
+    finally:
+        engine.close()
+
+
+# ---------------------------------------------------------------- auto
+def expected_delta_bytes(old: dict, new: dict, itemsize: int) -> int:
+    """Delta bytes counted independently of the encoder: per changed element its value, plus
+    each index gap's LEB128 length."""
+    total = 0
+    for k in old:
+        idx = torch.nonzero(bits(old[k]).reshape(-1) != bits(new[k]).reshape(-1))[:, 0]
+        gaps = np.diff(idx.numpy(), prepend=0)
+        total += idx.numel() * itemsize + sum(max(1, -(-int(g).bit_length() // 7))
+                                              for g in gaps)
+    return total
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_auto_ships_the_fewer_bytes_by_exact_count(model, dense, caplog):
+    engine = engine_of(model)
+    sync = syncer(model, engine, mode="auto")
+    try:
+        sync.push()
+        before = {k: v.clone() for k, v in sync.synced.items()}
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                mask = torch.ones_like(p) if dense else (torch.rand_like(p) < 0.01)
+                p.add_(mask * 0.05 * torch.randn_like(p))
+        step(sync)
+        after = {k: t.detach().to(torch.bfloat16) for k, t in sync._live().items()}
+        want_delta = expected_delta_bytes(before, after, 2)
+        full = sum(t.numel() for t in after.values()) * 2
+        with caplog.at_level("INFO", logger="tiller.rollout.sync"):
+            m = sync.push()
+        assert m["sync/full_bytes"] == full
+        assert m["sync/bytes"] == min(want_delta, full)
+        assert m["sync/kind"] == (0.0 if dense else 1.0)
+        assert want_delta > full if dense else want_delta < 0.05 * full
+        assert f"weight sync v1: {'full' if dense else 'delta'}" in caplog.text
+        assert same_bits(engine.model, copy.deepcopy(model).to(torch.bfloat16))
+    finally:
+        engine.close()
+
+
+# ---------------------------------------------------------------- corrupted syncs
+@pytest.mark.parametrize("mode", ["full", "delta"])
+def test_an_update_tampered_after_its_checksum_is_refused_naming_version_and_tensor(model,
+                                                                                   mode):
+    engine = engine_of(model)
+    sync = syncer(model, engine, mode=mode)
+    try:
+        sync.push()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        step(sync)
+        update, _ = sync.build(1)
+        name = "model.layers.0.mlp.up_proj.weight"
+        if mode == "full":
+            update.tensors[name] = update.tensors[name] + 1.0
+        else:
+            update.deltas[name].values.add_(1.0)
+        with pytest.raises(WeightSyncError, match=f"weight update v1: tensor {name} does not "
+                                                  "hold what was sent"):
+            engine.update_weights(update)
+        assert engine.version == 0  # not reported as applied
+    finally:
+        engine.close()
+
+
+def test_engine_weights_corrupted_where_the_checksum_does_not_look_fail_the_parity_check(model):
+    engine = engine_of(model)
+    sync = syncer(model, engine, mode="delta", parity_tol=0.05)
+    try:
+        first = sync.push()
+        assert first["sync/parity_mean_abs"] < 0.01
+        # behind the sync's back: the embedding rows of the probe's tokens, except the
+        # positions the checksum samples
+        emb = engine.model.get_input_embeddings().weight
+        mask = torch.zeros(emb.numel(), dtype=torch.bool)
+        rows = torch.tensor(sorted(set(sync.probe)))
+        mask.view(emb.shape)[rows] = True
+        mask[checksum_positions(emb.numel(), emb.device)] = False
+        with torch.no_grad():
+            emb.view(-1)[mask] = 3.0
+        step(sync)
+        with pytest.raises(WeightSyncError, match=r"weight sync v1: parity check failed on the "
+                                                  r"embedded engine: mean \|logprob difference\| "
+                                                  r"to the trainer [\d.]+ > weight_sync."
+                                                  r"parity_tol 0.05"):
+            sync.push()  # the checksum passed: it does not sample those positions
+        assert engine.version == 1
+        assert sync.base is None  # so the next sync is a full one, which repairs the engine
+        step(sync)
+        assert sync.push()["sync/kind"] == 0.0
+    finally:
+        engine.close()
+
+
+# ---------------------------------------------------------------- timeouts
+def test_a_push_to_an_engine_stuck_in_a_forward_times_out_naming_the_update(model, tokenizer):
+    from tiller.rollout.engine import SamplingParams
+
+    engine = engine_of(model)
+    entered, release = threading.Event(), threading.Event()
+
+    def block(*_):
+        entered.set()
+        release.wait(60)
+
+    handle = engine.model.register_forward_hook(block)
+    try:
+        engine.submit(tokenizer.encode("1 + 1 ="), SamplingParams(
+            max_new_tokens=2, stop_token_ids=(tokenizer.eos_token_id,)), 0)
+        assert entered.wait(30)
+        sync = syncer(model, engine, mode="auto", timeout_s=1.0)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"embedded engine: weight update v0 was not "
+                                               r"applied within 1s"):
+            sync.push()
+        assert time.monotonic() - t0 < 5
+        assert sync.base is None
+    finally:
+        release.set()
+        handle.remove()
+        engine.close()
+
+
+def test_a_push_to_a_server_that_never_answers_times_out_naming_it(model, tmp_path):
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    done = threading.Event()
+
+    def accept() -> None:  # accepts and never answers
+        listener.settimeout(0.2)
+        while not done.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except TimeoutError:
+                continue
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    http = HttpEngine([url], weights_dir=tmp_path / "w", request_timeout_s=120)
+    try:
+        sync = syncer(model, http, torch.float32, timeout_s=1.0)
+        t0 = time.monotonic()
+        with pytest.raises(RunError, match=rf"{url}: weight update v0: "
+                                           r"/update_weights_from_disk: no answer within 1 s"):
+            sync.push()
+        assert time.monotonic() - t0 < 10
+    finally:
+        http.close()
+        done.set()
+        acceptor.join(5)
+        for c in held:
+            c.close()
+        listener.close()
+
+
+# ---------------------------------------------------------------- over HTTP
+def test_deltas_over_http_reach_tiller_serve_and_another_base_is_refused(model, calc_model_dir,
+                                                                        tmp_path):
+    with servers(calc_model_dir, 1, tmp_path / "root") as s:
+        http = HttpEngine(s.urls, weights_dir=s.root / "w", request_timeout_s=60)
+        try:
+            sync = syncer(model, http, torch.float32, mode="delta", timeout_s=60)
+            assert sync.push()["sync/kind"] == 0.0  # the first sync is full
+            torch.manual_seed(2)
+            for _ in range(2):
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_((torch.rand_like(p) < 0.02) * 0.05 * torch.randn_like(p))
+                step(sync)
+                m = sync.push()
+                assert m["sync/kind"] == 1.0 and m["sync/bytes"] < 0.2 * m["sync/full_bytes"]
+                # the server's own forward agrees with the trainer's (both fp32)
+                assert m["sync/parity_max_abs"] < 1e-4
+            meta = (http.weights_dir / "v2" / "tiller_version.json").read_text()
+            assert '"kind": "delta"' in meta and '"base_version": 1' in meta
+            stale = DeltaUpdate(3, 1, {}, {})
+            with pytest.raises(RunError, match="delta update v3 is against base version v1, "
+                                               "but this server holds v2"):
+                http.update_weights(stale)
+            # a delta whose checksum the server cannot match: a loud 500 naming the tensor
+            step(sync)
+            with torch.no_grad():
+                next(model.parameters()).add_(0.01)
+            update, _ = sync.build(3)
+            name = next(iter(update.checksums))
+            update.checksums[name] += 1.0
+            with pytest.raises(RunError, match=f"HTTP 500.*weight update v3: tensor {name}"):
+                http.update_weights(update)
+        finally:
+            http.close()
+
+
+# ---------------------------------------------------------------- config and scoring
+def test_weight_sync_config_is_validated():
+    with pytest.raises(ConfigError, match="config field weight_sync.mode"):
+        load_config(None, ["model.path=x", "weight_sync.mode=sometimes"])
+    with pytest.raises(ConfigError, match="config field weight_sync.parity_tokens"):
+        load_config(None, ["model.path=x", "weight_sync.parity_tokens=1"])
+    cfg = load_config(None, ["model.path=x", "weight_sync.timeout_s=5"])
+    assert cfg.weight_sync.timeout_s == 5.0 and cfg.weight_sync.mode == "auto"
+
+
+def test_a_probe_longer_than_the_context_is_a_config_error(model):
+    engine = engine_of(model)
+    try:
+        context = model.config.max_position_embeddings
+        assert context < 4096
+        with pytest.raises(ConfigError, match=f"weight_sync.parity_tokens: got 4096; expected "
+                                              f"at most the model's context of {context}"):
+            WeightSync(Trainer(model), engine, WeightSyncConfig(parity_tokens=4096),
+                       torch.bfloat16)
+    finally:
+        engine.close()
+
+
+def test_trainer_and_engine_score_alike_in_fp32(model):
+    engine = engine_of(model, torch.float32)
+    try:
+        ids = list(range(3, 40))
+        got, want = engine.score(ids), Trainer(model).score(ids)
+        assert len(got) == len(want) == len(ids) - 1
+        assert np.allclose(got, want, atol=1e-5)
+        assert all(lp < 0 for lp in want)
+    finally:
+        engine.close()
