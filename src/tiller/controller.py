@@ -126,7 +126,9 @@ def rl(run: Run) -> dict[str, Any]:
                     ref = None  # the schedule switched the KL off: free the copy
                 taken = rollouts.next_batch(step)
                 kept = taken.trajectories
-                m = {**taken.stats, **rollout_metrics(taken.ended),
+                # the episodes that ended since the last step; in async, when none did (the
+                # producer stops at the end of the run), the batch's own
+                m = {**taken.stats, **rollout_metrics(taken.ended or kept),
                      **trend.update(taken.ended, run.trainer.version),
                      "rollout_tokens": float(sum(t.num_generated for t in taken.ended)),
                      "rollout_s": time.perf_counter() - ts}  # the wait for the batch
