@@ -7,7 +7,9 @@ The workload is the calculator demo with a heavy-tailed tool latency (env.tools.
 of tool calls sleep `--fast-s`, 10% sleep `--slow-factor` (30) times longer, drawn per call
 from a seeded RNG. A sleep costs no CPU, so the latency is what an agent's slow tools cost: time
 in which a synchronous trainer idles. Each mode starts from the same SFT checkpoint with the
-same seed and trains the same number of samples (rl.steps x tasks_per_step x group_size); the
+same seed, the same algorithm and off-policy correction (`--off-policy`, default tis: with
+one optimizer step per batch it is decoupled PPO's behaviour weight without its extra forward
+pass), and trains the same number of samples (rl.steps x tasks_per_step x group_size); the
 held-out success after RL comes with its 95% CI. Ratios are against the sync run of the same
 invocation.
 """
@@ -52,7 +54,8 @@ def run_mode(mode: str, model: Path, args: argparse.Namespace, out: Path) -> dic
               f"slow_s: {args.fast_s * args.slow_factor}, seed: {args.seed}}}")
     overrides = [f"model.path={model}", "model.build=null", "sft.enabled=false",
                  f"rl.steps={args.steps}", f"rl.mode={mode}", f"seed={args.seed}",
-                 f"env.tools.faults={faults}", "logging.progress=false",
+                 f"env.tools.faults={faults}", f"rl.algorithm.off_policy={args.off_policy}",
+                 "logging.progress=false",
                  "logging.tensorboard=false", *(QUICK if args.quick else [])]
     if mode == "async":
         overrides.append(f"rl.max_staleness={args.max_staleness}")
@@ -96,7 +99,8 @@ def main() -> None:
                     help="SFT checkpoint (default: the seed-0 demo's, trained if absent)")
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--modes", nargs="+", default=["sync", "one_step_off", "async"])
-    ap.add_argument("--max-staleness", type=int, default=4)
+    ap.add_argument("--max-staleness", type=int, default=2)
+    ap.add_argument("--off-policy", default="tis", help="rl.algorithm.off_policy, every mode")
     ap.add_argument("--fast-s", type=float, default=0.2, help="latency of 90%% of tool calls")
     ap.add_argument("--slow-factor", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0)

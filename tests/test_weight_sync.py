@@ -21,7 +21,7 @@ from tiller.rollout.delta import DeltaUpdate, bits, decode_gaps, encode_gaps
 from tiller.rollout.engine import EmbeddedEngine
 from tiller.rollout.http_engine import HttpEngine
 from tiller.rollout.sync import WeightSync
-from tiller.rollout.weight_sync import WeightSyncError, checksum_positions
+from tiller.rollout.weight_sync import WeightSyncError, WeightUpdate, checksum_positions, checksums
 from tiller.train.trainer import Trainer
 
 
@@ -333,7 +333,7 @@ def test_weight_sync_config_is_validated():
     with pytest.raises(ConfigError, match="config field weight_sync.parity_tokens"):
         load_config(None, ["model.path=x", "weight_sync.parity_tokens=1"])
     cfg = load_config(None, ["model.path=x", "weight_sync.timeout_s=5"])
-    assert cfg.weight_sync.timeout_s == 5.0 and cfg.weight_sync.mode == "auto"
+    assert cfg.weight_sync.timeout_s == 5.0 and cfg.weight_sync.mode is None
 
 
 def test_a_probe_longer_than_the_context_is_a_config_error(model):
@@ -357,5 +357,76 @@ def test_trainer_and_engine_score_alike_in_fp32(model):
         assert len(got) == len(want) == len(ids) - 1
         assert np.allclose(got, want, atol=1e-5)
         assert all(lp < 0 for lp in want)
+    finally:
+        engine.close()
+
+
+def test_a_sync_whose_sender_scrambled_a_tensor_is_caught_by_the_parity_check(model):
+    """A sender bug (embedding rows in the wrong order, as a wrong shard order would give)
+    whose checksums describe what it sent: the receiver's checksum passes, parity does not."""
+    engine = engine_of(model)
+    sync = syncer(model, engine, mode="full")
+    try:
+        sync.push()
+        step(sync)
+        update, _ = sync.build(1)
+        emb = model.get_input_embeddings().weight
+        perm = torch.randperm(emb.size(0), generator=torch.Generator().manual_seed(0))
+        scrambled = update.tensors["model.embed_tokens.weight"][perm]
+        tensors = {k: scrambled if v.data_ptr() == emb.data_ptr() else v
+                   for k, v in update.tensors.items()}  # tied lm_head gets it too
+        unique = {k: tensors[k] for k in dict.fromkeys(sync.aliases.values())}
+        bad = WeightUpdate(1, tensors, checksums=checksums(unique, torch.bfloat16))
+        assert engine.update_weights(bad) == 1  # the checksums match what was sent
+        with pytest.raises(WeightSyncError, match=r"weight sync v1: parity check failed on the "
+                                                  r"embedded engine"):
+            sync.check_parity(1)
+    finally:
+        engine.close()
+
+
+def test_integer_buffers_reach_the_engine_exactly_by_delta(model):
+    """Only floating tensors take the engine's dtype: an int64 buffer through bf16 would
+    round 1000001 to 999424."""
+    model = copy.deepcopy(model)
+    model.register_buffer("counts", torch.tensor([257, 1000001]))
+    engine = engine_of(model)
+    sync = syncer(model, engine, mode="delta")
+    try:
+        sync.push()
+        model.counts += torch.tensor([1, 2])
+        step(sync)
+        assert sync.push()["sync/kind"] == 1.0
+        assert engine.model.counts.tolist() == [258, 1000003]
+        assert engine.model.counts.dtype == torch.int64
+    finally:
+        engine.close()
+
+
+def test_a_control_call_stuck_inside_a_forward_times_out_instead_of_hanging(model):
+    engine = engine_of(model)
+    release = threading.Event()
+    handle = engine.model.register_forward_hook(lambda *_: release.wait(60))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"embedded engine: .* started but did not "
+                                               r"finish within 2s"):
+            engine.score([1, 2, 3, 4], timeout_s=1.0)
+        assert time.monotonic() - t0 < 10
+    finally:
+        release.set()
+        handle.remove()
+        engine.close()
+
+
+def test_the_default_mode_is_full_in_memory(model):
+    engine = engine_of(model)
+    try:
+        sync = syncer(model, engine)
+        assert sync.mode == "full"
+        step(sync)
+        assert sync.push()["sync/kind"] == 0.0  # and stays full at every sync
+        step(sync)
+        assert sync.push()["sync/kind"] == 0.0
     finally:
         engine.close()

@@ -136,10 +136,11 @@ class WeightSyncConfig(_Section):
     """How the trainer's weights reach the engine after each optimizer step, and how the sync
     is checked (docs/engine.md, "Weight sync")."""
 
-    mode: Literal["full", "delta", "auto"] = Field(
-        "auto", description="full: every tensor; delta: only the elements whose engine-dtype "
+    mode: Literal["full", "delta", "auto"] | None = Field(
+        None, description="full: every tensor; delta: only the elements whose engine-dtype "
         "value changed since the last sync (indices + values); auto: per sync, whichever is "
-        "fewer bytes (logged as sync/kind)")
+        "fewer bytes (logged as sync/kind). Default: full for the embedded engine (an "
+        "in-memory copy is faster than building a delta), auto for engine.backend http")
     parity_tol: float = Field(
         0.05, gt=0, description="after every sync the engine and the trainer score a fixed "
         "probe sequence; a mean |logprob difference| above this is a WeightSyncError")

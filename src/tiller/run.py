@@ -139,6 +139,11 @@ class Run:
                                          max_batch_size=cfg.engine.max_batch_size,
                                          cache_bytes=cfg.engine.cache_bytes)
         self.weight_sync = WeightSync(self.trainer, self.engine, cfg.weight_sync, self.dtype)
+        try:  # the engine's first weights (a copy, or the servers' start-up push) are checked
+            self.weight_sync.check_parity(self.trainer.version)  # like every later sync's
+        except BaseException:
+            self.engine.close()
+            raise
         self.logger = MetricsLogger(self.dir, cfg.logging.tensorboard, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.model_dump())
 

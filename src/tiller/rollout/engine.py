@@ -377,7 +377,13 @@ class EmbeddedEngine:
                 raise TimeoutError(f"embedded engine: {what} was not applied within "
                                    f"{timeout:g}s (no safe point between decode steps was "
                                    "reached); it is cancelled") from None
-            return op.done.result()  # applied just now, as the wait ran out
+            # it started just as the wait ran out: give it a moment to finish, never forever
+            # (an operation stuck inside a forward would otherwise hang its caller)
+            try:
+                return op.done.result(timeout=min(timeout, 5.0))
+            except concurrent.futures.TimeoutError:
+                raise TimeoutError(f"embedded engine: {what} started but did not finish within "
+                                   f"{timeout + min(timeout, 5.0):g}s") from None
 
     def _loop(self) -> None:
         """The worker: iterate while there is work; exit after a second idle (it is restarted

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from tiller.config import WeightSyncConfig
-from tiller.errors import ConfigError
+from tiller.errors import ConfigError, RunError
 from tiller.rollout.delta import DeltaUpdate, TensorDelta, bits, encode_gaps
 from tiller.rollout.weight_sync import WeightSyncError, WeightUpdate, checksums
 from tiller.train.trainer import Trainer
@@ -42,6 +42,8 @@ class WeightSync:
     def __init__(self, trainer: Trainer, engine: Any, cfg: WeightSyncConfig,
                  engine_dtype: torch.dtype):
         self.trainer, self.engine, self.cfg, self.dtype = trainer, engine, cfg, engine_dtype
+        self.http = hasattr(engine, "servers")
+        self.mode = cfg.mode or ("auto" if self.http else "full")
         config = trainer.model.config
         context = getattr(config, "max_position_embeddings", cfg.parity_tokens)
         if cfg.parity_tokens > context:
@@ -58,10 +60,18 @@ class WeightSync:
         first: dict[int, str] = {}
         for name, t in self.own.items():
             self.aliases[name] = first.setdefault(t.data_ptr(), name)
-        # what the engine holds, in its dtype: the bytes of a full sync
-        self.full_bytes = sum(t.numel() for t in self._live().values()) * engine_dtype.itemsize
+        # what the engine holds, floating tensors in its dtype: the bytes of a full sync
+        self.full_bytes = sum(t.numel() * self._engine_form(t).element_size()
+                              for t in self._live().values())
         self.synced: dict[str, torch.Tensor] | None = None  # delta/auto: what the engine holds
         self.base: int | None = None  # the version `synced` is
+
+    def _engine_form(self, t: torch.Tensor, copy: bool = False) -> torch.Tensor:
+        """`t` as the engine holds it: floating tensors in the engine dtype, others (integer
+        or bool buffers) as they are."""
+        if t.is_floating_point():
+            return t.to(self.dtype, copy=copy)
+        return t.clone() if copy else t
 
     def _live(self) -> dict[str, torch.Tensor]:
         return {name: self.own[name] for name in dict.fromkeys(self.aliases.values())}
@@ -77,22 +87,26 @@ class WeightSync:
         """The update for `version` and its metrics (bytes, full bytes, kind, changed fraction);
         in delta/auto mode the synced copy already holds `version` afterwards."""
         full_bytes = self.full_bytes
-        if self.cfg.mode == "full":  # the live tensors by reference: no copy here
+        if self.mode == "full":
             sums = checksums({k: self.own[k] for k in dict.fromkeys(self.aliases.values())},
                              self.dtype)
-            update = WeightUpdate(version, dict(self.own), checksums=sums)
+            # embedded: the live tensors by reference, no copy here; HTTP: in the engine's
+            # dtype, so the file holds (and sync/bytes counts) what the server keeps
+            own = ({k: self._engine_form(t) for k, t in self.own.items()} if self.http
+                   else dict(self.own))
+            update = WeightUpdate(version, own, checksums=sums)
             return update, {"sync/bytes": full_bytes, "sync/full_bytes": full_bytes,
                             "sync/kind": 0.0, "sync/changed_frac": 1.0}
         live = self._live()
         if self._engine_may_lack_base():
-            self.synced = {k: t.to(self.dtype, copy=True) for k, t in live.items()}
+            self.synced = {k: self._engine_form(t, copy=True) for k, t in live.items()}
             return self._full_from_synced(version), {
                 "sync/bytes": full_bytes, "sync/full_bytes": full_bytes, "sync/kind": 0.0,
                 "sync/changed_frac": 1.0}
         deltas: dict[str, TensorDelta] = {}
         changed = 0
         for name, t in live.items():
-            new = t.to(self.dtype)
+            new = self._engine_form(t)
             old = self.synced[name]
             idx = torch.nonzero(bits(new).reshape(-1) != bits(old).reshape(-1))[:, 0]
             values = new.reshape(-1)[idx]
@@ -103,7 +117,7 @@ class WeightSync:
         delta = DeltaUpdate(version, self.base, deltas, checksums(self.synced))
         numel = sum(t.numel() for t in live.values())
         metrics = {"sync/full_bytes": full_bytes, "sync/changed_frac": changed / max(numel, 1)}
-        if self.cfg.mode == "delta" or delta.nbytes < full_bytes:
+        if self.mode == "delta" or delta.nbytes < full_bytes:
             return delta, {**metrics, "sync/bytes": delta.nbytes, "sync/kind": 1.0}
         return self._full_from_synced(version), {**metrics, "sync/bytes": full_bytes,
                                                  "sync/kind": 0.0}
@@ -122,8 +136,23 @@ class WeightSync:
         version = self.trainer.version
         try:
             update, metrics = self.build(version)
-            applied = self.engine.update_weights(update, in_flight=in_flight,
-                                                 timeout_s=self.cfg.timeout_s)
+            try:
+                applied = self.engine.update_weights(update, in_flight=in_flight,
+                                                     timeout_s=self.cfg.timeout_s)
+            except (WeightSyncError, RunError) as e:
+                # the receivers' refusal of a delta whose base they do not hold says "is
+                # against" (the embedded engine, and tiller serve through the HTTP error)
+                if not isinstance(update, DeltaUpdate) or "is against" not in str(e):
+                    raise
+                # e.g. a server restarted behind our back refuses a delta against a base it
+                # does not hold: one full update brings every engine to the version
+                logger.warning("weight sync v%d: the delta was refused (%s); pushing a full "
+                               "update instead", version, e)
+                self.base = None
+                update, metrics = self.build(version)
+                metrics["sync/delta_refused"] = 1.0
+                applied = self.engine.update_weights(update, in_flight=in_flight,
+                                                     timeout_s=self.cfg.timeout_s)
         except BaseException:
             self.base = None  # the engine (or the synced copy) may hold anything: next is full
             raise
