@@ -99,7 +99,7 @@ def main() -> None:
                     help="SFT checkpoint (default: the seed-0 demo's, trained if absent)")
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--modes", nargs="+", default=["sync", "one_step_off", "async"])
-    ap.add_argument("--max-staleness", type=int, default=2)
+    ap.add_argument("--max-staleness", type=int, default=4)
     ap.add_argument("--off-policy", default="tis", help="rl.algorithm.off_policy, every mode")
     ap.add_argument("--fast-s", type=float, default=0.2, help="latency of 90%% of tool calls")
     ap.add_argument("--slow-factor", type=float, default=30.0)
