@@ -590,20 +590,26 @@ def rl_rows(run_dir: Path) -> list[dict]:
     return [r for r in rows if r["phase"] == "rl"]
 
 
-def test_a_training_run_over_two_servers_learns_like_the_embedded_run(two_servers, calc_sft_dir,
-                                                                      tmp_path):
-    """Servers started from the untrained model get the run's (SFT) weights at start-up and
-    every version after it; the run samples what the embedded engine samples."""
-    run = Run(http_config(calc_sft_dir, two_servers, tmp_path.name), tmp_path / "http")
+def record_pushes(run: Run, servers: Servers) -> list[tuple[int, list[int]]]:
+    """After each of the run's weight pushes, (the trainer's version, each server's)."""
     pushes: list[tuple[int, list[int]]] = []
     push = run.push_weights
 
     def push_and_check(in_flight: str = "continue") -> dict[str, float]:
         metrics = push(in_flight)
-        pushes.append((run.trainer.version, [server_version(u) for u in two_servers.urls]))
+        pushes.append((run.trainer.version, [server_version(u) for u in servers.urls]))
         return metrics
 
     run.push_weights = push_and_check
+    return pushes
+
+
+def test_a_training_run_over_two_servers_learns_like_the_embedded_run(two_servers, calc_sft_dir,
+                                                                      tmp_path):
+    """Servers started from the untrained model get the run's (SFT) weights at start-up and
+    every version after it; the run samples what the embedded engine samples."""
+    run = Run(http_config(calc_sft_dir, two_servers, tmp_path.name), tmp_path / "http")
+    pushes = record_pushes(run, two_servers)
     try:
         out = rl(run)
     finally:
@@ -633,15 +639,7 @@ def test_an_async_run_over_two_servers_pushes_every_version_and_counts_every_epi
                     "rl.max_staleness=1", "rollout.partial=abort_resume", "rl.steps=4",
                     "sampling.max_new_tokens=32")
     run = Run(cfg, tmp_path)
-    pushes: list[tuple[int, list[int]]] = []
-    push = run.push_weights
-
-    def push_and_check(in_flight: str = "continue") -> dict[str, float]:
-        metrics = push(in_flight)
-        pushes.append((run.trainer.version, [server_version(u) for u in two_servers.urls]))
-        return metrics
-
-    run.push_weights = push_and_check
+    pushes = record_pushes(run, two_servers)
     try:
         out = rl(run)
     finally:
