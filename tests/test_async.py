@@ -64,21 +64,21 @@ def test_trained_staleness_never_exceeds_the_bound(calc_sft_dir, tmp_path_factor
                                                    k, seed, slow_s, slow_prob, dynamic,
                                                    inflight):
     """Over random episode latencies, with and without dynamic-sampling refills and an
-    in-flight cap: no trained trajectory is staler than k, the producer never runs more than
-    lag + 1 steps of groups ahead of the trainer, and every episode is in the ledger."""
+    in-flight cap: no trained trajectory is staler than k, no run stalls (a batch wait longer
+    than 60 s fails the example), and every episode is in the ledger."""
     out = tmp_path_factory.mktemp("stale")
     more = [f"rollout.max_inflight={inflight}"] if inflight else []
     if dynamic:
         monkeypatch.setattr("tiller.controller.train_reward", coin_reward)
         more.append("rl.algorithm.dynamic_sampling={enabled: true, max_rounds: 3}")
     cfg = config(calc_sft_dir, "rl.mode=async", f"rl.max_staleness={k}", "rl.steps=4",
-                 f"seed={seed}", slow_episodes(monkeypatch, slow_prob, slow_s), *more)
+                 f"seed={seed}", "rollout.batch_timeout_s=60",
+                 slow_episodes(monkeypatch, slow_prob, slow_s), *more)
     summary = rl(Run(cfg, out))
     rows = rl_rows(out)
     assert len(rows) == 4
     assert all(r["staleness_max"] <= k for r in rows if not r["skipped"])
     assert summary["staleness_max"] <= k
-    assert summary["groups_ahead_max"] <= (k + 1) * 2  # lag = k here (one version per step)
     accounted(summary["ledger"])
 
 

@@ -162,15 +162,21 @@ def rl(run: Run) -> dict[str, Any]:
                          trainer_busy_frac=trainer_s / (time.perf_counter() - t0))
                 # counters as of this step, before the next groups may start (in sync they
                 # start only now, so these are exact per step)
-                m.update({f"ledger/{k}": v for k, v in rollouts.ledger.items()})
+                m.update({k: v for k, v in rollouts.stats().items() if k.startswith("ledger/")})
                 m.update({f"engine/{k}": v for k, v in run.engine.stats().items()})
                 rollouts.weights_live(step + 1, run.trainer.version)
                 run.log("rl", m, step + 1)
                 advance(f"reward={m['reward_mean']:.2f} success={m['success_rate']:.2f} "
                         f"zero_var={m['zero_variance_group_frac']:.2f}")
         t_end = time.perf_counter()
-    finally:
-        ledger = rollouts.close()
+    except BaseException:
+        try:  # the error that stopped RL is the one to report, not a failing wind-down's
+            rollouts.close()
+        except Exception as e:
+            log.error("rl: winding down the rollouts after the error below failed too: %s: %s",
+                      type(e).__name__, e)
+        raise
+    ledger = rollouts.close()
     # the wall time includes winding down the episodes still running: their cost is real
     wall = run.timings["rl_s"] = time.perf_counter() - t0
     produced = rollouts.stats()

@@ -138,14 +138,17 @@ class Run:
                                          self.tokenizer.pad_token_id,
                                          max_batch_size=cfg.engine.max_batch_size,
                                          cache_bytes=cfg.engine.cache_bytes)
-        self.weight_sync = WeightSync(self.trainer, self.engine, cfg.weight_sync, self.dtype)
-        try:  # the engine's first weights (a copy, or the servers' start-up push) are checked
-            self.weight_sync.check_parity(self.trainer.version)  # like every later sync's
+        try:
+            self.weight_sync = WeightSync(self.trainer, self.engine, cfg.weight_sync,
+                                          self.dtype)
+            # the engine's first weights (a copy, or the servers' start-up push) are checked
+            # like every later sync's
+            self.weight_sync.check_parity(self.trainer.version)
+            self.logger = MetricsLogger(self.dir, cfg.logging.tensorboard, cfg.logging.wandb,
+                                        cfg.logging.wandb_project, cfg.model_dump())
         except BaseException:
             self.engine.close()
             raise
-        self.logger = MetricsLogger(self.dir, cfg.logging.tensorboard, cfg.logging.wandb,
-                                    cfg.logging.wandb_project, cfg.model_dump())
 
     def log(self, phase: str, metrics: dict[str, Any], phase_step: int | None = None) -> None:
         """Metrics at the global step: the trainer's weight version (optimizer steps so far),
@@ -182,7 +185,7 @@ class Run:
         n = rl_task_count(self.cfg)
         yield from self.tasks("train", n, 3)
         if self.cfg.rl.mode == "async":
-            yield from self.tasks("train", n, 4)
+            yield from self.tasks("train", n, 5)  # 4 is the tool gate's
 
     def episodes(self, tasks: Sequence[Task], samples: int, params: SamplingParams, tag: tuple,
                  on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:

@@ -11,7 +11,9 @@
 One code path: a launch rule (`_next_launch`), a take rule (`_ready_batch`) and a stale filter.
 A unit is the tasks of one step's worth of groups; group (unit u, round r, index i) samples
 with the tag ("rl", u) (round 0) or ("rl", u, r) (a dynamic-sampling refill), so its episodes
-get the same seeds in every mode.
+get the same seeds in every mode. Refills start as flat groups finish, so which task a refill
+gets depends on the order groups finish: with dynamic sampling a run is not reproducible
+bit for bit (without it, sync is).
 
 Staleness of a group = trainer version - the oldest weight version among its tokens. The
 producer throttles: it starts a group only while fewer than (steps trained + lag + 1) *
@@ -28,6 +30,7 @@ in-process one (an asyncio loop in a thread).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -238,7 +241,8 @@ class RolloutManager:
             busy = self.busy_s + (time.perf_counter() - self._busy_since
                                   if self._busy_since is not None else 0.0)
             return {"rollout_busy_s": busy, "episodes_running": float(self._inflight),
-                    "groups_ahead_max": float(self.max_ahead)}
+                    "groups_ahead_max": float(self.max_ahead),
+                    **{f"ledger/{k}": float(v) for k, v in self.ledger.items()}}
 
     def close(self) -> Counter[str]:
         """Stop starting episodes, abort the running requests (their episodes end as aborted,
@@ -254,7 +258,7 @@ class RolloutManager:
             done = asyncio.run_coroutine_threadsafe(self._wind_down(), self._loop)
             try:
                 done.result(timeout=limit)
-            except TimeoutError as e:
+            except concurrent.futures.TimeoutError as e:
                 raise RunError(f"rl: the episodes running at the end of RL did not end or "
                                f"cancel within {limit:g}s (rollout.shutdown_timeout_s + 60)"
                                ) from e
@@ -358,7 +362,7 @@ class RolloutManager:
                     self._cond.notify_all()
                     break
                 unit = self._units.setdefault(u, _Unit(u))
-                key = (u, r, unit.drawn)  # drawn in order: the j-th draw of a unit is fixed
+                key = (u, r, unit.drawn)  # unique within the unit, in draw order
                 unit.drawn += 1
                 if r == 0:
                     unit.launched += 1
@@ -395,10 +399,12 @@ class RolloutManager:
         except BaseException as e:  # a RunError/ConfigError of the env, or a bug: stop the run
             for ep in episodes:
                 ep.cancel()
-            await asyncio.gather(*episodes, return_exceptions=True)
-            with self._cond:
-                self._count(finished, "dropped/run_error")
-            self._fail(e)
+            try:
+                await asyncio.gather(*episodes, return_exceptions=True)
+            finally:
+                with self._cond:
+                    self._count(finished, "dropped/run_error")
+                self._fail(e)
             return
         try:
             self._group_done(key, task, trajs)
@@ -480,12 +486,17 @@ class RolloutManager:
         self._pump()
 
     async def _wind_down(self) -> None:
-        aborts = [asyncio.to_thread(self.engine.abort, rid) for rid in list(self.control.live)]
-        failed = [r for r in await asyncio.gather(*aborts, return_exceptions=True)
-                  if isinstance(r, BaseException)]
-        if failed:  # their episodes still end: at their next turn, or cancelled below
-            log.warning("rl: %d of %d aborts at the end of RL failed; first: %s: %s",
-                        len(failed), len(aborts), type(failed[0]).__name__, failed[0])
+        window = self.cfg.rollout.shutdown_timeout_s
+        aborts = [asyncio.ensure_future(asyncio.to_thread(self.engine.abort, rid))
+                  for rid in list(self.control.live)]
+        if aborts:  # a stuck engine must not hold the wind-down past its window
+            done, late = await asyncio.wait(aborts, timeout=window)
+            failed = [t.exception() for t in done if t.exception() is not None]
+            if failed or late:  # their episodes still end: at their next turn, or cancelled
+                first = f"{type(failed[0]).__name__}: {failed[0]}" if failed else "timed out"
+                log.warning("rl: %d of %d aborts at the end of RL failed or did not answer "
+                            "within %gs; first: %s", len(failed) + len(late), len(aborts),
+                            window, first)
         running = list(self._tasks)
         if running:
             _, late = await asyncio.wait(running, timeout=self.cfg.rollout.shutdown_timeout_s)

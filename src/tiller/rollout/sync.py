@@ -92,8 +92,11 @@ class WeightSync:
                              self.dtype)
             # embedded: the live tensors by reference, no copy here; HTTP: in the engine's
             # dtype, so the file holds (and sync/bytes counts) what the server keeps
-            own = ({k: self._engine_form(t) for k, t in self.own.items()} if self.http
-                   else dict(self.own))
+            if self.http:  # cast once per storage: tied names stay one tensor
+                cast = {k: self._engine_form(self.own[k]) for k in set(self.aliases.values())}
+                own = {name: cast[first] for name, first in self.aliases.items()}
+            else:
+                own = dict(self.own)
             update = WeightUpdate(version, own, checksums=sums)
             return update, {"sync/bytes": full_bytes, "sync/full_bytes": full_bytes,
                             "sync/kind": 0.0, "sync/changed_frac": 1.0}
@@ -131,7 +134,7 @@ class WeightSync:
         """Sync the trainer's current version to the engine (`in_flight`: what its running
         requests do, see `update_weights`) and check it; the metrics
         (sync/bytes, sync/full_bytes, sync/kind 0 full / 1 delta, sync/changed_frac,
-        sync/seconds, sync/parity_mean_abs, sync/parity_max_abs). Any failure raises."""
+        sync/time_s, sync/parity_mean_abs, sync/parity_max_abs). Any failure raises."""
         t0 = time.perf_counter()
         version = self.trainer.version
         try:
@@ -165,7 +168,7 @@ class WeightSync:
                     version, kind, metrics["sync/bytes"], metrics["sync/full_bytes"],
                     100 * metrics["sync/changed_frac"])
         metrics.update(self.check_parity(version))
-        metrics["sync/seconds"] = time.perf_counter() - t0
+        metrics["sync/time_s"] = time.perf_counter() - t0
         return {k: float(v) for k, v in metrics.items()}
 
     def check_parity(self, version: int) -> dict[str, float]:
