@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
+from engine import big_model  # benchmarks/engine.py's 25.7M Qwen3 (this folder)
+from transformers import PreTrainedModel
 
 from tiller.config import BuildConfig, WeightSyncConfig
 from tiller.envs import ENVS
@@ -82,19 +83,6 @@ def demo_model(args: argparse.Namespace) -> Path:
     print(f"building the demo's model in {out}", file=sys.stderr)
     return build_env_model(ENVS["calculator"], out, QUICK_BUILD if args.quick else DEMO_BUILD,
                            seed=0, difficulty=2, max_turns=6)
-
-
-def big_model(tokenizer: Any, hidden: int, layers: int, heads: int) -> PreTrainedModel:
-    """benchmarks/engine.py's Qwen3 (MLP 3x, half as many KV heads), random weights."""
-    config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=3 * hidden,
-        num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2), head_dim=hidden // heads,
-        max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                            attn_implementation="sdpa")
 
 
 def loss_batch(tokenizer: Any, n: int) -> Batch:
