@@ -54,6 +54,12 @@ NOISE = ("time", "logp_mismatch_", "importance_weight_", "mismatch_", "staleness
          "engine_busy_frac", "episodes_running", "groups_ready")
 
 
+def rl_rows(run_dir: Path) -> list[dict]:
+    """The RL steps' rows of a run's metrics.jsonl."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["phase"] == "rl"]
+
+
 def numbers(run_dir: Path, skip_suffixes: tuple[str, ...] = ()) -> list[dict]:
     """Every metric a run logged, except wall-clock ones, float-noise diagnostics and keys
     ending in `skip_suffixes`."""

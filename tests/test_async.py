@@ -3,7 +3,6 @@ rollouts, and async with max_staleness 0 reproducing sync."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections import Counter
@@ -11,7 +10,7 @@ from collections import Counter
 import pytest
 import slow_loop
 import torch
-from helpers import RL_MOVES
+from helpers import RL_MOVES, rl_rows
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -32,11 +31,6 @@ def config(model_dir, *more):
         f"model.path={model_dir}", "model.build=null", "sft.enabled=false", "rl.steps=3",
         "rl.tasks_per_step=2", "rl.group_size=2", "eval.tasks=8", "logging.progress=false",
         "logging.tensorboard=false", *more])
-
-
-def rl_rows(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["phase"] == "rl"]
 
 
 def slow_episodes(monkeypatch, prob, seconds, pattern=None):

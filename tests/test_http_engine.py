@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from helpers import rl_rows
 
 from tiller.config import load_config
 from tiller.controller import ledger_unaccounted, rl
@@ -583,11 +584,6 @@ def rl_config(sft_dir: Path, *more: str):
 def http_config(sft_dir: Path, servers: Servers, name: str):
     return rl_config(sft_dir, "engine.backend=http", f"engine.urls={json.dumps(servers.urls)}",
                      f"engine.weights_dir={servers.root / name}")
-
-
-def rl_rows(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["phase"] == "rl"]
 
 
 def record_pushes(run: Run, servers: Servers) -> list[tuple[int, list[int]]]:

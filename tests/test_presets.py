@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 import yaml
+from helpers import rl_rows
 from typer.testing import CliRunner
 
 from tiller.cli import app
@@ -166,11 +167,6 @@ def tiny(sft_dir):
     return [f"model.path={sft_dir}", "model.build=null", "sft.enabled=false", "rl.steps=2",
             "rl.tasks_per_step=2", "rl.group_size=4", "eval.tasks=8", "logging.progress=false",
             "logging.tensorboard=false"]
-
-
-def rl_rows(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["phase"] == "rl"]
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
