@@ -562,7 +562,9 @@ def test_kv_buffers_grow_only_in_the_dimension_that_is_short(model):
     for f in futures:
         f.result(timeout=60)
     rows, _, columns, _ = engine._buf[0][0].shape if engine._buf else (0, 0, 0, 0)
-    assert engine.max_rows > 1 and rows <= 64 and columns <= 64
+    # rows double past the most ever running (how many arrive together follows the machine's
+    # timing); columns hold the longest row (4 + 20 tokens) in the first 64
+    assert engine.max_rows > 1 and rows <= 2 * engine.max_rows and columns <= 64
 
 
 def test_a_row_with_non_finite_activations_fails_alone_and_leaves_its_slot_clean(model):

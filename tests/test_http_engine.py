@@ -253,9 +253,11 @@ def test_a_server_killed_mid_collection_is_retried_on_the_other(
     finally:
         http.close()
     assert len(trajs) == 32 and all(t.status.value != "aborted" for t in trajs)
-    # each request in flight on server 0 when it died was retried once, on server 1, and its
-    # episode's session moved there with it
-    assert stats["retries"] >= killed_with[0] >= 2 and stats["servers_marked_down"] == 1
+    # the requests in flight on server 0 when it died were retried once, on server 1, and
+    # their episodes' sessions moved there with them. (Not all `killed_with` of them: an answer
+    # the server wrote before it was frozen still arrives, and that request completes on a.)
+    assert killed_with[0] >= 2 and stats["retries"] >= 2
+    assert stats["servers_marked_down"] == 1
     assert stats["session_moves"] >= stats["retries"]
     assert stats["servers_up"] == 1 and a.down and a.last_error
     # every request was answered exactly once: by a before the kill or by b
