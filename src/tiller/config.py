@@ -70,9 +70,32 @@ class EnvConfig(_Section):
                                description="executor, fault injection, record/replay, gate")
 
 
+DEFAULT_LOOP = "tiller.rollout.agent_loop:run_episode"
+
+
 class AgentConfig(_Section):
-    loop: str = Field("tiller.rollout.agent_loop:run_episode",
-                      description="dotted path of the loop")
+    loop: str = Field(DEFAULT_LOOP, description="dotted path of the loop")
+    program: str | None = Field(
+        None, description="dotted path of a black-box agent program, `async def main(base_url, "
+        "api_key, model, task)`, awaited per episode against tiller's OpenAI-compatible "
+        "gateway (docs/gateway.md); replaces agent.loop")
+    program_timeout_s: float = Field(
+        300.0, gt=0, description="seconds one agent.program episode may run; past it the "
+        "episode is aborted")
+    reward: Literal["verifier", "program"] = Field(
+        "verifier", description="agent.program's reward: the env's verifier on the model's "
+        "last turn, or the number (or {'reward': x}) the program returns")
+
+    @model_validator(mode="after")
+    def _program_fits(self) -> AgentConfig:
+        if self.program is not None and self.loop != DEFAULT_LOOP:
+            raise ConfigError(f"config field agent.program: got {self.program!r}; it replaces "
+                              f"the agent loop, so agent.loop must stay the default (got "
+                              f"{self.loop!r}): set one of them")
+        if self.program is None and self.reward == "program":
+            raise ConfigError("config field agent.reward: got 'program'; it needs an "
+                              "agent.program whose return value is the reward")
+        return self
 
 
 class SamplingConfig(_Section):

@@ -20,6 +20,7 @@ import yaml
 from tiller.config import Config
 from tiller.envs import ENVS, Env, Task, ToolEnv
 from tiller.errors import ConfigError, require_package
+from tiller.gateway.program import ProgramEpisode, load_program
 from tiller.models import build_env_model, load_model, load_tokenizer, resolve_device
 from tiller.observe.metrics import MetricsLogger, check_backends
 from tiller.rollout.agent_loop import (
@@ -84,6 +85,8 @@ class Run:
         check_backends(cfg.logging.tensorboard, cfg.logging.wandb)
         check_task_counts(cfg, self.env_cls)
         self.episode_fn = load_episode_fn(cfg.agent.loop)
+        self.gateway: Any = None  # agent.program's gateway, started once the models are built
+        program = load_program(cfg.agent.program) if cfg.agent.program else None
         self.key_steps = load_key_steps(cfg.rl.algorithm.credit.key_steps)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.dir = Path(output_dir or cfg.output_dir or Path("runs") / f"{cfg.name}-{stamp}")
@@ -104,6 +107,16 @@ class Run:
             self.tools.close()
             set_unsafe_fallback(False)
             raise
+        if program is not None:
+            from tiller.gateway.server import Gateway  # FastAPI and uvicorn: the serve extra
+
+            try:
+                self.gateway = Gateway().start()
+            except BaseException:
+                self.close()
+                raise
+            self.episode_fn = ProgramEpisode(self.gateway, program, cfg.agent.program_timeout_s,
+                                             cfg.agent.reward)
 
     def _build_models(self) -> None:
         cfg = self.cfg
@@ -220,3 +233,5 @@ class Run:
                     self.tools.close()
                 finally:
                     set_unsafe_fallback(False)  # the run's sandbox policy ends with the run
+                    if self.gateway is not None:
+                        self.gateway.close()
