@@ -339,7 +339,10 @@ def test_rl_through_the_gateway_trains_exactly_the_sampled_tokens(agent_model_di
 
     async def recording_generate(self, prompt_ids, params, seed, **kw):
         gen = await generate(self, prompt_ids, params, seed, **kw)
-        sampled[(tuple(prompt_ids), tuple(gen.token_ids))] = gen.logprobs
+        # a group's episodes may sample the same turn; each answer's logprobs are kept (which
+        # requests share a batch moves them by float noise)
+        sampled.setdefault((tuple(prompt_ids), tuple(gen.token_ids)), []).append(
+            torch.tensor(gen.logprobs, dtype=torch.float32))
         return gen
 
     def recording_step(self, batch, *args, **kw):
@@ -362,8 +365,45 @@ def test_rl_through_the_gateway_trains_exactly_the_sampled_tokens(agent_model_di
             expected = torch.zeros(batch.loss_mask.shape[1])
             assert spans
             for s, e in spans:
-                logprobs = sampled[(tuple(row[:s]), tuple(row[s:e]))]  # sampled just so
-                assert torch.equal(batch.rollout_logprobs[r, s:e],
-                                   torch.tensor(logprobs, dtype=torch.float32))
+                answers = sampled[(tuple(row[:s]), tuple(row[s:e]))]  # sampled just so
+                assert any(torch.equal(batch.rollout_logprobs[r, s:e], lp) for lp in answers)
                 expected[s:e] = 1
             assert torch.equal(batch.loss_mask[r], expected)
+
+
+def test_expert_demonstrations_run_through_the_program(gateway, engine, task):
+    """With agent.program, SFT's scripted expert plays the model behind the gateway: its
+    demonstrations are the program's conversations, token for token those of tiller's loop."""
+    episode = ProgramEpisode(gateway, load_program("openai_agent.agent:main"), 60.0, "verifier")
+    (traj,) = collect_expert(CALC, [task], engine["tok"], guess=0.0, limits=LIMITS, seed=0,
+                             episode_fn=episode)
+    (own,) = collect_expert(CALC, [task], engine["tok"], guess=0.0, limits=LIMITS, seed=0)
+    assert traj.status is Status.COMPLETED and traj.reward.value == 1.0
+    assert traj.token_ids == own.token_ids and traj.loss_mask == own.loss_mask
+
+
+def test_streamed_call_is_recorded_like_any_other(gateway, engine):
+    """stream=true answers the finished turn as Server-Sent Events; the turn is recorded, and
+    return_token_ids shows the exact prompt and ids the trajectory keeps."""
+    actor = RecordingActor(EngineActor(engine["engine"], engine["params"]))
+
+    async def go():
+        session = gateway.open(actor, engine["tok"], task_id="s", sample_index=0, seed=0,
+                               limits=LIMITS)
+        async with openai.AsyncOpenAI(base_url=gateway.base_url, api_key=session.key,
+                                      max_retries=0) as sdk:
+            stream = await sdk.chat.completions.create(
+                model=gateway.model, messages=MESSAGES, stream=True,
+                extra_body={"return_token_ids": True})
+            chunks = [c async for c in stream]
+        gateway.close_session(session)
+        return session, chunks
+
+    session, chunks = asyncio.run(go())
+    (prompt, gen), = actor.calls
+    first, last = chunks[0].model_dump(), chunks[-1].model_dump()
+    assert first["prompt_token_ids"] == prompt
+    assert last["choices"][0]["token_ids"] == gen.token_ids
+    assert last["choices"][0]["finish_reason"] in ("stop", "length")
+    traj = session.builder.finish(None, Status.COMPLETED)
+    assert list(traj.token_ids) == prompt + gen.token_ids

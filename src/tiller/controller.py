@@ -164,6 +164,8 @@ def rl(run: Run) -> dict[str, Any]:
                 # start only now, so these are exact per step)
                 m.update({k: v for k, v in rollouts.stats().items() if k.startswith("ledger/")})
                 m.update({f"engine/{k}": v for k, v in run.engine.stats().items()})
+                if run.gateway is not None:  # agent.program: calls, splits, rejections so far
+                    m.update(run.gateway.stats())
                 rollouts.weights_live(step + 1, run.trainer.version)
                 run.log("rl", m, step + 1)
                 advance(f"reward={m['reward_mean']:.2f} success={m['success_rate']:.2f} "
