@@ -393,13 +393,15 @@ def test_streamed_call_is_recorded_like_any_other(gateway, engine):
         async with openai.AsyncOpenAI(base_url=gateway.base_url, api_key=session.key,
                                       max_retries=0) as sdk:
             stream = await sdk.chat.completions.create(
-                model=gateway.model, messages=MESSAGES, stream=True,
+                model=gateway.model, messages=MESSAGES, stream=True, temperature=0.3,
                 extra_body={"return_token_ids": True})
             chunks = [c async for c in stream]
         gateway.close_session(session)
         return session, chunks
 
+    ignored = gateway.stats().get("gateway/sampling_fields_ignored", 0.0)
     session, chunks = asyncio.run(go())
+    assert gateway.stats()["gateway/sampling_fields_ignored"] == ignored + 1  # the run's hold
     (prompt, gen), = actor.calls
     first, last = chunks[0].model_dump(), chunks[-1].model_dump()
     assert first["prompt_token_ids"] == prompt

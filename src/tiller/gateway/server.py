@@ -44,6 +44,7 @@ from tiller.serve.protocol import APIError, ChatCompletionRequest, ChatMessage, 
 logger = logging.getLogger(__name__)
 
 MODEL = "policy"  # the model name the gateway serves (the run's policy)
+SAMPLING_FIELDS = frozenset({"temperature", "top_p", "top_k", "seed"})
 ENDED_KEYS_KEPT = 65536  # keys of ended sessions remembered, to tell "ended" from "unknown"
 
 
@@ -51,7 +52,7 @@ class Gateway:
     """The sessions and the server. `start()` binds 127.0.0.1:0 and serves in a thread;
     `open`/`close_session` bracket each episode; `close()` stops the server."""
 
-    def __init__(self, *, model: str = MODEL, max_body_bytes: int = 16 << 20,
+    def __init__(self, *, model: str = MODEL, max_body_bytes: int = 4 << 20,
                  start_timeout_s: float = 30.0):
         self.model = model
         self.start_timeout_s = start_timeout_s
@@ -59,7 +60,7 @@ class Gateway:
         self.ended: OrderedDict[str, None] = OrderedDict()
         self.lock = threading.Lock()  # sessions, ended, and each session's busy/ended flags
         self.counts: Counter[str] = Counter()
-        self._logged: set[tuple[int, str]] = set()
+        self._logged: set[Any] = set()  # kinds of warning already logged once
         self.app = self._build_app(max_body_bytes)
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -206,7 +207,15 @@ class Gateway:
             raise APIError(400, f"n={body.n}: a session samples one choice per call (the "
                                 "trajectory continues one of them); use n=1")
         messages, tools = chat_inputs(body)
+        ignored = sorted(SAMPLING_FIELDS & body.model_fields_set)
         with self.lock:
+            if ignored:  # the run's sampling settings hold, so the trainer's logprobs match
+                self.counts["sampling_fields_ignored"] += 1
+                if "sampling" not in self._logged:
+                    self._logged.add("sampling")
+                    logger.warning("agent gateway: the request sets %s; the run's sampling.* "
+                                   "settings are used instead (counted as "
+                                   "gateway/sampling_fields_ignored)", ", ".join(ignored))
             if session.busy:
                 raise APIError(409, "this session has a call in flight: an episode's calls "
                                     "are sequential (one trajectory); wait for its answer")
