@@ -77,7 +77,9 @@ def check_task_counts(cfg: Config, env_cls: type[Env]) -> None:
 
 class Run:
     """Everything one run needs, built from a validated `Config`. Hooks named in the config
-    (agent loop, key steps) are imported first, so a bad one fails before any work."""
+    (agent loop or program, key steps) are imported first, so a bad one fails before any work."""
+
+    gateway: Any = None  # agent.program's gateway, started once the models are built
 
     def __init__(self, cfg: Config, output_dir: str | Path | None = None):
         self.cfg = cfg
@@ -85,7 +87,6 @@ class Run:
         check_backends(cfg.logging.tensorboard, cfg.logging.wandb)
         check_task_counts(cfg, self.env_cls)
         self.episode_fn = load_episode_fn(cfg.agent.loop)
-        self.gateway: Any = None  # agent.program's gateway, started once the models are built
         program = load_program(cfg.agent.program) if cfg.agent.program else None
         self.key_steps = load_key_steps(cfg.rl.algorithm.credit.key_steps)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
