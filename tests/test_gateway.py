@@ -274,7 +274,8 @@ async def wrong_signature(url):
 def test_failing_programs_are_aborted_episodes_with_the_reason(gateway, engine):
     """A program that raises, hangs past its timeout (its call in flight is cancelled and
     counted), returns no reward (agent.reward=program) or makes no call is an aborted
-    episode saying why; a program's reward is its number, or its mapping's "reward"."""
+    episode saying why; one refused at the turn limit is truncated; a program's reward is its
+    number, or its mapping's "reward"."""
     traj, _ = _episode(gateway, engine, raises)
     assert traj.status is Status.ABORTED and traj.num_turns == 1
     assert traj.info["error"] == "agent.program: RuntimeError: boom"
@@ -295,6 +296,12 @@ def test_failing_programs_are_aborted_episodes_with_the_reason(gateway, engine):
     assert traj.status is Status.ABORTED and "did not return within 2 s" in traj.info["error"]
     assert traj.num_turns == 1  # the first call; the second was cancelled, not lost
     assert gateway.stats()["gateway/cancelled_at_close"] == before + 1
+
+    example = load_program("openai_agent.agent:main")  # two calls, one allowed
+    traj, calls = _episode(gateway, engine, example, limits=EpisodeLimits(1, 512))
+    assert traj.status is Status.TRUNCATED and len(calls) == 1 and traj.num_turns == 1
+    assert "turn limit" in traj.info["truncated"] and traj.info["gateway_rejected"] == "1"
+    assert "BadRequestError" in traj.info["error"] and traj.reward.value == 0.0
 
     traj, _ = _episode(gateway, engine, scores({"reward": 0.25, "steps": 3}), reward="program")
     assert traj.status is Status.COMPLETED and traj.reward.value == 0.25

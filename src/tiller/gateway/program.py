@@ -90,7 +90,6 @@ class ProgramEpisode:
                        limits: EpisodeLimits, sample_index: int = 0) -> Trajectory:
         t0 = time.perf_counter()
         info: dict[str, str] = {}
-        session: Session | None = None
         result: Any = None
         try:
             try:
@@ -153,12 +152,15 @@ class ProgramEpisode:
                   Status.ABORTED if "error" in info else Status.COMPLETED)
         env_errors = 0
         if self.reward_source == "program":
-            try:
-                reward = (program_reward(result) if status is not Status.ABORTED
-                          else Reward(0.0, {"program_error": 1.0}))
-            except ValueError as e:
-                info.setdefault("error", str(e))
-                status, reward = Status.ABORTED, Reward(0.0, {"program_error": 1.0})
+            no_reward = Reward(0.0, {"no_program_reward": 1.0})
+            if "error" in info:  # aborted, or truncated and the program raised on the refusal
+                reward = no_reward
+            else:
+                try:
+                    reward = program_reward(result)
+                except ValueError as e:
+                    info["error"] = str(e)
+                    status, reward = Status.ABORTED, no_reward
         else:
             final = session.final if status is not Status.ABORTED else None
             try:
