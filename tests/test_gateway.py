@@ -319,6 +319,8 @@ def test_agent_program_config_errors_are_one_line():
     base = ["model.build.vocab_size=600", "agent.program=openai_agent.agent:main"]
     with pytest.raises(ConfigError, match="agent.program.*agent.loop must stay the default"):
         load_config(None, [*base, "agent.loop=custom_loop:run_episode"])
+    with pytest.raises(ConfigError, match="agent.memory: got 'drop_oldest'.*agent.program"):
+        load_config(None, [*base, "agent.memory=drop_oldest"])
     with pytest.raises(ConfigError, match="agent.reward: got 'program'; it needs"):
         load_config(None, ["model.build.vocab_size=600", "agent.reward=program"])
     with pytest.raises(ConfigError, match="agent.program_timeout_s"):

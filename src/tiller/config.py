@@ -75,6 +75,15 @@ DEFAULT_LOOP = "tiller.rollout.agent_loop:run_episode"
 
 class AgentConfig(_Section):
     loop: str = Field(DEFAULT_LOOP, description="dotted path of the loop")
+    memory: Literal["full", "drop_oldest", "truncate_tool_output"] = Field(
+        "full", description="what a long episode keeps in context (docs/environments.md, "
+        "'Memory'): full: everything, truncated at env.max_episode_tokens; drop_oldest: when "
+        "the next context would leave less than sampling.max_new_tokens of the budget, drop "
+        "the oldest exchanges and go on in a new exact sequence; truncate_tool_output: cut "
+        "each tool message to agent.tool_output_tokens before the model sees it")
+    tool_output_tokens: int | None = Field(
+        None, ge=1, description="truncate_tool_output only (default 128): tokens kept of each "
+        "tool message")
     program: str | None = Field(
         None, description="dotted path of a black-box agent program, `async def main(base_url, "
         "api_key, model, task)`, awaited per episode against tiller's OpenAI-compatible "
@@ -87,11 +96,23 @@ class AgentConfig(_Section):
         "last turn, or the number (or {'reward': x}) the program returns")
 
     @model_validator(mode="after")
+    def _memory_knobs(self) -> AgentConfig:
+        if self.tool_output_tokens is not None and self.memory != "truncate_tool_output":
+            raise ConfigError(f"config field agent.tool_output_tokens: got "
+                              f"{self.tool_output_tokens}; it is only used with agent.memory: "
+                              f"truncate_tool_output (agent.memory is {self.memory})")
+        return self
+
+    @model_validator(mode="after")
     def _program_fits(self) -> AgentConfig:
         if self.program is not None and self.loop != DEFAULT_LOOP:
             raise ConfigError(f"config field agent.program: got {self.program!r}; it replaces "
                               f"the agent loop, so agent.loop must stay the default (got "
                               f"{self.loop!r}): set one of them")
+        if self.program is not None and self.memory != "full":
+            raise ConfigError(f"config field agent.memory: got {self.memory!r}; it is tiller's "
+                              "agent loop's memory, and agent.program keeps its own history "
+                              "(a rewrite splits the episode): leave it 'full'")
         if self.program is None and self.reward == "program":
             raise ConfigError("config field agent.reward: got 'program'; it needs an "
                               "agent.program whose return value is the reward")
@@ -621,9 +642,11 @@ class Config(_Section):
 
     @property
     def l_max(self) -> int:
-        """Max generated tokens per episode: rl.algorithm.l_max, or the episode's budget."""
-        budget = min(self.env.max_turns * self.sampling.max_new_tokens,
-                     self.env.max_episode_tokens)
+        """Max generated tokens per episode: rl.algorithm.l_max, or the episode's budget (the
+        token budget bounds each sequence, so with drop_oldest memory only the turns do)."""
+        budget = self.env.max_turns * self.sampling.max_new_tokens
+        if self.agent.memory != "drop_oldest":
+            budget = min(budget, self.env.max_episode_tokens)
         return self.rl.algorithm.l_max or budget
 
     @property
@@ -645,6 +668,16 @@ class Config(_Section):
             raise ConfigError(f"config field rollout.max_inflight: got {inflight}; expected at "
                               f"least rl.group_size = {self.rl.group_size} (a group starts "
                               f"whole)")
+        return self
+
+    @model_validator(mode="after")
+    def _memory_fits(self) -> Config:
+        if (self.agent.memory == "drop_oldest"
+                and self.sampling.max_new_tokens >= self.env.max_episode_tokens):
+            raise ConfigError(f"config field agent.memory: drop_oldest needs room for a turn "
+                              f"after the kept context: sampling.max_new_tokens "
+                              f"({self.sampling.max_new_tokens}) must be below "
+                              f"env.max_episode_tokens ({self.env.max_episode_tokens})")
         return self
 
     @model_validator(mode="after")

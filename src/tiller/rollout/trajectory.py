@@ -40,6 +40,7 @@ class Trajectory:
     tool_errors: int = 0
     env_errors: int = 0
     parse_errors: int = 0
+    tool_outputs_truncated: int = 0  # tool messages cut by agent.memory: truncate_tool_output
     timings: Mapping[str, float] = field(default_factory=dict)
     # "error": why the episode was aborted or is an env error; "close_error": env.close failed
     info: Mapping[str, str] = field(default_factory=dict)
@@ -160,6 +161,7 @@ class TrajectoryBuilder:
         tool_errors: int = 0,
         env_errors: int = 0,
         parse_errors: int = 0,
+        tool_outputs_truncated: int = 0,
         timings: Mapping[str, float] | None = None,
         info: Mapping[str, str] | None = None,
     ) -> Trajectory:
@@ -179,6 +181,7 @@ class TrajectoryBuilder:
             tool_errors=tool_errors,
             env_errors=env_errors,
             parse_errors=parse_errors,
+            tool_outputs_truncated=tool_outputs_truncated,
             timings=dict(timings or {}),
             info=dict(info or {}),
             token_versions=tuple(self._token_versions),
