@@ -11,8 +11,12 @@ __all__ = ["Trainer", "train"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from tiller import api
+    if name == "Trainer":
+        from tiller.api import Trainer
 
-        return getattr(api, name)
+        return Trainer
+    if name == "train":  # the package tiller.train is callable: it runs tiller.api.train
+        import tiller.train
+
+        return tiller.train
     raise AttributeError(f"module 'tiller' has no attribute {name!r}")

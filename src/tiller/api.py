@@ -115,7 +115,8 @@ class Trainer:
     """A run built from keyword arguments (see the module docstring); `train()` runs it.
 
     model: a local checkpoint path, or a `model` section dict ({"build": {...}}).
-    env: an env name or an Env subclass; default `dataset` when `data` is given.
+    env: an env name, an Env subclass (registered by its `name` in this process) or an `env`
+        section dict; the name defaults to `dataset` when `data` is given.
     data: the train file (str or Path), or a `data` section dict.
     tools: tool functions (or dotted paths) every dataset row gets (`data.tools`).
     reward: one or a list of reward functions, verifier names, dotted paths or `rewards` entry
@@ -129,9 +130,12 @@ class Trainer:
                  output_dir: str | Path | None = None, **config: Any):
         tree: dict[str, Any] = copy.deepcopy(config)
         tree["model"] = dict(model) if isinstance(model, dict) else {"path": str(model)}
-        env = "dataset" if env is None and data is not None else env
-        if env is not None:
-            tree["env"] = {**tree.get("env", {}), "name": _env_name(env)}
+        section = dict(env) if isinstance(env, dict) else {} if env is None else {
+            "name": _env_name(env)}
+        if "name" not in section and data is not None:
+            section["name"] = "dataset"
+        if section:
+            tree["env"] = section
         section = dict(tree.get("data", {}))
         if data is not None:
             section.update(data if isinstance(data, dict) else {"train": str(data)})

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -44,27 +43,27 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@cache
-def _tool(path: str) -> Tool:
-    """The tool at dotted `path` (imported once per process); ConfigError when it cannot be
-    imported or has no usable schema (type hints and a docstring with Args)."""
-    fn = import_dotted(path, "tool")
-    try:
-        return tool(fn)
-    except Exception as e:  # transformers' schema builder raises several types
-        raise ConfigError(f"tool {path!r}: cannot build its schema ({type(e).__name__}: {e}); "
-                          "a tool needs type hints and a docstring with an Args section") from e
+_TOOLS: dict[str, Tool] = {}  # dotted path -> its Tool, imported once per process
 
 
 def resolve_tools(paths: list[str], where: str) -> list[Tool]:
-    """Tools by dotted path; a failure names `where` (a config field or a file's row)."""
-    out = []
+    """Tools by dotted path; a path that cannot be imported, or a function with no usable
+    schema (type hints and a docstring with Args), is one line naming `where` (a config field
+    or a file's row and column)."""
     for p in paths:
+        if p in _TOOLS:
+            continue
         try:
-            out.append(_tool(p))
+            fn = import_dotted(p, "tools")
         except ConfigError as e:
-            raise ConfigError(f"{where}: {e}") from e
-    return out
+            raise ConfigError(f"{where}: {str(e).removeprefix('config field tools: ')}") from e
+        try:
+            _TOOLS[p] = tool(fn)
+        except Exception as e:  # transformers' schema builder raises several types
+            raise ConfigError(f"{where}: tool {p!r} has no usable schema ({type(e).__name__}: "
+                              f"{e}); a tool needs type hints and a docstring with an Args "
+                              "section") from e
+    return [_TOOLS[p] for p in paths]
 
 
 def row_tools(data: DataConfig, path: str, row: Row) -> list[str]:
@@ -76,9 +75,9 @@ def row_tools(data: DataConfig, path: str, row: Row) -> list[str]:
     if not isinstance(own, list) or not all(isinstance(p, str) for p in own):
         raise row_error(path, n, data.tools_column, "expected a list of dotted paths of tool "
                         f"functions (package.module:function), got {own!r}"[:200])
-    paths = list(dict.fromkeys([*data.tools, *own]))
-    resolve_tools(paths, f"{path} row {n}, column {data.tools_column!r}")
-    return paths
+    resolve_tools(data.tools, "config field data.tools")
+    resolve_tools(own, f"{path} row {n}, column {data.tools_column!r}")
+    return list(dict.fromkeys([*data.tools, *own]))
 
 
 @dataclass(frozen=True)
