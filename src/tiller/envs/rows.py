@@ -36,7 +36,8 @@ def read_rows(path: str | Path, field: str) -> list[Row]:
     elif p.suffix in (".jsonl", ".json"):
         return _nonempty(_read_jsonl(p), p, field)
     elif p.suffix == ".parquet":
-        import pyarrow.parquet as pq  # a dependency of `datasets`, loaded only when used
+        require_package("pyarrow", "data", f"config field {field} (a Parquet file)")
+        import pyarrow.parquet as pq
 
         rows = pq.read_table(p).to_pylist()
     elif p.suffix == ".arrow":
