@@ -194,11 +194,11 @@ class DatasetEnv(ToolEnv):
         texts = []
         for t in tasks:
             answer = [] if t.answer is None else [{"role": "assistant", "content": str(t.answer)}]
-            schemas = [x.schema for x in resolve_tools(t.metadata["tools"], t.id)] or None
+            schemas = [x.schema for x in resolve_tools(t.metadata["tools"], t.id)]
             texts.append(tokenizer.apply_chat_template([*cls.opening(t), *answer],
                                                        tools=schemas, tokenize=False))
         for _, messages, tools in cls.source.sft_conversations:
-            schemas = [x.schema for x in resolve_tools(tools, "data.sft")] or None
+            schemas = [x.schema for x in resolve_tools(tools, "data.sft")]
             texts.append(tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False))
         return texts
 

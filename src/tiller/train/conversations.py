@@ -61,7 +61,7 @@ def assistant_text(chat: ChatFormat, before: list[dict[str, Any]],
     return rest[:end]
 
 
-def conversation_trajectory(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+def conversation_trajectory(messages: list[dict[str, Any]], tools: list[dict[str, Any]],
                             tokenizer: PreTrainedTokenizerBase, task_id: str) -> Trajectory:
     """One conversation as the trajectory the agent loop would build (module docstring)."""
     chat = ChatFormat(tokenizer, tools)
@@ -87,7 +87,8 @@ def conversation_demos(conversations: list[Conversation], tokenizer: PreTrainedT
     demos = []
     path, col = str(data.sft), data.sft_messages_column
     for n, messages, paths in conversations:
-        schemas = [t.schema for t in resolve_tools(paths, "data.sft")] or None
+        # [] without tools, as the agent loop passes an env's (empty) schemas
+        schemas = [t.schema for t in resolve_tools(paths, "data.sft")]
         try:
             traj = conversation_trajectory(messages, schemas, tokenizer, f"sft:{n}")
         except ValueError as e:  # the template cannot render it as the loop would
