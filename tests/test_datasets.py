@@ -132,6 +132,7 @@ def test_every_row_is_its_own_task_and_passes_visit_every_row(tmp_path, user_pkg
     ([{"messages": [{"role": "user", "content": 3}]}], {"messages_column": "messages"}, None,
      "messages", 1),
     ([{"prompt": "p"}], {"metadata_columns": ["level"]}, None, "level", 1),
+    ([{"prompt": "p", "completions": "x"}], {}, None, "completions", 1),  # a TRL keyword
 ])
 def test_a_malformed_row_is_one_line_naming_file_row_and_column(tmp_path, user_pkg, rows, data,
                                                                 rewards, column, row):
@@ -331,3 +332,32 @@ def test_tiller_train_on_a_user_jsonl_with_dotted_path_rewards(tmp_path, user_pk
         assert 0.0 <= m["check/correct"] <= 1.0 and 0.0 <= m["check/length"] <= 1.0
         assert m["reward_mean"] == pytest.approx(
             m["check/correct"] + 0.5 * m["check/length"], abs=1e-9)
+
+
+def test_a_messages_prompt_is_conversational(tmp_path, user_pkg):
+    opening = [{"role": "system", "content": "Add."}, {"role": "user", "content": "2 + 3?"}]
+    path = write_jsonl(tmp_path / "m.jsonl", [{"chat": opening, "answer": 5}])
+    env_cls = DatasetEnv.configure(dataset_config(path, messages_column="chat"))
+    reward, env = run_turns(env_cls, env_cls.source.train[0], [ParsedTurn("5")])
+    call = json.loads(user_pkg.read_text().splitlines()[0])
+    assert reward.value == 1.0 and not env.tool_schemas()  # no tools: single-turn
+    assert call["prompts"] == [opening]
+    assert call["completions"] == [[{"role": "assistant", "content": "5"}]]
+    assert call["columns"] == {"answer": [5]}
+
+
+def test_the_built_tokenizer_learns_from_the_rows_and_conversations(tmp_path, user_pkg):
+    from tiller.models import train_tokenizer
+
+    rows = [{**ROWS[0], "tools": ["user_rewards:add"]}, ROWS[1]]
+    sft = write_jsonl(tmp_path / "sft.jsonl", [{"messages": [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Vermilion."}]}])
+    env_cls = DatasetEnv.configure(dataset_config(write_jsonl(tmp_path / "t.jsonl", rows),
+                                                  sft=str(sft)))
+    corpus = env_cls.tokenizer_corpus(env_cls.make_tasks("train", 2, 1, 1),
+                                      train_tokenizer([], 0))
+    assert len(corpus) == 3
+    with_tool = next(t for t in corpus if "2 + 3" in t)
+    assert '"name": "add"' in with_tool and "<|im_start|>assistant\n5<|im_end|>" in with_tool
+    assert "Vermilion." in corpus[2]

@@ -80,6 +80,9 @@ def row_tools(data: DataConfig, path: str, row: Row) -> list[str]:
     return list(dict.fromkeys([*data.tools, *own]))
 
 
+RESERVED = {"prompts", "completions"}  # the reward functions' keywords, not column names
+
+
 @dataclass(frozen=True)
 class DatasetSource:
     """What `configure` read: the tasks of each split, the reward entries, the rows' texts."""
@@ -120,6 +123,10 @@ def load_tasks(data: DataConfig, path: str, field_name: str, split: str,
                 raise row_error(path, n, data.answer_column, problem)
         if data.metadata_columns is None:
             columns = {k: v for k, v in values.items() if k != prompt_col}
+            for name in RESERVED & set(columns):
+                raise row_error(path, n, name, "this name is the reward functions' own keyword "
+                                "(prompts, completions); rename the column or list the "
+                                "others in data.metadata_columns")
         else:
             for name in data.metadata_columns:
                 if name not in values:
