@@ -361,3 +361,34 @@ def test_the_built_tokenizer_learns_from_the_rows_and_conversations(tmp_path, us
     with_tool = next(t for t in corpus if "2 + 3" in t)
     assert '"name": "add"' in with_tool and "<|im_start|>assistant\n5<|im_end|>" in with_tool
     assert "Vermilion." in corpus[2]
+
+
+def test_sft_conversation_is_the_trajectory_the_agent_loop_builds(tmp_path, tokenizer,
+                                                                 user_pkg):
+    """A dataset row with a tool, played through the real agent loop by an actor writing the
+    conversation's assistant turns: the loop's tokens and mask are the SFT trajectory's."""
+    from helpers import TextActor
+
+    from tiller.envs.dataset import resolve_tools
+    from tiller.rollout.agent_loop import run_episode
+
+    row = {"prompt": "What is 2 + 3?", "answer": 5, "tools": ["user_rewards:add"]}
+    env_cls = DatasetEnv.configure(dataset_config(write_jsonl(tmp_path / "t.jsonl", [row]),
+                                                  system="Use the tools."))
+    schemas = [t.schema for t in resolve_tools(row["tools"], "test")]
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+    conversation = [{"role": "system", "content": "Use the tools."},
+                    {"role": "user", "content": "What is 2 + 3?"},
+                    {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "name": "add", "content": "5"},
+                    {"role": "assistant", "content": "5"}]
+    chat = ChatFormat(tokenizer, schemas)
+    texts = [assistant_text(chat, conversation[:i], conversation[i]) for i in (2, 4)]
+    played = asyncio.run(run_episode(env_cls(), env_cls.source.train[0],
+                                     TextActor(tokenizer, texts), tokenizer, seed=0))
+    assert played.status.value == "completed" and played.tool_calls == 1
+    assert played.reward.value == 1.0  # correct: "5" == str(5)
+    assert list(played.messages) == conversation
+    demo = conversation_trajectory(conversation, schemas, tokenizer, "sft:1")
+    assert demo.token_ids == played.token_ids and demo.loss_mask == played.loss_mask
+    assert demo.turn_spans == played.turn_spans

@@ -123,16 +123,17 @@ def load_tasks(data: DataConfig, path: str, field_name: str, split: str,
                 raise row_error(path, n, data.answer_column, problem)
         if data.metadata_columns is None:
             columns = {k: v for k, v in values.items() if k != prompt_col}
-            for name in RESERVED & set(columns):
-                raise row_error(path, n, name, "this name is the reward functions' own keyword "
-                                "(prompts, completions); rename the column or list the "
-                                "others in data.metadata_columns")
         else:
             for name in data.metadata_columns:
                 if name not in values:
                     raise row_error(path, n, name, "missing; it is one of data.metadata_columns")
             columns = {k: values[k] for k in [data.answer_column, *data.metadata_columns]
                        if k in values}
+        clash = sorted(RESERVED & set(columns))
+        if clash:
+            raise row_error(path, n, clash[0], "this name is the reward functions' own keyword "
+                            "(prompts, completions); rename the column, or leave it out of "
+                            "data.metadata_columns")
         tools = row_tools(data, path, row)
         tasks.append(Task(
             id=f"{Path(path).name}:{n}", prompt=text, answer=answer, split=split,
