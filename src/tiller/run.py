@@ -37,6 +37,7 @@ from tiller.rollout.sync import WeightSync
 from tiller.rollout.trajectory import Trajectory
 from tiller.tools.sandbox import set_unsafe_fallback
 from tiller.tools.stack import ToolStack
+from tiller.train.conversations import conversation_demos, read_conversations
 from tiller.train.shaping import load_key_steps
 from tiller.train.trainer import Trainer
 
@@ -76,6 +77,14 @@ def check_task_counts(cfg: Config, env_cls: type[Env]) -> None:
                               f"{space} or pick an env.difficulty with more")
 
 
+def check_sft_source(cfg: Config, env_cls: type[Env]) -> None:
+    """SFT needs demonstrations: the env's scripted expert or the conversations of data.sft."""
+    if cfg.sft.enabled and cfg.data.sft is None and not env_cls.has_expert:
+        raise ConfigError(f"config field sft.enabled: env {cfg.env.name} has no scripted "
+                          "expert to demonstrate; give SFT conversations in data.sft (a "
+                          "messages JSONL), or set sft.enabled=false")
+
+
 class Run:
     """Everything one run needs, built from a validated `Config`. Hooks named in the config
     (agent loop or program, key steps) are imported first, so a bad one fails before any work."""
@@ -84,7 +93,10 @@ class Run:
 
     def __init__(self, cfg: Config, output_dir: str | Path | None = None):
         self.cfg = cfg
-        self.env_cls = get_env(cfg.env.name)
+        self.env_cls = get_env(cfg.env.name).configure(cfg)  # a dataset env reads its rows
+        check_sft_source(cfg, self.env_cls)
+        # every row checked now, before any work
+        self.sft_conversations = read_conversations(cfg.data) if cfg.data.sft else []
         check_backends(cfg.logging.tensorboard, cfg.logging.wandb)
         check_task_counts(cfg, self.env_cls)
         self.episode_fn = load_episode_fn(cfg.agent.loop)
@@ -214,6 +226,11 @@ class Run:
             seed=self.cfg.seed, tag=tag, on_done=on_done))
         check_aborted(trajs, self.cfg.rl.max_aborted_frac, "/".join(map(str, tag)))
         return trajs
+
+    def sft_demos(self) -> list[Trajectory]:
+        """The conversations of data.sft as demonstrations (train.conversations)."""
+        return conversation_demos(self.sft_conversations, self.tokenizer, self.cfg.data,
+                                  self.cfg.env.max_episode_tokens)
 
     def expert(self, tasks: Sequence[Task], guess: float, tag: str) -> list[Trajectory]:
         return collect_expert(self.env_cls, tasks, self.tokenizer, guess=guess,

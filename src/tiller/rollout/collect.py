@@ -81,7 +81,7 @@ def check_aborted(trajectories: Sequence[Trajectory], max_frac: float, where: st
 def rollout_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
     n = max(len(trajs), 1)
     statuses = [t.status for t in trajs]
-    return {
+    return {**check_means(trajs),
         "reward_mean": sum(t.reward.value for t in trajs) / n,
         "success_rate": sum(is_success(t) for t in trajs) / n,
         "response_tokens_mean": sum(t.num_generated for t in trajs) / n,
@@ -97,3 +97,12 @@ def rollout_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
         "truncated_rate": statuses.count(Status.TRUNCATED) / n,
         "aborted_rate": statuses.count(Status.ABORTED) / n,
     }
+
+
+def check_means(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """`check/<name>`: the mean of each verifier check over the episodes that report it."""
+    values: dict[str, list[float]] = {}
+    for t in trajs:
+        for name, v in t.reward.checks.items():
+            values.setdefault(name, []).append(float(v))
+    return {f"check/{name}": sum(vs) / len(vs) for name, vs in sorted(values.items())}
