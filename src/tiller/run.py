@@ -19,6 +19,7 @@ import yaml
 
 from tiller.config import Config
 from tiller.envs import ENVS, Env, Task, ToolEnv
+from tiller.envs.dataset import read_conversations
 from tiller.errors import ConfigError, require_package
 from tiller.gateway.program import ProgramEpisode, load_program
 from tiller.models import build_env_model, load_model, load_tokenizer, resolve_device
@@ -37,7 +38,7 @@ from tiller.rollout.sync import WeightSync
 from tiller.rollout.trajectory import Trajectory
 from tiller.tools.sandbox import set_unsafe_fallback
 from tiller.tools.stack import ToolStack
-from tiller.train.conversations import conversation_demos, read_conversations
+from tiller.train.conversations import conversation_demos
 from tiller.train.shaping import load_key_steps
 from tiller.train.trainer import Trainer
 

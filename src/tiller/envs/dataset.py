@@ -143,6 +143,25 @@ def load_tasks(data: DataConfig, path: str, field_name: str, split: str,
     return tasks
 
 
+Conversation = tuple[int, list[dict[str, Any]], list[str]]  # (row, messages, tool paths)
+
+
+def read_conversations(data: DataConfig) -> list[Conversation]:
+    """Every row of `data.sft`, checked now: the messages column holds a conversation that
+    opens with at least one non-assistant message and ends with an assistant turn."""
+    assert data.sft is not None
+    out = []
+    for row in read_rows(data.sft, "data.sft"):
+        messages = messages_column(data.sft, row, data.sft_messages_column)
+        roles = [m["role"] for m in messages]
+        if "assistant" not in roles or roles[0] == "assistant" or roles[-1] != "assistant":
+            raise row_error(data.sft, row[0], data.sft_messages_column, "expected a "
+                            "conversation that opens with a system or user message and ends "
+                            f"with an assistant turn, got roles {roles}")
+        out.append((row[0], messages, row_tools(data, data.sft, row)))
+    return out
+
+
 @register_env
 class DatasetEnv(ToolEnv):
     """Rows of `data.train` / `data.eval` as tasks; configured per run (`configure`)."""
@@ -159,8 +178,6 @@ class DatasetEnv(ToolEnv):
     @classmethod
     def configure(cls, cfg: Config) -> type[DatasetEnv]:
         """A subclass holding this run's rows and rewards, all read and checked now."""
-        from tiller.train.conversations import read_conversations
-
         data = cfg.data
         assert data.train is not None  # Config requires it with env.name dataset
         entries = resolve_entries(cfg.rewards)

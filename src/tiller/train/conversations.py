@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tiller.envs.rows import messages_column, read_rows, row_error
+from tiller.envs.dataset import Conversation, resolve_tools
+from tiller.envs.rows import row_error
 from tiller.envs.verifiers import Reward
 from tiller.rollout.chat import ChatFormat
 from tiller.rollout.trajectory import Status, Trajectory, TrajectoryBuilder
@@ -22,27 +23,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from tiller.config import DataConfig
-
-Conversation = tuple[int, list[dict[str, Any]], list[str]]  # (row, messages, tool paths)
-
-
-def read_conversations(data: DataConfig) -> list[Conversation]:
-    """Every row of `data.sft`, checked now: the messages column holds a conversation that
-    opens with at least one non-assistant message and ends with an assistant turn."""
-    from tiller.envs.dataset import row_tools  # the dataset env's tools rule, one place
-
-    assert data.sft is not None
-    out = []
-    for row in read_rows(data.sft, "data.sft"):
-        messages = messages_column(data.sft, row, data.sft_messages_column)
-        roles = [m["role"] for m in messages]
-        if "assistant" not in roles or roles[0] == "assistant" or roles[-1] != "assistant":
-            raise row_error(data.sft, row[0], data.sft_messages_column, "expected a "
-                            "conversation that opens with a system or user message and ends "
-                            f"with an assistant turn, got roles {roles}")
-        out.append((row[0], messages, row_tools(data, data.sft, row)))
-    return out
-
 
 def assistant_text(chat: ChatFormat, before: list[dict[str, Any]],
                    message: dict[str, Any]) -> str:
@@ -82,8 +62,6 @@ def conversation_demos(conversations: list[Conversation], tokenizer: PreTrainedT
                        data: DataConfig, max_tokens: int) -> list[Trajectory]:
     """The demonstrations of `data.sft`; a conversation longer than `max_tokens` (the episode
     budget, env.max_episode_tokens) is an error naming its row, never cut or dropped."""
-    from tiller.envs.dataset import resolve_tools
-
     demos = []
     path, col = str(data.sft), data.sft_messages_column
     for n, messages, paths in conversations:
