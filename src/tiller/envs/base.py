@@ -43,6 +43,9 @@ class Env(ABC):
     requires: ClassVar[dict[str, str]] = {}
     """Optional packages the env imports -> the pip extra that installs each (checked at
     start-up, so a missing one is one line, not a traceback minutes in)."""
+    eval_splits: ClassVar[tuple[str, ...]] = ("heldout",)
+    """The splits `make_tasks` takes that `eval.sets` may name: heldout, plus any
+    out-of-distribution split of held-out instances the env offers (e.g. unseen templates)."""
 
     @abstractmethod
     async def reset(self, task: Task, seed: int) -> list[dict[str, Any]]:
