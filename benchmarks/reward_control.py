@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sft-seed", type=int, default=0, help="seed of the SFT run")
     p.add_argument("--sft", type=Path, help="an SFT checkpoint to start from (default: "
                                             "OUT/sft-seed<S>/checkpoints/sft, trained if absent)")
+    p.add_argument("--sft-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra config override for the SFT run (repeatable)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override for every RL run (repeatable)")
     p.add_argument("--out", type=Path, default=ROOT / "runs/bench-reward-control")
@@ -59,7 +61,8 @@ def sft_checkpoint(args: argparse.Namespace) -> Path:
     if not (folder / "checkpoints/sft").is_dir():
         print(f"training the SFT checkpoint into {folder} ...", file=sys.stderr, flush=True)
         train(load_config(args.config, [*(QUICK if args.quick else []), "rl.steps=0",
-                                        f"seed={args.sft_seed}", *QUIET]), folder)
+                                        f"seed={args.sft_seed}", *QUIET, *args.sft_set]),
+              folder)
     return folder / "checkpoints/sft"
 
 

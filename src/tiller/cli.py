@@ -93,7 +93,8 @@ def evaluate(
         config, extra, output_dir = _eval_target(target, model, output_dir)
     except ConfigError as e:
         _fail(str(e))
-    _run("evaluate_checkpoint", config, [*extra, *(overrides or [])], output_dir)
+    # --model last: it wins over the config's and the overrides' model.* keys
+    _run("evaluate_checkpoint", config, [*(overrides or []), *extra], output_dir)
 
 
 def _eval_target(target: Path, model: Path | None, output_dir: Path | None

@@ -174,8 +174,9 @@ def rl(run: Run) -> dict[str, Any]:
                     staleness.update(stale)
                     m.update(staleness_metrics(stale))
                     # the control replaces only the value trained on (m keeps the real one)
-                    values = control.apply(kept, step)
-                    m.update(control.metrics(kept, values))
+                    real = [t.reward for t in kept]
+                    values = control.apply(real, step)
+                    m.update(control.metrics(real, values))
                     batch, stats = rl_batch(kept, torch.tensor(taken.group_index),
                                             [train_reward(t, alg, run.cfg.l_max,
                                                           run.cfg.l_cache, v)

@@ -24,22 +24,23 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tiller.envs.verifiers import Reward
 from tiller.errors import RunError
-from tiller.rollout.trajectory import Trajectory
 
 
 class RewardControl:
-    """`apply(trajectories, step)` -> the verifier values RL trains on at that step."""
+    """`apply(rewards, step)` -> the verifier values RL trains on at that step, given the
+    verifier's rewards of the step's trajectories, in batch order."""
 
     def __init__(self, mode: str, value: float | None, seed: int):
         self.mode, self.seed = mode, seed
         self.value = 0.0 if value is None else value
 
-    def apply(self, trajs: Sequence[Trajectory], step: int) -> list[float]:
-        real = [t.reward.value for t in trajs]
+    def apply(self, rewards: Sequence[Reward], step: int) -> list[float]:
+        real = [r.value for r in rewards]
         if self.mode == "none":
             return real
-        if any(t.reward.turn_rewards is not None for t in trajs):
+        if any(r.turn_rewards is not None for r in rewards):
             # turn rewards go to the advantage estimator untouched: they would carry the real
             # signal past the control, so the run stops instead of reporting a false control
             raise RunError(f"rl step {step + 1}: rl.reward_control={self.mode}, but the env's "
@@ -50,11 +51,11 @@ class RewardControl:
         order = np.random.default_rng([self.seed, step]).permutation(len(real))
         return [real[i] for i in order]
 
-    def metrics(self, trajs: Sequence[Trajectory], values: Sequence[float]) -> dict[str, float]:
+    def metrics(self, rewards: Sequence[Reward], values: Sequence[float]) -> dict[str, float]:
         """What the control did this step: the mean trained value and the share of
         trajectories whose trained value equals their verifier value."""
         if self.mode == "none" or not values:
             return {}
-        same = sum(v == t.reward.value for t, v in zip(trajs, values, strict=True))
+        same = sum(v == r.value for r, v in zip(rewards, values, strict=True))
         return {"reward_control/trained_mean": float(np.mean(values)),
                 "reward_control/agree_frac": same / len(values)}
