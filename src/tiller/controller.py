@@ -96,8 +96,10 @@ def evaluate(run: Run, tasks: list, label: str, name: str = "heldout",
             advance(f"success={sum(done) / len(done):.2f}")
 
         for seed in seeds:
-            got = run.episodes(tasks, ev.samples_per_task, run.sampling(ev.temperature), tag,
-                               tick, seed=seed)
+            # with several seeds each names its episodes (their envs' record/replay keys)
+            got = run.episodes(tasks, ev.samples_per_task, run.sampling(ev.temperature),
+                               tag if len(seeds) == 1 else (*tag, f"seed{seed}"), tick,
+                               seed=seed)
             per_seed[f"success/seed{seed}"] = success_summary(got)["success"]
             rows += outcome_rows(got, name, seed, difficulty or run.cfg.env.difficulty)
             trajs += got
@@ -133,7 +135,8 @@ def rl(run: Run) -> dict[str, Any]:
            if kl_beta_at(0, alg.kl.beta, alg.kl.off_after) else None)
     critic = Critic(run.model, alg.critic) if alg.critic is not None else None
     trend = EnvErrorTrend()
-    reward = lambda t: train_reward(t, alg, run.cfg.l_max, run.cfg.l_cache)  # noqa: E731
+    # the manager's reward is the verifier's; the batch's may be the control's (`v`)
+    reward = lambda t, v=None: train_reward(t, alg, run.cfg.l_max, run.cfg.l_cache, v)  # noqa: E731
     control = RewardControl(cfg.reward_control, cfg.reward_control_value, run.cfg.seed)
     in_flight = "abort" if run.cfg.rollout.partial == "abort_resume" else "continue"
     engine_busy0 = run.engine.stats().get("busy_s")
@@ -178,9 +181,8 @@ def rl(run: Run) -> dict[str, Any]:
                     values = control.apply(real, step)
                     m.update(control.metrics(real, values))
                     batch, stats = rl_batch(kept, torch.tensor(taken.group_index),
-                                            [train_reward(t, alg, run.cfg.l_max,
-                                                          run.cfg.l_cache, v)
-                                             for t, v in zip(kept, values, strict=True)],
+                                            [reward(t, v) for t, v in
+                                             zip(kept, values, strict=True)],
                                             run.tokenizer.pad_token_id, alg,
                                             cfg.env_error_weight, run.key_steps, run.tokenizer)
                     m.update(stats, **run.trainer.rl_step(batch, cfg, run.cfg.l_max, ref,
