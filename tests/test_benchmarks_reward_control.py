@@ -27,7 +27,7 @@ def test_quick_run_prints_the_table_and_resumes(calc_sft_dir, tmp_path, capsys):
     bench.main(argv)
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith("| ")]
-    assert [line.split(" | ")[0] for line in lines[2:]] == ["| 0", "| 1", "| mean"]
+    assert [line.split(" | ")[0] for line in lines[1:]] == ["| 0", "| 1", "| mean"]
     rows = json.loads((tmp_path / "table.json").read_text())
     assert [r["seed"] for r in rows] == [0, 1]
     for r in rows:
