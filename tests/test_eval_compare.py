@@ -187,6 +187,9 @@ def test_eval_run_dir_and_compare(tmp_path):
     r = runner.invoke(app, ["eval", str(run), "eval.tasks=6"])
     assert r.exit_code == 0, r.output
     assert len(list((run / "evals").glob("*/eval/checkpoint.jsonl"))) == 1
+    r = runner.invoke(app, ["eval", str(run), "-o", str(tmp_path / "ev3"), "eval.tasks=6",
+                            "eval.seeds=[3, 4]"])
+    assert r.exit_code == 0 and "heldout per seed: seed3 " in r.output, r.output
     r = runner.invoke(app, ["compare", f"{run}:sft", str(tmp_path / "ev")])
     assert r.exit_code == 0, r.output
     assert "paired comparison on heldout (6 tasks)" in r.output and "McNemar" in r.output

@@ -54,6 +54,12 @@ def _print_summary(summary: dict) -> None:
                           f"{row[m]:.3f}", f"[{row[lo]:.3f}, {row[hi]:.3f}]", str(row["tasks"]),
                           str(row["samples"]))
     console.print(table)
+    for key, row in summary.items():  # several eval.seeds: each seed's pass@1 too
+        if isinstance(row, dict) and "seeds" in row:
+            seeds = {k.removeprefix("success/"): v for k, v in row.items()
+                     if k.startswith("success/seed")}
+            console.print(f"{key} per seed: " + ", ".join(f"{k} {v:.3f}"
+                                                          for k, v in seeds.items()))
     console.print(f"run folder: {summary['run_dir']}")
 
 
