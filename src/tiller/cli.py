@@ -1,5 +1,5 @@
-"""The command line: `tiller train CONFIG [key=value ...]`, `tiller eval CONFIG ...` and
-`tiller serve MODEL_PATH [options]`.
+"""The command line: `tiller train CONFIG [key=value ...]`, `tiller eval RUN_DIR | CONFIG
+--model PATH`, `tiller compare RUN_A RUN_B` and `tiller serve MODEL_PATH [options]`.
 
 Errors a user can fix (bad config, missing model, unknown env or algorithm) print one line
 and exit with status 2, never a traceback; a run that started but cannot learn (a broken engine,
@@ -8,7 +8,9 @@ a step with nothing to train) prints one line naming the cause and exits with st
 
 from __future__ import annotations
 
+import json
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated
 
@@ -37,21 +39,27 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def _print_summary(summary: dict) -> None:
-    table = Table(title="held-out success")
-    for col in ("phase", "metric", "value", "95% CI", "tasks", "samples"):
+    table = Table(title="evaluation")
+    for col in ("set", "phase", "metric", "value", "95% CI", "tasks", "samples"):
         table.add_column(col)
     for key, row in summary.items():
-        if not key.startswith("heldout"):
-            continue
-        phase = key.removeprefix("heldout_").removeprefix("heldout") or "model"
+        if not (isinstance(row, dict) and "success" in row and "tasks" in row):
+            continue  # not an eval set's figures
+        name, _, phase = key.partition("_after_")
         # pass@1 is `success`; pass@k (eval.pass_k > 1) sits beside it
         metrics = ["success"] + [m for m in row if m.startswith("pass@") and "_ci_" not in m]
         for m in metrics:
             lo, hi = ("ci_low", "ci_high") if m == "success" else (f"{m}_ci_low", f"{m}_ci_high")
-            table.add_row(phase, "pass@1" if m == "success" else m, f"{row[m]:.3f}",
-                          f"[{row[lo]:.3f}, {row[hi]:.3f}]", str(row["tasks"]),
+            table.add_row(name, phase or "model", "pass@1" if m == "success" else m,
+                          f"{row[m]:.3f}", f"[{row[lo]:.3f}, {row[hi]:.3f}]", str(row["tasks"]),
                           str(row["samples"]))
     console.print(table)
+    for key, row in summary.items():  # several eval.seeds: each seed's pass@1 too
+        if isinstance(row, dict) and "seeds" in row:
+            seeds = {k.removeprefix("success/"): v for k, v in row.items()
+                     if k.startswith("success/seed")}
+            console.print(f"{key} per seed: " + ", ".join(f"{k} {v:.3f}"
+                                                          for k, v in seeds.items()))
     console.print(f"run folder: {summary['run_dir']}")
 
 
@@ -76,9 +84,80 @@ def train(config: ConfigArg, overrides: Overrides = None, output_dir: OutputDir 
 
 
 @app.command("eval")
-def evaluate(config: ConfigArg, overrides: Overrides = None, output_dir: OutputDir = None) -> None:
-    """Held-out success of the model at model.path (e.g. a run's checkpoints/final)."""
-    _run("evaluate_checkpoint", config, overrides, output_dir)
+def evaluate(
+    target: Annotated[Path, typer.Argument(help="a run folder (its config.yaml and "
+                                                "checkpoints/final), or a YAML config")],
+    overrides: Overrides = None,
+    model: Annotated[Path | None, typer.Option(
+        "--model", help="the model folder to evaluate (default for a run folder: its "
+                        "checkpoints/final)")] = None,
+    output_dir: OutputDir = None,
+) -> None:
+    """Success of a model on every eval set (eval.sets, eval.seeds); per-episode outcomes go
+    to <output dir>/eval/checkpoint.jsonl for `tiller compare`."""
+    try:
+        config, extra, output_dir = _eval_target(target, model, output_dir)
+    except ConfigError as e:
+        _fail(str(e))
+    # --model last: it wins over the config's and the overrides' model.* keys
+    _run("evaluate_checkpoint", config, [*(overrides or []), *extra], output_dir)
+
+
+def _eval_target(target: Path, model: Path | None, output_dir: Path | None
+                 ) -> tuple[Path, list[str], Path | None]:
+    """(config, overrides, output folder) for `tiller eval TARGET [--model PATH]`: a run
+    folder's config and final checkpoint, its evaluation written under RUN_DIR/evals/<time>
+    (the run's own config.yaml stays as it is)."""
+    if target.is_dir():
+        config = target / "config.yaml"
+        if not config.is_file():
+            raise ConfigError(f"run folder {str(target)!r} has no config.yaml")
+        if model is None:
+            model = target / "checkpoints" / "final"
+            if not model.is_dir():
+                have = sorted(p.name for p in (target / "checkpoints").glob("*"))
+                raise ConfigError(f"run folder {str(target)!r} has no checkpoints/final (the "
+                                  f"run did not finish; checkpoints: {have or 'none'}): pass "
+                                  "--model PATH")
+        if output_dir is None:
+            output_dir = target / "evals" / datetime.now().strftime("%Y%m%d-%H%M%S")
+    else:
+        config = target  # load_config says it in one line when it does not exist
+    if model is None:
+        return config, [], output_dir  # the config names its model (model.path=...)
+    if not model.is_dir():
+        raise ConfigError(f"--model {str(model)!r} is not a model folder")
+    # JSON strings are YAML strings: a path with ':' or spaces stays one string
+    return config, [f"model.path={json.dumps(str(model))}", "model.build=null"], output_dir
+
+
+@app.command()
+def compare(
+    run_a: Annotated[str, typer.Argument(help="RUN_DIR or RUN_DIR:LABEL (sft, rl, checkpoint)")],
+    run_b: Annotated[str, typer.Argument(help="RUN_DIR or RUN_DIR:LABEL")],
+    set_name: Annotated[str, typer.Option("--set", help="the eval set to pair")] = "heldout",
+) -> None:
+    """B vs A on the same tasks: both success rates, the difference with a paired-bootstrap
+    95% CI, and the exact McNemar / sign-test p-value."""
+    from tiller.observe.compare import compare as paired
+    from tiller.observe.compare import load_outcomes
+
+    try:
+        name_a, rows_a = load_outcomes(run_a)
+        name_b, rows_b = load_outcomes(run_b)
+        r = paired(rows_a, rows_b, set_name)
+    except ConfigError as e:
+        _fail(str(e))
+    table = Table(title=f"paired comparison on {set_name} ({r['tasks']} tasks)")
+    for col in ("", "success"):
+        table.add_column(col)
+    table.add_row(f"A  {escape(name_a)}", f"{r['success_a']:.3f}")
+    table.add_row(f"B  {escape(name_b)}", f"{r['success_b']:.3f}")
+    table.add_row("B - A [95% paired bootstrap CI]",
+                  f"{r['diff']:+.3f} [{r['diff_ci_low']:+.3f}, {r['diff_ci_high']:+.3f}]")
+    table.add_row("tasks B better / A better", f"{r['b_better']} / {r['a_better']}")
+    table.add_row("exact McNemar (sign test) p", f"{r['p_value']:.4g}")
+    console.print(table)
 
 
 DTYPES = ("float32", "bfloat16", "float16")

@@ -546,6 +546,17 @@ class RLConfig(_Section):
                     "trajectory). The producer does not start episodes that would exceed it; "
                     "groups that still do are filtered (ledger filtered/stale)")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    reward_control: Literal["none", "random", "constant"] = Field(
+        "none",
+        description="the spurious-reward control (docs/evaluation.md): none trains on the "
+                    "verifier's reward; random trains on the step's verifier rewards shuffled "
+                    "across its trajectories (same mean and distribution, no link to what each "
+                    "did); constant trains on rl.reward_control_value for every trajectory. "
+                    "Logged success and every eval still use the verifier")
+    reward_control_value: float | None = Field(
+        None,
+        description="reward_control constant only (default 0.0): the value every trajectory "
+                    "trains on; under a group baseline (grpo, rloo, ...) every advantage is 0")
 
     @property
     def updates_per_step(self) -> int:
@@ -573,6 +584,10 @@ class RLConfig(_Section):
         if self.max_staleness is not None and self.mode != "async":
             raise ConfigError(f"config field rl.max_staleness: got {self.max_staleness}; it "
                               f"only applies with rl.mode: async (rl.mode is {self.mode})")
+        if self.reward_control_value is not None and self.reward_control != "constant":
+            raise ConfigError(f"config field rl.reward_control_value: got "
+                              f"{self.reward_control_value}; it only applies with "
+                              f"rl.reward_control: constant (it is {self.reward_control})")
         default = type(self).model_fields["max_idle_steps"].default
         if self.max_idle_steps != default and not self.algorithm.dynamic_sampling.enabled:
             raise ConfigError(f"config field rl.max_idle_steps: got {self.max_idle_steps}; it "
@@ -603,18 +618,48 @@ class RolloutConfig(_Section):
                     "counted in the ledger either way")
 
 
-class EvalConfig(_Section):
+class EvalSetConfig(_Section):
+    """One named evaluation set: `tasks` tasks of an evaluation split at a difficulty."""
+
+    name: str = Field(description="the set's name in the summary and in eval/<label>.jsonl "
+                                  "(e.g. heldout, ood_difficulty, ood_templates)")
+    split: str = Field("heldout", description="heldout, or an out-of-distribution split the "
+                                              "env offers (e.g. calculator's ood_templates)")
     tasks: int = Field(256, ge=1)
+    difficulty: int | None = Field(None, ge=1, le=10,
+                                   description="default env.difficulty; higher = OOD")
+
+
+class EvalConfig(_Section):
+    tasks: int = Field(256, ge=1, description="tasks of the default heldout set (no eval.sets)")
     temperature: float = Field(1.0, ge=0.0, description="1.0 = pass@1 of the sampling policy")
     samples_per_task: int = Field(1, ge=1, description="n samples per task (n >= pass_k)")
     pass_k: int = Field(1, ge=1, description="also report unbiased pass@k when k > 1")
+    sets: list[EvalSetConfig] | None = Field(
+        None, description="the sets every evaluation runs (default: one set, heldout, of "
+                          "eval.tasks tasks at env.difficulty)")
+    seeds: list[int] | None = Field(
+        None, min_length=1, description="sampling seeds: each set is sampled once per seed "
+        "(samples_per_task each), figures pool them with CIs over tasks and are also given "
+        "per seed (default: the run's seed)")
 
     @model_validator(mode="after")
     def _enough_samples(self) -> EvalConfig:
         if self.pass_k > self.samples_per_task:
             raise ConfigError(f"config field eval.pass_k: got {self.pass_k}; pass@k needs "
                               f"eval.samples_per_task >= k, got {self.samples_per_task}")
+        names = [s.name for s in self.sets or []]
+        if self.sets is not None and (not names or len(set(names)) < len(names)):
+            raise ConfigError(f"config field eval.sets: got names {names}; expected at least "
+                              "one set, each name once")
+        if self.seeds is not None and len(set(self.seeds)) < len(self.seeds):
+            raise ConfigError(f"config field eval.seeds: got {self.seeds}; each seed once")
         return self
+
+    def resolved_sets(self, difficulty: int) -> list[EvalSetConfig]:
+        """The sets to run, each with its difficulty filled in."""
+        sets = self.sets or [EvalSetConfig(name="heldout", tasks=self.tasks)]
+        return [s.model_copy(update={"difficulty": s.difficulty or difficulty}) for s in sets]
 
 
 class LoggingConfig(_Section):

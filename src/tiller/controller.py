@@ -21,7 +21,7 @@ import torch
 
 from tiller.config import Config
 from tiller.errors import ConfigError, RunError
-from tiller.observe.evaluation import is_success, success_summary
+from tiller.observe.evaluation import is_success, outcome_rows, success_summary, write_outcomes
 from tiller.observe.health import EnvErrorTrend
 from tiller.observe.metrics import progress
 from tiller.rollout.collect import rollout_metrics
@@ -31,6 +31,7 @@ from tiller.run import Run
 from tiller.tools.executor import ToolReliabilityError
 from tiller.train.algorithms.kl import kl_beta_at
 from tiller.train.critic import Critic
+from tiller.train.reward_control import RewardControl
 from tiller.train.sft import train_sft
 from tiller.train.shaping import rl_batch, train_reward
 
@@ -84,26 +85,57 @@ def sft(run: Run) -> dict[str, Any]:
     return out
 
 
-def evaluate(run: Run, tasks: list, label: str) -> dict[str, float]:
-    """Held-out success: eval.samples_per_task samples per task, pass@1 (= `success`) and,
-    with eval.pass_k > 1, unbiased pass@k, each with a 95% bootstrap CI over tasks."""
+def evaluate(run: Run, tasks: list, label: str, name: str = "heldout",
+             difficulty: int | None = None) -> dict[str, float]:
+    """Success on one eval set: eval.samples_per_task samples per task under each of eval.seeds,
+    pass@1 (= `success`) and, with eval.pass_k > 1, unbiased pass@k, each with a 95%
+    bootstrap CI over tasks (the seeds pooled; `success/seed<S>` per seed when there are
+    several). Every episode's outcome goes to <run>/eval/<label>.jsonl for `tiller compare`."""
     ev, t0 = run.cfg.eval, time.perf_counter()
-    total, done = len(tasks) * ev.samples_per_task, []
-    with progress(run.cfg.logging.progress, f"eval ({label})", total) as advance:
+    seeds = ev.seeds or [run.cfg.seed]
+    # the heldout set keeps the tag (so the sampling seeds) evaluations have always had
+    tag = ("eval", label) if name == "heldout" else ("eval", label, name)
+    where = label if name == "heldout" else f"{label}, {name}"
+    trajs, rows, per_seed, done = [], [], {}, []
+    total = len(seeds) * len(tasks) * ev.samples_per_task
+    with progress(run.cfg.logging.progress, f"eval ({where})", total) as advance:
 
         def tick(t: Trajectory) -> None:
             done.append(is_success(t))
             advance(f"success={sum(done) / len(done):.2f}")
 
-        trajs = run.episodes(tasks, ev.samples_per_task, run.sampling(ev.temperature),
-                             ("eval", label), tick)
+        for seed in seeds:
+            # with several seeds each names its episodes (their envs' record/replay keys)
+            got = run.episodes(tasks, ev.samples_per_task, run.sampling(ev.temperature),
+                               tag if len(seeds) == 1 else (*tag, f"seed{seed}"), tick,
+                               seed=seed)
+            per_seed[f"success/seed{seed}"] = success_summary(got)["success"]
+            rows += outcome_rows(got, name, seed, difficulty or run.cfg.env.difficulty)
+            trajs += got
+    write_outcomes(run.dir / "eval" / f"{label}.jsonl", name, rows)
     summary = success_summary(trajs, seed=run.cfg.seed, k=ev.pass_k)
+    if len(seeds) > 1:
+        summary.update(per_seed, seeds=len(seeds))
     summary["time_s"] = time.perf_counter() - t0
     summary.update(rollout_metrics(trajs))
     summary.update(run.tools.stats(reset=True))
-    run.log(f"eval_{label}", summary)
-    run.timings[f"eval_{label}_s"] = summary["time_s"]
+    phase = f"eval_{label}" if name == "heldout" else f"eval_{label}_{name}"
+    run.log(phase, summary)
+    run.timings[f"{phase}_s"] = summary["time_s"]
     return summary
+
+
+def evaluate_sets(run: Run, label: str) -> dict[str, dict[str, float]]:
+    """`evaluate` on every set of eval.sets (default: heldout alone), by set name."""
+    out = {}
+    for s in run.cfg.eval.resolved_sets(run.cfg.env.difficulty):
+        tasks = run.env_cls.make_tasks(s.split, s.tasks, run.cfg.seed, s.difficulty)
+        if not tasks:  # a dataset env without data.eval: no held-out split
+            log.warning("eval set %s: env %s has no %s tasks (data.eval unset?): skipped",
+                        s.name, run.cfg.env.name, s.split)
+            continue
+        out[s.name] = evaluate(run, tasks, label, s.name, s.difficulty)
+    return out
 
 
 def rl(run: Run) -> dict[str, Any]:
@@ -116,7 +148,9 @@ def rl(run: Run) -> dict[str, Any]:
            if kl_beta_at(0, alg.kl.beta, alg.kl.off_after) else None)
     critic = Critic(run.model, alg.critic) if alg.critic is not None else None
     trend = EnvErrorTrend()
-    reward = lambda t: train_reward(t, alg, run.cfg.l_max, run.cfg.l_cache)  # noqa: E731
+    # the manager's reward is the verifier's; the batch's may be the control's (`v`)
+    reward = lambda t, v=None: train_reward(t, alg, run.cfg.l_max, run.cfg.l_cache, v)  # noqa: E731
+    control = RewardControl(cfg.reward_control, cfg.reward_control_value, run.cfg.seed)
     in_flight = "abort" if run.cfg.rollout.partial == "abort_resume" else "continue"
     engine_busy0 = run.engine.stats().get("busy_s")
     t0 = time.perf_counter()
@@ -155,8 +189,13 @@ def rl(run: Run) -> dict[str, Any]:
                     stale = [run.trainer.version - min(t.versions) for t in kept]
                     staleness.update(stale)
                     m.update(staleness_metrics(stale))
+                    # the control replaces only the value trained on (m keeps the real one)
+                    real = [t.reward for t in kept]
+                    values = control.apply(real, step)
+                    m.update(control.metrics(real, values))
                     batch, stats = rl_batch(kept, torch.tensor(taken.group_index),
-                                            [reward(t) for t in kept],
+                                            [reward(t, v) for t, v in
+                                             zip(kept, values, strict=True)],
                                             run.tokenizer.pad_token_id, alg,
                                             cfg.env_error_weight, run.key_steps, run.tokenizer)
                     m.update(stats, **run.trainer.rl_step(batch, cfg, run.cfg.l_max, ref,
@@ -236,20 +275,16 @@ def train(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:
     run = Run(cfg, output_dir)
     summary: dict[str, Any] = {"run_dir": str(run.dir), "seed": cfg.seed}
     try:
-        heldout = run.tasks("heldout", cfg.eval.tasks, 0)
-        if not heldout:  # a dataset env without data.eval: no held-out split
-            log.warning("no held-out tasks (env %s, data.eval unset): the held-out "
-                        "evaluations are skipped", cfg.env.name)
         summary["tool_gate"] = gate(run)
         if cfg.sft.enabled:
             summary["sft"] = sft(run)
             summary["sft"]["checkpoint"] = str(run.save("sft"))
-        if heldout:
-            summary["heldout_after_sft"] = evaluate(run, heldout, "sft")
+        for name, result in evaluate_sets(run, "sft").items():
+            summary[f"{name}_after_sft"] = result
         if cfg.rl.steps > 0:
             summary["rl"] = rl(run)
-            if heldout:
-                summary["heldout_after_rl"] = evaluate(run, heldout, "rl")
+            for name, result in evaluate_sets(run, "rl").items():
+                summary[f"{name}_after_rl"] = result
         summary["checkpoint"] = str(run.save())
     finally:
         run.close()
@@ -260,16 +295,15 @@ def train(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:
 
 
 def evaluate_checkpoint(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:
-    """Held-out success of the model at `model.path`."""
+    """Success of the model at `model.path` on every eval set, by set name."""
     run = Run(cfg, output_dir)
     try:
-        tasks = run.tasks("heldout", cfg.eval.tasks, 0)
-        if not tasks:
+        sets = evaluate_sets(run, "checkpoint")
+        if not sets:
             raise ConfigError(f"config field data.eval: env {cfg.env.name} has no held-out "
                               "tasks to evaluate; set data.eval to a held-out file")
-        heldout = evaluate(run, tasks, "checkpoint")
     finally:
         run.close()
-    summary = {"run_dir": str(run.dir), "heldout": heldout}
+    summary = {"run_dir": str(run.dir), "model": cfg.model.path, **sets}
     (run.dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -63,7 +63,16 @@ def check_task_counts(cfg: Config, env_cls: type[Env]) -> None:
     """Every task list the run will draw fits the env's task space, checked before any work:
     drawing more distinct tasks than exist would otherwise fail only after the model build."""
     d = cfg.env.difficulty
-    wants = [("eval.tasks", "heldout", cfg.eval.tasks)]
+    wants = [("eval.tasks", "heldout", cfg.eval.tasks)] if cfg.eval.sets is None else []
+    for s in cfg.eval.resolved_sets(d) if cfg.eval.sets is not None else []:
+        if s.split not in env_cls.eval_splits:
+            raise ConfigError(f"config field eval.sets ({s.name}).split: got {s.split!r}; env "
+                              f"{env_cls.name} offers: {', '.join(env_cls.eval_splits)}")
+        space = env_cls.task_space(s.split, s.difficulty)
+        if space is not None and s.tasks > space:
+            raise ConfigError(f"config field eval.sets ({s.name}).tasks: got {s.tasks}; env "
+                              f"{env_cls.name} has only {space} {s.split} tasks at "
+                              f"difficulty {s.difficulty}")
     if cfg.model.build is not None:
         wants.append(("model.build.corpus_tasks", "train", cfg.model.build.corpus_tasks))
     if cfg.sft.enabled:
@@ -218,13 +227,15 @@ class Run:
             yield from self.tasks("train", n, 5)  # 4 is the tool gate's
 
     def episodes(self, tasks: Sequence[Task], samples: int, params: SamplingParams, tag: tuple,
-                 on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
-        """The policy's episodes, `samples` per task; fails the run when more than
-        `rl.max_aborted_frac` of them aborted (a broken engine cannot teach anything)."""
+                 on_done: Callable[[Trajectory], None] | None = None,
+                 seed: int | None = None) -> list[Trajectory]:
+        """The policy's episodes, `samples` per task, sampled under `seed` (default the run's);
+        fails the run when more than `rl.max_aborted_frac` of them aborted (a broken engine
+        cannot teach anything)."""
         trajs = asyncio.run(collect(
             tasks, samples, EngineActor(self.engine, params), episode_fn=self.episode_fn,
             make_env=self.make_env, tokenizer=self.tokenizer, limits=self.limits,
-            seed=self.cfg.seed, tag=tag, on_done=on_done))
+            seed=self.cfg.seed if seed is None else seed, tag=tag, on_done=on_done))
         check_aborted(trajs, self.cfg.rl.max_aborted_frac, "/".join(map(str, tag)))
         return trajs
 

@@ -61,6 +61,10 @@ class Env(ABC):
         bootstrap `tokenizer`; None: the scripted expert's episodes on `tasks`."""
         return None
 
+    eval_splits: ClassVar[tuple[str, ...]] = ("heldout",)
+    """The splits `make_tasks` takes that `eval.sets` may name: heldout, plus any
+    out-of-distribution split of held-out instances the env offers (e.g. unseen templates)."""
+
     @abstractmethod
     async def reset(self, task: Task, seed: int) -> list[dict[str, Any]]:
         """Start an episode; returns the opening messages (system and user)."""

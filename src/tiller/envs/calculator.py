@@ -35,11 +35,23 @@ _FACTORS, _TERMS, _MULTIPLIERS = range(11, 100), range(10, 1000), range(2, 10)
 _NAMES = ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun"]
 _ITEMS = ["marbles", "stamps", "coins", "shells", "cards", "beads", "pens", "apples"]
 _CONTAINERS = ["bags", "boxes", "jars", "crates", "tins", "trays"]
-_PHRASES = {
+_TEMPLATES = {
+    "opening": "{name} has {a} {box} with {b} {item} in each.",
     "+": "Then {name} finds {x} more.",
     "-": "Then {name} gives away {x}.",
     "*": "Then {name} makes the pile {x} times as large.",
+    "question": "How many {item} does {name} have now?",
 }
+# Wordings no train or heldout task uses: the `ood_templates` split asks held-out problems in
+# them, so it measures whether the policy learned the numbers' roles or the templates' words.
+_OOD_TEMPLATES = {
+    "opening": "There are {a} {box}, and each of them holds {b} {item} owned by {name}.",
+    "+": "Later {name} is handed {x} extra.",
+    "-": "After that {name} loses {x} of them.",
+    "*": "Next the whole collection grows to {x} times its size.",
+    "question": "What is the final number of {item} that {name} owns?",
+}
+OOD_TEMPLATES = "ood_templates"
 
 
 @tool
@@ -83,31 +95,36 @@ def _draw(rng: random.Random, difficulty: int) -> Problem:
     return Problem(rng.choice(_FACTORS), rng.choice(_FACTORS), tuple(steps))
 
 
-def _text(problem: Problem, rng: random.Random) -> str:
+def _text(problem: Problem, rng: random.Random, templates: dict[str, str]) -> str:
     name, item, box = rng.choice(_NAMES), rng.choice(_ITEMS), rng.choice(_CONTAINERS)
-    parts = [f"{name} has {problem.a} {box} with {problem.b} {item} in each."]
-    parts += [_PHRASES[op].format(name=name, x=x) for op, x in problem.steps]
-    parts.append(f"How many {item} does {name} have now?")
+    words = dict(name=name, item=item, box=box, a=problem.a, b=problem.b)
+    parts = [templates["opening"].format(**words)]
+    parts += [templates[op].format(**words, x=x) for op, x in problem.steps]
+    parts.append(templates["question"].format(**words))
     return " ".join(parts)
 
 
 def make_tasks(
     split: str, n: int, seed: int, difficulty: int = 2, heldout_fraction: float = 0.2
 ) -> list[Task]:
-    """`n` distinct tasks of `split` ("train" or "heldout"), reproducible from `seed`."""
-    check_split(split)
+    """`n` distinct tasks of `split` ("train", "heldout", or "ood_templates": held-out
+    problems worded in templates no other split uses), reproducible from `seed`."""
+    ood = split == OOD_TEMPLATES
+    problems = "heldout" if ood else split  # the hash split the problems come from
+    check_split(problems)
     rng = random.Random(f"calculator/{split}/{seed}/{difficulty}")
     tasks: dict[str, Task] = {}
     patience = Patience(split, n)  # difficulty 1 has only 89² problems
     while len(tasks) < n:
         problem = _draw(rng, difficulty)
-        new = split_of(problem.key(), heldout_fraction) == split and problem.key() not in tasks
+        new = (split_of(problem.key(), heldout_fraction) == problems
+               and problem.key() not in tasks)
         patience.record(new)
         if not new:
             continue
         tasks[problem.key()] = Task(
-            id=stable_id("calc", problem.key()),
-            prompt=_text(problem, rng),
+            id=stable_id("calc-ood" if ood else "calc", problem.key()),
+            prompt=_text(problem, rng, _OOD_TEMPLATES if ood else _TEMPLATES),
             answer=problem.results()[-1],
             split=split,
             system=SYSTEM,
@@ -118,7 +135,9 @@ def make_tasks(
 
 def task_space(split: str, difficulty: int, heldout_fraction: float = 0.2) -> int:
     """Distinct problems of `split`: the 89² one-operation ones are counted (split by hash),
-    beyond difficulty 1 there are 89²·Σ_{k<d} 1988^k (millions), so their expected share."""
+    beyond difficulty 1 there are 89²·Σ_{k<d} 1988^k (millions), so their expected share.
+    ood_templates words heldout problems differently, so it has heldout's count."""
+    split = "heldout" if split == OOD_TEMPLATES else split
     if difficulty == 1:
         keys = (Problem(a, b, ()).key() for a in _FACTORS for b in _FACTORS)
         return split_size(keys, split, heldout_fraction)
@@ -162,6 +181,7 @@ def final_answer(final: ParsedTurn | None) -> int | None:
 @register_env
 class CalculatorEnv(ToolEnv):
     name = "calculator"
+    eval_splits = ("heldout", OOD_TEMPLATES)
 
     make_tasks = staticmethod(make_tasks)
     task_space = staticmethod(task_space)

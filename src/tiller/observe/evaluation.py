@@ -6,8 +6,10 @@ interval resamples tasks (not samples), since tasks are the unit that varies bet
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -57,3 +59,23 @@ def success_summary(
         summary.update({f"pass@{k}": float(np.mean(at_k)) if at_k else float("nan"),
                         f"pass@{k}_ci_low": lo_k, f"pass@{k}_ci_high": hi_k})
     return summary
+
+
+def outcome_rows(trajectories: Sequence[Trajectory], set_name: str, seed: int,
+                 difficulty: int) -> list[dict]:
+    """One row per episode, what `tiller compare` pairs on: the set, task id, sampling seed,
+    sample index, success, the verifier's reward, the status and the set's difficulty."""
+    return [{"set": set_name, "task_id": t.task_id, "seed": seed, "sample": t.sample_index,
+             "success": is_success(t), "reward": t.reward.value, "status": t.status.value,
+             "difficulty": difficulty} for t in trajectories]
+
+
+def write_outcomes(path: Path, set_name: str, rows: Sequence[dict]) -> None:
+    """Put `rows` as the outcomes of `set_name` in the JSONL file at `path`, keeping the rows
+    of its other sets (one file per evaluation label holds all its sets)."""
+    kept = []
+    if path.is_file():
+        kept = [r for r in map(json.loads, path.read_text().splitlines())
+                if r["set"] != set_name]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*kept, *rows]))

@@ -25,13 +25,16 @@ def load_key_steps(path: str | None) -> KeyStepFn | None:
     return None if path is None else import_dotted(path, "rl.algorithm.credit.key_steps")
 
 
-def train_reward(t: Trajectory, alg: AlgorithmConfig, l_max: int, l_cache: int) -> float:
-    """The verifier's value, plus DAPO's soft overlong penalty (0 up to l_max - l_cache
-    generated tokens, down to -1 at l_max) when `overlong.mode` is soft."""
+def train_reward(t: Trajectory, alg: AlgorithmConfig, l_max: int, l_cache: int,
+                 value: float | None = None) -> float:
+    """The verifier's value (or `value` in its place: the reward control's), plus DAPO's soft
+    overlong penalty (0 up to l_max - l_cache generated tokens, down to -1 at l_max) when
+    `overlong.mode` is soft; the penalty is always the trajectory's own length's."""
+    base = t.reward.value if value is None else value
     if alg.overlong.mode != "soft":
-        return t.reward.value
+        return base
     length = torch.tensor(float(t.num_generated))
-    return t.reward.value + float(overlong_penalty(length, l_max, l_cache))
+    return base + float(overlong_penalty(length, l_max, l_cache))
 
 
 def rl_batch(kept: Sequence[Trajectory], group_index: torch.Tensor, rewards: Sequence[float],

@@ -1,0 +1,94 @@
+"""rl.reward_control: random permutes a step's verifier values, constant replaces them, none
+leaves them; a run under a control trains on the controlled value while its logged success
+and evals stay the verifier's, and constant under GRPO leaves the weights where they were."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import rl_rows
+from safetensors.torch import load_file
+
+from tiller.config import ConfigError, load_config
+from tiller.controller import train
+from tiller.envs.verifiers import Reward
+from tiller.errors import RunError
+from tiller.train.reward_control import RewardControl
+
+CONFIG = "configs/calculator.yaml"
+REWARDS = [Reward(v) for v in (1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.0)]
+
+
+def test_random_is_a_seeded_permutation_of_the_steps_values():
+    ctl = RewardControl("random", None, seed=3)
+    real = [r.value for r in REWARDS]
+    step0, step1 = ctl.apply(REWARDS, 0), ctl.apply(REWARDS, 1)
+    assert sorted(step0) == sorted(real) and sorted(step1) == sorted(real)  # mean, distribution
+    assert step0 == RewardControl("random", None, seed=3).apply(REWARDS, 0)  # reproducible
+    assert step0 != step1 != real  # another draw each step, unlinked from the trajectory
+    assert RewardControl("random", None, seed=4).apply(REWARDS, 0) != step0
+    m = ctl.metrics(REWARDS, step0)
+    assert m["reward_control/trained_mean"] == pytest.approx(sum(real) / len(real))
+    same = sum(a == b for a, b in zip(step0, real, strict=True))
+    assert m["reward_control/agree_frac"] == same / 12
+
+
+def test_constant_and_none():
+    assert RewardControl("constant", None, 0).apply(REWARDS, 5) == [0.0] * 12
+    assert RewardControl("constant", 0.25, 0).apply(REWARDS, 5) == [0.25] * 12
+    none = RewardControl("none", None, 0)
+    assert none.apply(REWARDS, 0) == [r.value for r in REWARDS]
+    assert none.metrics(REWARDS, [0.0] * 12) == {}
+
+
+def test_turn_rewards_would_bypass_the_control_so_the_run_stops():
+    with pytest.raises(RunError, match="turn rewards"):
+        RewardControl("random", None, 0).apply([Reward(1.0, turn_rewards=(0.5,))], 2)
+
+
+def test_config_errors_are_one_line():
+    with pytest.raises(ConfigError, match=r"rl.reward_control_value: got 1.0; it only applies "
+                                          r"with rl.reward_control: constant"):
+        load_config(CONFIG, ["rl.reward_control=random", "rl.reward_control_value=1.0"])
+    with pytest.raises(ConfigError, match=r"rl.reward_control: got 'noise'"):
+        load_config(CONFIG, ["rl.reward_control=noise"])
+
+
+def test_constant_under_grpo_trains_on_it_logs_the_real_reward_and_moves_nothing(
+        calc_sft_dir, tmp_path):
+    cfg = load_config(CONFIG, [
+        f"model.path={calc_sft_dir}", "model.build=null", "sft.enabled=false", "rl.steps=2",
+        "rl.tasks_per_step=2", "rl.group_size=4", "eval.tasks=8", "logging.progress=false",
+        "logging.tensorboard=false", "rl.reward_control=constant",
+        "rl.reward_control_value=1.0"])
+    summary = train(cfg, tmp_path)
+    rows = rl_rows(tmp_path)
+    assert len(rows) == 2
+    for r in rows:
+        assert r["reward_control/trained_mean"] == 1.0  # what RL trained on
+        # the logged figures are the verifier's: the tiny policy never succeeds
+        assert r["reward_mean"] == 0.0 and r["success_rate"] == 0.0
+        assert r["reward_control/agree_frac"] == 0.0
+    assert summary["heldout_after_rl"]["success"] == 0.0
+    # equal rewards in a group: every GRPO advantage is 0, so no policy gradient at all
+    before = load_file(calc_sft_dir / "model.safetensors")
+    after = load_file(tmp_path / "checkpoints/final/model.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_random_control_reproduces_and_differs_from_the_real_reward_run(calc_sft_dir, tmp_path):
+    """An entropy bonus moves the tiny policy (whose verifier reward is always 0), so the
+    random run's trained values equal the real ones and its numbers are the real run's: the
+    control changes nothing but the reward trained on."""
+    base = [f"model.path={calc_sft_dir}", "model.build=null", "sft.enabled=false",
+            "rl.steps=2", "rl.tasks_per_step=2", "rl.group_size=4", "eval.tasks=8",
+            "logging.progress=false", "logging.tensorboard=false",
+            "rl.algorithm.entropy_coef=0.01"]
+    real = train(load_config(CONFIG, base), tmp_path / "real")
+    rand = train(load_config(CONFIG, [*base, "rl.reward_control=random"]), tmp_path / "rand")
+    for r in rl_rows(tmp_path / "rand"):
+        assert r["reward_control/agree_frac"] == 1.0  # a permutation of all-zero rewards
+    assert real["heldout_after_rl"]["success"] == rand["heldout_after_rl"]["success"]
+    a = load_file(tmp_path / "real/checkpoints/final/model.safetensors")
+    b = load_file(tmp_path / "rand/checkpoints/final/model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
