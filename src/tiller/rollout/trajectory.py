@@ -14,6 +14,7 @@ from enum import Enum
 from typing import Any
 
 from tiller.envs.verifiers import Reward
+from tiller.tools.registry import ToolResult
 
 
 class Status(str, Enum):
@@ -49,6 +50,11 @@ class Trajectory:
     # tokens the engine generated that the trajectory does not keep (cut at the episode's
     # token budget): with num_generated, every token the engine sampled for it
     discarded_tokens: int = 0
+    # the episode's seed (set by `collect.run_one`, which derives it): with the run's seed it
+    # names the episode, e.g. in traces.sqlite
+    seed: int | None = None
+    # (turn, result) of every tool call, in the order the env ran them (traces.sqlite)
+    tool_results: tuple[tuple[int, ToolResult], ...] = ()
 
     @property
     def num_generated(self) -> int:
@@ -79,6 +85,7 @@ class TrajectoryBuilder:
         self._versions: list[int] = []
         self._token_versions: list[int] = []
         self.discarded_tokens = 0
+        self.tool_results: list[tuple[int, ToolResult]] = []  # (turn, result), in call order
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -153,4 +160,5 @@ class TrajectoryBuilder:
             info=dict(info or {}),
             token_versions=tuple(self._token_versions),
             discarded_tokens=self.discarded_tokens,
+            tool_results=tuple(self.tool_results),
         )
