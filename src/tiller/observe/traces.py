@@ -70,6 +70,7 @@ CREATE TABLE IF NOT EXISTS episodes (
     tool_errors INTEGER NOT NULL,
     env_errors INTEGER NOT NULL,
     parse_errors INTEGER NOT NULL,
+    tool_outputs_truncated INTEGER NOT NULL,
     discarded_tokens INTEGER NOT NULL,
     turn_spans TEXT NOT NULL,
     segment_starts TEXT NOT NULL,
@@ -119,9 +120,9 @@ _EPISODE_COLUMNS = (
     "phase", "split", "rl_step", "global_step", "task_id", "sample_index", "seed", "status",
     "reward", "checks", "env_error", "min_version", "max_version", "versions", "n_tokens",
     "n_generated", "n_turns", "prompt_len", "tool_calls", "tool_errors", "env_errors",
-    "parse_errors", "discarded_tokens", "turn_spans", "segment_starts", "split_reasons",
-    "timings", "info", "messages",
-    "token_ids", "loss_mask", "logprobs", "token_versions", "written")
+    "parse_errors", "tool_outputs_truncated", "discarded_tokens", "turn_spans",
+    "segment_starts", "split_reasons", "timings", "info", "messages", "token_ids", "loss_mask",
+    "logprobs", "token_versions", "written")
 _INSERT_EPISODE = (f"INSERT INTO episodes ({', '.join(_EPISODE_COLUMNS)}) "
                    f"VALUES ({', '.join('?' * len(_EPISODE_COLUMNS))})")
 # what `query` returns per episode: everything but the per-token arrays and the messages
@@ -156,6 +157,7 @@ def _episode_row(traj: Trajectory, phase: str, split: str, global_step: int,
         "prompt_len": traj.prompt_len, "tool_calls": traj.tool_calls,
         "tool_errors": traj.tool_errors, "env_errors": traj.env_errors,
         "parse_errors": traj.parse_errors, "discarded_tokens": traj.discarded_tokens,
+        "tool_outputs_truncated": traj.tool_outputs_truncated,
         "turn_spans": _json([list(s) for s in traj.turn_spans]),
         "segment_starts": _json(list(traj.segment_starts)),
         "split_reasons": _json(list(traj.split_reasons)),
@@ -391,9 +393,9 @@ class TraceWriter:
     def _write_training(self, con: sqlite3.Connection, rl_step: int, seeds: list[int | None],
                         segments: list[list[tuple[int, int]]], loss_mask: torch.Tensor,
                         episode_index: torch.Tensor, tensors: RLStepTensors) -> None:
-        columns = (("train_mask", loss_mask.numpy()),
-                   ("trainer_logprobs", tensors.logp_old.numpy()),
-                   ("advantages", tensors.advantages.numpy()))
+        columns = (("train_mask", loss_mask.cpu().numpy()),
+                   ("trainer_logprobs", tensors.logp_old.cpu().numpy()),
+                   ("advantages", tensors.advantages.cpu().numpy()))
         owner = episode_index.tolist()  # the trajectory of each row
         if sum(map(len, segments)) != len(owner):
             raise ValueError(f"rl step {rl_step}: {len(owner)} batch rows for "
