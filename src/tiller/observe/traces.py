@@ -207,6 +207,7 @@ class TraceWriter:
         self._counts = dict.fromkeys(("written", "sampled_out", "dropped_cap", "dropped_queue",
                                       "eval_over_cap", "trained", "steps"), 0)
         self._bytes = 0
+        self._cpu_s = 0.0  # the writer thread's CPU time so far: what tracing costs
         self._error: BaseException | None = None
         self._closed = False
         # the schema exists before the first put returns: a reader never sees a bare file
@@ -260,10 +261,12 @@ class TraceWriter:
 
     def stats(self) -> dict[str, float]:
         """Cumulative counts (episodes written, sampled out, dropped at the cap or at a full
-        queue, eval episodes past the cap, trained rows updated, steps) and the payload MiB."""
+        queue, eval episodes past the cap, trained rows updated, steps), the payload MiB and
+        the writer thread's CPU seconds."""
         with self._lock:
             out = {f"traces/{k}": float(v) for k, v in self._counts.items()}
             out["traces/payload_mb"] = self._bytes / 2**20
+        out["traces/writer_cpu_s"] = self._cpu_s
         out["traces/queued"] = float(self._queue.qsize())
         return out
 
@@ -344,6 +347,7 @@ class TraceWriter:
                         break
                 done = items[-1] is None
                 self._write_batch(con, [item for item in items if item is not None])
+                self._cpu_s = time.thread_time()
         except BaseException as e:  # raised on the next put, and by close
             self._error = e
             log.error("traces: writing %s failed (%s: %s); the run stops at its next put",
