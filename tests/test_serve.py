@@ -578,9 +578,9 @@ def test_a_generation_past_the_timeout_is_aborted_with_504(model, tokenizer):
 
 def test_chat_template_rendering_matches_the_agent_loop(tokenizer, episode):
     """The server renders OpenAI messages exactly as the agent loop rendered the episode."""
-    from tiller.serve.openai_routes import _template_message
+    from tiller.serve.openai_routes import template_message
     from tiller.serve.protocol import ChatMessage, ToolDef
 
-    msgs = [_template_message(ChatMessage.model_validate(m)) for m in episode["messages"]]
+    msgs = [template_message(ChatMessage.model_validate(m)) for m in episode["messages"]]
     tools = [ToolDef.model_validate(t).model_dump(exclude_none=True) for t in episode["tools"]]
     assert ChatFormat(tokenizer, tools).prompt_ids(msgs) == episode["ids"][: episode["start"]]

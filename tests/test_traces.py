@@ -28,7 +28,7 @@ from tiller.errors import RunError
 from tiller.models import load_model
 from tiller.observe.traces import TraceWriter, connect, decode, query, read_episode
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits, ExpertActor, run_episode
-from tiller.rollout.collect import collect, rollout_metrics, run_one
+from tiller.rollout.collect import collect, run_one
 from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.rollout.trajectory import Status, TrajectoryBuilder
 from tiller.train.batch import Batch
@@ -264,19 +264,6 @@ def test_reader_and_config_errors(tmp_path):
             load_config("configs/calculator.yaml", [override])
 
 
-def test_rollout_metrics_log_each_reward_check():
-    def traj(checks):
-        b = TrajectoryBuilder("t")
-        b.append_prompt([1, 2])
-        b.append_generated([3], [-0.5], 0)
-        return b.finish(Reward(float(all(checks.values())), checks), Status.COMPLETED)
-
-    m = rollout_metrics([traj({"format": 1.0, "answer": 1.0}), traj({"format": 1.0, "answer": 0.0}),
-                         traj({"reset_error": 1.0})])
-    assert m["reward/format"] == pytest.approx(2 / 3) and m["reward/answer"] == pytest.approx(1 / 3)
-    assert m["reward/reset_error"] == pytest.approx(1 / 3)
-
-
 def test_a_run_traces_every_episode_and_trains_the_same_with_traces_off(tmp_path):
     on = train(load_config("configs/calculator.yaml", [*RUN, "observe.traces.sample_rate=0.5"]),
                tmp_path / "on")
@@ -290,7 +277,7 @@ def test_a_run_traces_every_episode_and_trains_the_same_with_traces_off(tmp_path
             .splitlines()]
     for phase in ("rl", "eval_sft", "eval_rl"):  # the reward's breakdown, every step and eval
         for r in (r for r in rows if r["phase"] == phase):
-            assert {"reward/correct", "reward/format_ok"} <= set(r)
+            assert {"check/correct", "check/format_ok"} <= set(r)
     (final,) = [r for r in rows if r["phase"] == "traces"]
     con = connect(tmp_path / "on" / "traces.sqlite")
     count = dict(con.execute("SELECT phase, count(*) FROM episodes GROUP BY phase").fetchall())

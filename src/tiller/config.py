@@ -70,9 +70,11 @@ class EnvConfig(_Section):
                                description="executor, fault injection, record/replay, gate")
 
 
+DEFAULT_LOOP = "tiller.rollout.agent_loop:run_episode"
+
+
 class AgentConfig(_Section):
-    loop: str = Field("tiller.rollout.agent_loop:run_episode",
-                      description="dotted path of the loop")
+    loop: str = Field(DEFAULT_LOOP, description="dotted path of the loop")
     memory: Literal["full", "drop_oldest", "truncate_tool_output"] = Field(
         "full", description="what a long episode keeps in context (docs/environments.md, "
         "'Memory'): full: everything, truncated at env.max_episode_tokens; drop_oldest: when "
@@ -82,6 +84,16 @@ class AgentConfig(_Section):
     tool_output_tokens: int | None = Field(
         None, ge=1, description="truncate_tool_output only (default 128): tokens kept of each "
         "tool message")
+    program: str | None = Field(
+        None, description="dotted path of a black-box agent program, `async def main(base_url, "
+        "api_key, model, task)`, awaited per episode against tiller's OpenAI-compatible "
+        "gateway (docs/gateway.md); replaces agent.loop")
+    program_timeout_s: float = Field(
+        300.0, gt=0, description="seconds one agent.program episode may run; past it the "
+        "episode is aborted")
+    reward: Literal["verifier", "program"] = Field(
+        "verifier", description="agent.program's reward: the env's verifier on the model's "
+        "last turn, or the number (or {'reward': x}) the program returns")
 
     @model_validator(mode="after")
     def _memory_knobs(self) -> AgentConfig:
@@ -89,6 +101,21 @@ class AgentConfig(_Section):
             raise ConfigError(f"config field agent.tool_output_tokens: got "
                               f"{self.tool_output_tokens}; it is only used with agent.memory: "
                               f"truncate_tool_output (agent.memory is {self.memory})")
+        return self
+
+    @model_validator(mode="after")
+    def _program_fits(self) -> AgentConfig:
+        if self.program is not None and self.loop != DEFAULT_LOOP:
+            raise ConfigError(f"config field agent.program: got {self.program!r}; it replaces "
+                              f"the agent loop, so agent.loop must stay the default (got "
+                              f"{self.loop!r}): set one of them")
+        if self.program is not None and self.memory != "full":
+            raise ConfigError(f"config field agent.memory: got {self.memory!r}; it is tiller's "
+                              "agent loop's memory, and agent.program keeps its own history "
+                              "(a rewrite splits the episode): leave it 'full'")
+        if self.program is None and self.reward == "program":
+            raise ConfigError("config field agent.reward: got 'program'; it needs an "
+                              "agent.program whose return value is the reward")
         return self
 
 
@@ -623,6 +650,70 @@ class ObserveConfig(_Section):
                                  description="token-level traces (traces.sqlite)")
 
 
+class DataConfig(_Section):
+    """A user's data files (docs/datasets.md): JSONL, Parquet, or a Hugging Face `datasets`
+    folder (save_to_disk) or .arrow file. `train`/`eval` are the tasks of `env.name: dataset`;
+    `sft` is a file of conversations SFT trains on instead of the env's scripted expert."""
+
+    train: str | None = Field(None, description="env dataset: the file of train prompts (one "
+                              "task per row)")
+    eval: str | None = Field(None, description="env dataset: the held-out file; unset: no "
+                             "held-out split, the run skips the held-out evaluations")
+    sft: str | None = Field(None, description="a file of conversations (messages column) SFT "
+                            "trains on, loss on the assistant tokens; replaces the scripted "
+                            "expert, so sft works for envs without one")
+    prompt_column: str = Field("prompt", description="the column holding each row's prompt "
+                               "(a string)")
+    messages_column: str | None = Field(
+        None, description="instead of prompt_column: a column of opening chat messages "
+        "(ending with a user message), which makes the rows conversational")
+    answer_column: str = Field("answer", description="the column library verifiers compare "
+                               "with (optional where no verifier needs it)")
+    tools_column: str = Field("tools", description="optional per-row column: a list of dotted "
+                              "paths of tool functions the row's episode may call")
+    metadata_columns: list[str] | None = Field(
+        None, description="the columns passed to reward functions besides the answer (each "
+        "required in every row); default: every column but the prompt")
+    tools: list[str] = Field(default_factory=list, description="dotted paths "
+                             "(package.module:function) of tools every row gets")
+    system: str | None = Field(None, description="system prompt of string-prompt rows")
+    sft_messages_column: str = Field("messages", description="the column of data.sft holding "
+                                     "each conversation")
+
+
+class RewardConfig(_Section):
+    """One entry of `rewards:`: a library verifier by name or a TRL-style reward function."""
+
+    verifier: str | None = Field(None, description="a library verifier comparing the "
+                                 "extracted answer with the answer column: exact_match, "
+                                 "normalized_match, numeric_match or regex_match")
+    function: str | None = Field(None, description="dotted path of fn(prompts, completions, "
+                                 "**columns) -> list[float | None] (TRL's reward_funcs)")
+    name: str | None = Field(None, description="the check's name in Reward.checks and the "
+                             "logs (default: the verifier's or the function's name)")
+    weight: float = Field(1.0, description="the entry's value counts weight * value")
+    gate: bool = Field(False, description="a necessary condition: the total is 0 unless this "
+                       "entry's value is at least 1")
+    extract: Literal["tagged", "answer_is", "text"] | None = Field(
+        None, description="verifier only: how the answer is taken from the final turn: tagged "
+        "(one final <answer>...</answer>, the default), answer_is ('The answer is X.'), text "
+        "(the whole final answer)")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> RewardConfig:
+        if (self.verifier is None) == (self.function is None):
+            raise ValueError("set exactly one of verifier (a library check) or function (a "
+                             "dotted path)")
+        if self.verifier is not None:
+            from tiller.envs.rewards import VERIFIERS
+
+            _registered(self.verifier, VERIFIERS)
+        elif self.extract is not None:
+            raise ValueError("extract applies to library verifiers only (a function gets the "
+                             "whole completion)")
+        return self
+
+
 class Config(_Section):
     name: str = "run"
     seed: int = 0
@@ -639,6 +730,10 @@ class Config(_Section):
     rollout: RolloutConfig = RolloutConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     observe: ObserveConfig = ObserveConfig()
+    data: DataConfig = Field(default_factory=DataConfig,
+                             description="data files: env dataset's rows, SFT conversations")
+    rewards: list[RewardConfig] = Field(default_factory=list,
+                                        description="env dataset: the reward entries")
 
     @property
     def l_max(self) -> int:
@@ -685,6 +780,32 @@ class Config(_Section):
         if self.rl.algorithm.overlong.mode == "soft" and self.l_cache >= self.l_max:
             raise ConfigError(f"config field rl.algorithm.overlong.l_cache: got {self.l_cache}; "
                               f"expected less than l_max = {self.l_max}")
+        return self
+
+
+    @model_validator(mode="after")
+    def _data_fits_env(self) -> Config:
+        dataset, data = self.env.name == "dataset", self.data
+        if dataset and data.train is None:
+            raise ConfigError("config field data.train: env.name is dataset, so name the file "
+                              "of train prompts (JSONL, Parquet or a datasets folder)")
+        if dataset and not self.rewards:
+            raise ConfigError("config field rewards: env.name is dataset, so list at least one "
+                              "reward entry (a verifier by name or a function by dotted path)")
+        if not dataset:
+            for name in ("train", "eval", "messages_column", "metadata_columns", "tools",
+                         "system"):
+                if getattr(data, name):
+                    raise ConfigError(f"config field data.{name}: only used with env.name: "
+                                      f"dataset (env.name is {self.env.name})")
+            if self.rewards:
+                raise ConfigError("config field rewards: only used with env.name: dataset (env "
+                                  f"{self.env.name} scores episodes with its own verifier)")
+        if data.sft is not None:
+            for name in ("tasks", "imperfect_fraction"):
+                if getattr(self.sft, name) != SFTConfig.model_fields[name].default:
+                    raise ConfigError(f"config field sft.{name}: used only for scripted-expert "
+                                      "demonstrations; data.sft gives the conversations")
         return self
 
 

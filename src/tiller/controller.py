@@ -43,6 +43,10 @@ def gate(run: Run) -> dict[str, float]:
     gate, replay = run.cfg.env.tools.gate, run.cfg.env.tools.replay
     if not gate.enabled or (replay is not None and replay.mode == "replay"):
         return {}  # replaying: the live tools are not used at all
+    if not run.env_cls.has_expert:  # the probe is the expert's calls
+        log.info("tool gate skipped: env %s has no scripted expert to probe the tools with",
+                 run.cfg.env.name)
+        return {}
     run.expert(run.tasks("train", gate.probe_tasks, 4), guess=0.0, tag="gate")
     report = run.tools.probe_report()
     run.tools.stats(reset=True)
@@ -57,9 +61,12 @@ def gate(run: Run) -> dict[str, float]:
 
 def sft(run: Run) -> dict[str, Any]:
     cfg, t0 = run.cfg.sft, time.perf_counter()
-    demos = run.expert(run.tasks("train", cfg.tasks, 2), cfg.imperfect_fraction, "sft")
-    run.log("sft_demos", run.tools.stats(reset=True))
-    demos = [d for d in demos if d.status is Status.COMPLETED]
+    if run.cfg.data.sft is not None:  # the user's conversations: every one is kept
+        demos = run.sft_demos()
+    else:
+        demos = run.expert(run.tasks("train", cfg.tasks, 2), cfg.imperfect_fraction, "sft")
+        run.log("sft_demos", run.tools.stats(reset=True))
+        demos = [d for d in demos if d.status is Status.COMPLETED]
     total = cfg.epochs * -(-len(demos) // cfg.batch_size)
     with progress(run.cfg.logging.progress, "SFT", total) as advance:
 
@@ -71,8 +78,10 @@ def sft(run: Run) -> dict[str, Any]:
                           on_step)
     run.push_weights()
     run.timings["sft_s"] = time.perf_counter() - t0
-    return {"demonstrations": len(demos), "steps": steps,
-            "expert_success": float(np.mean([is_success(d) for d in demos]))}
+    out: dict[str, Any] = {"demonstrations": len(demos), "steps": steps}
+    if run.cfg.data.sft is None:  # conversations carry no reward
+        out["expert_success"] = float(np.mean([is_success(d) for d in demos]))
+    return out
 
 
 def evaluate(run: Run, tasks: list, label: str) -> dict[str, float]:
@@ -178,6 +187,8 @@ def rl(run: Run) -> dict[str, Any]:
                                           {k.removeprefix("ledger/"): v for k, v in ledger.items()})
                     m.update(run.traces.stats())
                 m.update({f"engine/{k}": v for k, v in run.engine.stats().items()})
+                if run.gateway is not None:  # agent.program: calls, splits, rejections so far
+                    m.update(run.gateway.stats())
                 rollouts.weights_live(step + 1, run.trainer.version)
                 run.log("rl", m, step + 1)
                 advance(f"reward={m['reward_mean']:.2f} success={m['success_rate']:.2f} "
@@ -240,14 +251,19 @@ def train(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:
     summary: dict[str, Any] = {"run_dir": str(run.dir), "seed": cfg.seed}
     try:
         heldout = run.tasks("heldout", cfg.eval.tasks, 0)
+        if not heldout:  # a dataset env without data.eval: no held-out split
+            log.warning("no held-out tasks (env %s, data.eval unset): the held-out "
+                        "evaluations are skipped", cfg.env.name)
         summary["tool_gate"] = gate(run)
         if cfg.sft.enabled:
             summary["sft"] = sft(run)
             summary["sft"]["checkpoint"] = str(run.save("sft"))
-        summary["heldout_after_sft"] = evaluate(run, heldout, "sft")
+        if heldout:
+            summary["heldout_after_sft"] = evaluate(run, heldout, "sft")
         if cfg.rl.steps > 0:
             summary["rl"] = rl(run)
-            summary["heldout_after_rl"] = evaluate(run, heldout, "rl")
+            if heldout:
+                summary["heldout_after_rl"] = evaluate(run, heldout, "rl")
         summary["checkpoint"] = str(run.save())
     finally:
         run.close()
@@ -261,7 +277,11 @@ def evaluate_checkpoint(cfg: Config, output_dir: str | Path | None = None) -> di
     """Held-out success of the model at `model.path`."""
     run = Run(cfg, output_dir)
     try:
-        heldout = evaluate(run, run.tasks("heldout", cfg.eval.tasks, 0), "checkpoint")
+        tasks = run.tasks("heldout", cfg.eval.tasks, 0)
+        if not tasks:
+            raise ConfigError(f"config field data.eval: env {cfg.env.name} has no held-out "
+                              "tasks to evaluate; set data.eval to a held-out file")
+        heldout = evaluate(run, tasks, "checkpoint")
     finally:
         run.close()
     summary = {"run_dir": str(run.dir), "heldout": heldout}

@@ -18,10 +18,29 @@ class RunError(RuntimeError):
     it stops with one line naming the cause instead of finishing without learning."""
 
 
+IN_PROCESS = "<in-process>:"
+_held: dict[str, Callable[..., Any]] = {}
+
+
+def hold_callable(fn: Callable[..., Any]) -> str:
+    """A name for `fn` that `import_dotted` resolves in this process only: for a callable
+    passed in Python (tiller.Trainer) that has no importable dotted path (a lambda, a local
+    function, one defined in __main__ or a notebook)."""
+    name = f"{IN_PROCESS}{getattr(fn, '__qualname__', type(fn).__name__)}#{id(fn):x}"
+    _held[name] = fn
+    return name
+
+
 def import_dotted(path: str, field: str) -> Callable[..., Any]:
     """The callable at `package.module:name` (or `package.module.name`) that config `field`
     names; a one-line ConfigError when it cannot be imported (whatever the import raised: a
     syntax error in the user's module too) or is not callable."""
+    if path.startswith(IN_PROCESS):
+        if path not in _held:
+            raise ConfigError(f"config field {field}: got {path!r}, a callable that was passed "
+                              "in Python to another process; a config to replay from the CLI "
+                              "needs an importable package.module:function")
+        return _held[path]
     module, _, name = path.partition(":") if ":" in path else path.rpartition(".")
     try:
         fn = getattr(importlib.import_module(module), name)

@@ -140,16 +140,19 @@ def build_tiny_model(
 
 def build_env_model(env_cls: type[Env], out: Path, build: BuildConfig, *, seed: int,
                     difficulty: int, max_turns: int) -> Path:
-    """A tiny model whose tokenizer learned from the env's expert episodes.
+    """A tiny model whose tokenizer learned from the env's expert episodes (or the text of
+    `env_cls.tokenizer_corpus`, for an env without an expert).
 
     The episodes are rendered through the real loop with a byte-level tokenizer (the BPE
     alphabet with no merges yet); a share of them guess, so answers without tools are covered.
     """
     bootstrap = train_tokenizer([], 0)
     tasks = env_cls.make_tasks("train", build.corpus_tasks, seed + 1, difficulty)
-    trajs = collect_expert(env_cls, tasks, bootstrap, guess=0.3,
-                           limits=EpisodeLimits(max_turns, 1 << 16), seed=seed)
-    corpus = [bootstrap.decode(t.token_ids) for t in trajs]
+    corpus = env_cls.tokenizer_corpus(tasks, bootstrap)  # an env without an expert: its text
+    if corpus is None:
+        trajs = collect_expert(env_cls, tasks, bootstrap, guess=0.3,
+                               limits=EpisodeLimits(max_turns, 1 << 16), seed=seed)
+        corpus = [bootstrap.decode(t.token_ids) for t in trajs]
     return build_tiny_model(out, corpus, vocab_size=build.vocab_size,
                             hidden_size=build.hidden_size, num_layers=build.num_layers,
                             num_heads=build.num_heads, seed=seed)

@@ -19,7 +19,9 @@ import yaml
 
 from tiller.config import Config
 from tiller.envs import ENVS, Env, Task, ToolEnv
+from tiller.envs.dataset import read_conversations
 from tiller.errors import ConfigError, require_package
+from tiller.gateway.program import ProgramEpisode, load_program
 from tiller.models import build_env_model, load_model, load_tokenizer, resolve_device
 from tiller.observe.metrics import MetricsLogger, check_backends
 from tiller.observe.traces import TraceWriter
@@ -37,6 +39,7 @@ from tiller.rollout.sync import WeightSync
 from tiller.rollout.trajectory import Trajectory
 from tiller.tools.sandbox import set_unsafe_fallback
 from tiller.tools.stack import ToolStack
+from tiller.train.conversations import conversation_demos
 from tiller.train.shaping import load_key_steps
 from tiller.train.trainer import Trainer
 
@@ -76,16 +79,31 @@ def check_task_counts(cfg: Config, env_cls: type[Env]) -> None:
                               f"{space} or pick an env.difficulty with more")
 
 
+def check_sft_source(cfg: Config, env_cls: type[Env]) -> None:
+    """SFT needs demonstrations: the env's scripted expert or the conversations of data.sft."""
+    if cfg.sft.enabled and cfg.data.sft is None and not env_cls.has_expert:
+        raise ConfigError(f"config field sft.enabled: env {cfg.env.name} has no scripted "
+                          "expert to demonstrate; give SFT conversations in data.sft (a "
+                          "messages JSONL), or set sft.enabled=false")
+
+
 class Run:
     """Everything one run needs, built from a validated `Config`. Hooks named in the config
-    (agent loop, key steps) are imported first, so a bad one fails before any work."""
+    (agent loop or program, key steps) are imported first, so a bad one fails before any work."""
+
+    gateway: Any = None  # agent.program's gateway, started once the models are built
+    traces: TraceWriter | None = None  # traces.sqlite's writer (observe.traces)
 
     def __init__(self, cfg: Config, output_dir: str | Path | None = None):
         self.cfg = cfg
-        self.env_cls = get_env(cfg.env.name)
+        self.env_cls = get_env(cfg.env.name).configure(cfg)  # a dataset env reads its rows
+        check_sft_source(cfg, self.env_cls)
+        # every row checked now, before any work
+        self.sft_conversations = read_conversations(cfg.data) if cfg.data.sft else []
         check_backends(cfg.logging.tensorboard, cfg.logging.wandb)
         check_task_counts(cfg, self.env_cls)
         self.episode_fn = load_episode_fn(cfg.agent.loop)
+        program = load_program(cfg.agent.program) if cfg.agent.program else None
         self.key_steps = load_key_steps(cfg.rl.algorithm.credit.key_steps)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.dir = Path(output_dir or cfg.output_dir or Path("runs") / f"{cfg.name}-{stamp}")
@@ -111,6 +129,16 @@ class Run:
         t = cfg.observe.traces
         self.traces = TraceWriter(self.dir / "traces.sqlite", t.sample_rate, t.max_mb, cfg.seed,
                                   t.queue_size, t.close_timeout_s) if t.enabled else None
+        if program is not None:
+            from tiller.gateway.server import Gateway  # FastAPI and uvicorn: the serve extra
+
+            try:
+                self.gateway = Gateway().start()
+            except BaseException:
+                self.close()
+                raise
+            self.episode_fn = ProgramEpisode(self.gateway, program, cfg.agent.program_timeout_s,
+                                             cfg.agent.reward)
 
     def _build_models(self) -> None:
         cfg = self.cfg
@@ -205,6 +233,11 @@ class Run:
         check_aborted(trajs, self.cfg.rl.max_aborted_frac, "/".join(map(str, tag)))
         return trajs
 
+    def sft_demos(self) -> list[Trajectory]:
+        """The conversations of data.sft as demonstrations (train.conversations)."""
+        return conversation_demos(self.sft_conversations, self.tokenizer, self.cfg.data,
+                                  self.cfg.env.max_episode_tokens)
+
     def expert(self, tasks: Sequence[Task], guess: float, tag: str) -> list[Trajectory]:
         return collect_expert(self.env_cls, tasks, self.tokenizer, guess=guess,
                               limits=self.limits, seed=self.cfg.seed, episode_fn=self.episode_fn,
@@ -231,3 +264,5 @@ class Run:
                         self.tools.close()
                     finally:
                         set_unsafe_fallback(False)  # the run's sandbox policy ends with it
+                        if self.gateway is not None:
+                            self.gateway.close()

@@ -10,11 +10,14 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from tiller.envs.verifiers import Reward
 from tiller.rollout.chat import ParsedTurn
 from tiller.tools.registry import Tool, ToolCall, ToolOutcome, ToolRegistry, ToolResult
+
+if TYPE_CHECKING:
+    from tiller.config import Config
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,20 @@ class Env(ABC):
     requires: ClassVar[dict[str, str]] = {}
     """Optional packages the env imports -> the pip extra that installs each (checked at
     start-up, so a missing one is one line, not a traceback minutes in)."""
+    has_expert: ClassVar[bool] = True
+    """Whether `expert_turn` is a scripted expert (SFT demonstrations, the tool gate's probe)."""
+
+    @classmethod
+    def configure(cls, cfg: Config) -> type[Env]:
+        """The env class a run uses, given its config: this one, or a subclass holding what
+        the config names (the dataset env's rows). Runs once at start-up, before any work."""
+        return cls
+
+    @classmethod
+    def tokenizer_corpus(cls, tasks: list[Task], tokenizer: Any) -> list[str] | None:
+        """Text a built model's tokenizer trains on (`model.build`), rendered with the
+        bootstrap `tokenizer`; None: the scripted expert's episodes on `tasks`."""
+        return None
 
     @abstractmethod
     async def reset(self, task: Task, seed: int) -> list[dict[str, Any]]:

@@ -82,14 +82,9 @@ def check_aborted(trajectories: Sequence[Trajectory], max_frac: float, where: st
 
 
 def rollout_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
-    """Means over the episodes; `reward/<check>` is each verifier check's mean (the reward's
-    breakdown: format, arguments, answer...), an episode without that check counting 0 (an
-    episode whose reset or verifier failed has only `reset_error` / `verifier_error`)."""
     n = max(len(trajs), 1)
     statuses = [t.status for t in trajs]
-    checks = sorted({k for t in trajs for k in t.reward.checks})
-    return {
-        **{f"reward/{k}": sum(t.reward.checks.get(k, 0.0) for t in trajs) / n for k in checks},
+    return {**check_means(trajs),
         "reward_mean": sum(t.reward.value for t in trajs) / n,
         "success_rate": sum(is_success(t) for t in trajs) / n,
         "response_tokens_mean": sum(t.num_generated for t in trajs) / n,
@@ -105,3 +100,12 @@ def rollout_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
         "truncated_rate": statuses.count(Status.TRUNCATED) / n,
         "aborted_rate": statuses.count(Status.ABORTED) / n,
     }
+
+
+def check_means(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """`check/<name>`: the mean of each verifier check over the episodes that report it."""
+    values: dict[str, list[float]] = {}
+    for t in trajs:
+        for name, v in t.reward.checks.items():
+            values.setdefault(name, []).append(float(v))
+    return {f"check/{name}": sum(vs) / len(vs) for name, vs in sorted(values.items())}

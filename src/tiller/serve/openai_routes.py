@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from jinja2 import TemplateError
 
-from tiller.rollout.chat import ChatFormat
+from tiller.rollout.chat import ChatFormat, ParsedTurn
 from tiller.rollout.engine import Generation, SamplingParams
 from tiller.serve.protocol import (
     APIError,
@@ -34,14 +34,18 @@ NO_TOP_LOGPROBS = ("top log-probabilities are not supported: the engine returns 
                    "sampled token's log-probability")
 
 
-def _check_common(server: Server, body: CompletionRequest | ChatCompletionRequest) -> None:
-    served = server.settings.model_path
+def check_model_and_stop(body: CompletionRequest | ChatCompletionRequest, served: str) -> None:
+    """404 for a model name other than `served`, 400 for stop strings (also the gateway's)."""
     if body.model != served:
         raise APIError(404, f"model {body.model!r} is not served here; GET /v1/models lists "
                             f"{served!r}")
     if body.stop:
         raise APIError(400, "stop strings are not supported; generation ends at the model's "
                             "stop tokens")
+
+
+def _check_common(server: Server, body: CompletionRequest | ChatCompletionRequest) -> None:
+    check_model_and_stop(body, server.settings.model_path)
     server.check_n(body.n)
 
 
@@ -51,7 +55,7 @@ def _finish(g: Generation, has_tool_calls: bool = False) -> str:
     return g.finish_reason  # "stop", "length" or "abort"
 
 
-def _usage(prompt: list[int], gens: list[Generation]) -> dict[str, Any]:
+def usage(prompt: list[int], gens: list[Generation]) -> dict[str, Any]:
     completion = sum(len(g.token_ids) for g in gens)
     return {"prompt_tokens": len(prompt), "completion_tokens": completion,
             "total_tokens": len(prompt) + completion,
@@ -116,7 +120,7 @@ async def completions(server: Server, request: Request) -> Any:
             "model": body.model}
     extra = {"prompt_token_ids": prompt} if body.return_token_ids else {}
     if not body.stream:
-        return {**head, "choices": choices, "usage": _usage(prompt, gens), **extra}
+        return {**head, "choices": choices, "usage": usage(prompt, gens), **extra}
     events = []
     for c in choices:  # the text with its logprobs, then the finish reason (and token ids)
         events.append({**head, **extra, "choices": [{
@@ -128,13 +132,13 @@ async def completions(server: Server, request: Request) -> Any:
             last["token_ids"] = c["token_ids"]
         events.append({**head, "choices": [last]})
     if body.stream_options and body.stream_options.include_usage:
-        events.append({**head, "choices": [], "usage": _usage(prompt, gens)})
+        events.append({**head, "choices": [], "usage": usage(prompt, gens)})
     return _sse(events)
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------------
 
-def _template_message(m: ChatMessage) -> dict[str, Any]:
+def template_message(m: ChatMessage) -> dict[str, Any]:
     """An OpenAI message as the chat template renders it: text parts joined, a developer
     message as a system one, tool-call arguments decoded from their JSON string."""
     content = (m.content if isinstance(m.content, str) or m.content is None
@@ -157,20 +161,21 @@ def _template_message(m: ChatMessage) -> dict[str, Any]:
     return msg
 
 
-def _chat_logprobs(server: Server, g: Generation) -> dict[str, Any]:
+def _chat_logprobs(tokenizer: Any, g: Generation) -> dict[str, Any]:
     """One entry per generated token, the end-of-turn token included (they line up with
     token_ids); top_logprobs is always empty."""
     entries = []
     for t, lp in zip(g.token_ids, g.logprobs, strict=True):
-        text = server.tokenizer.decode([t])
+        text = tokenizer.decode([t])
         entries.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
                         "top_logprobs": []})
     return {"content": entries}
 
 
-def _chat_choice(server: Server, chat: ChatFormat, g: Generation, index: int,
-                 body: ChatCompletionRequest) -> dict[str, Any]:
-    turn = chat.parse(g.token_ids)
+def chat_choice(tokenizer: Any, turn: ParsedTurn, g: Generation, index: int,
+                body: ChatCompletionRequest) -> dict[str, Any]:
+    """Choice `index` of a chat completion: `turn` (the parse of `g`'s ids) as the assistant
+    message, each tool call with a fresh id and its arguments as a JSON string."""
     calls = [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
               "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
              for c in turn.tool_calls]
@@ -180,7 +185,7 @@ def _chat_choice(server: Server, chat: ChatFormat, g: Generation, index: int,
         message["tool_calls"] = calls
     choice: dict[str, Any] = {
         "index": index, "message": message, "finish_reason": _finish(g, bool(calls)),
-        "logprobs": _chat_logprobs(server, g) if body.logprobs else None}
+        "logprobs": _chat_logprobs(tokenizer, g) if body.logprobs else None}
     if turn.parse_errors:  # malformed calls: said, not dropped
         choice["tool_call_errors"] = turn.parse_errors
     if body.return_token_ids:
@@ -188,33 +193,53 @@ def _chat_choice(server: Server, chat: ChatFormat, g: Generation, index: int,
     return choice
 
 
-async def chat_completions(server: Server, request: Request) -> Any:
-    body: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
-    _check_common(server, body)
+def chat_inputs(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[dict] | None]:
+    """The request's messages and tools as the chat template renders them; 400 for
+    top_logprobs (not supported) or tool-call arguments that are not JSON."""
     if body.top_logprobs:
         raise APIError(400, f"top_logprobs={body.top_logprobs}: {NO_TOP_LOGPROBS}")
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true")
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    messages = [_template_message(m) for m in body.messages]
+    return [template_message(m) for m in body.messages], tools
+
+
+def render_error(e: Exception) -> APIError:
+    """A chat template that raised on the request's messages: the request's fault, a 400."""
+    return APIError(400, f"the chat template cannot render these messages: "
+                         f"{type(e).__name__}: {e}"[:300])
+
+
+TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError)
+
+
+async def chat_completions(server: Server, request: Request) -> Any:
+    body: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
+    _check_common(server, body)
+    messages, tools = chat_inputs(body)
     server.check_text(sum(len(m["content"]) for m in messages)
                       + sum(len(json.dumps(t)) for t in tools or []))
     try:
         chat = ChatFormat(server.tokenizer, tools)
         prompt = chat.prompt_ids(messages)
-    except (TemplateError, TypeError, ValueError) as e:
-        raise APIError(400, f"the chat template cannot render these messages: "
-                            f"{type(e).__name__}: {e}"[:300]) from e
+    except TEMPLATE_ERRORS as e:
+        raise render_error(e) from e
     max_new = body.max_completion_tokens or body.max_tokens
     rid, gens, seed, _ = await _run(server, body, prompt, max_new, "chatcmpl")
     seeds = choice_seeds(seed, body.n)
-    choices = [{**_chat_choice(server, chat, g, i, body), "seed": seeds[i]}
-               for i, g in enumerate(gens)]
+    choices = [{**chat_choice(server.tokenizer, chat.parse(g.token_ids), g, i, body),
+                "seed": seeds[i]} for i, g in enumerate(gens)]
+    return chat_reply(body, rid, prompt, gens, choices)
+
+
+def chat_reply(body: ChatCompletionRequest, rid: str, prompt: list[int],
+               gens: list[Generation], choices: list[dict[str, Any]]) -> Any:
+    """The chat completion (or, with stream=true, its Server-Sent Events) for `choices`."""
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()),
             "model": body.model}
     extra = {"prompt_token_ids": prompt} if body.return_token_ids else {}
     if not body.stream:
-        return {**head, "choices": choices, "usage": _usage(prompt, gens), **extra}
+        return {**head, "choices": choices, "usage": usage(prompt, gens), **extra}
 
     head["object"] = "chat.completion.chunk"
     events = []
@@ -236,7 +261,7 @@ async def chat_completions(server: Server, request: Request) -> Any:
         last.update({k: c[k] for k in ("token_ids", "tool_call_errors", "seed") if k in c})
         events.append({**head, "choices": [last]})
     if body.stream_options and body.stream_options.include_usage:
-        events.append({**head, "choices": [], "usage": _usage(prompt, gens)})
+        events.append({**head, "choices": [], "usage": usage(prompt, gens)})
     return _sse(events)
 
 
