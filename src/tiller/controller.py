@@ -113,6 +113,10 @@ def evaluate(run: Run, tasks: list, label: str, name: str = "heldout",
             rows += outcome_rows(got, name, seed, difficulty or run.cfg.env.difficulty)
             trajs += got
     write_outcomes(run.dir / "eval" / f"{label}.jsonl", name, rows)
+    if run.traces is not None:  # every eval episode is kept
+        split = {t.id: t.split for t in tasks}
+        for t in trajs:
+            run.traces.put_episode(t, f"eval_{label}", split[t.task_id], run.trainer.version)
     summary = success_summary(trajs, seed=run.cfg.seed, k=ev.pass_k)
     if len(seeds) > 1:
         summary.update(per_seed, seeds=len(seeds))
@@ -175,6 +179,9 @@ def rl(run: Run) -> dict[str, Any]:
                      **trend.update(taken.ended, run.trainer.version),
                      "rollout_tokens": float(sum(t.num_generated for t in taken.ended)),
                      "rollout_s": time.perf_counter() - ts}  # the wait for the batch
+                if run.traces is not None:
+                    for t in taken.ended:
+                        run.traces.put_episode(t, "rl", "train", run.trainer.version, step + 1)
                 idle = 0 if kept else idle + 1
                 if not kept and (not m.get("groups_dropped") or idle > cfg.max_idle_steps):
                     raise RunError(f"rl step {step + 1}: nothing to train ({idle} step(s) in a "
@@ -201,6 +208,8 @@ def rl(run: Run) -> dict[str, Any]:
                     m.update(stats, **run.trainer.rl_step(batch, cfg, run.cfg.l_max, ref,
                                                           critic, step))
                     m["train_s"] = time.perf_counter() - tt
+                    if run.traces is not None:
+                        run.traces.put_training(step + 1, kept, batch, run.trainer.last_rl)
                     ts_sync = time.perf_counter()
                     m.update(run.push_weights(in_flight))  # sync/*: bytes, kind, parity
                     m["sync_s"] = time.perf_counter() - ts_sync
@@ -210,7 +219,12 @@ def rl(run: Run) -> dict[str, Any]:
                          trainer_busy_frac=trainer_s / (time.perf_counter() - t0))
                 # counters as of this step, before the next groups may start (in sync they
                 # start only now, so these are exact per step)
-                m.update({k: v for k, v in rollouts.stats().items() if k.startswith("ledger/")})
+                ledger = {k: v for k, v in rollouts.stats().items() if k.startswith("ledger/")}
+                m.update(ledger)
+                if run.traces is not None:
+                    run.traces.put_ledger(step + 1, run.trainer.version,
+                                          {k.removeprefix("ledger/"): v for k, v in ledger.items()})
+                    m.update(run.traces.stats())
                 m.update({f"engine/{k}": v for k, v in run.engine.stats().items()})
                 if run.gateway is not None:  # agent.program: calls, splits, rejections so far
                     m.update(run.gateway.stats())

@@ -24,6 +24,7 @@ from tiller.errors import ConfigError, require_package
 from tiller.gateway.program import ProgramEpisode, load_program
 from tiller.models import build_env_model, load_model, load_tokenizer, resolve_device
 from tiller.observe.metrics import MetricsLogger, check_backends
+from tiller.observe.traces import TraceWriter
 from tiller.rollout.agent_loop import (
     EngineActor,
     EpisodeLimits,
@@ -100,6 +101,7 @@ class Run:
     (agent loop or program, key steps) are imported first, so a bad one fails before any work."""
 
     gateway: Any = None  # agent.program's gateway, started once the models are built
+    traces: TraceWriter | None = None  # traces.sqlite's writer (observe.traces)
 
     def __init__(self, cfg: Config, output_dir: str | Path | None = None):
         self.cfg = cfg
@@ -133,6 +135,9 @@ class Run:
             self.tools.close()
             set_unsafe_fallback(False)
             raise
+        t = cfg.observe.traces
+        self.traces = TraceWriter(self.dir / "traces.sqlite", t.sample_rate, t.max_mb, cfg.seed,
+                                  t.queue_size, t.close_timeout_s) if t.enabled else None
         if program is not None:
             from tiller.gateway.server import Gateway  # FastAPI and uvicorn: the serve extra
 
@@ -259,12 +264,16 @@ class Run:
         try:  # each closes even when the one before it failed
             self.engine.close()
         finally:
-            try:
-                self.logger.close()
+            try:  # drained before the logger closes, so its final counts are logged
+                if self.traces is not None:
+                    self.log("traces", self.traces.close())
             finally:
                 try:
-                    self.tools.close()
+                    self.logger.close()
                 finally:
-                    set_unsafe_fallback(False)  # the run's sandbox policy ends with the run
-                    if self.gateway is not None:
-                        self.gateway.close()
+                    try:
+                        self.tools.close()
+                    finally:
+                        set_unsafe_fallback(False)  # the run's sandbox policy ends with it
+                        if self.gateway is not None:
+                            self.gateway.close()

@@ -14,6 +14,7 @@ from enum import Enum
 from typing import Any
 
 from tiller.envs.verifiers import Reward
+from tiller.tools.registry import ToolResult
 
 
 class Status(str, Enum):
@@ -50,6 +51,11 @@ class Trajectory:
     # tokens the engine generated that the trajectory does not keep (cut at the episode's
     # token budget): with num_generated, every token the engine sampled for it
     discarded_tokens: int = 0
+    # the episode's seed (set by `collect.run_one`, which derives it): with the run's seed it
+    # names the episode, e.g. in traces.sqlite
+    seed: int | None = None
+    # (turn, result) of every tool call, in the order the env ran them (traces.sqlite)
+    tool_results: tuple[tuple[int, ToolResult], ...] = ()
     # An episode whose context was replaced mid-way (the template re-rendered the history, or a
     # black-box agent rewrote it) is several exact sequences, concatenated in the fields above:
     # each index here starts a new one, whose own prompt is re-encoded context (mask 0). The
@@ -93,6 +99,7 @@ class TrajectoryBuilder:
         self._versions: list[int] = []
         self._token_versions: list[int] = []
         self.discarded_tokens = 0
+        self.tool_results: list[tuple[int, ToolResult]] = []  # (turn, result), in call order
         self._segment_starts: list[int] = []
         self._split_reasons: list[str] = []
 
@@ -186,6 +193,7 @@ class TrajectoryBuilder:
             info=dict(info or {}),
             token_versions=tuple(self._token_versions),
             discarded_tokens=self.discarded_tokens,
+            tool_results=tuple(self.tool_results),
             segment_starts=tuple(self._segment_starts),
             split_reasons=tuple(self._split_reasons),
         )
