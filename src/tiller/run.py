@@ -92,7 +92,8 @@ class Run:
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        self.limits = EpisodeLimits(cfg.env.max_turns, cfg.env.max_episode_tokens)
+        self.limits = EpisodeLimits(cfg.env.max_turns, cfg.env.max_episode_tokens,
+                                    cfg.model.chat_format, cfg.agent.history)
         self.timings: dict[str, float] = {}
         # Before any work: a bad replay path stops the run here, and the sandbox policy holds
         # from the first env on (a code env without bwrap refuses unless it is allowed).

@@ -71,8 +71,13 @@ class ExpertActor:
 
 @dataclass(frozen=True)
 class EpisodeLimits:
+    """What bounds an episode, and how its turns are rendered (`model.chat_format`,
+    `agent.history`)."""
+
     max_turns: int = 8
     max_episode_tokens: int = 1024
+    chat_format: str = "auto"  # a family of tiller.rollout.chat.FAMILIES, or auto
+    history: str = "stream"  # stream: exact sampled ids; template: the template's re-render
 
 
 def derive_seed(*parts: Any) -> int:
@@ -84,15 +89,22 @@ def check_rollout_setup(
     tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig, limits: EpisodeLimits
 ) -> None:
     """Start-up checks, so that what would fail in every episode fails once, as one line
-    (ConfigError): the chat template has an end-of-turn token and is prefix-stable across a
-    tool round trip, and an episode fits in the model's context."""
+    (ConfigError): the chat format is known, the chat template has an end-of-turn token and
+    renders the observation after a tool round trip, and an episode fits in the model's
+    context."""
     context = getattr(model_config, "max_position_embeddings", None)
     if context is not None and limits.max_episode_tokens > context:
         raise ConfigError(f"config field env.max_episode_tokens: got {limits.max_episode_tokens}; "
                           f"expected at most the model's context length "
                           f"(max_position_embeddings={context})")
+    if limits.history not in HISTORY_MODES:
+        raise ConfigError(f"config field agent.history: got {limits.history!r}; expected one "
+                          f"of {', '.join(HISTORY_MODES)}")
     chat = ChatFormat(tokenizer, [{"type": "function", "function": {
-        "name": "calculate", "description": "Evaluate.", "parameters": {"type": "object"}}}])
+        "name": "calculate", "description": "Evaluate.", "parameters": {"type": "object"}}}],
+        limits.chat_format)
+    logger.info("chat format: %s (model.chat_format=%s), history: %s", chat.family,
+                limits.chat_format, limits.history)
     call = {"type": "function", "function": {"name": "calculate", "arguments": {"x": "1"}}}
     messages = [{"role": "system", "content": "Use the tools."},
                 {"role": "user", "content": "What is 1?"},
@@ -101,7 +113,11 @@ def check_rollout_setup(
         chat.observation_ids(messages, [{"role": "tool", "name": "calculate", "content": "1"}])
     except ValueError as e:
         raise ConfigError(f"{e}; tiller appends observation tokens after each generated turn, "
-                          "so use a chat template that is prefix-stable") from e
+                          "so use a chat template that closes each assistant turn with its "
+                          "end-of-turn token") from e
+
+
+HISTORY_MODES = ("stream", "template")
 
 
 # The run's own configuration or state is broken (a sandbox that refuses to start, fail-closed):
@@ -155,7 +171,7 @@ async def run_episode(
             reward = Reward(0.0, {"reset_error": 1.0})
         else:
             try:
-                chat = ChatFormat(tokenizer, env.tool_schemas())
+                chat = ChatFormat(tokenizer, env.tool_schemas(), limits.chat_format)
                 traj.append_prompt(chat.prompt_ids(messages))
                 final, status = await _turns(env, actor, chat, traj, messages, seed=seed,
                                              session_id=f"{task.id}/{sample_index}/{seed}",
@@ -211,11 +227,16 @@ async def _turns(
     timings: dict[str, float],
 ) -> tuple[ParsedTurn | None, Status]:
     """The turns of `run_episode`: generate, parse, step, append the observation; returns the
-    final answer (None unless COMPLETED) and the status so far."""
+    final answer (None unless COMPLETED) and the status so far.
+
+    With `history="template"`, each next prompt is the template's rendering of the messages;
+    where that is not the sampled stream plus the observation (a template that drops earlier
+    reasoning), the episode goes on in a new exact segment that starts from it."""
+    segment = 0  # where the exact sequence the actor continues starts in traj
     for turn in range(limits.max_turns):
         t = time.perf_counter()
         try:
-            gen = await actor.act(traj.token_ids, messages, derive_seed(seed, turn),
+            gen = await actor.act(traj.token_ids[segment:], messages, derive_seed(seed, turn),
                                   session_id=session_id)
         except RUN_FAILURES:
             raise
@@ -269,13 +290,21 @@ async def _turns(
 
         try:
             obs_ids = chat.observation_ids(messages, result.messages)
-        except Exception as e:  # the template raised or changed earlier text: ids would be wrong
+            stream = traj.token_ids[segment:] + obs_ids
+            rendered = (chat.prompt_ids([*messages, *result.messages])
+                        if limits.history == "template" else stream)
+        except Exception as e:  # the template raised: ids would be wrong
             info["error"] = _error(e, "chat template")
             return None, Status.ABORTED
         messages.extend(result.messages)
-        if len(traj) + len(obs_ids) >= limits.max_episode_tokens:
+        added = obs_ids if rendered == stream else rendered
+        if len(traj) + len(added) >= limits.max_episode_tokens:
             return None, Status.TRUNCATED
-        traj.append_observation(obs_ids)
+        if rendered == stream:
+            traj.append_observation(obs_ids)
+        else:  # the template re-renders the history: go on from its rendering, exactly
+            segment = len(traj)
+            traj.start_segment(rendered, "template_history")
     return None, Status.TRUNCATED
 
 

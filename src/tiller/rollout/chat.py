@@ -1,18 +1,25 @@
-"""The chat format: a Hermes/Qwen chat template and the parser for the tool calls it teaches.
+"""Chat formats: a tokenizer's chat template, and the parser of the tool calls and reasoning
+that the model family writes.
 
-Tool calls are `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` inside an assistant
-turn; tool results come back as `<tool_response>...</tool_response>` in a user turn. The parser
-never raises: every malformed call becomes a message in `parse_errors`, which the environment
-turns into an error observation for the model.
+tiller's own Hermes template (the models it builds) writes tool calls as
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` inside an assistant turn; tool
+results come back as `<tool_response>...</tool_response>` in a user turn. Qwen3 adds
+`<think>...</think>` reasoning before the answer; Llama 3 writes one JSON object
+`{"name": ..., "parameters": {...}}` as the whole turn. Parsers never raise: every malformed
+call becomes a message in `parse_errors`, which the environment turns into an error
+observation for the model.
 
-`ChatFormat` is what the agent loop needs from a tokenizer's chat template, for any model
-family: the first prompt's ids, the ids of the observation after a generated turn (the
-"bridge"), the parse of a generated turn, and the template's end-of-turn token.
+`ChatFormat` is what the agent loop needs from a chat template, for any model family: the
+first prompt's ids, the ids of the observation after a generated turn (the "bridge", exact
+even for templates that re-render history differently), the parse of a generated turn, and
+the template's end-of-turn token. docs/formats.md lists the families and how each was tested.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +85,7 @@ class ParsedTurn:
     content: str
     tool_calls: list[ToolCall] = field(default_factory=list)
     parse_errors: list[str] = field(default_factory=list)
+    reasoning: str = ""  # the turn's <think> text, for families that reason
 
 
 def _loads(text: str) -> tuple[object, str | None]:
@@ -91,13 +99,13 @@ def _loads(text: str) -> tuple[object, str | None]:
         return None, f"{type(e).__name__}: {str(e)[:100]}"
 
 
-def _parse_one(body: str) -> ToolCall | str:
+def _parse_one(body: str, args_key: str = "arguments") -> ToolCall | str:
     obj, error = _loads(body)
     if error is not None:
         return f"tool call is not valid JSON ({error}): {body.strip()[:200]}"
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return f'tool call must be an object with a string "name": {body.strip()[:200]}'
-    args = obj.get("arguments", {})
+    args = obj.get(args_key, {})
     if isinstance(args, str):  # some models emit the arguments as a JSON string
         args, error = _loads(args)
         if error is not None:
@@ -150,6 +158,67 @@ def parse_tool_calls(text: str) -> ParsedTurn:
     return ParsedTurn(content=content.strip(), tool_calls=calls, parse_errors=errors)
 
 
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+PYTHON_TAG = "<|python_tag|>"
+
+
+def split_reasoning(text: str) -> tuple[str, str]:
+    """(reasoning, rest) of a turn that may open with `<think>...</think>` (Qwen3, DeepSeek
+    R1). A turn cut off inside its reasoning is all reasoning; one with no `</think>` has none."""
+    if THINK_CLOSE in text:
+        reasoning, rest = text.split(THINK_CLOSE, 1)
+        return reasoning.replace(THINK_OPEN, "", 1).strip(), rest
+    if text.lstrip().startswith(THINK_OPEN):
+        return text.lstrip()[len(THINK_OPEN):].strip(), ""
+    return "", text
+
+
+def parse_reasoning_tool_calls(text: str) -> ParsedTurn:
+    """Qwen3: `<think>` reasoning, then Hermes `<tool_call>`s (see `parse_tool_calls`)."""
+    reasoning, rest = split_reasoning(text)
+    turn = parse_tool_calls(rest)
+    return ParsedTurn(turn.content, turn.tool_calls, turn.parse_errors, reasoning)
+
+
+def parse_llama3_tool_calls(text: str) -> ParsedTurn:
+    """Llama 3.1-3.3: a tool call is the whole turn, one JSON object
+    `{"name": ..., "parameters": {...}}` (optionally after `<|python_tag|>`); anything else is
+    a plain answer. A turn that opens with "{" but is no such object is a parse error."""
+    body = text.strip()
+    body = body[len(PYTHON_TAG):].lstrip() if body.startswith(PYTHON_TAG) else body
+    if not body.startswith("{"):
+        return ParsedTurn(content=body)
+    obj, _ = _loads(body)
+    key = "arguments" if isinstance(obj, dict) and "arguments" in obj else "parameters"
+    parsed = _parse_one(body, key)
+    if isinstance(parsed, str):
+        return ParsedTurn(content="", parse_errors=[parsed])
+    return ParsedTurn(content="", tool_calls=[parsed])
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one model family writes an assistant turn: the parser of its tool calls and
+    reasoning, and the marker in a chat template that identifies it (for `auto`)."""
+
+    parse: Callable[[str], ParsedTurn]
+    marker: str
+
+
+# Detection order matters: a Qwen3 template holds <tool_call> too.
+FAMILIES: dict[str, Family] = {
+    "llama3": Family(parse_llama3_tool_calls, "<|start_header_id|>"),
+    "qwen3": Family(parse_reasoning_tool_calls, THINK_OPEN),
+    "hermes": Family(parse_tool_calls, TOOL_CALL_OPEN),
+}
+
+
+def detect_family(template: str) -> str:
+    """The family whose marker the chat template holds; "hermes" (tiller's own format, and
+    Qwen2.5's) when none does."""
+    return next((name for name, f in FAMILIES.items() if f.marker in template), "hermes")
+
+
 def tool_calls_as_messages(calls: list[ToolCall]) -> list[dict]:
     """Tool calls in the OpenAI/HF message shape the chat template renders."""
     return [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -157,8 +226,11 @@ def tool_calls_as_messages(calls: list[ToolCall]) -> list[dict]:
 
 
 def assistant_message(turn: ParsedTurn) -> dict[str, Any]:
-    """A parsed assistant turn as the message the chat template renders."""
+    """A parsed assistant turn as the message the chat template renders (reasoning as
+    `reasoning_content`, the field Qwen3's and DeepSeek's templates read)."""
     msg: dict[str, Any] = {"role": "assistant", "content": turn.content}
+    if turn.reasoning:
+        msg["reasoning_content"] = turn.reasoning
     if turn.tool_calls:
         msg["tool_calls"] = tool_calls_as_messages(turn.tool_calls)
     return msg
@@ -199,21 +271,38 @@ def stop_token_ids(
     return tuple(dict.fromkeys(ids))  # unique, in order
 
 
+CHAT_FORMATS = ("auto", *FAMILIES)
+
+
 class ChatFormat:
-    """A tokenizer's chat template as the agent loop uses it, for one episode's tool schemas.
+    """A tokenizer's chat template as the agent loop uses it, for one episode's tool schemas
+    and one family's parser (`family`: a name in FAMILIES, or "auto" to detect it from the
+    template).
 
     The prompt is rendered once; after that only new ids are appended: the engine's ids for a
-    generated turn, and for an observation the text the template adds after the generated
-    end-of-turn token, tokenized on its own:
+    generated turn (never re-rendered), and for an observation the text the template renders
+    after the turn just generated, tokenized on its own:
 
-        obs = render(messages + new, generation_prompt)[len(before):]
-        before = render(messages) cut after its last end-of-turn token
+        full = render(messages + new, generation_prompt)
+        obs  = full after its k-th end-of-turn token, where render(messages) closes the
+               turn just generated with its k-th one
 
-    which is exact for any template that is prefix-stable across turns (checked per turn).
+    Nothing before that point is compared, so this is exact also for templates that are not
+    prefix-stable (Qwen3 drops earlier reasoning, Llama 3 writes today's date): what they
+    change in the history is the history's business (`agent.history`), not the bridge's. It
+    assumes the history renders with as many end-of-turn tokens in both renders, which every
+    template that renders each message once does.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, tools: list[dict] | None = None):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, tools: list[dict] | None = None,
+                 family: str = "auto"):
+        if family not in CHAT_FORMATS:
+            raise ConfigError(f"config field model.chat_format: got {family!r}; expected one "
+                              f"of {', '.join(CHAT_FORMATS)}")
         self.tokenizer, self.tools = tokenizer, tools
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+        self.family = detect_family(template) if family == "auto" else family
+        self._parse = FAMILIES[self.family].parse
         self.end_of_turn = end_of_turn_token(tokenizer)
         self.end_of_turn_id: int = tokenizer.convert_tokens_to_ids(self.end_of_turn)
 
@@ -223,26 +312,30 @@ class ChatFormat:
         )
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The first prompt: every opening message, then the assistant's generation prompt."""
+        """A prompt rendered by the template: every message, then the generation prompt."""
         return self.tokenizer.encode(self.render(messages, True), add_special_tokens=False)
 
     def parse(self, ids: list[int]) -> ParsedTurn:
-        """A generated turn's ids, decoded only to find its tool calls."""
+        """A generated turn's ids, decoded only to find its reasoning and tool calls."""
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        return parse_tool_calls(text.split(self.end_of_turn, 1)[0])
+        return self._parse(text.split(self.end_of_turn, 1)[0])
 
     def observation_ids(self, messages: list[dict], new: list[dict]) -> list[int]:
-        """The ids the template adds for `new` messages (and the next generation prompt) after
-        the assistant turn that ends `messages`. ValueError if the template is not
-        prefix-stable, i.e. rendering more messages changes what it rendered before."""
+        """The ids the template renders for `new` messages and the next generation prompt
+        after the assistant turn that ends `messages`. ValueError if the template renders
+        no end-of-turn token after that turn."""
         before = self.render(messages, False)
         cut = before.rfind(self.end_of_turn)
         if cut < 0:
             raise ValueError(f"the chat template rendered no {self.end_of_turn!r} after the "
                              "assistant turn")
-        before = before[: cut + len(self.end_of_turn)]
+        k = before.count(self.end_of_turn, 0, cut + len(self.end_of_turn))  # end-of-turn tokens through that one
         after = self.render([*messages, *new], True)
-        if not after.startswith(before):
-            raise ValueError("the chat template is not prefix-stable across turns: rendering "
-                             "the next messages changes the text of earlier ones")
-        return self.tokenizer.encode(after[len(before):], add_special_tokens=False)
+        pos = -len(self.end_of_turn)
+        for _ in range(k):
+            pos = after.find(self.end_of_turn, pos + len(self.end_of_turn))
+            if pos < 0:
+                raise ValueError("the chat template renders fewer end-of-turn tokens when the "
+                                 "next messages are added")
+        return self.tokenizer.encode(after[pos + len(self.end_of_turn):],
+                                     add_special_tokens=False)
