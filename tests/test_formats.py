@@ -283,6 +283,17 @@ def test_engine_sampled_episodes_are_exact_and_logprobs_match_the_trainer(fmt, a
     assert float(gap.detach()) < 1e-4
 
 
+def test_the_vocabularies_are_the_real_ones():
+    """Known ids of the published tokenizers (tokenizer.json of Qwen3 and Llama 3.1)."""
+    qwen, llama = qwen3_tokenizer(), llama3_tokenizer()
+    assert len(qwen) == 151669 and len(llama) == 128256
+    assert qwen.encode("Hello world") == [9707, 1879]
+    assert qwen.convert_tokens_to_ids(["<|im_end|>", "<tool_call>", "<think>"]) == [
+        151645, 151657, 151667]
+    assert llama.encode("Hello world", add_special_tokens=False) == [9906, 1917]
+    assert llama.convert_tokens_to_ids(["<|eot_id|>", "<|python_tag|>"]) == [128009, 128010]
+
+
 def test_config_names_every_family():
     from typing import get_args
 

@@ -31,6 +31,7 @@ from tiller.rollout.agent_loop import (
 from tiller.rollout.chat import stop_token_ids
 from tiller.rollout.collect import check_aborted, collect, collect_expert
 from tiller.rollout.engine import EmbeddedEngine, SamplingParams
+from tiller.rollout.memory import MemoryPolicy
 from tiller.rollout.sync import WeightSync
 from tiller.rollout.trajectory import Trajectory
 from tiller.tools.sandbox import set_unsafe_fallback
@@ -92,8 +93,10 @@ class Run:
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        self.limits = EpisodeLimits(cfg.env.max_turns, cfg.env.max_episode_tokens,
-                                    cfg.model.chat_format, cfg.agent.history)
+        self.limits = EpisodeLimits(cfg.env.max_turns, cfg.env.max_episode_tokens, MemoryPolicy(
+            cfg.agent.memory, tool_output_tokens=cfg.agent.tool_output_tokens or 128,
+            reserve_tokens=cfg.sampling.max_new_tokens),
+            chat_format=cfg.model.chat_format, history=cfg.agent.history)
         self.timings: dict[str, float] = {}
         # Before any work: a bad replay path stops the run here, and the sandbox policy holds
         # from the first env on (a code env without bwrap refuses unless it is allowed).

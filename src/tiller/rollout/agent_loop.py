@@ -16,6 +16,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Protocol
 
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -25,6 +26,7 @@ from tiller.envs.verifiers import Reward
 from tiller.errors import ConfigError, RunError, import_dotted
 from tiller.rollout.chat import ChatFormat, ParsedTurn, assistant_message, end_of_turn_token
 from tiller.rollout.engine import Engine, Generation, SamplingParams
+from tiller.rollout.memory import MemoryPolicy, drop_oldest, truncate_tool_outputs
 from tiller.rollout.trajectory import Status, Trajectory, TrajectoryBuilder
 from tiller.tools.registry import ToolOutcome
 
@@ -71,13 +73,13 @@ class ExpertActor:
 
 @dataclass(frozen=True)
 class EpisodeLimits:
-    """What bounds an episode, and how its turns are rendered (`model.chat_format`,
-    `agent.history`)."""
+    """What bounds an episode, and how its turns are rendered."""
 
     max_turns: int = 8
-    max_episode_tokens: int = 1024
-    chat_format: str = "auto"  # a family of tiller.rollout.chat.FAMILIES, or auto
-    history: str = "stream"  # stream: exact sampled ids; template: the template's re-render
+    max_episode_tokens: int = 1024  # per exact sequence: the context a turn is generated after
+    memory: MemoryPolicy = MemoryPolicy()  # what a long episode keeps (`agent.memory`)
+    chat_format: str = "auto"  # `model.chat_format`: a family in chat.FAMILIES, or auto
+    history: str = "stream"  # `agent.history`: stream (exact sampled ids) or template
 
 
 def derive_seed(*parts: Any) -> int:
@@ -89,9 +91,9 @@ def check_rollout_setup(
     tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig, limits: EpisodeLimits
 ) -> None:
     """Start-up checks, so that what would fail in every episode fails once, as one line
-    (ConfigError): the chat format is known, the chat template has an end-of-turn token and
-    renders the observation after a tool round trip, and an episode fits in the model's
-    context."""
+    (ConfigError): the chat format and history mode are known, the chat template has an
+    end-of-turn token and renders the observation after a tool round trip, and an episode
+    fits in the model's context."""
     context = getattr(model_config, "max_position_embeddings", None)
     if context is not None and limits.max_episode_tokens > context:
         raise ConfigError(f"config field env.max_episode_tokens: got {limits.max_episode_tokens}; "
@@ -155,7 +157,8 @@ async def run_episode(
     t0 = time.perf_counter()
     timings = {"generate_s": 0.0, "env_s": 0.0}
     traj = TrajectoryBuilder(task.id, sample_index)
-    counts = {"tool_calls": 0, "tool_errors": 0, "env_errors": 0, "parse_errors": 0}
+    counts = {"tool_calls": 0, "tool_errors": 0, "env_errors": 0, "parse_errors": 0,
+              "tool_outputs_truncated": 0}
     info: dict[str, str] = {}
     messages: list[dict] = []
     final: ParsedTurn | None = None
@@ -227,16 +230,17 @@ async def _turns(
     timings: dict[str, float],
 ) -> tuple[ParsedTurn | None, Status]:
     """The turns of `run_episode`: generate, parse, step, append the observation; returns the
-    final answer (None unless COMPLETED) and the status so far.
-
-    With `history="template"`, each next prompt is the template's rendering of the messages;
-    where that is not the sampled stream plus the observation (a template that drops earlier
-    reasoning), the episode goes on in a new exact segment that starts from it."""
-    segment = 0  # where the exact sequence the actor continues starts in traj
+    final answer (None unless COMPLETED) and the status so far. `messages` records the whole
+    conversation; `context` is what the model sees, which differs from it once `drop_oldest`
+    memory dropped exchanges (a new exact sequence starts there). With `history="template"`
+    each next context is the template's rendering of it; where that is not the sampled stream
+    plus the observation (a template that drops earlier reasoning), a new exact sequence
+    starts from the rendering."""
+    memory, opening, context = limits.memory, len(messages), messages
     for turn in range(limits.max_turns):
         t = time.perf_counter()
         try:
-            gen = await actor.act(traj.token_ids[segment:], messages, derive_seed(seed, turn),
+            gen = await actor.act(traj.token_ids, context, derive_seed(seed, turn),
                                   session_id=session_id)
         except RUN_FAILURES:
             raise
@@ -259,7 +263,7 @@ async def _turns(
         ended = (not cut_off and bool(ids) and ids[-1] != chat.end_of_turn_id
                  and ids[-1] in chat.tokenizer.all_special_ids)
         parsed = chat.parse(ids[:-1] if ended else ids)
-        messages.append(assistant_message(parsed))
+        _record(messages, context, [assistant_message(parsed)])
         if cut_off:
             return None, Status.TRUNCATED
         if ended:
@@ -288,24 +292,45 @@ async def _turns(
         if result.done:
             return parsed, Status.COMPLETED
 
+        new = result.messages
+        if memory.mode == "truncate_tool_output":
+            new, cut = truncate_tool_outputs(new, chat.tokenizer, memory.tool_output_tokens)
+            counts["tool_outputs_truncated"] += cut
         try:
-            obs_ids = chat.observation_ids(messages, result.messages)
-            stream = traj.token_ids[segment:] + obs_ids
-            rendered = (chat.prompt_ids([*messages, *result.messages])
-                        if limits.history == "template" else stream)
+            obs_ids = chat.observation_ids(context, new)
+            rendered = (chat.prompt_ids([*context, *new]) if limits.history == "template"
+                        else None)
         except Exception as e:  # the template raised: ids would be wrong
             info["error"] = _error(e, "chat template")
             return None, Status.ABORTED
-        messages.extend(result.messages)
-        added = obs_ids if rendered == stream else rendered
-        if len(traj) + len(added) >= limits.max_episode_tokens:
+        _record(messages, context, new)
+        room = limits.max_episode_tokens - memory.reserve_tokens  # for the context
+        if memory.mode == "drop_oldest" and len(traj) + len(obs_ids) > room:
+            kept = drop_oldest(context, opening, partial(_fits, chat, room))
+            if kept is not None:  # else nothing can go: truncated below, as with full memory
+                context = kept
+                traj.start_segment(chat.prompt_ids(context), "memory_dropped")
+                continue
+        if rendered is not None and rendered != traj.token_ids + obs_ids:
+            if len(rendered) >= limits.max_episode_tokens:
+                return None, Status.TRUNCATED
+            traj.start_segment(rendered, "template_history")  # the template rewrote history
+            continue
+        if len(traj) + len(obs_ids) >= limits.max_episode_tokens:
             return None, Status.TRUNCATED
-        if rendered == stream:
-            traj.append_observation(obs_ids)
-        else:  # the template re-renders the history: go on from its rendering, exactly
-            segment = len(traj)
-            traj.start_segment(rendered, "template_history")
+        traj.append_observation(obs_ids)
     return None, Status.TRUNCATED
+
+
+def _fits(chat: ChatFormat, room: int, context: list[dict]) -> bool:
+    return len(chat.prompt_ids(context)) <= room
+
+
+def _record(messages: list[dict], context: list[dict], new: list[dict]) -> None:
+    """Append `new` to the conversation and, once they are apart, to the model's context."""
+    messages.extend(new)
+    if context is not messages:
+        context.extend(new)
 
 
 EpisodeFn = Callable[..., Awaitable[Trajectory]]

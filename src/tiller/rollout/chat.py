@@ -18,7 +18,6 @@ the template's end-of-turn token. docs/formats.md lists the families and how eac
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -329,7 +328,8 @@ class ChatFormat:
         if cut < 0:
             raise ValueError(f"the chat template rendered no {self.end_of_turn!r} after the "
                              "assistant turn")
-        k = before.count(self.end_of_turn, 0, cut + len(self.end_of_turn))  # end-of-turn tokens through that one
+        # how many end-of-turn tokens the history renders, through the one closing the turn
+        k = before.count(self.end_of_turn, 0, cut + len(self.end_of_turn))
         after = self.render([*messages, *new], True)
         pos = -len(self.end_of_turn)
         for _ in range(k):
