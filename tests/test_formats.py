@@ -226,6 +226,43 @@ def test_template_history_splits_where_the_template_rewrites_the_stream(fmt, spl
     assert generated == [t for out in actor.outputs for t in out]
 
 
+@pytest.mark.parametrize("fmt", ["qwen3", "llama3.2"])
+def test_renderers_hand_written_renderer_agrees_on_every_turn(fmt):
+    """An independent implementation: the `renderers` package's Python renderer of the family
+    gives the same first prompt, the same next prompts where it can bridge, and the same
+    parse of every turn."""
+    from renderers.configs import Llama3RendererConfig, Qwen3RendererConfig
+    from renderers.llama_3 import Llama3Renderer
+    from renderers.qwen3 import Qwen3Renderer
+
+    tok, chat, actor, env, traj = scripted_episode(fmt)
+    renderer = (Qwen3Renderer(tok, Qwen3RendererConfig()) if fmt == "qwen3" else
+                Llama3Renderer(tok, Llama3RendererConfig(date_string=date_string(tok))))
+    messages = list(traj.messages)
+    assert renderer.render_ids(messages[:2], tools=TOOLS, add_generation_prompt=True) == (
+        actor.prompts[0])
+    turn_msgs = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    bridged = 0
+    for k, out in enumerate(actor.outputs):
+        parsed = renderer.parse_response(out, tools=TOOLS)
+        assert [(c.name, c.arguments) for c in parsed.tool_calls] == [
+            (c.name, c.arguments) for c in env.actions[k].tool_calls]
+        assert (parsed.reasoning_content or "") == env.actions[k].reasoning
+        if k + 1 < len(actor.outputs):
+            new = messages[turn_msgs[k] + 1: turn_msgs[k + 1]]
+            b = renderer.bridge_to_next_turn(actor.prompts[k], out, new, tools=TOOLS)
+            if b is not None:  # None: it re-renders there (a new user query, for Qwen3)
+                bridged += 1
+                assert b.token_ids == actor.prompts[k + 1]
+    assert bridged >= 2
+
+
+def date_string(tok):
+    """The date the Llama 3 template writes today (so renderers writes the same one)."""
+    text = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+    return text.split("Today Date: ", 1)[1].split("\n", 1)[0]
+
+
 def tiny_model(tok, arch, end_of_turn_id, seed=0):
     """A random-weight model over the real vocabulary whose turns end after a few tokens:
     one constant embedding dimension survives the final norm, and only the end-of-turn row
