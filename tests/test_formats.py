@@ -21,7 +21,7 @@ import random
 
 import pytest
 import torch
-from real_vocab import llama3_tokenizer, qwen3_tokenizer, trl_template
+from real_vocab import gpt_oss_tokenizer, llama3_tokenizer, qwen3_tokenizer, trl_template
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from tiller.envs.base import Env, StepResult, Task
@@ -64,6 +64,19 @@ def llama_call(key):
     return f'{{"name": "lookup", "parameters": {{"key": "{key}"}}}}'
 
 
+def harmony(reasoning, rest):
+    return f"<|channel|>analysis<|message|>{reasoning}<|end|><|start|>assistant{rest}"
+
+
+def harmony_call(key):
+    return (f'<|channel|>commentary to=functions.lookup <|constrain|>json<|message|>'
+            f'{{"key": "{key}"}}<|call|>')
+
+
+def harmony_final(text):
+    return f"<|channel|>final<|message|>{text}<|return|>"
+
+
 # format -> (tokenizer, family detected, the scripted turns: call a, answer, call b, answer)
 FORMATS = {
     "qwen3": (qwen3_tokenizer, "qwen3", [
@@ -75,6 +88,9 @@ FORMATS = {
         llama_call("a"), "a is 42.", llama_call("b"), "b is 7."]),
     "llama3.1": (lambda: with_template(llama3_tokenizer(), "llama3_1"), "llama3", [
         llama_call("a"), "a is 42.", llama_call("b"), "b is 7."]),
+    "gpt-oss": (gpt_oss_tokenizer, "harmony", [
+        harmony("I need a.", harmony_call("a")), harmony("a is known.", harmony_final("a is 42.")),
+        harmony("Now b.", harmony_call("b")), harmony("Done.", harmony_final("b is 7."))]),
 }
 EXPECTED_CALLS = [ToolCall("lookup", {"key": "a"}), None, ToolCall("lookup", {"key": "b"}), None]
 
@@ -120,12 +136,14 @@ class LookupEnv(Env):
 
 
 class Scripted:
-    """An actor that writes fixed turns (in a format's own syntax) and keeps every prompt
-    it was given and every generation it returned."""
+    """An actor that writes fixed turns (in a format's own syntax; the end-of-turn token is
+    added unless the turn ends with its own stop) and keeps every prompt it was given and
+    every generation it returned."""
 
-    def __init__(self, tokenizer, turns, end_of_turn_id):
-        self.turns = [tokenizer.encode(t, add_special_tokens=False) + [end_of_turn_id]
-                      for t in turns]
+    def __init__(self, tokenizer, turns, chat):
+        self.turns = [tokenizer.encode(t, add_special_tokens=False) for t in turns]
+        self.turns = [ids if ids and ids[-1] in chat.turn_end_ids else [*ids, chat.end_of_turn_id]
+                      for ids in self.turns]
         self.prompts: list[list[int]] = []
         self.outputs: list[list[int]] = []
 
@@ -151,7 +169,7 @@ def scripted_episode(fmt, history="stream"):
     build, _, turns = FORMATS[fmt]
     tok = build()
     chat = ChatFormat(tok, TOOLS)
-    actor, env = Scripted(tok, turns, chat.end_of_turn_id), LookupEnv()
+    actor, env = Scripted(tok, turns, chat), LookupEnv()
     limits = EpisodeLimits(max_turns=6, max_episode_tokens=4096, history=history)
     task = LookupEnv.make_tasks("train", 1, 0, 1)[0]
     traj = asyncio.run(run_episode(env, task, actor, tok, seed=0, limits=limits))
@@ -172,7 +190,8 @@ def check_exact(tok, chat, actor, traj):
         if k + 1 < len(traj.turn_spans):
             obs = tok.decode(list(traj.token_ids[end: traj.turn_spans[k + 1][0]]))
             full = chat.render(messages[: turn_msgs[k + 1]], True)
-            assert full.endswith(obs) and full[: len(full) - len(obs)].endswith(chat.end_of_turn)
+            assert full.endswith(obs)
+            assert any(full[: len(full) - len(obs)].endswith(c) for c in chat.closers)
     generated = [t for t, m in zip(traj.token_ids, traj.loss_mask, strict=True) if m]
     assert generated == [t for out in actor.outputs for t in out]  # the mask: exactly these
 
@@ -206,7 +225,11 @@ def test_qwen3_reasoning_is_parsed_kept_and_trained_though_the_template_drops_it
     assert "I need a." in tok.decode(list(traj.token_ids[:third]))
 
 
-@pytest.mark.parametrize("fmt, splits", [("qwen3", 1), ("qwen2.5", 0), ("llama3.2", 0)])
+# Qwen3 drops reasoning before the last user query: one split, at the follow-up. trl's
+# gpt-oss template also writes a tool call's header differently from the model ("to=" before
+# the channel, no <|constrain|>) and an earlier answer's <|return|> as <|end|>: every turn.
+@pytest.mark.parametrize("fmt, splits", [("qwen3", 1), ("qwen2.5", 0), ("llama3.2", 0),
+                                         ("gpt-oss", 3)])
 def test_template_history_splits_where_the_template_rewrites_the_stream(fmt, splits):
     tok, chat, actor, env, traj = scripted_episode(fmt, history="template")
     assert traj.status is Status.COMPLETED and traj.num_turns == 4
@@ -343,7 +366,7 @@ def test_config_names_every_family():
 def test_unknown_chat_format_and_history_are_one_line_errors():
     tok = qwen3_tokenizer()
     with pytest.raises(ConfigError, match=r"^config field model.chat_format: got 'qwen9'; "
-                                          r"expected one of auto, llama3, qwen3, hermes$"):
+                                          r"expected one of auto, llama3, harmony, qwen3, hermes$"):
         ChatFormat(tok, TOOLS, "qwen9")
     cfg = Qwen3Config(max_position_embeddings=4096)
     with pytest.raises(ConfigError, match=r"^config field agent.history: got 'raw'; expected "
@@ -361,6 +384,19 @@ def test_llama3_parser_reports_a_malformed_call_and_keeps_plain_text():
     bad = parse('{"name": "f", "parameters": ')
     assert bad.tool_calls == [] and bad.parse_errors[0].startswith("tool call is not valid JSON")
     assert parse("The answer is {x}.") == ParsedTurn("The answer is {x}.")
+
+
+def test_harmony_parser_reads_channels_recipients_and_bad_arguments():
+    parse = FAMILIES["harmony"].parse
+    turn = parse(harmony("plan", harmony_call("a")))
+    assert turn == ParsedTurn("", [ToolCall("lookup", {"key": "a"})], reasoning="plan")
+    # the template's header order (recipient first) reads the same
+    assert parse('<|start|>assistant to=functions.f<|channel|>commentary json<|message|>'
+                 '{"x": 1}<|call|>').tool_calls == [ToolCall("f", {"x": 1})]
+    bad = parse('<|channel|>commentary to=functions.f<|message|>{"x": <|call|>')
+    assert bad.tool_calls == [] and bad.parse_errors[0].startswith("arguments of 'f' are not")
+    assert parse(harmony_final("hi")) == ParsedTurn("hi")
+    assert parse("<|channel|>final").parse_errors  # cut off before its <|message|>
 
 
 def test_qwen3_parser_splits_reasoning_even_when_cut_off():
@@ -382,7 +418,7 @@ def test_random_scripts_with_junk_never_break_the_bridge():
     for _ in range(5):
         turns = ["".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
                  for _ in range(3)]
-        actor, env = Scripted(tok, turns, chat.end_of_turn_id), EchoEnv()
+        actor, env = Scripted(tok, turns, chat), EchoEnv()
         limits = EpisodeLimits(max_turns=3, max_episode_tokens=4096)
         traj = asyncio.run(run_episode(env, LookupEnv.make_tasks("train", 1, 0, 1)[0], actor,
                                        tok, seed=0, limits=limits))

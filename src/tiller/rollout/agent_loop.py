@@ -260,7 +260,7 @@ async def _turns(
         # A stop on a generation_config eos that is not the end-of-turn token (Qwen's
         # <|endoftext|>) ends the conversation: the template cannot continue after it.
         # (Only a special token: an actor that strips its stop token ends a plain turn.)
-        ended = (not cut_off and bool(ids) and ids[-1] != chat.end_of_turn_id
+        ended = (not cut_off and bool(ids) and ids[-1] not in chat.turn_end_ids
                  and ids[-1] in chat.tokenizer.all_special_ids)
         parsed = chat.parse(ids[:-1] if ended else ids)
         _record(messages, context, [assistant_message(parsed)])

@@ -18,6 +18,7 @@ the template's end-of-turn token. docs/formats.md lists the families and how eac
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -195,18 +196,65 @@ def parse_llama3_tool_calls(text: str) -> ParsedTurn:
     return ParsedTurn(content="", tool_calls=[parsed])
 
 
+HARMONY_START, HARMONY_MESSAGE, HARMONY_CHANNEL = "<|start|>", "<|message|>", "<|channel|>"
+HARMONY_END, HARMONY_CALL, HARMONY_RETURN = "<|end|>", "<|call|>", "<|return|>"
+_RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
+_CHANNEL = re.compile(re.escape(HARMONY_CHANNEL) + r"\s*(\w+)")
+
+
+def parse_harmony(text: str) -> ParsedTurn:
+    """gpt-oss (harmony): a turn is one or more messages, each `header<|message|>body` closed
+    by <|end|>, <|call|> or <|return|>, the next opening with `<|start|>assistant`. A message
+    to `functions.NAME` (in its header) is a tool call whose body is the JSON arguments; the
+    analysis channel is reasoning; the rest (final channel) is the answer."""
+    reasoning: list[str] = []
+    content: list[str] = []
+    calls: list[ToolCall] = []
+    errors: list[str] = []
+    for part in text.split(HARMONY_START):
+        header, sep, body = part.partition(HARMONY_MESSAGE)
+        if not sep:
+            if part.strip() and part.strip() != "assistant":
+                errors.append(f"a harmony message without <|message|>: {part.strip()[:200]}")
+            continue
+        for closer in (HARMONY_END, HARMONY_CALL, HARMONY_RETURN):
+            body = body.split(closer, 1)[0]
+        recipient, channel = _RECIPIENT.search(header), _CHANNEL.search(header)
+        if recipient:
+            obj, error = _loads(body)
+            if error is not None or not isinstance(obj, dict):
+                errors.append(f"arguments of {recipient.group(1)!r} are not a JSON object "
+                              f"({error or type(obj).__name__}): {body.strip()[:200]}")
+            else:
+                calls.append(ToolCall(name=recipient.group(1), arguments=obj))
+        elif channel and channel.group(1) == "analysis":
+            reasoning.append(body.strip())
+        else:
+            content.append(body.strip())
+    return ParsedTurn("\n".join(c for c in content if c), calls, errors,
+                      "\n".join(r for r in reasoning if r))
+
+
 @dataclass(frozen=True)
 class Family:
     """How one model family writes an assistant turn: the parser of its tool calls and
-    reasoning, and the marker in a chat template that identifies it (for `auto`)."""
+    reasoning, the marker in a chat template that identifies it (for `auto`), and the
+    tokens besides the template's end-of-turn token that close an assistant message:
+    `stops` are sampled as a turn's end that the conversation goes on after (gpt-oss ends a
+    tool call with <|call|>, an answer with <|return|>); `closers` also close one in the
+    rendered history (gpt-oss writes an earlier answer with <|end|>)."""
 
     parse: Callable[[str], ParsedTurn]
     marker: str
+    stops: tuple[str, ...] = ()
+    closers: tuple[str, ...] = ()
 
 
 # Detection order matters: a Qwen3 template holds <tool_call> too.
 FAMILIES: dict[str, Family] = {
     "llama3": Family(parse_llama3_tool_calls, "<|start_header_id|>"),
+    "harmony": Family(parse_harmony, HARMONY_CHANNEL, (HARMONY_CALL,),
+                      (HARMONY_CALL, HARMONY_END, HARMONY_RETURN)),
     "qwen3": Family(parse_reasoning_tool_calls, THINK_OPEN),
     "hermes": Family(parse_tool_calls, TOOL_CALL_OPEN),
 }
@@ -225,11 +273,10 @@ def tool_calls_as_messages(calls: list[ToolCall]) -> list[dict]:
 
 
 def assistant_message(turn: ParsedTurn) -> dict[str, Any]:
-    """A parsed assistant turn as the message the chat template renders (reasoning as
-    `reasoning_content`, the field Qwen3's and DeepSeek's templates read)."""
+    """A parsed assistant turn as the message the chat template renders."""
     msg: dict[str, Any] = {"role": "assistant", "content": turn.content}
-    if turn.reasoning:
-        msg["reasoning_content"] = turn.reasoning
+    if turn.reasoning:  # the field Qwen3's and DeepSeek's templates read, and gpt-oss's
+        msg["reasoning_content"] = msg["thinking"] = turn.reasoning
     if turn.tool_calls:
         msg["tool_calls"] = tool_calls_as_messages(turn.tool_calls)
     return msg
@@ -282,15 +329,16 @@ class ChatFormat:
     generated turn (never re-rendered), and for an observation the text the template renders
     after the turn just generated, tokenized on its own:
 
-        full = render(messages + new, generation_prompt)
-        obs  = full after its k-th end-of-turn token, where render(messages) closes the
-               turn just generated with its k-th one
+        full = render(messages[:-1] + [turn with a marker] + new, generation_prompt)
+        obs  = full after the first end-of-turn token that follows the marker
 
-    Nothing before that point is compared, so this is exact also for templates that are not
-    prefix-stable (Qwen3 drops earlier reasoning, Llama 3 writes today's date): what they
-    change in the history is the history's business (`agent.history`), not the bridge's. It
-    assumes the history renders with as many end-of-turn tokens in both renders, which every
-    template that renders each message once does.
+    The marker stands where every template renders the turn: in its content, or for a
+    tool-call turn (Llama 3 renders only the call) in the calls' arguments. Nothing before
+    the turn is compared, so this is exact also for templates that are not prefix-stable
+    (Qwen3 and gpt-oss drop earlier reasoning, Llama 3 writes today's date): what they change
+    in the history is `agent.history`'s business, not the bridge's. It assumes that what the
+    template renders after the turn does not depend on the turn's text, which holds for
+    every template tested (docs/formats.md).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, tools: list[dict] | None = None,
@@ -304,6 +352,12 @@ class ChatFormat:
         self._parse = FAMILIES[self.family].parse
         self.end_of_turn = end_of_turn_token(tokenizer)
         self.end_of_turn_id: int = tokenizer.convert_tokens_to_ids(self.end_of_turn)
+        family_tokens = FAMILIES[self.family]
+        # sampled tokens that end a turn the conversation can go on after
+        self.turn_end_ids: frozenset[int] = frozenset(
+            [self.end_of_turn_id, *tokenizer.convert_tokens_to_ids(list(family_tokens.stops))])
+        # what closes an assistant message in the rendered history (for the bridge)
+        self.closers = tuple(dict.fromkeys([self.end_of_turn, *family_tokens.closers]))
 
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -321,21 +375,35 @@ class ChatFormat:
 
     def observation_ids(self, messages: list[dict], new: list[dict]) -> list[int]:
         """The ids the template renders for `new` messages and the next generation prompt
-        after the assistant turn that ends `messages`. ValueError if the template renders
-        no end-of-turn token after that turn."""
-        before = self.render(messages, False)
-        cut = before.rfind(self.end_of_turn)
-        if cut < 0:
+        after the assistant turn that ends `messages`. ValueError if the template does not
+        render that turn, or closes it with no end-of-turn token."""
+        if not messages or messages[-1].get("role") != "assistant":
+            raise ValueError("observation_ids needs the messages to end with the assistant turn")
+        after = self.render([*messages[:-1], _marked(messages[-1]), *new], True)
+        at = after.rfind(_BRIDGE_PROBE)
+        if at < 0:
+            raise ValueError("the chat template does not render the assistant turn's content "
+                             "or tool calls")
+        ends = [(pos, len(t)) for t in self.closers if (pos := after.find(t, at)) >= 0]
+        if not ends:
             raise ValueError(f"the chat template rendered no {self.end_of_turn!r} after the "
                              "assistant turn")
-        # how many end-of-turn tokens the history renders, through the one closing the turn
-        k = before.count(self.end_of_turn, 0, cut + len(self.end_of_turn))
-        after = self.render([*messages, *new], True)
-        pos = -len(self.end_of_turn)
-        for _ in range(k):
-            pos = after.find(self.end_of_turn, pos + len(self.end_of_turn))
-            if pos < 0:
-                raise ValueError("the chat template renders fewer end-of-turn tokens when the "
-                                 "next messages are added")
-        return self.tokenizer.encode(after[pos + len(self.end_of_turn):],
-                                     add_special_tokens=False)
+        pos, n = min(ends)
+        return self.tokenizer.encode(after[pos + n:], add_special_tokens=False)
+
+
+_BRIDGE_PROBE = "tiller-bridge-probe"
+
+
+def _marked(turn: dict) -> dict:
+    """`turn` with the bridge's marker where templates render it: in every tool call's
+    arguments for a tool-call turn, else as its content."""
+    calls = turn.get("tool_calls")
+    if not calls:
+        return {**turn, "content": _BRIDGE_PROBE}
+    marked = []
+    for call in calls:
+        fn = call.get("function", call)
+        fn = {**fn, "arguments": {"probe": _BRIDGE_PROBE}}
+        marked.append({**call, "function": fn} if "function" in call else fn)
+    return {**turn, "tool_calls": marked}
