@@ -22,7 +22,7 @@ import random
 import pytest
 import torch
 from real_vocab import gpt_oss_tokenizer, llama3_tokenizer, qwen3_tokenizer, trl_template
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen3Config
 
 from tiller.envs.base import Env, StepResult, Task
 from tiller.envs.verifiers import Reward
@@ -33,7 +33,7 @@ from tiller.rollout.agent_loop import (
     check_rollout_setup,
     run_episode,
 )
-from tiller.rollout.chat import FAMILIES, ChatFormat, ParsedTurn
+from tiller.rollout.chat import FAMILIES, ChatFormat, ParsedTurn, stop_token_ids
 from tiller.rollout.engine import EmbeddedEngine, Generation, SamplingParams
 from tiller.rollout.trajectory import Status
 from tiller.tools.registry import ToolCall, ToolOutcome, ToolResult
@@ -352,6 +352,14 @@ def test_the_vocabularies_are_the_real_ones():
         151645, 151657, 151667]
     assert llama.encode("Hello world", add_special_tokens=False) == [9906, 1917]
     assert llama.convert_tokens_to_ids(["<|eot_id|>", "<|python_tag|>"]) == [128009, 128010]
+
+
+def test_stop_tokens_include_the_familys_own_turn_ends():
+    tok = gpt_oss_tokenizer()
+    assert stop_token_ids(tok) == tuple(tok.convert_tokens_to_ids(["<|return|>", "<|call|>"]))
+    qwen = qwen3_tokenizer()
+    assert stop_token_ids(qwen, GenerationConfig(eos_token_id=[151645, 151643])) == (
+        151645, 151643)
 
 
 def test_config_names_every_family():

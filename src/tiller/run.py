@@ -164,7 +164,8 @@ class Run:
         return SamplingParams(temperature=temperature, top_p=s.top_p, top_k=s.top_k,
                               max_new_tokens=s.max_new_tokens,
                               stop_token_ids=stop_token_ids(self.tokenizer,
-                                                            self.model.generation_config))
+                                                            self.model.generation_config,
+                                                            self.cfg.model.chat_format))
 
     def push_weights(self, in_flight: str = "continue") -> dict[str, float]:
         """Sync the trainer's weights to the engine (checked: checksums, echoed version,

@@ -306,12 +306,16 @@ def end_of_turn_token(tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 def stop_token_ids(
-    tokenizer: PreTrainedTokenizerBase, generation_config: GenerationConfig | None = None
+    tokenizer: PreTrainedTokenizerBase, generation_config: GenerationConfig | None = None,
+    family: str = "auto",
 ) -> tuple[int, ...]:
-    """What ends a generated turn: the chat template's end-of-turn token, then every id of the
-    model's `generation_config.eos_token_id` (an int or a list). The tokenizer's `eos_token` is
-    not assumed to end a turn: for many models it ends the whole document instead."""
-    ids = [tokenizer.convert_tokens_to_ids(end_of_turn_token(tokenizer))]
+    """What ends a generated turn: the chat template's end-of-turn token, the family's other
+    turn ends (gpt-oss's <|call|>), then every id of the model's
+    `generation_config.eos_token_id` (an int or a list). The tokenizer's `eos_token` is not
+    assumed to end a turn: for many models it ends the whole document instead."""
+    chat = ChatFormat(tokenizer, None, family)
+    stops = FAMILIES[chat.family].stops
+    ids = [chat.end_of_turn_id, *(tokenizer.convert_tokens_to_ids(t) for t in stops)]
     eos = getattr(generation_config, "eos_token_id", None)
     ids += [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     return tuple(dict.fromkeys(ids))  # unique, in order
