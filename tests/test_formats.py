@@ -383,6 +383,12 @@ def test_unknown_chat_format_and_history_are_one_line_errors():
     check_rollout_setup(tok, cfg, EpisodeLimits())  # the real Qwen3 template starts
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_real_template_passes_the_start_up_check(fmt):
+    check_rollout_setup(FORMATS[fmt][0](), Qwen3Config(max_position_embeddings=4096),
+                        EpisodeLimits(history="template"))
+
+
 def test_llama3_parser_reports_a_malformed_call_and_keeps_plain_text():
     parse = FAMILIES["llama3"].parse
     assert parse('<|python_tag|>{"name": "f", "parameters": {"x": 1}}') == ParsedTurn(
