@@ -397,15 +397,15 @@ class ChatFormat:
         self.tokenizer, self.tools = tokenizer, tools
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
         self.family = detect_family(template) if family == "auto" else family
-        self._parse = FAMILIES[self.family].parse
+        fam = FAMILIES[self.family]
+        self._parse = fam.parse
         self.end_of_turn = end_of_turn_token(tokenizer)
         self.end_of_turn_id: int = tokenizer.convert_tokens_to_ids(self.end_of_turn)
-        family_tokens = FAMILIES[self.family]
         # sampled tokens that end a turn the conversation can go on after
         self.turn_end_ids: frozenset[int] = frozenset(
-            [self.end_of_turn_id, *tokenizer.convert_tokens_to_ids(list(family_tokens.stops))])
+            [self.end_of_turn_id, *tokenizer.convert_tokens_to_ids(list(fam.stops))])
         # what closes an assistant message in the rendered history (for the bridge)
-        self.closers = tuple(dict.fromkeys([self.end_of_turn, *family_tokens.closers]))
+        self.closers = tuple(dict.fromkeys([self.end_of_turn, *fam.closers]))
 
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
