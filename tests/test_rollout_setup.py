@@ -79,17 +79,30 @@ def test_run_samples_until_end_of_turn_when_eos_differs(calc_model_dir, tmp_path
     run.close()
 
 
-@pytest.mark.parametrize("template, message", [
-    (NO_END_OF_TURN, "cannot determine the chat template's end-of-turn token: after an "
-                     "assistant message it renders '\\n', not a special token"),
-    (NOT_PREFIX_STABLE, "the chat template is not prefix-stable across turns"),
-])
-def test_unusable_chat_templates_stop_the_run_at_start_up(calc_model_dir, tmp_path, template,
-                                                          message):
-    path = model_dir(calc_model_dir, tmp_path, template=template)
+def test_a_template_without_end_of_turn_token_stops_the_run_at_start_up(calc_model_dir,
+                                                                          tmp_path):
+    path = model_dir(calc_model_dir, tmp_path, template=NO_END_OF_TURN)
     with pytest.raises(ConfigError) as err:
         Run(run_config(path), tmp_path / "run")
-    assert message in str(err.value) and "\n" not in str(err.value)
+    assert ("cannot determine the chat template's end-of-turn token: after an assistant "
+            "message it renders '\\n', not a special token") in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_a_template_that_is_not_prefix_stable_runs_exactly(tokenizer, limits):
+    """The header counts messages, so every render changes the first line: the bridge still
+    appends exactly what the template renders after the turn just generated."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = NOT_PREFIX_STABLE
+    task = next(t for t in Calc.make_tasks("train", 50, 3, 2) if t.metadata["problem"].steps)
+    traj = asyncio.run(run_episode(Calc(), task, ExpertActor(Calc, task, tok), tok, seed=0,
+                                   limits=limits))
+    assert traj.status is Status.COMPLETED and traj.reward.value == 1.0 and traj.num_turns == 3
+    full = tok.apply_chat_template(list(traj.messages), tools=Calc().tool_schemas(),
+                                   tokenize=False)
+    stream = tok.decode(list(traj.token_ids))
+    assert stream.startswith("2") and full.startswith(str(len(traj.messages)))  # 2, 7 messages
+    assert stream[1:] + "\n" == full[1:]  # everything else is the template's text
 
 
 def test_episode_budget_above_the_context_is_one_cli_line(calc_model_dir, tmp_path):

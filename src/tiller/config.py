@@ -53,6 +53,10 @@ class ModelConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the policy, engine, reference and critic run; auto = cuda "
         "when available, else cpu")
+    chat_format: Literal["auto", "hermes", "qwen3", "qwen3.5", "llama3", "harmony"] = Field(
+        "auto", description="the family whose tool-call and reasoning parser reads generated "
+        "turns (rendering is always the tokenizer's own chat template); auto = detect from "
+        "the template, hermes when nothing matches (docs/formats.md)")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -94,6 +98,11 @@ class AgentConfig(_Section):
     reward: Literal["verifier", "program"] = Field(
         "verifier", description="agent.program's reward: the env's verifier on the model's "
         "last turn, or the number (or {'reward': x}) the program returns")
+    history: Literal["stream", "template"] = Field(
+        "stream", description="what the next turn's prompt holds: stream = the exact sampled "
+        "ids plus the new messages (one exact sequence, reasoning kept); template = the chat "
+        "template's re-rendering, which starts a new exact segment of the episode wherever it "
+        "differs from the stream (docs/formats.md)")
 
     @model_validator(mode="after")
     def _memory_knobs(self) -> AgentConfig:

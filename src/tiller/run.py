@@ -123,7 +123,8 @@ class Run:
         torch.manual_seed(cfg.seed)
         self.limits = EpisodeLimits(cfg.env.max_turns, cfg.env.max_episode_tokens, MemoryPolicy(
             cfg.agent.memory, tool_output_tokens=cfg.agent.tool_output_tokens or 128,
-            reserve_tokens=cfg.sampling.max_new_tokens))
+            reserve_tokens=cfg.sampling.max_new_tokens),
+            chat_format=cfg.model.chat_format, history=cfg.agent.history)
         self.timings: dict[str, float] = {}
         # Before any work: a bad replay path stops the run here, and the sandbox policy holds
         # from the first env on (a code env without bwrap refuses unless it is allowed).
@@ -204,7 +205,8 @@ class Run:
         return SamplingParams(temperature=temperature, top_p=s.top_p, top_k=s.top_k,
                               max_new_tokens=s.max_new_tokens,
                               stop_token_ids=stop_token_ids(self.tokenizer,
-                                                            self.model.generation_config))
+                                                            self.model.generation_config,
+                                                            self.cfg.model.chat_format))
 
     def push_weights(self, in_flight: str = "continue") -> dict[str, float]:
         """Sync the trainer's weights to the engine (checked: checksums, echoed version,

@@ -73,9 +73,13 @@ class ExpertActor:
 
 @dataclass(frozen=True)
 class EpisodeLimits:
+    """What bounds an episode, and how its turns are rendered."""
+
     max_turns: int = 8
     max_episode_tokens: int = 1024  # per exact sequence: the context a turn is generated after
     memory: MemoryPolicy = MemoryPolicy()  # what a long episode keeps (`agent.memory`)
+    chat_format: str = "auto"  # `model.chat_format`: a family in chat.FAMILIES, or auto
+    history: str = "stream"  # `agent.history`: stream (exact sampled ids) or template
 
 
 def derive_seed(*parts: Any) -> int:
@@ -87,15 +91,22 @@ def check_rollout_setup(
     tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig, limits: EpisodeLimits
 ) -> None:
     """Start-up checks, so that what would fail in every episode fails once, as one line
-    (ConfigError): the chat template has an end-of-turn token and is prefix-stable across a
-    tool round trip, and an episode fits in the model's context."""
+    (ConfigError): the chat format and history mode are known, the chat template has an
+    end-of-turn token and renders the observation after a tool round trip, and an episode
+    fits in the model's context."""
     context = getattr(model_config, "max_position_embeddings", None)
     if context is not None and limits.max_episode_tokens > context:
         raise ConfigError(f"config field env.max_episode_tokens: got {limits.max_episode_tokens}; "
                           f"expected at most the model's context length "
                           f"(max_position_embeddings={context})")
+    if limits.history not in HISTORY_MODES:
+        raise ConfigError(f"config field agent.history: got {limits.history!r}; expected one "
+                          f"of {', '.join(HISTORY_MODES)}")
     chat = ChatFormat(tokenizer, [{"type": "function", "function": {
-        "name": "calculate", "description": "Evaluate.", "parameters": {"type": "object"}}}])
+        "name": "calculate", "description": "Evaluate.", "parameters": {"type": "object"}}}],
+        limits.chat_format)
+    logger.info("chat format: %s (model.chat_format=%s), history: %s", chat.family,
+                limits.chat_format, limits.history)
     call = {"type": "function", "function": {"name": "calculate", "arguments": {"x": "1"}}}
     messages = [{"role": "system", "content": "Use the tools."},
                 {"role": "user", "content": "What is 1?"},
@@ -104,7 +115,11 @@ def check_rollout_setup(
         chat.observation_ids(messages, [{"role": "tool", "name": "calculate", "content": "1"}])
     except ValueError as e:
         raise ConfigError(f"{e}; tiller appends observation tokens after each generated turn, "
-                          "so use a chat template that is prefix-stable") from e
+                          "so use a chat template that closes each assistant turn with its "
+                          "end-of-turn token") from e
+
+
+HISTORY_MODES = ("stream", "template")
 
 
 # The run's own configuration or state is broken (a sandbox that refuses to start, fail-closed):
@@ -159,7 +174,7 @@ async def run_episode(
             reward = Reward(0.0, {"reset_error": 1.0})
         else:
             try:
-                chat = ChatFormat(tokenizer, env.tool_schemas())
+                chat = ChatFormat(tokenizer, env.tool_schemas(), limits.chat_format)
                 traj.append_prompt(chat.prompt_ids(messages))
                 final, status = await _turns(env, actor, chat, traj, messages, seed=seed,
                                              session_id=f"{task.id}/{sample_index}/{seed}",
@@ -217,7 +232,10 @@ async def _turns(
     """The turns of `run_episode`: generate, parse, step, append the observation; returns the
     final answer (None unless COMPLETED) and the status so far. `messages` records the whole
     conversation; `context` is what the model sees, which differs from it once `drop_oldest`
-    memory dropped exchanges (a new exact sequence starts there)."""
+    memory dropped exchanges (a new exact sequence starts there). With `history="template"`
+    each next context is the template's rendering of it; where that is not the sampled stream
+    plus the observation (a template that drops earlier reasoning), a new exact sequence
+    starts from the rendering."""
     memory, opening, context = limits.memory, len(messages), messages
     for turn in range(limits.max_turns):
         t = time.perf_counter()
@@ -242,7 +260,7 @@ async def _turns(
         # A stop on a generation_config eos that is not the end-of-turn token (Qwen's
         # <|endoftext|>) ends the conversation: the template cannot continue after it.
         # (Only a special token: an actor that strips its stop token ends a plain turn.)
-        ended = (not cut_off and bool(ids) and ids[-1] != chat.end_of_turn_id
+        ended = (not cut_off and bool(ids) and ids[-1] not in chat.turn_end_ids
                  and ids[-1] in chat.tokenizer.all_special_ids)
         parsed = chat.parse(ids[:-1] if ended else ids)
         _record(messages, context, [assistant_message(parsed)])
@@ -281,7 +299,9 @@ async def _turns(
             counts["tool_outputs_truncated"] += cut
         try:
             obs_ids = chat.observation_ids(context, new)
-        except Exception as e:  # the template raised or changed earlier text: ids would be wrong
+            rendered = (chat.prompt_ids([*context, *new]) if limits.history == "template"
+                        else None)
+        except Exception as e:  # the template raised: ids would be wrong
             info["error"] = _error(e, "chat template")
             return None, Status.ABORTED
         _record(messages, context, new)
@@ -292,6 +312,11 @@ async def _turns(
                 context = kept
                 traj.start_segment(chat.prompt_ids(context), "memory_dropped")
                 continue
+        if rendered is not None and rendered != traj.token_ids + obs_ids:
+            if len(rendered) >= limits.max_episode_tokens:
+                return None, Status.TRUNCATED
+            traj.start_segment(rendered, "template_history")  # the template rewrote history
+            continue
         if len(traj) + len(obs_ids) >= limits.max_episode_tokens:
             return None, Status.TRUNCATED
         traj.append_observation(obs_ids)
