@@ -1,5 +1,5 @@
-"""The command line: `tiller train CONFIG [key=value ...]`, `tiller eval CONFIG ...` and
-`tiller serve MODEL_PATH [options]`.
+"""The command line: `tiller train CONFIG [key=value ...]`, `tiller eval CONFIG ...`,
+`tiller serve MODEL_PATH [options]`, `tiller report RUN_DIR` and `tiller view RUN_DIR`.
 
 Errors a user can fix (bad config, missing model, unknown env or algorithm) print one line
 and exit with status 2, never a traceback; a run that started but cannot learn (a broken engine,
@@ -53,6 +53,8 @@ def _print_summary(summary: dict) -> None:
                           str(row["samples"]))
     console.print(table)
     console.print(f"run folder: {summary['run_dir']}")
+    if "report" in summary:
+        console.print(f"report: {summary['report']}", highlight=False, soft_wrap=True)
 
 
 def _run(action: str, config: Path, overrides: list[str] | None, output_dir: Path | None) -> None:
@@ -79,6 +81,22 @@ def train(config: ConfigArg, overrides: Overrides = None, output_dir: OutputDir 
 def evaluate(config: ConfigArg, overrides: Overrides = None, output_dir: OutputDir = None) -> None:
     """Held-out success of the model at model.path (e.g. a run's checkpoints/final)."""
     _run("evaluate_checkpoint", config, overrides, output_dir)
+
+
+RunDirArg = Annotated[Path, typer.Argument(help="a run folder (what `tiller train` wrote)")]
+
+
+@app.command()
+def report(run_dir: RunDirArg) -> None:
+    """Write RUN_DIR/report.html: one self-contained HTML file with the run's plots."""
+    from tiller.errors import RunFolderError
+    from tiller.observe.report import write_report
+
+    try:
+        path = write_report(run_dir)
+    except (ConfigError, RunFolderError) as e:
+        _fail(str(e))
+    console.print(f"report: {path.resolve().as_uri()}", highlight=False, soft_wrap=True)
 
 
 DTYPES = ("float32", "bfloat16", "float16")
