@@ -99,6 +99,29 @@ def report(run_dir: RunDirArg) -> None:
     console.print(f"report: {path.resolve().as_uri()}", highlight=False, soft_wrap=True)
 
 
+@app.command()
+def view(
+    run_dir: RunDirArg,
+    port: Annotated[int, typer.Option(help="TCP port on 127.0.0.1", min=1, max=65535)] = 8765,
+) -> None:
+    """Browse a run's traces in the browser: episodes, tokens, groups, learning curves."""
+    from tiller.errors import RunFolderError, require_package
+
+    try:
+        uvicorn = require_package("uvicorn", "serve", "tiller view")
+        require_package("fastapi", "serve", "tiller view")
+        from tiller.observe.viewer.app import create_app
+
+        viewer = create_app(run_dir)
+    except (ConfigError, RunFolderError) as e:
+        _fail(str(e))
+    # loopback only: the traces hold every prompt and answer of the run
+    console.print(f"tiller view: http://127.0.0.1:{port}/ ({run_dir})", highlight=False,
+                  soft_wrap=True)
+    uvicorn.run(viewer, host="127.0.0.1", port=port, log_level="warning",
+                timeout_graceful_shutdown=2)
+
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 

@@ -51,14 +51,16 @@ class RunRecords:
 
 
 def load_run(run_dir: str | Path) -> RunRecords:
-    """Read a run folder; a missing folder or metrics.jsonl, or a malformed line, is one
-    RunFolderError naming the file (and the line)."""
+    """Read a run folder (also one a training is still writing); a missing folder or
+    metrics.jsonl, or a malformed line, is one RunFolderError naming the file (and the line)."""
     run_dir = Path(run_dir)
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise RunFolderError(f"{run_dir} is not a run folder: it has no metrics.jsonl")
     records = RunRecords(run_dir)
-    for n, line in enumerate(metrics.read_text().splitlines(), 1):
+    # a line without its newline is being written by a running training: not read yet
+    lines = metrics.read_text().split("\n")[:-1]
+    for n, line in enumerate(lines, 1):
         try:
             row = json.loads(line)
             phase = row["phase"]
