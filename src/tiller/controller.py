@@ -88,6 +88,10 @@ def evaluate(run: Run, tasks: list, label: str) -> dict[str, float]:
 
         trajs = run.episodes(tasks, ev.samples_per_task, run.sampling(ev.temperature),
                              ("eval", label), tick)
+    if run.traces is not None:  # every eval episode is kept
+        split = {t.id: t.split for t in tasks}
+        for t in trajs:
+            run.traces.put_episode(t, f"eval_{label}", split[t.task_id], run.trainer.version)
     summary = success_summary(trajs, seed=run.cfg.seed, k=ev.pass_k)
     summary.update(success_by_difficulty(tasks, trajs, seed=run.cfg.seed))
     summary["time_s"] = time.perf_counter() - t0
@@ -133,6 +137,9 @@ def rl(run: Run) -> dict[str, Any]:
                      **trend.update(taken.ended, run.trainer.version),
                      "rollout_tokens": float(sum(t.num_generated for t in taken.ended)),
                      "rollout_s": time.perf_counter() - ts}  # the wait for the batch
+                if run.traces is not None:
+                    for t in taken.ended:
+                        run.traces.put_episode(t, "rl", "train", run.trainer.version, step + 1)
                 idle = 0 if kept else idle + 1
                 if not kept and (not m.get("groups_dropped") or idle > cfg.max_idle_steps):
                     raise RunError(f"rl step {step + 1}: nothing to train ({idle} step(s) in a "
@@ -154,6 +161,9 @@ def rl(run: Run) -> dict[str, Any]:
                     m.update(stats, **run.trainer.rl_step(batch, cfg, run.cfg.l_max, ref,
                                                           critic, step))
                     m["train_s"] = time.perf_counter() - tt
+                    if run.traces is not None:
+                        run.traces.put_training(step + 1, kept, batch.loss_mask,
+                                                run.trainer.last_rl)
                     ts_sync = time.perf_counter()
                     m.update(run.push_weights(in_flight))  # sync/*: bytes, kind, parity
                     m["sync_s"] = time.perf_counter() - ts_sync
@@ -163,7 +173,12 @@ def rl(run: Run) -> dict[str, Any]:
                          trainer_busy_frac=trainer_s / (time.perf_counter() - t0))
                 # counters as of this step, before the next groups may start (in sync they
                 # start only now, so these are exact per step)
-                m.update({k: v for k, v in rollouts.stats().items() if k.startswith("ledger/")})
+                ledger = {k: v for k, v in rollouts.stats().items() if k.startswith("ledger/")}
+                m.update(ledger)
+                if run.traces is not None:
+                    run.traces.put_ledger(step + 1, run.trainer.version,
+                                          {k.removeprefix("ledger/"): v for k, v in ledger.items()})
+                    m.update(run.traces.stats())
                 m.update({f"engine/{k}": v for k, v in run.engine.stats().items()})
                 rollouts.weights_live(step + 1, run.trainer.version)
                 run.log("rl", m, step + 1)

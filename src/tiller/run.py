@@ -22,6 +22,7 @@ from tiller.envs import ENVS, Env, Task, ToolEnv
 from tiller.errors import ConfigError, require_package
 from tiller.models import build_env_model, load_model, load_tokenizer, resolve_device
 from tiller.observe.metrics import MetricsLogger, check_backends
+from tiller.observe.traces import TraceWriter
 from tiller.rollout.agent_loop import (
     EngineActor,
     EpisodeLimits,
@@ -104,6 +105,9 @@ class Run:
             self.tools.close()
             set_unsafe_fallback(False)
             raise
+        t = cfg.observe.traces
+        self.traces = TraceWriter(self.dir / "traces.sqlite", t.sample_rate, t.max_mb, cfg.seed,
+                                  t.queue_size, t.close_timeout_s) if t.enabled else None
 
     def _build_models(self) -> None:
         cfg = self.cfg
@@ -213,10 +217,14 @@ class Run:
         try:  # each closes even when the one before it failed
             self.engine.close()
         finally:
-            try:
-                self.logger.close()
+            try:  # drained before the logger closes, so its final counts are logged
+                if self.traces is not None:
+                    self.log("traces", self.traces.close())
             finally:
                 try:
-                    self.tools.close()
+                    self.logger.close()
                 finally:
-                    set_unsafe_fallback(False)  # the run's sandbox policy ends with the run
+                    try:
+                        self.tools.close()
+                    finally:
+                        set_unsafe_fallback(False)  # the run's sandbox policy ends with it

@@ -258,6 +258,7 @@ async def _turns(
             timings["env_s"] += time.perf_counter() - t
         counts["parse_errors"] += len(parsed.parse_errors)
         counts["tool_calls"] += len(result.tool_results)
+        traj.tool_results += [(turn, r) for r in result.tool_results]
         outcomes = [r.outcome for r in result.tool_results]
         counts["tool_errors"] += outcomes.count(ToolOutcome.TOOL_ERROR)
         counts["env_errors"] += outcomes.count(ToolOutcome.ENV_ERROR)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from tiller.envs.base import Env, Task
@@ -26,10 +27,12 @@ async def run_one(task: Task, k: int, actor: Actor, *, episode_fn: EpisodeFn,
                   make_env: Callable[..., Env], tokenizer: Any, limits: EpisodeLimits,
                   seed: int, tag: tuple) -> Trajectory:
     """Episode k of `task`: the env `make_env(*tag, task.id, k)` and the seed derived from
-    (seed, tag, task.id, k), so its tokens depend on nothing else."""
-    return await episode_fn(make_env(*tag, task.id, k), task, actor, tokenizer,
-                            seed=derive_seed(seed, tag, task.id, k), sample_index=k,
-                            limits=limits)
+    (seed, tag, task.id, k), so its tokens depend on nothing else; the trajectory carries
+    that seed."""
+    episode_seed = derive_seed(seed, tag, task.id, k)
+    traj = await episode_fn(make_env(*tag, task.id, k), task, actor, tokenizer,
+                            seed=episode_seed, sample_index=k, limits=limits)
+    return replace(traj, seed=episode_seed)
 
 
 async def collect(tasks: Sequence[Task], samples: int, actor: Actor, *, episode_fn: EpisodeFn,
@@ -79,9 +82,14 @@ def check_aborted(trajectories: Sequence[Trajectory], max_frac: float, where: st
 
 
 def rollout_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """Means over the episodes; `reward/<check>` is each verifier check's mean (the reward's
+    breakdown: format, arguments, answer...), an episode without that check counting 0 (an
+    episode whose reset or verifier failed has only `reset_error` / `verifier_error`)."""
     n = max(len(trajs), 1)
     statuses = [t.status for t in trajs]
+    checks = sorted({k for t in trajs for k in t.reward.checks})
     return {
+        **{f"reward/{k}": sum(t.reward.checks.get(k, 0.0) for t in trajs) / n for k in checks},
         "reward_mean": sum(t.reward.value for t in trajs) / n,
         "success_rate": sum(is_success(t) for t in trajs) / n,
         "response_tokens_mean": sum(t.num_generated for t in trajs) / n,

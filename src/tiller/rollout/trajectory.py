@@ -14,6 +14,7 @@ from enum import Enum
 from typing import Any
 
 from tiller.envs.verifiers import Reward
+from tiller.tools.registry import ToolResult
 
 
 class Status(str, Enum):
@@ -56,6 +57,11 @@ class Trajectory:
     # advantage. `split_reasons` says why each split happened.
     segment_starts: tuple[int, ...] = ()
     split_reasons: tuple[str, ...] = ()
+    # the episode's seed (set by `collect.run_one`, which derives it): with the run's seed it
+    # names the episode, e.g. in traces.sqlite
+    seed: int | None = None
+    # (turn, result) of every tool call, in the order the env ran them (traces.sqlite)
+    tool_results: tuple[tuple[int, ToolResult], ...] = ()
 
     def segments(self) -> list[tuple[int, int]]:
         """[start, end) of each exact sequence in `token_ids` (one span when never split)."""
@@ -94,6 +100,7 @@ class TrajectoryBuilder:
         self.discarded_tokens = 0
         self._segment_starts: list[int] = []
         self._split_reasons: list[str] = []
+        self.tool_results: list[tuple[int, ToolResult]] = []  # (turn, result), in call order
 
     def __len__(self) -> int:
         """Tokens in the current sequence: the context the next turn is generated after (the
@@ -185,4 +192,5 @@ class TrajectoryBuilder:
             discarded_tokens=self.discarded_tokens,
             segment_starts=tuple(self._segment_starts),
             split_reasons=tuple(self._split_reasons),
+            tool_results=tuple(self.tool_results),
         )

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
@@ -110,6 +110,14 @@ def _on(x: torch.Tensor, rows: torch.Tensor, width: int, device: torch.device) -
     return x[rows, :width].to(device)
 
 
+class RLStepTensors(NamedTuple):
+    """What the last `rl_step` computed per token, [B, T] on the host, row i = the batch's row
+    i (0 off each row's length): kept for the traces (`observe.traces`), never read back."""
+
+    logp_old: torch.Tensor  # the trainer's logprobs at train start (the proximal policy)
+    advantages: torch.Tensor  # 0 off the loss mask
+
+
 class Trainer:
     """Owns the policy's optimizer and weight version; publishes `WeightUpdate`s.
 
@@ -130,6 +138,7 @@ class Trainer:
         self.compute_dtype = compute_dtype
         self.version = 0
         self.optimizer: torch.optim.Optimizer | None = None
+        self.last_rl: RLStepTensors | None = None
 
     @property
     def device(self) -> torch.device:
@@ -313,6 +322,7 @@ class Trainer:
         if critic is not None:
             assert values is not None and returns is not None
             metrics.update(critic.update(batch, returns, values, cfg, l_max))
+        self.last_rl = RLStepTensors(logp_old, advantages)
         return metrics
 
 
