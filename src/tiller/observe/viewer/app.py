@@ -18,10 +18,11 @@ from __future__ import annotations
 import math
 import sqlite3
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI, HTTPException, Query
+from fastapi import FastAPI, HTTPException, Query
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
@@ -74,6 +75,17 @@ def _finite(row: dict[str, Any]) -> dict[str, Any]:
             for k, v in row.items()}
 
 
+@contextmanager
+def _reading(db: Path) -> Iterator[sqlite3.Connection]:
+    """A read-only connection for one request, opened and closed in the thread that runs the
+    route (an sqlite3 connection may not change threads; a dependency may run in another)."""
+    con = connect(db)
+    try:
+        yield con
+    finally:
+        con.close()
+
+
 def create_app(run_dir: str | Path) -> FastAPI:
     """The viewer over `run_dir`; a folder without traces.sqlite is one RunFolderError."""
     run_dir = Path(run_dir)
@@ -85,27 +97,18 @@ def create_app(run_dir: str | Path) -> FastAPI:
     app = FastAPI(title="tiller view", docs_url=None, redoc_url=None, openapi_url=None)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
-    def database() -> Iterator[sqlite3.Connection]:
-        con = connect(db)
-        try:
-            yield con
-        finally:
-            con.close()
-
-    Db = Annotated[sqlite3.Connection, Depends(database)]
-
     @app.get("/")
     def index() -> FileResponse:
         return FileResponse(STATIC / "index.html")
 
     @app.get("/api/run")
-    def run_facts(con: Db) -> dict[str, Any]:
-        return {"run_dir": str(run_dir.resolve()), "name": run_dir.name,
-                "tokens_as_text": texts.tokenizer is not None, **queries.overview(con)}
+    def run_facts() -> dict[str, Any]:
+        with _reading(db) as con:
+            return {"run_dir": str(run_dir.resolve()), "name": run_dir.name,
+                    "tokens_as_text": texts.tokenizer is not None, **queries.overview(con)}
 
     @app.get("/api/episodes")
     def episodes(
-        con: Db,
         phase: str | None = None, status: Status | None = None,
         step_min: int | None = None, step_max: int | None = None,
         reward_min: float | None = None, reward_max: float | None = None,
@@ -120,19 +123,22 @@ def create_app(run_dir: str | Path) -> FastAPI:
         flt = queries.EpisodeFilter(phase, status, step_min, step_max, reward_min, reward_max,
                                     env_error, tool_errors_min, tokens_min, tokens_max,
                                     trained, q or None)
-        return queries.page(con, flt, order, desc, limit, offset)
+        with _reading(db) as con:
+            return queries.page(con, flt, order, desc, limit, offset)
 
     @app.get("/api/episodes/{episode_id}")
-    def one_episode(episode_id: int, con: Db) -> dict[str, Any]:
-        ep = queries.episode(con, episode_id)
+    def one_episode(episode_id: int) -> dict[str, Any]:
+        with _reading(db) as con:
+            ep = queries.episode(con, episode_id)
         if ep is None:
             raise HTTPException(404, f"no episode {episode_id} in {db}")
         ep["arrays"]["text"] = texts(ep["arrays"]["token_ids"])
         return ep
 
     @app.get("/api/episodes/{episode_id}/group")
-    def episode_group(episode_id: int, con: Db) -> dict[str, Any]:
-        members = queries.group(con, episode_id)
+    def episode_group(episode_id: int) -> dict[str, Any]:
+        with _reading(db) as con:
+            members = queries.group(con, episode_id)
         if members is None:
             raise HTTPException(404, f"no episode {episode_id} in {db}")
         return {"episode_id": episode_id, "members": members}
