@@ -6,7 +6,7 @@ TraceWriter with each step's trainer arrays and ledger, MetricsLogger rows), in 
 subprocess and each request below is timed over HTTP on 127.0.0.1: the first (cold) answer and
 the median of --repeats more.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/viewer.py                    # 10,000 episodes
+    PYTHONPATH=src .venv/bin/python benchmarks/viewer.py --browser          # 10,000 episodes
     PYTHONPATH=src .venv/bin/python benchmarks/viewer.py --episodes 500     # smoke run
 
 What "opens in a second" needs is the page load: `/`, `/api/run` and the first page of
@@ -16,6 +16,7 @@ What "opens in a second" needs is the page load: `/`, `/api/run` and the first p
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -54,6 +55,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", type=Path, default=None, help="run folder (default: a temp dir)")
+    p.add_argument("--browser", action="store_true",
+                   help="also time the page in headless /usr/bin/chromium (Playwright)")
     return p.parse_args(argv)
 
 
@@ -194,6 +197,21 @@ def time_requests(url: str, paths: Sequence[str], repeats: int) -> list[dict[str
     return rows
 
 
+def time_in_browser(url: str) -> float:
+    """Milliseconds from opening the viewer in headless Debian Chromium to its episode table
+    holding the first page; the browser is launched as the tests launch it (tests/browser.py:
+    /usr/bin/chromium, a fresh profile, never a downloaded browser)."""
+    spec = importlib.util.spec_from_file_location("tiller_test_browser",
+                                                  ROOT / "tests" / "browser.py")
+    browser = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(browser)
+    with tempfile.TemporaryDirectory() as profile, browser.chromium_page(Path(profile)) as page:
+        t = time.perf_counter()
+        page.goto(f"{url}/")
+        page.wait_for_selector("#episodes tbody tr", timeout=30_000)
+        return (time.perf_counter() - t) * 1000
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="tiller-viewer-bench-"))
@@ -212,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                  "/api/episodes?order=reward&desc=true&limit=50",
                  f"/api/episodes/{last}", f"/api/episodes/{last}/group", "/api/curves"]
         rows = time_requests(url, paths, args.repeats)
+        browser_ms = time_in_browser(url) if args.browser else None
     print("== requests (ms over HTTP on 127.0.0.1)")
     print(f"{'path':<72} {'first':>8} {'median':>8} {'bytes':>9}")
     for r in rows:
@@ -219,8 +238,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     page_load = sum(r["first_ms"] for r in rows if r["path"] in
                     ("/", "/static/viewer.js", "/api/run", "/api/episodes?limit=50"))
     print(f"== page load (/, viewer.js, /api/run, first page; first answers): {page_load:.0f} ms")
-    (work / "viewer_bench.json").write_text(json.dumps({"synthesized": made, "requests": rows,
-                                                        "page_load_ms": page_load}, indent=2))
+    if browser_ms is not None:
+        print(f"== headless Chromium: the list page with its first 50 rows shown in "
+              f"{browser_ms:.0f} ms (page open to table in the DOM, fresh profile)")
+    (work / "viewer_bench.json").write_text(json.dumps({
+        "synthesized": made, "requests": rows, "page_load_ms": page_load,
+        "browser_ms": browser_ms}, indent=2))
 
 
 if __name__ == "__main__":

@@ -234,7 +234,9 @@ async function showEpisode(id, params) {
 
 async function showGroup(id) {
   const { members } = await api(`/api/episodes/${id}/group`);
+  // the rewarded members: the best reward, when the group's rewards differ at all
   const best = Math.max(...members.map((m) => m.reward));
+  const spread = best > Math.min(...members.map((m) => m.reward));
   const checks = [...new Set(members.flatMap((m) => Object.keys(m.checks)))].sort();
   const rows = [
     ["reward", (m) => fmt(m.reward)], ["status", (m) => m.status],
@@ -251,10 +253,10 @@ async function showGroup(id) {
     el("p", {}, el("a", { href: `#/episode/${id}` }, "\u2190 episode"), "  ",
       el("a", { href: lastList }, "episode list")),
     el("h2", { text: `Group of ${first.task_id} (${first.phase}, RL step ${fmt(first.rl_step)}): ${members.length} episodes` }),
-    el("p", { class: "muted", text: "Rows that differ between the members are highlighted; the best-rewarded members have a green border." }),
+    el("p", { class: "muted", text: "Rows that differ between the members are highlighted; the best-rewarded members (when rewards differ) have a green border." }),
     table(["", ...members.map((m) => `#${m.id} (sample ${m.sample_index})`)], rows, { id: "group-compare" }),
     el("div", { class: "group" }, members.map((m) =>
-      el("div", { class: `member${m.reward === best ? " rewarded" : ""}${m.id === Number(id) ? " current" : ""}`, "data-id": m.id },
+      el("div", { class: `member${spread && m.reward === best ? " rewarded" : ""}${m.id === Number(id) ? " current" : ""}`, "data-id": m.id },
         el("h4", {}, el("a", { href: `#/episode/${m.id}`, text: `episode ${m.id}` }),
           ` reward ${fmt(m.reward)}, ${m.status}`),
         conversation(m.messages.filter((x) => x.role !== "system"), m.tool_calls_list)))));
