@@ -51,7 +51,9 @@ NOISE = ("time", "logp_mismatch_", "importance_weight_", "mismatch_", "staleness
          # timing too (the tokens sampled do not)
          "engine/decode_steps", "engine/decoded_row_steps", "engine/max_rows",
          "engine/prefill_calls", "trainer_busy_frac", "rollout_train_ratio", "samples_per_s",
-         "engine_busy_frac", "episodes_running", "groups_ready")
+         "engine_busy_frac", "episodes_running", "groups_ready",
+         # the trace writer's counts as of a step follow its thread (what it wrote so far)
+         "traces/")
 
 
 def rl_rows(run_dir: Path) -> list[dict]:

@@ -129,7 +129,7 @@ def test_the_trainer_arrays_are_what_the_trainer_computed(rl_episodes, model, to
     batch = Batch.collate(trajs, tokenizer.pad_token_id, rewards=[0, 1, 1, 0, 0.5, 0],
                           group_index=[0, 0, 1, 1, 2, 2])
     trainer.rl_step(batch, RLConfig(mini_batches=2), l_max=256)  # two updates: a prepass
-    writer.put_training(1, trajs, batch.loss_mask, trainer.last_rl)
+    writer.put_training(1, trajs, batch, trainer.last_rl)
     assert writer.close()["traces/trained"] == len(trajs)
     logp, adv = trainer.last_rl
     assert adv.abs().sum() > 0 and logp.abs().sum() > 0
@@ -141,6 +141,36 @@ def test_the_trainer_arrays_are_what_the_trainer_computed(rl_episodes, model, to
         assert decode("trainer_logprobs", row["trainer_logprobs"]) == logp[i, :n].tolist()
         assert decode("advantages", row["advantages"]) == adv[i, :n].tolist()
         assert decode("train_mask", row["train_mask"]) == [int(m) for m in t.loss_mask]
+
+
+def test_a_split_episode_gets_its_rows_back_end_to_end(tmp_path):
+    """Two exact sequences, two batch rows: the stored arrays are the rows [:length] laid end
+    to end, so they line up with the flat token ids."""
+    b = TrajectoryBuilder("t")
+    b.append_prompt([1, 2, 3])
+    b.append_generated([4, 5], [-0.1, -0.2], 0)
+    b.append_observation([6])
+    b.start_segment([7, 8], "memory_dropped")
+    b.append_generated([9], [-0.3], 0)
+    other = TrajectoryBuilder("u")
+    other.append_prompt([1])
+    other.append_generated([2, 3], [-0.4, -0.5], 0)
+    trajs = [replace(x.finish(Reward(1.0), Status.COMPLETED), seed=k)
+             for k, x in enumerate((b, other))]
+    batch = Batch.collate(trajs, 0)
+    assert batch.episode_index.tolist() == [0, 0, 1]
+    marks = torch.arange(3)[:, None] * 100.0 + torch.arange(batch.input_ids.size(1))  # row, pos
+    writer = TraceWriter(tmp_path / "traces.sqlite")
+    for t in trajs:
+        writer.put_episode(t, "rl", "train", 0, 1)
+    writer.put_training(1, trajs, batch, RLStepTensors(marks, -marks))
+    writer.close()
+    first, second = (read_episode(tmp_path / "traces.sqlite", i) for i in (1, 2))
+    assert first["segment_starts"] == [6] and first["split_reasons"] == ["memory_dropped"]
+    assert first["trainer_logprobs"] == [0, 1, 2, 3, 4, 5, 100, 101, 102]
+    assert first["advantages"] == [-v for v in first["trainer_logprobs"]]
+    assert first["train_mask"] == list(trajs[0].loss_mask) == [0, 0, 0, 1, 1, 0, 0, 0, 1]
+    assert second["trainer_logprobs"] == [200, 201, 202]
 
 
 def test_sample_rate_keeps_every_eval_episode_and_a_seeded_half_of_rl(rl_episodes, tmp_path):
@@ -203,8 +233,8 @@ def test_a_failing_writer_stops_the_run_at_the_next_put(rl_episodes, tmp_path):
     writer = TraceWriter(tmp_path / "traces.sqlite")
     writer.put_episode(trajs[0], "rl", "train", 0, 1)
     # a malformed batch, one row for six episodes: the writer's update fails
-    one_row = torch.zeros(1, 4)
-    writer.put_training(1, trajs, one_row, RLStepTensors(one_row, one_row))
+    one_row = Batch.collate(trajs[:1], 0)
+    writer.put_training(1, trajs, one_row, RLStepTensors(one_row.loss_mask, one_row.loss_mask))
     deadline = time.monotonic() + 10
     with pytest.raises(RunError, match=r"traces: writing .*traces.sqlite failed"):
         while time.monotonic() < deadline:
@@ -253,9 +283,8 @@ def test_a_run_traces_every_episode_and_trains_the_same_with_traces_off(tmp_path
           tmp_path / "off")
     assert not (tmp_path / "off" / "traces.sqlite").exists()
     # bit-identical training: traces draw no random numbers and change no tensor
-    no_traces = [{k: v for k, v in r.items() if not k.startswith("traces/")}
-                 for r in numbers(tmp_path / "on") if r["phase"] != "traces"]
-    assert no_traces == numbers(tmp_path / "off")
+    assert [r for r in numbers(tmp_path / "on") if r["phase"] != "traces"] == numbers(
+        tmp_path / "off")
     rows = [json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").read_text()
             .splitlines()]
     for phase in ("rl", "eval_sft", "eval_rl"):  # the reward's breakdown, every step and eval

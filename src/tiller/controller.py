@@ -162,8 +162,7 @@ def rl(run: Run) -> dict[str, Any]:
                                                           critic, step))
                     m["train_s"] = time.perf_counter() - tt
                     if run.traces is not None:
-                        run.traces.put_training(step + 1, kept, batch.loss_mask,
-                                                run.trainer.last_rl)
+                        run.traces.put_training(step + 1, kept, batch, run.trainer.last_rl)
                     ts_sync = time.perf_counter()
                     m.update(run.push_weights(in_flight))  # sync/*: bytes, kind, parity
                     m["sync_s"] = time.perf_counter() - ts_sync

@@ -25,10 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from tiller.errors import RunError
 from tiller.rollout.agent_loop import derive_seed
 from tiller.rollout.trajectory import Trajectory
+from tiller.train.batch import Batch
 from tiller.train.trainer import RLStepTensors
 
 log = logging.getLogger(__name__)
@@ -39,7 +41,8 @@ SCHEMA_VERSION = 1
 ARRAYS = {"token_ids": "<i4", "loss_mask": "u1", "logprobs": "<f8", "token_versions": "<i4",
           "train_mask": "u1", "trainer_logprobs": "<f4", "advantages": "<f4"}
 # columns holding JSON text
-JSON_COLUMNS = ("checks", "versions", "turn_spans", "timings", "info", "messages")
+JSON_COLUMNS = ("checks", "versions", "turn_spans", "segment_starts", "split_reasons", "timings",
+                "info", "messages")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -67,8 +70,11 @@ CREATE TABLE IF NOT EXISTS episodes (
     tool_errors INTEGER NOT NULL,
     env_errors INTEGER NOT NULL,
     parse_errors INTEGER NOT NULL,
+    tool_outputs_truncated INTEGER NOT NULL,
     discarded_tokens INTEGER NOT NULL,
     turn_spans TEXT NOT NULL,
+    segment_starts TEXT NOT NULL,
+    split_reasons TEXT NOT NULL,
     timings TEXT NOT NULL,
     info TEXT NOT NULL,
     messages TEXT NOT NULL,
@@ -114,8 +120,9 @@ _EPISODE_COLUMNS = (
     "phase", "split", "rl_step", "global_step", "task_id", "sample_index", "seed", "status",
     "reward", "checks", "env_error", "min_version", "max_version", "versions", "n_tokens",
     "n_generated", "n_turns", "prompt_len", "tool_calls", "tool_errors", "env_errors",
-    "parse_errors", "discarded_tokens", "turn_spans", "timings", "info", "messages",
-    "token_ids", "loss_mask", "logprobs", "token_versions", "written")
+    "parse_errors", "tool_outputs_truncated", "discarded_tokens", "turn_spans",
+    "segment_starts", "split_reasons", "timings", "info", "messages", "token_ids", "loss_mask",
+    "logprobs", "token_versions", "written")
 _INSERT_EPISODE = (f"INSERT INTO episodes ({', '.join(_EPISODE_COLUMNS)}) "
                    f"VALUES ({', '.join('?' * len(_EPISODE_COLUMNS))})")
 # what `query` returns per episode: everything but the per-token arrays and the messages
@@ -150,7 +157,10 @@ def _episode_row(traj: Trajectory, phase: str, split: str, global_step: int,
         "prompt_len": traj.prompt_len, "tool_calls": traj.tool_calls,
         "tool_errors": traj.tool_errors, "env_errors": traj.env_errors,
         "parse_errors": traj.parse_errors, "discarded_tokens": traj.discarded_tokens,
+        "tool_outputs_truncated": traj.tool_outputs_truncated,
         "turn_spans": _json([list(s) for s in traj.turn_spans]),
+        "segment_starts": _json(list(traj.segment_starts)),
+        "split_reasons": _json(list(traj.split_reasons)),
         "timings": _json(dict(traj.timings)), "info": _json(dict(traj.info)),
         "messages": _json(list(traj.messages)),
         "token_ids": _pack(traj.token_ids, "token_ids"),
@@ -234,14 +244,16 @@ class TraceWriter:
         else:
             self._put_or_drop(item)
 
-    def put_training(self, rl_step: int, trajectories: Sequence[Trajectory],
-                     loss_mask: Any, tensors: RLStepTensors) -> None:
-        """The trainer's side of a batch: row i of `loss_mask` (the mask it trained on, after
-        overlong masking and key steps) and of `tensors` is `trajectories[i]`. Updates the rows
-        of those episodes that were written (sampled in, not dropped)."""
+    def put_training(self, rl_step: int, trajectories: Sequence[Trajectory], batch: Batch,
+                     tensors: RLStepTensors) -> None:
+        """The trainer's side of `batch` (built from `trajectories` by `Batch.collate`: one row
+        per exact sequence, in order): its loss mask (the one trained on, after overlong
+        masking and key steps) and `tensors`, each episode's rows put back end to end so they
+        line up with its tokens. Updates the rows of the episodes that were written."""
         seeds = [t.seed for t in trajectories]
-        lengths = [len(t.token_ids) for t in trajectories]
-        self._put_or_drop(("training", rl_step, seeds, lengths, loss_mask, tensors))
+        segments = [t.segments() for t in trajectories]
+        self._put_or_drop(("training", rl_step, seeds, segments, batch.loss_mask,
+                           batch.episode_index, tensors))
 
     def put_ledger(self, rl_step: int, global_step: int, ledger: dict[str, float]) -> None:
         self._put_or_drop(("ledger", rl_step, global_step, dict(ledger)))
@@ -379,12 +391,25 @@ class TraceWriter:
             self._bytes += size
 
     def _write_training(self, con: sqlite3.Connection, rl_step: int, seeds: list[int | None],
-                        lengths: list[int], loss_mask: Any, tensors: RLStepTensors) -> None:
-        mask = loss_mask.numpy()
-        logp, adv = tensors.logp_old.numpy(), tensors.advantages.numpy()
-        for i, (seed, n) in enumerate(zip(seeds, lengths, strict=True)):
-            arrays = (_pack(mask[i, :n], "train_mask"), _pack(logp[i, :n], "trainer_logprobs"),
-                      _pack(adv[i, :n], "advantages"))
+                        segments: list[list[tuple[int, int]]], loss_mask: torch.Tensor,
+                        episode_index: torch.Tensor, tensors: RLStepTensors) -> None:
+        columns = (("train_mask", loss_mask.cpu().numpy()),
+                   ("trainer_logprobs", tensors.logp_old.cpu().numpy()),
+                   ("advantages", tensors.advantages.cpu().numpy()))
+        owner = episode_index.tolist()  # the trajectory of each row
+        if sum(map(len, segments)) != len(owner):
+            raise ValueError(f"rl step {rl_step}: {len(owner)} batch rows for "
+                             f"{sum(map(len, segments))} sequences")
+        first = 0  # the row of the episode's first sequence: collate keeps them in order
+        for i, (seed, spans) in enumerate(zip(seeds, segments, strict=True)):
+            rows = range(first, first + len(spans))
+            first += len(spans)
+            if any(owner[r] != i for r in rows):
+                raise ValueError(f"rl step {rl_step}: the batch's rows are not the episodes' "
+                                 f"sequences in order (episode_index {owner})")
+            arrays = tuple(_pack(np.concatenate([a[r, :end - start] for r, (start, end)
+                                                 in zip(rows, spans, strict=True)]), c)
+                           for c, a in columns)
             cur = con.execute("UPDATE episodes SET trained_step = ?, train_mask = ?, "
                               "trainer_logprobs = ?, advantages = ? "
                               "WHERE phase = 'rl' AND seed = ?", (rl_step, *arrays, seed))

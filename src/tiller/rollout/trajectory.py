@@ -41,6 +41,7 @@ class Trajectory:
     tool_errors: int = 0
     env_errors: int = 0
     parse_errors: int = 0
+    tool_outputs_truncated: int = 0  # tool messages cut by agent.memory: truncate_tool_output
     timings: Mapping[str, float] = field(default_factory=dict)
     # "error": why the episode was aborted or is an env error; "close_error": env.close failed
     info: Mapping[str, str] = field(default_factory=dict)
@@ -50,6 +51,11 @@ class Trajectory:
     # tokens the engine generated that the trajectory does not keep (cut at the episode's
     # token budget): with num_generated, every token the engine sampled for it
     discarded_tokens: int = 0
+    # the episode's seed (set by `collect.run_one`, which derives it): with the run's seed it
+    # names the episode, e.g. in traces.sqlite
+    seed: int | None = None
+    # (turn, result) of every tool call, in the order the env ran them (traces.sqlite)
+    tool_results: tuple[tuple[int, ToolResult], ...] = ()
     # An episode whose context was replaced mid-way (the template re-rendered the history, or a
     # black-box agent rewrote it) is several exact sequences, concatenated in the fields above:
     # each index here starts a new one, whose own prompt is re-encoded context (mask 0). The
@@ -57,11 +63,6 @@ class Trajectory:
     # advantage. `split_reasons` says why each split happened.
     segment_starts: tuple[int, ...] = ()
     split_reasons: tuple[str, ...] = ()
-    # the episode's seed (set by `collect.run_one`, which derives it): with the run's seed it
-    # names the episode, e.g. in traces.sqlite
-    seed: int | None = None
-    # (turn, result) of every tool call, in the order the env ran them (traces.sqlite)
-    tool_results: tuple[tuple[int, ToolResult], ...] = ()
 
     def segments(self) -> list[tuple[int, int]]:
         """[start, end) of each exact sequence in `token_ids` (one span when never split)."""
@@ -98,9 +99,9 @@ class TrajectoryBuilder:
         self._versions: list[int] = []
         self._token_versions: list[int] = []
         self.discarded_tokens = 0
+        self.tool_results: list[tuple[int, ToolResult]] = []  # (turn, result), in call order
         self._segment_starts: list[int] = []
         self._split_reasons: list[str] = []
-        self.tool_results: list[tuple[int, ToolResult]] = []  # (turn, result), in call order
 
     def __len__(self) -> int:
         """Tokens in the current sequence: the context the next turn is generated after (the
@@ -167,6 +168,7 @@ class TrajectoryBuilder:
         tool_errors: int = 0,
         env_errors: int = 0,
         parse_errors: int = 0,
+        tool_outputs_truncated: int = 0,
         timings: Mapping[str, float] | None = None,
         info: Mapping[str, str] | None = None,
     ) -> Trajectory:
@@ -186,11 +188,12 @@ class TrajectoryBuilder:
             tool_errors=tool_errors,
             env_errors=env_errors,
             parse_errors=parse_errors,
+            tool_outputs_truncated=tool_outputs_truncated,
             timings=dict(timings or {}),
             info=dict(info or {}),
             token_versions=tuple(self._token_versions),
             discarded_tokens=self.discarded_tokens,
+            tool_results=tuple(self.tool_results),
             segment_starts=tuple(self._segment_starts),
             split_reasons=tuple(self._split_reasons),
-            tool_results=tuple(self.tool_results),
         )
