@@ -39,6 +39,7 @@ from tiller.observe.metrics import MetricsLogger
 from tiller.observe.traces import TraceWriter
 from tiller.rollout.trajectory import Status, Trajectory, TrajectoryBuilder
 from tiller.tools.registry import ToolCall, ToolOutcome, ToolResult
+from tiller.train.batch import Batch
 from tiller.train.trainer import RLStepTensors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,18 +110,14 @@ def synthesize(run_dir: Path, episodes: int, group_size: int = 8, tasks_per_step
                  for i in range(min(per_step, episodes - written))]
         for t in batch:
             writer.put_episode(t, "rl", "train", step, step)
-        width = max(len(t.token_ids) for t in batch)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        logp = torch.zeros(len(batch), width)
-        adv = torch.zeros(len(batch), width)
-        for i, t in enumerate(batch):
-            n = len(t.token_ids)
-            mask[i, :n] = torch.tensor(t.loss_mask)
-            # the trainer's logprobs: the rollout's plus float noise, one token in 200 far off
-            logp[i, :n] = torch.tensor([lp + (rng.gauss(0, 1e-6) if rng.random() > 0.005
-                                              else 0.5) for lp in t.logprobs]) * mask[i, :n]
-            adv[i, :n] = (t.reward.value - 0.5) * mask[i, :n]
-        writer.put_training(step, batch, mask, RLStepTensors(logp, adv))
+        rows = Batch.collate(batch, pad_token_id=0)  # one row per episode (none is split)
+        mask = rows.loss_mask
+        # the trainer's logprobs: the rollout's plus float noise, one token in 200 far off
+        noise = torch.tensor([[rng.gauss(0, 1e-6) if rng.random() > 0.005 else 0.5
+                               for _ in range(mask.shape[1])] for _ in range(len(batch))])
+        logp = (rows.rollout_logprobs + noise) * mask
+        adv = (rows.rewards - 0.5)[:, None] * mask
+        writer.put_training(step, batch, rows, RLStepTensors(logp, adv))
         writer.put_ledger(step, step, {"started": written + len(batch),
                                        "trained": written + len(batch)})
         written += len(batch)
