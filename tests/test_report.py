@@ -73,3 +73,22 @@ def test_cli_report_on_a_folder_that_is_not_a_run_is_one_line(tmp_path):
     assert out.returncode == 2
     assert out.stdout.strip().splitlines() == [
         f"error: {tmp_path} is not a run folder: it has no metrics.jsonl"]
+
+
+def test_async_run_plots_staleness(tiny_run, tmp_path):
+    """The staleness section plots what an async run logs (the controller's own
+    staleness_metrics rows) instead of the sync run's one line."""
+    from tiller.controller import staleness_metrics
+
+    run_dir, _ = tiny_run
+    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for r, stale in zip([r for r in rows if r["phase"] == "rl"], ([0, 1, 1], [1, 2], [2, 2]),
+                        strict=True):
+        r.update(staleness_metrics(stale))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "config.yaml").write_text("name: async\nrl:\n  mode: async\n")
+    run = load_run(tmp_path)
+    assert run.rl[0]["staleness/1"] == pytest.approx(2 / 3)
+    html = render_report(run)
+    staleness = html[html.index("<h2>Staleness</h2>"):html.index("<h2>Rollout and training")]
+    assert staleness.count("<img") == 1 and "sync run" not in staleness
