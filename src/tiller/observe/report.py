@@ -283,6 +283,7 @@ def staleness_section(run: RunRecords) -> str:
                 hist[int(k.split("/")[1])] = hist.get(int(k.split("/")[1]), 0.0) + v
     total = sum(hist.values()) or 1.0
     ax_hist.bar(list(hist), [v / total for v in hist.values()], color="#f58518")
+    ax_hist.set_xticks(sorted(hist))
     ax_hist.set_xlabel("staleness (versions)")
     ax_hist.set_ylabel("share of trained trajectories")
     return _png(fig)
