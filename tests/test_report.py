@@ -92,3 +92,26 @@ def test_async_run_plots_staleness(tiny_run, tmp_path):
     html = render_report(run)
     staleness = html[html.index("<h2>Staleness</h2>"):html.index("<h2>Rollout and training")]
     assert staleness.count("<img") == 1 and "sync run" not in staleness
+
+
+def test_without_matplotlib_report_and_train_stop_with_one_line(tiny_run, monkeypatch):
+    run_dir, _ = tiny_run
+    # None in sys.modules: `import matplotlib` raises ImportError, as when it is not installed
+    hide = "import sys; sys.modules['matplotlib'] = None; from tiller.cli import main; main()"
+    out = subprocess.run([sys.executable, "-c", hide, "report", str(run_dir)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert out.stdout.strip().splitlines() == [
+        "error: tiller report needs the 'matplotlib' package, which is not installed: pip "
+        "install 'tiller[report]'"]
+    from helpers import TINY_RUN
+
+    from tiller.config import load_config
+    from tiller.controller import train
+    from tiller.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ConfigError, match=r"logging.report=true needs the 'matplotlib' package"
+                                          r".*or set logging.report=false"):
+        train(load_config("configs/calculator.yaml", TINY_RUN), run_dir / "never")
+    assert not (run_dir / "never").exists()  # stopped before the run folder was made

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import random
 import subprocess
 import sys
 import threading
@@ -20,7 +21,7 @@ import uvicorn
 from browser import artifacts_dir, chromium_page
 
 from tiller.errors import RunFolderError
-from tiller.observe.traces import connect, query, read_episode
+from tiller.observe.traces import TraceWriter, connect, query, read_episode
 from tiller.observe.viewer.app import create_app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -199,3 +200,33 @@ def test_a_folder_without_traces_is_one_line(tmp_path):
     assert out.stdout.strip().splitlines() == [
         f"error: {tmp_path} has no traces.sqlite (is it a run folder? traces are written "
         f"when observe.traces.enabled=true)"]
+
+
+def test_reads_a_database_while_training_writes_it(tmp_path):
+    """The viewer's read-only connections see each batch the (background) writer commits,
+    while the writer is still open: a running training can be watched."""
+    writer = TraceWriter(tmp_path / "traces.sqlite")
+    rng = random.Random(0)
+
+    def total(client) -> int:
+        return client.get("/api/episodes", params={"limit": 1}).json()["total"]
+
+    def wait_for(client, n: int) -> None:
+        deadline = time.monotonic() + 30
+        while total(client) != n:
+            assert time.monotonic() < deadline, f"the viewer never saw {n} episodes"
+            time.sleep(0.05)
+
+    try:
+        with serving(tmp_path) as url, httpx.Client(base_url=url, timeout=30) as client:
+            assert total(client) == 0
+            for i in range(5):
+                writer.put_episode(bench.episode(rng, 0, i, 1, seed=i), "rl", "train", 1, 1)
+            wait_for(client, 5)
+            for i in range(5, 12):
+                writer.put_episode(bench.episode(rng, 1, i, 2, seed=i), "rl", "train", 2, 2)
+            wait_for(client, 12)
+            page = client.get("/api/episodes", params={"step_min": 2}).json()
+            assert [e["seed"] for e in page["episodes"]] == list(range(5, 12))
+    finally:
+        writer.close()

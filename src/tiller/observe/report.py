@@ -348,7 +348,7 @@ text-align:left;font-size:.9em}.note{color:#555;font-style:italic}img{max-width:
 
 def render_report(run: RunRecords) -> str:
     """The whole report as one HTML string."""
-    require_package("matplotlib", "report", "tiller report", instead="set logging.report=false")
+    require_package("matplotlib", "report", "tiller report")
     cfg = run.config
     facts = [("run folder", str(run.dir)), ("name", cfg.get("name", "-")),
              ("env", cfg.get("env", {}).get("name", "-")), ("rl.mode", _mode(run)),
