@@ -64,5 +64,5 @@ def tiny_run(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("tiny_run")
     summary = train(load_config("configs/calculator.yaml", [
-        *TINY_RUN, "rl.steps=3", "logging.tensorboard=false"]), out)
+        *TINY_RUN, "rl.steps=3", "logging.tensorboard=false", "logging.report=true"]), out)
     return out, summary

@@ -66,6 +66,7 @@ def test_viewer_in_chromium_marks_exactly_the_loss_mask(tiny_run, tmp_path):
         assert int(page.get_attribute("#episodes", "data-total")) == failed
         cells = page.locator("#episodes tbody tr td:nth-child(6)").all_inner_texts()
         assert cells == ["truncated"] * min(failed, 50)
+        page.screenshot(path=str(artifacts_dir() / "viewer_list.png"), full_page=True)
         # open one
         first = int(page.get_attribute("#episodes tbody tr:first-child", "data-id"))
         page.click("#episodes tbody tr:first-child")
@@ -95,6 +96,7 @@ def test_viewer_in_chromium_marks_exactly_the_loss_mask(tiny_run, tmp_path):
         page.click("#nav-curves")
         page.wait_for_selector("main[data-view=curves] .chart")
         assert page.get_attribute(".chart[data-metric=reward_mean]", "data-points") == "3"
+        page.screenshot(path=str(artifacts_dir() / "viewer_curves.png"), full_page=True)
         assert page.locator("#error").is_hidden()
 
 

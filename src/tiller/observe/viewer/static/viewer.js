@@ -305,7 +305,8 @@ async function showCurves() {
     el("td", { text: e.tasks }), el("td", { text: e.samples })));
   main.replaceChildren(
     el("h2", { text: "Held-out success" }),
-    table(["phase", "pass@1", "95% CI", "tasks", "samples"], evals),
+    evals.length ? table(["phase", "pass@1", "95% CI", "tasks", "samples"], evals)
+      : el("p", { class: "muted", text: "No held-out evaluation logged yet." }),
     el("h2", { text: "RL learning curves" }),
     c.steps.length ? el("div", { class: "charts" },
       Object.entries(c.series).map(([k, ys]) => lineChart(k, c.steps, ys)))
