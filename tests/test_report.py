@@ -113,5 +113,6 @@ def test_without_matplotlib_report_and_train_stop_with_one_line(tiny_run, monkey
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ConfigError, match=r"logging.report=true needs the 'matplotlib' package"
                                           r".*or set logging.report=false"):
-        train(load_config("configs/calculator.yaml", TINY_RUN), run_dir / "never")
+        train(load_config("configs/calculator.yaml", [*TINY_RUN, "logging.report=true"]),
+              run_dir / "never")
     assert not (run_dir / "never").exists()  # stopped before the run folder was made
