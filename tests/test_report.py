@@ -116,3 +116,12 @@ def test_without_matplotlib_report_and_train_stop_with_one_line(tiny_run, monkey
         train(load_config("configs/calculator.yaml", [*TINY_RUN, "logging.report=true"]),
               run_dir / "never")
     assert not (run_dir / "never").exists()  # stopped before the run folder was made
+
+
+def test_train_prints_the_report_link_last(tiny_run, capsys):
+    from tiller.cli import _print_summary
+
+    run_dir, summary = tiny_run
+    _print_summary(summary)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1] == f"report: {(run_dir / 'report.html').resolve().as_uri()}"
