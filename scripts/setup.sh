@@ -13,6 +13,17 @@ if ! command -v bwrap >/dev/null 2>&1; then
   fi
 fi
 
+# Debian's chromium: the report and viewer tests drive it headless through Playwright
+# (tests/browser.py uses /usr/bin/chromium; Playwright's own browser download is never used).
+if [ ! -x /usr/bin/chromium ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium >/dev/null
+  else
+    echo "warning: /usr/bin/chromium is not installed; tests/test_report.py and" \
+         "tests/test_viewer.py will fail (apt install chromium as root)" >&2
+  fi
+fi
+
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 .venv/bin/python -m pip install -q torch==2.13.0

@@ -51,3 +51,18 @@ def calc_sft_dir(calc_model_dir, tmp_path_factory):
     path = run.save("sft")
     run.close()
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """A whole tiny `train` (build, SFT, 3 RL steps, eval), as the CLI runs it: the run folder
+    that the report and viewer tests read."""
+    from helpers import TINY_RUN
+
+    from tiller.config import load_config
+    from tiller.controller import train
+
+    out = tmp_path_factory.mktemp("tiny_run")
+    summary = train(load_config("configs/calculator.yaml", [
+        *TINY_RUN, "rl.steps=3", "logging.tensorboard=false", "logging.report=true"]), out)
+    return out, summary

@@ -27,6 +27,8 @@ TINY_RUN = [
     "model.build.hidden_size=64", "model.build.vocab_size=600", "model.build.corpus_tasks=60",
     "sft.tasks=64", "sft.epochs=1", "sft.batch_size=32", "rl.steps=2", "rl.tasks_per_step=4",
     "rl.group_size=4", "eval.tasks=16", "logging.progress=false",
+    # report.html costs seconds of matplotlib per run; tests/test_report.py turns it on
+    "logging.report=false",
 ]
 # The same for the envs with longer episodes (code, search, sql).
 TINY_ENV_RUN = [
@@ -34,7 +36,7 @@ TINY_ENV_RUN = [
     "model.build.vocab_size=500", "model.build.corpus_tasks=40", "sft.tasks=40",
     "sft.epochs=1", "sft.batch_size=8", "rl.steps=2", "rl.tasks_per_step=2",
     "rl.group_size=2", "eval.tasks=8", "sampling.max_new_tokens=64",
-    "logging.progress=false", "logging.tensorboard=false",
+    "logging.progress=false", "logging.tensorboard=false", "logging.report=false",
 ]
 # A tiny policy never succeeds, so GRPO's advantages are all 0 and RL would leave the weights
 # as they are; an entropy bonus gives every trainable token a gradient, so a short run shows

@@ -1,5 +1,6 @@
 """The command line: `tiller train CONFIG [key=value ...]`, `tiller eval RUN_DIR | CONFIG
---model PATH`, `tiller compare RUN_A RUN_B` and `tiller serve MODEL_PATH [options]`.
+--model PATH`, `tiller compare RUN_A RUN_B`, `tiller serve MODEL_PATH [options]`,
+`tiller report RUN_DIR` and `tiller view RUN_DIR`.
 
 Errors a user can fix (bad config, missing model, unknown env or algorithm) print one line
 and exit with status 2, never a traceback; a run that started but cannot learn (a broken engine,
@@ -61,6 +62,8 @@ def _print_summary(summary: dict) -> None:
             console.print(f"{key} per seed: " + ", ".join(f"{k} {v:.3f}"
                                                           for k, v in seeds.items()))
     console.print(f"run folder: {summary['run_dir']}")
+    if "report" in summary:
+        console.print(f"report: {summary['report']}", highlight=False, soft_wrap=True)
 
 
 def _run(action: str, config: Path, overrides: list[str] | None, output_dir: Path | None) -> None:
@@ -158,6 +161,45 @@ def compare(
     table.add_row("tasks B better / A better", f"{r['b_better']} / {r['a_better']}")
     table.add_row("exact McNemar (sign test) p", f"{r['p_value']:.4g}")
     console.print(table)
+
+
+RunDirArg = Annotated[Path, typer.Argument(help="a run folder (what `tiller train` wrote)")]
+
+
+@app.command()
+def report(run_dir: RunDirArg) -> None:
+    """Write RUN_DIR/report.html: one self-contained HTML file with the run's plots."""
+    from tiller.errors import RunFolderError
+    from tiller.observe.report import write_report
+
+    try:
+        path = write_report(run_dir)
+    except (ConfigError, RunFolderError) as e:
+        _fail(str(e))
+    console.print(f"report: {path.resolve().as_uri()}", highlight=False, soft_wrap=True)
+
+
+@app.command()
+def view(
+    run_dir: RunDirArg,
+    port: Annotated[int, typer.Option(help="TCP port on 127.0.0.1", min=1, max=65535)] = 8765,
+) -> None:
+    """Browse a run's traces in the browser: episodes, tokens, groups, learning curves."""
+    from tiller.errors import RunFolderError, require_package
+
+    try:
+        uvicorn = require_package("uvicorn", "serve", "tiller view")
+        require_package("fastapi", "serve", "tiller view")
+        from tiller.observe.viewer.app import create_app
+
+        viewer = create_app(run_dir)
+    except (ConfigError, RunFolderError) as e:
+        _fail(str(e))
+    # loopback only: the traces hold every prompt and answer of the run
+    console.print(f"tiller view: http://127.0.0.1:{port}/ ({run_dir})", highlight=False,
+                  soft_wrap=True)
+    uvicorn.run(viewer, host="127.0.0.1", port=port, log_level="warning",
+                timeout_graceful_shutdown=2)
 
 
 DTYPES = ("float32", "bfloat16", "float16")

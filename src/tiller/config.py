@@ -676,6 +676,8 @@ class LoggingConfig(_Section):
     wandb: bool = False
     wandb_project: str = "tiller"
     progress: bool = True
+    report: bool = Field(True, description="write RUN_DIR/report.html (plots of the run) when "
+                         "`train` ends, also after an error; needs tiller[report] (matplotlib)")
 
 
 class TracesConfig(_Section):

@@ -20,8 +20,14 @@ import numpy as np
 import torch
 
 from tiller.config import Config
-from tiller.errors import ConfigError, RunError
-from tiller.observe.evaluation import is_success, outcome_rows, success_summary, write_outcomes
+from tiller.errors import ConfigError, RunError, require_package
+from tiller.observe.evaluation import (
+    is_success,
+    outcome_rows,
+    success_by_difficulty,
+    success_summary,
+    write_outcomes,
+)
 from tiller.observe.health import EnvErrorTrend
 from tiller.observe.metrics import progress
 from tiller.rollout.collect import rollout_metrics
@@ -120,6 +126,7 @@ def evaluate(run: Run, tasks: list, label: str, name: str = "heldout",
     summary = success_summary(trajs, seed=run.cfg.seed, k=ev.pass_k)
     if len(seeds) > 1:
         summary.update(per_seed, seeds=len(seeds))
+    summary.update(success_by_difficulty(tasks, trajs, seed=run.cfg.seed))
     summary["time_s"] = time.perf_counter() - t0
     summary.update(rollout_metrics(trajs))
     summary.update(run.tools.stats(reset=True))
@@ -286,6 +293,9 @@ def ledger_unaccounted(ledger: Counter[str]) -> int:
 def train(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:
     """The whole pipeline; returns (and writes) the run summary."""
     t0 = time.perf_counter()
+    if cfg.logging.report:  # before any work: a report that cannot be written is one line now
+        require_package("matplotlib", "report", "logging.report=true",
+                        instead="set logging.report=false")
     run = Run(cfg, output_dir)
     summary: dict[str, Any] = {"run_dir": str(run.dir), "seed": cfg.seed}
     try:
@@ -300,12 +310,30 @@ def train(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:
             for name, result in evaluate_sets(run, "rl").items():
                 summary[f"{name}_after_rl"] = result
         summary["checkpoint"] = str(run.save())
-    finally:
+    except BaseException:
         run.close()
+        if cfg.logging.report:  # what happened up to the error is worth a picture too
+            log.error("report of the failed run: %s", report_uri(run.dir))
+        raise
+    run.close()
     run.timings["total_s"] = time.perf_counter() - t0
     summary["timings"] = run.timings
     (run.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if cfg.logging.report:
+        summary["report"] = report_uri(run.dir)
     return summary
+
+
+def report_uri(run_dir: Path) -> str:
+    """Write the run's report.html and return its file:// address (or, when writing it fails,
+    say so: the run's own result stands either way)."""
+    from tiller.observe.report import write_report
+
+    try:
+        return write_report(run_dir).resolve().as_uri()
+    except Exception as e:  # the report is a view of the run: its failure is logged, not raised
+        log.error("writing %s/report.html failed: %s: %s", run_dir, type(e).__name__, e)
+        return f"(not written: {type(e).__name__}: {e})"
 
 
 def evaluate_checkpoint(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:

@@ -31,6 +31,11 @@ def hold_callable(fn: Callable[..., Any]) -> str:
     return name
 
 
+class RunFolderError(Exception):
+    """A run folder that `tiller report` or `tiller view` cannot read (missing, or a malformed
+    file): the message names the file and, for a bad line, its number."""
+
+
 def import_dotted(path: str, field: str) -> Callable[..., Any]:
     """The callable at `package.module:name` (or `package.module.name`) that config `field`
     names; a one-line ConfigError when it cannot be imported (whatever the import raised: a

@@ -128,7 +128,8 @@ def make_tasks(
             answer=problem.results()[-1],
             split=split,
             system=SYSTEM,
-            metadata={"problem": problem},
+            # difficulty: the operations, i.e. the tool calls the task needs
+            metadata={"problem": problem, "difficulty": len(problem.steps) + 1},
         )
     return list(tasks.values())
 

@@ -165,7 +165,8 @@ def make_tasks(split: str, n: int, seed: int, difficulty: int = 2,
         tasks.append(Task(
             id=stable_id("search", json.dumps([anchor, relations])), split=split, system=SYSTEM,
             prompt=f"{wh} is {phrase}?", answer=nodes[-1],
-            metadata={"anchor": anchor, "relations": relations, "chain": nodes},
+            metadata={"anchor": anchor, "relations": relations, "chain": nodes,
+                      "difficulty": len(relations)},  # the hops
         ))  # fmt: skip
     return tasks
 

@@ -149,7 +149,8 @@ def make_tasks(split: str, n: int, seed: int, difficulty: int = 2,
     return [Task(id=stable_id("sql", json.dumps([s, c])), split=split, system=SYSTEM,
                  prompt=f"Tables: {tables}.\nTask: " + " Then ".join(
                      x[0] if i == 0 else x[0][0].lower() + x[0][1:] for i, x in enumerate(c)),
-                 answer=[x[1] for x in c], metadata={"db_seed": s, "changes": c})
+                 answer=[x[1] for x in c], metadata={"db_seed": s, "changes": c,
+                                                   "difficulty": len(c)})
             for s, c in drawn]  # fmt: skip
 
 

@@ -10,6 +10,7 @@ import json
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -79,3 +80,21 @@ def write_outcomes(path: Path, set_name: str, rows: Sequence[dict]) -> None:
                 if r["set"] != set_name]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in [*kept, *rows]))
+
+
+def success_by_difficulty(tasks: Sequence[Any], trajectories: Sequence[Trajectory],
+                          seed: int = 0) -> dict[str, float]:
+    """pass@1 of the tasks at each `Task.metadata["difficulty"]` level, with its 95% CI and
+    task count, as flat `difficulty/<d>/{success,ci_low,ci_high,tasks}` (a metrics row holds
+    scalars only); empty when the tasks carry no difficulty."""
+    level = {t.id: t.metadata["difficulty"] for t in tasks if "difficulty" in t.metadata}
+    by_level: dict[Any, list[Trajectory]] = defaultdict(list)
+    for t in trajectories:
+        if t.task_id in level:
+            by_level[level[t.task_id]].append(t)
+    out: dict[str, float] = {}
+    for d, trajs in sorted(by_level.items()):
+        s = success_summary(trajs, seed=seed)
+        out.update({f"difficulty/{d}/{k}": s[k] for k in ("success", "ci_low", "ci_high",
+                                                           "tasks")})
+    return out

@@ -1,0 +1,234 @@
+"""`tiller view`: headless Chromium on a real tiny run (filter, open an episode, the token
+strip's marks against the database, its group, the curves; screenshots kept), and the JSON API
+over HTTP on a run synthesized through the real TraceWriter (pages, filters, bad requests)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from browser import artifacts_dir, chromium_page
+
+from tiller.errors import RunFolderError
+from tiller.observe.traces import TraceWriter, connect, query, read_episode
+from tiller.observe.viewer.app import create_app
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_viewer", ROOT / "benchmarks/viewer.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_bench()
+
+
+def flagged(ep: dict, threshold: float) -> int:
+    """Generated tokens whose |rollout - trainer| logprob exceeds `threshold`."""
+    return sum(1 for m, a, b in zip(ep["loss_mask"], ep["logprobs"], ep["trainer_logprobs"],
+                                    strict=True) if m and abs(a - b) > threshold)
+
+
+def test_viewer_in_chromium_marks_exactly_the_loss_mask(tiny_run, tmp_path):
+    run_dir, _ = tiny_run
+    db = run_dir / "traces.sqlite"
+    with closing(connect(db)) as con:
+        failed = con.execute("SELECT COUNT(*) FROM episodes WHERE phase = 'rl' AND "
+                             "status = 'truncated' AND reward <= 0").fetchone()[0]
+        total = con.execute("SELECT COUNT(*) FROM episodes").fetchone()[0]
+    assert failed > 0
+    with bench.serve_viewer(run_dir) as url, chromium_page(tmp_path / "profile") as page:
+        page.goto(f"{url}/")
+        page.wait_for_selector("main[data-view=episodes] #episodes")
+        assert int(page.get_attribute("#episodes", "data-total")) == total
+        # filter to failed RL episodes through the form
+        page.select_option("select[name=phase]", "rl")
+        page.select_option("select[name=status]", "truncated")
+        page.fill("input[name=reward_max]", "0")
+        page.click("#apply")
+        page.wait_for_function("location.hash.includes('status=truncated')")
+        page.wait_for_selector("main[data-view=episodes] #episodes")
+        assert int(page.get_attribute("#episodes", "data-total")) == failed
+        cells = page.locator("#episodes tbody tr td:nth-child(6)").all_inner_texts()
+        assert cells == ["truncated"] * min(failed, 50)
+        page.screenshot(path=str(artifacts_dir() / "viewer_list.png"), full_page=True)
+        # open one
+        first = int(page.get_attribute("#episodes tbody tr:first-child", "data-id"))
+        page.click("#episodes tbody tr:first-child")
+        page.wait_for_selector("main[data-view=episode] #token-strip")
+        ep = read_episode(db, first)
+        assert ep["trained_step"] is not None  # an RL episode the trainer saw
+        strip = page.eval_on_selector_all(
+            "#token-strip .tok", "s => s.map(x => [x.dataset.mask, x.dataset.train])")
+        assert [int(m) for m, _ in strip] == ep["loss_mask"]
+        assert [int(t) for _, t in strip] == ep["train_mask"]
+        assert sum(ep["loss_mask"]) == ep["n_generated"] > 0
+        default = int(page.get_attribute("#token-strip", "data-flagged"))
+        assert default == flagged(ep, 1e-3)
+        page.screenshot(path=str(artifacts_dir() / "viewer_episode.png"), full_page=True)
+        # a threshold under the fp32 noise flags the generated tokens that differ at all
+        page.goto(f"{url}/#/episode/{first}?threshold=1e-12")
+        page.wait_for_selector("main[data-view=episode] #token-strip")
+        assert int(page.get_attribute("#token-strip", "data-flagged")) == flagged(ep, 1e-12)
+        # the group side by side: the task's rl.group_size samples of that step
+        page.click("#group-link")
+        page.wait_for_selector("main[data-view=group] #group-compare")
+        members = page.eval_on_selector_all(".member", "s => s.map(x => +x.dataset.id)")
+        assert len(members) == 4 and first in members
+        assert sorted(members) == sorted(e["id"] for e in query(
+            db, phase="rl", task_id=ep["task_id"], rl_step=ep["rl_step"], limit=100))
+        page.screenshot(path=str(artifacts_dir() / "viewer_group.png"), full_page=True)
+        page.click("#nav-curves")
+        page.wait_for_selector("main[data-view=curves] .chart")
+        assert page.get_attribute(".chart[data-metric=reward_mean]", "data-points") == "3"
+        page.screenshot(path=str(artifacts_dir() / "viewer_curves.png"), full_page=True)
+        assert page.locator("#error").is_hidden()
+
+
+@contextmanager
+def serving(run_dir: Path) -> Iterator[str]:
+    """The viewer app under uvicorn on a free 127.0.0.1 port, in a thread of this process."""
+    server = uvicorn.Server(uvicorn.Config(create_app(run_dir), host="127.0.0.1",
+                                           port=bench.free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the viewer did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("synthetic")
+    made = bench.synthesize(run_dir, 300, group_size=8, tasks_per_step=8, seed=1)
+    assert made["episodes"] == made["trained"] == 300
+    with serving(run_dir) as url, httpx.Client(base_url=url, timeout=30) as client:
+        yield run_dir / "traces.sqlite", client
+
+
+def test_pages_cover_every_episode_once(synthetic):
+    db, client = synthetic
+    seen = []
+    for offset in range(0, 300, 50):
+        page = client.get("/api/episodes", params={"offset": offset, "limit": 50}).json()
+        assert page["total"] == 300 and len(page["episodes"]) == 50
+        seen += [e["id"] for e in page["episodes"]]
+    assert seen == sorted(set(seen)) and len(seen) == 300
+    assert "messages" not in page["episodes"][0] and "token_ids" not in page["episodes"][0]
+    worst = client.get("/api/episodes", params={"order": "reward", "limit": 500}).json()
+    assert [e["reward"] for e in worst["episodes"]] == sorted(e["reward"] for e in
+                                                              worst["episodes"])
+
+
+@pytest.mark.parametrize("params, keep", [
+    ({"status": "env_error"}, lambda e: e["status"] == "env_error"),
+    ({"env_error": "true"}, lambda e: e["env_error"] == 1),
+    ({"tool_errors_min": 1}, lambda e: e["tool_errors"] >= 1),
+    ({"tokens_min": 150, "tokens_max": 250}, lambda e: 150 <= e["n_tokens"] <= 250),
+    ({"step_min": 2, "step_max": 3, "reward_max": 0},
+     lambda e: 2 <= e["rl_step"] <= 3 and e["reward"] <= 0),
+    ({"q": "task-00003"}, lambda e: e["task_id"] == "task-00003"),
+    ({"q": "100%"}, lambda e: False),  # % is a literal, not a wildcard
+])
+def test_filters_match_the_database(synthetic, params, keep):
+    db, client = synthetic
+    page = client.get("/api/episodes", params={**params, "limit": 500}).json()
+    everything = query(db, limit=1000)  # the traces module's own reader
+    expected = [e["id"] for e in everything if keep(e)]
+    assert page["total"] == len(expected)
+    assert [e["id"] for e in page["episodes"]] == expected
+
+
+def test_episode_and_group(synthetic):
+    db, client = synthetic
+    ep = client.get("/api/episodes/9").json()
+    stored = read_episode(db, 9)
+    arrays = ep["arrays"]
+    assert arrays["loss_mask"] == stored["loss_mask"]
+    assert arrays["text"] == [f"<{i}>" for i in stored["token_ids"]]  # no tokenizer here
+    assert all(math.isclose(a, b) for a, b in zip(arrays["advantages"], stored["advantages"],
+                                                  strict=True))
+    assert [c["outcome"] for c in ep["tool_calls_list"]] == [
+        c["outcome"] for c in stored["tool_calls_list"]]
+    group = client.get("/api/episodes/9/group").json()["members"]
+    assert sorted(m["sample_index"] for m in group) == list(range(8))
+    assert {m["task_id"] for m in group} == {stored["task_id"]}
+    assert [m["reward"] for m in group] == sorted((m["reward"] for m in group), reverse=True)
+
+
+@pytest.mark.parametrize("path, code, says", [
+    ("/api/episodes?status=bogus", 422, "status"),
+    ("/api/episodes?limit=0", 422, "limit"),
+    ("/api/episodes?limit=501", 422, "limit"),
+    ("/api/episodes?order=messages", 422, "order"),
+    ("/api/episodes?tokens_min=abc", 422, "tokens_min"),
+    ("/api/episodes/999999", 404, "no episode 999999"),
+    ("/api/episodes/999999/group", 404, "no episode 999999"),
+])
+def test_malformed_requests_are_clear_errors(synthetic, path, code, says):
+    _, client = synthetic
+    r = client.get(path)
+    assert r.status_code == code
+    assert says in r.text
+
+
+def test_a_folder_without_traces_is_one_line(tmp_path):
+    with pytest.raises(RunFolderError, match="has no traces.sqlite"):
+        create_app(tmp_path)
+    out = subprocess.run([sys.executable, "-m", "tiller", "view", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert out.stdout.strip().splitlines() == [
+        f"error: {tmp_path} has no traces.sqlite (is it a run folder? traces are written "
+        f"when observe.traces.enabled=true)"]
+
+
+def test_reads_a_database_while_training_writes_it(tmp_path):
+    """The viewer's read-only connections see each batch the (background) writer commits,
+    while the writer is still open: a running training can be watched."""
+    writer = TraceWriter(tmp_path / "traces.sqlite")
+    rng = random.Random(0)
+
+    def total(client) -> int:
+        return client.get("/api/episodes", params={"limit": 1}).json()["total"]
+
+    def wait_for(client, n: int) -> None:
+        deadline = time.monotonic() + 30
+        while total(client) != n:
+            assert time.monotonic() < deadline, f"the viewer never saw {n} episodes"
+            time.sleep(0.05)
+
+    try:
+        with serving(tmp_path) as url, httpx.Client(base_url=url, timeout=30) as client:
+            assert total(client) == 0
+            for i in range(5):
+                writer.put_episode(bench.episode(rng, 0, i, 1, seed=i), "rl", "train", 1, 1)
+            wait_for(client, 5)
+            for i in range(5, 12):
+                writer.put_episode(bench.episode(rng, 1, i, 2, seed=i), "rl", "train", 2, 2)
+            wait_for(client, 12)
+            page = client.get("/api/episodes", params={"step_min": 2}).json()
+            assert [e["seed"] for e in page["episodes"]] == list(range(5, 12))
+    finally:
+        writer.close()
