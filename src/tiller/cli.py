@@ -43,6 +43,9 @@ def _print_summary(summary: dict) -> None:
     for key, row in summary.items():
         if not key.startswith("heldout"):
             continue
+        if not isinstance(row, dict):  # "heldout": "disabled"
+            console.print(f"held-out evaluation {row}: {summary.get('eval_disabled')}")
+            continue
         phase = key.removeprefix("heldout_").removeprefix("heldout") or "model"
         # pass@1 is `success`; pass@k (eval.pass_k > 1) sits beside it
         metrics = ["success"] + [m for m in row if m.startswith("pass@") and "_ci_" not in m]

@@ -27,7 +27,7 @@ from tiller.observe.metrics import progress
 from tiller.rollout.collect import rollout_metrics
 from tiller.rollout.manager import RolloutManager
 from tiller.rollout.trajectory import Status, Trajectory
-from tiller.run import Run
+from tiller.run import Run, get_env, heldout_disabled
 from tiller.tools.executor import ToolReliabilityError
 from tiller.train.algorithms.kl import kl_beta_at
 from tiller.train.critic import Critic
@@ -101,7 +101,7 @@ def rl(run: Run) -> dict[str, Any]:
     """`rl.steps` steps of: take a batch from the rollout manager, train on it, push the
     weights. The manager samples under `rl.mode` (sync, one_step_off or async)."""
     cfg, alg = run.cfg.rl, run.cfg.rl.algorithm
-    run.trainer.set_optimizer(cfg.lr, cfg.weight_decay)
+    run.trainer.set_optimizer(cfg.lr, cfg.weight_decay, cfg.adam_betas, cfg.adam_eps)
     # kl.beta = 0 (or switched off from the start): no reference model exists or runs
     ref = (copy.deepcopy(run.model).to(run.dtype).eval()
            if kl_beta_at(0, alg.kl.beta, alg.kl.off_after) else None)
@@ -225,15 +225,21 @@ def train(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:
     run = Run(cfg, output_dir)
     summary: dict[str, Any] = {"run_dir": str(run.dir), "seed": cfg.seed}
     try:
-        heldout = run.tasks("heldout", cfg.eval.tasks, 0)
+        no_eval = heldout_disabled(cfg, run.env_cls)
+        if no_eval:  # said once, here and in the summary: never a silent zero
+            log.warning("held-out evaluation is off: %s", no_eval)
+            summary.update(heldout="disabled", eval_disabled=no_eval)
+        heldout = [] if no_eval else run.tasks("heldout", cfg.eval.tasks, 0)
         summary["tool_gate"] = gate(run)
         if cfg.sft.enabled:
             summary["sft"] = sft(run)
             summary["sft"]["checkpoint"] = str(run.save("sft"))
-        summary["heldout_after_sft"] = evaluate(run, heldout, "sft")
+        if not no_eval:
+            summary["heldout_after_sft"] = evaluate(run, heldout, "sft")
         if cfg.rl.steps > 0:
             summary["rl"] = rl(run)
-            summary["heldout_after_rl"] = evaluate(run, heldout, "rl")
+            if not no_eval:
+                summary["heldout_after_rl"] = evaluate(run, heldout, "rl")
         summary["checkpoint"] = str(run.save())
     finally:
         run.close()
@@ -245,6 +251,9 @@ def train(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:
 
 def evaluate_checkpoint(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:
     """Held-out success of the model at `model.path`."""
+    no_eval = heldout_disabled(cfg, get_env(cfg.env.name))
+    if no_eval:
+        raise ConfigError(f"tiller eval has nothing to evaluate: {no_eval}")
     run = Run(cfg, output_dir)
     try:
         heldout = evaluate(run, run.tasks("heldout", cfg.eval.tasks, 0), "checkpoint")

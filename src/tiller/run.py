@@ -18,10 +18,11 @@ import torch
 import yaml
 
 from tiller.config import Config
-from tiller.envs import ENVS, Env, Task, ToolEnv
+from tiller.envs import Env, Task, ToolEnv
 from tiller.errors import ConfigError, require_package
 from tiller.models import build_env_model, load_model, load_tokenizer, resolve_device
 from tiller.observe.metrics import MetricsLogger, check_backends
+from tiller.plugins import check_env_tools, env_label, load_env_class
 from tiller.rollout.agent_loop import (
     EngineActor,
     EpisodeLimits,
@@ -40,12 +41,19 @@ from tiller.train.trainer import Trainer
 
 
 def get_env(name: str) -> type[Env]:
-    if name not in ENVS:
-        raise ConfigError(f"config field env.name: unknown env {name!r}; "
-                          f"choose one of: {', '.join(sorted(ENVS))}")
-    for module, extra in ENVS[name].requires.items():
-        require_package(module, extra, f"env.name={name}")
-    return ENVS[name]
+    """The env class of `env.name`: registered, an installed entry point or a dotted path
+    (`tiller.plugins`)."""
+    return load_env_class(name)
+
+
+def heldout_disabled(cfg: Config, env_cls: type[Env]) -> str | None:
+    """Why the run has no held-out evaluation (eval.enabled false, or an env without a
+    heldout split), or None when it has one."""
+    if not cfg.eval.enabled:
+        return "eval.enabled is false"
+    if "heldout" not in env_cls.splits:
+        return f"env {env_label(env_cls)} has no heldout split (splits: {env_cls.splits})"
+    return None
 
 
 def rl_task_count(cfg: Config) -> int:
@@ -59,7 +67,7 @@ def check_task_counts(cfg: Config, env_cls: type[Env]) -> None:
     """Every task list the run will draw fits the env's task space, checked before any work:
     drawing more distinct tasks than exist would otherwise fail only after the model build."""
     d = cfg.env.difficulty
-    wants = [("eval.tasks", "heldout", cfg.eval.tasks)]
+    wants = [] if heldout_disabled(cfg, env_cls) else [("eval.tasks", "heldout", cfg.eval.tasks)]
     if cfg.model.build is not None:
         wants.append(("model.build.corpus_tasks", "train", cfg.model.build.corpus_tasks))
     if cfg.sft.enabled:
@@ -67,9 +75,9 @@ def check_task_counts(cfg: Config, env_cls: type[Env]) -> None:
     if cfg.rl.steps > 0:
         wants.append(("rl.steps × rl.tasks_per_step", "train", rl_task_count(cfg)))
     for field, split, n in wants:
-        space = env_cls.task_space(split, d)
+        space = None if env_cls.repeats_tasks else env_cls.task_space(split, d)
         if space is not None and n > space:
-            raise ConfigError(f"config field {field}: got {n}; env {env_cls.name} has only "
+            raise ConfigError(f"config field {field}: got {n}; env {env_label(env_cls)} has only "
                               f"{space} {split} tasks at env.difficulty={d}: ask for at most "
                               f"{space} or pick an env.difficulty with more")
 
@@ -99,6 +107,7 @@ class Run:
         self.tools = ToolStack(cfg.env.tools, self.dir)
         set_unsafe_fallback(cfg.env.tools.sandbox.allow_unsafe_fallback)
         try:
+            check_env_tools(self.env_cls, self.tools.functions)
             self._build_models()
         except BaseException:  # nothing of a run that did not start outlives it
             self.tools.close()

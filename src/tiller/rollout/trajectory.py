@@ -49,6 +49,10 @@ class Trajectory:
     # tokens the engine generated that the trajectory does not keep (cut at the episode's
     # token budget): with num_generated, every token the engine sampled for it
     discarded_tokens: int = 0
+    # which draw of its task this episode's group is, among the tasks collected together
+    # (0 = the first; a task listed again gets 1, 2...): groups are keyed by (task_id, draw),
+    # so a small task set drawn with replacement never merges two draws into one group
+    draw: int = 0
 
     @property
     def num_generated(self) -> int:

@@ -52,8 +52,9 @@ class Batch:
         group_index: Sequence[int] | torch.Tensor | None = None,
     ) -> Batch:
         """Right-pad trajectories into tensors. `rewards` default to each `reward.value`,
-        `group_index` to one group per task id; `turn_rewards` is set when any verifier gave
-        per-turn rewards (turn-level credit), padded with 0 to the longest episode's turns;
+        `group_index` to one group per draw of a task (`Trajectory.draw`, so a repeated task
+        id is a group of its own); `turn_rewards` is set when any verifier gave per-turn
+        rewards (turn-level credit), padded with 0 to the longest episode's turns;
         `sample_version` is each trajectory's oldest turn version (-1 when it has no turn)."""
         width = max(len(t.token_ids) for t in trajectories)
         n = len(trajectories)
@@ -69,9 +70,10 @@ class Batch:
             lp[i, :k] = torch.tensor(t.logprobs)
         if rewards is None:
             rewards = [t.reward.value for t in trajectories]
-        if group_index is None:
-            ids_of: dict[str, int] = {}
-            group_index = [ids_of.setdefault(t.task_id, len(ids_of)) for t in trajectories]
+        if group_index is None:  # one group per draw: a repeated task id is a new group
+            ids_of: dict[tuple[str, int], int] = {}
+            group_index = [ids_of.setdefault((t.task_id, t.draw), len(ids_of))
+                           for t in trajectories]
         turn_rewards = None
         if any(t.reward.turn_rewards is not None for t in trajectories):
             turn_rewards = torch.zeros((n, max(t.num_turns for t in trajectories)))
