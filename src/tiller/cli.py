@@ -54,7 +54,8 @@ def _print_summary(summary: dict) -> None:
             table.add_row(phase, "pass@1" if m == "success" else m, f"{row[m]:.3f}",
                           f"[{row[lo]:.3f}, {row[hi]:.3f}]", str(row["tasks"]),
                           str(row["samples"]))
-    console.print(table)
+    if table.row_count:
+        console.print(table)
     console.print(f"run folder: {summary['run_dir']}")
 
 
