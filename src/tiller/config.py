@@ -73,6 +73,23 @@ class EnvConfig(_Section):
 class AgentConfig(_Section):
     loop: str = Field("tiller.rollout.agent_loop:run_episode",
                       description="dotted path of the loop")
+    memory: Literal["full", "drop_oldest", "truncate_tool_output"] = Field(
+        "full", description="what a long episode keeps in context (docs/environments.md, "
+        "'Memory'): full: everything, truncated at env.max_episode_tokens; drop_oldest: when "
+        "the next context would leave less than sampling.max_new_tokens of the budget, drop "
+        "the oldest exchanges and go on in a new exact sequence; truncate_tool_output: cut "
+        "each tool message to agent.tool_output_tokens before the model sees it")
+    tool_output_tokens: int | None = Field(
+        None, ge=1, description="truncate_tool_output only (default 128): tokens kept of each "
+        "tool message")
+
+    @model_validator(mode="after")
+    def _memory_knobs(self) -> AgentConfig:
+        if self.tool_output_tokens is not None and self.memory != "truncate_tool_output":
+            raise ConfigError(f"config field agent.tool_output_tokens: got "
+                              f"{self.tool_output_tokens}; it is only used with agent.memory: "
+                              f"truncate_tool_output (agent.memory is {self.memory})")
+        return self
 
 
 class SamplingConfig(_Section):
@@ -625,9 +642,11 @@ class Config(_Section):
 
     @property
     def l_max(self) -> int:
-        """Max generated tokens per episode: rl.algorithm.l_max, or the episode's budget."""
-        budget = min(self.env.max_turns * self.sampling.max_new_tokens,
-                     self.env.max_episode_tokens)
+        """Max generated tokens per episode: rl.algorithm.l_max, or the episode's budget (the
+        token budget bounds each sequence, so with drop_oldest memory only the turns do)."""
+        budget = self.env.max_turns * self.sampling.max_new_tokens
+        if self.agent.memory != "drop_oldest":
+            budget = min(budget, self.env.max_episode_tokens)
         return self.rl.algorithm.l_max or budget
 
     @property
@@ -649,6 +668,16 @@ class Config(_Section):
             raise ConfigError(f"config field rollout.max_inflight: got {inflight}; expected at "
                               f"least rl.group_size = {self.rl.group_size} (a group starts "
                               f"whole)")
+        return self
+
+    @model_validator(mode="after")
+    def _memory_fits(self) -> Config:
+        if (self.agent.memory == "drop_oldest"
+                and self.sampling.max_new_tokens >= self.env.max_episode_tokens):
+            raise ConfigError(f"config field agent.memory: drop_oldest needs room for a turn "
+                              f"after the kept context: sampling.max_new_tokens "
+                              f"({self.sampling.max_new_tokens}) must be below "
+                              f"env.max_episode_tokens ({self.env.max_episode_tokens})")
         return self
 
     @model_validator(mode="after")

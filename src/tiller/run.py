@@ -32,6 +32,7 @@ from tiller.rollout.agent_loop import (
 from tiller.rollout.chat import stop_token_ids
 from tiller.rollout.collect import check_aborted, collect, collect_expert
 from tiller.rollout.engine import EmbeddedEngine, SamplingParams
+from tiller.rollout.memory import MemoryPolicy
 from tiller.rollout.sync import WeightSync
 from tiller.rollout.trajectory import Trajectory
 from tiller.tools.sandbox import set_unsafe_fallback
@@ -100,7 +101,9 @@ class Run:
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        self.limits = EpisodeLimits(cfg.env.max_turns, cfg.env.max_episode_tokens)
+        self.limits = EpisodeLimits(cfg.env.max_turns, cfg.env.max_episode_tokens, MemoryPolicy(
+            cfg.agent.memory, tool_output_tokens=cfg.agent.tool_output_tokens or 128,
+            reserve_tokens=cfg.sampling.max_new_tokens))
         self.timings: dict[str, float] = {}
         # Before any work: a bad replay path stops the run here, and the sandbox policy holds
         # from the first env on (a code env without bwrap refuses unless it is allowed).

@@ -16,6 +16,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Protocol
 
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -25,6 +26,7 @@ from tiller.envs.verifiers import Reward
 from tiller.errors import ConfigError, RunError, import_dotted
 from tiller.rollout.chat import ChatFormat, ParsedTurn, assistant_message, end_of_turn_token
 from tiller.rollout.engine import Engine, Generation, SamplingParams
+from tiller.rollout.memory import MemoryPolicy, drop_oldest, truncate_tool_outputs
 from tiller.rollout.trajectory import Status, Trajectory, TrajectoryBuilder
 from tiller.tools.registry import ToolOutcome
 
@@ -72,7 +74,8 @@ class ExpertActor:
 @dataclass(frozen=True)
 class EpisodeLimits:
     max_turns: int = 8
-    max_episode_tokens: int = 1024
+    max_episode_tokens: int = 1024  # per exact sequence: the context a turn is generated after
+    memory: MemoryPolicy = MemoryPolicy()  # what a long episode keeps (`agent.memory`)
 
 
 def derive_seed(*parts: Any) -> int:
@@ -139,7 +142,8 @@ async def run_episode(
     t0 = time.perf_counter()
     timings = {"generate_s": 0.0, "env_s": 0.0}
     traj = TrajectoryBuilder(task.id, sample_index)
-    counts = {"tool_calls": 0, "tool_errors": 0, "env_errors": 0, "parse_errors": 0}
+    counts = {"tool_calls": 0, "tool_errors": 0, "env_errors": 0, "parse_errors": 0,
+              "tool_outputs_truncated": 0}
     info: dict[str, str] = {}
     messages: list[dict] = []
     final: ParsedTurn | None = None
@@ -211,11 +215,14 @@ async def _turns(
     timings: dict[str, float],
 ) -> tuple[ParsedTurn | None, Status]:
     """The turns of `run_episode`: generate, parse, step, append the observation; returns the
-    final answer (None unless COMPLETED) and the status so far."""
+    final answer (None unless COMPLETED) and the status so far. `messages` records the whole
+    conversation; `context` is what the model sees, which differs from it once `drop_oldest`
+    memory dropped exchanges (a new exact sequence starts there)."""
+    memory, opening, context = limits.memory, len(messages), messages
     for turn in range(limits.max_turns):
         t = time.perf_counter()
         try:
-            gen = await actor.act(traj.token_ids, messages, derive_seed(seed, turn),
+            gen = await actor.act(traj.token_ids, context, derive_seed(seed, turn),
                                   session_id=session_id)
         except RUN_FAILURES:
             raise
@@ -238,7 +245,7 @@ async def _turns(
         ended = (not cut_off and bool(ids) and ids[-1] != chat.end_of_turn_id
                  and ids[-1] in chat.tokenizer.all_special_ids)
         parsed = chat.parse(ids[:-1] if ended else ids)
-        messages.append(assistant_message(parsed))
+        _record(messages, context, [assistant_message(parsed)])
         if cut_off:
             return None, Status.TRUNCATED
         if ended:
@@ -267,16 +274,38 @@ async def _turns(
         if result.done:
             return parsed, Status.COMPLETED
 
+        new = result.messages
+        if memory.mode == "truncate_tool_output":
+            new, cut = truncate_tool_outputs(new, chat.tokenizer, memory.tool_output_tokens)
+            counts["tool_outputs_truncated"] += cut
         try:
-            obs_ids = chat.observation_ids(messages, result.messages)
+            obs_ids = chat.observation_ids(context, new)
         except Exception as e:  # the template raised or changed earlier text: ids would be wrong
             info["error"] = _error(e, "chat template")
             return None, Status.ABORTED
-        messages.extend(result.messages)
+        _record(messages, context, new)
+        room = limits.max_episode_tokens - memory.reserve_tokens  # for the context
+        if memory.mode == "drop_oldest" and len(traj) + len(obs_ids) > room:
+            kept = drop_oldest(context, opening, partial(_fits, chat, room))
+            if kept is not None:  # else nothing can go: truncated below, as with full memory
+                context = kept
+                traj.start_segment(chat.prompt_ids(context), "memory_dropped")
+                continue
         if len(traj) + len(obs_ids) >= limits.max_episode_tokens:
             return None, Status.TRUNCATED
         traj.append_observation(obs_ids)
     return None, Status.TRUNCATED
+
+
+def _fits(chat: ChatFormat, room: int, context: list[dict]) -> bool:
+    return len(chat.prompt_ids(context)) <= room
+
+
+def _record(messages: list[dict], context: list[dict], new: list[dict]) -> None:
+    """Append `new` to the conversation and, once they are apart, to the model's context."""
+    messages.extend(new)
+    if context is not messages:
+        context.extend(new)
 
 
 EpisodeFn = Callable[..., Awaitable[Trajectory]]

@@ -106,6 +106,9 @@ def rollout_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
         "tool_calls_per_episode": sum(t.tool_calls for t in trajs) / n,
         "tool_errors_per_episode": sum(t.tool_errors for t in trajs) / n,
         "tool_parse_failures": float(sum(t.parse_errors for t in trajs)),
+        "tool_outputs_truncated": float(sum(t.tool_outputs_truncated for t in trajs)),
+        "memory_drops_per_episode": sum(t.split_reasons.count("memory_dropped")
+                                        for t in trajs) / n,
         "env_error_rate": statuses.count(Status.ENV_ERROR) / n,
         "truncated_rate": statuses.count(Status.TRUNCATED) / n,
         "aborted_rate": statuses.count(Status.ABORTED) / n,

@@ -40,6 +40,7 @@ class Trajectory:
     tool_errors: int = 0
     env_errors: int = 0
     parse_errors: int = 0
+    tool_outputs_truncated: int = 0  # tool messages cut by agent.memory: truncate_tool_output
     timings: Mapping[str, float] = field(default_factory=dict)
     # "error": why the episode was aborted or is an env error; "close_error": env.close failed
     info: Mapping[str, str] = field(default_factory=dict)
@@ -49,10 +50,22 @@ class Trajectory:
     # tokens the engine generated that the trajectory does not keep (cut at the episode's
     # token budget): with num_generated, every token the engine sampled for it
     discarded_tokens: int = 0
+    # An episode whose context was replaced mid-way (the template re-rendered the history, or a
+    # black-box agent rewrote it) is several exact sequences, concatenated in the fields above:
+    # each index here starts a new one, whose own prompt is re-encoded context (mask 0). The
+    # trainer gives each sequence its own row and forward pass, and all of them the episode's
+    # advantage. `split_reasons` says why each split happened.
+    segment_starts: tuple[int, ...] = ()
+    split_reasons: tuple[str, ...] = ()
     # which draw of its task this episode's group is, among the tasks collected together
     # (0 = the first; a task listed again gets 1, 2...): groups are keyed by (task_id, draw),
     # so a small task set drawn with replacement never merges two draws into one group
     draw: int = 0
+
+    def segments(self) -> list[tuple[int, int]]:
+        """[start, end) of each exact sequence in `token_ids` (one span when never split)."""
+        bounds = [0, *self.segment_starts, len(self.token_ids)]
+        return list(zip(bounds[:-1], bounds[1:], strict=True))
 
     @property
     def num_generated(self) -> int:
@@ -71,6 +84,7 @@ class TrajectoryBuilder:
         append_prompt(ids)                          mask 0, logprob 0, counted in prompt_len
         append_generated(ids, logprobs, version)    mask 1, the engine's logprobs, a turn span
         append_observation(ids)                     mask 0, logprob 0
+        start_segment(ids, reason)                  a new exact sequence with context ids
     """
 
     def __init__(self, task_id: str, sample_index: int = 0):
@@ -83,14 +97,18 @@ class TrajectoryBuilder:
         self._versions: list[int] = []
         self._token_versions: list[int] = []
         self.discarded_tokens = 0
+        self._segment_starts: list[int] = []
+        self._split_reasons: list[str] = []
 
     def __len__(self) -> int:
-        return len(self._ids)
+        """Tokens in the current sequence: the context the next turn is generated after (the
+        episode token budget bounds it, as it bounds the model's context)."""
+        return len(self._ids) - (self._segment_starts[-1] if self._segment_starts else 0)
 
     @property
     def token_ids(self) -> list[int]:
-        """A copy of the ids so far: the prompt of the next turn."""
-        return list(self._ids)
+        """A copy of the current sequence's ids: the prompt of the next turn."""
+        return self._ids[self._segment_starts[-1] if self._segment_starts else 0:]
 
     def _extend(self, ids: Sequence[int], mask: int, logprobs: Sequence[float],
                 versions: Sequence[int] | None = None) -> None:
@@ -124,6 +142,19 @@ class TrajectoryBuilder:
     def append_observation(self, ids: Sequence[int]) -> None:
         self._extend(ids, 0, [0.0] * len(ids))
 
+    def start_segment(self, prompt_ids: Sequence[int], reason: str) -> None:
+        """End the current exact sequence and start one whose context is `prompt_ids` (mask
+        0): the next turns are generated after these ids, not after the stream so far. Tokens
+        already appended stay as they were sampled, and are trained in their own row."""
+        if not self._spans:
+            raise ValueError("start_segment before any generated turn: there is nothing to "
+                             "split off (use append_prompt for the first context)")
+        if not prompt_ids:
+            raise ValueError("start_segment needs the new sequence's context ids")
+        self._segment_starts.append(len(self._ids))
+        self._split_reasons.append(reason)
+        self._extend(prompt_ids, 0, [0.0] * len(prompt_ids))
+
     def finish(
         self,
         reward: Reward,
@@ -134,6 +165,7 @@ class TrajectoryBuilder:
         tool_errors: int = 0,
         env_errors: int = 0,
         parse_errors: int = 0,
+        tool_outputs_truncated: int = 0,
         timings: Mapping[str, float] | None = None,
         info: Mapping[str, str] | None = None,
     ) -> Trajectory:
@@ -153,8 +185,11 @@ class TrajectoryBuilder:
             tool_errors=tool_errors,
             env_errors=env_errors,
             parse_errors=parse_errors,
+            tool_outputs_truncated=tool_outputs_truncated,
             timings=dict(timings or {}),
             info=dict(info or {}),
             token_versions=tuple(self._token_versions),
             discarded_tokens=self.discarded_tokens,
+            segment_starts=tuple(self._segment_starts),
+            split_reasons=tuple(self._split_reasons),
         )

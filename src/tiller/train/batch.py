@@ -36,8 +36,13 @@ class Batch:
     # [B] long, the weight version that sampled each row (its oldest turn's); -1 = unknown.
     # The trainer's staleness metrics: trainer version at train start minus this.
     sample_version: torch.Tensor | None = None
+    # [B] long, the trajectory (episode) each row is a sequence of: rows of one split episode
+    # share its advantage, computed once per episode (`Trajectory.segments`)
+    episode_index: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        if self.episode_index is None:
+            self.episode_index = torch.arange(len(self.input_ids))
         if self.loss_weight is None:
             self.loss_weight = torch.ones(len(self.input_ids))
         if self.sample_version is None:
@@ -51,23 +56,28 @@ class Batch:
         rewards: Sequence[float] | None = None,
         group_index: Sequence[int] | torch.Tensor | None = None,
     ) -> Batch:
-        """Right-pad trajectories into tensors. `rewards` default to each `reward.value`,
-        `group_index` to one group per draw of a task (`Trajectory.draw`, so a repeated task
-        id is a group of its own); `turn_rewards` is set when any verifier gave per-turn
-        rewards (turn-level credit), padded with 0 to the longest episode's turns;
+        """Right-pad trajectories into tensors, one row per exact sequence (`segments()`: one
+        per trajectory unless its episode was split; `episode_index` maps rows back).
+        `rewards` default to each `reward.value`, `group_index` to one group per draw of a
+        task (`Trajectory.draw`, so a repeated task id is a group of its own); both are given
+        per trajectory and repeated on its rows. `turn_rewards` is set when any verifier gave
+        per-turn rewards (turn-level credit), padded with 0 to the longest episode's turns;
         `sample_version` is each trajectory's oldest turn version (-1 when it has no turn)."""
-        width = max(len(t.token_ids) for t in trajectories)
-        n = len(trajectories)
+        rows = [(i, start, end) for i, t in enumerate(trajectories)
+                for start, end in t.segments()]
+        width = max(end - start for _, start, end in rows)
+        n = len(rows)
         ids = torch.full((n, width), pad_token_id, dtype=torch.long)
         attn = torch.zeros((n, width), dtype=torch.long)
         mask = torch.zeros((n, width))
         lp = torch.zeros((n, width))
-        for i, t in enumerate(trajectories):
-            k = len(t.token_ids)
-            ids[i, :k] = torch.tensor(t.token_ids)
-            attn[i, :k] = 1
-            mask[i, :k] = torch.tensor(t.loss_mask, dtype=torch.float)
-            lp[i, :k] = torch.tensor(t.logprobs)
+        for r, (i, start, end) in enumerate(rows):
+            t, k = trajectories[i], end - start
+            ids[r, :k] = torch.tensor(t.token_ids[start:end])
+            attn[r, :k] = 1
+            mask[r, :k] = torch.tensor(t.loss_mask[start:end], dtype=torch.float)
+            lp[r, :k] = torch.tensor(t.logprobs[start:end])
+        episode = torch.tensor([i for i, _, _ in rows], dtype=torch.long)
         if rewards is None:
             rewards = [t.reward.value for t in trajectories]
         if group_index is None:  # one group per draw: a repeated task id is a new group
@@ -76,15 +86,21 @@ class Batch:
                            for t in trajectories]
         turn_rewards = None
         if any(t.reward.turn_rewards is not None for t in trajectories):
+            if n > len(trajectories):
+                raise ValueError("per-turn rewards (turn-level credit) over episodes split into "
+                                 "several sequences are not supported")
             turn_rewards = torch.zeros((n, max(t.num_turns for t in trajectories)))
             for i, t in enumerate(trajectories):
                 given = (t.reward.turn_rewards or ())[: t.num_turns]
                 turn_rewards[i, : len(given)] = torch.tensor(given, dtype=torch.float)
         versions = torch.tensor([min(t.versions, default=-1) for t in trajectories])
-        return cls(ids, attn, mask, lp, torch.tensor(rewards, dtype=torch.float),
-                   torch.as_tensor(group_index, dtype=torch.long),
-                   tuple(t.turn_spans for t in trajectories), turn_rewards,
-                   sample_version=versions)
+        spans = tuple(tuple((a - start, b - start) for a, b in trajectories[i].turn_spans
+                            if start <= a < end) for i, start, end in rows)
+        return cls(ids, attn, mask, lp,
+                   torch.as_tensor(rewards, dtype=torch.float)[episode],
+                   torch.as_tensor(group_index, dtype=torch.long)[episode],
+                   spans, turn_rewards, sample_version=versions[episode],
+                   episode_index=episode)
 
     def rows(self, index: torch.Tensor) -> Batch:
         """A sub-batch for one gradient pass, trimmed to its own longest row (the turn
@@ -94,7 +110,8 @@ class Batch:
                      self.loss_mask[index, :width], self.rollout_logprobs[index, :width],
                      self.rewards[index], self.group_index[index],
                      loss_weight=self.loss_weight[index],
-                     sample_version=self.sample_version[index])
+                     sample_version=self.sample_version[index],
+                     episode_index=self.episode_index[index])
 
     def to(self, device: torch.device) -> Batch:
         """The same batch with every tensor on `device` (the model's, for a forward pass)."""

@@ -43,18 +43,27 @@ def rl_batch(kept: Sequence[Trajectory], group_index: torch.Tensor, rewards: Seq
     `overlong: mask` (they keep their place in the group statistics), and the key-step hook's
     narrowing."""
     batch = Batch.collate(kept, pad_token_id, rewards, group_index)
+    episode = batch.episode_index  # rows -> trajectories (a split episode has several rows)
     stats: dict[str, float] = {}
     hit = torch.tensor([t.status is Status.ENV_ERROR for t in kept])
     if hit.any():  # a per-row loss weight: masks, advantages and normalizers never see it
-        batch.loss_weight[hit] = env_error_weight
+        batch.loss_weight[hit[episode]] = env_error_weight
         stats["env_error_trained"] = float(hit.sum())
     if alg.overlong.mode == "mask":
         cut = torch.tensor([t.status is Status.TRUNCATED for t in kept])
-        batch.loss_mask[cut] = 0.0
+        batch.loss_mask[cut[episode]] = 0.0
         stats["overlong_masked"] = float(cut.sum())
     if key_steps is not None:
-        for i, t in enumerate(kept):
-            n = len(t.token_ids)
+        row = 0
+        for t in kept:
             key = torch.as_tensor(key_steps(t, tokenizer), dtype=torch.float)
-            batch.loss_mask[i, :n] = apply_key_steps(batch.loss_mask[i, :n], key)
+            for start, end in t.segments():
+                n = end - start
+                batch.loss_mask[row, :n] = apply_key_steps(batch.loss_mask[row, :n],
+                                                           key[start:end])
+                row += 1
+    split = [t for t in kept if t.segment_starts]
+    if split:
+        stats["split_episodes"] = float(len(split))
+        stats["segments_per_episode"] = len(batch.input_ids) / len(kept)
     return batch, stats

@@ -64,6 +64,12 @@ def compute_advantages(
     mask = batch.loss_mask
     name = alg.advantage
     eps = alg.advantage_eps  # None for the estimators that take no eps
+    episodes = batch.episode_index
+    split = len(episodes) > 0 and int(episodes.max()) + 1 < len(episodes)
+    if split and (batch.turn_rewards is not None or "token_rewards" in ADVANTAGES.inputs[name]):
+        raise ValueError(f"advantage {name!r} with per-token or per-turn rewards cannot train "
+                         "episodes split into several sequences (agent.history: template, or "
+                         "a rewritten history): use an outcome estimator such as grpo")
     if "token_rewards" in ADVANTAGES.inputs[name]:
         token_rewards = last_token_rewards(batch.rewards, mask)
         if batch.turn_rewards is not None:
@@ -86,9 +92,17 @@ def compute_advantages(
         adv = turn_credit(estimate, per_turn, batch.turn_spans, batch.group_index, mask,
                           credit.gamma_turn, credit.turn_baseline)
         return adv, None
-    rewards = batch.rewards if kl_reward is None else batch.rewards + kl_reward.sum(-1)
-    adv = estimate(rewards=rewards, group_index=batch.group_index, tokens=mask.sum(-1))
-    return adv[:, None] * mask, None
+    # one estimate per episode (the rows of a split episode are one sample of its group),
+    # broadcast to its rows' tokens
+    n = int(episodes.max()) + 1 if len(episodes) else 0
+    first = torch.full((n,), len(episodes), dtype=torch.long).scatter_reduce(
+        0, episodes, torch.arange(len(episodes)), "amin")
+    rewards = batch.rewards[first]
+    if kl_reward is not None:
+        rewards = rewards + torch.zeros(n).index_add(0, episodes, kl_reward.sum(-1))
+    tokens = torch.zeros(n).index_add(0, episodes, mask.sum(-1))
+    adv = estimate(rewards=rewards, group_index=batch.group_index[first], tokens=tokens)
+    return adv[episodes][:, None] * mask, None
 
 
 def _on(x: torch.Tensor, rows: torch.Tensor, width: int, device: torch.device) -> torch.Tensor:
