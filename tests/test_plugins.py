@@ -28,7 +28,7 @@ from tiller.rollout.agent_loop import EngineActor
 from tiller.rollout.collect import collect, draws
 from tiller.rollout.manager import RolloutManager
 from tiller.rollout.trajectory import Status, Trajectory
-from tiller.run import Run
+from tiller.run import Run, heldout_disabled
 from tiller.tools.registry import ToolRegistry, load_tools
 from tiller.train.batch import Batch
 from tiller.train.trainer import compute_advantages
@@ -324,6 +324,23 @@ def test_eval_disabled_skips_heldout_and_says_so(calc_sft_dir, tmp_path, caplog)
     assert "rl" in phases and not {p for p in phases if p.startswith("eval")}
     one_line_error("tiller eval has nothing to evaluate: eval.enabled is false",
                    evaluate_checkpoint, cfg, tmp_path / "eval")
+
+
+def test_heldout_is_off_by_config_by_splits_or_by_an_empty_heldout_space(plugin_path):
+    calculator = ENVS["calculator"]
+
+    class NoHeldoutTasks(calculator):
+        task_space = staticmethod(lambda split, difficulty, heldout_fraction=0.2:
+                                  0 if split == "heldout" else 100)
+
+    cfg = load_config(CONFIG, ["model.path=x", "model.build=null"])
+    assert heldout_disabled(cfg, calculator) is None
+    assert heldout_disabled(cfg, load_env_class(PAIR_SUM)) == (
+        "env pair_sum has no heldout split (splits: ('train',))")
+    assert heldout_disabled(cfg, NoHeldoutTasks) == (
+        "env calculator has no heldout tasks at env.difficulty=2")
+    cfg.eval.enabled = False
+    assert heldout_disabled(cfg, calculator) == "eval.enabled is false"
 
 
 # ---------------------------------------------------------------- optimizer and advantage knobs

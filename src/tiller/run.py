@@ -49,11 +49,14 @@ def get_env(name: str) -> type[Env]:
 
 def heldout_disabled(cfg: Config, env_cls: type[Env]) -> str | None:
     """Why the run has no held-out evaluation (eval.enabled false, or an env without a
-    heldout split), or None when it has one."""
+    heldout split: not in `Env.splits`, or a `task_space` of 0), or None when it has one."""
     if not cfg.eval.enabled:
         return "eval.enabled is false"
     if "heldout" not in env_cls.splits:
         return f"env {env_label(env_cls)} has no heldout split (splits: {env_cls.splits})"
+    if env_cls.task_space("heldout", cfg.env.difficulty) == 0:
+        return (f"env {env_label(env_cls)} has no heldout tasks at "
+                f"env.difficulty={cfg.env.difficulty}")
     return None
 
 
