@@ -226,6 +226,21 @@ def test_installed_packages_register_envs_under_the_tiller_envs_entry_point(
     assert "pair_sum_installed" in message and "calculator" in message
 
 
+def test_the_example_package_installs_with_its_entry_point(tmp_path, monkeypatch):
+    """pip installs examples/plugin_pkg (offline, into a folder): env.name=pair_sum finds it."""
+    target = tmp_path / "site"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                          "--no-build-isolation", "--no-index", "--target", str(target),
+                          str(PKG)], capture_output=True, text=True, timeout=300)
+    assert pip.returncode == 0, pip.stderr
+    monkeypatch.syspath_prepend(str(target))
+    for name in [m for m in sys.modules if m.startswith("tiller_example_plugin")]:
+        monkeypatch.delitem(sys.modules, name)  # imported from examples/ by other tests
+    cls = load_env_class("pair_sum")
+    assert cls.name == "pair_sum"
+    assert Path(sys.modules[cls.__module__].__file__).is_relative_to(target)  # the installed one
+
+
 # ---------------------------------------------------------------- repeated task instances
 
 
