@@ -85,7 +85,8 @@ class ToolStack:
 
     def wrapper(self, key: str) -> Callable[[ToolRegistry], Invoke]:
         """What an environment calls with its registry; `key` names the episode (replay and
-        fault draws are keyed by it, so they do not depend on scheduling)."""
+        fault draws are keyed by it, so they do not depend on scheduling). The registry gets
+        the run's `env.tools.functions` first, so they go through the same stack."""
 
         def wrap(registry: ToolRegistry) -> Invoke:
             registry.extend(self.functions)  # the env's own tools and `env.tools.functions`
