@@ -118,7 +118,7 @@ def main(args: Args) -> dict[str, list[float]]:
         tasks = train_tasks[step * args.tasks_per_step : (step + 1) * args.tasks_per_step]
         trajs = rollout(env_cls, engine, tok, tasks, args.group_size, args.seed, ("rl", step),
                         limits)
-        batch = Batch.collate(trajs, tok.pad_token_id)  # groups: one per task id
+        batch = Batch.collate(trajs, tok.pad_token_id)  # groups: one per draw of a task
         mask = batch.loss_mask  # (B, T): 1 on generated tokens, 0 on prompt and tool output
 
         # A_i = (r_i - mean(r_group)) / (std(r_group) + eps), shared by every token of episode i

@@ -44,8 +44,38 @@ def test_schema_from_type_hints_and_docstring():
                 },
                 "required": ["value"],
             },
+            "return": {"type": "number"},  # the annotation, rendered as chat templates do
         },
     }
+
+
+def test_schema_carries_the_return_description_and_qwen3_template_renders_it():
+    """A docstring's Returns: section joins the return type, and the chat template a Qwen3
+    tokenizer ships (trl's copy) shows the model the whole schema, return included."""
+    from pathlib import Path
+
+    import trl
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    @tool
+    def lookup(key: str) -> dict:
+        """Look a key up.
+
+        Args:
+            key: What to look up.
+
+        Returns:
+            The record stored under the key.
+        """
+        return {"key": key}
+
+    assert lookup.schema["function"]["return"] == {
+        "type": "object", "description": "The record stored under the key."}
+    template = (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
+    rendered, _ = render_jinja_template([[{"role": "user", "content": "hi"}]],
+                                        tools=[lookup.schema], chat_template=template)
+    text = rendered[0]
+    assert '"return": {"type": "object", "description": "The record stored under the key."}' in text
 
 
 def test_ok_call_with_default():

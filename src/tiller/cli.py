@@ -44,6 +44,9 @@ def _print_summary(summary: dict) -> None:
     for col in ("set", "phase", "metric", "value", "95% CI", "tasks", "samples"):
         table.add_column(col)
     for key, row in summary.items():
+        if key == "heldout" and not isinstance(row, dict):  # "heldout": "disabled"
+            console.print(f"held-out evaluation {row}: {summary.get('eval_disabled')}")
+            continue
         if not (isinstance(row, dict) and "success" in row and "tasks" in row):
             continue  # not an eval set's figures
         name, _, phase = key.partition("_after_")
@@ -54,7 +57,8 @@ def _print_summary(summary: dict) -> None:
             table.add_row(name, phase or "model", "pass@1" if m == "success" else m,
                           f"{row[m]:.3f}", f"[{row[lo]:.3f}, {row[hi]:.3f}]", str(row["tasks"]),
                           str(row["samples"]))
-    console.print(table)
+    if table.row_count:
+        console.print(table)
     for key, row in summary.items():  # several eval.seeds: each seed's pass@1 too
         if isinstance(row, dict) and "seeds" in row:
             seeds = {k.removeprefix("success/"): v for k, v in row.items()

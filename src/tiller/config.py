@@ -287,11 +287,16 @@ def _registered(name: str, registry: Any) -> str:
     return name
 
 
-def _outcome_estimator(a: AlgorithmConfig) -> bool:
-    """Turn-level credit wraps estimators of outcome rewards (those that declare `rewards`)."""
+def _estimator_takes(a: AlgorithmConfig, name: str) -> bool:
+    """Whether the chosen advantage estimator declares input `name`."""
     from tiller.train.algorithms import ADVANTAGES
 
-    return "rewards" in ADVANTAGES.inputs[a.advantage]
+    return name in ADVANTAGES.inputs[a.advantage]
+
+
+def _outcome_estimator(a: AlgorithmConfig) -> bool:
+    """Turn-level credit wraps estimators of outcome rewards (those that declare `rewards`)."""
+    return _estimator_takes(a, "rewards")
 
 
 # An ignorable knob: (dotted name, is it used by this algorithm?, what uses it). A knob the final
@@ -308,6 +313,8 @@ _IGNORABLE: list[Ignorable] = [
      "used only when dynamic_sampling.enabled is true"),
     ("overlong.l_cache", lambda a: a.overlong.mode == "soft",
      "used only when overlong.mode is 'soft'"),
+    ("advantage_eps", lambda a: _estimator_takes(a, "eps"),
+     "used only by estimators that divide by a std (grpo, reinforce_pp, gae)"),
     ("credit.gamma_turn", _outcome_estimator, "used only by outcome-reward estimators (a "
      "per-token estimator such as gae takes turn rewards per token, discounted by critic.gamma)"),
     ("credit.turn_baseline", _outcome_estimator,
@@ -405,6 +412,9 @@ class AlgorithmConfig(_Section):
     tau_neg: float | None = Field(None, gt=0.0, description="sapo's gate temperature where "
                                   "A < 0 (default 1.05)")
     entropy_coef: float = Field(0.0, ge=0.0, description="entropy bonus: L -= coef * H")
+    advantage_eps: float | None = Field(
+        None, gt=0.0, description="the epsilon in the advantage's denominator (std + eps) of "
+        "the estimators that whiten: grpo, reinforce_pp, gae (default 1e-6)")
     aggregation: str = Field("token-mean", description="token-mean | seq-mean-token-mean | "
                              "seq-mean-token-sum | seq-mean-token-sum-norm | token-sum")
     l_max: int | None = Field(
@@ -510,6 +520,8 @@ def _fill_defaults(merged: dict[str, Any], a: AlgorithmConfig) -> dict[str, Any]
         _put(merged, "dynamic_sampling.max_rounds", 3)
     if ADVANTAGES.declares(a.advantage, "critic"):
         merged["critic"] = merged.get("critic") or {}
+    if _estimator_takes(a, "eps"):
+        _put(merged, "advantage_eps", 1e-6)
     if _outcome_estimator(a):
         _put(merged, "credit.gamma_turn", 1.0)
         _put(merged, "credit.turn_baseline", "per_turn")
@@ -528,6 +540,10 @@ class RLConfig(_Section):
         1, ge=1, description="passes over each rollout batch (logp_old fixed before the first); "
         "with mini_batches 1 and ppo_epochs 1 the ratio is 1 and clipping never acts")
     micro_batch_size: int = Field(32, ge=1)
+    adam_betas: tuple[float, float] = Field(
+        (0.9, 0.99), description="AdamW's (beta1, beta2) for RL, each in [0, 1)")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW's epsilon for RL (added to the "
+                            "root of the second moment)")
     env_error_weight: float = Field(
         0.0, ge=0.0, le=1.0,
         description="0 drops env_error trajectories; w > 0 keeps them in their group with "
@@ -583,6 +599,13 @@ class RLConfig(_Section):
     def lag_steps(self) -> int:
         """How many RL steps ahead of the trainer the producer may start groups."""
         return self.staleness_bound // self.updates_per_step
+
+    @field_validator("adam_betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError("expected two floats in [0, 1), e.g. [0.9, 0.99]")
+        return betas
 
     @model_validator(mode="after")
     def _steps_have_rows(self) -> RLConfig:
@@ -640,6 +663,10 @@ class EvalSetConfig(_Section):
 
 
 class EvalConfig(_Section):
+    enabled: bool = Field(
+        True, description="evaluation after SFT and after RL; false skips it (logged, and "
+        "summary.json says \"heldout\": \"disabled\"), as does an env without a heldout "
+        "split")
     tasks: int = Field(256, ge=1, description="tasks of the default heldout set (no eval.sets)")
     temperature: float = Field(1.0, ge=0.0, description="1.0 = pass@1 of the sampling policy")
     samples_per_task: int = Field(1, ge=1, description="n samples per task (n >= pass_k)")

@@ -33,7 +33,7 @@ from tiller.observe.metrics import progress
 from tiller.rollout.collect import rollout_metrics
 from tiller.rollout.manager import RolloutManager
 from tiller.rollout.trajectory import Status, Trajectory
-from tiller.run import Run
+from tiller.run import Run, get_env, heldout_disabled
 from tiller.tools.executor import ToolReliabilityError
 from tiller.train.algorithms.kl import kl_beta_at
 from tiller.train.critic import Critic
@@ -141,10 +141,6 @@ def evaluate_sets(run: Run, label: str) -> dict[str, dict[str, float]]:
     out = {}
     for s in run.cfg.eval.resolved_sets(run.cfg.env.difficulty):
         tasks = run.env_cls.make_tasks(s.split, s.tasks, run.cfg.seed, s.difficulty)
-        if not tasks:  # a dataset env without data.eval: no held-out split
-            log.warning("eval set %s: env %s has no %s tasks (data.eval unset?): skipped",
-                        s.name, run.cfg.env.name, s.split)
-            continue
         out[s.name] = evaluate(run, tasks, label, s.name, s.difficulty)
     return out
 
@@ -153,7 +149,7 @@ def rl(run: Run) -> dict[str, Any]:
     """`rl.steps` steps of: take a batch from the rollout manager, train on it, push the
     weights. The manager samples under `rl.mode` (sync, one_step_off or async)."""
     cfg, alg = run.cfg.rl, run.cfg.rl.algorithm
-    run.trainer.set_optimizer(cfg.lr, cfg.weight_decay)
+    run.trainer.set_optimizer(cfg.lr, cfg.weight_decay, cfg.adam_betas, cfg.adam_eps)
     # kl.beta = 0 (or switched off from the start): no reference model exists or runs
     ref = (copy.deepcopy(run.model).to(run.dtype).eval()
            if kl_beta_at(0, alg.kl.beta, alg.kl.off_after) else None)
@@ -299,16 +295,22 @@ def train(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:
     run = Run(cfg, output_dir)
     summary: dict[str, Any] = {"run_dir": str(run.dir), "seed": cfg.seed}
     try:
+        no_eval = heldout_disabled(cfg, run.env_cls)
+        if no_eval:  # said once, here and in the summary: never a silent zero
+            log.warning("held-out evaluation is off: %s", no_eval)
+            summary.update(heldout="disabled", eval_disabled=no_eval)
         summary["tool_gate"] = gate(run)
         if cfg.sft.enabled:
             summary["sft"] = sft(run)
             summary["sft"]["checkpoint"] = str(run.save("sft"))
-        for name, result in evaluate_sets(run, "sft").items():
-            summary[f"{name}_after_sft"] = result
+        if not no_eval:
+            for name, result in evaluate_sets(run, "sft").items():
+                summary[f"{name}_after_sft"] = result
         if cfg.rl.steps > 0:
             summary["rl"] = rl(run)
-            for name, result in evaluate_sets(run, "rl").items():
-                summary[f"{name}_after_rl"] = result
+            if not no_eval:
+                for name, result in evaluate_sets(run, "rl").items():
+                    summary[f"{name}_after_rl"] = result
         summary["checkpoint"] = str(run.save())
     except BaseException:
         run.close()
@@ -338,12 +340,12 @@ def report_uri(run_dir: Path) -> str:
 
 def evaluate_checkpoint(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:
     """Success of the model at `model.path` on every eval set, by set name."""
+    no_eval = heldout_disabled(cfg, get_env(cfg.env.name).configure(cfg))
+    if no_eval:
+        raise ConfigError(f"tiller eval has nothing to evaluate: {no_eval}")
     run = Run(cfg, output_dir)
     try:
         sets = evaluate_sets(run, "checkpoint")
-        if not sets:
-            raise ConfigError(f"config field data.eval: env {cfg.env.name} has no held-out "
-                              "tasks to evaluate; set data.eval to a held-out file")
     finally:
         run.close()
     summary = {"run_dir": str(run.dir), "model": cfg.model.path, **sets}

@@ -47,14 +47,22 @@ def import_dotted(path: str, field: str) -> Callable[..., Any]:
                               "needs an importable package.module:function")
         return _held[path]
     module, _, name = path.partition(":") if ":" in path else path.rpartition(".")
+    if not module or not name:
+        raise ConfigError(f"config field {field}: got {path!r}; expected a dotted path "
+                          "package.module:name")
     try:
         fn = getattr(importlib.import_module(module), name)
     except Exception as e:  # the user's module may fail in any way while importing
         raise ConfigError(f"config field {field}: got {path!r}; cannot import it: "
-                          f"{type(e).__name__}: {e}") from e
+                          f"{one_line(e)}") from e
     if not callable(fn):
         raise ConfigError(f"config field {field}: got {path!r}; expected a callable")
     return fn
+
+
+def one_line(e: BaseException) -> str:
+    """`Type: message` of an exception on one line (a user's error may span several)."""
+    return " ".join(f"{type(e).__name__}: {e}".split())
 
 
 def require_package(module: str, extra: str, needed_for: str, instead: str = "") -> ModuleType:

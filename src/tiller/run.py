@@ -18,13 +18,14 @@ import torch
 import yaml
 
 from tiller.config import Config
-from tiller.envs import ENVS, Env, Task, ToolEnv
+from tiller.envs import Env, Task, ToolEnv
 from tiller.envs.dataset import read_conversations
 from tiller.errors import ConfigError, require_package
 from tiller.gateway.program import ProgramEpisode, load_program
 from tiller.models import build_env_model, load_model, load_tokenizer, resolve_device
 from tiller.observe.metrics import MetricsLogger, check_backends
 from tiller.observe.traces import TraceWriter
+from tiller.plugins import check_env_tools, env_label, load_env_class
 from tiller.rollout.agent_loop import (
     EngineActor,
     EpisodeLimits,
@@ -45,12 +46,22 @@ from tiller.train.trainer import Trainer
 
 
 def get_env(name: str) -> type[Env]:
-    if name not in ENVS:
-        raise ConfigError(f"config field env.name: unknown env {name!r}; "
-                          f"choose one of: {', '.join(sorted(ENVS))}")
-    for module, extra in ENVS[name].requires.items():
-        require_package(module, extra, f"env.name={name}")
-    return ENVS[name]
+    """The env class of `env.name`: registered, an installed entry point or a dotted path
+    (`tiller.plugins`)."""
+    return load_env_class(name)
+
+
+def heldout_disabled(cfg: Config, env_cls: type[Env]) -> str | None:
+    """Why the run has no held-out evaluation (eval.enabled false, or an env without a
+    heldout split: not in `Env.splits`, or a `task_space` of 0), or None when it has one."""
+    if not cfg.eval.enabled:
+        return "eval.enabled is false"
+    if "heldout" not in env_cls.splits:
+        return f"env {env_label(env_cls)} has no heldout split (splits: {env_cls.splits})"
+    if env_cls.task_space("heldout", cfg.env.difficulty) == 0:
+        return (f"env {env_label(env_cls)} has no heldout tasks at "
+                f"env.difficulty={cfg.env.difficulty}")
+    return None
 
 
 def rl_task_count(cfg: Config) -> int:
@@ -64,6 +75,7 @@ def check_task_counts(cfg: Config, env_cls: type[Env]) -> None:
     """Every task list the run will draw fits the env's task space, checked before any work:
     drawing more distinct tasks than exist would otherwise fail only after the model build."""
     d = cfg.env.difficulty
+    no_eval = heldout_disabled(cfg, env_cls)
     wants = [("eval.tasks", "heldout", cfg.eval.tasks)] if cfg.eval.sets is None else []
     for s in cfg.eval.resolved_sets(d) if cfg.eval.sets is not None else []:
         if s.split not in env_cls.eval_splits:
@@ -74,6 +86,8 @@ def check_task_counts(cfg: Config, env_cls: type[Env]) -> None:
             raise ConfigError(f"config field eval.sets ({s.name}).tasks: got {s.tasks}; env "
                               f"{env_cls.name} has only {space} {s.split} tasks at "
                               f"difficulty {s.difficulty}")
+    if no_eval:
+        wants = []
     if cfg.model.build is not None:
         wants.append(("model.build.corpus_tasks", "train", cfg.model.build.corpus_tasks))
     if cfg.sft.enabled:
@@ -81,9 +95,9 @@ def check_task_counts(cfg: Config, env_cls: type[Env]) -> None:
     if cfg.rl.steps > 0:
         wants.append(("rl.steps × rl.tasks_per_step", "train", rl_task_count(cfg)))
     for field, split, n in wants:
-        space = env_cls.task_space(split, d)
+        space = None if env_cls.repeats_tasks else env_cls.task_space(split, d)
         if space is not None and n > space:
-            raise ConfigError(f"config field {field}: got {n}; env {env_cls.name} has only "
+            raise ConfigError(f"config field {field}: got {n}; env {env_label(env_cls)} has only "
                               f"{space} {split} tasks at env.difficulty={d}: ask for at most "
                               f"{space} or pick an env.difficulty with more")
 
@@ -131,6 +145,7 @@ class Run:
         self.tools = ToolStack(cfg.env.tools, self.dir)
         set_unsafe_fallback(cfg.env.tools.sandbox.allow_unsafe_fallback)
         try:
+            check_env_tools(self.env_cls, self.tools.functions)
             self._build_models()
         except BaseException:  # nothing of a run that did not start outlives it
             self.tools.close()

@@ -65,6 +65,13 @@ class Env(ABC):
     """The splits `make_tasks` takes that `eval.sets` may name: heldout, plus any
     out-of-distribution split of held-out instances the env offers (e.g. unseen templates)."""
 
+    splits: ClassVar[tuple[str, ...]] = ("train", "heldout")
+    """The splits `make_tasks` serves. An env without "heldout" (a small task set that is all
+    for training) runs without held-out evaluation, said in the log and in summary.json."""
+    repeats_tasks: ClassVar[bool] = False
+    """True when `make_tasks` draws with replacement from a small set, so a list may hold one
+    task twice; each draw is its own group (and seed), and `task_space` does not cap `n`."""
+
     @abstractmethod
     async def reset(self, task: Task, seed: int) -> list[dict[str, Any]]:
         """Start an episode; returns the opening messages (system and user)."""
@@ -86,7 +93,8 @@ class Env(ABC):
     @staticmethod
     @abstractmethod
     def make_tasks(split: str, n: int, seed: int, difficulty: int) -> list[Task]:
-        """`n` distinct tasks of `split` ("train" or "heldout"); the splits never overlap."""
+        """`n` tasks of `split` (one of `splits`); distinct unless `repeats_tasks`, and the
+        splits never overlap."""
 
     @staticmethod
     def task_space(split: str, difficulty: int, heldout_fraction: float = 0.2) -> int | None:

@@ -209,8 +209,9 @@ class DatasetEnv(ToolEnv):
     @classmethod
     def task_space(cls, split: str, difficulty: int,  # type: ignore[override]
                    heldout_fraction: float = 0.2) -> int | None:
-        """The eval rows (train rows are drawn in passes, so any count can be drawn)."""
-        return len(cls.source.heldout) if split == "heldout" and cls.source.heldout else None
+        """The eval rows, 0 without data.eval (then the run has no held-out evaluation);
+        train rows are drawn in passes, so any count can be drawn."""
+        return len(cls.source.heldout) if split == "heldout" else None
 
     @classmethod
     def tokenizer_corpus(cls, tasks: list[Task], tokenizer: Any) -> list[str]:

@@ -42,9 +42,9 @@ def success_summary(
     and with k > 1 the unbiased pass@k (`pass_at_k`, n >= k samples per task) with its own CI
     under `pass@k`, `pass@k_ci_low`, `pass@k_ci_high`. pass@1 rising while pass@k falls is the
     sign of entropy collapse."""
-    by_task: dict[str, list[float]] = defaultdict(list)
-    for t in trajectories:
-        by_task[t.task_id].append(float(is_success(t)))
+    by_task: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for t in trajectories:  # a task drawn twice is two units (its own n samples each)
+        by_task[(t.task_id, t.draw)].append(float(is_success(t)))
     per_task = [float(np.mean(v)) for v in by_task.values()]
     lo, hi = bootstrap_ci(per_task, seed=seed)
     summary = {

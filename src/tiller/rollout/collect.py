@@ -4,6 +4,7 @@ the env's scripted expert, and the rollout metrics of a set of them."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -25,14 +26,26 @@ EpisodeFn = Callable[..., Any]  # the signature of `run_episode`
 
 async def run_one(task: Task, k: int, actor: Actor, *, episode_fn: EpisodeFn,
                   make_env: Callable[..., Env], tokenizer: Any, limits: EpisodeLimits,
-                  seed: int, tag: tuple) -> Trajectory:
-    """Episode k of `task`: the env `make_env(*tag, task.id, k)` and the seed derived from
-    (seed, tag, task.id, k), so its tokens depend on nothing else; the trajectory carries
-    that seed."""
-    episode_seed = derive_seed(seed, tag, task.id, k)
-    traj = await episode_fn(make_env(*tag, task.id, k), task, actor, tokenizer,
+                  seed: int, tag: tuple, draw: int = 0) -> Trajectory:
+    """Episode k of the `draw`-th draw of `task` under `tag`: the env `make_env(*tag, inst, k)`
+    and the seed derived from (seed, tag, inst, k), so its tokens depend on nothing else;
+    inst is the task id, with `#draw` for a repeated draw (its own seeds and replay keys).
+    The trajectory carries that seed and draw."""
+    inst = task.id if draw == 0 else f"{task.id}#{draw}"
+    episode_seed = derive_seed(seed, tag, inst, k)
+    traj = await episode_fn(make_env(*tag, inst, k), task, actor, tokenizer,
                             seed=episode_seed, sample_index=k, limits=limits)
-    return replace(traj, seed=episode_seed)
+    return replace(traj, seed=episode_seed, draw=draw)
+
+
+def draws(tasks: Sequence[Task]) -> list[int]:
+    """Each task's draw index in the list: 0 the first time its id appears, then 1, 2..."""
+    seen: Counter[str] = Counter()
+    out = []
+    for t in tasks:
+        out.append(seen[t.id])
+        seen[t.id] += 1
+    return out
 
 
 async def collect(tasks: Sequence[Task], samples: int, actor: Actor, *, episode_fn: EpisodeFn,
@@ -40,16 +53,17 @@ async def collect(tasks: Sequence[Task], samples: int, actor: Actor, *, episode_
                   seed: int, tag: tuple, on_done: Callable[[Trajectory], None] | None = None
                   ) -> list[Trajectory]:
     """`samples` episodes (`run_one`) of each task, all at once (the engine batches their
-    turns)."""
+    turns); a task listed twice is two draws, each with its own samples."""
 
-    async def one(task: Task, k: int) -> Trajectory:
+    async def one(task: Task, draw: int, k: int) -> Trajectory:
         traj = await run_one(task, k, actor, episode_fn=episode_fn, make_env=make_env,
-                             tokenizer=tokenizer, limits=limits, seed=seed, tag=tag)
+                             tokenizer=tokenizer, limits=limits, seed=seed, tag=tag, draw=draw)
         if on_done is not None:
             on_done(traj)
         return traj
 
-    return list(await asyncio.gather(*(one(t, k) for t in tasks for k in range(samples))))
+    pairs = zip(tasks, draws(tasks), strict=True)
+    return list(await asyncio.gather(*(one(t, d, k) for t, d in pairs for k in range(samples))))
 
 
 def collect_expert(env_cls: type[Env], tasks: Sequence[Task], tokenizer: Any, *, guess: float,

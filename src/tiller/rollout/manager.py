@@ -187,6 +187,7 @@ class RolloutManager:
         self._error: BaseException | None = None  # learn must stop, not spin)
         self._exhausted = False
         self._tasks: set[asyncio.Task] = set()
+        self._draws: Counter[tuple] = Counter()  # (tag, task id) -> draws so far (repeats)
         self._busy_since: float | None = None  # rollout side busy: >= 1 episode running
         self.busy_s = 0.0
         self._loop = asyncio.new_event_loop()
@@ -378,15 +379,26 @@ class RolloutManager:
                 self.ledger["started"] += self.G
                 if self._busy_since is None:
                     self._busy_since = time.perf_counter()
-                t = self._loop.create_task(self._group(key, task))
+                t = self._loop.create_task(self._group(key, task, self._draw(key, task)))
                 self._tasks.add(t)
                 t.add_done_callback(self._tasks.discard)
 
-    async def _group(self, key: tuple[int, int, int], task: Task) -> None:
+    @staticmethod
+    def _tag(key: tuple[int, int, int]) -> tuple:
         u, r, _ = key
-        tag = ("rl", u) if r == 0 else ("rl", u, r)
+        return ("rl", u) if r == 0 else ("rl", u, r)
+
+    def _draw(self, key: tuple[int, int, int], task: Task) -> int:
+        """The group's draw of its task under its tag: a task the iterator repeats (a small
+        set drawn with replacement) gets new seeds, not the first draw's episodes again."""
+        seen = (self._tag(key), task.id)
+        self._draws[seen] += 1
+        return self._draws[seen] - 1
+
+    async def _group(self, key: tuple[int, int, int], task: Task, draw: int) -> None:
+        tag = self._tag(key)
         finished: list[Trajectory] = []  # episodes that ended, should the group not
-        episodes = [asyncio.ensure_future(self._one(task, k, tag, finished))
+        episodes = [asyncio.ensure_future(self._one(task, k, tag, draw, finished))
                     for k in range(self.G)]
         try:
             trajs = list(await asyncio.gather(*episodes))
@@ -417,10 +429,10 @@ class RolloutManager:
         if trajs:
             self.ledger[bucket] += len(trajs)
 
-    async def _one(self, task: Task, k: int, tag: tuple, finished: list[Trajectory]
-                   ) -> Trajectory:
+    async def _one(self, task: Task, k: int, tag: tuple, draw: int,
+                   finished: list[Trajectory]) -> Trajectory:
         try:
-            traj = await run_one(task, k, self.actor, tag=tag, **self._episode)
+            traj = await run_one(task, k, self.actor, tag=tag, draw=draw, **self._episode)
         except asyncio.CancelledError:
             with self._cond:
                 self.ledger["dropped/cancelled_at_end"] += 1

@@ -63,6 +63,10 @@ class Trajectory:
     # advantage. `split_reasons` says why each split happened.
     segment_starts: tuple[int, ...] = ()
     split_reasons: tuple[str, ...] = ()
+    # which draw of its task this episode's group is, among the tasks collected together
+    # (0 = the first; a task listed again gets 1, 2...): groups are keyed by (task_id, draw),
+    # so a small task set drawn with replacement never merges two draws into one group
+    draw: int = 0
 
     def segments(self) -> list[tuple[int, int]]:
         """[start, end) of each exact sequence in `token_ids` (one span when never split)."""

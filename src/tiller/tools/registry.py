@@ -27,6 +27,7 @@ from typing import Any
 import pydantic
 from transformers.utils import get_json_schema
 
+from tiller.errors import ConfigError, import_dotted, one_line
 from tiller.tools.threads import run_in_thread
 
 
@@ -98,8 +99,9 @@ def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None,
     (`tool_error`) or the environment's (`env_error`) fault, overriding the default rule."""
 
     def wrap(f: Callable[..., Any]) -> Tool:
+        # transformers' schema, its `return` (the return annotation and the docstring's
+        # "Returns:" section) included: chat templates render the whole dict (`tool | tojson`)
         schema = get_json_schema(f)
-        schema["function"].pop("return", None)
         if name:
             schema["function"]["name"] = name
         # A pydantic model of the signature turns a wrong type, a missing or an unexpected
@@ -121,6 +123,26 @@ def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None,
     return wrap(fn) if fn is not None else wrap
 
 
+def load_tools(paths: Iterable[str], field: str = "env.tools.functions") -> list[Tool]:
+    """The tools that config `field` lists as dotted paths (`package.module:name`), each a
+    `@tool` object or a plain typed function with a Google-style docstring (made a `Tool`
+    here). Any path that cannot become a tool, or two tools of one name, is a one-line
+    ConfigError naming `field`."""
+    tools: dict[str, Tool] = {}
+    for path in paths:
+        obj = import_dotted(path, field)
+        try:
+            t = obj if isinstance(obj, Tool) else tool(obj)
+        except Exception as e:  # transformers' schema parser: no docstring, an untyped arg...
+            raise ConfigError(f"config field {field}: got {path!r}; cannot make a tool of it: "
+                              f"{one_line(e)}") from e
+        if t.name in tools:
+            raise ConfigError(f"config field {field}: got {path!r}; a tool named {t.name!r} "
+                              "is listed twice")
+        tools[t.name] = t
+    return list(tools.values())
+
+
 class ToolRegistry:
     """The tools of one environment, callable by name with validated arguments."""
 
@@ -129,6 +151,14 @@ class ToolRegistry:
 
     def schemas(self) -> list[dict[str, Any]]:
         return [t.schema for t in self.tools.values()]
+
+    def extend(self, tools: Iterable[Tool]) -> None:
+        """Add `tools` (e.g. the run's `env.tools.functions`); a name already here is a
+        ValueError: a tool is never replaced behind the env's back."""
+        for t in tools:
+            if t.name in self.tools:
+                raise ValueError(f"tool {t.name!r} is already registered")
+            self.tools[t.name] = t
 
     def check(self, call: ToolCall) -> dict[str, Any] | str:
         """Validated arguments, or the error message the model should see."""

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tiller.errors import ConfigError
 from tiller.tools.executor import ExecutorConfig, Invoke, ProbeReport, ToolExecutor
 from tiller.tools.faults import FaultConfig, FaultInjector
-from tiller.tools.registry import ToolCall, ToolOutcome, ToolRegistry, ToolResult
+from tiller.tools.registry import ToolCall, ToolOutcome, ToolRegistry, ToolResult, load_tools
 from tiller.tools.replay import ReplayStore
 from tiller.tools.threads import abandoned_threads
 
@@ -46,13 +46,25 @@ class SandboxConfig(BaseModel):
 
 
 class ToolsConfig(BaseModel):
+    """`env.tools`: extra tool functions and the stack every tool call goes through. A YAML
+    list (`env.tools: [mypkg.tools:search]`) is short for `env.tools: {functions: [...]}`."""
+
     model_config = ConfigDict(extra="forbid")
+    functions: list[str] = Field(
+        default_factory=list, description="dotted paths (package.module:name) of tool "
+        "functions (typed, Google-style docstring) or @tool objects, added to the env's own "
+        "tools in every episode; only a ToolEnv takes them")
     executor: ExecutorConfig = ExecutorConfig()
     faults: FaultConfig | None = None
     replay: ReplayConfig | None = None
     gate: GateConfig = GateConfig()
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig,
                                    description="running model-written code")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _list_is_functions(cls, data: Any) -> Any:
+        return {"functions": data} if isinstance(data, list) else data
 
 
 class ToolStack:
@@ -64,6 +76,7 @@ class ToolStack:
             path = Path(cfg.replay.path)
             self.store = ReplayStore(_replay_path(path if path.is_absolute() else run_dir / path,
                                                   cfg.replay.mode), cfg.replay.mode)
+        self.functions = load_tools(cfg.functions)  # before any work: a bad path is one line
         self.executor = ToolExecutor(config=cfg.executor)
         self.first_error: dict[str, str] = {}
         # totals of the counters outside the executor; abandoned threads are process-wide, so
@@ -72,9 +85,11 @@ class ToolStack:
 
     def wrapper(self, key: str) -> Callable[[ToolRegistry], Invoke]:
         """What an environment calls with its registry; `key` names the episode (replay and
-        fault draws are keyed by it, so they do not depend on scheduling)."""
+        fault draws are keyed by it, so they do not depend on scheduling). The registry gets
+        the run's `env.tools.functions` first, so they go through the same stack."""
 
         def wrap(registry: ToolRegistry) -> Invoke:
+            registry.extend(self.functions)  # the env's own tools and `env.tools.functions`
             target = registry if self.injector is None else self.injector.wrap(registry, key)
             invoke = self.executor.bind(target, episode=key)
             if self.store is not None:  # (an empty store is falsy: it has a __len__)

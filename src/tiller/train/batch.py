@@ -58,10 +58,10 @@ class Batch:
     ) -> Batch:
         """Right-pad trajectories into tensors, one row per exact sequence (`segments()`: one
         per trajectory unless its episode was split; `episode_index` maps rows back).
-        `rewards` default to each `reward.value`, `group_index` to one group per task id; both
-        are given per trajectory and repeated on its rows. `turn_rewards` is set when any
-        verifier gave per-turn rewards (turn-level credit), padded with 0 to the longest
-        episode's turns;
+        `rewards` default to each `reward.value`, `group_index` to one group per draw of a
+        task (`Trajectory.draw`, so a repeated task id is a group of its own); both are given
+        per trajectory and repeated on its rows. `turn_rewards` is set when any verifier gave
+        per-turn rewards (turn-level credit), padded with 0 to the longest episode's turns;
         `sample_version` is each trajectory's oldest turn version (-1 when it has no turn)."""
         rows = [(i, start, end) for i, t in enumerate(trajectories)
                 for start, end in t.segments()]
@@ -80,9 +80,10 @@ class Batch:
         episode = torch.tensor([i for i, _, _ in rows], dtype=torch.long)
         if rewards is None:
             rewards = [t.reward.value for t in trajectories]
-        if group_index is None:
-            ids_of: dict[str, int] = {}
-            group_index = [ids_of.setdefault(t.task_id, len(ids_of)) for t in trajectories]
+        if group_index is None:  # one group per draw: a repeated task id is a new group
+            ids_of: dict[tuple[str, int], int] = {}
+            group_index = [ids_of.setdefault((t.task_id, t.draw), len(ids_of))
+                           for t in trajectories]
         turn_rewards = None
         if any(t.reward.turn_rewards is not None for t in trajectories):
             if n > len(trajectories):

@@ -47,7 +47,6 @@ def compute_advantages(
     alg: AlgorithmConfig,
     values: torch.Tensor | None = None,
     kl_reward: torch.Tensor | None = None,
-    eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token advantages [B, T] (0 off the loss mask) and, for a per-token estimator with a
     critic (`gae`), the value targets.
@@ -64,6 +63,7 @@ def compute_advantages(
     """
     mask = batch.loss_mask
     name = alg.advantage
+    eps = alg.advantage_eps  # None for the estimators that take no eps
     episodes = batch.episode_index
     split = len(episodes) > 0 and int(episodes.max()) + 1 < len(episodes)
     if split and (batch.turn_rewards is not None or "token_rewards" in ADVANTAGES.inputs[name]):
@@ -144,9 +144,10 @@ class Trainer:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def set_optimizer(self, lr: float, weight_decay: float = 0.0) -> None:
+    def set_optimizer(self, lr: float, weight_decay: float = 0.0,
+                      betas: tuple[float, float] = (0.9, 0.99), eps: float = 1e-8) -> None:
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99)
+            self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps
         )
 
     def weight_update(self) -> WeightUpdate:
