@@ -80,7 +80,9 @@ def test_trainer_trains_on_a_parquet_file_with_an_in_process_reward(tmp_path):
         sft={"epochs": 8, "batch_size": 4, "warmup_steps": 2},
         rl={"steps": 1, "tasks_per_step": 4, "group_size": 2},
         logging={"progress": False, "tensorboard": False}).train()
-    assert "rl" in summary and not any(k.startswith("heldout") for k in summary)  # no data.eval
+    assert "rl" in summary and summary["heldout"] == "disabled"  # no data.eval
+    assert summary["eval_disabled"] == "env dataset has no heldout tasks at env.difficulty=2"
+    assert not any(k.startswith("heldout_after") for k in summary)
     prompts = {r["prompt"]: r["answer"] for r in rows}
     # only episodes that end with an answer reach the reward; after SFT most do
     assert seen and all(prompts[p] == a and isinstance(c, str) for p, c, a in seen)

@@ -117,7 +117,7 @@ def test_every_row_is_its_own_task_and_passes_visit_every_row(tmp_path, user_pkg
             ["t.jsonl:1", "t.jsonl:2", "t.jsonl:3"]
     assert all(t.id.endswith("#1") for t in drawn[3:6]) and drawn[6].id.endswith("#2")
     assert env.make_tasks("train", 7, 3, 1) == drawn  # seeded
-    assert env.make_tasks("heldout", 5, 0, 1) == [] and env.task_space("heldout", 1) is None
+    assert env.make_tasks("heldout", 5, 0, 1) == [] and env.task_space("heldout", 1) == 0
 
 
 @pytest.mark.parametrize("rows, data, rewards, column, row", [

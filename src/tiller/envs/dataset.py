@@ -33,9 +33,9 @@ from tiller.envs.rewards import (
 )
 from tiller.envs.rows import Row, column, messages_column, read_rows, row_error
 from tiller.envs.verifiers import Reward
-from tiller.errors import ConfigError, import_dotted
+from tiller.errors import ConfigError
 from tiller.rollout.chat import ParsedTurn, assistant_message
-from tiller.tools.registry import Tool, tool
+from tiller.tools.registry import Tool, load_tools
 
 if TYPE_CHECKING:
     from tiller.config import Config, DataConfig
@@ -47,22 +47,15 @@ _TOOLS: dict[str, Tool] = {}  # dotted path -> its Tool, imported once per proce
 
 
 def resolve_tools(paths: list[str], where: str) -> list[Tool]:
-    """Tools by dotted path; a path that cannot be imported, or a function with no usable
-    schema (type hints and a docstring with Args), is one line naming `where` (a config field
-    or a file's row and column)."""
+    """Tools by dotted path (`tools.registry.load_tools`, read once per path); a path that
+    cannot become a tool is one line naming `where` (a config field or a file's row and
+    column)."""
     for p in paths:
-        if p in _TOOLS:
-            continue
-        try:
-            fn = import_dotted(p, "tools")
-        except ConfigError as e:
-            raise ConfigError(f"{where}: {str(e).removeprefix('config field tools: ')}") from e
-        try:
-            _TOOLS[p] = tool(fn)
-        except Exception as e:  # transformers' schema builder raises several types
-            raise ConfigError(f"{where}: tool {p!r} has no usable schema ({type(e).__name__}: "
-                              f"{e}); a tool needs type hints and a docstring with an Args "
-                              "section") from e
+        if p not in _TOOLS:
+            try:
+                [_TOOLS[p]] = load_tools([p], "tools")
+            except ConfigError as e:
+                raise ConfigError(f"{where}: {str(e).removeprefix('config field tools: ')}") from e
     return [_TOOLS[p] for p in paths]
 
 
