@@ -463,6 +463,69 @@ def _fill_defaults(merged: dict[str, Any], a: AlgorithmConfig) -> dict[str, Any]
     return merged
 
 
+class CurriculumConfig(_Section):
+    """Which train tasks RL draws, kept in a success band (docs/curriculum.md): `difficulty`
+    moves the env.difficulty the tasks are made at toward the level whose running success
+    estimate is inside the band; `filter` draws tasks from a fixed pool at env.difficulty
+    and skips those whose own estimate is outside it. Held-out eval stays at env.difficulty."""
+
+    enabled: bool = Field(False, description="draw RL tasks through the curriculum")
+    mode: Literal["difficulty", "filter"] = Field(
+        "difficulty", description="difficulty: adapt the level tasks are made at; filter: "
+        "skip pool tasks whose success estimate is outside the band")
+    band: tuple[float, float] = Field(
+        (0.3, 0.7), description="[low, high] success rate a task (or level) should have: "
+        "above high it is too easy, below low too hard, to teach much")
+    window: int = Field(8, ge=1, description="the running estimate is the mean success over "
+                        "the last `window` finished groups of the level (or task)")
+    min_groups: int = Field(
+        2, ge=1, description="difficulty: groups finished at the current level since it was "
+        "entered before it may move again; filter: groups of a task before it may be skipped")
+    min_level: int | None = Field(
+        None, ge=1, le=10, description="difficulty only: the lowest level (default 1); the "
+        "highest is env.difficulty, the target")
+    start: int | None = Field(None, ge=1, le=10, description="difficulty only: the level the "
+                              "run starts at (default min_level)")
+    pool: int | None = Field(None, ge=1, description="filter only: train tasks in the pool, "
+                             "made at env.difficulty and drawn round-robin (default 64)")
+    max_skips: int | None = Field(
+        None, ge=1, description="filter only: draws in a row a task may be skipped before it "
+        "is drawn anyway, to re-estimate it under the current policy (default 4)")
+
+    @model_validator(mode="after")
+    def _valid(self) -> CurriculumConfig:
+        low, high = self.band
+        if not 0.0 <= low < high <= 1.0:
+            raise ConfigError(f"config field rl.curriculum.band: got {list(self.band)}; "
+                              "expected [low, high] with 0 <= low < high <= 1")
+        other = {"difficulty": ("pool", "max_skips"), "filter": ("min_level", "start")}
+        for name in other[self.mode]:
+            if getattr(self, name) is not None:
+                raise ConfigError(f"config field rl.curriculum.{name}: got "
+                                  f"{getattr(self, name)!r}; it is not used with "
+                                  f"rl.curriculum.mode: {self.mode}")
+        if self.start is not None and self.start < (self.min_level or 1):
+            raise ConfigError(f"config field rl.curriculum.start: got {self.start}; expected "
+                              f"at least rl.curriculum.min_level = {self.min_level or 1}")
+        return self
+
+
+class JudgeConfig(_Section):
+    """An optional judge score as a shaping term, paid only where the verifier says success
+    (docs/algorithms.md, "Judge shaping"): a judge can be gamed, so it never pays for a wrong
+    answer, and a detector warns when its score rises while success does not."""
+
+    fn: str | None = Field(
+        None, description="dotted path of fn(task, trajectory) -> float in [0, 1], e.g. "
+        "tiller.train.judges:grounded_answer; null: no judge")
+    weight: float = Field(0.1, ge=0.0, description="reward = verifier + weight * judge on "
+                          "successful episodes; the verifier's value elsewhere")
+    window: int = Field(3, ge=1, description="hacking detector: RL steps per window; the last "
+                        "window is compared with the one before it")
+    margin: float = Field(0.05, ge=0.0, description="hacking detector: a judge-mean rise above "
+                          "this while success rose by at most 0 is suspected hacking")
+
+
 class RLConfig(_Section):
     steps: int = Field(30, ge=0)
     tasks_per_step: int = Field(16, ge=1)
@@ -502,6 +565,10 @@ class RLConfig(_Section):
                     "trajectory). The producer does not start episodes that would exceed it; "
                     "groups that still do are filtered (ledger filtered/stale)")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig,
+                                         description="which train tasks RL draws")
+    judge: JudgeConfig = Field(default_factory=JudgeConfig,
+                               description="judge shaping, gated behind the verifier")
 
     @property
     def updates_per_step(self) -> int:
@@ -622,6 +689,17 @@ class Config(_Section):
             raise ConfigError(f"config field rollout.max_inflight: got {inflight}; expected at "
                               f"least rl.group_size = {self.rl.group_size} (a group starts "
                               f"whole)")
+        return self
+
+    @model_validator(mode="after")
+    def _curriculum_fits_env(self) -> Config:
+        c = self.rl.curriculum
+        for name in ("min_level", "start"):
+            level = getattr(c, name)
+            if level is not None and level > self.env.difficulty:
+                raise ConfigError(f"config field rl.curriculum.{name}: got {level}; expected "
+                                  f"at most env.difficulty = {self.env.difficulty} (the "
+                                  f"target, the highest level)")
         return self
 
     @model_validator(mode="after")

@@ -13,6 +13,7 @@ import json
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +23,18 @@ import torch
 from tiller.config import Config
 from tiller.errors import ConfigError, RunError
 from tiller.observe.evaluation import is_success, success_summary
-from tiller.observe.health import EnvErrorTrend
+from tiller.observe.health import EnvErrorTrend, JudgeHackingTrend
 from tiller.observe.metrics import progress
 from tiller.rollout.collect import rollout_metrics
+from tiller.rollout.curriculum import make_curriculum
 from tiller.rollout.manager import RolloutManager
 from tiller.rollout.trajectory import Status, Trajectory
-from tiller.run import Run
+from tiller.run import Run, rl_task_reserve
 from tiller.tools.executor import ToolReliabilityError
 from tiller.train.algorithms.kl import kl_beta_at
 from tiller.train.critic import Critic
 from tiller.train.sft import train_sft
-from tiller.train.shaping import rl_batch, train_reward
+from tiller.train.shaping import judge_metrics, judged, rl_batch, train_reward
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +99,11 @@ def evaluate(run: Run, tasks: list, label: str) -> dict[str, float]:
     return summary
 
 
-def rl(run: Run) -> dict[str, Any]:
+def rl(run: Run, after_step: Callable[[int], None] | None = None) -> dict[str, Any]:
     """`rl.steps` steps of: take a batch from the rollout manager, train on it, push the
-    weights. The manager samples under `rl.mode` (sync, one_step_off or async)."""
+    weights. The manager samples under `rl.mode` (sync, one_step_off or async), the tasks
+    `rl.curriculum` draws (or `run.rl_tasks()`). `after_step(s)` runs once step s's weights
+    are pushed, before the next step's groups start in sync (benchmarks evaluate there)."""
     cfg, alg = run.cfg.rl, run.cfg.rl.algorithm
     run.trainer.set_optimizer(cfg.lr, cfg.weight_decay)
     # kl.beta = 0 (or switched off from the start): no reference model exists or runs
@@ -107,15 +111,20 @@ def rl(run: Run) -> dict[str, Any]:
            if kl_beta_at(0, alg.kl.beta, alg.kl.off_after) else None)
     critic = Critic(run.model, alg.critic) if alg.critic is not None else None
     trend = EnvErrorTrend()
-    reward = lambda t: train_reward(t, alg, run.cfg.l_max, run.cfg.l_cache)  # noqa: E731
+    hacking = JudgeHackingTrend(cfg.judge.window, cfg.judge.margin)
+    reward = lambda t: train_reward(t, alg, run.cfg.l_max, run.cfg.l_cache,  # noqa: E731
+                                    cfg.judge.weight)
+    curriculum = make_curriculum(run.cfg, run.env_cls, rl_task_reserve(run.cfg))
     in_flight = "abort" if run.cfg.rollout.partial == "abort_resume" else "continue"
     engine_busy0 = run.engine.stats().get("busy_s")
     t0 = time.perf_counter()
     rollouts = RolloutManager(
         run.cfg, run.engine, run.sampling(run.cfg.sampling.temperature),
-        run.rl_tasks(), episode_fn=run.episode_fn,
+        curriculum if curriculum is not None else run.rl_tasks(), episode_fn=run.episode_fn,
         make_env=run.make_env, tokenizer=run.tokenizer, limits=run.limits, reward=reward,
-        version=run.trainer.version)
+        version=run.trainer.version,
+        judge=(lambda task, t: judged(run.judge, task, t)) if run.judge else None,
+        on_group=curriculum.record if curriculum is not None else None)
     idle, trainer_s, staleness = 0, 0.0, Counter()
     try:
         with progress(run.cfg.logging.progress, f"RL ({alg.preset or alg.advantage}, "
@@ -132,6 +141,9 @@ def rl(run: Run) -> dict[str, Any]:
                      **trend.update(taken.ended, run.trainer.version),
                      "rollout_tokens": float(sum(t.num_generated for t in taken.ended)),
                      "rollout_s": time.perf_counter() - ts}  # the wait for the batch
+                judge = judge_metrics(taken.ended, cfg.judge.weight)
+                if judge:
+                    m.update(judge, **hacking.update(judge["judge/mean"], m["success_rate"]))
                 idle = 0 if kept else idle + 1
                 if not kept and (not m.get("groups_dropped") or idle > cfg.max_idle_steps):
                     raise RunError(f"rl step {step + 1}: nothing to train ({idle} step(s) in a "
@@ -164,6 +176,10 @@ def rl(run: Run) -> dict[str, Any]:
                 # start only now, so these are exact per step)
                 m.update({k: v for k, v in rollouts.stats().items() if k.startswith("ledger/")})
                 m.update({f"engine/{k}": v for k, v in run.engine.stats().items()})
+                if curriculum is not None:  # before the next step's draws (sync: exact)
+                    m.update(curriculum.metrics())
+                if after_step is not None:
+                    after_step(step + 1)
                 rollouts.weights_live(step + 1, run.trainer.version)
                 run.log("rl", m, step + 1)
                 advance(f"reward={m['reward_mean']:.2f} success={m['success_rate']:.2f} "

@@ -30,12 +30,13 @@ from tiller.rollout.agent_loop import (
 )
 from tiller.rollout.chat import stop_token_ids
 from tiller.rollout.collect import check_aborted, collect, collect_expert
+from tiller.rollout.curriculum import check_curriculum
 from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.rollout.sync import WeightSync
 from tiller.rollout.trajectory import Trajectory
 from tiller.tools.sandbox import set_unsafe_fallback
 from tiller.tools.stack import ToolStack
-from tiller.train.shaping import load_key_steps
+from tiller.train.shaping import load_judge, load_key_steps
 from tiller.train.trainer import Trainer
 
 
@@ -55,6 +56,11 @@ def rl_task_count(cfg: Config) -> int:
     return max(cfg.rl.steps * cfg.rl.tasks_per_step * rounds, 1)
 
 
+def rl_task_reserve(cfg: Config) -> int:
+    """Train tasks RL may draw: `rl_task_count`, twice that in async (the reserve)."""
+    return rl_task_count(cfg) * (2 if cfg.rl.mode == "async" else 1)
+
+
 def check_task_counts(cfg: Config, env_cls: type[Env]) -> None:
     """Every task list the run will draw fits the env's task space, checked before any work:
     drawing more distinct tasks than exist would otherwise fail only after the model build."""
@@ -72,6 +78,7 @@ def check_task_counts(cfg: Config, env_cls: type[Env]) -> None:
             raise ConfigError(f"config field {field}: got {n}; env {env_cls.name} has only "
                               f"{space} {split} tasks at env.difficulty={d}: ask for at most "
                               f"{space} or pick an env.difficulty with more")
+    check_curriculum(cfg, env_cls, rl_task_reserve(cfg))
 
 
 class Run:
@@ -85,6 +92,7 @@ class Run:
         check_task_counts(cfg, self.env_cls)
         self.episode_fn = load_episode_fn(cfg.agent.loop)
         self.key_steps = load_key_steps(cfg.rl.algorithm.credit.key_steps)
+        self.judge = load_judge(cfg.rl.judge.fn)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.dir = Path(output_dir or cfg.output_dir or Path("runs") / f"{cfg.name}-{stamp}")
         self.dir.mkdir(parents=True, exist_ok=True)
