@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sft-difficulty", type=int, default=2)
     p.add_argument("--sft-tasks", type=int, default=1600)
     p.add_argument("--sft-epochs", type=int, default=6)
+    p.add_argument("--shared-sft", action="store_true",
+                   help="one SFT (with the first seed) for every seed: only RL varies by seed")
     p.add_argument("--steps", type=int, default=30, help="RL steps per arm")
     p.add_argument("--tasks-per-step", type=int, default=8)
     p.add_argument("--group-size", type=int, default=8)
@@ -188,8 +190,9 @@ def main(argv: list[str] | None = None) -> str:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     results = []
+    shared = cold_start(args, args.seeds[0], out / "shared") if args.shared_sft else None
     for seed in args.seeds:
-        sft_path = cold_start(args, seed, out / f"seed{seed}")
+        sft_path = shared or cold_start(args, seed, out / f"seed{seed}")
         row: dict[str, Any] = {"seed": seed, "sft_checkpoint": str(sft_path)}
         for name in ARMS:
             row[name] = arm(args, seed, sft_path, name, out / f"seed{seed}")

@@ -523,7 +523,7 @@ class JudgeConfig(_Section):
     window: int = Field(3, ge=1, description="hacking detector: RL steps per window; the last "
                         "window is compared with the one before it")
     margin: float = Field(0.05, ge=0.0, description="hacking detector: a judge-mean rise above "
-                          "this while success rose by at most 0 is suspected hacking")
+                          "this while success rose by no more than this is suspected hacking")
 
 
 class RLConfig(_Section):

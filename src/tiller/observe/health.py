@@ -60,8 +60,9 @@ class JudgeHackingTrend:
 
     Each RL step adds (judge mean, success rate) of its ended episodes. Once 2 * `window`
     steps are in, the last `window` steps are compared with the `window` before them: when
-    the judge mean rose by more than `margin` and the success rate did not rise at all,
-    hacking is suspected. `judge/hacking_suspected` is 1 on those steps (0 otherwise) and
+    the judge mean rose by more than `margin` and the success rate by no more than `margin`
+    (noise), hacking is suspected. A drift slower than `margin` per `window` steps is not
+    seen: a larger window catches slower ones. `judge/hacking_suspected` is 1 on those steps (0 otherwise) and
     each new suspicion logs a warning and counts in `judge/hacking_warnings`.
     """
 
@@ -83,7 +84,7 @@ class JudgeHackingTrend:
 
         judge_rise = mean(last, 0) - mean(before, 0)
         success_rise = mean(last, 1) - mean(before, 1)
-        suspected = judge_rise > self.margin and success_rise <= 0.0
+        suspected = judge_rise > self.margin and success_rise <= self.margin
         if suspected and not self.suspected:
             self.warnings += 1
             log.warning("judge reward rose by %.3f over the last %d steps while verifier "
