@@ -91,10 +91,11 @@ def cold_start(args: argparse.Namespace, seed: int, out: Path) -> Path:
         run.close()
 
 
-def arm(args: argparse.Namespace, seed: int, sft_path: Path, name: str, out: Path
-        ) -> dict[str, Any]:
+def arm(args: argparse.Namespace, seed: int, sft_path: Path, name: str, out: Path,
+        start: dict[str, float] | None = None) -> dict[str, Any]:
     """One RL run from the SFT checkpoint at the target difficulty; held-out success at step 0
-    and every --eval-every steps."""
+    (`start`: already measured on the same checkpoint, tasks and seed, so the same figure) and
+    every --eval-every steps."""
     extra = ([] if name == "uniform" else
              ["rl.curriculum.enabled=true", "rl.curriculum.mode=difficulty",
               "rl.curriculum.start=1", f"rl.curriculum.min_groups={args.tasks_per_step}"])
@@ -105,7 +106,7 @@ def arm(args: argparse.Namespace, seed: int, sft_path: Path, name: str, out: Pat
     curve: dict[int, dict[str, float]] = {}
     try:
         heldout = run.tasks("heldout", cfg.eval.tasks, 0)
-        curve[0] = evaluate(run, heldout, "step0")
+        curve[0] = start if start is not None else evaluate(run, heldout, "step0")
 
         def after_step(step: int) -> None:
             if step % args.eval_every == 0 or step == args.steps:
@@ -120,7 +121,7 @@ def arm(args: argparse.Namespace, seed: int, sft_path: Path, name: str, out: Pat
     levels = [r["curriculum/difficulty"] for r in rows
               if r["phase"] == "rl" and "curriculum/difficulty" in r]
     return {"arm": name, "curve": {s: e["success"] for s, e in curve.items()},
-            "final": curve[max(curve)], "rl_s": rl_s, "levels": levels,
+            "start": curve[0], "final": curve[max(curve)], "rl_s": rl_s, "levels": levels,
             "run_dir": str(run.dir)}
 
 
@@ -195,7 +196,8 @@ def main(argv: list[str] | None = None) -> str:
         sft_path = shared or cold_start(args, seed, out / f"seed{seed}")
         row: dict[str, Any] = {"seed": seed, "sft_checkpoint": str(sft_path)}
         for name in ARMS:
-            row[name] = arm(args, seed, sft_path, name, out / f"seed{seed}")
+            start = row["uniform"]["start"] if name != "uniform" else None
+            row[name] = arm(args, seed, sft_path, name, out / f"seed{seed}", start)
             print(f"seed {seed} {name}: curve {row[name]['curve']} "
                   f"({row[name]['rl_s']:.0f} s RL)", flush=True)
         row["threshold"] = row["uniform"]["final"]["success"]
