@@ -16,6 +16,9 @@ same invocation.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/curriculum.py --seeds 0 1 2
     .venv/bin/python benchmarks/curriculum.py --quick          # smoke test (tests/)
+
+--shared-sft runs one SFT for every seed, --sft-checkpoint skips SFT: then only RL varies by
+seed, and the spread over seeds says nothing about SFT's.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sft-epochs", type=int, default=6)
     p.add_argument("--shared-sft", action="store_true",
                    help="one SFT (with the first seed) for every seed: only RL varies by seed")
+    p.add_argument("--sft-checkpoint", type=Path,
+                   help="start every seed's RL from this checkpoint instead of running SFT")
     p.add_argument("--steps", type=int, default=30, help="RL steps per arm")
     p.add_argument("--tasks-per-step", type=int, default=8)
     p.add_argument("--group-size", type=int, default=8)
@@ -191,7 +196,8 @@ def main(argv: list[str] | None = None) -> str:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     results = []
-    shared = cold_start(args, args.seeds[0], out / "shared") if args.shared_sft else None
+    shared = args.sft_checkpoint or (cold_start(args, args.seeds[0], out / "shared")
+                                     if args.shared_sft else None)
     for seed in args.seeds:
         sft_path = shared or cold_start(args, seed, out / f"seed{seed}")
         row: dict[str, Any] = {"seed": seed, "sft_checkpoint": str(sft_path)}
