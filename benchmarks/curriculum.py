@@ -65,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="extra config override for every run (repeatable)")
     p.add_argument("--quick", action="store_true", help="tiny model and SFT, 2 steps, 8 tasks")
     p.add_argument("--out", help="output folder (default: runs/bench-curriculum-<time>)")
+    p.add_argument("--merge", type=Path, nargs="+", metavar="DIR",
+                   help="print one table from the results.json of earlier runs (e.g. one "
+                        "process per seed) instead of running anything")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.eval_every, args.eval_tasks = 2, 1, 8
@@ -161,7 +164,7 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         su, sc = r["steps"]["uniform"], r["steps"]["curriculum"]
         lv = c["levels"]
         lines.append("| " + " | ".join([
-            str(r["seed"]), f"{u['curve'][0]:.3f}", cell(u["final"]), cell(c["final"]),
+            str(r["seed"]), f"{u['start']['success']:.3f}", cell(u["final"]), cell(c["final"]),
             ratio(c["final"]["success"], u["final"]["success"]), f"{r['threshold']:.3f}",
             fmt_steps(su, args.steps), fmt_steps(sc, args.steps),
             ratio(sc, su) if sc is not None and su else "-",
@@ -189,8 +192,23 @@ def fmt_steps(s: int | None, budget: int) -> str:
     return str(s) if s is not None else f"> {budget}"
 
 
+def merge(dirs: list[Path]) -> str:
+    """One table over the seeds of several earlier invocations with the same budget."""
+    runs = [json.loads((d / "results.json").read_text()) for d in dirs]
+    budget = {k: v for k, v in runs[0]["args"].items() if k not in ("seeds", "out", "merge")}
+    for d, r in zip(dirs, runs, strict=True):
+        other = {k: v for k, v in r["args"].items() if k not in ("seeds", "out", "merge")}
+        if other != budget:
+            raise SystemExit(f"error: {d} ran with another budget: {other} != {budget}")
+    md = table([row for r in runs for row in r["results"]], argparse.Namespace(**budget))
+    print(md)
+    return md
+
+
 def main(argv: list[str] | None = None) -> str:
     args = parse_args(argv)
+    if args.merge:
+        return merge(args.merge)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or Path("runs") / f"bench-curriculum-{stamp}")
     out.mkdir(parents=True, exist_ok=True)
@@ -210,7 +228,8 @@ def main(argv: list[str] | None = None) -> str:
         row["steps"] = {a: steps_to(row[a]["curve"], row["threshold"]) for a in ARMS}
         results.append(row)
         (out / "results.json").write_text(json.dumps(
-            {"args": vars(args), "results": results}, indent=2))
+            {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+             "results": results}, indent=2))
     md = table(results, args)
     (out / "results.md").write_text(md + "\n")
     print(md)

@@ -52,6 +52,8 @@ def test_quick_run_fills_the_table(tmp_path):
     assert len([line for line in table.splitlines() if line.startswith("| 0 |")]) == 1
     assert "curriculum - uniform (paired by seed)" in table
     assert table.strip() in proc.stdout  # printed as written
+    # --merge rebuilds the same table from results.json (runs of one seed each, merged)
+    assert bench.main(["--merge", str(tmp_path)]).strip() == table.strip()
 
 
 def test_quick_shrinks_the_budget():
