@@ -133,6 +133,12 @@ def arm(args: argparse.Namespace, seed: int, sft_path: Path, name: str, out: Pat
             "run_dir": str(run.dir)}
 
 
+def uniform_gained(row: dict[str, Any]) -> bool:
+    """Did uniform end above the SFT start? If not, every arm "reaches" its final success at
+    step 0 and steps-to-threshold says nothing (shown n/a)."""
+    return row["threshold"] > row["uniform"]["start"]["success"]
+
+
 def steps_to(curve: dict[int, float], threshold: float) -> int | None:
     """The first evaluated step whose held-out success reaches `threshold` (None: never)."""
     return next((s for s in sorted(curve) if curve[s] >= threshold), None)
@@ -163,24 +169,27 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         u, c = r["uniform"], r["curriculum"]
         su, sc = r["steps"]["uniform"], r["steps"]["curriculum"]
         lv = c["levels"]
+        if not uniform_gained(r):
+            su = sc = "n/a"
         lines.append("| " + " | ".join([
             str(r["seed"]), f"{u['start']['success']:.3f}", cell(u["final"]), cell(c["final"]),
             ratio(c["final"]["success"], u["final"]["success"]), f"{r['threshold']:.3f}",
             fmt_steps(su, args.steps), fmt_steps(sc, args.steps),
-            ratio(sc, su) if sc is not None and su else "-",
+            ratio(sc, su) if isinstance(sc, int) and isinstance(su, int) else "-",
             f"{lv[0]:.0f} -> {lv[-1]:.0f}" if lv else "-"]) + " |")
     finals = {a: [r[a]["final"]["success"] for r in results] for a in ARMS}
     diffs = [c - u for u, c in zip(finals["uniform"], finals["curriculum"], strict=True)]
+    gained = [r for r in results if uniform_gained(r)]
     steps = {a: [float(r["steps"][a]) if r["steps"][a] is not None else math.nan
-                 for r in results] for a in ARMS}
+                 for r in gained] for a in ARMS}
     lines += ["", f"over {len(results)} seeds (mean [95% t-interval]):",
               f"- held-out success at step {args.steps}: uniform {mean_ci(finals['uniform'])}, "
               f"curriculum {mean_ci(finals['curriculum'])}",
               f"- curriculum - uniform (paired by seed): {mean_ci(diffs)}",
-              f"- steps to uniform's final success: uniform {mean_ci(steps['uniform'])}, "
-              f"curriculum {mean_ci(steps['curriculum'])} (seeds where it was not reached "
-              f"within {args.steps} steps: "
-              f"{sum(math.isnan(x) for x in steps['curriculum'])})"]
+              f"- steps to uniform's final success, over the {len(gained)} seeds where "
+              f"uniform gained on SFT: uniform {mean_ci(steps['uniform'])}, curriculum "
+              f"{mean_ci(steps['curriculum'])} (seeds where curriculum did not reach it "
+              f"within {args.steps} steps: {sum(math.isnan(x) for x in steps['curriculum'])})"]
     return "\n".join(lines)
 
 
@@ -188,7 +197,7 @@ def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a is not None and b else "-"
 
 
-def fmt_steps(s: int | None, budget: int) -> str:
+def fmt_steps(s: int | str | None, budget: int) -> str:
     return str(s) if s is not None else f"> {budget}"
 
 
@@ -225,7 +234,8 @@ def main(argv: list[str] | None = None) -> str:
             print(f"seed {seed} {name}: curve {row[name]['curve']} "
                   f"({row[name]['rl_s']:.0f} s RL)", flush=True)
         row["threshold"] = row["uniform"]["final"]["success"]
-        row["steps"] = {a: steps_to(row[a]["curve"], row["threshold"]) for a in ARMS}
+        row["steps"] = {a: steps_to(row[a]["curve"], row["threshold"])
+                        if uniform_gained(row) else None for a in ARMS}
         results.append(row)
         (out / "results.json").write_text(json.dumps(
             {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

@@ -26,6 +26,9 @@ def test_steps_to_threshold_and_intervals_hand_computed():
     assert bench.mean_ci([0.4]) == "0.400" and bench.mean_ci([]) == "-"
     assert bench.ratio(8, 4) == "2.00x" and bench.ratio(None, 4) == "-"
     assert bench.ratio(3, 0) == "-"
+    flat = {"threshold": 0.0, "uniform": {"start": {"success": 0.0}}}
+    assert not bench.uniform_gained(flat)  # no gain: steps-to-threshold would be 0, shown n/a
+    assert bench.uniform_gained({**flat, "threshold": 0.1})
 
 
 def test_quick_run_fills_the_table(tmp_path):
