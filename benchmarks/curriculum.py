@@ -106,7 +106,8 @@ def arm(args: argparse.Namespace, seed: int, sft_path: Path, name: str, out: Pat
     every --eval-every steps."""
     extra = ([] if name == "uniform" else
              ["rl.curriculum.enabled=true", "rl.curriculum.mode=difficulty",
-              "rl.curriculum.start=1", f"rl.curriculum.min_groups={args.tasks_per_step}"])
+              "rl.curriculum.start=1", f"rl.curriculum.min_groups={args.tasks_per_step}",
+              f"rl.curriculum.window={max(8, args.tasks_per_step)}"])
     cfg = load_config(args.config, [*overrides(args, seed), f"env.difficulty={args.target}",
                                     f"model.path={sft_path}", "model.build=null",
                                     "sft.enabled=false", *extra])

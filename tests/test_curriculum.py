@@ -135,6 +135,8 @@ def test_filter_skips_tasks_outside_the_band_counts_them_and_redraws_them():
      "rl.curriculum.mode: difficulty"),
     ("rl.curriculum.start=5", "rl.curriculum.start: got 5; expected at most env.difficulty = 2"),
     ("rl.curriculum.mode=sometimes", "rl.curriculum.mode: got 'sometimes'"),
+    ("rl.curriculum.min_groups=9", "rl.curriculum.min_groups: got 9; expected at most "
+     "rl.curriculum.window = 8"),
 ])
 def test_a_bad_curriculum_config_is_one_line(override, message):
     with pytest.raises(ConfigError) as e:

@@ -498,6 +498,9 @@ class CurriculumConfig(_Section):
         if not 0.0 <= low < high <= 1.0:
             raise ConfigError(f"config field rl.curriculum.band: got {list(self.band)}; "
                               "expected [low, high] with 0 <= low < high <= 1")
+        if self.min_groups > self.window:  # an estimate never holds more than `window`
+            raise ConfigError(f"config field rl.curriculum.min_groups: got {self.min_groups}; "
+                              f"expected at most rl.curriculum.window = {self.window}")
         other = {"difficulty": ("pool", "max_skips"), "filter": ("min_level", "start")}
         for name in other[self.mode]:
             if getattr(self, name) is not None:

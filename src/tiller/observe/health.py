@@ -62,8 +62,9 @@ class JudgeHackingTrend:
     steps are in, the last `window` steps are compared with the `window` before them: when
     the judge mean rose by more than `margin` and the success rate by no more than `margin`
     (noise), hacking is suspected. A drift slower than `margin` per `window` steps is not
-    seen: a larger window catches slower ones. `judge/hacking_suspected` is 1 on those steps (0 otherwise) and
-    each new suspicion logs a warning and counts in `judge/hacking_warnings`.
+    seen: a larger window catches slower ones. `judge/hacking_suspected` is 1 on those steps
+    (0 otherwise) and each new suspicion logs a warning and counts in
+    `judge/hacking_warnings`.
     """
 
     def __init__(self, window: int = 3, margin: float = 0.05):
