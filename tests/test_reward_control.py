@@ -92,3 +92,12 @@ def test_random_control_reproduces_and_differs_from_the_real_reward_run(calc_sft
     a = load_file(tmp_path / "real/checkpoints/final/model.safetensors")
     b = load_file(tmp_path / "rand/checkpoints/final/model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_judge_with_a_reward_control_is_refused():
+    from tiller.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="rl.judge.fn: got 'tiller.train.judges:grounded_"
+                                          "answer'; the judge term is paid on the verifier"):
+        load_config(None, ["model.build={}", "rl.reward_control=random",
+                           "rl.judge.fn=tiller.train.judges:grounded_answer"])

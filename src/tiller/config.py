@@ -528,6 +528,72 @@ def _fill_defaults(merged: dict[str, Any], a: AlgorithmConfig) -> dict[str, Any]
     return merged
 
 
+class CurriculumConfig(_Section):
+    """Which train tasks RL draws, kept in a success band (docs/curriculum.md): `difficulty`
+    moves the env.difficulty the tasks are made at toward the level whose running success
+    estimate is inside the band; `filter` draws tasks from a fixed pool at env.difficulty
+    and skips those whose own estimate is outside it. Held-out eval stays at env.difficulty."""
+
+    enabled: bool = Field(False, description="draw RL tasks through the curriculum")
+    mode: Literal["difficulty", "filter"] = Field(
+        "difficulty", description="difficulty: adapt the level tasks are made at; filter: "
+        "skip pool tasks whose success estimate is outside the band")
+    band: tuple[float, float] = Field(
+        (0.3, 0.7), description="[low, high] success rate a task (or level) should have: "
+        "above high it is too easy, below low too hard, to teach much")
+    window: int = Field(8, ge=1, description="the running estimate is the mean success over "
+                        "the last `window` finished groups of the level (or task)")
+    min_groups: int = Field(
+        2, ge=1, description="difficulty: groups finished at the current level since it was "
+        "entered before it may move again; filter: groups of a task before it may be skipped")
+    min_level: int | None = Field(
+        None, ge=1, le=10, description="difficulty only: the lowest level (default 1); the "
+        "highest is env.difficulty, the target")
+    start: int | None = Field(None, ge=1, le=10, description="difficulty only: the level the "
+                              "run starts at (default min_level)")
+    pool: int | None = Field(None, ge=1, description="filter only: train tasks in the pool, "
+                             "made at env.difficulty and drawn round-robin (default 64)")
+    max_skips: int | None = Field(
+        None, ge=1, description="filter only: draws in a row a task may be skipped before it "
+        "is drawn anyway, to re-estimate it under the current policy (default 4)")
+
+    @model_validator(mode="after")
+    def _valid(self) -> CurriculumConfig:
+        low, high = self.band
+        if not 0.0 <= low < high <= 1.0:
+            raise ConfigError(f"config field rl.curriculum.band: got {list(self.band)}; "
+                              "expected [low, high] with 0 <= low < high <= 1")
+        if self.min_groups > self.window:  # an estimate never holds more than `window`
+            raise ConfigError(f"config field rl.curriculum.min_groups: got {self.min_groups}; "
+                              f"expected at most rl.curriculum.window = {self.window}")
+        other = {"difficulty": ("pool", "max_skips"), "filter": ("min_level", "start")}
+        for name in other[self.mode]:
+            if getattr(self, name) is not None:
+                raise ConfigError(f"config field rl.curriculum.{name}: got "
+                                  f"{getattr(self, name)!r}; it is not used with "
+                                  f"rl.curriculum.mode: {self.mode}")
+        if self.start is not None and self.start < (self.min_level or 1):
+            raise ConfigError(f"config field rl.curriculum.start: got {self.start}; expected "
+                              f"at least rl.curriculum.min_level = {self.min_level or 1}")
+        return self
+
+
+class JudgeConfig(_Section):
+    """An optional judge score as a shaping term, paid only where the verifier says success
+    (docs/algorithms.md, "Judge shaping"): a judge can be gamed, so it never pays for a wrong
+    answer, and a detector warns when its score rises while success does not."""
+
+    fn: str | None = Field(
+        None, description="dotted path of fn(task, trajectory) -> float in [0, 1], e.g. "
+        "tiller.train.judges:grounded_answer; null: no judge")
+    weight: float = Field(0.1, ge=0.0, description="reward = verifier + weight * judge on "
+                          "successful episodes; the verifier's value elsewhere")
+    window: int = Field(3, ge=1, description="hacking detector: RL steps per window; the last "
+                        "window is compared with the one before it")
+    margin: float = Field(0.05, ge=0.0, description="hacking detector: a judge-mean rise above "
+                          "this while success rose by no more than this is suspected hacking")
+
+
 class RLConfig(_Section):
     steps: int = Field(30, ge=0)
     tasks_per_step: int = Field(16, ge=1)
@@ -582,6 +648,10 @@ class RLConfig(_Section):
         None,
         description="reward_control constant only (default 0.0): the value every trajectory "
                     "trains on; under a group baseline (grpo, rloo, ...) every advantage is 0")
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig,
+                                         description="which train tasks RL draws")
+    judge: JudgeConfig = Field(default_factory=JudgeConfig,
+                               description="judge shaping, gated behind the verifier")
 
     @property
     def updates_per_step(self) -> int:
@@ -620,6 +690,11 @@ class RLConfig(_Section):
             raise ConfigError(f"config field rl.reward_control_value: got "
                               f"{self.reward_control_value}; it only applies with "
                               f"rl.reward_control: constant (it is {self.reward_control})")
+        if self.reward_control != "none" and self.judge.fn is not None:
+            raise ConfigError(f"config field rl.judge.fn: got {self.judge.fn!r}; the judge "
+                              f"term is paid on the verifier's success, which would carry the "
+                              f"signal rl.reward_control: {self.reward_control} removes (unset "
+                              "one of them)")
         default = type(self).model_fields["max_idle_steps"].default
         if self.max_idle_steps != default and not self.algorithm.dynamic_sampling.enabled:
             raise ConfigError(f"config field rl.max_idle_steps: got {self.max_idle_steps}; it "
@@ -856,6 +931,17 @@ class Config(_Section):
                               f"after the kept context: sampling.max_new_tokens "
                               f"({self.sampling.max_new_tokens}) must be below "
                               f"env.max_episode_tokens ({self.env.max_episode_tokens})")
+        return self
+
+    @model_validator(mode="after")
+    def _curriculum_fits_env(self) -> Config:
+        c = self.rl.curriculum
+        for name in ("min_level", "start"):
+            level = getattr(c, name)
+            if level is not None and level > self.env.difficulty:
+                raise ConfigError(f"config field rl.curriculum.{name}: got {level}; expected "
+                                  f"at most env.difficulty = {self.env.difficulty} (the "
+                                  f"target, the highest level)")
         return self
 
     @model_validator(mode="after")

@@ -13,6 +13,7 @@ import json
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,18 +29,19 @@ from tiller.observe.evaluation import (
     success_summary,
     write_outcomes,
 )
-from tiller.observe.health import EnvErrorTrend
+from tiller.observe.health import EnvErrorTrend, JudgeHackingTrend
 from tiller.observe.metrics import progress
 from tiller.rollout.collect import rollout_metrics
+from tiller.rollout.curriculum import make_curriculum
 from tiller.rollout.manager import RolloutManager
 from tiller.rollout.trajectory import Status, Trajectory
-from tiller.run import Run, get_env, heldout_disabled
+from tiller.run import Run, get_env, heldout_disabled, rl_task_reserve
 from tiller.tools.executor import ToolReliabilityError
 from tiller.train.algorithms.kl import kl_beta_at
 from tiller.train.critic import Critic
 from tiller.train.reward_control import RewardControl
 from tiller.train.sft import train_sft
-from tiller.train.shaping import rl_batch, train_reward
+from tiller.train.shaping import judge_metrics, judged, rl_batch, train_reward
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +147,11 @@ def evaluate_sets(run: Run, label: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def rl(run: Run) -> dict[str, Any]:
+def rl(run: Run, after_step: Callable[[int], None] | None = None) -> dict[str, Any]:
     """`rl.steps` steps of: take a batch from the rollout manager, train on it, push the
-    weights. The manager samples under `rl.mode` (sync, one_step_off or async)."""
+    weights. The manager samples under `rl.mode` (sync, one_step_off or async), the tasks
+    `rl.curriculum` draws (or `run.rl_tasks()`). `after_step(s)` runs once step s's weights
+    are pushed, before the next step's groups start in sync (benchmarks evaluate there)."""
     cfg, alg = run.cfg.rl, run.cfg.rl.algorithm
     run.trainer.set_optimizer(cfg.lr, cfg.weight_decay, cfg.adam_betas, cfg.adam_eps)
     # kl.beta = 0 (or switched off from the start): no reference model exists or runs
@@ -155,17 +159,23 @@ def rl(run: Run) -> dict[str, Any]:
            if kl_beta_at(0, alg.kl.beta, alg.kl.off_after) else None)
     critic = Critic(run.model, alg.critic) if alg.critic is not None else None
     trend = EnvErrorTrend()
-    # the manager's reward is the verifier's; the batch's may be the control's (`v`)
-    reward = lambda t, v=None: train_reward(t, alg, run.cfg.l_max, run.cfg.l_cache, v)  # noqa: E731
+    hacking = JudgeHackingTrend(cfg.judge.window, cfg.judge.margin)
+    # the manager's reward is the verifier's (plus the gated judge term); the batch's may be
+    # the control's (`v`)
+    reward = lambda t, v=None: train_reward(t, alg, run.cfg.l_max, run.cfg.l_cache,  # noqa: E731
+                                            cfg.judge.weight, v)
     control = RewardControl(cfg.reward_control, cfg.reward_control_value, run.cfg.seed)
+    curriculum = make_curriculum(run.cfg, run.env_cls, rl_task_reserve(run.cfg))
     in_flight = "abort" if run.cfg.rollout.partial == "abort_resume" else "continue"
     engine_busy0 = run.engine.stats().get("busy_s")
     t0 = time.perf_counter()
     rollouts = RolloutManager(
         run.cfg, run.engine, run.sampling(run.cfg.sampling.temperature),
-        run.rl_tasks(), episode_fn=run.episode_fn,
+        curriculum if curriculum is not None else run.rl_tasks(), episode_fn=run.episode_fn,
         make_env=run.make_env, tokenizer=run.tokenizer, limits=run.limits, reward=reward,
-        version=run.trainer.version)
+        version=run.trainer.version,
+        judge=(lambda task, t: judged(run.judge, task, t)) if run.judge else None,
+        on_group=curriculum.record if curriculum is not None else None)
     idle, trainer_s, staleness = 0, 0.0, Counter()
     try:
         with progress(run.cfg.logging.progress, f"RL ({alg.preset or alg.advantage}, "
@@ -185,6 +195,9 @@ def rl(run: Run) -> dict[str, Any]:
                 if run.traces is not None:
                     for t in taken.ended:
                         run.traces.put_episode(t, "rl", "train", run.trainer.version, step + 1)
+                judge = judge_metrics(taken.ended, cfg.judge.weight)
+                if judge:
+                    m.update(judge, **hacking.update(judge["judge/mean"], m["success_rate"]))
                 idle = 0 if kept else idle + 1
                 if not kept and (not m.get("groups_dropped") or idle > cfg.max_idle_steps):
                     raise RunError(f"rl step {step + 1}: nothing to train ({idle} step(s) in a "
@@ -231,6 +244,10 @@ def rl(run: Run) -> dict[str, Any]:
                 m.update({f"engine/{k}": v for k, v in run.engine.stats().items()})
                 if run.gateway is not None:  # agent.program: calls, splits, rejections so far
                     m.update(run.gateway.stats())
+                if curriculum is not None:  # before the next step's draws (sync: exact)
+                    m.update(curriculum.metrics())
+                if after_step is not None:
+                    after_step(step + 1)
                 rollouts.weights_live(step + 1, run.trainer.version)
                 run.log("rl", m, step + 1)
                 advance(f"reward={m['reward_mean']:.2f} success={m['success_rate']:.2f} "

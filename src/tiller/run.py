@@ -34,6 +34,7 @@ from tiller.rollout.agent_loop import (
 )
 from tiller.rollout.chat import stop_token_ids
 from tiller.rollout.collect import check_aborted, collect, collect_expert
+from tiller.rollout.curriculum import check_curriculum
 from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.rollout.memory import MemoryPolicy
 from tiller.rollout.sync import WeightSync
@@ -41,7 +42,7 @@ from tiller.rollout.trajectory import Trajectory
 from tiller.tools.sandbox import set_unsafe_fallback
 from tiller.tools.stack import ToolStack
 from tiller.train.conversations import conversation_demos
-from tiller.train.shaping import load_key_steps
+from tiller.train.shaping import load_judge, load_key_steps
 from tiller.train.trainer import Trainer
 
 
@@ -69,6 +70,11 @@ def rl_task_count(cfg: Config) -> int:
     alg = cfg.rl.algorithm
     rounds = (alg.dynamic_sampling.max_rounds or 1) if alg.dynamic_sampling.enabled else 1
     return max(cfg.rl.steps * cfg.rl.tasks_per_step * rounds, 1)
+
+
+def rl_task_reserve(cfg: Config) -> int:
+    """Train tasks RL may draw: `rl_task_count`, twice that in async (the reserve)."""
+    return rl_task_count(cfg) * (2 if cfg.rl.mode == "async" else 1)
 
 
 def check_task_counts(cfg: Config, env_cls: type[Env]) -> None:
@@ -100,6 +106,7 @@ def check_task_counts(cfg: Config, env_cls: type[Env]) -> None:
             raise ConfigError(f"config field {field}: got {n}; env {env_label(env_cls)} has only "
                               f"{space} {split} tasks at env.difficulty={d}: ask for at most "
                               f"{space} or pick an env.difficulty with more")
+    check_curriculum(cfg, env_cls, rl_task_reserve(cfg))
 
 
 def check_sft_source(cfg: Config, env_cls: type[Env]) -> None:
@@ -128,6 +135,7 @@ class Run:
         self.episode_fn = load_episode_fn(cfg.agent.loop)
         program = load_program(cfg.agent.program) if cfg.agent.program else None
         self.key_steps = load_key_steps(cfg.rl.algorithm.credit.key_steps)
+        self.judge = load_judge(cfg.rl.judge.fn)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.dir = Path(output_dir or cfg.output_dir or Path("runs") / f"{cfg.name}-{stamp}")
         self.dir.mkdir(parents=True, exist_ok=True)

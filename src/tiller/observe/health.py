@@ -52,3 +52,46 @@ class EnvErrorTrend:
                         first, self.window, last, self.window)
         return {"env_error_rising": float(self.rising), "env_error_rate_first": first,
                 "env_error_rate_recent": last}
+
+
+class JudgeHackingTrend:
+    """Judge reward rising while verifier success does not: the policy may be learning to
+    please the judge (rl.judge) instead of answering better.
+
+    Each RL step adds (judge mean, success rate) of its ended episodes. Once 2 * `window`
+    steps are in, the last `window` steps are compared with the `window` before them: when
+    the judge mean rose by more than `margin` and the success rate by no more than `margin`
+    (noise), hacking is suspected. A drift slower than `margin` per `window` steps is not
+    seen: a larger window catches slower ones. `judge/hacking_suspected` is 1 on those steps
+    (0 otherwise) and each new suspicion logs a warning and counts in
+    `judge/hacking_warnings`.
+    """
+
+    def __init__(self, window: int = 3, margin: float = 0.05):
+        self.window, self.margin = window, margin
+        self.history: list[tuple[float, float]] = []  # (judge mean, success rate) per step
+        self.suspected = False
+        self.warnings = 0
+
+    def update(self, judge_mean: float, success: float) -> dict[str, float]:
+        self.history.append((judge_mean, success))
+        w = self.window
+        if len(self.history) < 2 * w:
+            return {"judge/hacking_suspected": 0.0, "judge/hacking_warnings": 0.0}
+        before, last = self.history[-2 * w: -w], self.history[-w:]
+
+        def mean(rows: list[tuple[float, float]], i: int) -> float:
+            return sum(r[i] for r in rows) / len(rows)
+
+        judge_rise = mean(last, 0) - mean(before, 0)
+        success_rise = mean(last, 1) - mean(before, 1)
+        suspected = judge_rise > self.margin and success_rise <= self.margin
+        if suspected and not self.suspected:
+            self.warnings += 1
+            log.warning("judge reward rose by %.3f over the last %d steps while verifier "
+                        "success changed by %+.3f: the policy may be gaming the judge "
+                        "(rl.judge.fn)", judge_rise, w, success_rise)
+        self.suspected = suspected
+        return {"judge/hacking_suspected": float(suspected),
+                "judge/hacking_warnings": float(self.warnings), "judge/rise": judge_rise,
+                "judge/success_rise": success_rise}

@@ -154,9 +154,15 @@ class RolloutManager:
     def __init__(self, cfg: Config, engine: Engine, params: SamplingParams,
                  tasks: Iterator[Task], *, episode_fn: EpisodeFn,
                  make_env: Callable[..., Env], tokenizer: Any, limits: EpisodeLimits,
-                 reward: Callable[[Trajectory], float], version: int) -> None:
+                 reward: Callable[[Trajectory], float], version: int,
+                 judge: Callable[[Task, Trajectory], Trajectory] | None = None,
+                 on_group: Callable[[Task, list[Trajectory]], None] | None = None) -> None:
+        """`judge` (rl.judge) returns each finished trajectory with its judge score recorded,
+        before anything reads its reward; `on_group` hears every group that finishes while
+        RL runs (the curriculum), under the manager's lock, on the rollout thread."""
         rl = cfg.rl
         self.cfg, self.engine, self.reward = cfg, engine, reward
+        self.judge, self.on_group = judge, on_group
         self.mode, self.B, self.G = rl.mode, rl.tasks_per_step, rl.group_size
         self.lag, self.max_staleness = rl.lag_steps, rl.staleness_bound
         self.max_inflight = cfg.rollout.max_inflight
@@ -419,8 +425,10 @@ class RolloutManager:
                 self._fail(e)
             return
         try:
+            if self.judge is not None:
+                trajs = [self.judge(task, t) for t in trajs]
             self._group_done(key, task, trajs)
-        except BaseException as e:  # e.g. the reward function raised
+        except BaseException as e:  # e.g. the reward function or the judge raised
             with self._cond:
                 self._count(trajs, "dropped/run_error")
             self._fail(e)
@@ -470,6 +478,8 @@ class RolloutManager:
                 self._cond.notify_all()
                 return
             self._groups_ended += 1
+            if self.on_group is not None:  # flat groups too: all-success is too easy
+                self.on_group(task, trajs)
             # rewards first: a reward function that raises leaves the ledger untouched
             rewards = {id(t): self.reward(t) for t in trajs}
             members = self.buffer.admit(trajs)

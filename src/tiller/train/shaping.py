@@ -1,22 +1,28 @@
-"""From kept trajectories to the RL batch: the reward RL trains on (the verifier's value plus
-DAPO's soft overlong penalty), env_error rows at their weight, overlong masking and the
-key-step hook."""
+"""From kept trajectories to the RL batch: the reward RL trains on (the verifier's value, a
+judge's shaping term where the verifier says success, DAPO's soft overlong penalty), env_error
+rows at their weight, overlong masking and the key-step hook."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from tiller.config import AlgorithmConfig
-from tiller.errors import import_dotted
+from tiller.envs.base import Task
+from tiller.errors import RunError, import_dotted
+from tiller.observe.evaluation import is_success
 from tiller.rollout.trajectory import Status, Trajectory
 from tiller.train.algorithms.advantages import overlong_penalty
 from tiller.train.algorithms.credit import apply_key_steps
 from tiller.train.batch import Batch
 
 KeyStepFn = Callable[[Trajectory, Any], Sequence[float]]
+JudgeFn = Callable[[Task, Trajectory], float]
+JUDGE = "judge"  # the check a judge's score is recorded under, beside the verifier's checks
 
 
 def load_key_steps(path: str | None) -> KeyStepFn | None:
@@ -25,16 +31,58 @@ def load_key_steps(path: str | None) -> KeyStepFn | None:
     return None if path is None else import_dotted(path, "rl.algorithm.credit.key_steps")
 
 
+def load_judge(path: str | None) -> JudgeFn | None:
+    """The judge `package.module:function` (fn(task, trajectory) -> float in [0, 1]), or None
+    when rl.judge.fn is unset."""
+    return None if path is None else import_dotted(path, "rl.judge.fn")
+
+
+def judged(judge: JudgeFn, task: Task, t: Trajectory) -> Trajectory:
+    """`t` with the judge's score recorded as the check `judge` of its reward (the verifier's
+    value is untouched: success is still the verifier's alone). A score outside [0, 1], or not
+    a number, stops the run: a judge that pays 1e6 would drown the verifier."""
+    score = judge(task, t)
+    if isinstance(score, bool) or not isinstance(score, (int, float)) or not 0 <= score <= 1:
+        raise RunError(f"rl.judge.fn returned {score!r} for task {task.id}; expected a float "
+                       "in [0, 1]")
+    if JUDGE in t.reward.checks:
+        raise RunError(f"rl.judge.fn: the verifier of task {task.id} already has a check "
+                       f"named {JUDGE!r}")
+    return replace(t, reward=replace(t.reward, checks={**t.reward.checks, JUDGE: float(score)}))
+
+
+def judge_bonus(t: Trajectory, weight: float) -> float:
+    """weight * the judge's score where the verifier says success, else 0: the judge ranks
+    correct answers against each other and never pays for a wrong one."""
+    score = t.reward.checks.get(JUDGE)
+    return weight * score if score is not None and is_success(t) else 0.0
+
+
 def train_reward(t: Trajectory, alg: AlgorithmConfig, l_max: int, l_cache: int,
-                 value: float | None = None) -> float:
-    """The verifier's value (or `value` in its place: the reward control's), plus DAPO's soft
-    overlong penalty (0 up to l_max - l_cache generated tokens, down to -1 at l_max) when
-    `overlong.mode` is soft; the penalty is always the trajectory's own length's."""
-    base = t.reward.value if value is None else value
+                 judge_weight: float = 0.0, value: float | None = None) -> float:
+    """The verifier's value (or `value` in its place: the reward control's), plus the gated
+    judge term (`judge_bonus`), plus DAPO's soft overlong penalty (0 up to l_max - l_cache
+    generated tokens, down to -1 at l_max) when `overlong.mode` is soft; the penalty is always
+    the trajectory's own length's."""
+    base = (t.reward.value if value is None else value) + judge_bonus(t, judge_weight)
     if alg.overlong.mode != "soft":
         return base
     length = torch.tensor(float(t.num_generated))
     return base + float(overlong_penalty(length, l_max, l_cache))
+
+
+def judge_metrics(trajectories: Sequence[Trajectory], weight: float) -> dict[str, float]:
+    """`judge/*` of a step's ended episodes: the judge's mean score (over all of them, wrong
+    answers included: what a hacked judge would show), its mean on successes, and the mean
+    shaping term actually paid."""
+    scores = [(t.reward.checks[JUDGE], is_success(t)) for t in trajectories
+              if JUDGE in t.reward.checks]
+    if not scores:
+        return {}
+    won = [s for s, ok in scores if ok]
+    return {"judge/mean": sum(s for s, _ in scores) / len(scores),
+            "judge/mean_on_success": sum(won) / len(won) if won else math.nan,
+            "judge/paid_mean": weight * sum(won) / len(scores)}
 
 
 def rl_batch(kept: Sequence[Trajectory], group_index: torch.Tensor, rewards: Sequence[float],

@@ -1,0 +1,252 @@
+"""Curriculum vs uniform sampling on the calculator, over several seeds (docs/curriculum.md).
+
+Per seed: SFT once on short problems (env.difficulty = --sft-difficulty), then two RL runs
+from that same checkpoint, with the same seed and budget, at the target env.difficulty:
+
+    uniform     RL tasks drawn at the target difficulty (rl.curriculum off)
+    curriculum  rl.curriculum mode difficulty: levels 1..target, starting at 1, kept in the
+                band [0.3, 0.7]
+
+Both are evaluated on the same held-out tasks at the target difficulty after SFT and every
+--eval-every RL steps. Reported: held-out success at the end (each seed's 95% bootstrap CI
+over tasks; over seeds the mean with a 95% t-interval), and steps-to-threshold, where a seed's
+threshold is what uniform reaches at its last step ("the same held-out success"): the first
+evaluated step at which each arm reaches it. Ratios are curriculum / uniform, measured in the
+same invocation.
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/curriculum.py --seeds 0 1 2
+    .venv/bin/python benchmarks/curriculum.py --quick          # smoke test (tests/)
+
+--shared-sft runs one SFT for every seed, --sft-checkpoint skips SFT: then only RL varies by
+seed, and the spread over seeds says nothing about SFT's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tiller.config import load_config
+from tiller.controller import evaluate, rl, sft
+from tiller.run import Run
+
+# a tiny model and SFT, two steps: proves the benchmark runs end to end, measures nothing
+QUICK = ["model.build.hidden_size=32", "model.build.num_heads=2", "model.build.vocab_size=400",
+         "model.build.corpus_tasks=40", "sft.tasks=16", "sft.epochs=1", "sft.batch_size=8",
+         "sft.warmup_steps=0", "sampling.max_new_tokens=24", "env.max_turns=3"]
+ARMS = ("uniform", "curriculum")
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="configs/calculator.yaml")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--target", type=int, default=4, help="env.difficulty of RL and eval")
+    p.add_argument("--sft-difficulty", type=int, default=2)
+    p.add_argument("--sft-tasks", type=int, default=1600)
+    p.add_argument("--sft-epochs", type=int, default=6)
+    p.add_argument("--shared-sft", action="store_true",
+                   help="one SFT (with the first seed) for every seed: only RL varies by seed")
+    p.add_argument("--sft-checkpoint", type=Path,
+                   help="start every seed's RL from this checkpoint instead of running SFT")
+    p.add_argument("--steps", type=int, default=30, help="RL steps per arm")
+    p.add_argument("--tasks-per-step", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--eval-tasks", type=int, default=128)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra config override for every run (repeatable)")
+    p.add_argument("--quick", action="store_true", help="tiny model and SFT, 2 steps, 8 tasks")
+    p.add_argument("--out", help="output folder (default: runs/bench-curriculum-<time>)")
+    p.add_argument("--merge", type=Path, nargs="+", metavar="DIR",
+                   help="print one table from the results.json of earlier runs (e.g. one "
+                        "process per seed) instead of running anything")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.eval_every, args.eval_tasks = 2, 1, 8
+        args.tasks_per_step, args.group_size, args.target = 2, 4, 3
+    return args
+
+
+def overrides(args: argparse.Namespace, seed: int) -> list[str]:
+    return [*(QUICK if args.quick else []), *args.set, f"seed={seed}",
+            "logging.tensorboard=false", "logging.progress=false",
+            f"sft.tasks={args.sft_tasks if not args.quick else 16}",
+            f"sft.epochs={args.sft_epochs if not args.quick else 1}",
+            f"rl.steps={args.steps}", f"rl.tasks_per_step={args.tasks_per_step}",
+            f"rl.group_size={args.group_size}", f"eval.tasks={args.eval_tasks}"]
+
+
+def cold_start(args: argparse.Namespace, seed: int, out: Path) -> Path:
+    """SFT at --sft-difficulty (reused when the folder already holds its checkpoint)."""
+    path = out / "sft" / "checkpoints" / "sft"
+    if (path / "config.json").is_file():
+        return path
+    cfg = load_config(args.config, [*overrides(args, seed), f"env.difficulty={args.sft_difficulty}",
+                                    "rl.steps=0"])
+    run = Run(cfg, out / "sft")
+    try:
+        sft(run)
+        return run.save("sft")
+    finally:
+        run.close()
+
+
+def arm(args: argparse.Namespace, seed: int, sft_path: Path, name: str, out: Path,
+        start: dict[str, float] | None = None) -> dict[str, Any]:
+    """One RL run from the SFT checkpoint at the target difficulty; held-out success at step 0
+    (`start`: already measured on the same checkpoint, tasks and seed, so the same figure) and
+    every --eval-every steps."""
+    extra = ([] if name == "uniform" else
+             ["rl.curriculum.enabled=true", "rl.curriculum.mode=difficulty",
+              "rl.curriculum.start=1", f"rl.curriculum.min_groups={args.tasks_per_step}",
+              f"rl.curriculum.window={max(8, args.tasks_per_step)}"])
+    cfg = load_config(args.config, [*overrides(args, seed), f"env.difficulty={args.target}",
+                                    f"model.path={sft_path}", "model.build=null",
+                                    "sft.enabled=false", *extra])
+    run = Run(cfg, out / name)
+    curve: dict[int, dict[str, float]] = {}
+    try:
+        heldout = run.tasks("heldout", cfg.eval.tasks, 0)
+        curve[0] = start if start is not None else evaluate(run, heldout, "step0")
+
+        def after_step(step: int) -> None:
+            if step % args.eval_every == 0 or step == args.steps:
+                curve[step] = evaluate(run, heldout, f"step{step}")
+
+        t0 = time.perf_counter()
+        rl(run, after_step)
+        rl_s = time.perf_counter() - t0
+    finally:
+        run.close()
+    rows = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines()]
+    levels = [r["curriculum/difficulty"] for r in rows
+              if r["phase"] == "rl" and "curriculum/difficulty" in r]
+    return {"arm": name, "curve": {s: e["success"] for s, e in curve.items()},
+            "start": curve[0], "final": curve[max(curve)], "rl_s": rl_s, "levels": levels,
+            "run_dir": str(run.dir)}
+
+
+def uniform_gained(row: dict[str, Any]) -> bool:
+    """Did uniform end above the SFT start? If not, every arm "reaches" its final success at
+    step 0 and steps-to-threshold says nothing (shown n/a)."""
+    return row["threshold"] > row["uniform"]["start"]["success"]
+
+
+def steps_to(curve: dict[int, float], threshold: float) -> int | None:
+    """The first evaluated step whose held-out success reaches `threshold` (None: never)."""
+    return next((s for s in sorted(curve) if curve[s] >= threshold), None)
+
+
+def mean_ci(xs: list[float]) -> str:
+    """Mean over seeds with a 95% t-interval (n - 1 degrees of freedom)."""
+    xs = [x for x in xs if not math.isnan(x)]
+    if not xs:
+        return "-"
+    m = statistics.fmean(xs)
+    if len(xs) < 2:
+        return f"{m:.3f}"
+    half = T95.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
+    return f"{m:.3f} [{m - half:.3f}, {m + half:.3f}]"
+
+
+def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    head = ["seed", "SFT start", "uniform final [95% CI]", "curriculum final [95% CI]",
+            "success ratio", "threshold", "steps uniform", "steps curriculum", "steps ratio",
+            "curriculum levels (first -> last)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def cell(e: dict[str, float]) -> str:
+        return f"{e['success']:.3f} [{e['ci_low']:.3f}, {e['ci_high']:.3f}]"
+
+    for r in results:
+        u, c = r["uniform"], r["curriculum"]
+        su, sc = r["steps"]["uniform"], r["steps"]["curriculum"]
+        lv = c["levels"]
+        if not uniform_gained(r):
+            su = sc = "n/a"
+        lines.append("| " + " | ".join([
+            str(r["seed"]), f"{u['start']['success']:.3f}", cell(u["final"]), cell(c["final"]),
+            ratio(c["final"]["success"], u["final"]["success"]), f"{r['threshold']:.3f}",
+            fmt_steps(su, args.steps), fmt_steps(sc, args.steps),
+            ratio(sc, su) if isinstance(sc, int) and isinstance(su, int) else "-",
+            f"{lv[0]:.0f} -> {lv[-1]:.0f}" if lv else "-"]) + " |")
+    finals = {a: [r[a]["final"]["success"] for r in results] for a in ARMS}
+    diffs = [c - u for u, c in zip(finals["uniform"], finals["curriculum"], strict=True)]
+    gained = [r for r in results if uniform_gained(r)]
+    steps = {a: [float(r["steps"][a]) if r["steps"][a] is not None else math.nan
+                 for r in gained] for a in ARMS}
+    lines += ["", f"over {len(results)} seeds (mean [95% t-interval]):",
+              f"- held-out success at step {args.steps}: uniform {mean_ci(finals['uniform'])}, "
+              f"curriculum {mean_ci(finals['curriculum'])}",
+              f"- curriculum - uniform (paired by seed): {mean_ci(diffs)}",
+              f"- steps to uniform's final success, over the {len(gained)} seeds where "
+              f"uniform gained on SFT: uniform {mean_ci(steps['uniform'])}, curriculum "
+              f"{mean_ci(steps['curriculum'])} (seeds where curriculum did not reach it "
+              f"within {args.steps} steps: {sum(math.isnan(x) for x in steps['curriculum'])})"]
+    return "\n".join(lines)
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a is not None and b else "-"
+
+
+def fmt_steps(s: int | str | None, budget: int) -> str:
+    return str(s) if s is not None else f"> {budget}"
+
+
+def merge(dirs: list[Path]) -> str:
+    """One table over the seeds of several earlier invocations with the same budget."""
+    runs = [json.loads((d / "results.json").read_text()) for d in dirs]
+    budget = {k: v for k, v in runs[0]["args"].items() if k not in ("seeds", "out", "merge")}
+    for d, r in zip(dirs, runs, strict=True):
+        other = {k: v for k, v in r["args"].items() if k not in ("seeds", "out", "merge")}
+        if other != budget:
+            raise SystemExit(f"error: {d} ran with another budget: {other} != {budget}")
+    md = table([row for r in runs for row in r["results"]], argparse.Namespace(**budget))
+    print(md)
+    return md
+
+
+def main(argv: list[str] | None = None) -> str:
+    args = parse_args(argv)
+    if args.merge:
+        return merge(args.merge)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out or Path("runs") / f"bench-curriculum-{stamp}")
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    results = []
+    shared = args.sft_checkpoint or (cold_start(args, args.seeds[0], out / "shared")
+                                     if args.shared_sft else None)
+    for seed in args.seeds:
+        sft_path = shared or cold_start(args, seed, out / f"seed{seed}")
+        row: dict[str, Any] = {"seed": seed, "sft_checkpoint": str(sft_path)}
+        for name in ARMS:
+            start = row["uniform"]["start"] if name != "uniform" else None
+            row[name] = arm(args, seed, sft_path, name, out / f"seed{seed}", start)
+            print(f"seed {seed} {name}: curve {row[name]['curve']} "
+                  f"({row[name]['rl_s']:.0f} s RL)", flush=True)
+        row["threshold"] = row["uniform"]["final"]["success"]
+        row["steps"] = {a: steps_to(row[a]["curve"], row["threshold"])
+                        if uniform_gained(row) else None for a in ARMS}
+        results.append(row)
+        (out / "results.json").write_text(json.dumps(
+            {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+             "results": results}, indent=2))
+    md = table(results, args)
+    (out / "results.md").write_text(md + "\n")
+    print(md)
+    print(f"\nresults: {out / 'results.md'}, total {time.perf_counter() - t0:.0f} s")
+    return md
+
+
+if __name__ == "__main__":
+    main()

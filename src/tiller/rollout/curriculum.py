@@ -1,0 +1,241 @@
+"""The curriculum: which train tasks RL draws, kept inside a success band (docs/curriculum.md).
+
+The rollout manager pulls tasks from an iterator, lazily, one per group it starts; a
+curriculum is such an iterator that also hears back: `record(task, trajectories)` is called
+for every group that finishes, and the next draws follow what it heard.
+
+    difficulty  tasks are made at one of the levels min_level..env.difficulty; each level
+                keeps a running success estimate (the mean over its last `window` groups),
+                and the level moves up when its estimate is above the band, down when below
+    filter      tasks come round-robin from a pool made at env.difficulty; a task whose own
+                estimate is outside the band is skipped (counted), up to `max_skips` draws
+                in a row, then drawn again so its estimate follows the policy
+
+Every group carries its draw number, and an estimate is over the last groups by draw number,
+not by arrival: in rl.mode sync every group drawn before a step has finished when the next
+step draws, so the draws depend on the seed only. In one_step_off and async they also depend
+on which groups have finished by then, like everything else there.
+
+Draws come from the rollout thread and `record` too, `metrics` from the trainer's: one lock.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from abc import abstractmethod
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+
+from tiller.config import Config
+from tiller.envs.base import Env, Task
+from tiller.errors import ConfigError
+from tiller.observe.evaluation import is_success
+from tiller.rollout.trajectory import Status, Trajectory
+
+LEVEL, DRAW = "curriculum_level", "curriculum_draw"  # what a drawn task's metadata gains
+
+
+def group_success(trajectories: Sequence[Trajectory]) -> float | None:
+    """The share of a group's episodes that succeeded; env errors and aborts say nothing about
+    the task's difficulty and are left out (None when nothing is left)."""
+    judged = [t for t in trajectories if t.status not in (Status.ENV_ERROR, Status.ABORTED)]
+    return sum(map(is_success, judged)) / len(judged) if judged else None
+
+
+class _Estimates:
+    """Running success per key (a level or a task id): the mean over the last `window`
+    groups by draw number."""
+
+    def __init__(self, window: int):
+        self.window = window
+        self.results: dict[object, list[tuple[int, float]]] = defaultdict(list)
+
+    def add(self, key: object, draw: int, success: float) -> None:
+        results = self.results[key]
+        results.append((draw, success))
+        results.sort()
+        del results[: -self.window]  # only the last window counts
+
+    def get(self, key: object, since: int = -1) -> tuple[float | None, int]:
+        """(the estimate, how many of its groups were drawn at or after `since`)."""
+        results = self.results.get(key, [])
+        if not results:
+            return None, 0
+        fresh = sum(draw >= since for draw, _ in results)
+        return sum(s for _, s in results) / len(results), fresh
+
+
+class Curriculum(Iterator[Task]):
+    """Base of both modes: the band, the estimates, the draw counter and the lock."""
+
+    def __init__(self, cfg: Config):
+        c = cfg.rl.curriculum
+        self.low, self.high = c.band
+        self.min_groups = c.min_groups
+        self.estimates = _Estimates(c.window)
+        self.draws = 0
+        self.skipped = 0  # tasks passed over because their estimate was outside the band
+        self._skipped_logged = 0
+        self._lock = threading.Lock()
+
+    def __next__(self) -> Task:
+        with self._lock:
+            task, level = self._draw()
+            draw = self.draws
+            self.draws += 1
+        return replace(task, metadata={**task.metadata, LEVEL: level, DRAW: draw})
+
+    def record(self, task: Task, trajectories: Sequence[Trajectory]) -> None:
+        """A group of `task` (a task this curriculum drew) finished."""
+        success = group_success(trajectories)
+        if success is None:
+            return
+        with self._lock:
+            self.estimates.add(self._key(task), task.metadata[DRAW], success)
+
+    def metrics(self) -> dict[str, float]:
+        """`curriculum/*` for the step log: the level drawn from, skips since the last call,
+        and the estimate of every level (difficulty) or the pool's state (filter)."""
+        with self._lock:
+            m = {"curriculum/skipped": float(self.skipped - self._skipped_logged),
+                 "curriculum/skipped_total": float(self.skipped), **self._metrics()}
+            self._skipped_logged = self.skipped
+        return m
+
+    @abstractmethod
+    def _draw(self) -> tuple[Task, int]:
+        """The next task and the level it was made at (under the lock)."""
+
+    @abstractmethod
+    def _key(self, task: Task) -> object:
+        """What a finished group of `task` is estimated under: its level, or its id."""
+
+    @abstractmethod
+    def _metrics(self) -> dict[str, float]: ...
+
+
+class DifficultyCurriculum(Curriculum):
+    """Tasks made at the current level; the level moves toward the band.
+
+    When the current level has at least `min_groups` groups drawn since it was entered, its
+    estimate decides: above the band, one level up (if there is one); below, one level down.
+    Each level's tasks are `make_tasks(train, n, seed + 3, level)`, made the first time the
+    level is visited and drawn in order, so a task is never drawn twice.
+    """
+
+    def __init__(self, cfg: Config, env_cls: type[Env], tasks_per_level: int):
+        super().__init__(cfg)
+        c = cfg.rl.curriculum
+        self.levels = list(range(c.min_level or 1, cfg.env.difficulty + 1))
+        self.level = c.start or self.levels[0]
+        self.entered = 0  # the draw number at which the current level was entered
+        self.moves = 0
+        self._make = lambda level: env_cls.make_tasks("train", tasks_per_level, cfg.seed + 3,
+                                                      level)
+        self._tasks: dict[int, Iterator[Task]] = {}
+
+    def _key(self, task: Task) -> object:
+        return task.metadata[LEVEL]
+
+    def _draw(self) -> tuple[Task, int]:
+        estimate, fresh = self.estimates.get(self.level, since=self.entered)
+        if estimate is not None and fresh >= self.min_groups:
+            i = self.levels.index(self.level)
+            step = 1 if estimate > self.high else -1 if estimate < self.low else 0
+            if 0 <= i + step < len(self.levels) and step:
+                self.level, self.entered = self.levels[i + step], self.draws
+                self.moves += 1
+        if self.level not in self._tasks:
+            self._tasks[self.level] = iter(self._make(self.level))
+        task = next(self._tasks[self.level], None)
+        if task is None:  # check_curriculum sized every level for the whole run
+            raise ConfigError(f"config field rl.curriculum: level {self.level} ran out of "
+                              f"train tasks after {self.draws} draws")
+        return task, self.level
+
+    def _metrics(self) -> dict[str, float]:
+        m = {"curriculum/difficulty": float(self.level), "curriculum/moves": float(self.moves)}
+        for level in self.levels:
+            estimate, _ = self.estimates.get(level)
+            if estimate is not None:
+                m[f"curriculum/estimate/{level}"] = estimate
+        return m
+
+
+class FilterCurriculum(Curriculum):
+    """Tasks from a fixed pool at env.difficulty, in a seeded order reshuffled every pass; a
+    task whose estimate (after `min_groups` groups) is outside the band is skipped, at most
+    `max_skips` draws in a row. One draw therefore passes over at most
+    pool * max_skips tasks: it always ends."""
+
+    def __init__(self, cfg: Config, env_cls: type[Env]):
+        super().__init__(cfg)
+        c = cfg.rl.curriculum
+        self.max_skips = c.max_skips or 4
+        self.pool = env_cls.make_tasks("train", c.pool or 64, cfg.seed + 3, cfg.env.difficulty)
+        self._rng = random.Random(f"curriculum/{cfg.seed}")
+        self._order: list[Task] = []
+        self._skips: dict[str, int] = defaultdict(int)  # task id -> skips in a row
+        self.difficulty = cfg.env.difficulty
+
+    def _key(self, task: Task) -> object:
+        return task.id
+
+    def _draw(self) -> tuple[Task, int]:
+        while True:
+            if not self._order:
+                self._order = self._rng.sample(self.pool, len(self.pool))
+            task = self._order.pop()
+            estimate, fresh = self.estimates.get(task.id)
+            outside = estimate is not None and not self.low <= estimate <= self.high
+            if outside and fresh >= self.min_groups and self._skips[task.id] < self.max_skips:
+                self._skips[task.id] += 1
+                self.skipped += 1
+                continue
+            self._skips[task.id] = 0
+            return task, self.difficulty
+
+    def _metrics(self) -> dict[str, float]:
+        seen = [e for e in (self.estimates.get(t.id)[0] for t in self.pool) if e is not None]
+        inside = sum(self.low <= e <= self.high for e in seen)
+        return {"curriculum/difficulty": float(self.difficulty),
+                "curriculum/pool_estimated": float(len(seen)),
+                "curriculum/pool_in_band": inside / len(seen) if seen else 0.0,
+                "curriculum/pool_too_easy": sum(e > self.high for e in seen) / max(len(seen), 1),
+                "curriculum/pool_too_hard": sum(e < self.low for e in seen) / max(len(seen), 1)}
+
+
+def check_curriculum(cfg: Config, env_cls: type[Env], tasks_needed: int) -> None:
+    """Before any work: every level of a difficulty curriculum holds the `tasks_needed` train
+    tasks the run may draw from it (all of them, at worst), and a filter pool fits the env."""
+    c = cfg.rl.curriculum
+    if not c.enabled:
+        return
+    if c.mode == "filter":
+        wants = {cfg.env.difficulty: c.pool or 64}
+    else:
+        wants = {level: tasks_needed for level in range(c.min_level or 1, cfg.env.difficulty + 1)}
+    for level, n in wants.items():
+        space = env_cls.task_space("train", level)
+        if space is None or n <= space:
+            continue
+        if c.mode == "filter":
+            raise ConfigError(f"config field rl.curriculum.pool: got {n}; env {env_cls.name} "
+                              f"has only {space} train tasks at env.difficulty={level}")
+        raise ConfigError(f"config field rl.curriculum.min_level: got {c.min_level or 1}; env "
+                          f"{env_cls.name} has only {space} train tasks at difficulty {level} "
+                          f"and the run may draw {n} there (rl.steps x rl.tasks_per_step): "
+                          f"raise rl.curriculum.min_level or draw fewer")
+
+
+def make_curriculum(cfg: Config, env_cls: type[Env], tasks_per_level: int) -> Curriculum | None:
+    """The curriculum that `rl.curriculum` asks for, or None when it is off (`Run` has run
+    `check_curriculum` before any work)."""
+    c = cfg.rl.curriculum
+    if not c.enabled:
+        return None
+    if c.mode == "filter":
+        return FilterCurriculum(cfg, env_cls)
+    return DifficultyCurriculum(cfg, env_cls, tasks_per_level)

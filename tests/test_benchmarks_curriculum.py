@@ -1,0 +1,65 @@
+"""benchmarks/curriculum.py keeps running: its --quick smoke run fills the table from real
+runs, and the figures it derives (steps to threshold, t-intervals, ratios) are hand-checked."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("bench_curriculum",
+                                              ROOT / "benchmarks" / "curriculum.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+
+def test_steps_to_threshold_and_intervals_hand_computed():
+    curve = {0: 0.1, 4: 0.3, 8: 0.5, 12: 0.45}
+    assert bench.steps_to(curve, 0.45) == 8 and bench.steps_to(curve, 0.1) == 0
+    assert bench.steps_to(curve, 0.6) is None
+    # mean 0.5, sd 0.1, n 3: half-width 4.30 * 0.1 / sqrt(3) = 0.248
+    assert bench.mean_ci([0.4, 0.5, 0.6]) == "0.500 [0.252, 0.748]"
+    assert bench.mean_ci([0.4]) == "0.400" and bench.mean_ci([]) == "-"
+    assert bench.ratio(8, 4) == "2.00x" and bench.ratio(None, 4) == "-"
+    assert bench.ratio(3, 0) == "-"
+    flat = {"threshold": 0.0, "uniform": {"start": {"success": 0.0}}}
+    assert not bench.uniform_gained(flat)  # no gain: steps-to-threshold would be 0, shown n/a
+    assert bench.uniform_gained({**flat, "threshold": 0.1})
+
+
+def test_quick_run_fills_the_table(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/curriculum.py", "--quick", "--seeds", "0", "1",
+         "--shared-sft", "--out", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert [r["seed"] for r in res] == [0, 1]
+    assert res[0]["sft_checkpoint"] == res[1]["sft_checkpoint"]  # --shared-sft
+    for r in res:
+        for arm in ("uniform", "curriculum"):
+            assert sorted(map(int, r[arm]["curve"])) == [0, 1, 2]  # --quick: eval every step
+            assert 0.0 <= r[arm]["final"]["success"] <= 1.0
+        assert r["threshold"] == r["uniform"]["final"]["success"]
+        # the curriculum logged its level every step; uniform logged none
+        assert len(r["curriculum"]["levels"]) == 2 and r["uniform"]["levels"] == []
+        curve = {int(s): v for s, v in r["curriculum"]["curve"].items()}
+        expected = bench.steps_to(curve, r["threshold"]) if bench.uniform_gained(r) else None
+        assert r["steps"]["curriculum"] == expected
+    table = (tmp_path / "results.md").read_text()
+    assert table.startswith("| seed | SFT start | uniform final [95% CI]")
+    assert len([line for line in table.splitlines() if line.startswith("| 0 |")]) == 1
+    assert "curriculum - uniform (paired by seed)" in table
+    assert table.strip() in proc.stdout  # printed as written
+    # --merge rebuilds the same table from results.json (runs of one seed each, merged)
+    assert bench.main(["--merge", str(tmp_path)]).strip() == table.strip()
+
+
+def test_quick_shrinks_the_budget():
+    args = bench.parse_args(["--quick"])
+    assert (args.steps, args.eval_every, args.tasks_per_step, args.target) == (2, 1, 2, 3)

@@ -1,0 +1,155 @@
+"""rl.judge: the shaping term is paid only where the verifier says success (hand-computed),
+the shipped rubric judge scores real messages, a judge out of range stops the run, the
+hacking detector fires on a hacking trace and not on healthy ones, and a real tiny run logs
+judge/* without paying for a wrong answer."""
+
+import json
+import logging
+import math
+
+import pytest
+
+from tiller.config import ConfigError, load_config
+from tiller.controller import rl
+from tiller.envs.base import Task
+from tiller.envs.verifiers import Reward
+from tiller.errors import RunError
+from tiller.observe.health import JudgeHackingTrend
+from tiller.rollout.trajectory import Status, Trajectory
+from tiller.run import Run
+from tiller.train.judges import grounded_answer
+from tiller.train.shaping import JUDGE, judge_metrics, judged, train_reward
+
+CONFIG = "configs/calculator.yaml"
+TASK = Task("calc-1", "Ada has 12 bags with 3 coins in each. How many coins?", 36, "train")
+CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"name": "calculate", "arguments": {"expression": "12 * 3"}}]}
+
+
+def episode(final_text, tool_output="36", value=None, status=Status.COMPLETED, generated=4,
+            tool_errors=0):
+    messages = ({"role": "user", "content": TASK.prompt}, CALL,
+                {"role": "tool", "name": "calculate", "content": tool_output},
+                {"role": "assistant", "content": final_text})
+    if value is None:
+        value = float(final_text == "The answer is 36.")
+    return Trajectory(TASK.id, 0, (1,) * (generated + 1), (0,) + (1,) * generated,
+                      (0.0,) * (generated + 1), 1, ((1, generated + 1),), (0,), messages,
+                      Reward(value, {"correct": value}), status, tool_calls=1,
+                      tool_errors=tool_errors)
+
+
+def algorithm(*more):
+    return load_config(CONFIG, ["model.build={}", *more]).rl.algorithm
+
+
+def test_the_judge_term_is_paid_only_on_verifier_success():
+    alg = algorithm()
+    right = judged(lambda task, t: 0.5, TASK, episode("The answer is 36."))
+    wrong = judged(lambda task, t: 1.0, TASK, episode("The answer is 1203."))
+    assert right.reward.checks == {"correct": 1.0, JUDGE: 0.5}
+    assert right.reward.value == 1.0  # the verifier's value is untouched
+    # 1 + 0.2 * 0.5 = 1.1; the wrong answer, judged 1.0, gets the verifier's 0 and nothing more
+    assert train_reward(right, alg, 100, 20, 0.2) == pytest.approx(1.1)
+    assert train_reward(wrong, alg, 100, 20, 0.2) == 0.0
+    assert train_reward(right, alg, 100, 20, 0.0) == 1.0
+    # with DAPO's soft overlong: 90 of l_max 100 generated, l_cache 20 -> -0.5 on top
+    soft = algorithm("rl.algorithm={preset: dapo, l_max: 100, overlong: {mode: soft, "
+                     "l_cache: 20}}")
+    long_right = judged(lambda task, t: 0.5, TASK, episode("The answer is 36.", generated=90))
+    long_wrong = judged(lambda task, t: 1.0, TASK, episode("The answer is 7.", generated=90))
+    assert train_reward(long_right, soft, 100, 20, 0.2) == pytest.approx(1.0 + 0.1 - 0.5)
+    assert train_reward(long_wrong, soft, 100, 20, 0.2) == pytest.approx(-0.5)
+    # judge/paid_mean: 0.2 * 0.5 paid on 1 of 2 episodes
+    m = judge_metrics([right, wrong], 0.2)
+    assert m == {"judge/mean": 0.75, "judge/mean_on_success": 0.5,
+                 "judge/paid_mean": pytest.approx(0.05)}
+
+
+def test_the_rubric_judge_scores_answered_grounded_clean():
+    assert grounded_answer(TASK, episode("The answer is 36.")) == 1.0
+    # a number the tools never produced: answered and clean only
+    assert grounded_answer(TASK, episode("The answer is 1203.")) == pytest.approx(2 / 3)
+    # grounded in a failed call's output still loses "clean"
+    assert grounded_answer(TASK, episode("The answer is 36.", tool_errors=1)) == pytest.approx(
+        2 / 3)
+    # truncated mid-call: not answered, so not grounded either
+    cut = episode("The answer is 36.", status=Status.TRUNCATED)
+    assert grounded_answer(TASK, cut) == pytest.approx(1 / 3)
+    # the hackable part: quoting any tool output is "grounded", right or wrong
+    assert grounded_answer(TASK, episode("The answer is 99.", tool_output="99")) == 1.0
+
+
+@pytest.mark.parametrize("score", [1.5, -0.1, math.nan, "0.5", True, None])
+def test_a_judge_score_outside_0_1_stops_the_run(score):
+    with pytest.raises(RunError, match=r"rl.judge.fn returned .* for task calc-1; expected a "
+                       r"float in \[0, 1\]"):
+        judged(lambda task, t: score, TASK, episode("The answer is 36."))
+
+
+def test_a_bad_judge_path_is_one_config_error_line(tmp_path):
+    cfg = load_config(CONFIG, ["model.build={}", "rl.judge.fn=tiller.train.judges:nope"])
+    with pytest.raises(ConfigError, match=r"^config field rl.judge.fn: got "
+                       r"'tiller.train.judges:nope'; cannot import it"):
+        Run(cfg, tmp_path)
+    with pytest.raises(ConfigError, match="rl.judge.weight"):
+        load_config(CONFIG, ["model.build={}", "rl.judge.weight=-1"])
+
+
+def run_trace(trace, window=3, margin=0.05):
+    trend = JudgeHackingTrend(window, margin)
+    return [trend.update(j, s)["judge/hacking_suspected"] for j, s in trace], trend
+
+
+def test_the_detector_fires_when_judge_rises_and_success_does_not(caplog):
+    # judge 0.40 -> 0.80 over 12 steps, success flat at 0.35 (noise +-0.01)
+    trace = [(0.4 + 0.04 * i, 0.35 + (0.01 if i % 2 else -0.01)) for i in range(12)]
+    with caplog.at_level(logging.WARNING, logger="tiller.observe.health"):
+        flags, trend = run_trace(trace)
+    # from step 6 on, each window's judge mean is 0.12 above the one before (> 0.05) while
+    # success moves by +-0.0067 (<= 0.05)
+    assert flags == [0.0] * 5 + [1.0] * 7
+    warnings = [r for r in caplog.records if "gaming the judge" in r.message]
+    assert len(warnings) == trend.warnings == 1  # one warning per suspicion, not per step
+
+
+def test_the_detector_stays_quiet_on_healthy_runs(caplog):
+    rising_together = [(0.4 + 0.04 * i, 0.3 + 0.04 * i) for i in range(12)]
+    plateau = [(0.7 + (0.01 if i % 2 else -0.01), 0.6) for i in range(12)]
+    falling_judge = [(0.8 - 0.04 * i, 0.5) for i in range(12)]
+    with caplog.at_level(logging.WARNING, logger="tiller.observe.health"):
+        for trace in (rising_together, plateau, falling_judge):
+            flags, trend = run_trace(trace)
+            assert flags == [0.0] * 12 and trend.warnings == 0
+    assert not caplog.records
+
+
+def test_the_detector_hand_computed():
+    # window 2: steps [a, b | c, d]: judge (0.2, 0.2 | 0.3, 0.3) rose 0.1 > 0.06 while success
+    # (0.5, 0.5 | 0.5, 0.4) fell 0.05: suspected at step 4; at step 5 the judge rose 0.3 - 0.25
+    # = 0.05 < 0.06 and at step 6 not at all: cleared
+    trend = JudgeHackingTrend(window=2, margin=0.06)
+    out = [trend.update(j, s) for j, s in [(0.2, 0.5), (0.2, 0.5), (0.3, 0.5), (0.3, 0.4),
+                                           (0.3, 0.5), (0.3, 0.5)]]
+    assert [o["judge/hacking_suspected"] for o in out] == [0, 0, 0, 1, 0, 0]
+    assert out[3]["judge/rise"] == pytest.approx(0.1)
+    assert out[3]["judge/success_rise"] == pytest.approx(-0.05)
+    assert out[-1]["judge/hacking_warnings"] == 1
+
+
+def test_a_real_run_logs_the_judge_and_never_pays_a_wrong_answer(calc_sft_dir, tmp_path):
+    cfg = load_config(CONFIG, [
+        f"model.path={calc_sft_dir}", "model.build=null", "sft.enabled=false", "rl.steps=2",
+        "rl.tasks_per_step=2", "rl.group_size=4", "eval.tasks=8", "logging.progress=false",
+        "logging.tensorboard=false", "rl.judge.fn=tiller.train.judges:grounded_answer",
+        "rl.judge.weight=0.5", "rl.judge.window=1"])
+    rl(Run(cfg, tmp_path))
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["phase"] == "rl"]
+    assert len(rows) == 2
+    for r in rows:
+        assert 0.0 <= r["judge/mean"] <= 1.0 and "judge/hacking_suspected" in r
+        # the one-step-SFT model never succeeds: the judge scores it, and nothing is paid
+        assert r["success_rate"] == 0.0 and r["judge/paid_mean"] == 0.0
+        assert r["reward_mean"] == 0.0
+    assert "judge/rise" in rows[-1]  # window 1: compared from step 2 on
