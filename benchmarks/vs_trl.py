@@ -113,7 +113,7 @@ def manual(n_examples: int) -> str:
         calls = [f"calculate('{problem.a} * {problem.b}') = {values[0]}"]
         calls += [f"calculate('{values[k]} {op} {x}') = {values[k + 1]}"
                   for k, (op, x) in enumerate(problem.steps)]
-        lines.append(f"Example {i + 1}: {calculator._text(problem, rng)} "
+        lines.append(f"Example {i + 1}: {calculator._text(problem, rng, calculator._TEMPLATES)} "
                      f"{'; '.join(calls)}. The answer is {values[-1]}.")
     return "\n".join(lines) + "\n\n"
 
@@ -129,9 +129,6 @@ def trl_tool() -> Any:
         except ToolError as e:  # tiller's ToolEnv shows the model "error: <message>"
             return f"error: {e}"
 
-    # tiller's schema leaves out the return type: so must the one the template renders here
-    calculate.__annotations__ = {k: v for k, v in calculate.__annotations__.items()
-                                 if k != "return"}
     return calculate
 
 

@@ -110,3 +110,14 @@ def test_tiller_train_runs_the_readme_example(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     rl = [r for r in rows if r["phase"] == "rl"]
     assert len(rl) == 1 and {"check/correct", "check/brief", "check/numeric_match"} <= set(rl[0])
+
+
+def test_trainer_tools_join_another_envs_own_tools():
+    from tiller.api import Trainer
+
+    t = Trainer(model={"build": {}}, env="calculator", tools=["tiller_tools_mod:lookup"])
+    assert t.config.env.tools.functions == ["tiller_tools_mod:lookup"]
+    assert t.config.data.tools == []
+    d = Trainer(model={"build": {}}, data="rows.jsonl", tools=["tiller_tools_mod:lookup"],
+                reward="exact_match")
+    assert d.config.data.tools == ["tiller_tools_mod:lookup"] and d.config.env.tools.functions == []

@@ -86,3 +86,21 @@ def test_cli_errors_are_one_line_not_tracebacks(tmp_path, args, message):
     assert "Traceback" not in out
     lines = [line for line in out.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["env.name=dataset", "data.train=t.jsonl", "rewards=[{verifier: exact_match}]",
+      "env.tools=[pkg.mod:tool]"],
+     "config field env.tools.functions: got ['pkg.mod:tool']; the dataset env's tools are per "
+     "row: list them in data.tools"),
+    (["env.name=dataset", "data.train=t.jsonl", "rewards=[{verifier: exact_match}]",
+      "agent.program=pkg.mod:main"],
+     "config field agent.program: got 'pkg.mod:main'; the dataset env's reward functions score "
+     "the conversation its own loop records"),
+    (["agent.program=pkg.mod:main", "agent.history=template"],
+     "config field agent.history: got 'template'; with agent.program the gateway assembles"),
+])
+def test_plugin_combinations_that_would_do_nothing_are_refused(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.build={}", *overrides])
+    assert str(e.value).startswith(message), str(e.value)

@@ -392,3 +392,78 @@ def test_sft_conversation_is_the_trajectory_the_agent_loop_builds(tmp_path, toke
     demo = conversation_trajectory(conversation, schemas, tokenizer, "sft:1")
     assert demo.token_ids == played.token_ids and demo.loss_mask == played.loss_mask
     assert demo.turn_spans == played.turn_spans
+
+
+def test_unreadable_table_files_are_one_line(tmp_path):
+    import datasets
+
+    from tiller.envs.rows import read_rows
+
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"not parquet at all")
+    with pytest.raises(ConfigError, match=r"config field data.train: got '.*bad.parquet'; "
+                                          r"cannot read it: ArrowInvalid"):
+        read_rows(bad, "data.train")
+    folder = tmp_path / "notadataset"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match="config field data.train: got .*notadataset'; cannot "
+                                          "read it: FileNotFoundError"):
+        read_rows(folder, "data.train")
+    splits = tmp_path / "dd"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "a"}])}
+                         ).save_to_disk(str(splits))
+    with pytest.raises(ConfigError, match=r"holds the splits \['train'\]: name one split's "):
+        read_rows(splits, "data.train")
+    assert read_rows(splits / "train", "data.train") == [(1, {"prompt": "a"})]
+
+
+PLUGIN_PKG = Path(__file__).resolve().parents[1] / "examples" / "plugin_pkg"
+
+
+def test_tiller_train_on_a_user_jsonl_with_dotted_path_rewards_and_env(tmp_path, user_pkg,
+                                                                      monkeypatch):
+    """The three together: a user's JSONL, reward functions from the user's module and an env
+    from a package outside tiller (a subclass of the dataset env), all by dotted path."""
+    monkeypatch.syspath_prepend(str(PLUGIN_PKG))
+    rows = [{"prompt": f"What is {a} + {b}?", "answer": a + b} for a in range(1, 5)
+            for b in range(1, 4)]
+    train = write_jsonl(tmp_path / "train.jsonl", rows[:8])
+    evals = write_jsonl(tmp_path / "eval.jsonl", rows[8:])
+    sft = write_jsonl(tmp_path / "sft.jsonl", [{"messages": [
+        {"role": "user", "content": r["prompt"]},
+        {"role": "assistant", "content": str(r["answer"])}]} for r in rows])
+    config = tmp_path / "config.yaml"
+    config.write_text(textwrap.dedent(f"""
+        model: {{build: {{vocab_size: 400, hidden_size: 64, num_layers: 1, num_heads: 2,
+                         corpus_tasks: 10}}}}
+        env: {{name: "tiller_example_plugin.envs:BriefRowsEnv", max_turns: 2,
+              max_episode_tokens: 128}}
+        data: {{train: {train}, eval: {evals}, sft: {sft}}}
+        rewards: [{{function: user_rewards:correct}}]
+        sampling: {{max_new_tokens: 8}}
+        sft: {{epochs: 8, batch_size: 8, warmup_steps: 2}}
+        rl: {{steps: 1, tasks_per_step: 4, group_size: 2}}
+        eval: {{tasks: 4}}
+        logging: {{progress: false, tensorboard: false, report: false}}
+    """))
+    result = CliRunner().invoke(app, ["train", str(config), "-o", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["heldout_after_rl"]["tasks"] == 4
+    assert user_pkg.read_text().strip(), "the user's reward function was never called"
+    (step,) = rl_rows(tmp_path / "run")
+    # the plug-in's own gate sits beside the user's reward function, per step
+    assert 0.0 <= step["check/correct"] <= 1.0 and 0.0 <= step["check/brief_gate"] <= 1.0
+
+
+def test_data_for_a_plugin_env_that_is_not_a_dataset_env_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(PLUGIN_PKG))
+    train = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "1 + 1?", "answer": 2}])
+    cfg = Config.model_validate({
+        "model": {"build": {}}, "env": {"name": "tiller_example_plugin.envs:PairSumEnv"},
+        "data": {"train": str(train)}, "rewards": [{"verifier": "exact_match"}]})
+    from tiller.run import check_env_data, get_env
+
+    with pytest.raises(ConfigError, match="config field data.train: env tiller_example_plugin"
+                                          ".envs:PairSumEnv is not the dataset env"):
+        check_env_data(cfg, get_env(cfg.env.name))

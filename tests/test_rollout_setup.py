@@ -12,7 +12,7 @@ from transformers import GenerationConfig
 from tiller.config import ConfigError, load_config
 from tiller.envs import ENVS
 from tiller.models import load_tokenizer
-from tiller.rollout.agent_loop import ExpertActor, run_episode
+from tiller.rollout.agent_loop import ExpertActor, check_rollout_setup, run_episode
 from tiller.rollout.chat import CHAT_TEMPLATE, stop_token_ids
 from tiller.rollout.trajectory import Status
 from tiller.run import Run
@@ -115,3 +115,25 @@ def test_episode_budget_above_the_context_is_one_cli_line(calc_model_dir, tmp_pa
     lines = [line for line in out.splitlines() if line.strip()]
     assert lines == ["error: config field env.max_episode_tokens: got 4096; expected at most "
                      "the model's context length (max_position_embeddings=2048)"]
+
+
+PLAIN_TOOLS = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_of_no_known_tool_format_is_warned_about(tokenizer, limits, caplog):
+    """auto falls back to the Hermes parser; a template that does not teach <tool_call> says so
+    at start-up instead of parsing every tool call as a plain answer in silence."""
+    from transformers import PretrainedConfig
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = PLAIN_TOOLS
+    with caplog.at_level("WARNING", logger="tiller.rollout.agent_loop"):
+        check_rollout_setup(tok, PretrainedConfig(), limits)
+    assert "holds no marker of a tool-call format tiller parses" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tiller.rollout.agent_loop"):
+        check_rollout_setup(tokenizer, PretrainedConfig(), limits)  # tiller's own template
+    assert "tool-call format" not in caplog.text

@@ -453,7 +453,11 @@ def test_pause_queues_requests_and_abort_returns_them_partial(http, server):
         assert http.post("/continue_generation").json() == {"success": True}
         for t in threads:
             t.join(timeout=60)
-    assert answers["b"].json()["meta_info"]["finish_reason"]["type"] == "length"
+    b = answers["b"].json()
+    reason = b["meta_info"]["finish_reason"]["type"]
+    # b was never aborted: it ran to its length or, unseeded, sampled the stop id first
+    assert (reason == "length" and len(b["output_ids"]) == 16
+            or reason == "stop" and b["output_ids"][-1] == 0), b
 
 
 def test_session_reuses_the_kv_and_flush_cache_drops_it(http):

@@ -118,7 +118,8 @@ class Trainer:
     env: an env name, an Env subclass (registered by its `name` in this process) or an `env`
         section dict; the name defaults to `dataset` when `data` is given.
     data: the train file (str or Path), or a `data` section dict.
-    tools: tool functions (or dotted paths) every dataset row gets (`data.tools`).
+    tools: tool functions (or dotted paths): every dataset row gets them (`data.tools`), any
+        other env adds them to its own (`env.tools.functions`).
     reward: one or a list of reward functions, verifier names, dotted paths or `rewards` entry
         dicts (`weight`, `gate`, `name`).
     config: any other top-level config field, e.g. rl={"steps": 20}, sft={"enabled": False}.
@@ -136,11 +137,17 @@ class Trainer:
             section["name"] = "dataset"
         if section:
             tree["env"] = section
+        names = [t if isinstance(t, str) else dotted_name(t) for t in tools]
+        if names and tree.get("env", {}).get("name", "calculator") != "dataset":
+            # another env's extra tools: env.tools.functions (a dataset's are per row)
+            env = tree.setdefault("env", {})
+            env["tools"] = {**(env.get("tools") or {}), "functions": names}
+            names = []
         section = dict(tree.get("data", {}))
         if data is not None:
             section.update(data if isinstance(data, dict) else {"train": str(data)})
-        if tools:
-            section["tools"] = [t if isinstance(t, str) else dotted_name(t) for t in tools]
+        if names:
+            section["tools"] = names
         if section:
             tree["data"] = section
         if reward is not None:

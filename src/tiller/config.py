@@ -122,6 +122,10 @@ class AgentConfig(_Section):
             raise ConfigError(f"config field agent.memory: got {self.memory!r}; it is tiller's "
                               "agent loop's memory, and agent.program keeps its own history "
                               "(a rewrite splits the episode): leave it 'full'")
+        if self.program is not None and self.history != "stream":
+            raise ConfigError(f"config field agent.history: got {self.history!r}; with "
+                              "agent.program the gateway assembles the program's calls itself "
+                              "(a rewritten history splits the episode): leave it 'stream'")
         if self.program is None and self.reward == "program":
             raise ConfigError("config field agent.reward: got 'program'; it needs an "
                               "agent.program whose return value is the reward")
@@ -954,13 +958,25 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _data_fits_env(self) -> Config:
-        dataset, data = self.env.name == "dataset", self.data
+        data = self.data
+        # a plug-in env given data is a subclass of the dataset env (checked once it is
+        # imported, by the run): it takes data.* and rewards as the dataset env does
+        plugin = ":" in self.env.name and (data.train is not None or bool(self.rewards))
+        dataset = self.env.name == "dataset" or plugin
         if dataset and data.train is None:
             raise ConfigError("config field data.train: env.name is dataset, so name the file "
                               "of train prompts (JSONL, Parquet or a datasets folder)")
         if dataset and not self.rewards:
             raise ConfigError("config field rewards: env.name is dataset, so list at least one "
                               "reward entry (a verifier by name or a function by dotted path)")
+        if dataset and self.env.tools.functions:
+            raise ConfigError(f"config field env.tools.functions: got "
+                              f"{self.env.tools.functions}; the dataset env's tools are per row: "
+                              "list them in data.tools (every row) or the rows' tools column")
+        if dataset and self.agent.program is not None:
+            raise ConfigError(f"config field agent.program: got {self.agent.program!r}; the "
+                              "dataset env's reward functions score the conversation its own "
+                              "loop records, which an agent program does not give it")
         if not dataset:
             for name in ("train", "eval", "messages_column", "metadata_columns", "tools",
                          "system"):

@@ -19,7 +19,7 @@ import yaml
 
 from tiller.config import Config
 from tiller.envs import Env, Task, ToolEnv
-from tiller.envs.dataset import read_conversations
+from tiller.envs.dataset import DatasetEnv, read_conversations
 from tiller.errors import ConfigError, require_package
 from tiller.gateway.program import ProgramEpisode, load_program
 from tiller.models import build_env_model, load_model, load_tokenizer, resolve_device
@@ -50,6 +50,16 @@ def get_env(name: str) -> type[Env]:
     """The env class of `env.name`: registered, an installed entry point or a dotted path
     (`tiller.plugins`)."""
     return load_env_class(name)
+
+
+def check_env_data(cfg: Config, env_cls: type[Env]) -> None:
+    """data.* and rewards go to the dataset env, or to a plug-in env that subclasses it (the
+    config cannot tell before the plug-in is imported)."""
+    given = cfg.data.train is not None or bool(cfg.rewards)
+    if given and not issubclass(env_cls, DatasetEnv):
+        raise ConfigError(f"config field data.train: env {cfg.env.name} is not the dataset env "
+                          "or a subclass of it (tiller.envs.dataset.DatasetEnv), so it cannot "
+                          "take data.* or rewards; its own verifier scores its episodes")
 
 
 def heldout_disabled(cfg: Config, env_cls: type[Env]) -> str | None:
@@ -126,7 +136,9 @@ class Run:
 
     def __init__(self, cfg: Config, output_dir: str | Path | None = None):
         self.cfg = cfg
-        self.env_cls = get_env(cfg.env.name).configure(cfg)  # a dataset env reads its rows
+        env_cls = get_env(cfg.env.name)
+        check_env_data(cfg, env_cls)
+        self.env_cls = env_cls.configure(cfg)  # a dataset env reads its rows
         check_sft_source(cfg, self.env_cls)
         # every row checked now, before any work
         self.sft_conversations = read_conversations(cfg.data) if cfg.data.sft else []
@@ -271,8 +283,10 @@ class Run:
 
     def sft_demos(self) -> list[Trajectory]:
         """The conversations of data.sft as demonstrations (train.conversations)."""
+        schemas = self.make_env("sft", "schemas").tool_schemas()  # the dataset env's: none
         return conversation_demos(self.sft_conversations, self.tokenizer, self.cfg.data,
-                                  self.cfg.env.max_episode_tokens)
+                                  self.cfg.env.max_episode_tokens, schemas,
+                                  self.cfg.model.chat_format)
 
     def expert(self, tasks: Sequence[Task], guess: float, tag: str) -> list[Trajectory]:
         return collect_expert(self.env_cls, tasks, self.tokenizer, guess=guess,

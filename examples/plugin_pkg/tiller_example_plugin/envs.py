@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import random
 import re
+from dataclasses import replace
 from typing import Any
 
 from tiller.envs import Task, ToolEnv
+from tiller.envs.dataset import DatasetEnv
 from tiller.envs.verifiers import Reward, all_of
 from tiller.rollout.chat import ParsedTurn
 from tiller_example_plugin.tools import add
@@ -63,3 +65,15 @@ class PairSumEnv(ToolEnv):
         m = None if final is None or final.tool_calls else _ANSWER.search(final.content)
         answer = int(m.group(1)) if m else None
         return all_of(format_ok=answer is not None, correct=answer == self.task.answer)
+
+
+class BriefRowsEnv(DatasetEnv):
+    """The dataset env (rows of data.train, rewards from the config) with one more necessary
+    condition of this package's own: an answer longer than 40 characters earns nothing.
+    `env.name=tiller_example_plugin.envs:BriefRowsEnv` with `data:` and `rewards:`."""
+
+    async def verify(self, final: ParsedTurn | None) -> Reward:
+        reward = await super().verify(final)
+        brief = final is not None and len(final.content) <= 40
+        return replace(reward, value=reward.value if brief else 0.0,
+                       checks={**reward.checks, "brief_gate": float(brief)})

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tiller.errors import ConfigError, require_package
+from tiller.errors import ConfigError, one_line, require_package
 
 Row = tuple[int, dict[str, Any]]  # (row number, the row's columns)
 
@@ -31,21 +31,36 @@ def read_rows(path: str | Path, field: str) -> list[Row]:
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"config field {field}: got {str(p)!r}; no such file or folder")
-    if p.is_dir():
-        rows = list(_datasets(field).load_from_disk(str(p)).to_list())
-    elif p.suffix in (".jsonl", ".json"):
+    if p.suffix in (".jsonl", ".json") and not p.is_dir():
         return _nonempty(_read_jsonl(p), p, field)
-    elif p.suffix == ".parquet":
-        require_package("pyarrow", "data", f"config field {field} (a Parquet file)")
-        import pyarrow.parquet as pq
-
-        rows = pq.read_table(p).to_pylist()
-    elif p.suffix == ".arrow":
-        rows = list(_datasets(field).Dataset.from_file(str(p)).to_list())
-    else:
+    if not p.is_dir() and p.suffix not in (".parquet", ".arrow"):
         raise ConfigError(f"config field {field}: got {str(p)!r}; expected a .jsonl, .parquet "
                           "or .arrow file, or a folder written by datasets' save_to_disk")
+    reader = _datasets(field) if p.suffix != ".parquet" else require_package(
+        "pyarrow", "data", f"config field {field} (a Parquet file)")
+    try:  # the libraries raise many types on a corrupt or foreign file: each is one line
+        rows = _read_table(p, reader, field)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"config field {field}: got {str(p)!r}; cannot read it: "
+                          f"{one_line(e)}") from e
     return _nonempty([(i + 1, r) for i, r in enumerate(rows)], p, field)
+
+
+def _read_table(p: Path, reader: Any, field: str) -> list[dict[str, Any]]:
+    """The rows of a Parquet file, a datasets .arrow file or a save_to_disk folder (one
+    split: a saved DatasetDict must be given as its split's folder)."""
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(p).to_pylist()
+    data = reader.Dataset.from_file(str(p)) if p.suffix == ".arrow" else reader.load_from_disk(
+        str(p))
+    if isinstance(data, reader.DatasetDict):
+        raise ConfigError(f"config field {field}: got {str(p)!r}; it holds the splits "
+                          f"{sorted(data)}: name one split's folder (e.g. {p / next(iter(data))})")
+    return list(data.to_list())
 
 
 def _datasets(field: str) -> Any:

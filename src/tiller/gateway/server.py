@@ -234,7 +234,7 @@ class Gateway:
             raise APIError(400, f"this episode has made its {limits.max_turns} calls "
                                 "(env.max_turns); end the episode")
         try:
-            chat = ChatFormat(session.tokenizer, tools)
+            chat = ChatFormat(session.tokenizer, tools, limits.chat_format)
             plan = session.plan(chat, messages, tools)
         except TEMPLATE_ERRORS as e:
             raise render_error(e) from e

@@ -24,7 +24,13 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from tiller.envs.base import Env, Task
 from tiller.envs.verifiers import Reward
 from tiller.errors import ConfigError, RunError, import_dotted
-from tiller.rollout.chat import ChatFormat, ParsedTurn, assistant_message, end_of_turn_token
+from tiller.rollout.chat import (
+    FAMILIES,
+    ChatFormat,
+    ParsedTurn,
+    assistant_message,
+    end_of_turn_token,
+)
 from tiller.rollout.engine import Engine, Generation, SamplingParams
 from tiller.rollout.memory import MemoryPolicy, drop_oldest, truncate_tool_outputs
 from tiller.rollout.trajectory import Status, Trajectory, TrajectoryBuilder
@@ -107,6 +113,13 @@ def check_rollout_setup(
         limits.chat_format)
     logger.info("chat format: %s (model.chat_format=%s), history: %s", chat.family,
                 limits.chat_format, limits.history)
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    if limits.chat_format == "auto" and chat.family == "hermes" and "<tool_call>" not in template:
+        # a family tiller has no parser for: its tool calls would all read as plain answers
+        logger.warning("the chat template holds no marker of a tool-call format tiller parses "
+                       "(families: %s); tool calls are parsed as Hermes <tool_call> JSON, which "
+                       "this template may not teach: set model.chat_format if it is one of them",
+                       ", ".join(FAMILIES))
     call = {"type": "function", "function": {"name": "calculate", "arguments": {"x": "1"}}}
     messages = [{"role": "system", "content": "Use the tools."},
                 {"role": "user", "content": "What is 1?"},

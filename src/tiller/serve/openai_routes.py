@@ -200,7 +200,8 @@ def chat_inputs(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list
         raise APIError(400, f"top_logprobs={body.top_logprobs}: {NO_TOP_LOGPROBS}")
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true")
-    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    tools = ([t.model_dump(exclude_none=True, by_alias=True) for t in body.tools]
+             if body.tools else None)
     return [template_message(m) for m in body.messages], tools
 
 

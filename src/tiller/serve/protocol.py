@@ -103,9 +103,15 @@ class CompletionRequest(_OpenAISampling):
 
 
 class FunctionDef(_Strict):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False,
+                              serialize_by_alias=True)  # dumps "return"
+
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    return_: dict[str, Any] | None = Field(
+        None, alias="return", description="the return type and its description, as tiller's "
+        "tool schemas (transformers' get_json_schema) carry them and templates render them")
     strict: bool | None = Field(None, description="accepted and ignored (OpenAI clients send "
                                 "it); arguments are parsed, not constrained")
 

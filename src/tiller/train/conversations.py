@@ -11,6 +11,7 @@ its `tool_calls` in the template's own syntax).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from tiller.envs.dataset import Conversation, resolve_tools
@@ -42,9 +43,11 @@ def assistant_text(chat: ChatFormat, before: list[dict[str, Any]],
 
 
 def conversation_trajectory(messages: list[dict[str, Any]], tools: list[dict[str, Any]],
-                            tokenizer: PreTrainedTokenizerBase, task_id: str) -> Trajectory:
-    """One conversation as the trajectory the agent loop would build (module docstring)."""
-    chat = ChatFormat(tokenizer, tools)
+                            tokenizer: PreTrainedTokenizerBase, task_id: str,
+                            family: str = "auto") -> Trajectory:
+    """One conversation as the trajectory the agent loop would build (module docstring), in
+    chat format `family` (`model.chat_format`)."""
+    chat = ChatFormat(tokenizer, tools, family)
     traj = TrajectoryBuilder(task_id)
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     traj.append_prompt(chat.prompt_ids(messages[: assistant[0]]))
@@ -59,16 +62,19 @@ def conversation_trajectory(messages: list[dict[str, Any]], tools: list[dict[str
 
 
 def conversation_demos(conversations: list[Conversation], tokenizer: PreTrainedTokenizerBase,
-                       data: DataConfig, max_tokens: int) -> list[Trajectory]:
-    """The demonstrations of `data.sft`; a conversation longer than `max_tokens` (the episode
-    budget, env.max_episode_tokens) is an error naming its row, never cut or dropped."""
+                       data: DataConfig, max_tokens: int, env_schemas: Sequence[dict] = (),
+                       family: str = "auto") -> list[Trajectory]:
+    """The demonstrations of `data.sft`, their prompts rendered with the env's own tool
+    schemas (`env_schemas`, as every RL prompt is) and the row's tools; a conversation longer
+    than `max_tokens` (the episode budget, env.max_episode_tokens) is an error naming its row,
+    never cut or dropped."""
     demos = []
     path, col = str(data.sft), data.sft_messages_column
     for n, messages, paths in conversations:
         # [] without tools, as the agent loop passes an env's (empty) schemas
-        schemas = [t.schema for t in resolve_tools(paths, "data.sft")]
+        schemas = [*env_schemas, *(t.schema for t in resolve_tools(paths, "data.sft"))]
         try:
-            traj = conversation_trajectory(messages, schemas, tokenizer, f"sft:{n}")
+            traj = conversation_trajectory(messages, schemas, tokenizer, f"sft:{n}", family)
         except ValueError as e:  # the template cannot render it as the loop would
             raise row_error(path, n, col, str(e)) from e
         if len(traj.token_ids) > max_tokens:
