@@ -13,8 +13,9 @@ kept with the split:
     tools_changed      the call's tool schemas differ from the last call's
     unclosed_turn      the last turn did not end with the end-of-turn token (cut at a length
                        limit, or ended by another stop token): no bridge continues it exactly
-    template_history   the chat template is not prefix-stable over this history (it rewrites
-                       earlier turns), so the stream cannot be continued
+    bridge_failed      the chat format could not compute the bridge after the last turn (the
+                       template did not render the turn's marker or its end-of-turn token;
+                       logged with the reason): the call's prompt is rendered afresh
 
 Nothing is appended until the engine answered, so a call the gateway refuses or the engine
 fails leaves the trajectory as it was, and the agent may retry it.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -33,7 +35,9 @@ from tiller.rollout.chat import ChatFormat, ParsedTurn
 from tiller.rollout.engine import Generation
 from tiller.rollout.trajectory import TrajectoryBuilder
 
-SPLIT_REASONS = ("history_rewritten", "tools_changed", "unclosed_turn", "template_history")
+logger = logging.getLogger(__name__)
+
+SPLIT_REASONS = ("history_rewritten", "tools_changed", "unclosed_turn", "bridge_failed")
 
 
 @dataclass(frozen=True)
@@ -85,8 +89,10 @@ class Session:
         if reason is None:
             try:
                 bridge = chat.observation_ids(self.history, messages[len(self.history):])
-            except ValueError:  # not prefix-stable: the template rewrote an earlier turn
-                reason = "template_history"
+            except ValueError as e:  # the template did not render what the bridge needs
+                logger.warning("gateway session %s: no bridge after its last turn (%s); the "
+                               "call starts a new exact sequence", self.engine_session, e)
+                reason = "bridge_failed"
             else:
                 return Plan(self.builder.token_ids + bridge, bridge, "extend")
         ids = chat.prompt_ids(messages)
