@@ -85,6 +85,13 @@ def write_jsonl(path: Path, rows: list) -> Path:
     return path
 
 
+def write_answers(path: Path, rows: list) -> Path:
+    """SFT conversations that answer each row's prompt with its answer."""
+    return write_jsonl(path, [{"messages": [
+        {"role": "user", "content": r["prompt"]},
+        {"role": "assistant", "content": str(r["answer"])}]} for r in rows])
+
+
 def dataset_config(train: Path, rewards: list | None = None, **data) -> Config:
     return Config.model_validate({
         "model": {"build": {}}, "env": {"name": "dataset"}, "sft": {"enabled": False},
@@ -293,9 +300,7 @@ def test_tiller_train_on_a_user_jsonl_with_dotted_path_rewards(tmp_path, user_pk
             for a, b in pairs]
     train = write_jsonl(tmp_path / "train.jsonl", rows[:16])
     evals = write_jsonl(tmp_path / "eval.jsonl", rows[16:20])
-    sft = write_jsonl(tmp_path / "sft.jsonl", [{"messages": [
-        {"role": "user", "content": r["prompt"]},
-        {"role": "assistant", "content": str(r["answer"])}]} for r in rows])
+    sft = write_answers(tmp_path / "sft.jsonl", rows)
     config = tmp_path / "config.yaml"
     config.write_text(textwrap.dedent(f"""
         model: {{build: {{vocab_size: 400, hidden_size: 64, num_layers: 1, num_heads: 2,
@@ -429,9 +434,7 @@ def test_tiller_train_on_a_user_jsonl_with_dotted_path_rewards_and_env(tmp_path,
             for b in range(1, 4)]
     train = write_jsonl(tmp_path / "train.jsonl", rows[:8])
     evals = write_jsonl(tmp_path / "eval.jsonl", rows[8:])
-    sft = write_jsonl(tmp_path / "sft.jsonl", [{"messages": [
-        {"role": "user", "content": r["prompt"]},
-        {"role": "assistant", "content": str(r["answer"])}]} for r in rows])
+    sft = write_answers(tmp_path / "sft.jsonl", rows)
     config = tmp_path / "config.yaml"
     config.write_text(textwrap.dedent(f"""
         model: {{build: {{vocab_size: 400, hidden_size: 64, num_layers: 1, num_heads: 2,
