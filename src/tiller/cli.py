@@ -163,7 +163,8 @@ def compare(
     table.add_row("B - A [95% paired bootstrap CI]",
                   f"{r['diff']:+.3f} [{r['diff_ci_low']:+.3f}, {r['diff_ci_high']:+.3f}]")
     table.add_row("tasks B better / A better", f"{r['b_better']} / {r['a_better']}")
-    table.add_row("exact McNemar (sign test) p", f"{r['p_value']:.4g}")
+    # one sample per task: the discordant pairs, i.e. McNemar's exact test
+    table.add_row("exact sign test p (McNemar's with 1 sample/task)", f"{r['p_value']:.4g}")
     console.print(table)
 
 
