@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from tiller.envs.base import Env, Task
 from tiller.envs.verifiers import Reward
 from tiller.errors import ConfigError, import_dotted, require_package
-from tiller.rollout.agent_loop import RUN_FAILURES, Actor, EpisodeLimits
+from tiller.rollout.agent_loop import RUN_FAILURES, Actor, EpisodeLimits, error_text
 from tiller.rollout.trajectory import Status, Trajectory, TrajectoryBuilder
 
 if TYPE_CHECKING:  # the gateway needs FastAPI and uvicorn (the serve extra)
@@ -97,7 +97,7 @@ class ProgramEpisode:
             except RUN_FAILURES:
                 raise
             except Exception as e:
-                info["error"] = f"env.reset: {type(e).__name__}: {e}"
+                info["error"] = error_text(e, "env.reset")
                 return TrajectoryBuilder(task.id, sample_index).finish(
                     Reward(0.0, {"reset_error": 1.0}, env_error=True), Status.ENV_ERROR,
                     info=info, env_errors=1)
@@ -115,7 +115,7 @@ class ProgramEpisode:
             except RUN_FAILURES:
                 raise
             except Exception as e:  # the program's own failure: the episode is aborted
-                info["error"] = f"agent.program: {type(e).__name__}: {e}"[:500]
+                info["error"] = error_text(e, "agent.program")[:500]
                 if type(e) not in _logged:  # its traceback once per exception type
                     _logged.add(type(e))
                     logger.exception("task %s sample %d: the agent program raised; the "
@@ -129,7 +129,7 @@ class ProgramEpisode:
             try:
                 await env.close()
             except Exception as e:  # the episode is sound; the leak is logged and recorded
-                info["close_error"] = f"env.close: {type(e).__name__}: {e}"
+                info["close_error"] = error_text(e, "env.close")
                 logger.warning("task %s sample %d: %s", task.id, sample_index,
                                info["close_error"])
 
@@ -168,7 +168,7 @@ class ProgramEpisode:
             except RUN_FAILURES:
                 raise
             except Exception as e:
-                info.setdefault("error", f"env.verify: {type(e).__name__}: {e}")
+                info.setdefault("error", error_text(e, "env.verify"))
                 reward = Reward(0.0, {"verifier_error": 1.0}, env_error=True)
             if reward.env_error:
                 env_errors = 1

@@ -140,7 +140,8 @@ HISTORY_MODES = ("stream", "template")
 RUN_FAILURES = (ConfigError, RunError)
 
 
-def _error(e: BaseException, where: str) -> str:
+def error_text(e: BaseException, where: str) -> str:
+    """How an episode records a failure in `info`: where, the exception type, its message."""
     return f"{where}: {type(e).__name__}: {e}"
 
 
@@ -183,7 +184,7 @@ async def run_episode(
             raise
         except Exception as e:  # the environment itself broke: nothing to verify
             counts["env_errors"] += 1
-            info["error"] = _error(e, "env.reset")
+            info["error"] = error_text(e, "env.reset")
             reward = Reward(0.0, {"reset_error": 1.0})
         else:
             try:
@@ -196,7 +197,7 @@ async def run_episode(
             except RUN_FAILURES:
                 raise
             except Exception as e:  # the loop broke (template, tokenizer, a generation's shape)
-                info["error"] = _error(e, "agent loop")
+                info["error"] = error_text(e, "agent loop")
                 status = Status.ABORTED
                 if type(e) not in _logged:  # a bug's traceback, once per exception type
                     _logged.add(type(e))
@@ -208,7 +209,7 @@ async def run_episode(
                 raise
             except Exception as e:  # a broken checker (sandbox down, ...) is the env's failure
                 counts["env_errors"] += 1
-                info.setdefault("error", _error(e, "env.verify"))
+                info.setdefault("error", error_text(e, "env.verify"))
                 reward = Reward(0.0, {"verifier_error": 1.0})
             if reward.env_error:  # the verifier says its own check could not run
                 counts["env_errors"] += 1
@@ -218,7 +219,7 @@ async def run_episode(
         try:
             await env.close()
         except Exception as e:  # the episode is sound; the leak is logged and recorded
-            info["close_error"] = _error(e, "env.close")
+            info["close_error"] = error_text(e, "env.close")
             logger.warning("task %s sample %d: %s", task.id, sample_index, info["close_error"])
     if counts["env_errors"]:
         reward = replace(reward, env_error=True)
@@ -258,7 +259,7 @@ async def _turns(
         except RUN_FAILURES:
             raise
         except Exception as e:
-            info["error"] = _error(e, "engine")
+            info["error"] = error_text(e, "engine")
             return None, Status.ABORTED
         timings["generate_s"] += time.perf_counter() - t
         keep = max(0, limits.max_episode_tokens - len(traj))
@@ -290,7 +291,7 @@ async def _turns(
             raise
         except Exception as e:  # the environment itself broke
             counts["env_errors"] += 1
-            info["error"] = _error(e, "env.step")
+            info["error"] = error_text(e, "env.step")
             return None, Status.TRUNCATED
         finally:
             timings["env_s"] += time.perf_counter() - t
@@ -315,7 +316,7 @@ async def _turns(
             rendered = (chat.prompt_ids([*context, *new]) if limits.history == "template"
                         else None)
         except Exception as e:  # the template raised: ids would be wrong
-            info["error"] = _error(e, "chat template")
+            info["error"] = error_text(e, "chat template")
             return None, Status.ABORTED
         _record(messages, context, new)
         room = limits.max_episode_tokens - memory.reserve_tokens  # for the context
