@@ -215,3 +215,8 @@ def test_eval_errors_are_one_line(tmp_path):
     r = runner.invoke(app, ["compare", str(tmp_path / "run"), str(tmp_path / "run")])
     assert r.exit_code == 2 and "has no evaluations" in r.output
     assert len(r.output.strip().splitlines()) == 1
+
+
+def test_a_set_without_tasks_has_eval_tasks():
+    cfg = load_config(CONFIG, ["eval.tasks=12", "eval.sets=[{name: a}, {name: b, tasks: 5}]"])
+    assert [(s.name, s.tasks) for s in cfg.eval.resolved_sets(2)] == [("a", 12), ("b", 5)]

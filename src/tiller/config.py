@@ -736,7 +736,7 @@ class EvalSetConfig(_Section):
                                   "(e.g. heldout, ood_difficulty, ood_templates)")
     split: str = Field("heldout", description="heldout, or an out-of-distribution split the "
                                               "env offers (e.g. calculator's ood_templates)")
-    tasks: int = Field(256, ge=1)
+    tasks: int | None = Field(None, ge=1, description="tasks in the set (default eval.tasks)")
     difficulty: int | None = Field(None, ge=1, le=10,
                                    description="default env.difficulty; higher = OOD")
 
@@ -746,7 +746,8 @@ class EvalConfig(_Section):
         True, description="evaluation after SFT and after RL; false skips it (logged, and "
         "summary.json says \"heldout\": \"disabled\"), as does an env without a heldout "
         "split")
-    tasks: int = Field(256, ge=1, description="tasks of the default heldout set (no eval.sets)")
+    tasks: int = Field(256, ge=1, description="tasks of the default heldout set, and of every "
+                       "set in eval.sets that does not give its own")
     temperature: float = Field(1.0, ge=0.0, description="1.0 = pass@1 of the sampling policy")
     samples_per_task: int = Field(1, ge=1, description="n samples per task (n >= pass_k)")
     pass_k: int = Field(1, ge=1, description="also report unbiased pass@k when k > 1")
@@ -772,9 +773,10 @@ class EvalConfig(_Section):
         return self
 
     def resolved_sets(self, difficulty: int) -> list[EvalSetConfig]:
-        """The sets to run, each with its difficulty filled in."""
-        sets = self.sets or [EvalSetConfig(name="heldout", tasks=self.tasks)]
-        return [s.model_copy(update={"difficulty": s.difficulty or difficulty}) for s in sets]
+        """The sets to run, each with its task count and difficulty filled in."""
+        sets = self.sets or [EvalSetConfig(name="heldout")]
+        return [s.model_copy(update={"tasks": s.tasks or self.tasks,
+                                     "difficulty": s.difficulty or difficulty}) for s in sets]
 
 
 class LoggingConfig(_Section):
