@@ -78,6 +78,17 @@ def test_the_top_level_is_the_target_and_the_estimate_is_a_window():
     assert next(cur).metadata[LEVEL] == 1
 
 
+def test_a_level_re_entered_is_judged_on_its_groups_since_then():
+    cur = make_curriculum(config("env.difficulty=2", "rl.curriculum.start=2",
+                                 "rl.curriculum.min_groups=4", "rl.curriculum.window=8"),
+                          CALC, 200)
+    assert play(cur, {1: 0.9, 2: 0.0}, 8) == [2] * 4 + [1] * 4  # down, then back up
+    # level 2 now succeeds half the time: inside the band. Its four 0.0 groups from before it
+    # was left are still in the window; counting them (0.25 < 0.3) would send it down again
+    assert play(cur, {1: 0.9, 2: 0.5}, 12) == [2] * 12
+    assert cur.metrics()["curriculum/estimate/2"] == 0.5  # the window of 8 holds only new ones
+
+
 def test_draws_do_not_depend_on_the_order_groups_finish_in():
     rates = {1: 0.8, 2: 0.6, 3: 0.2}
     runs = [make_curriculum(config("env.difficulty=3", "rl.curriculum.min_groups=3",

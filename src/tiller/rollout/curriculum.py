@@ -59,12 +59,10 @@ class _Estimates:
         del results[: -self.window]  # only the last window counts
 
     def get(self, key: object, since: int = -1) -> tuple[float | None, int]:
-        """(the estimate, how many of its groups were drawn at or after `since`)."""
-        results = self.results.get(key, [])
-        if not results:
-            return None, 0
-        fresh = sum(draw >= since for draw, _ in results)
-        return sum(s for _, s in results) / len(results), fresh
+        """(the mean over its groups of the window drawn at or after `since`, how many):
+        a level re-entered is judged on what it did since, not on why it was left."""
+        fresh = [s for draw, s in self.results.get(key, []) if draw >= since]
+        return (sum(fresh) / len(fresh) if fresh else None), len(fresh)
 
 
 class Curriculum(Iterator[Task]):
@@ -119,8 +117,8 @@ class Curriculum(Iterator[Task]):
 class DifficultyCurriculum(Curriculum):
     """Tasks made at the current level; the level moves toward the band.
 
-    When the current level has at least `min_groups` groups drawn since it was entered, its
-    estimate decides: above the band, one level up (if there is one); below, one level down.
+    When the current level has at least `min_groups` groups drawn since it was entered, their
+    mean decides: above the band, one level up (if there is one); below, one level down.
     Each level's tasks are `make_tasks(train, n, seed + 3, level)`, made the first time the
     level is visited and drawn in order, so a task is never drawn twice.
     """
