@@ -5,9 +5,9 @@ It has no token budget and lets exceptions propagate; tiller's own loop adds bot
 tests/test_custom_loop.py checks that it writes the same tokens as tiller's loop.
 """
 
-from tiller.rollout.agent_loop import derive_seed
 from tiller.rollout.chat import ChatFormat, assistant_message
 from tiller.rollout.trajectory import Status, TrajectoryBuilder
+from tiller.seeds import derive_seed
 
 
 async def run_episode(env, task, actor, tokenizer, *, seed, limits, sample_index=0):

@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from tiller.config import load_config
 from tiller.controller import ledger_unaccounted, rl
 from tiller.errors import ConfigError
-from tiller.rollout.agent_loop import derive_seed
 from tiller.rollout.manager import RolloutManager
 from tiller.rollout.weight_sync import WeightUpdate
 from tiller.run import Run
+from tiller.seeds import derive_seed
 from tiller.train.shaping import train_reward
 
 CONFIG = "configs/calculator.yaml"

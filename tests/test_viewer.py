@@ -232,3 +232,12 @@ def test_reads_a_database_while_training_writes_it(tmp_path):
             assert [e["seed"] for e in page["episodes"]] == list(range(5, 12))
     finally:
         writer.close()
+
+
+def test_tiller_view_starts_without_importing_torch_or_transformers():
+    # `tiller view` is the CLI plus the viewer app: importing torch there cost seconds per start
+    code = ("import sys, tiller.cli, tiller.observe.viewer.app; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stderr

@@ -20,9 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from tiller.config import load_config
-from tiller.errors import ConfigError, RunError
-from tiller.models import ModelLoadError
+from tiller.errors import ConfigError, ModelLoadError, RunError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Reinforcement learning for tool-using LLM agents.")
@@ -71,8 +69,10 @@ def _print_summary(summary: dict) -> None:
 
 
 def _run(action: str, config: Path, overrides: list[str] | None, output_dir: Path | None) -> None:
-    # the controller imports torch and transformers: only once a command runs, so --help is fast
+    # the config and the controller import torch and transformers: only once a command that
+    # needs them runs, so --help and `tiller view` start fast
     from tiller import controller
+    from tiller.config import load_config
 
     try:
         cfg = load_config(config, overrides or [])

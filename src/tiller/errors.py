@@ -74,3 +74,7 @@ def require_package(module: str, extra: str, needed_for: str, instead: str = "")
         alternative = f" (or {instead})" if instead else ""
         raise ConfigError(f"{needed_for} needs the {module!r} package, which is not installed: "
                           f"pip install 'tiller[{extra}]'{alternative}") from e
+
+
+class ModelLoadError(Exception):
+    """A model or tokenizer path that cannot be loaded; the message says what to fix."""

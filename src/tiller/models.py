@@ -25,17 +25,13 @@ from transformers.utils import logging as hf_logging
 
 from tiller.config import BuildConfig
 from tiller.envs.base import Env
-from tiller.errors import ConfigError
+from tiller.errors import ConfigError, ModelLoadError
 from tiller.rollout.agent_loop import EpisodeLimits
 from tiller.rollout.chat import CHAT_TEMPLATE, IM_END, SPECIAL_TOKENS
 from tiller.rollout.collect import collect_expert
 
 # tiller draws its own progress bars; the per-shard ones of a tiny local model are noise.
 hf_logging.disable_progress_bar()
-
-
-class ModelLoadError(Exception):
-    """A model or tokenizer path that cannot be loaded; the message says what to fix."""
 
 
 def _check_path(path: str | Path) -> Path:

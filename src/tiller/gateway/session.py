@@ -30,10 +30,11 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tiller.rollout.agent_loop import Actor, EpisodeLimits, derive_seed
+from tiller.rollout.agent_loop import Actor, EpisodeLimits
 from tiller.rollout.chat import ChatFormat, ParsedTurn
 from tiller.rollout.engine import Generation
 from tiller.rollout.trajectory import TrajectoryBuilder
+from tiller.seeds import derive_seed
 
 logger = logging.getLogger(__name__)
 

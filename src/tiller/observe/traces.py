@@ -22,16 +22,19 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from tiller.errors import RunError
-from tiller.rollout.agent_loop import derive_seed
-from tiller.rollout.trajectory import Trajectory
-from tiller.train.batch import Batch
-from tiller.train.trainer import RLStepTensors
+from tiller.seeds import derive_seed
+
+if TYPE_CHECKING:  # the readers (tiller view, tiller report) never load torch
+    import torch
+
+    from tiller.rollout.trajectory import Trajectory
+    from tiller.train.batch import Batch
+    from tiller.train.trainer import RLStepTensors
 
 log = logging.getLogger(__name__)
 

@@ -10,14 +10,13 @@ with their own `async def` of the same signature, named by a dotted path in the 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, Protocol
+from typing import Protocol
 
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
@@ -34,6 +33,7 @@ from tiller.rollout.chat import (
 from tiller.rollout.engine import Engine, Generation, SamplingParams
 from tiller.rollout.memory import MemoryPolicy, drop_oldest, truncate_tool_outputs
 from tiller.rollout.trajectory import Status, Trajectory, TrajectoryBuilder
+from tiller.seeds import derive_seed
 from tiller.tools.registry import ToolOutcome
 
 logger = logging.getLogger(__name__)
@@ -86,11 +86,6 @@ class EpisodeLimits:
     memory: MemoryPolicy = MemoryPolicy()  # what a long episode keeps (`agent.memory`)
     chat_format: str = "auto"  # `model.chat_format`: a family in chat.FAMILIES, or auto
     history: str = "stream"  # `agent.history`: stream (exact sampled ids) or template
-
-
-def derive_seed(*parts: Any) -> int:
-    """A stable 63-bit seed from any parts (Python's hash() is salted per process)."""
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "big") >> 1
 
 
 def check_rollout_setup(
