@@ -151,3 +151,34 @@ def test_env_error_rate_per_version_warns_when_it_rises(caplog):
                  "env_error_rate_recent": 0.2}
     assert trend.by_version() == {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.1, 4: 0.3}
     assert "env_error rate rose from 0.100" in caplog.text
+
+
+@pytest.mark.parametrize("sft_difficulty, one_call_each", [(1, True), (None, False)])
+def test_sft_difficulty_draws_the_demonstrations_at_that_difficulty(
+        calc_model_dir, tmp_path, sft_difficulty, one_call_each):
+    from tiller.controller import sft
+
+    cfg = load_config(CONFIG, [
+        f"model.path={calc_model_dir}", "model.build=null", "env.difficulty=3", "sft.tasks=48",
+        "sft.imperfect_fraction=0", "sft.epochs=1", "logging.progress=false",
+        "logging.tensorboard=false",
+        *([f"sft.difficulty={sft_difficulty}"] if sft_difficulty else [])])
+    run = Run(cfg, tmp_path)
+    try:
+        out = sft(run)
+    finally:
+        run.close()
+    demos = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["phase"] == "sft_demos"][0]
+    # calculator: one operation per call, 1..difficulty operations per task
+    assert out["demonstrations"] == 48 and out["expert_success"] == 1.0
+    assert (demos["tool_calls/calculate"] == 48) is one_call_each, demos
+
+
+def test_sft_tasks_beyond_the_sft_difficulty_task_space_name_sft_difficulty(tmp_path):
+    result = CliRunner().invoke(app, ["train", CONFIG, *TINY_RUN, "env.difficulty=3",
+                                      "sft.difficulty=1", "sft.tasks=100000", "-o",
+                                      str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert "config field sft.tasks: got 100000" in result.output
+    assert "at sft.difficulty=1" in result.output, result.output

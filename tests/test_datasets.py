@@ -171,6 +171,7 @@ def test_invalid_json_and_unknown_format_are_one_line(tmp_path, user_pkg):
     ({"env": {"name": "dataset"}, "data": {"train": "x"},
       "rewards": [{"verifier": "exact_match", "function": "a:b"}]}, ["exactly one"]),
     ({"data": {"sft": "c.jsonl"}, "sft": {"tasks": 10}}, ["sft.tasks", "data.sft"]),
+    ({"data": {"sft": "c.jsonl"}, "sft": {"difficulty": 1}}, ["sft.difficulty", "data.sft"]),
 ])
 def test_data_and_rewards_config_errors_name_the_field(data, words):
     from tiller.config import load_config

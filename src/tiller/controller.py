@@ -73,7 +73,8 @@ def sft(run: Run) -> dict[str, Any]:
     if run.cfg.data.sft is not None:  # the user's conversations: every one is kept
         demos = run.sft_demos()
     else:
-        demos = run.expert(run.tasks("train", cfg.tasks, 2), cfg.imperfect_fraction, "sft")
+        demos = run.expert(run.tasks("train", cfg.tasks, 2, cfg.difficulty),
+                           cfg.imperfect_fraction, "sft")
         run.log("sft_demos", run.tools.stats(reset=True))
         demos = [d for d in demos if d.status is Status.COMPLETED]
     total = cfg.epochs * -(-len(demos) // cfg.batch_size)

@@ -106,16 +106,20 @@ def check_task_counts(cfg: Config, env_cls: type[Env]) -> None:
         wants = []
     if cfg.model.build is not None:
         wants.append(("model.build.corpus_tasks", "train", cfg.model.build.corpus_tasks))
-    if cfg.sft.enabled:
-        wants.append(("sft.tasks", "train", cfg.sft.tasks))
+    wants = [(*w, "env.difficulty", d) for w in wants]
+    if cfg.sft.enabled and cfg.data.sft is None:
+        sft_d = cfg.sft.difficulty or d
+        wants.append(("sft.tasks", "train", cfg.sft.tasks,
+                      "sft.difficulty" if cfg.sft.difficulty else "env.difficulty", sft_d))
     if cfg.rl.steps > 0:
-        wants.append(("rl.steps × rl.tasks_per_step", "train", rl_task_count(cfg)))
-    for field, split, n in wants:
-        space = None if env_cls.repeats_tasks else env_cls.task_space(split, d)
+        wants.append(("rl.steps × rl.tasks_per_step", "train", rl_task_count(cfg),
+                      "env.difficulty", d))
+    for field, split, n, d_field, diff in wants:
+        space = None if env_cls.repeats_tasks else env_cls.task_space(split, diff)
         if space is not None and n > space:
             raise ConfigError(f"config field {field}: got {n}; env {env_label(env_cls)} has only "
-                              f"{space} {split} tasks at env.difficulty={d}: ask for at most "
-                              f"{space} or pick an env.difficulty with more")
+                              f"{space} {split} tasks at {d_field}={diff}: ask for at most "
+                              f"{space} or pick a {d_field} with more")
     check_curriculum(cfg, env_cls, rl_task_reserve(cfg))
 
 
@@ -255,9 +259,10 @@ class Run:
             return self.env_cls()
         return self.env_cls(wrap=self.tools.wrapper("/".join(map(str, key))))
 
-    def tasks(self, split: str, n: int, seed_offset: int) -> list[Task]:
+    def tasks(self, split: str, n: int, seed_offset: int,
+              difficulty: int | None = None) -> list[Task]:
         return self.env_cls.make_tasks(split, n, self.cfg.seed + seed_offset,
-                                       self.cfg.env.difficulty)
+                                       difficulty or self.cfg.env.difficulty)
 
     def rl_tasks(self) -> Iterator[Task]:
         """The train tasks RL samples: the same `rl_task_count` tasks in every mode; async
