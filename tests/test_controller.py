@@ -182,3 +182,16 @@ def test_sft_tasks_beyond_the_sft_difficulty_task_space_name_sft_difficulty(tmp_
     assert result.exit_code == 2, result.output
     assert "config field sft.tasks: got 100000" in result.output
     assert "at sft.difficulty=1" in result.output, result.output
+
+
+def test_a_failing_trace_close_fails_the_run_but_keeps_its_summary(tmp_path, monkeypatch):
+    from tiller.observe.traces import TraceWriter
+
+    def fail(self):
+        raise RunError("traces: the writer did not finish (injected)")
+
+    monkeypatch.setattr(TraceWriter, "close", fail)
+    with pytest.raises(RunError, match="injected"):
+        train(load_config(CONFIG, [*TINY_RUN, "logging.tensorboard=false"]), tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["heldout_after_rl"]["tasks"] == 16 and summary["timings"]["total_s"] > 0

@@ -335,10 +335,12 @@ def train(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:
         if cfg.logging.report:  # what happened up to the error is worth a picture too
             log.error("report of the failed run: %s", report_uri(run.dir))
         raise
-    run.close()
-    run.timings["total_s"] = time.perf_counter() - t0
-    summary["timings"] = run.timings
-    (run.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    try:
+        run.close()
+    finally:  # a close that fails (the trace writer's last rows) still leaves the run's result
+        run.timings["total_s"] = time.perf_counter() - t0
+        summary["timings"] = run.timings
+        (run.dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if cfg.logging.report:
         summary["report"] = report_uri(run.dir)
     return summary
