@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ from tiller.envs.sql import SqlEnv, build_db, snapshot
 from tiller.envs.sql import make_tasks as sql_tasks
 from tiller.models import train_tokenizer
 from tiller.observe.compare import compare, load_outcomes, sign_test
+from tiller.observe.traces import connect
 from tiller.rollout.agent_loop import EpisodeLimits
 from tiller.rollout.collect import collect_expert
 from tiller.tools.registry import ToolCall
@@ -125,6 +127,11 @@ def test_eval_sets_and_seeds_write_every_outcome(tmp_path):
                            "difficulty"}
     heldout = {r["task_id"] for r in out if r["set"] == "heldout"}
     assert heldout == {t.id for t in make_tasks("heldout", 6, 0, 2)}
+    # the traces keep each set apart, under the phase its metrics are logged as
+    with closing(connect(tmp_path / "traces.sqlite")) as con:
+        phases = dict(con.execute("SELECT phase, COUNT(*) FROM episodes GROUP BY phase"))
+    assert phases == {"eval_sft": 24, "eval_sft_ood_difficulty": 24,
+                      "eval_sft_ood_templates": 24}
 
 
 def test_eval_set_errors_are_one_line():

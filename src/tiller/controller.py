@@ -122,10 +122,11 @@ def evaluate(run: Run, tasks: list, label: str, name: str = "heldout",
             rows += outcome_rows(got, name, seed, difficulty or run.cfg.env.difficulty)
             trajs += got
     write_outcomes(run.dir / "eval" / f"{label}.jsonl", name, rows)
-    if run.traces is not None:  # every eval episode is kept
+    phase = f"eval_{label}" if name == "heldout" else f"eval_{label}_{name}"
+    if run.traces is not None:  # every eval episode is kept, under its set's phase
         split = {t.id: t.split for t in tasks}
         for t in trajs:
-            run.traces.put_episode(t, f"eval_{label}", split[t.task_id], run.trainer.version)
+            run.traces.put_episode(t, phase, split[t.task_id], run.trainer.version)
     summary = success_summary(trajs, seed=run.cfg.seed, k=ev.pass_k)
     if len(seeds) > 1:
         summary.update(per_seed, seeds=len(seeds))
@@ -133,7 +134,6 @@ def evaluate(run: Run, tasks: list, label: str, name: str = "heldout",
     summary["time_s"] = time.perf_counter() - t0
     summary.update(rollout_metrics(trajs))
     summary.update(run.tools.stats(reset=True))
-    phase = f"eval_{label}" if name == "heldout" else f"eval_{label}_{name}"
     run.log(phase, summary)
     run.timings[f"{phase}_s"] = summary["time_s"]
     return summary
