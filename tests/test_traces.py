@@ -300,10 +300,12 @@ def test_a_run_traces_every_episode_and_trains_the_same_with_traces_off(tmp_path
 def test_a_killed_run_leaves_a_readable_database(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(Path("src").resolve())}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tiller", "train", "configs/calculator.yaml", *RUN,
-         "rl.steps=200", "-o", str(out)], env=env, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "stderr.log"  # a file, not a pipe: nobody reads a pipe until the end
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tiller", "train", "configs/calculator.yaml", *RUN,
+             "rl.steps=200", "-o", str(out)], env=env, stdout=subprocess.DEVNULL,
+            stderr=stderr, text=True)
     try:
         deadline = time.monotonic() + 240
         rl = 0
@@ -313,7 +315,7 @@ def test_a_killed_run_leaves_a_readable_database(tmp_path):
                 with closing(sqlite3.connect(out / "traces.sqlite")) as con:  # a plain reader
                     (rl,) = con.execute(
                         "SELECT count(*) FROM episodes WHERE phase = 'rl'").fetchone()
-        assert proc.poll() is None, proc.stderr.read()
+        assert proc.poll() is None, log.read_text()
         assert rl >= 32, "no RL episodes written in time"
         proc.send_signal(signal.SIGKILL)  # mid-run: RL goes on for 200 steps
         proc.wait(timeout=30)
