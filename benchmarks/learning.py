@@ -1,0 +1,289 @@
+"""Does RL teach more than SFT's demonstrations did? One env's table over seeds: held-out and
+out-of-distribution success after SFT and after SFT + RL, paired on the same tasks, with the
+two controls and what RL changed in behaviour.
+
+    .venv/bin/python benchmarks/learning.py --env calculator      # configs/learning/<env>.yaml
+    .venv/bin/python benchmarks/learning.py --env search --seeds 0 1 2 --jobs 2
+
+Per seed S it runs, each a `tiller train` subprocess into OUT/seed<S>/<run>:
+
+- main: SFT on the config's correct but limited demonstrations, then RL;
+- random (--random-seeds, default all): RL from main's SFT checkpoint with
+  rl.reward_control=random (the verifier's rewards shuffled across each step's episodes: same
+  mean, no link to behaviour);
+- cold (--cold-seeds, default the first): RL with no SFT, from main's built model
+  (OUT/seed<S>/main/base_model).
+
+Every run evaluates its starting model and its RL model on the config's eval.sets, the seed
+picking the tasks, so every comparison is paired on the same tasks (`tiller compare`: paired
+bootstrap 95% CI, exact sign test over tasks). `--jobs` runs go at once, each with
+cores/jobs torch threads; a run whose summary.json exists is reused, so an interrupted
+benchmark resumes. CPU-minutes are each process's own user + system time (os.wait4); a run
+folder made by hand (no cpu.json) is reused with its CPU time shown as "-".
+Writes OUT/table.md (printed), OUT/table.json and OUT/examples.md (seed 0's held-out tasks
+that SFT failed and RL solved, both conversations).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from tiller.observe.compare import compare, load_outcomes  # noqa: E402
+from tiller.observe.traces import connect, read_episode  # noqa: E402
+
+ENVS = ("calculator", "search", "sql")
+# A tiny model and budget: the pipeline in seconds (tests/test_benchmarks_learning.py).
+QUICK = ["model.build.hidden_size=64", "model.build.vocab_size=600",
+         "model.build.corpus_tasks=60", "sft.tasks=64", "sft.epochs=1", "sft.batch_size=32",
+         "rl.steps=2", "rl.tasks_per_step=4", "rl.group_size=4", "eval.tasks=8",
+         "sampling.max_new_tokens=24"]
+QUIET = ["logging.progress=false", "logging.tensorboard=false", "logging.report=false"]
+# what RL changed beyond success: summary key -> label (per held-out episode)
+BEHAVIOUR = {"tool_calls_per_episode": "tool calls", "tool_errors_per_episode": "tool errors",
+             "turns_mean": "turns", "parse_failures_per_episode": "parse failures",
+             "response_tokens_mean": "response tokens"}
+GOAL_GAIN = 0.15
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--env", required=True, choices=ENVS)
+    p.add_argument("--config", type=Path, help="default configs/learning/<env>.yaml")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--random-seeds", type=int, nargs="*",
+                   help="seeds that get the random-reward control (default: every seed)")
+    p.add_argument("--cold-seeds", type=int, nargs="*",
+                   help="seeds that get the no-SFT control (default: the first seed)")
+    p.add_argument("--jobs", type=int, default=2, help="runs at once")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for every run (repeatable)")
+    p.add_argument("--run-timeout", type=float, default=3600.0,
+                   help="seconds one run may take before the benchmark stops")
+    p.add_argument("--quick", action="store_true", help="a tiny model: seconds, learns nothing")
+    p.add_argument("--out", type=Path, help="default runs/learning/<env>")
+    args = p.parse_args(argv)
+    args.config = args.config or ROOT / "configs" / "learning" / f"{args.env}.yaml"
+    args.out = args.out or ROOT / "runs" / "learning" / args.env
+    args.random_seeds = args.seeds if args.random_seeds is None else args.random_seeds
+    args.cold_seeds = args.seeds[:1] if args.cold_seeds is None else args.cold_seeds
+    if not {*args.random_seeds, *args.cold_seeds} <= set(args.seeds):
+        p.error("--random-seeds and --cold-seeds must be among --seeds")
+    if args.jobs < 1:
+        p.error("--jobs must be >= 1")
+    return args
+
+
+def overrides(args: argparse.Namespace, seed: int, kind: str) -> list[str]:
+    main = args.out / f"seed{seed}" / "main"
+    common = [*(QUICK if args.quick else []), f"seed={seed}", *QUIET, *args.set]
+    if kind == "main":
+        return common
+    start = main / ("checkpoints/sft" if kind == "random" else "base_model")
+    extra = ["rl.reward_control=random"] if kind == "random" else []
+    return [*common, f"model.path={json.dumps(str(start))}", "model.build=null",
+            "sft.enabled=false", *extra]
+
+
+def run_one(args: argparse.Namespace, seed: int, kind: str) -> dict:
+    """One `tiller train` subprocess (or the finished one already there): its summary with
+    `cpu_s` and `wall_s` added."""
+    out = args.out / f"seed{seed}" / kind
+    stats = out / "cpu.json"
+    if (out / "summary.json").is_file():  # done already; by hand (no cpu.json): CPU unknown
+        summary = json.loads((out / "summary.json").read_text())
+        measured = (json.loads(stats.read_text()) if stats.is_file() else
+                    {"cpu_s": None, "wall_s": summary["timings"]["total_s"]})
+        return {**summary, **measured}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "tiller", "train", str(args.config),
+           *overrides(args, seed, kind), "-o", str(out)]
+    threads = str(max(1, (os.cpu_count() or 1) // args.jobs))
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    log = out.with_suffix(".log")
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        timer = threading.Timer(args.run_timeout, proc.kill)
+        timer.start()
+        try:  # wait4, not wait: the child's own CPU time (RUSAGE_CHILDREN sums all of them)
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            timer.cancel()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    if time.perf_counter() - t0 >= args.run_timeout:
+        raise RuntimeError(f"seed {seed} {kind}: still running after --run-timeout "
+                           f"{args.run_timeout:.0f} s; killed (log: {log})")
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text().splitlines()[-5:])
+        raise RuntimeError(f"seed {seed} {kind}: tiller train exited {proc.returncode} "
+                           f"(log: {log}):\n{tail}")
+    cpu_s = usage.ru_utime + usage.ru_stime
+    result = {"cpu_s": cpu_s, "wall_s": time.perf_counter() - t0}
+    stats.write_text(json.dumps(result))
+    print(f"seed {seed} {kind}: {result['wall_s']:.0f} s wall", file=sys.stderr, flush=True)
+    return {**json.loads((out / "summary.json").read_text()), **result}
+
+
+def run_all(args: argparse.Namespace) -> dict[int, dict[str, dict]]:
+    """Every seed's main run, and its controls once it is done, `--jobs` at a time."""
+    results: dict[int, dict[str, dict]] = {s: {} for s in args.seeds}
+    with ThreadPoolExecutor(args.jobs) as pool:
+        running: dict[Future, tuple[int, str]] = {
+            pool.submit(run_one, args, s, "main"): (s, "main") for s in args.seeds}
+        while running:
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for fut in done:
+                seed, kind = running.pop(fut)
+                results[seed][kind] = fut.result()  # a failed run stops the benchmark here
+                if kind == "main":
+                    controls = [c for c, seeds in (("random", args.random_seeds),
+                                                   ("cold", args.cold_seeds)) if seed in seeds]
+                    running.update({pool.submit(run_one, args, seed, c): (seed, c)
+                                    for c in controls})
+    return results
+
+
+def eval_sets(summary: dict) -> list[str]:
+    return [k.removesuffix("_after_sft") for k in summary if k.endswith("_after_sft")]
+
+
+def behaviour(result: dict) -> dict[str, float]:
+    r = dict(result)
+    r["parse_failures_per_episode"] = r.get("tool_parse_failures", 0.0) / r["samples"]
+    return {k: r[k] for k in BEHAVIOUR}
+
+
+def seed_rows(args: argparse.Namespace, seed: int, runs: dict[str, dict]) -> list[dict]:
+    """One row per eval set: SFT, RL, the paired test, and the controls on the same tasks."""
+    folder = args.out / f"seed{seed}"
+    _, sft_rows = load_outcomes(f"{folder / 'main'}:sft")
+    _, rl_rows = load_outcomes(f"{folder / 'main'}:rl")
+    main = runs["main"]
+    rows = []
+    for name in eval_sets(main):
+        sft, rl = main[f"{name}_after_sft"], main[f"{name}_after_rl"]
+        row = {"seed": seed, "set": name, "sft": sft, "rl": rl,
+               "rl_vs_sft": compare(sft_rows, rl_rows, name, seed),
+               "behaviour": {"sft": behaviour(sft), "rl": behaviour(rl)},
+               "cpu_min": None if main["cpu_s"] is None else main["cpu_s"] / 60,
+               "wall_min": main["wall_s"] / 60}
+        if "random" in runs:
+            _, rand_rows = load_outcomes(f"{folder / 'random'}:rl")
+            rand = runs["random"][f"{name}_after_rl"]
+            row["random"] = rand
+            row["random_vs_sft"] = compare(sft_rows, rand_rows, name, seed)
+            row["random_within_sft_ci"] = sft["ci_low"] <= rand["success"] <= sft["ci_high"]
+        if "cold" in runs:
+            row["cold"] = runs["cold"][f"{name}_after_rl"]
+        rows.append(row)
+    return rows
+
+
+def fmt(s: dict) -> str:
+    return f"{s['success']:.3f} [{s['ci_low']:.3f}, {s['ci_high']:.3f}]"
+
+
+def fmt_diff(c: dict) -> str:
+    return (f"{c['diff']:+.3f} [{c['diff_ci_low']:+.3f}, {c['diff_ci_high']:+.3f}], "
+            f"p={c['p_value']:.2g}")
+
+
+def tables(args: argparse.Namespace, rows: list[dict]) -> str:
+    config = args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config
+    lines = [f"`{config}`, seeds {' '.join(map(str, args.seeds))}; success [95% bootstrap CI "
+             "over tasks], RL - SFT paired on the same tasks [paired bootstrap 95% CI], "
+             "sign-test p", "",
+             "| seed | set | tasks | SFT | SFT + RL | RL - SFT | random reward | random - SFT "
+             "| within SFT CI | no SFT (RL only) | CPU-min (SFT + RL) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        rand = ((fmt(r["random"]), fmt_diff(r["random_vs_sft"]),
+                 "yes" if r["random_within_sft_ci"] else "**no**")
+                if "random" in r else ("-", "-", "-"))
+        lines.append(f"| {r['seed']} | {r['set']} | {r['sft']['tasks']} | {fmt(r['sft'])} | "
+                     f"{fmt(r['rl'])} | {fmt_diff(r['rl_vs_sft'])} | {' | '.join(rand)} | "
+                     f"{fmt(r['cold']) if 'cold' in r else '-'} | "
+                     f"{'-' if r['cpu_min'] is None else format(r['cpu_min'], '.1f')} |")
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    lines += ["", "| set | mean SFT | mean SFT + RL | mean gain | seeds with p < 0.05 "
+              f"| gain >= {GOAL_GAIN:.2f} |", "|---|---|---|---|---|---|"]
+    for name in dict.fromkeys(r["set"] for r in rows):
+        rs = [r for r in rows if r["set"] == name]
+        gain = mean([r["rl_vs_sft"]["diff"] for r in rs])
+        sig = sum(r["rl_vs_sft"]["p_value"] < 0.05 and r["rl_vs_sft"]["diff"] > 0 for r in rs)
+        lines.append(f"| {name} | {mean([r['sft']['success'] for r in rs]):.3f} | "
+                     f"{mean([r['rl']['success'] for r in rs]):.3f} | {gain:+.3f} | "
+                     f"{sig} of {len(rs)} | {'yes' if gain >= GOAL_GAIN else 'no'} |")
+    first = [r for r in rows if r["set"] == rows[0]["set"]]
+    lines += ["", f"Behaviour on {first[0]['set']} per episode, mean over seeds (SFT -> SFT + RL):",
+              "", "| " + " | ".join(BEHAVIOUR.values()) + " |",
+              "|" + "---|" * len(BEHAVIOUR)]
+    lines.append("| " + " | ".join(
+        f"{mean([r['behaviour']['sft'][k] for r in first]):.2f} -> "
+        f"{mean([r['behaviour']['rl'][k] for r in first]):.2f}" for k in BEHAVIOUR) + " |")
+    return "\n".join(lines)
+
+
+def conversation(episode: dict) -> str:
+    """The episode's turns as text: each message, each tool call as name(arguments)."""
+    out = []
+    for m in episode["messages"]:
+        if m["role"] == "system":
+            continue
+        calls = [f"{c['function']['name']}({json.dumps(c['function']['arguments'])})"
+                 for c in m.get("tool_calls") or []]
+        out.append(" ".join(x for x in [f"[{m['role']}]", m.get("content") or "", *calls] if x))
+    return "\n".join(out)
+
+
+def examples(args: argparse.Namespace, seed: int, n: int = 3) -> str:
+    """Up to `n` held-out tasks that seed's SFT model failed and its RL model solved, with
+    both episodes' conversations from the run's traces."""
+    main = args.out / f"seed{seed}" / "main"
+    name = eval_sets(json.loads((main / "summary.json").read_text()))[0]
+    (_, before), (_, after) = (load_outcomes(f"{main}:{x}") for x in ("sft", "rl"))
+    failed = {r["task_id"] for r in before if r["set"] == name and not r["success"]}
+    solved = [r["task_id"] for r in after if r["set"] == name and r["success"]]
+    picks = [t for t in dict.fromkeys(solved) if t in failed][:n]
+    con = connect(main / "traces.sqlite")
+    parts = [f"Seed {seed}, set {name}: {len(picks)} of the tasks SFT failed and RL solved."]
+    for task in picks:
+        parts.append(f"\n### Task {task}\n")
+        for phase, want in (("eval_sft", 0.0), ("eval_rl", 1.0)):
+            row = con.execute("SELECT id FROM episodes WHERE phase = ? AND task_id = ? "
+                              "ORDER BY reward = ? DESC, id LIMIT 1",
+                              (phase, task, want)).fetchone()
+            if row is None:
+                raise RuntimeError(f"{main}/traces.sqlite holds no {phase} episode of task "
+                                   f"{task}: was observe.traces off?")
+            ep = read_episode(con, row[0])
+            parts.append(f"{'After SFT' if phase == 'eval_sft' else 'After SFT + RL'} "
+                         f"(reward {ep['reward']:g}):\n\n```text\n{conversation(ep)}\n```\n")
+    con.close()
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    runs = run_all(args)
+    rows = [r for s in args.seeds for r in seed_rows(args, s, runs[s])]
+    table = tables(args, rows)
+    print(table)
+    (args.out / "table.md").write_text(table + "\n")
+    (args.out / "table.json").write_text(json.dumps(rows, indent=2))
+    (args.out / "examples.md").write_text(examples(args, args.seeds[0]) + "\n")
+
+
+if __name__ == "__main__":
+    main()

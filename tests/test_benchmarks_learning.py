@@ -1,0 +1,71 @@
+"""benchmarks/learning.py keeps running: --quick runs each seed's main run and both controls
+from it, pairs every comparison on the same tasks (the SFT evaluation of the random-reward run
+is main's own), writes the tables, the examples and the CPU time, resumes, and stops loudly
+naming the run whose `tiller train` failed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_learning",
+                                                  ROOT / "benchmarks/learning.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_run_writes_the_table_pairs_the_controls_and_resumes(tmp_path, capsys):
+    bench = load_bench()
+    argv = ["--env", "calculator", "--quick", "--seeds", "0", "--jobs", "2",
+            "--out", str(tmp_path)]
+    bench.main(argv)
+    out = capsys.readouterr().out
+    rows = json.loads((tmp_path / "table.json").read_text())
+    # configs/learning/calculator.yaml's three eval sets, each paired SFT vs RL
+    assert [r["set"] for r in rows] == ["heldout", "ood_difficulty", "ood_templates"]
+    for r in rows:
+        assert r["rl_vs_sft"]["success_a"] == r["sft"]["success"]
+        assert r["rl_vs_sft"]["success_b"] == r["rl"]["success"]
+        assert r["random_vs_sft"]["success_a"] == r["sft"]["success"]
+        assert r["random_vs_sft"]["success_b"] == r["random"]["success"]
+        assert r["random_within_sft_ci"] == (
+            r["sft"]["ci_low"] <= r["random"]["success"] <= r["sft"]["ci_high"])
+        assert r["sft"]["tasks"] == r["rl_vs_sft"]["tasks"] == 8
+        assert r["cpu_min"] > 0 and set(r["behaviour"]["sft"]) == set(bench.BEHAVIOUR)
+    assert "| 0 | heldout | 8 |" in out and "| heldout |" in out and "tool calls" in out
+    seed = tmp_path / "seed0"
+    random_cfg = yaml.safe_load((seed / "random/config.yaml").read_text())
+    cold_cfg = yaml.safe_load((seed / "cold/config.yaml").read_text())
+    assert random_cfg["rl"]["reward_control"] == "random"
+    assert Path(random_cfg["model"]["path"]) == seed / "main/checkpoints/sft"
+    assert Path(cold_cfg["model"]["path"]) == seed / "main/base_model"
+    assert not random_cfg["sft"]["enabled"] and not cold_cfg["sft"]["enabled"]
+    assert cold_cfg["rl"]["reward_control"] == "none"
+    # the random-reward run starts from main's SFT checkpoint: the same evaluation, task by task
+    sft_rows = (seed / "main/eval/sft.jsonl").read_text()
+    assert sft_rows == (seed / "random/eval/sft.jsonl").read_text()
+    assert (tmp_path / "examples.md").read_text().startswith("Seed 0, set heldout: ")
+    stamps = {p: p.stat().st_mtime_ns for p in seed.glob("*/summary.json")}
+    assert len(stamps) == 3
+    bench.main(argv)  # resumes: nothing reruns, the same table
+    assert {p: p.stat().st_mtime_ns for p in seed.glob("*/summary.json")} == stamps
+    assert json.loads((tmp_path / "table.json").read_text()) == rows
+
+
+def test_a_failing_run_stops_the_benchmark_naming_it_and_its_log(tmp_path):
+    bench = load_bench()
+    with pytest.raises(RuntimeError, match=r"^seed 0 main: tiller train exited 2 \(log: "
+                       r".*seed0/main\.log\):\n.*rl.steps"):
+        bench.main(["--env", "calculator", "--quick", "--seeds", "0", "--set", "rl.steps=-1",
+                    "--out", str(tmp_path)])
