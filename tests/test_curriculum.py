@@ -9,12 +9,14 @@ import pytest
 from tiller.config import ConfigError, load_config
 from tiller.controller import rl
 from tiller.envs import ENVS
+from tiller.envs.dataset import DatasetEnv
 from tiller.envs.verifiers import Reward
 from tiller.rollout.curriculum import (
     DRAW,
     LEVEL,
     DifficultyCurriculum,
     FilterCurriculum,
+    check_curriculum,
     group_success,
     make_curriculum,
 )
@@ -148,6 +150,10 @@ def test_filter_skips_tasks_outside_the_band_counts_them_and_redraws_them():
     ("rl.curriculum.mode=sometimes", "rl.curriculum.mode: got 'sometimes'"),
     ("rl.curriculum.min_groups=9", "rl.curriculum.min_groups: got 9; expected at most "
      "rl.curriculum.window = 8"),
+    ("rl.curriculum.min_level=2", "rl.curriculum.mode: got 'difficulty' with a single level "
+     "(rl.curriculum.min_level 2 = env.difficulty), so there is nothing to adapt"),
+    ("env.difficulty=1", "rl.curriculum.mode: got 'difficulty' with a single level "
+     "(rl.curriculum.min_level 1 = env.difficulty)"),
 ])
 def test_a_bad_curriculum_config_is_one_line(override, message):
     with pytest.raises(ConfigError) as e:
@@ -161,8 +167,19 @@ def test_a_level_too_small_for_the_run_fails_before_any_work():
     with pytest.raises(ConfigError, match=r"rl.curriculum.min_level: got 1; env calculator has "
                        r"only 63\d\d train tasks at difficulty 1 and the run may draw 16000"):
         check_task_counts(cfg, CALC)
-    check_task_counts(config("rl.steps=1000", "rl.tasks_per_step=16",
+    check_task_counts(config("rl.steps=1000", "rl.tasks_per_step=16", "env.difficulty=3",
                              "rl.curriculum.min_level=2"), CALC)
+
+
+def test_a_difficulty_curriculum_on_an_env_without_difficulty_is_one_line():
+    with pytest.raises(ConfigError) as e:  # refused before the env's rows are touched
+        check_curriculum(config(), DatasetEnv, 40)
+    assert str(e.value) == (
+        "config field rl.curriculum.mode: got 'difficulty'; env dataset makes the same tasks "
+        "at every difficulty, so there is no level to adapt: expected rl.curriculum.mode: filter")
+    # a single level is fine with the curriculum off, and filter mode needs no levels
+    config("env.difficulty=1", "rl.curriculum.enabled=false")
+    config("env.difficulty=1", "rl.curriculum.mode=filter")
 
 
 # ------------------------------------------------------------------ real runs

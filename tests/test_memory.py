@@ -7,8 +7,10 @@ import pytest
 
 from tiller.config import ConfigError, load_config
 from tiller.envs import ENVS
+from tiller.envs.verifiers import Reward
 from tiller.rollout.agent_loop import EpisodeLimits, run_episode
 from tiller.rollout.chat import ChatFormat
+from tiller.rollout.collect import run_one
 from tiller.rollout.engine import Generation
 from tiller.rollout.memory import (
     TRUNCATED_MARK,
@@ -17,7 +19,7 @@ from tiller.rollout.memory import (
     exchanges,
     truncate_tool_outputs,
 )
-from tiller.rollout.trajectory import Status
+from tiller.rollout.trajectory import Status, Trajectory
 
 Calc = ENVS["calculator"]
 CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "%d * 11"}}\n</tool_call>'
@@ -142,3 +144,24 @@ def test_memory_knobs_are_validated():
                            "env.max_episode_tokens=64"])
     cfg = load_config(None, [*base, "agent.memory=drop_oldest"])
     assert cfg.l_max == cfg.env.max_turns * cfg.sampling.max_new_tokens
+
+
+def test_a_custom_loop_is_handed_the_memory_policy_and_not_checked_for_it():
+    """agent.memory with a custom agent.loop loads (no error): the loop gets the policy as
+    `limits.memory` and honours it only if it applies it (agent.program refuses it, in
+    test_gateway.py)."""
+    cfg = load_config(None, ["model.build.vocab_size=600", "agent.memory=drop_oldest",
+                             "agent.loop=custom_loop:run_episode"])
+    assert cfg.agent.memory == "drop_oldest"
+    seen = []
+
+    async def loop(env, task, actor, tokenizer, *, seed, sample_index, limits):
+        seen.append(limits.memory)
+        return Trajectory("t", 0, (), (), (), 0, (), (), (), Reward(0.0), Status.COMPLETED)
+
+    policy = MemoryPolicy("drop_oldest", reserve_tokens=64)
+    task = ENVS["calculator"].make_tasks("train", 1, 0, 1)[0]
+    asyncio.run(run_one(task, 0, None, episode_fn=loop, make_env=lambda *a: None,
+                        tokenizer=None, limits=EpisodeLimits(memory=policy), seed=0,
+                        tag=("rl", 0)))
+    assert seen == [policy]

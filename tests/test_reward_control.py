@@ -70,7 +70,8 @@ def test_constant_under_grpo_trains_on_it_logs_the_real_reward_and_moves_nothing
         assert r["reward_mean"] == 0.0 and r["success_rate"] == 0.0
         assert r["reward_control/agree_frac"] == 0.0
     assert summary["heldout_after_rl"]["success"] == 0.0
-    # equal rewards in a group: every GRPO advantage is 0, so no policy gradient at all
+    # equal rewards in a group: every GRPO advantage is 0, so no policy gradient at all (with
+    # overlong.mode none, as here: a soft overlong penalty would still vary with length)
     before = load_file(calc_sft_dir / "model.safetensors")
     after = load_file(tmp_path / "checkpoints/final/model.safetensors")
     assert all(torch.equal(before[k], after[k]) for k in before)

@@ -84,7 +84,9 @@ class AgentConfig(_Section):
         "'Memory'): full: everything, truncated at env.max_episode_tokens; drop_oldest: when "
         "the next context would leave less than sampling.max_new_tokens of the budget, drop "
         "the oldest exchanges and go on in a new exact sequence; truncate_tool_output: cut "
-        "each tool message to agent.tool_output_tokens before the model sees it")
+        "each tool message to agent.tool_output_tokens before the model sees it. A custom "
+        "agent.loop gets the policy as limits.memory and honours it only if it applies it; "
+        "agent.program allows only full")
     tool_output_tokens: int | None = Field(
         None, ge=1, description="truncate_tool_output only (default 128): tokens kept of each "
         "tool message")
@@ -656,7 +658,9 @@ class RLConfig(_Section):
     reward_control_value: float | None = Field(
         None,
         description="reward_control constant only (default 0.0): the value every trajectory "
-                    "trains on; under a group baseline (grpo, rloo, ...) every advantage is 0")
+                    "trains on; under a group baseline (grpo, rloo, ...) every advantage is 0, "
+                    "unless rl.algorithm.overlong.mode is soft: its length penalty is still "
+                    "added per trajectory, so the advantages vary with length")
     curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig,
                                          description="which train tasks RL draws")
     judge: JudgeConfig = Field(default_factory=JudgeConfig,
@@ -953,6 +957,12 @@ class Config(_Section):
                 raise ConfigError(f"config field rl.curriculum.{name}: got {level}; expected "
                                   f"at most env.difficulty = {self.env.difficulty} (the "
                                   f"target, the highest level)")
+        lowest = c.min_level or 1
+        if c.enabled and c.mode == "difficulty" and lowest == self.env.difficulty:
+            raise ConfigError(f"config field rl.curriculum.mode: got 'difficulty' with a single "
+                              f"level (rl.curriculum.min_level {lowest} = env.difficulty), so "
+                              f"there is nothing to adapt: expected rl.curriculum.min_level "
+                              f"below env.difficulty, or rl.curriculum.mode: filter")
         return self
 
     @model_validator(mode="after")

@@ -123,7 +123,8 @@ def reasoning_gym_env(dataset: str, **config: Any) -> type[ReasoningGymEnv]:
     dataset's own config fields (then `difficulty` is ignored)."""
     name = f"reasoning_gym/{dataset}"
     cls = type(f"ReasoningGym_{dataset}", (ReasoningGymEnv,),
-               {"name": name, "dataset": dataset, "config": dict(config)})
+               {"name": name, "dataset": dataset, "config": dict(config),
+                "has_difficulty": not config})
     return register_env(cls)  # type: ignore[return-value]
 
 

@@ -68,6 +68,9 @@ class Env(ABC):
     splits: ClassVar[tuple[str, ...]] = ("train", "heldout")
     """The splits `make_tasks` serves. An env without "heldout" (a small task set that is all
     for training) runs without held-out evaluation, said in the log and in summary.json."""
+    has_difficulty: ClassVar[bool] = True
+    """False when `make_tasks` ignores `difficulty` (the same tasks at every level), so a
+    difficulty curriculum has nothing to adapt and is refused (`check_curriculum`)."""
     repeats_tasks: ClassVar[bool] = False
     """True when `make_tasks` draws with replacement from a small set, so a list may hold one
     task twice; each draw is its own group (and seed), and `task_space` does not cap `n`."""

@@ -161,6 +161,7 @@ class DatasetEnv(ToolEnv):
 
     name: ClassVar[str] = "dataset"
     has_expert: ClassVar[bool] = False
+    has_difficulty: ClassVar[bool] = False  # rows are rows at every env.difficulty
     source: ClassVar[DatasetSource]
 
     def __init__(self, wrap: Any = None):

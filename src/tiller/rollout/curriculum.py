@@ -207,10 +207,15 @@ class FilterCurriculum(Curriculum):
 
 def check_curriculum(cfg: Config, env_cls: type[Env], tasks_needed: int) -> None:
     """Before any work: every level of a difficulty curriculum holds the `tasks_needed` train
-    tasks the run may draw from it (all of them, at worst), and a filter pool fits the env."""
+    tasks the run may draw from it (all of them, at worst), a filter pool fits the env, and
+    a difficulty curriculum has an env whose tasks depend on difficulty (`Env.has_difficulty`)."""
     c = cfg.rl.curriculum
     if not c.enabled:
         return
+    if c.mode == "difficulty" and not env_cls.has_difficulty:
+        raise ConfigError(f"config field rl.curriculum.mode: got 'difficulty'; env "
+                          f"{env_cls.name} makes the same tasks at every difficulty, so there "
+                          f"is no level to adapt: expected rl.curriculum.mode: filter")
     if c.mode == "filter":
         wants = {cfg.env.difficulty: c.pool or 64}
     else:
