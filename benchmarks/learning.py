@@ -17,9 +17,11 @@ Per seed S it runs, each a `tiller train` subprocess into OUT/seed<S>/<run>:
 Every run evaluates its starting model and its RL model on the config's eval.sets, the seed
 picking the tasks, so every comparison is paired on the same tasks (`tiller compare`: paired
 bootstrap 95% CI, exact sign test over tasks). `--jobs` runs go at once, each with
-cores/jobs torch threads; a run whose summary.json exists is reused, so an interrupted
-benchmark resumes. CPU-minutes are each process's own user + system time (os.wait4); a run
-folder made by hand (no cpu.json) is reused with its CPU time shown as "-".
+cores/jobs torch threads. A run whose summary.json exists is reused when its config.yaml
+matches what this invocation would run (logging aside; otherwise the benchmark stops, naming
+the sections that differ), so an interrupted benchmark resumes; a folder without summary.json
+is an attempt that did not finish and is deleted and rerun. CPU-minutes are each process's
+own user + system time (os.wait4); a run made by hand (no cpu.json) shows "-".
 Writes OUT/table.md (printed), OUT/table.json and OUT/examples.md (seed 0's held-out tasks
 that SFT failed and RL solved, both conversations).
 """
@@ -29,6 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -39,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from tiller.config import Config, load_config  # noqa: E402
 from tiller.observe.compare import compare, load_outcomes  # noqa: E402
 from tiller.observe.traces import connect, read_episode  # noqa: E402
 
@@ -54,6 +59,7 @@ BEHAVIOUR = {"tool_calls_per_episode": "tool calls", "tool_errors_per_episode": 
              "turns_mean": "turns", "parse_failures_per_episode": "parse failures",
              "response_tokens_mean": "response tokens"}
 GOAL_GAIN = 0.15
+CHILDREN: set[int] = set()  # the pids of the runs going now (killed when one fails)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,33 +101,54 @@ def overrides(args: argparse.Namespace, seed: int, kind: str) -> list[str]:
             "sft.enabled=false", *extra]
 
 
+def stale_fields(out: Path, cfg: Config) -> list[str]:
+    """The config sections in which the run in `out` differs from `cfg` (logging aside)."""
+    done = load_config(out / "config.yaml").model_dump()
+    want = cfg.model_dump()
+    return [k for k in want if k != "logging" and done.get(k) != want[k]]
+
+
 def run_one(args: argparse.Namespace, seed: int, kind: str) -> dict:
-    """One `tiller train` subprocess (or the finished one already there): its summary with
-    `cpu_s` and `wall_s` added."""
+    """One `tiller train` subprocess, or the finished run already in its folder when that
+    was made with the same config: its summary with `cpu_s` and `wall_s` added."""
     out = args.out / f"seed{seed}" / kind
-    stats = out / "cpu.json"
-    if (out / "summary.json").is_file():  # done already; by hand (no cpu.json): CPU unknown
+    stats, ours = out / "cpu.json", overrides(args, seed, kind)
+    if (out / "summary.json").is_file():
+        stale = stale_fields(out, load_config(args.config, ours))
+        if stale:
+            raise RuntimeError(f"seed {seed} {kind}: {out} holds a run made with another "
+                               f"config (sections {', '.join(stale)} differ): delete it or "
+                               "pick another --out")
         summary = json.loads((out / "summary.json").read_text())
-        measured = (json.loads(stats.read_text()) if stats.is_file() else
+        measured = (json.loads(stats.read_text()) if stats.is_file() else  # made by hand
                     {"cpu_s": None, "wall_s": summary["timings"]["total_s"]})
         return {**summary, **measured}
+    if out.exists():  # an attempt that did not finish: its metrics and traces would mix in
+        shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "tiller", "train", str(args.config),
-           *overrides(args, seed, kind), "-o", str(out)]
+    cmd = [sys.executable, "-m", "tiller", "train", str(args.config), *ours, "-o", str(out)]
     threads = str(max(1, (os.cpu_count() or 1) // args.jobs))
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     log = out.with_suffix(".log")
     t0 = time.perf_counter()
+    timed_out = threading.Event()
+
+    def kill() -> None:  # os.kill, not Popen.kill: that polls, and would reap the child
+        timed_out.set()
+        os.kill(proc.pid, signal.SIGKILL)  # the pid stays ours until wait4 reaps it
+
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        timer = threading.Timer(args.run_timeout, proc.kill)
+        CHILDREN.add(proc.pid)
+        timer = threading.Timer(args.run_timeout, kill)
         timer.start()
         try:  # wait4, not wait: the child's own CPU time (RUSAGE_CHILDREN sums all of them)
             _, status, usage = os.wait4(proc.pid, 0)
         finally:
             timer.cancel()
+            CHILDREN.discard(proc.pid)
         proc.returncode = os.waitstatus_to_exitcode(status)
-    if time.perf_counter() - t0 >= args.run_timeout:
+    if timed_out.is_set():
         raise RuntimeError(f"seed {seed} {kind}: still running after --run-timeout "
                            f"{args.run_timeout:.0f} s; killed (log: {log})")
     if proc.returncode != 0:
@@ -129,28 +156,36 @@ def run_one(args: argparse.Namespace, seed: int, kind: str) -> dict:
         raise RuntimeError(f"seed {seed} {kind}: tiller train exited {proc.returncode} "
                            f"(log: {log}):\n{tail}")
     cpu_s = usage.ru_utime + usage.ru_stime
-    result = {"cpu_s": cpu_s, "wall_s": time.perf_counter() - t0}
+    result = {"cpu_s": cpu_s, "wall_s": time.perf_counter() - t0, "threads": int(threads)}
     stats.write_text(json.dumps(result))
     print(f"seed {seed} {kind}: {result['wall_s']:.0f} s wall", file=sys.stderr, flush=True)
     return {**json.loads((out / "summary.json").read_text()), **result}
 
 
 def run_all(args: argparse.Namespace) -> dict[int, dict[str, dict]]:
-    """Every seed's main run, and its controls once it is done, `--jobs` at a time."""
+    """Every seed's main run, and its controls once it is done, `--jobs` at a time. The first
+    failure cancels what has not started and kills what is running, then is raised."""
     results: dict[int, dict[str, dict]] = {s: {} for s in args.seeds}
-    with ThreadPoolExecutor(args.jobs) as pool:
+    pool = ThreadPoolExecutor(args.jobs)
+    try:
         running: dict[Future, tuple[int, str]] = {
             pool.submit(run_one, args, s, "main"): (s, "main") for s in args.seeds}
         while running:
             done, _ = wait(running, return_when=FIRST_COMPLETED)
             for fut in done:
                 seed, kind = running.pop(fut)
-                results[seed][kind] = fut.result()  # a failed run stops the benchmark here
+                results[seed][kind] = fut.result()
                 if kind == "main":
                     controls = [c for c, seeds in (("random", args.random_seeds),
                                                    ("cold", args.cold_seeds)) if seed in seeds]
                     running.update({pool.submit(run_one, args, seed, c): (seed, c)
                                     for c in controls})
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        for pid in list(CHILDREN):
+            os.kill(pid, signal.SIGKILL)
+        raise
+    pool.shutdown()
     return results
 
 
@@ -160,7 +195,7 @@ def eval_sets(summary: dict) -> list[str]:
 
 def behaviour(result: dict) -> dict[str, float]:
     r = dict(result)
-    r["parse_failures_per_episode"] = r.get("tool_parse_failures", 0.0) / r["samples"]
+    r["parse_failures_per_episode"] = r["tool_parse_failures"] / r["samples"]
     return {k: r[k] for k in BEHAVIOUR}
 
 
@@ -184,8 +219,11 @@ def seed_rows(args: argparse.Namespace, seed: int, runs: dict[str, dict]) -> lis
             row["random"] = rand
             row["random_vs_sft"] = compare(sft_rows, rand_rows, name, seed)
             row["random_within_sft_ci"] = sft["ci_low"] <= rand["success"] <= sft["ci_high"]
+            row["rl_vs_random"] = compare(rand_rows, rl_rows, name, seed)
         if "cold" in runs:
+            _, cold_rows = load_outcomes(f"{folder / 'cold'}:rl")
             row["cold"] = runs["cold"][f"{name}_after_rl"]
+            row["rl_vs_cold"] = compare(cold_rows, rl_rows, name, seed)
         rows.append(row)
     return rows
 
@@ -205,15 +243,17 @@ def tables(args: argparse.Namespace, rows: list[dict]) -> str:
              "over tasks], RL - SFT paired on the same tasks [paired bootstrap 95% CI], "
              "sign-test p", "",
              "| seed | set | tasks | SFT | SFT + RL | RL - SFT | random reward | random - SFT "
-             "| within SFT CI | no SFT (RL only) | CPU-min (SFT + RL) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| within SFT CI | RL - random | no SFT (RL only) | RL - no SFT "
+             "| CPU-min (whole main run) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         rand = ((fmt(r["random"]), fmt_diff(r["random_vs_sft"]),
-                 "yes" if r["random_within_sft_ci"] else "**no**")
-                if "random" in r else ("-", "-", "-"))
+                 "yes" if r["random_within_sft_ci"] else "**no**", fmt_diff(r["rl_vs_random"]))
+                if "random" in r else ("-",) * 4)
+        cold = (fmt(r["cold"]), fmt_diff(r["rl_vs_cold"])) if "cold" in r else ("-", "-")
         lines.append(f"| {r['seed']} | {r['set']} | {r['sft']['tasks']} | {fmt(r['sft'])} | "
                      f"{fmt(r['rl'])} | {fmt_diff(r['rl_vs_sft'])} | {' | '.join(rand)} | "
-                     f"{fmt(r['cold']) if 'cold' in r else '-'} | "
+                     f"{' | '.join(cold)} | "
                      f"{'-' if r['cpu_min'] is None else format(r['cpu_min'], '.1f')} |")
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     lines += ["", "| set | mean SFT | mean SFT + RL | mean gain | seeds with p < 0.05 "

@@ -43,7 +43,8 @@ def test_quick_run_writes_the_table_pairs_the_controls_and_resumes(tmp_path, cap
             r["sft"]["ci_low"] <= r["random"]["success"] <= r["sft"]["ci_high"])
         assert r["sft"]["tasks"] == r["rl_vs_sft"]["tasks"] == 8
         assert r["cpu_min"] > 0 and set(r["behaviour"]["sft"]) == set(bench.BEHAVIOUR)
-    assert "| 0 | heldout | 8 |" in out and "| heldout |" in out and "tool calls" in out
+    assert "| 0 | heldout | 8 |" in out and "| heldout | 0." in out and "tool calls" in out
+    assert r["rl_vs_random"]["success_b"] == r["rl"]["success"] == r["rl_vs_cold"]["success_b"]
     seed = tmp_path / "seed0"
     random_cfg = yaml.safe_load((seed / "random/config.yaml").read_text())
     cold_cfg = yaml.safe_load((seed / "cold/config.yaml").read_text())
@@ -61,6 +62,15 @@ def test_quick_run_writes_the_table_pairs_the_controls_and_resumes(tmp_path, cap
     bench.main(argv)  # resumes: nothing reruns, the same table
     assert {p: p.stat().st_mtime_ns for p in seed.glob("*/summary.json")} == stamps
     assert json.loads((tmp_path / "table.json").read_text()) == rows
+    # an attempt that did not finish is deleted and rerun, never mixed with the new one
+    (seed / "cold/summary.json").unlink()
+    (seed / "cold/leftover").write_text("from the killed attempt")
+    bench.main(argv)
+    assert (seed / "cold/summary.json").is_file() and not (seed / "cold/leftover").exists()
+    # a finished run made with another config is refused, not reused
+    with pytest.raises(RuntimeError, match=r"^seed 0 main: .* holds a run made with another "
+                       r"config \(sections rl differ\)"):
+        bench.main([*argv, "--set", "rl.lr=1e-5"])
 
 
 def test_a_failing_run_stops_the_benchmark_naming_it_and_its_log(tmp_path):
