@@ -59,6 +59,9 @@ BEHAVIOUR = {"tool_calls_per_episode": "tool calls", "tool_errors_per_episode": 
              "turns_mean": "turns", "parse_failures_per_episode": "parse failures",
              "response_tokens_mean": "response tokens"}
 GOAL_GAIN = 0.15
+# what each run's role fixes: a --set of these would make the runs something else
+RESERVED = ("seed", "model.path", "model.build", "sft.enabled", "rl.reward_control",
+            "rl.steps", "eval.enabled", "eval.sets", "observe.traces.enabled")
 CHILDREN: set[int] = set()  # the pids of the runs going now (killed when one fails)
 
 
@@ -87,6 +90,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--random-seeds and --cold-seeds must be among --seeds")
     if args.jobs < 1:
         p.error("--jobs must be >= 1")
+    if len(set(args.seeds)) != len(args.seeds):
+        p.error(f"--seeds: each seed once (got {args.seeds})")
+    ours = [s for s in args.set if s.split("=")[0].startswith(RESERVED)]
+    if ours:
+        p.error(f"--set {ours[0]}: the benchmark sets {', '.join(RESERVED)} itself")
     return args
 
 

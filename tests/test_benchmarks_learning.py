@@ -79,3 +79,15 @@ def test_a_failing_run_stops_the_benchmark_naming_it_and_its_log(tmp_path):
                        r".*seed0/main\.log\):\n.*rl.steps"):
         bench.main(["--env", "calculator", "--quick", "--seeds", "0", "--set", "rl.steps=-1",
                     "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--set", "seed=7"], "--set seed=7: the benchmark sets seed"),
+    (["--set", "rl.reward_control=random"], "--set rl.reward_control=random"),
+    (["--seeds", "0", "0"], "--seeds: each seed once"),
+    (["--random-seeds", "5"], "--random-seeds and --cold-seeds must be among --seeds"),
+])
+def test_options_that_would_make_the_runs_something_else_are_refused(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        load_bench().parse_args(["--env", "calculator", *argv])
+    assert e.value.code == 2 and words in capsys.readouterr().err
