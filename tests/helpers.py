@@ -4,9 +4,11 @@ turns through the real agent loop."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import random
 import string
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,17 @@ from tiller.observe.evaluation import is_success
 from tiller.rollout.agent_loop import EpisodeLimits, run_episode
 from tiller.rollout.collect import collect_expert
 from tiller.rollout.engine import Generation
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (the folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        f"bench_{name}", Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses in the module look themselves up there
+    spec.loader.exec_module(module)
+    return module
+
 
 # A whole pipeline (build, SFT, RL, eval) in seconds: for tests that check it runs, not learns.
 TINY_RUN = [

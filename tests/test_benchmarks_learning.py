@@ -5,28 +5,16 @@ naming the run whose `tiller train` failed."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_learning",
-                                                  ROOT / "benchmarks/learning.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_benchmark
 
 
 def test_quick_run_writes_the_table_pairs_the_controls_and_resumes(tmp_path, capsys):
-    bench = load_bench()
+    bench = load_benchmark("learning")
     argv = ["--env", "calculator", "--quick", "--seeds", "0", "--jobs", "2",
             "--out", str(tmp_path)]
     bench.main(argv)
@@ -74,7 +62,7 @@ def test_quick_run_writes_the_table_pairs_the_controls_and_resumes(tmp_path, cap
 
 
 def test_a_failing_run_stops_the_benchmark_naming_it_and_its_log(tmp_path):
-    bench = load_bench()
+    bench = load_benchmark("learning")
     with pytest.raises(RuntimeError, match=r"^seed 0 main: tiller train exited 2 \(log: "
                        r".*seed0/main\.log\):\n.*rl.steps"):
         bench.main(["--env", "calculator", "--quick", "--seeds", "0", "--set", "rl.steps=-1",
@@ -89,5 +77,5 @@ def test_a_failing_run_stops_the_benchmark_naming_it_and_its_log(tmp_path):
 ])
 def test_options_that_would_make_the_runs_something_else_are_refused(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
-        load_bench().parse_args(["--env", "calculator", *argv])
+        load_benchmark("learning").parse_args(["--env", "calculator", *argv])
     assert e.value.code == 2 and words in capsys.readouterr().err

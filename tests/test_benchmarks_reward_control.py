@@ -4,25 +4,13 @@ a seed (the same model, tasks and seeds), and reuses finished runs when run agai
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_reward_control",
-                                                  ROOT / "benchmarks/reward_control.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_benchmark
 
 
 def test_quick_run_prints_the_table_and_resumes(calc_sft_dir, tmp_path, capsys):
-    bench = load_bench()
+    bench = load_benchmark("reward_control")
     argv = ["--quick", "--sft", str(calc_sft_dir), "--seeds", "0", "1", "--out", str(tmp_path)]
     bench.main(argv)
     out = capsys.readouterr().out
