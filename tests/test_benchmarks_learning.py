@@ -64,8 +64,8 @@ def test_quick_run_writes_the_table_pairs_the_controls_and_resumes(tmp_path, cap
 def test_a_failing_run_stops_the_benchmark_naming_it_and_its_log(tmp_path):
     bench = load_benchmark("learning")
     with pytest.raises(RuntimeError, match=r"^seed 0 main: tiller train exited 2 \(log: "
-                       r".*seed0/main\.log\):\n.*rl.steps"):
-        bench.main(["--env", "calculator", "--quick", "--seeds", "0", "--set", "rl.steps=-1",
+                       r".*seed0/main\.log\):\n.*rl.lr"):
+        bench.main(["--env", "calculator", "--quick", "--seeds", "0", "--set", "rl.lr=-1",
                     "--out", str(tmp_path)])
 
 

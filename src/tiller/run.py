@@ -119,7 +119,7 @@ def check_task_counts(cfg: Config, env_cls: type[Env]) -> None:
         if space is not None and n > space:
             raise ConfigError(f"config field {field}: got {n}; env {env_label(env_cls)} has only "
                               f"{space} {split} tasks at {d_field}={diff}: ask for at most "
-                              f"{space} or pick a {d_field} with more")
+                              f"{space} or pick an {d_field} with more")
     check_curriculum(cfg, env_cls, rl_task_reserve(cfg))
 
 
