@@ -45,6 +45,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from tiller.config import Config, load_config  # noqa: E402
 from tiller.observe.compare import compare, load_outcomes  # noqa: E402
+from tiller.observe.compare import format_diff as fmt_diff  # noqa: E402
+from tiller.observe.compare import format_success as fmt  # noqa: E402
 from tiller.observe.traces import connect, read_episode  # noqa: E402
 
 ENVS = ("calculator", "search", "sql")
@@ -234,15 +236,6 @@ def seed_rows(args: argparse.Namespace, seed: int, runs: dict[str, dict]) -> lis
             row["rl_vs_cold"] = compare(cold_rows, rl_rows, name, seed)
         rows.append(row)
     return rows
-
-
-def fmt(s: dict) -> str:
-    return f"{s['success']:.3f} [{s['ci_low']:.3f}, {s['ci_high']:.3f}]"
-
-
-def fmt_diff(c: dict) -> str:
-    return (f"{c['diff']:+.3f} [{c['diff_ci_low']:+.3f}, {c['diff_ci_high']:+.3f}], "
-            f"p={c['p_value']:.2g}")
 
 
 def tables(args: argparse.Namespace, rows: list[dict]) -> str:

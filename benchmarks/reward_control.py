@@ -29,6 +29,8 @@ sys.path.insert(0, str(ROOT / "src"))
 from tiller.config import load_config  # noqa: E402
 from tiller.controller import train  # noqa: E402
 from tiller.observe.compare import compare, load_outcomes  # noqa: E402
+from tiller.observe.compare import format_diff as fmt_diff  # noqa: E402
+from tiller.observe.compare import format_success as fmt  # noqa: E402
 
 CONTROLS = ("none", "random")
 QUICK = ["model.build.hidden_size=64", "model.build.vocab_size=600",
@@ -92,15 +94,6 @@ def seed_row(args: argparse.Namespace, sft: Path, seed: int) -> dict:
             "random": summaries["random"]["heldout_after_rl"],
             "real_vs_sft": compare(base, real), "random_vs_sft": compare(base, rand),
             "real_vs_random": compare(rand, real)}
-
-
-def fmt(s: dict) -> str:
-    return f"{s['success']:.3f} [{s['ci_low']:.3f}, {s['ci_high']:.3f}]"
-
-
-def fmt_diff(c: dict) -> str:
-    return (f"{c['diff']:+.3f} [{c['diff_ci_low']:+.3f}, {c['diff_ci_high']:+.3f}], "
-            f"p={c['p_value']:.2g}")
 
 
 def table(rows: list[dict]) -> str:

@@ -121,3 +121,14 @@ def compare(rows_a: list[dict], rows_b: list[dict], set_name: str = "heldout",
     return {"tasks": len(tasks), "success_a": float(xa.mean()), "success_b": float(xb.mean()),
             "diff": float(diff.mean()), "diff_ci_low": lo, "diff_ci_high": hi,
             "b_better": wins, "a_better": losses, "p_value": sign_test(wins, losses)}
+
+
+def format_success(s: dict) -> str:
+    """An evaluation summary's success with its CI: "0.410 [0.352, 0.473]"."""
+    return f"{s['success']:.3f} [{s['ci_low']:.3f}, {s['ci_high']:.3f}]"
+
+
+def format_diff(c: dict) -> str:
+    """A `compare` result: "+0.043 [-0.008, +0.094], p=0.14" (B - A, paired CI, p-value)."""
+    return (f"{c['diff']:+.3f} [{c['diff_ci_low']:+.3f}, {c['diff_ci_high']:+.3f}], "
+            f"p={c['p_value']:.2g}")
