@@ -3,18 +3,16 @@ runs, and the figures it derives (steps to threshold, t-intervals, ratios) are h
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from helpers import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("bench_curriculum",
-                                              ROOT / "benchmarks" / "curriculum.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+bench = load_benchmark("curriculum")
 
 
 def test_steps_to_threshold_and_intervals_hand_computed():
@@ -42,24 +40,46 @@ def test_quick_run_fills_the_table(tmp_path):
     assert [r["seed"] for r in res] == [0, 1]
     assert res[0]["sft_checkpoint"] == res[1]["sft_checkpoint"]  # --shared-sft
     for r in res:
-        for arm in ("uniform", "curriculum"):
+        for arm in bench.ARMS:
             assert sorted(map(int, r[arm]["curve"])) == [0, 1, 2]  # --quick: eval every step
             assert 0.0 <= r[arm]["final"]["success"] <= 1.0
+            assert r[arm]["start"] == r["uniform"]["start"]  # one step-0 evaluation
         assert r["threshold"] == r["uniform"]["final"]["success"]
-        # the curriculum logged its level every step; uniform logged none
-        assert len(r["curriculum"]["levels"]) == 2 and r["uniform"]["levels"] == []
-        curve = {int(s): v for s, v in r["curriculum"]["curve"].items()}
-        expected = bench.steps_to(curve, r["threshold"]) if bench.uniform_gained(r) else None
-        assert r["steps"]["curriculum"] == expected
+        # the difficulty curriculum logged its level every step (from level 1), the filter
+        # one the target's; uniform logged none
+        assert r["difficulty"]["levels"][0] == 1 and len(r["difficulty"]["levels"]) == 2
+        assert r["filter"]["levels"] == [3.0, 3.0] and r["uniform"]["levels"] == []
+        for arm in ("difficulty", "filter"):
+            curve = {int(s): v for s, v in r[arm]["curve"].items()}
+            expected = bench.steps_to(curve, r["threshold"]) if bench.uniform_gained(r) else None
+            assert r["steps"][arm] == expected
+            # the paired comparison is of the two arms' last evaluations, on the same tasks
+            p = r["paired"][arm]
+            assert p["tasks"] == 8
+            assert p["success_a"] == r["uniform"]["final"]["success"]
+            assert p["success_b"] == r[arm]["final"]["success"]
     table = (tmp_path / "results.md").read_text()
-    assert table.startswith("| seed | SFT start | uniform final [95% CI]")
-    assert len([line for line in table.splitlines() if line.startswith("| 0 |")]) == 1
-    assert "curriculum - uniform (paired by seed)" in table
+    assert table.startswith("| seed | arm | SFT start | held-out at step 2 [95% CI]")
+    assert [line.split(" | ")[1] for line in table.splitlines() if line.startswith("| 0 |")] \
+        == list(bench.ARMS)
+    assert table.count("minus uniform (paired by seed)") == 2
     assert table.strip() in proc.stdout  # printed as written
     # --merge rebuilds the same table from results.json (runs of one seed each, merged)
     assert bench.main(["--merge", str(tmp_path)]).strip() == table.strip()
 
 
-def test_quick_shrinks_the_budget():
+def test_quick_shrinks_the_budget_and_uniform_always_runs_first():
     args = bench.parse_args(["--quick"])
     assert (args.steps, args.eval_every, args.tasks_per_step, args.target) == (2, 1, 2, 3)
+    assert bench.parse_args(["--arms", "filter"]).arms == ["uniform", "filter"]
+    assert bench.parse_args(["--arms", "filter", "uniform", "difficulty"]).arms == list(bench.ARMS)
+
+
+def test_arms_differ_only_in_the_curriculum():
+    args = bench.parse_args([])
+    assert bench.arm_overrides(args, "uniform") == []
+    for arm in ("difficulty", "filter"):
+        extra = bench.arm_overrides(args, arm)
+        assert all(o.startswith("rl.curriculum.") for o in extra)
+        assert f"rl.curriculum.mode={arm}" in extra
+    assert "rl.curriculum.pool=128" in bench.arm_overrides(args, "filter")
