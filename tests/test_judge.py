@@ -1,13 +1,19 @@
 """rl.judge: the shaping term is paid only where the verifier says success (hand-computed),
-the shipped rubric judge scores real messages, a judge out of range stops the run, the
-hacking detector fires on a hacking trace and not on healthy ones, and a real tiny run logs
-judge/* without paying for a wrong answer."""
+the shipped rubric judge scores real messages, the model judge is P(yes) / (P(yes) + P(no))
+of a real HF model, a judge out of range stops the run, the hacking detector fires on a
+hacking trace and not on healthy ones, and real tiny runs (with either judge) log judge/* and
+train on exactly the gated reward (the traced advantages, hand-computed)."""
 
 import json
 import logging
 import math
+import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiller.config import ConfigError, load_config
 from tiller.controller import rl
@@ -15,9 +21,10 @@ from tiller.envs.base import Task
 from tiller.envs.verifiers import Reward
 from tiller.errors import RunError
 from tiller.observe.health import JudgeHackingTrend
+from tiller.observe.traces import connect, decode
 from tiller.rollout.trajectory import Status, Trajectory
 from tiller.run import Run
-from tiller.train.judges import grounded_answer
+from tiller.train.judges import ModelJudge, grounded_answer
 from tiller.train.shaping import JUDGE, judge_metrics, judged, train_reward
 
 CONFIG = "configs/calculator.yaml"
@@ -137,19 +144,117 @@ def test_the_detector_hand_computed():
     assert out[-1]["judge/hacking_warnings"] == 1
 
 
-def test_a_real_run_logs_the_judge_and_never_pays_a_wrong_answer(calc_sft_dir, tmp_path):
+def test_the_model_judge_is_p_yes_over_p_yes_plus_no(calc_model_dir):
+    prompt = "Q: {question}\nA: {answer}\nCorrect?"
+    judge = ModelJudge(calc_model_dir, prompt)
+    # by hand: one forward pass per continuation over the whole text, its tokens' logprobs
+    tok = AutoTokenizer.from_pretrained(calc_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(calc_model_dir, dtype=torch.float32).eval()
+
+    def logp(answer, word):
+        ctx = tok.encode(prompt.format(question=TASK.prompt, answer=answer),
+                         add_special_tokens=False)
+        cont = tok.encode(word, add_special_tokens=False)
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([ctx + cont])).logits[0], -1)
+        return sum(float(lp[len(ctx) - 1 + i, c]) for i, c in enumerate(cont))
+
+    scores = {}
+    for answer in ("The answer is 36.", "The answer is 1203."):
+        y, n = logp(answer, " yes"), logp(answer, " no")
+        scores[answer] = judge(TASK, episode(answer))
+        assert scores[answer] == pytest.approx(math.exp(y) / (math.exp(y) + math.exp(n)),
+                                               rel=1e-5)
+        assert 0.0 < scores[answer] < 1.0
+    # it reads the answer: two answers, two scores; the same answer, the same score
+    assert scores["The answer is 36."] != scores["The answer is 1203."]
+    assert judge(TASK, episode("The answer is 36.")) == scores["The answer is 36."]
+    # an episode that did not end on an assistant answer is judged on an empty answer
+    cut = episode("The answer is 36.")
+    cut = Trajectory(**{**cut.__dict__, "messages": cut.messages[:-1]})
+    assert judge(TASK, cut) == pytest.approx(
+        math.exp(logp("", " yes")) / (math.exp(logp("", " yes")) + math.exp(logp("", " no"))),
+        rel=1e-5)
+
+
+def test_model_judge_config_errors_are_one_line(calc_model_dir, tmp_path):
+    base = ["model.build={}"]
+    with pytest.raises(ConfigError, match=r"^config field rl.judge.model: .* a run has one "
+                       "judge"):
+        load_config(CONFIG, [*base, f"rl.judge.model={calc_model_dir}",
+                             "rl.judge.fn=tiller.train.judges:grounded_answer"])
+    with pytest.raises(ConfigError, match=r"^config field rl.judge.prompt: it must contain "
+                       r"\{answer\}"):
+        load_config(CONFIG, [*base, "rl.judge.prompt='Is {question} right?'"])
+    with pytest.raises(ConfigError, match=r"^config field rl.judge.prompt: KeyError: 'x'"):
+        load_config(CONFIG, [*base, "rl.judge.prompt='{answer} {x}'"])
+    with pytest.raises(ConfigError, match=r"^config field rl.judge.model: got .* "
+                       "rl.reward_control: random"):
+        load_config(CONFIG, [*base, f"rl.judge.model={calc_model_dir}",
+                             "rl.reward_control=random"])
+    cfg = load_config(CONFIG, [f"model.path={calc_model_dir}", "model.build=null",
+                               f"rl.judge.model={tmp_path / 'nothing'}"])
+    with pytest.raises(ConfigError, match=r"^config field rl.judge.model: got .*nothing'; no "
+                       "Hugging Face model there"):
+        Run(cfg, tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"encodes ' yes' as \[.*\] and ' yes' as"):
+        ModelJudge(calc_model_dir, "{answer}", yes=" yes", no=" yes")
+
+
+def group_rewards(db, weight):
+    """Per trained group of a traced run: (the gated reward of each member, hand-computed from
+    its verifier value and judge score, and the advantage it was trained with)."""
+    con = connect(db)
+    rows = con.execute("SELECT task_id, trained_step, reward, checks, env_error, loss_mask, "
+                       "train_mask, advantages FROM episodes WHERE phase = 'rl' AND "
+                       "trained_step IS NOT NULL ORDER BY trained_step, task_id, sample_index"
+                       ).fetchall()
+    groups = {}
+    for r in rows:
+        judge = json.loads(r["checks"])["judge"]
+        success = r["reward"] >= 1.0 and not r["env_error"]
+        paid = r["reward"] + (weight * judge if success else 0.0)
+        mask = decode("train_mask", r["train_mask"])
+        adv = {a for a, m in zip(decode("advantages", r["advantages"]), mask, strict=True) if m}
+        assert len(adv) == 1  # every trained token of an episode shares its advantage
+        groups.setdefault((r["trained_step"], r["task_id"]), []).append((paid, adv.pop(),
+                                                                         success))
+    return list(groups.values())
+
+
+@pytest.mark.parametrize("judge", ["model", "fn"])
+def test_a_real_run_trains_on_the_judge_only_where_the_verifier_says_success(
+        judge, calc_model_dir, calc_sft_dir, tmp_path, monkeypatch):
+    # odd samples are the scripted expert's (they succeed), even ones the tiny policy's (they
+    # fail): every group has both, and the judge (a real model, or the rubric) scores them all
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    sys.modules.pop("half_expert_loop", None)
+    weight = 0.5
     cfg = load_config(CONFIG, [
         f"model.path={calc_sft_dir}", "model.build=null", "sft.enabled=false", "rl.steps=2",
         "rl.tasks_per_step=2", "rl.group_size=4", "eval.tasks=8", "logging.progress=false",
-        "logging.tensorboard=false", "rl.judge.fn=tiller.train.judges:grounded_answer",
-        "rl.judge.weight=0.5", "rl.judge.window=1"])
-    rl(Run(cfg, tmp_path))
+        "logging.tensorboard=false",
+        f"rl.judge.model={calc_model_dir}" if judge == "model"
+        else "rl.judge.fn=tiller.train.judges:grounded_answer",
+        f"rl.judge.weight={weight}", "rl.judge.window=1",
+        "agent.loop=half_expert_loop:run_episode"])
+    run = Run(cfg, tmp_path)
+    rl(run)
+    run.close()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r["phase"] == "rl"]
-    assert len(rows) == 2
+    assert len(rows) == 2 and all(r["success_rate"] == 0.5 for r in rows)
+    groups = group_rewards(tmp_path / "traces.sqlite", weight)
+    assert len(groups) == 4 and all(len(g) == 4 for g in groups)
+    for g in groups:
+        paid = np.array([p for p, _, _ in g])
+        assert [s for _, _, s in g] == [False, True, False, True]
+        # the failures are paid exactly 0 however the judge scored them, the successes more
+        # than 1 (the judge's term)
+        assert paid[0] == paid[2] == 0.0 and (paid[[1, 3]] > 1.0).all()
+        # GRPO by hand (ALGORITHMS.md): (r - mean) / (std + 1e-6), std with Bessel's correction
+        expected = (paid - paid.mean()) / (paid.std(ddof=1) + 1e-6)
+        assert [a for _, a, _ in g] == pytest.approx(expected.tolist(), abs=1e-5)
     for r in rows:
-        assert 0.0 <= r["judge/mean"] <= 1.0 and "judge/hacking_suspected" in r
-        # the one-step-SFT model never succeeds: the judge scores it, and nothing is paid
-        assert r["success_rate"] == 0.0 and r["judge/paid_mean"] == 0.0
-        assert r["reward_mean"] == 0.0
-    assert "judge/rise" in rows[-1]  # window 1: compared from step 2 on
+        assert 0.0 < r["judge/mean"] <= 1.0 and "judge/hacking_suspected" in r
+        assert r["judge/paid_mean"] == pytest.approx(weight * r["judge/mean_on_success"] / 2)

@@ -589,6 +589,10 @@ class CurriculumConfig(_Section):
         return self
 
 
+JUDGE_PROMPT = ("Question: {question}\nProposed answer: {answer}\nIs the proposed answer "
+                "correct? Answer yes or no.\nAnswer:")
+
+
 class JudgeConfig(_Section):
     """An optional judge score as a shaping term, paid only where the verifier says success
     (docs/algorithms.md, "Judge shaping"): a judge can be gamed, so it never pays for a wrong
@@ -596,13 +600,42 @@ class JudgeConfig(_Section):
 
     fn: str | None = Field(
         None, description="dotted path of fn(task, trajectory) -> float in [0, 1], e.g. "
-        "tiller.train.judges:grounded_answer; null: no judge")
+        "tiller.train.judges:grounded_answer; null: no judge (or rl.judge.model)")
+    model: str | None = Field(
+        None, description="local path of a Hugging Face causal LM and tokenizer that judges "
+        "instead of fn (tiller.train.judges.ModelJudge): the score is P(yes) / (P(yes) + "
+        "P(no)) of its continuation after `prompt`; a frozen copy, e.g. the policy's start "
+        "checkpoint for self-reflection")
+    prompt: str = Field(
+        JUDGE_PROMPT, description="rl.judge.model's prompt: {question} (the task's prompt) and "
+        "{answer} (the episode's final assistant text) are filled in; the judge then scores "
+        "the continuations ' yes' and ' no'")
     weight: float = Field(0.1, ge=0.0, description="reward = verifier + weight * judge on "
                           "successful episodes; the verifier's value elsewhere")
     window: int = Field(3, ge=1, description="hacking detector: RL steps per window; the last "
                         "window is compared with the one before it")
     margin: float = Field(0.05, ge=0.0, description="hacking detector: a judge-mean rise above "
                           "this while success rose by no more than this is suspected hacking")
+
+    @model_validator(mode="after")
+    def _valid(self) -> JudgeConfig:
+        if self.fn is not None and self.model is not None:
+            raise ConfigError(f"config field rl.judge.model: got {self.model!r} with rl.judge.fn "
+                              f"{self.fn!r}; a run has one judge (unset one of them)")
+        try:
+            filled = self.prompt.format(question="", answer="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ConfigError(f"config field rl.judge.prompt: {type(e).__name__}: {e}; only "
+                              "{question} and {answer} are filled in (double other braces)"
+                              ) from e
+        if "{answer}" not in self.prompt or filled == self.prompt:
+            raise ConfigError("config field rl.judge.prompt: it must contain {answer}, the "
+                              "episode's final text the judge scores")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.fn is not None or self.model is not None
 
 
 class RLConfig(_Section):
@@ -703,8 +736,10 @@ class RLConfig(_Section):
             raise ConfigError(f"config field rl.reward_control_value: got "
                               f"{self.reward_control_value}; it only applies with "
                               f"rl.reward_control: constant (it is {self.reward_control})")
-        if self.reward_control != "none" and self.judge.fn is not None:
-            raise ConfigError(f"config field rl.judge.fn: got {self.judge.fn!r}; the judge "
+        if self.reward_control != "none" and self.judge.enabled:
+            field = "fn" if self.judge.fn is not None else "model"
+            raise ConfigError(f"config field rl.judge.{field}: got "
+                              f"{getattr(self.judge, field)!r}; the judge "
                               f"term is paid on the verifier's success, which would carry the "
                               f"signal rl.reward_control: {self.reward_control} removes (unset "
                               "one of them)")

@@ -42,6 +42,7 @@ from tiller.rollout.trajectory import Trajectory
 from tiller.tools.sandbox import set_unsafe_fallback
 from tiller.tools.stack import ToolStack
 from tiller.train.conversations import conversation_demos
+from tiller.train.judges import ModelJudge
 from tiller.train.shaping import load_judge, load_key_steps
 from tiller.train.trainer import Trainer
 
@@ -151,7 +152,7 @@ class Run:
         self.episode_fn = load_episode_fn(cfg.agent.loop)
         program = load_program(cfg.agent.program) if cfg.agent.program else None
         self.key_steps = load_key_steps(cfg.rl.algorithm.credit.key_steps)
-        self.judge = load_judge(cfg.rl.judge.fn)
+        self.judge = load_judge(cfg.rl.judge.fn)  # rl.judge.model loads with the models
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.dir = Path(output_dir or cfg.output_dir or Path("runs") / f"{cfg.name}-{stamp}")
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -202,6 +203,8 @@ class Run:
         self.dtype = getattr(torch, cfg.model.dtype)
         self.model = load_model(path, torch.float32).to(self.device)
         check_rollout_setup(self.tokenizer, self.model.config, self.limits)
+        if cfg.rl.judge.model is not None:
+            self.judge = ModelJudge(cfg.rl.judge.model, cfg.rl.judge.prompt, device=self.device)
         self.timings["build_s"] = time.perf_counter() - t0
         self.trainer = Trainer(self.model, temperature=cfg.sampling.temperature or 1.0,
                                compute_dtype=self.dtype)

@@ -1,14 +1,23 @@
-"""Judges for `rl.judge.fn`: fn(task, trajectory) -> a score in [0, 1] that shapes the reward of
+"""Judges for `rl.judge`: fn(task, trajectory) -> a score in [0, 1] that shapes the reward of
 successful episodes (`tiller.train.shaping.judge_bonus`). A judge is a proxy, so a policy can
 learn to please it without getting more answers right; the shaping never pays for a wrong
 answer and `tiller.observe.health.JudgeHackingTrend` warns when that happens anyway.
+
+`grounded_answer` is a rubric (rl.judge.fn); `ModelJudge` is a frozen language model asked
+whether the answer is correct (rl.judge.model).
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
 
 from tiller.envs.base import Task
+from tiller.errors import ConfigError
+from tiller.models import load_model
 from tiller.rollout.trajectory import Status, Trajectory
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -36,3 +45,58 @@ def grounded_answer(task: Task, trajectory: Trajectory) -> float:
     grounded = answered and bool(numbers) and numbers[-1] in outputs
     clean = trajectory.tool_errors == 0 and trajectory.parse_errors == 0
     return (answered + grounded + clean) / 3
+
+
+def final_answer(trajectory: Trajectory) -> str:
+    """The text of the episode's last assistant message ("" when it ended on anything else)."""
+    final = trajectory.messages[-1] if trajectory.messages else {}
+    return str(final.get("content") or "") if final.get("role") == "assistant" else ""
+
+
+class ModelJudge:
+    """A frozen Hugging Face causal LM as judge (rl.judge.model):
+
+        score = P(yes | c) / (P(yes | c) + P(no | c)),   c = prompt(question, answer)
+
+    where P(x | c) is the model's probability of every token of the continuation x after the
+    context c, so the two words need not be single tokens. The question is the task's prompt,
+    the answer the episode's final assistant text. Loaded once from a local path, on the
+    policy's device, and never trained: pointed at the policy's start checkpoint it is the
+    policy's own "is this correct?" likelihood (self-reflection) without reading weights the
+    trainer is updating. A context longer than the model's is cut from the left (the answer
+    and the question's end stay).
+    """
+
+    def __init__(self, path: str | Path, prompt: str, yes: str = " yes", no: str = " no",
+                 device: torch.device | str = "cpu"):
+        if not (Path(path) / "config.json").is_file():
+            raise ConfigError(f"config field rl.judge.model: got {str(path)!r}; no Hugging Face "
+                              "model there (expected a local folder with config.json)")
+        # plain text in, so any causal LM's tokenizer will do: no chat template needed
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = load_model(path, torch.float32).to(device).eval()
+        self.prompt, self.device = prompt, torch.device(device)
+        enc = self.tokenizer.encode
+        self.options = (enc(yes, add_special_tokens=False), enc(no, add_special_tokens=False))
+        if not all(self.options) or self.options[0] == self.options[1]:
+            raise ConfigError(f"config field rl.judge.model: the tokenizer at {str(path)!r} "
+                              f"encodes {yes!r} as {self.options[0]} and {no!r} as "
+                              f"{self.options[1]}; they must be distinct and non-empty")
+        self.max_context = getattr(self.model.config, "max_position_embeddings", None)
+
+    @torch.no_grad()
+    def __call__(self, task: Task, trajectory: Trajectory) -> float:
+        text = self.prompt.format(question=task.prompt, answer=final_answer(trajectory))
+        context = self.tokenizer.encode(text, add_special_tokens=False)
+        longest = max(map(len, self.options))
+        if self.max_context is not None:
+            context = context[-(self.max_context - longest):]
+        logp = [self._logprob(context, option) for option in self.options]
+        return float(torch.sigmoid(torch.tensor(logp[0] - logp[1])))
+
+    def _logprob(self, context: list[int], continuation: list[int]) -> float:
+        """log P(continuation | context): the sum of its tokens' log-probabilities."""
+        ids = torch.tensor([context + continuation], device=self.device)
+        logits = self.model(input_ids=ids).logits[0, len(context) - 1:-1].float()
+        target = ids[0, len(context):]
+        return float(torch.log_softmax(logits, -1).gather(1, target[:, None]).sum())
