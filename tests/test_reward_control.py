@@ -1,8 +1,12 @@
 """rl.reward_control: random permutes a step's verifier values, constant replaces them, none
-leaves them; a run under a control trains on the controlled value while its logged success
-and evals stay the verifier's, and constant under GRPO leaves the weights where they were."""
+leaves them; a run under a control, on a policy the verifier pays half the time, trains on the
+controlled value (the traced advantages) while its logged success stays the verifier's, and
+constant under GRPO leaves the weights where they were."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +17,7 @@ from tiller.config import ConfigError, load_config
 from tiller.controller import train
 from tiller.envs.verifiers import Reward
 from tiller.errors import RunError
+from tiller.observe.traces import connect, decode
 from tiller.train.reward_control import RewardControl
 
 CONFIG = "configs/calculator.yaml"
@@ -54,45 +59,70 @@ def test_config_errors_are_one_line():
         load_config(CONFIG, ["rl.reward_control=noise"])
 
 
-def test_constant_under_grpo_trains_on_it_logs_the_real_reward_and_moves_nothing(
-        calc_sft_dir, tmp_path):
-    cfg = load_config(CONFIG, [
+def half_expert(calc_sft_dir, monkeypatch, *more):
+    """A tiny run whose odd samples are the scripted expert's (tests/half_expert_loop.py): the
+    verifier pays 1 on half of every group, so the real reward carries a signal to remove."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    sys.modules.pop("half_expert_loop", None)
+    return load_config(CONFIG, [
         f"model.path={calc_sft_dir}", "model.build=null", "sft.enabled=false", "rl.steps=2",
         "rl.tasks_per_step=2", "rl.group_size=4", "eval.tasks=8", "logging.progress=false",
-        "logging.tensorboard=false", "rl.reward_control=constant",
-        "rl.reward_control_value=1.0"])
-    summary = train(cfg, tmp_path)
+        "logging.tensorboard=false", "agent.loop=half_expert_loop:run_episode", *more])
+
+
+def trained(run_dir):
+    """(verifier success, the advantage trained with) of every trained RL episode."""
+    con = connect(run_dir / "traces.sqlite")
+    out = []
+    for r in con.execute("SELECT reward, train_mask, advantages FROM episodes WHERE phase = "
+                         "'rl' AND trained_step IS NOT NULL"):
+        adv = {a for a, m in zip(decode("advantages", r["advantages"]),
+                                 decode("train_mask", r["train_mask"]), strict=True) if m}
+        assert len(adv) == 1  # every trained token of an episode shares its advantage
+        out.append((r["reward"] >= 1.0, adv.pop()))
+    assert len(out) == 16  # 2 steps x 2 groups x 4 samples
+    return out
+
+
+def test_constant_under_grpo_trains_on_it_logs_the_real_reward_and_moves_nothing(
+        calc_sft_dir, tmp_path, monkeypatch):
+    cfg = half_expert(calc_sft_dir, monkeypatch, "rl.reward_control=constant",
+                      "rl.reward_control_value=1.0")
+    train(cfg, tmp_path)
     rows = rl_rows(tmp_path)
     assert len(rows) == 2
     for r in rows:
         assert r["reward_control/trained_mean"] == 1.0  # what RL trained on
-        # the logged figures are the verifier's: the tiny policy never succeeds
-        assert r["reward_mean"] == 0.0 and r["success_rate"] == 0.0
-        assert r["reward_control/agree_frac"] == 0.0
-    assert summary["heldout_after_rl"]["success"] == 0.0
-    # equal rewards in a group: every GRPO advantage is 0, so no policy gradient at all (with
-    # overlong.mode none, as here: a soft overlong penalty would still vary with length)
+        # the logged figures are the verifier's: half of every group succeeds
+        assert r["reward_mean"] == 0.5 and r["success_rate"] == 0.5
+        assert r["reward_control/agree_frac"] == 0.5  # the successes' value was 1.0 already
+    # the real reward had a signal; the constant leaves none: every advantage is 0
+    assert {s for s, _ in trained(tmp_path)} == {True, False}
+    assert all(a == 0.0 for _, a in trained(tmp_path))
+    # so no policy gradient at all (with overlong.mode none, as here: a soft overlong penalty
+    # would still vary with length)
     before = load_file(calc_sft_dir / "model.safetensors")
     after = load_file(tmp_path / "checkpoints/final/model.safetensors")
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_random_control_reproduces_and_differs_from_the_real_reward_run(calc_sft_dir, tmp_path):
-    """An entropy bonus moves the tiny policy (whose verifier reward is always 0), so the
-    random run's trained values equal the real ones and its numbers are the real run's: the
-    control changes nothing but the reward trained on."""
-    base = [f"model.path={calc_sft_dir}", "model.build=null", "sft.enabled=false",
-            "rl.steps=2", "rl.tasks_per_step=2", "rl.group_size=4", "eval.tasks=8",
-            "logging.progress=false", "logging.tensorboard=false",
-            "rl.algorithm.entropy_coef=0.01"]
-    real = train(load_config(CONFIG, base), tmp_path / "real")
-    rand = train(load_config(CONFIG, [*base, "rl.reward_control=random"]), tmp_path / "rand")
-    for r in rl_rows(tmp_path / "rand"):
-        assert r["reward_control/agree_frac"] == 1.0  # a permutation of all-zero rewards
-    assert real["heldout_after_rl"]["success"] == rand["heldout_after_rl"]["success"]
+def test_random_control_trains_on_rewards_unlinked_from_success(calc_sft_dir, tmp_path,
+                                                                 monkeypatch):
+    train(half_expert(calc_sft_dir, monkeypatch), tmp_path / "real")
+    train(half_expert(calc_sft_dir, monkeypatch, "rl.reward_control=random"),
+                 tmp_path / "rand")
+    # with the real reward every success is above its group's mean, every failure below
+    assert all((a > 0) == s for s, a in trained(tmp_path / "real"))
+    # shuffled rewards: the same mean and logged success, but some failures were rewarded
+    # (and successes not), so some advantages disagree with success
+    rows = rl_rows(tmp_path / "rand")
+    for r in rows:
+        assert r["success_rate"] == 0.5 and r["reward_control/trained_mean"] == 0.5
+        assert r["reward_control/agree_frac"] < 1.0
+    assert sum((a > 0) != s for s, a in trained(tmp_path / "rand")) > 0
     a = load_file(tmp_path / "real/checkpoints/final/model.safetensors")
     b = load_file(tmp_path / "rand/checkpoints/final/model.safetensors")
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_judge_with_a_reward_control_is_refused():
