@@ -12,9 +12,11 @@ arm from that same checkpoint, with the same seed and budget, at the target env.
 Every arm is evaluated on the same held-out tasks at the target difficulty after SFT and every
 --eval-every RL steps. Reported per seed: held-out success at the end (95% bootstrap CI over
 tasks) and each curriculum arm minus uniform, paired on the same tasks (paired bootstrap CI,
-sign-test p); steps-to-threshold, where a seed's threshold is what uniform reaches at its last
-step ("the same held-out success"): the first evaluated step at which each arm reaches it. Over
-seeds: means with a 95% t-interval. Ratios are arm / uniform, measured in the same invocation.
+sign-test p); the curve mean (held-out success averaged over the evaluations after step 0: the
+area under the learning curve); steps-to-threshold, where a seed's threshold is what uniform
+reaches at its last step ("the same held-out success"): the first evaluated step at which each
+arm reaches it. Over seeds: means with a 95% t-interval, and the table keeps the arms every
+merged seed ran. Ratios are arm / uniform, measured in the same invocation.
 
     .venv/bin/python benchmarks/curriculum.py --seeds 0 1 2        # docs/curriculum.md
     .venv/bin/python benchmarks/curriculum.py --quick               # smoke test (tests/)
@@ -173,6 +175,12 @@ def paired(row: dict[str, Any], name: str) -> dict[str, float]:
                    load_outcomes(f"{a['run_dir']}:{a['label']}")[1], "heldout", row["seed"])
 
 
+def curve_mean(curve: dict[Any, float]) -> float:
+    """Mean held-out success over the evaluations after step 0: the area under the learning
+    curve per evaluation, which reads every point, where steps-to-threshold reads one."""
+    return statistics.fmean(v for s, v in curve.items() if int(s) > 0)
+
+
 def uniform_gained(row: dict[str, Any]) -> bool:
     """Did uniform end above the SFT start? If not, every arm "reaches" its final success at
     step 0 and steps-to-threshold says nothing (shown n/a)."""
@@ -206,7 +214,7 @@ def fmt_steps(s: int | str | None, budget: int) -> str:
 
 def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     head = ["seed", "arm", "SFT start", f"held-out at step {args.steps} [95% CI]",
-            "- uniform (paired) [95% CI], p", "threshold", "steps to threshold",
+            "- uniform (paired) [95% CI], p", "curve mean", "threshold", "steps to threshold",
             "steps ratio", "train success", "zero-variance groups", "levels (first -> last)",
             "skipped", "RL s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -219,7 +227,7 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             lines.append("| " + " | ".join([
                 str(r["seed"]), name, f"{a['start']['success']:.3f}", fmt(a["final"]),
                 fmt_diff(r["paired"][name]) if name != "uniform" else "-",
-                f"{r['threshold']:.3f}",
+                f"{curve_mean(a['curve']):.3f}", f"{r['threshold']:.3f}",
                 fmt_steps(s, args.steps) if uniform_gained(r) else "n/a",
                 ratio(s, su) if uniform_gained(r) and s is not None and name != "uniform"
                 else "-",
@@ -234,9 +242,13 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         steps = [float(r["steps"][name]) if r["steps"][name] is not None else math.nan
                  for r in gained]
         line = f"- {name}: held-out at step {args.steps} {mean_ci(finals)}"
+        line += f"; curve mean {mean_ci([curve_mean(r[name]['curve']) for r in results])}"
         if name != "uniform":
             diffs = [r["paired"][name]["diff"] for r in results]
-            line += f", minus uniform (paired by seed) {mean_ci(diffs)}"
+            line += f", minus uniform (paired by seed): at step {args.steps} {mean_ci(diffs)}"
+            gaps = [curve_mean(r[name]["curve"]) - curve_mean(r["uniform"]["curve"])
+                    for r in results]
+            line += f", curve mean {mean_ci(gaps)}"
         line += (f"; steps {mean_ci(steps)} (seeds not reaching it within {args.steps}: "
                  f"{sum(math.isnan(x) for x in steps)})")
         lines.append(line)
@@ -246,9 +258,10 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
 def merge(dirs: list[Path]) -> str:
     """One table over the seeds of several earlier invocations with the same budget."""
     runs = [json.loads((d / "results.json").read_text()) for d in dirs]
-    budget = {k: v for k, v in runs[0]["args"].items() if k not in ("seeds", "out", "merge")}
+    free = ("seeds", "out", "merge", "arms")  # what may differ between merged invocations
+    budget = {k: v for k, v in runs[0]["args"].items() if k not in free}
     for d, r in zip(dirs, runs, strict=True):
-        other = {k: v for k, v in r["args"].items() if k not in ("seeds", "out", "merge")}
+        other = {k: v for k, v in r["args"].items() if k not in free}
         if other != budget:
             raise SystemExit(f"error: {d} ran with another budget: {other} != {budget}")
     md = table([row for r in runs for row in r["results"]], argparse.Namespace(**budget))

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,6 +20,7 @@ def test_steps_to_threshold_and_intervals_hand_computed():
     curve = {0: 0.1, 4: 0.3, 8: 0.5, 12: 0.45}
     assert bench.steps_to(curve, 0.45) == 8 and bench.steps_to(curve, 0.1) == 0
     assert bench.steps_to(curve, 0.6) is None
+    assert bench.curve_mean(curve) == pytest.approx((0.3 + 0.5 + 0.45) / 3)  # step 0 left out
     # mean 0.5, sd 0.1, n 3: half-width 4.30 * 0.1 / sqrt(3) = 0.248
     assert bench.mean_ci([0.4, 0.5, 0.6]) == "0.500 [0.252, 0.748]"
     assert bench.mean_ci([0.4]) == "0.400" and bench.mean_ci([]) == "-"
