@@ -211,6 +211,7 @@ class TraceWriter:
                                       "eval_over_cap", "trained", "steps"), 0)
         self._bytes = 0
         self._cpu_s = 0.0  # the writer thread's CPU time so far: what tracing costs
+        self._put_s = 0.0  # the callers' time inside put_*: what tracing costs the trainer
         self._error: BaseException | None = None
         self._closed = False
         # the schema exists before the first put returns: a reader never sees a bare file
@@ -240,6 +241,7 @@ class TraceWriter:
                     rl_step: int | None = None) -> None:
         """Queue one episode. `phase` is the metrics.jsonl phase ("rl", "eval_sft", ...);
         anything but "rl" is an eval episode and always kept."""
+        t0 = time.perf_counter()
         item = ("episode", traj, phase, split, global_step, rl_step)
         if phase != "rl":
             self._put_waiting(item, f"eval episode {traj.task_id}/{traj.sample_index}")
@@ -247,6 +249,7 @@ class TraceWriter:
             self._count("sampled_out")
         else:
             self._put_or_drop(item)
+        self._put_s += time.perf_counter() - t0
 
     def put_training(self, rl_step: int, trajectories: Sequence[Trajectory], batch: Batch,
                      tensors: RLStepTensors) -> None:
@@ -254,22 +257,27 @@ class TraceWriter:
         per exact sequence, in order): its loss mask (the one trained on, after overlong
         masking and key steps) and `tensors`, each episode's rows put back end to end so they
         line up with its tokens. Updates the rows of the episodes that were written."""
+        t0 = time.perf_counter()
         seeds = [t.seed for t in trajectories]
         segments = [t.segments() for t in trajectories]
         self._put_or_drop(("training", rl_step, seeds, segments, batch.loss_mask,
                            batch.episode_index, tensors))
+        self._put_s += time.perf_counter() - t0
 
     def put_ledger(self, rl_step: int, global_step: int, ledger: dict[str, float]) -> None:
+        t0 = time.perf_counter()
         self._put_or_drop(("ledger", rl_step, global_step, dict(ledger)))
+        self._put_s += time.perf_counter() - t0
 
     def stats(self) -> dict[str, float]:
         """Cumulative counts (episodes written, sampled out, dropped at the cap or at a full
-        queue, eval episodes past the cap, trained rows updated, steps), the payload MiB and
-        the writer thread's CPU seconds."""
+        queue, eval episodes past the cap, trained rows updated, steps), the payload MiB, the
+        writer thread's CPU seconds and the callers' seconds inside put_*."""
         with self._lock:
             out = {f"traces/{k}": float(v) for k, v in self._counts.items()}
             out["traces/payload_mb"] = self._bytes / 2**20
         out["traces/writer_cpu_s"] = self._cpu_s
+        out["traces/put_s"] = self._put_s
         out["traces/queued"] = float(self._queue.qsize())
         return out
 
