@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tiller.errors import RunError
+from tiller.errors import RunError, RunFolderError
 from tiller.seeds import derive_seed
 
 if TYPE_CHECKING:  # the readers (tiller view, tiller report) never load torch
@@ -38,14 +38,14 @@ if TYPE_CHECKING:  # the readers (tiller view, tiller report) never load torch
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: draw and tag (an episode's group)
 
 # numpy dtype of each per-token blob column (little-endian, one value per token)
 ARRAYS = {"token_ids": "<i4", "loss_mask": "u1", "logprobs": "<f8", "token_versions": "<i4",
           "train_mask": "u1", "trainer_logprobs": "<f4", "advantages": "<f4"}
 # columns holding JSON text
-JSON_COLUMNS = ("checks", "versions", "turn_spans", "segment_starts", "split_reasons", "timings",
-                "info", "messages")
+JSON_COLUMNS = ("tag", "checks", "versions", "turn_spans", "segment_starts", "split_reasons",
+                "timings", "info", "messages")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -57,6 +57,8 @@ CREATE TABLE IF NOT EXISTS episodes (
     global_step INTEGER NOT NULL,
     task_id TEXT NOT NULL,
     sample_index INTEGER NOT NULL,
+    draw INTEGER NOT NULL,
+    tag TEXT NOT NULL,
     seed INTEGER,
     status TEXT NOT NULL,
     reward REAL NOT NULL,
@@ -120,10 +122,10 @@ CREATE TABLE IF NOT EXISTS steps (
 """
 
 _EPISODE_COLUMNS = (
-    "phase", "split", "rl_step", "global_step", "task_id", "sample_index", "seed", "status",
-    "reward", "checks", "env_error", "min_version", "max_version", "versions", "n_tokens",
-    "n_generated", "n_turns", "prompt_len", "tool_calls", "tool_errors", "env_errors",
-    "parse_errors", "tool_outputs_truncated", "discarded_tokens", "turn_spans",
+    "phase", "split", "rl_step", "global_step", "task_id", "sample_index", "draw", "tag",
+    "seed", "status", "reward", "checks", "env_error", "min_version", "max_version", "versions",
+    "n_tokens", "n_generated", "n_turns", "prompt_len", "tool_calls", "tool_errors",
+    "env_errors", "parse_errors", "tool_outputs_truncated", "discarded_tokens", "turn_spans",
     "segment_starts", "split_reasons", "timings", "info", "messages", "token_ids", "loss_mask",
     "logprobs", "token_versions", "written")
 _INSERT_EPISODE = (f"INSERT INTO episodes ({', '.join(_EPISODE_COLUMNS)}) "
@@ -151,7 +153,8 @@ def _episode_row(traj: Trajectory, phase: str, split: str, global_step: int,
     generated = generated or list(traj.versions)
     row = {
         "phase": phase, "split": split, "rl_step": rl_step, "global_step": global_step,
-        "task_id": traj.task_id, "sample_index": traj.sample_index, "seed": traj.seed,
+        "task_id": traj.task_id, "sample_index": traj.sample_index, "draw": traj.draw,
+        "tag": _json(list(traj.tag)), "seed": traj.seed,
         "status": traj.status.value, "reward": traj.reward.value,
         "checks": _json(dict(traj.reward.checks)), "env_error": int(traj.reward.env_error),
         "min_version": min(generated, default=None), "max_version": max(generated, default=None),
@@ -216,6 +219,11 @@ class TraceWriter:
         # the schema exists before the first put returns: a reader never sees a bare file
         con = self._connect()
         try:
+            found = schema_version(con)
+            if found not in (None, SCHEMA_VERSION):  # an older run's file in this folder
+                raise RunError(f"traces: {self.path} holds traces of schema version {found}; "
+                               f"this tiller writes version {SCHEMA_VERSION}: use a new "
+                               f"output folder (or move the file away)")
             con.executescript(SCHEMA)
             meta = {"schema_version": SCHEMA_VERSION, "arrays": ARRAYS,
                     "sample_rate": sample_rate, "max_mb": max_mb, "created": time.time()}
@@ -435,13 +443,29 @@ class TraceWriter:
 # ---------------------------------------------------------------------- the reader's side
 
 
+def schema_version(con: sqlite3.Connection) -> int | None:
+    """The schema version a traces database was written with (None: no meta row yet)."""
+    if con.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'"
+                   ).fetchone() is None:
+        return None
+    row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    return None if row is None else json.loads(row[0])
+
+
 def connect(db: str | Path) -> sqlite3.Connection:
     """A read-only connection to a traces.sqlite (a missing file is an error, not a new empty
-    database); rows come back as `sqlite3.Row`."""
+    database; so is another schema version: its columns differ); rows come back as
+    `sqlite3.Row`."""
     path = Path(db)
     if not path.is_file():
         raise FileNotFoundError(f"no traces database at {path}")
     con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    found = schema_version(con)
+    if found != SCHEMA_VERSION:
+        con.close()
+        raise RunFolderError(f"{path} holds traces of schema version {found}; this tiller "
+                             f"reads version {SCHEMA_VERSION} (docs/traces.md): read it with "
+                             f"the tiller that wrote it, or with plain sqlite3")
     con.row_factory = sqlite3.Row
     return con
 
@@ -516,10 +540,8 @@ def query(db: str | Path | sqlite3.Connection, *, phase: str | None = None,
     try:
         con.row_factory = sqlite3.Row
         rows = con.execute(sql, (*args, limit, offset)).fetchall()
-        return [{**dict(r), "checks": json.loads(r["checks"]),
-                 "versions": json.loads(r["versions"]),
-                 "turn_spans": json.loads(r["turn_spans"]), "timings": json.loads(r["timings"]),
-                 "info": json.loads(r["info"])} for r in rows]
+        return [{**dict(r), **{c: json.loads(r[c]) for c in JSON_COLUMNS
+                               if c in SUMMARY_COLUMNS}} for r in rows]
     finally:
         if own:
             con.close()

@@ -223,6 +223,7 @@ async function showEpisode(id, params) {
       ["tokens (generated)", `${ep.n_tokens} (${ep.n_generated}), prompt ${ep.prompt_len}`],
       ["turns", ep.n_turns], ["tool calls (errors)", `${ep.tool_calls} (${ep.tool_errors})`],
       ["weight versions", JSON.stringify(ep.versions)], ["seed", fmt(ep.seed)],
+      ["sampled as (tag, draw)", `${JSON.stringify(ep.tag)}, draw ${ep.draw}`],
       ["info", JSON.stringify(ep.info)]]),
     el("h3", { text: "Conversation" }), conversation(ep.messages, ep.tool_calls_list),
     el("h3", { text: "Tokens" }),
@@ -252,7 +253,7 @@ async function showGroup(id) {
   main.replaceChildren(
     el("p", {}, el("a", { href: `#/episode/${id}` }, "\u2190 episode"), "  ",
       el("a", { href: lastList }, "episode list")),
-    el("h2", { text: `Group of ${first.task_id} (${first.phase}, RL step ${fmt(first.rl_step)}): ${members.length} episodes` }),
+    el("h2", { text: `Group of ${first.task_id}, draw ${first.draw} (${first.phase}, RL step ${fmt(first.rl_step)}): ${members.length} episodes` }),
     el("p", { class: "muted", text: "Rows that differ between the members are highlighted; the best-rewarded members (when rewards differ) have a green border." }),
     table(["", ...members.map((m) => `#${m.id} (sample ${m.sample_index})`)], rows, { id: "group-compare" }),
     el("div", { class: "group" }, members.map((m) =>
