@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # the readers (tiller view, tiller report) never load torch
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2  # 2: draw and tag (an episode's group)
+SCHEMA_VERSION = 2  # 2: draw and tag (an episode's group), at_end
 
 # numpy dtype of each per-token blob column (little-endian, one value per token)
 ARRAYS = {"token_ids": "<i4", "loss_mask": "u1", "logprobs": "<f8", "token_versions": "<i4",
@@ -54,6 +54,7 @@ CREATE TABLE IF NOT EXISTS episodes (
     phase TEXT NOT NULL,
     split TEXT NOT NULL,
     rl_step INTEGER,
+    at_end INTEGER NOT NULL,
     global_step INTEGER NOT NULL,
     task_id TEXT NOT NULL,
     sample_index INTEGER NOT NULL,
@@ -122,12 +123,12 @@ CREATE TABLE IF NOT EXISTS steps (
 """
 
 _EPISODE_COLUMNS = (
-    "phase", "split", "rl_step", "global_step", "task_id", "sample_index", "draw", "tag",
-    "seed", "status", "reward", "checks", "env_error", "min_version", "max_version", "versions",
-    "n_tokens", "n_generated", "n_turns", "prompt_len", "tool_calls", "tool_errors",
-    "env_errors", "parse_errors", "tool_outputs_truncated", "discarded_tokens", "turn_spans",
-    "segment_starts", "split_reasons", "timings", "info", "messages", "token_ids", "loss_mask",
-    "logprobs", "token_versions", "written")
+    "phase", "split", "rl_step", "at_end", "global_step", "task_id", "sample_index", "draw",
+    "tag", "seed", "status", "reward", "checks", "env_error", "min_version", "max_version",
+    "versions", "n_tokens", "n_generated", "n_turns", "prompt_len", "tool_calls",
+    "tool_errors", "env_errors", "parse_errors", "tool_outputs_truncated", "discarded_tokens",
+    "turn_spans", "segment_starts", "split_reasons", "timings", "info", "messages",
+    "token_ids", "loss_mask", "logprobs", "token_versions", "written")
 _INSERT_EPISODE = (f"INSERT INTO episodes ({', '.join(_EPISODE_COLUMNS)}) "
                    f"VALUES ({', '.join('?' * len(_EPISODE_COLUMNS))})")
 # what `query` returns per episode: everything but the per-token arrays and the messages
@@ -152,7 +153,8 @@ def _episode_row(traj: Trajectory, phase: str, split: str, global_step: int,
     generated = [v for v, m in zip(traj.token_versions, traj.loss_mask, strict=False) if m]
     generated = generated or list(traj.versions)
     row = {
-        "phase": phase, "split": split, "rl_step": rl_step, "global_step": global_step,
+        "phase": phase, "split": split, "rl_step": rl_step, "at_end": 0,
+        "global_step": global_step,
         "task_id": traj.task_id, "sample_index": traj.sample_index, "draw": traj.draw,
         "tag": _json(list(traj.tag)), "seed": traj.seed,
         "status": traj.status.value, "reward": traj.reward.value,
@@ -188,6 +190,7 @@ class TraceWriter:
     put_episode   an episode (RL ones sampled by `sample_rate`, eval ones always)
     put_training  what the trainer computed for a batch: updates its episodes' rows
     put_ledger    one RL step's ledger
+    put_at_end    marks the RL episodes the end of RL left untrained
     stats         the `traces/*` counters, cumulative: nothing is skipped without a count
     close         drains the queue (at most `close_timeout_s`), then closes the database
 
@@ -211,7 +214,7 @@ class TraceWriter:
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(("written", "sampled_out", "dropped_cap", "dropped_queue",
-                                      "eval_over_cap", "trained", "steps"), 0)
+                                      "eval_over_cap", "trained", "steps", "at_end"), 0)
         self._bytes = 0
         self._cpu_s = 0.0  # the writer thread's CPU time so far: what tracing costs
         self._error: BaseException | None = None
@@ -270,10 +273,15 @@ class TraceWriter:
     def put_ledger(self, rl_step: int, global_step: int, ledger: dict[str, float]) -> None:
         self._put_or_drop(("ledger", rl_step, global_step, dict(ledger)))
 
+    def put_at_end(self, rl_step: int, trajectories: Sequence[Trajectory]) -> None:
+        """Mark the RL episodes the end of RL (in step `rl_step`) left untrained: `at_end` = 1
+        on the rows of those written, whenever they were."""
+        self._put_or_drop(("at_end", rl_step, [t.seed for t in trajectories]))
+
     def stats(self) -> dict[str, float]:
         """Cumulative counts (episodes written, sampled out, dropped at the cap or at a full
-        queue, eval episodes past the cap, trained rows updated, steps), the payload MiB and
-        the writer thread's CPU seconds."""
+        queue, eval episodes past the cap, trained rows updated, steps, rows marked at_end),
+        the payload MiB and the writer thread's CPU seconds."""
         with self._lock:
             out = {f"traces/{k}": float(v) for k, v in self._counts.items()}
             out["traces/payload_mb"] = self._bytes / 2**20
@@ -432,6 +440,12 @@ class TraceWriter:
                 with self._lock:
                     self._counts["trained"] += cur.rowcount
                     self._bytes += sum(map(len, arrays))
+
+    def _write_at_end(self, con: sqlite3.Connection, rl_step: int, seeds: list[int | None]
+                      ) -> None:
+        cur = con.executemany("UPDATE episodes SET at_end = 1 WHERE phase = 'rl' AND seed = ?",
+                              [(s,) for s in seeds])
+        self._count("at_end", cur.rowcount)  # fewer than seeds: sampled out or dropped
 
     def _write_ledger(self, con: sqlite3.Connection, rl_step: int, global_step: int,
                       ledger: dict[str, float]) -> None:

@@ -196,9 +196,11 @@ function tokenStrip(ep, threshold) {
     el("span", {}, el("span", { class: "tok", "data-mask": "1" }, "generated"), " loss mask 1, shaded green/red by advantage"),
     el("span", {}, el("span", { class: "tok", "data-mask": "1", "data-train": "0" }, "dropped"), " generated but masked out of the loss"),
     el("span", {}, el("span", { class: "tok", "data-flag": "1" }, "flag"), " |logp rollout - logp trainer| > threshold"));
-  const note = ep.trained_step === null
-    ? "not trained (an eval episode, or trained before traces of it were written): no advantages, no trainer logprobs"
-    : `trained at RL step ${ep.trained_step}; advantages up to ${fmt(scale)} in magnitude`;
+  const note = ep.trained_step !== null
+    ? `trained at RL step ${ep.trained_step}; advantages up to ${fmt(scale)} in magnitude`
+    : ep.at_end
+      ? "not trained: the end of RL left it (at_end: its group was running or waiting for a step): no advantages, no trainer logprobs"
+      : "not trained (an eval episode, or trained before traces of it were written): no advantages, no trainer logprobs";
   return el("div", {},
     legend, el("p", { class: "muted", id: "strip-note" }, `${note}; ${flagged} token(s) flagged`),
     el("div", { id: "token-strip", "data-flagged": flagged }, spans));
