@@ -88,8 +88,8 @@ def episode(rng: random.Random, task: int, sample: int, step: int, seed: int) ->
     reward = Reward(float(solved), {"format": 1.0, "answer": float(solved)},
                     env_error=status is Status.ENV_ERROR)
     traj = b.finish(reward, status, messages=messages, tool_calls=turns, tool_errors=errors)
-    # the episode's seed names it in the traces (collect.run_one sets it in a real run)
-    return replace(traj, seed=seed)
+    # the seed and the tag name it in the traces (collect.run_one sets them in a real run)
+    return replace(traj, seed=seed, tag=("rl", step - 1))
 
 
 def synthesize(run_dir: Path, episodes: int, group_size: int = 8, tasks_per_step: int = 16,

@@ -7,9 +7,11 @@ import asyncio
 import importlib.util
 import json
 import random
+import sqlite3
 import string
 import sys
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +139,14 @@ def check_short_run(cfg: Config, summary: dict[str, Any], random_actor: Callable
     assert before.keys() == after.keys()
     assert any(not torch.equal(before[k], after[k]) for k in before), "RL left the weights"
     return expert, rand
+
+
+def traces_of_version(path: Path, version: int) -> Path:
+    """A traces.sqlite at `path` whose meta says it was written with schema `version` (as a
+    file an older tiller wrote says)."""
+    from tiller.observe.traces import TraceWriter
+
+    TraceWriter(path).close()
+    with closing(sqlite3.connect(path)) as con, con:
+        con.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(version),))
+    return path

@@ -3,9 +3,11 @@ rollouts, and async with max_staleness 0 reproducing sync."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import Counter
+from contextlib import closing
 
 import pytest
 import slow_loop
@@ -16,7 +18,8 @@ from hypothesis import strategies as st
 
 from tiller.config import load_config
 from tiller.controller import ledger_unaccounted, rl
-from tiller.errors import ConfigError
+from tiller.errors import ConfigError, RunError
+from tiller.observe.traces import connect
 from tiller.rollout.manager import RolloutManager
 from tiller.rollout.weight_sync import WeightUpdate
 from tiller.run import Run
@@ -136,6 +139,61 @@ def test_the_ledger_accounts_for_episodes_in_flight_at_the_end(calc_sft_dir, tmp
     assert len(taken.trajectories) == 4 and ledger["trained"] == 4
     assert ledger["started"] == 8
     assert {k: v for k, v in ledger.items() if k.endswith("_at_end")} == buckets
+
+
+@pytest.mark.parametrize("mode, stop, shutdown_s, slow_s", [
+    ("async", False, 30.0, 4.0),  # a run that finishes never samples past its last step
+    # stopped after step 1, which trained 2 of the 6 groups started (the throttle allows 3
+    # steps' worth); the slow episode is running, then ends in the wind-down
+    ("async", True, 30.0, 4.0),
+    ("async", True, 0.2, 20.0),  # ... or is cancelled there, its group's other episode ended
+    ("one_step_off", True, 30.0, 4.0)])  # unit 1 was running beside step 1
+def test_what_the_end_of_rl_leaves_is_traced_as_untrained(calc_sft_dir, tmp_path, monkeypatch,
+                                                          mode, stop, shutdown_s, slow_s):
+    """Every episode that ended is in traces.sqlite, those that ended after the last batch
+    too. Those the end of RL left untrained (the ledger's dropped/in_flight_at_end and
+    dropped/unused_at_end) have at_end = 1 and no trained_step; those cancelled while running
+    have no trajectory and are counted in metrics.jsonl's final ledger."""
+    cfg = config(calc_sft_dir, f"rl.mode={mode}", f"rollout.shutdown_timeout_s={shutdown_s}",
+                 slow_episodes(monkeypatch, 0.0, slow_s, pattern=[False] * 7 + [True]))
+    run = Run(cfg, tmp_path)
+
+    def stop_after(step):
+        raise RunError(f"stopped after step {step}")
+
+    try:
+        if stop:
+            with pytest.raises(RunError, match="stopped after step 1"):
+                rl(run, after_step=stop_after)
+        else:
+            rl(run)
+    finally:
+        run.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    (summary,) = [r for r in rows if r["phase"] == "rl_summary"]  # logged when stopped too
+    ledger = Counter({k.removeprefix("ledger/"): int(v) for k, v in summary.items()
+                      if k.startswith("ledger/")})
+    accounted(ledger)
+    (traces,) = [r for r in rows if r["phase"] == "traces"]
+    with closing(connect(tmp_path / "traces.sqlite")) as con:
+        n, trained, at_end, both = con.execute(
+            "SELECT count(*), count(trained_step), total(at_end), "
+            "total(at_end AND trained_step IS NOT NULL) FROM episodes WHERE phase = 'rl'"
+        ).fetchone()
+        steps = {s for (s,) in con.execute("SELECT DISTINCT rl_step FROM episodes "
+                                           "WHERE phase = 'rl' AND at_end = 1")}
+    cancelled = ledger["dropped/cancelled_at_end"]
+    left = ledger["dropped/in_flight_at_end"] + ledger["dropped/unused_at_end"]
+    assert n == ledger["started"] - cancelled  # every episode that ended was traced
+    assert trained == ledger["trained"] and both == 0
+    assert at_end == left == traces["traces/at_end"]
+    if not stop:
+        assert (ledger["trained"], left, cancelled) == (12, 0, 0)
+        return
+    assert ledger["trained"] == 4 and steps == {1}
+    assert ledger["started"] == (12 if mode == "async" else 8)
+    assert (left, cancelled) == ((ledger["started"] - 4 - 1, 1) if shutdown_s < 1
+                                 else (ledger["started"] - 4, 0))
 
 
 def test_an_error_on_the_rollout_thread_stops_the_run_with_that_error(calc_sft_dir, tmp_path):

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_RUN, numbers
+from helpers import TINY_RUN, numbers, traces_of_version
 
 from tiller.config import ConfigError, RLConfig, load_config
 from tiller.controller import train
 from tiller.envs.calculator import CalculatorEnv as Calc
 from tiller.envs.verifiers import Reward
-from tiller.errors import RunError
+from tiller.errors import RunError, RunFolderError
 from tiller.models import load_model
 from tiller.observe.traces import TraceWriter, connect, decode, query, read_episode
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits, ExpertActor, run_episode
@@ -97,6 +97,7 @@ def test_rows_hold_the_trajectories_exactly(rl_episodes, tokenizer, limits, tmp_
         assert (row["reward"], row["checks"]) == (t.reward.value, dict(t.reward.checks))
         assert (row["task_id"], row["sample_index"], row["seed"], row["status"]) == (
             t.task_id, t.sample_index, t.seed, t.status.value)
+        assert (row["draw"], row["tag"]) == (t.draw, list(t.tag)) != (0, [])  # run_one's tag
         assert row["n_generated"] == t.num_generated and row["prompt_len"] == t.prompt_len
         assert row["timings"] == dict(t.timings) and row["trained_step"] is None
         calls = row["tool_calls_list"]
@@ -253,6 +254,14 @@ def test_reader_and_config_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no traces database"):
         connect(tmp_path / "missing.sqlite")
     TraceWriter(tmp_path / "t.sqlite").close()
+    # a file of another schema version: one line naming it, to read and to append to
+    old = traces_of_version(tmp_path / "old.sqlite", 1)
+    with pytest.raises(RunFolderError, match=r"old.sqlite holds traces of schema version 1; "
+                                             r"this tiller reads version 2"):
+        connect(old)
+    with pytest.raises(RunError, match=r"old.sqlite holds traces of schema version 1; this "
+                                       r"tiller writes version 2: use a new output folder"):
+        TraceWriter(old)
     with pytest.raises(ValueError, match="order_by: got 'tokens'; expected one of id, "):
         query(tmp_path / "t.sqlite", order_by="tokens")
     with pytest.raises(ValueError, match="limit must be >= 1"):

@@ -4,6 +4,7 @@ over HTTP on a run synthesized through the real TraceWriter (pages, filters, bad
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import math
 import random
@@ -19,10 +20,19 @@ import httpx
 import pytest
 import uvicorn
 from browser import artifacts_dir, chromium_page
+from helpers import traces_of_version
 
+from tiller.config import RLConfig
+from tiller.envs.calculator import CalculatorEnv as Calc
 from tiller.errors import RunFolderError
+from tiller.models import load_model
 from tiller.observe.traces import TraceWriter, connect, query, read_episode
 from tiller.observe.viewer.app import create_app
+from tiller.rollout.agent_loop import EngineActor, run_episode
+from tiller.rollout.collect import collect
+from tiller.rollout.engine import EmbeddedEngine, SamplingParams
+from tiller.train.batch import Batch
+from tiller.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -177,6 +187,57 @@ def test_episode_and_group(synthetic):
     assert [m["reward"] for m in group] == sorted((m["reward"] for m in group), reverse=True)
 
 
+def test_a_group_is_one_draw_of_its_task_under_one_tag(calc_model_dir, tokenizer, limits,
+                                                       tmp_path):
+    """Unit 0 draws task a twice (draws 0 and 1) and b once; unit 1 draws a again (draw 0
+    under its own tag); step 1 trains all four groups, as async trains groups of two units in
+    one step. The group page shows each group alone, and an eval draw with its samples under
+    both eval seeds."""
+    model = load_model(calc_model_dir)
+    engine = EmbeddedEngine(model, tokenizer.pad_token_id)
+    actor = EngineActor(engine, SamplingParams(max_new_tokens=24,
+                                               stop_token_ids=(tokenizer.eos_token_id,)))
+    a, b = Calc.make_tasks("train", 2, 0, 2)
+
+    def sample(tasks, tag):
+        return asyncio.run(collect(tasks, 2, actor, episode_fn=run_episode,
+                                   make_env=lambda *key: Calc(), tokenizer=tokenizer,
+                                   limits=limits, seed=0, tag=tag))
+
+    try:
+        rl = sample([a, a, b], ("rl", 0)) + sample([a], ("rl", 1))
+        evals = sample([a, a], ("eval", "rl", "seed0")) + sample([a, a], ("eval", "rl", "seed1"))
+    finally:
+        engine.close()
+    writer = TraceWriter(tmp_path / "traces.sqlite")
+    for t in rl:
+        writer.put_episode(t, "rl", "train", 0, 1)
+    for t in evals:
+        writer.put_episode(t, "eval_rl", "heldout", 1)
+    trainer = Trainer(model)
+    trainer.set_optimizer(1e-4)
+    batch = Batch.collate(rl, tokenizer.pad_token_id, group_index=[0, 0, 1, 1, 2, 2, 3, 3])
+    trainer.rl_step(batch, RLConfig(), l_max=256)
+    writer.put_training(1, rl, batch, trainer.last_rl)
+    assert writer.close()["traces/trained"] == 8
+    db = tmp_path / "traces.sqlite"
+    with closing(connect(db)) as con:
+        # one step trained a's three groups: its step and task alone would merge them
+        assert con.execute("SELECT count(*) FROM episodes WHERE task_id = ? AND "
+                           "trained_step = 1", (a.id,)).fetchone()[0] == 6
+        assert [(r["tag"], r["draw"]) for r in query(con, phase="rl")] == [
+            (["rl", 0], 0)] * 2 + [(["rl", 0], 1)] * 2 + [(["rl", 0], 0)] * 2 + [
+            (["rl", 1], 0)] * 2
+    # ids in write order: the RL groups 1-2 (a, draw 0), 3-4 (a, draw 1), 5-6 (b), 7-8 (a in
+    # unit 1); eval a's draw 0 is 9-10 (seed 0) and 13-14 (seed 1), its draw 1 11-12, 15-16
+    groups = [[1, 2], [3, 4], [5, 6], [7, 8], [9, 10, 13, 14], [11, 12, 15, 16]]
+    with serving(tmp_path) as url, httpx.Client(base_url=url, timeout=30) as client:
+        for members in groups:
+            for episode_id in members:
+                got = client.get(f"/api/episodes/{episode_id}/group").json()["members"]
+                assert sorted(m["id"] for m in got) == members, episode_id
+
+
 @pytest.mark.parametrize("path, code, says", [
     ("/api/episodes?status=bogus", 422, "status"),
     ("/api/episodes?limit=0", 422, "limit"),
@@ -196,6 +257,11 @@ def test_malformed_requests_are_clear_errors(synthetic, path, code, says):
 def test_a_folder_without_traces_is_one_line(tmp_path):
     with pytest.raises(RunFolderError, match="has no traces.sqlite"):
         create_app(tmp_path)
+    (tmp_path / "old").mkdir()
+    traces_of_version(tmp_path / "old" / "traces.sqlite", 1)
+    with pytest.raises(RunFolderError, match="holds traces of schema version 1; this tiller "
+                                             "reads version 2"):
+        create_app(tmp_path / "old")
     out = subprocess.run([sys.executable, "-m", "tiller", "view", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2

@@ -33,7 +33,7 @@ from tiller.observe.health import EnvErrorTrend, JudgeHackingTrend
 from tiller.observe.metrics import progress
 from tiller.rollout.collect import rollout_metrics
 from tiller.rollout.curriculum import make_curriculum
-from tiller.rollout.manager import RolloutManager
+from tiller.rollout.manager import RolloutManager, Rollouts
 from tiller.rollout.trajectory import Status, Trajectory
 from tiller.run import Run, get_env, heldout_disabled, rl_task_reserve
 from tiller.tools.executor import ToolReliabilityError
@@ -178,10 +178,12 @@ def rl(run: Run, after_step: Callable[[int], None] | None = None) -> dict[str, A
         judge=(lambda task, t: judged(run.judge, task, t)) if run.judge else None,
         on_group=curriculum.record if curriculum is not None else None)
     idle, trainer_s, staleness = 0, 0.0, Counter()
+    rl_step = 1  # the step RL is in (1-based): where what is left at the end is traced
     try:
         with progress(run.cfg.logging.progress, f"RL ({alg.preset or alg.advantage}, "
                       f"{cfg.mode})", cfg.steps) as advance:
             for step in range(cfg.steps):
+                rl_step = step + 1
                 ts = time.perf_counter()
                 if kl_beta_at(step, alg.kl.beta, alg.kl.off_after) == 0:
                     ref = None  # the schedule switched the KL off: free the copy
@@ -255,13 +257,14 @@ def rl(run: Run, after_step: Callable[[int], None] | None = None) -> dict[str, A
                         f"zero_var={m['zero_variance_group_frac']:.2f}")
         t_end = time.perf_counter()
     except BaseException:
-        try:  # the error that stopped RL is the one to report, not a failing wind-down's
-            rollouts.close()
+        try:  # the error that stopped RL is the one to report, not a failing wind-down's;
+            # the final ledger (what the wind-down counted) is logged all the same
+            run.log("rl_summary", ledger_row(wind_down(run, rollouts, rl_step)))
         except Exception as e:
             log.error("rl: winding down the rollouts after the error below failed too: %s: %s",
                       type(e).__name__, e)
         raise
-    ledger = rollouts.close()
+    ledger = wind_down(run, rollouts, rl_step)
     # the wall time includes winding down the episodes still running: their cost is real
     wall = run.timings["rl_s"] = time.perf_counter() - t0
     produced = rollouts.stats()
@@ -283,9 +286,36 @@ def rl(run: Run, after_step: Callable[[int], None] | None = None) -> dict[str, A
         log.error("rl: %d started trajectories are not in the ledger (%s)", unaccounted,
                   dict(ledger))
         summary["ledger_unaccounted"] = unaccounted
-    run.log("rl_summary", {k: v for k, v in summary.items() if isinstance(v, (int, float))
-                           and not isinstance(v, bool)})
+    run.log("rl_summary", {**{k: v for k, v in summary.items()
+                              if isinstance(v, (int, float)) and not isinstance(v, bool)},
+                           **ledger_row(ledger)})
     return summary
+
+
+def wind_down(run: Run, rollouts: Rollouts, rl_step: int) -> Counter[str]:
+    """Close the rollouts and trace what the end of RL left, under `rl_step` (the step RL
+    ended in): the episodes that ended after the last batch was taken, and `at_end` on those
+    it left untrained (the ledger's dropped/in_flight_at_end, dropped/unused_at_end). Returns
+    the final ledger; its dropped/cancelled_at_end are the episodes cancelled while running,
+    which have no trajectory to trace."""
+    ledger = rollouts.close()
+    left = rollouts.leftovers()
+    if run.traces is not None:
+        for t in left.ended:
+            run.traces.put_episode(t, "rl", "train", run.trainer.version, rl_step)
+        if left.at_end:
+            run.traces.put_at_end(rl_step, left.at_end)
+    if left.at_end or ledger["dropped/cancelled_at_end"]:
+        log.warning("rl: the end of RL left %d finished episodes untrained (traced with "
+                    "at_end = 1) and cancelled %d running ones (ledger: %s)", len(left.at_end),
+                    ledger["dropped/cancelled_at_end"],
+                    {k: v for k, v in ledger.items() if k.endswith("_at_end")})
+    return ledger
+
+
+def ledger_row(ledger: Counter[str]) -> dict[str, float]:
+    """The ledger as metrics (`ledger/<bucket>`)."""
+    return {f"ledger/{k}": float(v) for k, v in ledger.items()}
 
 
 def staleness_metrics(stale: list[int]) -> dict[str, float]:

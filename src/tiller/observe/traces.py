@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tiller.errors import RunError
+from tiller.errors import RunError, RunFolderError
 from tiller.seeds import derive_seed
 
 if TYPE_CHECKING:  # the readers (tiller view, tiller report) never load torch
@@ -38,14 +38,14 @@ if TYPE_CHECKING:  # the readers (tiller view, tiller report) never load torch
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: draw and tag (an episode's group), at_end
 
 # numpy dtype of each per-token blob column (little-endian, one value per token)
 ARRAYS = {"token_ids": "<i4", "loss_mask": "u1", "logprobs": "<f8", "token_versions": "<i4",
           "train_mask": "u1", "trainer_logprobs": "<f4", "advantages": "<f4"}
 # columns holding JSON text
-JSON_COLUMNS = ("checks", "versions", "turn_spans", "segment_starts", "split_reasons", "timings",
-                "info", "messages")
+JSON_COLUMNS = ("tag", "checks", "versions", "turn_spans", "segment_starts", "split_reasons",
+                "timings", "info", "messages")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -54,9 +54,12 @@ CREATE TABLE IF NOT EXISTS episodes (
     phase TEXT NOT NULL,
     split TEXT NOT NULL,
     rl_step INTEGER,
+    at_end INTEGER NOT NULL,
     global_step INTEGER NOT NULL,
     task_id TEXT NOT NULL,
     sample_index INTEGER NOT NULL,
+    draw INTEGER NOT NULL,
+    tag TEXT NOT NULL,
     seed INTEGER,
     status TEXT NOT NULL,
     reward REAL NOT NULL,
@@ -120,12 +123,12 @@ CREATE TABLE IF NOT EXISTS steps (
 """
 
 _EPISODE_COLUMNS = (
-    "phase", "split", "rl_step", "global_step", "task_id", "sample_index", "seed", "status",
-    "reward", "checks", "env_error", "min_version", "max_version", "versions", "n_tokens",
-    "n_generated", "n_turns", "prompt_len", "tool_calls", "tool_errors", "env_errors",
-    "parse_errors", "tool_outputs_truncated", "discarded_tokens", "turn_spans",
-    "segment_starts", "split_reasons", "timings", "info", "messages", "token_ids", "loss_mask",
-    "logprobs", "token_versions", "written")
+    "phase", "split", "rl_step", "at_end", "global_step", "task_id", "sample_index", "draw",
+    "tag", "seed", "status", "reward", "checks", "env_error", "min_version", "max_version",
+    "versions", "n_tokens", "n_generated", "n_turns", "prompt_len", "tool_calls",
+    "tool_errors", "env_errors", "parse_errors", "tool_outputs_truncated", "discarded_tokens",
+    "turn_spans", "segment_starts", "split_reasons", "timings", "info", "messages",
+    "token_ids", "loss_mask", "logprobs", "token_versions", "written")
 _INSERT_EPISODE = (f"INSERT INTO episodes ({', '.join(_EPISODE_COLUMNS)}) "
                    f"VALUES ({', '.join('?' * len(_EPISODE_COLUMNS))})")
 # what `query` returns per episode: everything but the per-token arrays and the messages
@@ -150,8 +153,10 @@ def _episode_row(traj: Trajectory, phase: str, split: str, global_step: int,
     generated = [v for v, m in zip(traj.token_versions, traj.loss_mask, strict=False) if m]
     generated = generated or list(traj.versions)
     row = {
-        "phase": phase, "split": split, "rl_step": rl_step, "global_step": global_step,
-        "task_id": traj.task_id, "sample_index": traj.sample_index, "seed": traj.seed,
+        "phase": phase, "split": split, "rl_step": rl_step, "at_end": 0,
+        "global_step": global_step,
+        "task_id": traj.task_id, "sample_index": traj.sample_index, "draw": traj.draw,
+        "tag": _json(list(traj.tag)), "seed": traj.seed,
         "status": traj.status.value, "reward": traj.reward.value,
         "checks": _json(dict(traj.reward.checks)), "env_error": int(traj.reward.env_error),
         "min_version": min(generated, default=None), "max_version": max(generated, default=None),
@@ -185,6 +190,7 @@ class TraceWriter:
     put_episode   an episode (RL ones sampled by `sample_rate`, eval ones always)
     put_training  what the trainer computed for a batch: updates its episodes' rows
     put_ledger    one RL step's ledger
+    put_at_end    marks the RL episodes the end of RL left untrained
     stats         the `traces/*` counters, cumulative: nothing is skipped without a count
     close         drains the queue (at most `close_timeout_s`), then closes the database
 
@@ -208,7 +214,7 @@ class TraceWriter:
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(("written", "sampled_out", "dropped_cap", "dropped_queue",
-                                      "eval_over_cap", "trained", "steps"), 0)
+                                      "eval_over_cap", "trained", "steps", "at_end"), 0)
         self._bytes = 0
         self._cpu_s = 0.0  # the writer thread's CPU time so far: what tracing costs
         self._put_s = 0.0  # the callers' time inside put_*: what tracing costs the trainer
@@ -217,6 +223,11 @@ class TraceWriter:
         # the schema exists before the first put returns: a reader never sees a bare file
         con = self._connect()
         try:
+            found = schema_version(con)
+            if found not in (None, SCHEMA_VERSION):  # an older run's file in this folder
+                raise RunError(f"traces: {self.path} holds traces of schema version {found}; "
+                               f"this tiller writes version {SCHEMA_VERSION}: use a new "
+                               f"output folder (or move the file away)")
             con.executescript(SCHEMA)
             meta = {"schema_version": SCHEMA_VERSION, "arrays": ARRAYS,
                     "sample_rate": sample_rate, "max_mb": max_mb, "created": time.time()}
@@ -269,10 +280,17 @@ class TraceWriter:
         self._put_or_drop(("ledger", rl_step, global_step, dict(ledger)))
         self._put_s += time.perf_counter() - t0
 
+    def put_at_end(self, rl_step: int, trajectories: Sequence[Trajectory]) -> None:
+        """Mark the RL episodes the end of RL (in step `rl_step`) left untrained: `at_end` = 1
+        on the rows of those written, whenever they were."""
+        t0 = time.perf_counter()
+        self._put_or_drop(("at_end", rl_step, [t.seed for t in trajectories]))
+        self._put_s += time.perf_counter() - t0
+
     def stats(self) -> dict[str, float]:
         """Cumulative counts (episodes written, sampled out, dropped at the cap or at a full
-        queue, eval episodes past the cap, trained rows updated, steps), the payload MiB, the
-        writer thread's CPU seconds and the callers' seconds inside put_*."""
+        queue, eval episodes past the cap, trained rows updated, steps, rows marked at_end),
+        the payload MiB, the writer thread's CPU seconds and the callers' seconds inside put_*."""
         with self._lock:
             out = {f"traces/{k}": float(v) for k, v in self._counts.items()}
             out["traces/payload_mb"] = self._bytes / 2**20
@@ -433,6 +451,12 @@ class TraceWriter:
                     self._counts["trained"] += cur.rowcount
                     self._bytes += sum(map(len, arrays))
 
+    def _write_at_end(self, con: sqlite3.Connection, rl_step: int, seeds: list[int | None]
+                      ) -> None:
+        cur = con.executemany("UPDATE episodes SET at_end = 1 WHERE phase = 'rl' AND seed = ?",
+                              [(s,) for s in seeds])
+        self._count("at_end", cur.rowcount)  # fewer than seeds: sampled out or dropped
+
     def _write_ledger(self, con: sqlite3.Connection, rl_step: int, global_step: int,
                       ledger: dict[str, float]) -> None:
         con.execute("INSERT OR REPLACE INTO steps VALUES (?, ?, ?, ?)",
@@ -443,13 +467,29 @@ class TraceWriter:
 # ---------------------------------------------------------------------- the reader's side
 
 
+def schema_version(con: sqlite3.Connection) -> int | None:
+    """The schema version a traces database was written with (None: no meta row yet)."""
+    if con.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'"
+                   ).fetchone() is None:
+        return None
+    row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    return None if row is None else json.loads(row[0])
+
+
 def connect(db: str | Path) -> sqlite3.Connection:
     """A read-only connection to a traces.sqlite (a missing file is an error, not a new empty
-    database); rows come back as `sqlite3.Row`."""
+    database; so is another schema version: its columns differ); rows come back as
+    `sqlite3.Row`."""
     path = Path(db)
     if not path.is_file():
         raise FileNotFoundError(f"no traces database at {path}")
     con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    found = schema_version(con)
+    if found != SCHEMA_VERSION:
+        con.close()
+        raise RunFolderError(f"{path} holds traces of schema version {found}; this tiller "
+                             f"reads version {SCHEMA_VERSION} (docs/traces.md): read it with "
+                             f"the tiller that wrote it, or with plain sqlite3")
     con.row_factory = sqlite3.Row
     return con
 
@@ -524,10 +564,8 @@ def query(db: str | Path | sqlite3.Connection, *, phase: str | None = None,
     try:
         con.row_factory = sqlite3.Row
         rows = con.execute(sql, (*args, limit, offset)).fetchall()
-        return [{**dict(r), "checks": json.loads(r["checks"]),
-                 "versions": json.loads(r["versions"]),
-                 "turn_spans": json.loads(r["turn_spans"]), "timings": json.loads(r["timings"]),
-                 "info": json.loads(r["info"])} for r in rows]
+        return [{**dict(r), **{c: json.loads(r[c]) for c in JSON_COLUMNS
+                               if c in SUMMARY_COLUMNS}} for r in rows]
     finally:
         if own:
             con.close()

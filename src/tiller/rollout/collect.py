@@ -30,12 +30,12 @@ async def run_one(task: Task, k: int, actor: Actor, *, episode_fn: EpisodeFn,
     """Episode k of the `draw`-th draw of `task` under `tag`: the env `make_env(*tag, inst, k)`
     and the seed derived from (seed, tag, inst, k), so its tokens depend on nothing else;
     inst is the task id, with `#draw` for a repeated draw (its own seeds and replay keys).
-    The trajectory carries that seed and draw."""
+    The trajectory carries that seed, draw and tag."""
     inst = task.id if draw == 0 else f"{task.id}#{draw}"
     episode_seed = derive_seed(seed, tag, inst, k)
     traj = await episode_fn(make_env(*tag, inst, k), task, actor, tokenizer,
                             seed=episode_seed, sample_index=k, limits=limits)
-    return replace(traj, seed=episode_seed, draw=draw)
+    return replace(traj, seed=episode_seed, draw=draw, tag=tuple(tag))
 
 
 def draws(tasks: Sequence[Task]) -> list[int]:

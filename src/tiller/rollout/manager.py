@@ -63,6 +63,16 @@ class Taken:
     stats: dict[str, float]
 
 
+@dataclass
+class Leftovers:
+    """What the end of RL left (`Rollouts.leftovers`); none of it was trained."""
+
+    ended: list[Trajectory]  # ended after the last batch was taken: in no `Taken.ended`
+    # those RL's end left untrained, the ledger's dropped/in_flight_at_end and
+    # dropped/unused_at_end (a group that waited for a step may have ended long before)
+    at_end: list[Trajectory]
+
+
 class Rollouts(Protocol):
     """The trainer's view of the rollout side."""
 
@@ -81,6 +91,10 @@ class Rollouts(Protocol):
 
     def close(self) -> Counter[str]:
         """Stop producing, account for every episode still running; returns the ledger."""
+        ...
+
+    def leftovers(self) -> Leftovers:
+        """After `close`: what the end of RL left untrained."""
         ...
 
 
@@ -189,6 +203,7 @@ class RolloutManager:
         self._version = version
         self._inflight = 0  # episodes running
         self._ended: list[Trajectory] = []
+        self._at_end: list[Trajectory] = []  # RL's end left them untrained (`leftovers`)
         self._flat = self._groups_ended = self._flat_filtered = 0
         self._nothing_kept = 0  # groups in a row with nothing kept (async: a run that cannot
         self._error: BaseException | None = None  # learn must stop, not spin)
@@ -278,9 +293,20 @@ class RolloutManager:
             else:
                 self._loop.close()
         with self._cond:
+            self._at_end += [t for g in self.buffer.ready for t in g.members]
             self.buffer.drop_all("unused_at_end")
             self._stop_busy()
         return self.ledger
+
+    def leftovers(self) -> Leftovers:
+        """After `close`: the episodes that ended after the last batch was taken (groups that
+        ended, were cancelled with members ended, or waited for a step) and those the end of
+        RL left untrained. Those cancelled while running have no trajectory
+        (`dropped/cancelled_at_end`)."""
+        with self._cond:
+            if not self.control.stopping:  # before close they belong to the next batch
+                raise RuntimeError("RolloutManager.leftovers() is for after close()")
+            return Leftovers(list(self._ended), list(self._at_end))
 
     # ------------------------------------------------------------------ rules (under _cond)
     def _ready_batch(self, step: int) -> list[Group] | None:
@@ -414,6 +440,8 @@ class RolloutManager:
                 ep.cancel()
             with self._cond:
                 self._count(finished, "dropped/in_flight_at_end")
+                self._ended += finished  # they ended: `leftovers` hands them on
+                self._at_end += finished
             raise
         except BaseException as e:  # a RunError/ConfigError of the env, or a bug: stop the run
             for ep in episodes:
@@ -476,6 +504,7 @@ class RolloutManager:
             self._ended += trajs
             if self.control.stopping:
                 self._count(trajs, "dropped/in_flight_at_end")
+                self._at_end += trajs
                 self._cond.notify_all()
                 return
             self._groups_ended += 1

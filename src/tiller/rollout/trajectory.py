@@ -67,6 +67,10 @@ class Trajectory:
     # (0 = the first; a task listed again gets 1, 2...): groups are keyed by (task_id, draw),
     # so a small task set drawn with replacement never merges two draws into one group
     draw: int = 0
+    # the tag its seed was derived under (set by `collect.run_one`): ("rl", unit) or ("rl",
+    # unit, round) in RL, ("eval", label, ...) in an evaluation. Draws are counted per tag, so
+    # across a run (tag, task_id, draw) names the group it was sampled in (traces.sqlite)
+    tag: tuple[str | int, ...] = ()
 
     def segments(self) -> list[tuple[int, int]]:
         """[start, end) of each exact sequence in `token_ids` (one span when never split)."""

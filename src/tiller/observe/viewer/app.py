@@ -9,7 +9,7 @@ is still running keeps writing it; the pages ask for one page of episodes at a t
     GET /api/run                   counts by phase and status, RL step range, run facts
     GET /api/episodes?...          one page of episode summaries under the filters
     GET /api/episodes/{id}         one episode: messages, tool calls, per-token arrays + text
-    GET /api/episodes/{id}/group   the episodes of its group (same phase, task and RL step)
+    GET /api/episodes/{id}/group   the episodes of its group (sampled together; eval: its task)
     GET /api/curves                the RL steps' metrics and the held-out evaluations
 """
 
@@ -93,6 +93,7 @@ def create_app(run_dir: str | Path) -> FastAPI:
     if not db.is_file():
         raise RunFolderError(f"{run_dir} has no traces.sqlite (is it a run folder? traces are "
                              f"written when observe.traces.enabled=true)")
+    connect(db).close()  # another schema version is one line at start-up, not a 500 a page
     texts = TokenTexts(find_tokenizer(run_dir))
     app = FastAPI(title="tiller view", docs_url=None, redoc_url=None, openapi_url=None)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")

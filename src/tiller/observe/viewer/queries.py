@@ -121,21 +121,24 @@ def episode(con: sqlite3.Connection, episode_id: int) -> dict[str, Any] | None:
 
 def group(con: sqlite3.Connection, episode_id: int) -> list[dict[str, Any]] | None:
     """The episodes of `episode_id`'s group, best reward first, each with its messages and
-    tool calls: those of the same phase and task trained in the same RL step (a group is
-    trained together, even when its members ended in different steps, as in async); for an
-    episode not trained, those of its task collected in the same step and not trained either
-    (for an eval: every sample of the task). None if there is no such episode."""
-    key = con.execute("SELECT phase, task_id, rl_step, trained_step FROM episodes WHERE id = ?",
+    tool calls. RL: the episodes sampled together with it (the same tag, task and draw: one
+    group, trained or filtered together, with those of its members the buffer dropped), even
+    when, in async, they ended in different steps. Eval: every sample of its task's draw,
+    under every eval seed. None if there is no such episode."""
+    key = con.execute("SELECT phase, tag, task_id, draw FROM episodes WHERE id = ?",
                       (episode_id,)).fetchone()
     if key is None:
         return None
-    same_step, arg = (("trained_step = ?", key["trained_step"])
-                      if key["trained_step"] is not None
-                      else ("rl_step IS ? AND trained_step IS NULL", key["rl_step"]))
+    # draws are counted per tag: in RL another unit (or refill round) that drew the same task
+    # has draw 0 too. An eval unit is (task, draw) pooled over eval.seeds, whose tags differ.
+    same, args = "phase = ? AND task_id = ? AND draw = ?", [key["phase"], key["task_id"],
+                                                            key["draw"]]
+    if key["phase"] == "rl":
+        same += " AND tag = ?"
+        args.append(key["tag"])
     cols = [*SUMMARY_COLUMNS, "messages"]
-    rows = con.execute(f"SELECT {', '.join(cols)} FROM episodes WHERE phase = ? AND "
-                       f"task_id = ? AND {same_step} ORDER BY reward DESC, sample_index, id",
-                       (key["phase"], key["task_id"], arg)).fetchall()
+    rows = con.execute(f"SELECT {', '.join(cols)} FROM episodes WHERE {same} "
+                       f"ORDER BY reward DESC, sample_index, id", args).fetchall()
     members = [_summary(r) for r in rows]
     ids = [m["id"] for m in members]
     calls: dict[int, list[dict[str, Any]]] = {i: [] for i in ids}

@@ -196,9 +196,11 @@ function tokenStrip(ep, threshold) {
     el("span", {}, el("span", { class: "tok", "data-mask": "1" }, "generated"), " loss mask 1, shaded green/red by advantage"),
     el("span", {}, el("span", { class: "tok", "data-mask": "1", "data-train": "0" }, "dropped"), " generated but masked out of the loss"),
     el("span", {}, el("span", { class: "tok", "data-flag": "1" }, "flag"), " |logp rollout - logp trainer| > threshold"));
-  const note = ep.trained_step === null
-    ? "not trained (an eval episode, or trained before traces of it were written): no advantages, no trainer logprobs"
-    : `trained at RL step ${ep.trained_step}; advantages up to ${fmt(scale)} in magnitude`;
+  const note = ep.trained_step !== null
+    ? `trained at RL step ${ep.trained_step}; advantages up to ${fmt(scale)} in magnitude`
+    : ep.at_end
+      ? "not trained: the end of RL left it (at_end: its group was running or waiting for a step): no advantages, no trainer logprobs"
+      : "not trained (an eval episode, or trained before traces of it were written): no advantages, no trainer logprobs";
   return el("div", {},
     legend, el("p", { class: "muted", id: "strip-note" }, `${note}; ${flagged} token(s) flagged`),
     el("div", { id: "token-strip", "data-flagged": flagged }, spans));
@@ -223,6 +225,7 @@ async function showEpisode(id, params) {
       ["tokens (generated)", `${ep.n_tokens} (${ep.n_generated}), prompt ${ep.prompt_len}`],
       ["turns", ep.n_turns], ["tool calls (errors)", `${ep.tool_calls} (${ep.tool_errors})`],
       ["weight versions", JSON.stringify(ep.versions)], ["seed", fmt(ep.seed)],
+      ["sampled as (tag, draw)", `${JSON.stringify(ep.tag)}, draw ${ep.draw}`],
       ["info", JSON.stringify(ep.info)]]),
     el("h3", { text: "Conversation" }), conversation(ep.messages, ep.tool_calls_list),
     el("h3", { text: "Tokens" }),
@@ -252,7 +255,7 @@ async function showGroup(id) {
   main.replaceChildren(
     el("p", {}, el("a", { href: `#/episode/${id}` }, "\u2190 episode"), "  ",
       el("a", { href: lastList }, "episode list")),
-    el("h2", { text: `Group of ${first.task_id} (${first.phase}, RL step ${fmt(first.rl_step)}): ${members.length} episodes` }),
+    el("h2", { text: `Group of ${first.task_id}, draw ${first.draw} (${first.phase}, RL step ${fmt(first.rl_step)}): ${members.length} episodes` }),
     el("p", { class: "muted", text: "Rows that differ between the members are highlighted; the best-rewarded members (when rewards differ) have a green border." }),
     table(["", ...members.map((m) => `#${m.id} (sample ${m.sample_index})`)], rows, { id: "group-compare" }),
     el("div", { class: "group" }, members.map((m) =>
