@@ -69,6 +69,7 @@ def run_once(model: Path, traces: bool, args: argparse.Namespace, out: Path) -> 
     return {"traces": traces, "wall_s": wall, "rl_s": summary["rl"]["wall_s"],
             "written": final.get("traces/written", 0.0),
             "writer_cpu_s": final.get("traces/writer_cpu_s", 0.0),
+            "put_s": final.get("traces/put_s", 0.0),
             "dropped": final.get("traces/dropped_queue", 0.0)
             + final.get("traces/dropped_cap", 0.0),
             "mb": sum(p.stat().st_size for p in out.glob("traces.sqlite*")) / 2**20
@@ -79,16 +80,18 @@ def table(runs: list[dict]) -> str:
     off = [r for r in runs if not r["traces"]]
     on = [r for r in runs if r["traces"]]
     lines = ["| traces | wall s (each run) | median wall s | median RL s | episodes written | "
-             "dropped | traces.sqlite MiB | writer CPU s (share of wall) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "dropped | traces.sqlite MiB | writer CPU s (share of wall) | "
+             "time in put calls s (share of wall) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for label, rs in (("off", off), ("on", on)):
         walls = ", ".join(f"{r['wall_s']:.1f}" for r in rs)
+        wall = statistics.median(r["wall_s"] for r in rs)
         cpu = statistics.median(r["writer_cpu_s"] for r in rs)
-        lines.append(f"| {label} | {walls} | "
-                     f"{statistics.median(r['wall_s'] for r in rs):.1f} | "
+        put = statistics.median(r["put_s"] for r in rs)
+        lines.append(f"| {label} | {walls} | {wall:.1f} | "
                      f"{statistics.median(r['rl_s'] for r in rs):.1f} | "
                      f"{rs[0]['written']:.0f} | {rs[0]['dropped']:.0f} | {rs[0]['mb']:.1f} | "
-                     f"{cpu:.2f} ({cpu / statistics.median(r['wall_s'] for r in rs):.1%}) |")
+                     f"{cpu:.2f} ({cpu / wall:.1%}) | {put:.2f} ({put / wall:.1%}) |")
     ratio = statistics.median(r["wall_s"] for r in on) / statistics.median(
         r["wall_s"] for r in off)
     pairs = [b["wall_s"] / a["wall_s"] for a, b in zip(off, on, strict=True)]

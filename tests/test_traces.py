@@ -82,7 +82,7 @@ def test_rows_hold_the_trajectories_exactly(rl_episodes, tokenizer, limits, tmp_
         writer.put_episode(t, "eval_sft", "heldout", global_step=3)
     stats = writer.close()
     assert stats["traces/written"] == len(rl) + len(ev) and stats["traces/queued"] == 0
-    assert stats["traces/writer_cpu_s"] > 0
+    assert stats["traces/writer_cpu_s"] > 0 and stats["traces/put_s"] > 0
     con = connect(tmp_path / "traces.sqlite")
     ids = [r["id"] for r in con.execute("SELECT id FROM episodes ORDER BY id")]
     assert len(ids) == len(rl) + len(ev)
