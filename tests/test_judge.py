@@ -183,11 +183,15 @@ def test_model_judge_config_errors_are_one_line(calc_model_dir, tmp_path):
                        "judge"):
         load_config(CONFIG, [*base, f"rl.judge.model={calc_model_dir}",
                              "rl.judge.fn=tiller.train.judges:grounded_answer"])
+    judge = f"rl.judge.model={calc_model_dir}"
     with pytest.raises(ConfigError, match=r"^config field rl.judge.prompt: it must contain "
                        r"\{answer\}"):
-        load_config(CONFIG, [*base, "rl.judge.prompt='Is {question} right?'"])
+        load_config(CONFIG, [*base, judge, "rl.judge.prompt='Is {question} right?'"])
     with pytest.raises(ConfigError, match=r"^config field rl.judge.prompt: KeyError: 'x'"):
-        load_config(CONFIG, [*base, "rl.judge.prompt='{answer} {x}'"])
+        load_config(CONFIG, [*base, judge, "rl.judge.prompt='{answer} {x}'"])
+    with pytest.raises(ConfigError, match=r"^config field rl.judge.prompt: it only applies with "
+                       "rl.judge.model"):
+        load_config(CONFIG, [*base, "rl.judge.prompt='{answer}?'"])
     with pytest.raises(ConfigError, match=r"^config field rl.judge.model: got .* "
                        "rl.reward_control: random"):
         load_config(CONFIG, [*base, f"rl.judge.model={calc_model_dir}",

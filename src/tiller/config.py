@@ -622,6 +622,9 @@ class JudgeConfig(_Section):
         if self.fn is not None and self.model is not None:
             raise ConfigError(f"config field rl.judge.model: got {self.model!r} with rl.judge.fn "
                               f"{self.fn!r}; a run has one judge (unset one of them)")
+        if self.model is None and self.prompt != JUDGE_PROMPT:
+            raise ConfigError("config field rl.judge.prompt: it only applies with "
+                              "rl.judge.model (the model judge); set one or unset the prompt")
         try:
             filled = self.prompt.format(question="", answer="")
         except (KeyError, IndexError, ValueError) as e:
