@@ -198,9 +198,10 @@ def time_in_browser(url: str) -> list[dict[str, float]]:
     """Opening the viewer in headless Debian Chromium until its episode table holds the first
     page, twice: with an empty cache (the browser already running, as a user's is: it has
     shown about:blank), then again (cache warm). Each: `wall_ms` from Playwright's goto to
-    the rows (with its IPC), `page_ms` the page's own clock just after (performance.now(), from
-    the navigation's start: an upper bound, read by one more IPC) and `dom_ms` its DOMContentLoaded. The browser is launched as
-    the tests launch it (tests/browser.py: /usr/bin/chromium, never a downloaded browser)."""
+    the rows (with its IPC), `page_ms` the page's own clock just after (performance.now(),
+    from the navigation's start: an upper bound, read by one more IPC) and `dom_ms` its
+    DOMContentLoaded. The browser is launched as the tests launch it (tests/browser.py:
+    /usr/bin/chromium, never a downloaded browser)."""
     spec = importlib.util.spec_from_file_location("tiller_test_browser",
                                                   ROOT / "tests" / "browser.py")
     browser = importlib.util.module_from_spec(spec)
