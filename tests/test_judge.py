@@ -177,6 +177,15 @@ def test_the_model_judge_is_p_yes_over_p_yes_plus_no(calc_model_dir):
         rel=1e-5)
 
 
+def test_the_model_judge_scores_an_empty_context(calc_model_dir):
+    # prompt "{answer}" and no final answer: the context encodes to nothing, so the
+    # continuations are scored after the tokenizer's start token
+    judge = ModelJudge(calc_model_dir, "{answer}")
+    cut = episode("The answer is 36.")
+    cut = Trajectory(**{**cut.__dict__, "messages": cut.messages[:-1]})
+    assert 0.0 < judge(TASK, cut) < 1.0
+
+
 def test_model_judge_config_errors_are_one_line(calc_model_dir, tmp_path):
     base = ["model.build={}"]
     with pytest.raises(ConfigError, match=r"^config field rl.judge.model: .* a run has one "
@@ -192,6 +201,10 @@ def test_model_judge_config_errors_are_one_line(calc_model_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"^config field rl.judge.prompt: it only applies with "
                        "rl.judge.model"):
         load_config(CONFIG, [*base, "rl.judge.prompt='{answer}?'"])
+    for knob in ("weight=0.3", "window=5", "margin=0.1"):
+        with pytest.raises(ConfigError, match=rf"^config field rl.judge.{knob.split('=')[0]}: "
+                           "got .*; it only applies with a judge"):
+            load_config(CONFIG, [*base, f"rl.judge.{knob}"])
     with pytest.raises(ConfigError, match=r"^config field rl.judge.model: got .* "
                        "rl.reward_control: random"):
         load_config(CONFIG, [*base, f"rl.judge.model={calc_model_dir}",
@@ -206,8 +219,9 @@ def test_model_judge_config_errors_are_one_line(calc_model_dir, tmp_path):
 
 
 def group_rewards(db, weight):
-    """Per trained group of a traced run: (the gated reward of each member, hand-computed from
-    its verifier value and judge score, and the advantage it was trained with)."""
+    """Per trained group of a traced run, per member: (the gated reward, hand-computed from its
+    verifier value and judge score; the advantage it was trained with; verifier success; the
+    judge's score)."""
     con = connect(db)
     rows = con.execute("SELECT task_id, trained_step, reward, checks, env_error, loss_mask, "
                        "train_mask, advantages FROM episodes WHERE phase = 'rl' AND "
@@ -221,16 +235,17 @@ def group_rewards(db, weight):
         mask = decode("train_mask", r["train_mask"])
         adv = {a for a, m in zip(decode("advantages", r["advantages"]), mask, strict=True) if m}
         assert len(adv) == 1  # every trained token of an episode shares its advantage
-        groups.setdefault((r["trained_step"], r["task_id"]), []).append((paid, adv.pop(),
-                                                                         success))
+        groups.setdefault((r["trained_step"], r["task_id"]), []).append(
+            (paid, adv.pop(), success, judge))
     return list(groups.values())
 
 
 @pytest.mark.parametrize("judge", ["model", "fn"])
 def test_a_real_run_trains_on_the_judge_only_where_the_verifier_says_success(
         judge, calc_model_dir, calc_sft_dir, tmp_path, monkeypatch):
-    # odd samples are the scripted expert's (they succeed), even ones the tiny policy's (they
-    # fail): every group has both, and the judge (a real model, or the rubric) scores them all
+    # odd samples are the scripted expert's (they succeed, worded two ways), even ones the tiny
+    # policy's (they fail): every group has both, and the judge (a real model, or one that
+    # scores the failures highest) scores them all
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
     sys.modules.pop("half_expert_loop", None)
     weight = 0.5
@@ -239,7 +254,7 @@ def test_a_real_run_trains_on_the_judge_only_where_the_verifier_says_success(
         "rl.tasks_per_step=2", "rl.group_size=4", "eval.tasks=8", "logging.progress=false",
         "logging.tensorboard=false",
         f"rl.judge.model={calc_model_dir}" if judge == "model"
-        else "rl.judge.fn=tiller.train.judges:grounded_answer",
+        else "rl.judge.fn=half_expert_loop:tempting_judge",
         f"rl.judge.weight={weight}", "rl.judge.window=1",
         "agent.loop=half_expert_loop:run_episode"])
     run = Run(cfg, tmp_path)
@@ -251,14 +266,22 @@ def test_a_real_run_trains_on_the_judge_only_where_the_verifier_says_success(
     groups = group_rewards(tmp_path / "traces.sqlite", weight)
     assert len(groups) == 4 and all(len(g) == 4 for g in groups)
     for g in groups:
-        paid = np.array([p for p, _, _ in g])
-        assert [s for _, _, s in g] == [False, True, False, True]
+        paid = np.array([m[0] for m in g])
+        assert [m[2] for m in g] == [False, True, False, True]
         # the failures are paid exactly 0 however the judge scored them, the successes more
-        # than 1 (the judge's term)
+        # than 1 (the judge's term), and differently: the judge term shows in the advantages
         assert paid[0] == paid[2] == 0.0 and (paid[[1, 3]] > 1.0).all()
+        assert abs(paid[1] - paid[3]) > 1e-3  # the tiny model judge: ~0.005 apart
         # GRPO by hand (ALGORITHMS.md): (r - mean) / (std + 1e-6), std with Bessel's correction
-        expected = (paid - paid.mean()) / (paid.std(ddof=1) + 1e-6)
-        assert [a for _, a, _ in g] == pytest.approx(expected.tolist(), abs=1e-5)
+        def grpo(r):
+            return (r - r.mean()) / (r.std(ddof=1) + 1e-6)
+        expected = grpo(paid)
+        assert [m[1] for m in g] == pytest.approx(expected.tolist(), abs=1e-5)
+        # which the verifier alone, or a judge paid on every episode, would not have given
+        verifier = np.array([0.0, 1.0, 0.0, 1.0])
+        scores = np.array([m[3] for m in g])
+        for other in (verifier, verifier + weight * scores):
+            assert np.abs(grpo(other) - expected).max() > 1e-4  # 10x the match's tolerance
     for r in rows:
         assert 0.0 < r["judge/mean"] <= 1.0 and "judge/hacking_suspected" in r
         assert r["judge/paid_mean"] == pytest.approx(weight * r["judge/mean_on_success"] / 2)

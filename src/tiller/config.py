@@ -625,6 +625,12 @@ class JudgeConfig(_Section):
         if self.model is None and self.prompt != JUDGE_PROMPT:
             raise ConfigError("config field rl.judge.prompt: it only applies with "
                               "rl.judge.model (the model judge); set one or unset the prompt")
+        if not self.enabled:
+            for name in ("weight", "window", "margin"):
+                if getattr(self, name) != type(self).model_fields[name].default:
+                    raise ConfigError(f"config field rl.judge.{name}: got "
+                                      f"{getattr(self, name)!r}; it only applies with a judge "
+                                      "(rl.judge.fn or rl.judge.model)")
         try:
             filled = self.prompt.format(question="", answer="")
         except (KeyError, IndexError, ValueError) as e:

@@ -42,7 +42,7 @@ from tiller.rollout.trajectory import Trajectory
 from tiller.tools.sandbox import set_unsafe_fallback
 from tiller.tools.stack import ToolStack
 from tiller.train.conversations import conversation_demos
-from tiller.train.judges import ModelJudge
+from tiller.train.judges import ModelJudge, check_judge_model
 from tiller.train.shaping import load_judge, load_key_steps
 from tiller.train.trainer import Trainer
 
@@ -153,6 +153,8 @@ class Run:
         program = load_program(cfg.agent.program) if cfg.agent.program else None
         self.key_steps = load_key_steps(cfg.rl.algorithm.credit.key_steps)
         self.judge = load_judge(cfg.rl.judge.fn)  # rl.judge.model loads with the models
+        if cfg.rl.judge.model is not None:
+            check_judge_model(cfg.rl.judge.model)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.dir = Path(output_dir or cfg.output_dir or Path("runs") / f"{cfg.name}-{stamp}")
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -207,6 +207,7 @@ class RolloutManager:
         self._flat = self._groups_ended = self._flat_filtered = 0
         self._nothing_kept = 0  # groups in a row with nothing kept (async: a run that cannot
         self._error: BaseException | None = None  # learn must stop, not spin)
+        self._error_raised = False  # next_batch raised it: close need not report it again
         self._exhausted = False
         self._tasks: set[asyncio.Task] = set()
         self._draws: Counter[tuple] = Counter()  # (tag, task id) -> draws so far (repeats)
@@ -225,6 +226,7 @@ class RolloutManager:
         with self._cond:
             while True:
                 if self._error is not None:
+                    self._error_raised = True
                     raise self._error
                 self._check_aborted(step)
                 batch = self._ready_batch(step)
@@ -296,6 +298,13 @@ class RolloutManager:
             self._at_end += [t for g in self.buffer.ready for t in g.members]
             self.buffer.drop_all("unused_at_end")
             self._stop_busy()
+            if self._error is not None and not self._error_raised:
+                # a group that failed while RL wound down (its env, reward or judge raised):
+                # no step is left to stop, so it is said here
+                log.error("rl: a group failed after the last batch was taken (%s: %s); its "
+                          "episodes are counted as dropped/run_error (%d in all)",
+                          type(self._error).__name__, self._error,
+                          self.ledger["dropped/run_error"])
         return self.ledger
 
     def leftovers(self) -> Leftovers:
@@ -454,8 +463,9 @@ class RolloutManager:
                 self._fail(e)
             return
         try:
-            if self.judge is not None:
-                trajs = [self.judge(task, t) for t in trajs]
+            if self.judge is not None:  # a model judge's forward passes, off the event loop
+                judge = self.judge
+                trajs = await asyncio.to_thread(lambda: [judge(task, t) for t in trajs])
             self._group_done(key, task, trajs)
         except BaseException as e:  # e.g. the reward function or the judge raised
             with self._cond:

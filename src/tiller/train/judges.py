@@ -53,6 +53,13 @@ def final_answer(trajectory: Trajectory) -> str:
     return str(final.get("content") or "") if final.get("role") == "assistant" else ""
 
 
+def check_judge_model(path: str | Path) -> None:
+    """rl.judge.model names a local Hugging Face model folder (ConfigError if not)."""
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"config field rl.judge.model: got {str(path)!r}; no Hugging Face "
+                          "model there (expected a local folder with config.json)")
+
+
 class ModelJudge:
     """A frozen Hugging Face causal LM as judge (rl.judge.model):
 
@@ -69,9 +76,7 @@ class ModelJudge:
 
     def __init__(self, path: str | Path, prompt: str, yes: str = " yes", no: str = " no",
                  device: torch.device | str = "cpu"):
-        if not (Path(path) / "config.json").is_file():
-            raise ConfigError(f"config field rl.judge.model: got {str(path)!r}; no Hugging Face "
-                              "model there (expected a local folder with config.json)")
+        check_judge_model(path)
         # plain text in, so any causal LM's tokenizer will do: no chat template needed
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = load_model(path, torch.float32).to(device).eval()
@@ -87,7 +92,10 @@ class ModelJudge:
     @torch.no_grad()
     def __call__(self, task: Task, trajectory: Trajectory) -> float:
         text = self.prompt.format(question=task.prompt, answer=final_answer(trajectory))
-        context = self.tokenizer.encode(text, add_special_tokens=False)
+        # a first token to predict the continuation from, should the prompt encode to nothing
+        start = self.tokenizer.bos_token_id
+        start = self.tokenizer.eos_token_id if start is None else start
+        context = self.tokenizer.encode(text, add_special_tokens=False) or [start]
         longest = max(map(len, self.options))
         if self.max_context is not None:
             context = context[-(self.max_context - longest):]
