@@ -175,6 +175,31 @@ def test_a_split_episode_gets_its_rows_back_end_to_end(tmp_path):
     assert second["trainer_logprobs"] == [200, 201, 202]
 
 
+def test_a_second_run_into_the_same_file_updates_only_its_own_rows(tmp_path):
+    """The same seed gives the same episode seeds: a rerun's trainer arrays and at_end marks
+    go to the rows its writer wrote, not to the earlier run's with equal seeds."""
+    b = TrajectoryBuilder("t")
+    b.append_prompt([1, 2])
+    b.append_generated([3, 4], [-0.1, -0.2], 0)
+    traj = replace(b.finish(Reward(1.0), Status.COMPLETED), seed=7)
+    batch = Batch.collate([traj], 0)
+    marks = torch.ones_like(batch.input_ids, dtype=torch.float32)
+    db = tmp_path / "traces.sqlite"
+    for run, value in ((1, 1.0), (2, 2.0)):
+        writer = TraceWriter(db)
+        writer.put_episode(traj, "rl", "train", 0, 1)
+        writer.put_training(run, [traj], batch, RLStepTensors(marks * value, marks * value))
+        if run == 2:
+            writer.put_at_end(1, [traj])
+        stats = writer.close()
+        assert stats["traces/trained"] == 1 and stats["traces/at_end"] == (run == 2)
+    first, second = (read_episode(db, i) for i in (1, 2))
+    assert first["trained_step"] == 1 and first["advantages"] == [1.0] * 4
+    assert first["at_end"] == 0
+    assert second["trained_step"] == 2 and second["advantages"] == [2.0] * 4
+    assert second["at_end"] == 1
+
+
 def test_sample_rate_keeps_every_eval_episode_and_a_seeded_half_of_rl(rl_episodes, tmp_path):
     t = rl_episodes[0]
     kept = []

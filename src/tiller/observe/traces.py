@@ -218,6 +218,9 @@ class TraceWriter:
         self._bytes = 0
         self._cpu_s = 0.0  # the writer thread's CPU time so far: what tracing costs
         self._put_s = 0.0  # the callers' time inside put_*: what tracing costs the trainer
+        # seed -> row id of the RL episodes this writer wrote (writer thread only): training
+        # updates and at_end marks touch these rows, never those of an earlier run's file
+        self._rl_rows: dict[int | None, int] = {}
         self._error: BaseException | None = None
         self._closed = False
         # the schema exists before the first put returns: a reader never sees a bare file
@@ -228,11 +231,15 @@ class TraceWriter:
                 raise RunError(f"traces: {self.path} holds traces of schema version {found}; "
                                f"this tiller writes version {SCHEMA_VERSION}: use a new "
                                f"output folder (or move the file away)")
-            con.executescript(SCHEMA)
             meta = {"schema_version": SCHEMA_VERSION, "arrays": ARRAYS,
                     "sample_rate": sample_rate, "max_mb": max_mb, "created": time.time()}
+            # one transaction: a reader (or a kill) never finds the tables without the version
+            con.execute("BEGIN")
+            for statement in filter(str.strip, SCHEMA.split(";")):
+                con.execute(statement)
             con.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
                             [(k, json.dumps(v)) for k, v in meta.items()])
+            con.execute("COMMIT")
         finally:
             con.close()
         self._thread = threading.Thread(target=self._run, daemon=True, name="tiller-traces")
@@ -284,7 +291,9 @@ class TraceWriter:
         """Mark the RL episodes the end of RL (in step `rl_step`) left untrained: `at_end` = 1
         on the rows of those written, whenever they were."""
         t0 = time.perf_counter()
-        self._put_or_drop(("at_end", rl_step, [t.seed for t in trajectories]))
+        # after the last step: nothing to keep from waiting, and the marks are few
+        self._put_waiting(("at_end", rl_step, [t.seed for t in trajectories]),
+                          f"at_end marks of rl step {rl_step}")
         self._put_s += time.perf_counter() - t0
 
     def stats(self) -> dict[str, float]:
@@ -416,6 +425,8 @@ class TraceWriter:
                             "written anyway (counted as traces/eval_over_cap)", self.path)
             self._count("eval_over_cap")
         episode_id = con.execute(_INSERT_EPISODE, row).lastrowid
+        if phase == "rl":
+            self._rl_rows[traj.seed] = episode_id
         con.executemany("INSERT INTO tool_calls (episode_id, turn, idx, name, arguments, "
                         "result, outcome, latency_s) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                         [(episode_id, *c) for c in calls])
@@ -443,19 +454,21 @@ class TraceWriter:
             arrays = tuple(_pack(np.concatenate([a[r, :end - start] for r, (start, end)
                                                  in zip(rows, spans, strict=True)]), c)
                            for c, a in columns)
-            cur = con.execute("UPDATE episodes SET trained_step = ?, train_mask = ?, "
-                              "trainer_logprobs = ?, advantages = ? "
-                              "WHERE phase = 'rl' AND seed = ?", (rl_step, *arrays, seed))
-            if cur.rowcount:  # 0: the episode was sampled out or dropped (counted then)
-                with self._lock:
-                    self._counts["trained"] += cur.rowcount
-                    self._bytes += sum(map(len, arrays))
+            episode_id = self._rl_rows.get(seed)
+            if episode_id is None:  # the episode was sampled out or dropped (counted then)
+                continue
+            con.execute("UPDATE episodes SET trained_step = ?, train_mask = ?, "
+                        "trainer_logprobs = ?, advantages = ? WHERE id = ?",
+                        (rl_step, *arrays, episode_id))
+            with self._lock:
+                self._counts["trained"] += 1
+                self._bytes += sum(map(len, arrays))
 
     def _write_at_end(self, con: sqlite3.Connection, rl_step: int, seeds: list[int | None]
                       ) -> None:
-        cur = con.executemany("UPDATE episodes SET at_end = 1 WHERE phase = 'rl' AND seed = ?",
-                              [(s,) for s in seeds])
-        self._count("at_end", cur.rowcount)  # fewer than seeds: sampled out or dropped
+        ids = [self._rl_rows[s] for s in seeds if s in self._rl_rows]
+        con.executemany("UPDATE episodes SET at_end = 1 WHERE id = ?", [(i,) for i in ids])
+        self._count("at_end", len(ids))  # fewer than seeds: sampled out or dropped
 
     def _write_ledger(self, con: sqlite3.Connection, rl_step: int, global_step: int,
                       ledger: dict[str, float]) -> None:
