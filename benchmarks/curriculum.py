@@ -88,6 +88,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps < 1:
         p.error("--steps must be at least 1")
     args.arms = ["uniform", *(a for a in ARMS if a in args.arms and a != "uniform")]
+    changed = [name for name in ("steps", "eval_every", "eval_tasks", "pool", "tasks_per_step",
+                                 "group_size", "target", "sft_difficulty", "sft_tasks",
+                                 "sft_epochs") if getattr(args, name) != p.get_default(name)]
+    if args.quick and changed:  # --quick sets them: a flag beside it would change nothing
+        p.error(f"--quick fixes the budget; drop --{changed[0].replace('_', '-')}")
+    sft_flags = [f for f in changed if f.startswith("sft_")] + (["shared_sft"]
+                                                                 if args.shared_sft else [])
+    if args.sft_checkpoint is not None and sft_flags:  # no SFT runs
+        p.error(f"--sft-checkpoint skips SFT; drop --{sft_flags[0].replace('_', '-')}")
     if args.quick:
         args.steps, args.eval_every, args.eval_tasks, args.pool = 2, 1, 8, 4
         args.tasks_per_step, args.group_size, args.target = 2, 4, 3
@@ -264,7 +273,11 @@ def merge(dirs: list[Path]) -> str:
         other = {k: v for k, v in r["args"].items() if k not in free}
         if other != budget:
             raise SystemExit(f"error: {d} ran with another budget: {other} != {budget}")
-    md = table([row for r in runs for row in r["results"]], argparse.Namespace(**budget))
+    rows = [row for r in runs for row in r["results"]]
+    seeds = [row["seed"] for row in rows]
+    if len(set(seeds)) < len(seeds):  # a seed counted twice would narrow the t-interval
+        raise SystemExit(f"error: the folders repeat a seed: {sorted(seeds)}")
+    md = table(rows, argparse.Namespace(**budget))
     print(md)
     return md
 

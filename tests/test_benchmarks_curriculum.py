@@ -66,8 +66,11 @@ def test_quick_run_fills_the_table(tmp_path):
         == list(bench.ARMS)
     assert table.count("minus uniform (paired by seed)") == 2
     assert table.strip() in proc.stdout  # printed as written
-    # --merge rebuilds the same table from results.json (runs of one seed each, merged)
+    # --merge rebuilds the same table from results.json (runs of one seed each, merged), and
+    # refuses a seed given twice
     assert bench.main(["--merge", str(tmp_path)]).strip() == table.strip()
+    with pytest.raises(SystemExit, match="repeat a seed"):
+        bench.main(["--merge", str(tmp_path), str(tmp_path)])
 
 
 def test_quick_shrinks_the_budget_and_uniform_always_runs_first():
@@ -75,6 +78,16 @@ def test_quick_shrinks_the_budget_and_uniform_always_runs_first():
     assert (args.steps, args.eval_every, args.tasks_per_step, args.target) == (2, 1, 2, 3)
     assert bench.parse_args(["--arms", "filter"]).arms == ["uniform", "filter"]
     assert bench.parse_args(["--arms", "filter", "uniform", "difficulty"]).arms == list(bench.ARMS)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--quick", "--steps", "9"], "--steps"), (["--quick", "--sft-tasks", "9"], "--sft-tasks"),
+    (["--sft-checkpoint", "x", "--sft-epochs", "2"], "--sft-epochs"),
+    (["--sft-checkpoint", "x", "--shared-sft"], "--shared-sft")])
+def test_flags_that_would_change_nothing_are_refused(argv, flag, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+    assert f"drop {flag}" in capsys.readouterr().err
 
 
 def test_arms_differ_only_in_the_curriculum():
