@@ -77,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--eval-tasks", type=int, default=256)
     p.add_argument("--pool", type=int, default=128, help="filter arm: tasks in the pool")
+    p.add_argument("--max-skips", type=int, default=4,
+                   help="filter arm: skips in a row before a task is drawn anyway")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override for every run (repeatable)")
     p.add_argument("--quick", action="store_true", help="tiny model and SFT, 2 steps, 8 tasks")
@@ -88,9 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps < 1:
         p.error("--steps must be at least 1")
     args.arms = ["uniform", *(a for a in ARMS if a in args.arms and a != "uniform")]
-    changed = [name for name in ("steps", "eval_every", "eval_tasks", "pool", "tasks_per_step",
-                                 "group_size", "target", "sft_difficulty", "sft_tasks",
-                                 "sft_epochs") if getattr(args, name) != p.get_default(name)]
+    changed = [name for name in ("steps", "eval_every", "eval_tasks", "pool", "max_skips",
+                                 "tasks_per_step", "group_size", "target", "sft_difficulty",
+                                 "sft_tasks", "sft_epochs")
+               if getattr(args, name) != p.get_default(name)]
     if args.quick and changed:  # --quick sets them: a flag beside it would change nothing
         p.error(f"--quick fixes the budget; drop --{changed[0].replace('_', '-')}")
     sft_flags = [f for f in changed if f.startswith("sft_")] + (["shared_sft"]
@@ -124,7 +127,8 @@ def arm_overrides(args: argparse.Namespace, name: str) -> list[str]:
                            f"rl.curriculum.window={max(8, args.tasks_per_step)}"],
             # one group of group_size samples is a task's first estimate
             "filter": [*on, f"rl.curriculum.pool={args.pool}", "rl.curriculum.min_groups=1",
-                       "rl.curriculum.window=2"]}[name]
+                       "rl.curriculum.window=2", f"rl.curriculum.max_skips={args.max_skips}"]
+            }[name]
 
 
 def cold_start(args: argparse.Namespace, seed: int, out: Path) -> Path:

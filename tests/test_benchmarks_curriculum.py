@@ -97,4 +97,7 @@ def test_arms_differ_only_in_the_curriculum():
         extra = bench.arm_overrides(args, arm)
         assert all(o.startswith("rl.curriculum.") for o in extra)
         assert f"rl.curriculum.mode={arm}" in extra
-    assert "rl.curriculum.pool=128" in bench.arm_overrides(args, "filter")
+    assert {"rl.curriculum.pool=128", "rl.curriculum.max_skips=4"} <= set(
+        bench.arm_overrides(args, "filter"))
+    assert "rl.curriculum.max_skips=32" in bench.arm_overrides(
+        bench.parse_args(["--max-skips", "32"]), "filter")
