@@ -31,6 +31,8 @@ from tiller.rollout.agent_loop import EngineActor, EpisodeLimits, ExpertActor, r
 from tiller.rollout.collect import collect, run_one
 from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.rollout.trajectory import Status, TrajectoryBuilder
+from tiller.run import Run
+from tiller.tools.stack import ToolStack
 from tiller.train.batch import Batch
 from tiller.train.trainer import RLStepTensors, Trainer
 
@@ -198,6 +200,28 @@ def test_a_second_run_into_the_same_file_updates_only_its_own_rows(tmp_path):
     assert first["at_end"] == 0
     assert second["trained_step"] == 2 and second["advantages"] == [2.0] * 4
     assert second["at_end"] == 1
+
+
+def test_a_run_that_cannot_open_its_traces_closes_what_it_started(calc_sft_dir, tmp_path,
+                                                                 monkeypatch):
+    closed = []
+
+    def spy(cls):
+        real = cls.close
+
+        def close(self):
+            closed.append(cls.__name__)
+            real(self)
+        return close
+
+    for cls in (EmbeddedEngine, ToolStack):
+        monkeypatch.setattr(cls, "close", spy(cls))
+    traces_of_version(tmp_path / "traces.sqlite", 1)
+    cfg = load_config("configs/calculator.yaml", [f"model.path={calc_sft_dir}",
+                                                  "model.build=null"])
+    with pytest.raises(RunError, match="holds traces of schema version 1"):
+        Run(cfg, tmp_path)
+    assert closed == ["EmbeddedEngine", "ToolStack"]
 
 
 def test_sample_rate_keeps_every_eval_episode_and_a_seeded_half_of_rl(rl_episodes, tmp_path):

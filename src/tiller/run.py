@@ -179,8 +179,13 @@ class Run:
             set_unsafe_fallback(False)
             raise
         t = cfg.observe.traces
-        self.traces = TraceWriter(self.dir / "traces.sqlite", t.sample_rate, t.max_mb, cfg.seed,
-                                  t.queue_size, t.close_timeout_s) if t.enabled else None
+        try:  # e.g. an older tiller's traces.sqlite in this folder: what started is closed
+            self.traces = TraceWriter(self.dir / "traces.sqlite", t.sample_rate, t.max_mb,
+                                      cfg.seed, t.queue_size, t.close_timeout_s
+                                      ) if t.enabled else None
+        except BaseException:
+            self.close()
+            raise
         if program is not None:
             from tiller.gateway.server import Gateway  # FastAPI and uvicorn: the serve extra
 
