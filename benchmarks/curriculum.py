@@ -90,9 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps < 1:
         p.error("--steps must be at least 1")
     args.arms = ["uniform", *(a for a in ARMS if a in args.arms and a != "uniform")]
-    changed = [name for name in ("steps", "eval_every", "eval_tasks", "pool", "max_skips",
-                                 "tasks_per_step", "group_size", "target", "sft_difficulty",
-                                 "sft_tasks", "sft_epochs")
+    changed = [name for name in ("steps", "eval_every", "eval_tasks", "pool", "tasks_per_step",
+                                 "group_size", "target", "sft_difficulty", "sft_tasks",
+                                 "sft_epochs")
                if getattr(args, name) != p.get_default(name)]
     if args.quick and changed:  # --quick sets them: a flag beside it would change nothing
         p.error(f"--quick fixes the budget; drop --{changed[0].replace('_', '-')}")
@@ -272,9 +272,12 @@ def merge(dirs: list[Path]) -> str:
     """One table over the seeds of several earlier invocations with the same budget."""
     runs = [json.loads((d / "results.json").read_text()) for d in dirs]
     free = ("seeds", "out", "merge", "arms")  # what may differ between merged invocations
-    budget = {k: v for k, v in runs[0]["args"].items() if k not in free}
+    # a flag added since an invocation ran: it ran with the flag's default
+    defaults = vars(parse_args([]))
+    budget = {**defaults, **runs[0]["args"]}
+    budget = {k: v for k, v in budget.items() if k not in free}
     for d, r in zip(dirs, runs, strict=True):
-        other = {k: v for k, v in r["args"].items() if k not in free}
+        other = {k: v for k, v in {**defaults, **r["args"]}.items() if k not in free}
         if other != budget:
             raise SystemExit(f"error: {d} ran with another budget: {other} != {budget}")
     rows = [row for r in runs for row in r["results"]]

@@ -24,3 +24,18 @@ async def run_episode(env, task, actor, tokenizer, *, seed, limits, sample_index
                                 sample_index=sample_index)
     await asyncio.sleep(wait / 2)
     return traj
+
+
+# the judge's calls so far, and from which call on it takes `slow_s` seconds
+JUDGE = {"calls": 0, "slow_from": 8, "slow_s": 3.0}
+
+
+def slow_judge(task, trajectory):
+    """rl.judge.fn that takes JUDGE["slow_s"] from call JUDGE["slow_from"] on: a model judge's
+    cost, so that the end of RL finds a group being judged."""
+    import time
+
+    JUDGE["calls"] += 1
+    if JUDGE["calls"] > JUDGE["slow_from"]:
+        time.sleep(JUDGE["slow_s"])
+    return 0.5

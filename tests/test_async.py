@@ -4,6 +4,7 @@ rollouts, and async with max_staleness 0 reproducing sync."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import Counter
@@ -194,6 +195,38 @@ def test_what_the_end_of_rl_leaves_is_traced_as_untrained(calc_sft_dir, tmp_path
     assert ledger["started"] == (12 if mode == "async" else 8)
     assert (left, cancelled) == ((ledger["started"] - 4 - 1, 1) if shutdown_s < 1
                                  else (ledger["started"] - 4, 0))
+
+
+def test_a_group_being_judged_at_the_end_of_rl_is_counted_as_in_flight(calc_sft_dir, tmp_path,
+                                                                        monkeypatch, caplog):
+    """The judge runs in a worker thread; a group still being judged when the wind-down gives
+    up waiting is cancelled: its episodes ended, so they count as dropped/in_flight_at_end and
+    are traced at_end, not reported as a failed group."""
+    monkeypatch.setitem(slow_loop.JUDGE, "calls", 0)
+    cfg = config(calc_sft_dir, "rl.mode=async", "rollout.shutdown_timeout_s=0.2",
+                 "rl.judge.fn=slow_loop:slow_judge")
+    run = Run(cfg, tmp_path)
+
+    def stop_after(step):
+        raise RunError(f"stopped after step {step}")
+
+    try:
+        with caplog.at_level(logging.ERROR, logger="tiller.rollout.manager"), \
+                pytest.raises(RunError, match="stopped after step 1"):
+            rl(run, after_step=stop_after)
+    finally:
+        run.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    (summary,) = [r for r in rows if r["phase"] == "rl_summary"]
+    ledger = Counter({k.removeprefix("ledger/"): int(v) for k, v in summary.items()
+                      if k.startswith("ledger/")})
+    accounted(ledger)
+    assert ledger["dropped/run_error"] == 0 and ledger["dropped/in_flight_at_end"] >= 2
+    assert not [r for r in caplog.records if "a group failed" in r.message]
+    with closing(connect(tmp_path / "traces.sqlite")) as con:
+        (at_end,) = con.execute("SELECT total(at_end) FROM episodes WHERE phase = 'rl'"
+                                ).fetchone()
+    assert at_end == ledger["dropped/in_flight_at_end"] + ledger["dropped/unused_at_end"]
 
 
 def test_an_error_on_the_rollout_thread_stops_the_run_with_that_error(calc_sft_dir, tmp_path):

@@ -186,6 +186,21 @@ def test_the_model_judge_scores_an_empty_context(calc_model_dir):
     assert 0.0 < judge(TASK, cut) < 1.0
 
 
+def test_a_judge_tokenizer_without_special_tokens_is_a_config_error(calc_model_dir,
+                                                                   monkeypatch):
+    real = AutoTokenizer.from_pretrained
+
+    def bare(path):
+        tok = real(path)
+        tok.bos_token = tok.eos_token = tok.pad_token = None
+        return tok
+
+    monkeypatch.setattr("tiller.train.judges.AutoTokenizer.from_pretrained", bare)
+    with pytest.raises(ConfigError, match=r"^config field rl.judge.model: the tokenizer at .* "
+                       "has no bos, eos or pad token"):
+        ModelJudge(calc_model_dir, "{answer}")
+
+
 def test_model_judge_config_errors_are_one_line(calc_model_dir, tmp_path):
     base = ["model.build={}"]
     with pytest.raises(ConfigError, match=r"^config field rl.judge.model: .* a run has one "

@@ -220,7 +220,7 @@ class TraceWriter:
         self._put_s = 0.0  # the callers' time inside put_*: what tracing costs the trainer
         # seed -> row id of the RL episodes this writer wrote (writer thread only): training
         # updates and at_end marks touch these rows, never those of an earlier run's file
-        self._rl_rows: dict[int | None, int] = {}
+        self._rl_rows: dict[int, int] = {}
         self._error: BaseException | None = None
         self._closed = False
         # the schema exists before the first put returns: a reader never sees a bare file
@@ -425,11 +425,11 @@ class TraceWriter:
                             "written anyway (counted as traces/eval_over_cap)", self.path)
             self._count("eval_over_cap")
         episode_id = con.execute(_INSERT_EPISODE, row).lastrowid
-        if phase == "rl":
-            self._rl_rows[traj.seed] = episode_id
         con.executemany("INSERT INTO tool_calls (episode_id, turn, idx, name, arguments, "
                         "result, outcome, latency_s) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                         [(episode_id, *c) for c in calls])
+        if phase == "rl" and traj.seed is not None:  # a seedless one cannot be found again
+            self._rl_rows[traj.seed] = episode_id
         with self._lock:
             self._counts["written"] += 1
             self._bytes += size

@@ -217,6 +217,9 @@ class RolloutManager:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="tiller-rollouts")
         self._thread.start()
+        # one judge call at a time, off the event loop: a model judge's forward passes do not
+        # stall the other episodes, and a judge need not be thread-safe
+        self._judge_pool = concurrent.futures.ThreadPoolExecutor(1, "tiller-judge")
         self._loop.call_soon_threadsafe(self._pump)
 
     # ------------------------------------------------------------------ the trainer's side
@@ -288,6 +291,7 @@ class RolloutManager:
                                f"cancel within {limit:g}s (rollout.shutdown_timeout_s + 60)"
                                ) from e
         finally:
+            self._judge_pool.shutdown(wait=False, cancel_futures=True)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)
             if self._thread.is_alive():
@@ -299,9 +303,9 @@ class RolloutManager:
             self.buffer.drop_all("unused_at_end")
             self._stop_busy()
             if self._error is not None and not self._error_raised:
-                # a group that failed while RL wound down (its env, reward or judge raised):
-                # no step is left to stop, so it is said here
-                log.error("rl: a group failed after the last batch was taken (%s: %s); its "
+                # a group failed (its env, reward or judge raised) and no next_batch was left
+                # to raise it: said here
+                log.error("rl: a group failed and it was not yet reported (%s: %s); its "
                           "episodes are counted as dropped/run_error (%d in all)",
                           type(self._error).__name__, self._error,
                           self.ledger["dropped/run_error"])
@@ -463,10 +467,17 @@ class RolloutManager:
                 self._fail(e)
             return
         try:
-            if self.judge is not None:  # a model judge's forward passes, off the event loop
-                judge = self.judge
-                trajs = await asyncio.to_thread(lambda: [judge(task, t) for t in trajs])
+            if self.judge is not None:
+                judge, ended = self.judge, trajs
+                trajs = await self._loop.run_in_executor(
+                    self._judge_pool, lambda: [judge(task, t) for t in ended])
             self._group_done(key, task, trajs)
+        except asyncio.CancelledError:  # shut down while judged: they ended, counted as such
+            with self._cond:
+                self._count(trajs, "dropped/in_flight_at_end")
+                self._ended += trajs
+                self._at_end += trajs
+            raise
         except BaseException as e:  # e.g. the reward function or the judge raised
             with self._cond:
                 self._count(trajs, "dropped/run_error")

@@ -88,14 +88,18 @@ class ModelJudge:
                               f"encodes {yes!r} as {self.options[0]} and {no!r} as "
                               f"{self.options[1]}; they must be distinct and non-empty")
         self.max_context = getattr(self.model.config, "max_position_embeddings", None)
+        # a first token to predict the continuation from, should the prompt encode to nothing
+        tok = self.tokenizer
+        self.start = next((i for i in (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+                           if i is not None), None)
+        if self.start is None:
+            raise ConfigError(f"config field rl.judge.model: the tokenizer at {str(path)!r} has "
+                              "no bos, eos or pad token to start an empty context from")
 
     @torch.no_grad()
     def __call__(self, task: Task, trajectory: Trajectory) -> float:
         text = self.prompt.format(question=task.prompt, answer=final_answer(trajectory))
-        # a first token to predict the continuation from, should the prompt encode to nothing
-        start = self.tokenizer.bos_token_id
-        start = self.tokenizer.eos_token_id if start is None else start
-        context = self.tokenizer.encode(text, add_special_tokens=False) or [start]
+        context = self.tokenizer.encode(text, add_special_tokens=False) or [self.start]
         longest = max(map(len, self.options))
         if self.max_context is not None:
             context = context[-(self.max_context - longest):]
