@@ -164,15 +164,15 @@ def arm(args: argparse.Namespace, seed: int, sft_path: Path, name: str, out: Pat
             if step % args.eval_every == 0 or step == args.steps:
                 curve[step] = evaluate(run, heldout, f"step{step}")
 
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0 = time.perf_counter()
         rl(run, after_step)
-        rl_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+        rl_s = time.perf_counter() - t0
     finally:
         run.close()
     rows = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["phase"] == "rl"]
     return {"arm": name, "curve": {s: e["success"] for s, e in curve.items()},
-            "start": curve[0], "final": curve[max(curve)], "rl_s": rl_s, "cpu_s": cpu_s,
+            "start": curve[0], "final": curve[max(curve)], "rl_s": rl_s,
             "levels": [r["curriculum/difficulty"] for r in steps
                        if "curriculum/difficulty" in r],
             "skipped": steps[-1].get("curriculum/skipped_total", 0.0),

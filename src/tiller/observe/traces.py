@@ -14,13 +14,14 @@ column's numpy dtype); `read_episode` and `query` are the reader's side.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -184,6 +185,18 @@ def _payload_bytes(row: Sequence[Any]) -> int:
     return sum(len(v) for v in row if isinstance(v, (bytes, str)))
 
 
+def _timed(put: Callable[..., None]) -> Callable[..., None]:
+    """A TraceWriter put, its caller's time inside it added to `_put_s` (traces/put_s)."""
+    @functools.wraps(put)
+    def timed(self: TraceWriter, *args: Any, **kwargs: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            put(self, *args, **kwargs)
+        finally:
+            self._put_s += time.perf_counter() - t0
+    return timed
+
+
 class TraceWriter:
     """Writes `path` (traces.sqlite) from a background thread.
 
@@ -255,11 +268,11 @@ class TraceWriter:
         return con
 
     # ------------------------------------------------------------------ the training side
+    @_timed
     def put_episode(self, traj: Trajectory, phase: str, split: str, global_step: int,
                     rl_step: int | None = None) -> None:
         """Queue one episode. `phase` is the metrics.jsonl phase ("rl", "eval_sft", ...);
         anything but "rl" is an eval episode and always kept."""
-        t0 = time.perf_counter()
         item = ("episode", traj, phase, split, global_step, rl_step)
         if phase != "rl":
             self._put_waiting(item, f"eval episode {traj.task_id}/{traj.sample_index}")
@@ -267,34 +280,30 @@ class TraceWriter:
             self._count("sampled_out")
         else:
             self._put_or_drop(item)
-        self._put_s += time.perf_counter() - t0
 
+    @_timed
     def put_training(self, rl_step: int, trajectories: Sequence[Trajectory], batch: Batch,
                      tensors: RLStepTensors) -> None:
         """The trainer's side of `batch` (built from `trajectories` by `Batch.collate`: one row
         per exact sequence, in order): its loss mask (the one trained on, after overlong
         masking and key steps) and `tensors`, each episode's rows put back end to end so they
         line up with its tokens. Updates the rows of the episodes that were written."""
-        t0 = time.perf_counter()
         seeds = [t.seed for t in trajectories]
         segments = [t.segments() for t in trajectories]
         self._put_or_drop(("training", rl_step, seeds, segments, batch.loss_mask,
                            batch.episode_index, tensors))
-        self._put_s += time.perf_counter() - t0
 
+    @_timed
     def put_ledger(self, rl_step: int, global_step: int, ledger: dict[str, float]) -> None:
-        t0 = time.perf_counter()
         self._put_or_drop(("ledger", rl_step, global_step, dict(ledger)))
-        self._put_s += time.perf_counter() - t0
 
+    @_timed
     def put_at_end(self, rl_step: int, trajectories: Sequence[Trajectory]) -> None:
         """Mark the RL episodes the end of RL (in step `rl_step`) left untrained: `at_end` = 1
         on the rows of those written, whenever they were."""
-        t0 = time.perf_counter()
         # after the last step: nothing to keep from waiting, and the marks are few
         self._put_waiting(("at_end", rl_step, [t.seed for t in trajectories]),
                           f"at_end marks of rl step {rl_step}")
-        self._put_s += time.perf_counter() - t0
 
     def stats(self) -> dict[str, float]:
         """Cumulative counts (episodes written, sampled out, dropped at the cap or at a full

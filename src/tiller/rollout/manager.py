@@ -451,10 +451,7 @@ class RolloutManager:
         except asyncio.CancelledError:  # shut down: the group's ended episodes are counted
             for ep in episodes:
                 ep.cancel()
-            with self._cond:
-                self._count(finished, "dropped/in_flight_at_end")
-                self._ended += finished  # they ended: `leftovers` hands them on
-                self._at_end += finished
+            self._ended_at_end(finished)
             raise
         except BaseException as e:  # a RunError/ConfigError of the env, or a bug: stop the run
             for ep in episodes:
@@ -472,16 +469,21 @@ class RolloutManager:
                 trajs = await self._loop.run_in_executor(
                     self._judge_pool, lambda: [judge(task, t) for t in ended])
             self._group_done(key, task, trajs)
-        except asyncio.CancelledError:  # shut down while judged: they ended, counted as such
-            with self._cond:
-                self._count(trajs, "dropped/in_flight_at_end")
-                self._ended += trajs
-                self._at_end += trajs
+        except asyncio.CancelledError:  # shut down while judged: they ended all the same
+            self._ended_at_end(trajs)
             raise
         except BaseException as e:  # e.g. the reward function or the judge raised
             with self._cond:
                 self._count(trajs, "dropped/run_error")
             self._fail(e)
+
+    def _ended_at_end(self, trajs: list[Trajectory]) -> None:
+        """Episodes of a group the shutdown cancelled that had ended: counted in flight at the
+        end, and handed on by `leftovers` (to be traced, untrained)."""
+        with self._cond:
+            self._count(trajs, "dropped/in_flight_at_end")
+            self._ended += trajs
+            self._at_end += trajs
 
     def _count(self, trajs: list[Trajectory], bucket: str) -> None:
         if trajs:

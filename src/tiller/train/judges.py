@@ -87,7 +87,9 @@ class ModelJudge:
             raise ConfigError(f"config field rl.judge.model: the tokenizer at {str(path)!r} "
                               f"encodes {yes!r} as {self.options[0]} and {no!r} as "
                               f"{self.options[1]}; they must be distinct and non-empty")
-        self.max_context = getattr(self.model.config, "max_position_embeddings", None)
+        # the context's share of the model's window: the longer option must fit after it
+        window = getattr(self.model.config, "max_position_embeddings", None)
+        self.max_context = None if window is None else window - max(map(len, self.options))
         # a first token to predict the continuation from, should the prompt encode to nothing
         tok = self.tokenizer
         self.start = next((i for i in (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
@@ -100,15 +102,20 @@ class ModelJudge:
     def __call__(self, task: Task, trajectory: Trajectory) -> float:
         text = self.prompt.format(question=task.prompt, answer=final_answer(trajectory))
         context = self.tokenizer.encode(text, add_special_tokens=False) or [self.start]
-        longest = max(map(len, self.options))
         if self.max_context is not None:
-            context = context[-(self.max_context - longest):]
-        logp = [self._logprob(context, option) for option in self.options]
-        return float(torch.sigmoid(torch.tensor(logp[0] - logp[1])))
+            context = context[-self.max_context:]
+        yes, no = self._logprobs(context)
+        return float(torch.sigmoid(torch.tensor(yes - no)))
 
-    def _logprob(self, context: list[int], continuation: list[int]) -> float:
-        """log P(continuation | context): the sum of its tokens' log-probabilities."""
-        ids = torch.tensor([context + continuation], device=self.device)
-        logits = self.model(input_ids=ids).logits[0, len(context) - 1:-1].float()
-        target = ids[0, len(context):]
-        return float(torch.log_softmax(logits, -1).gather(1, target[:, None]).sum())
+    def _logprobs(self, context: list[int]) -> list[float]:
+        """log P(option | context) for each option, the sum of its tokens' log-probabilities,
+        from one forward pass over both: rows padded on the right, which a causal model's
+        earlier positions never see."""
+        rows = [context + option for option in self.options]
+        width = max(map(len, rows))
+        ids = torch.tensor([r + [self.start] * (width - len(r)) for r in rows],
+                           device=self.device)
+        logp = torch.log_softmax(self.model(input_ids=ids).logits.float(), -1)
+        n = len(context)
+        return [float(sum(logp[i, n - 1 + j, tok] for j, tok in enumerate(option)))
+                for i, option in enumerate(self.options)]
