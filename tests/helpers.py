@@ -141,6 +141,22 @@ def check_short_run(cfg: Config, summary: dict[str, Any], random_actor: Callable
     return expert, rand
 
 
+def trained_episodes(db: Path) -> list[dict[str, Any]]:
+    """The trained RL episodes of a traces.sqlite, in (trained_step, task_id, sample_index)
+    order: their columns, with `advantage` the one value every trained token shares."""
+    from tiller.observe.traces import connect, decode
+
+    out = []
+    with closing(connect(db)) as con:
+        for r in con.execute("SELECT * FROM episodes WHERE phase = 'rl' AND trained_step IS "
+                             "NOT NULL ORDER BY trained_step, task_id, sample_index"):
+            adv = {a for a, m in zip(decode("advantages", r["advantages"]),
+                                     decode("train_mask", r["train_mask"]), strict=True) if m}
+            assert len(adv) == 1  # every trained token of an episode shares its advantage
+            out.append({**dict(r), "advantage": adv.pop()})
+    return out
+
+
 def traces_of_version(path: Path, version: int) -> Path:
     """A traces.sqlite at `path` whose meta says it was written with schema `version` (as a
     file an older tiller wrote says)."""

@@ -6,6 +6,7 @@ episode and half after it, so a group can finish well after its tokens were samp
 
 import asyncio
 import random
+import time
 
 from tiller.rollout.agent_loop import run_episode as tiller_episode
 
@@ -33,8 +34,6 @@ JUDGE = {"calls": 0, "slow_from": 8, "slow_s": 3.0}
 def slow_judge(task, trajectory):
     """rl.judge.fn that takes JUDGE["slow_s"] from call JUDGE["slow_from"] on: a model judge's
     cost, so that the end of RL finds a group being judged."""
-    import time
-
     JUDGE["calls"] += 1
     if JUDGE["calls"] > JUDGE["slow_from"]:
         time.sleep(JUDGE["slow_s"])

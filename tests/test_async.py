@@ -49,6 +49,26 @@ def accounted(ledger):
     assert ledger["started"] > 0 and ledger_unaccounted(Counter(ledger)) == 0, ledger
 
 
+def stop_after(step):
+    """rl's after_step hook that stops RL after its first step, as an error would."""
+    raise RunError(f"stopped after step {step}")
+
+
+def final_row(run_dir, phase):
+    """The one metrics.jsonl row of `phase` (rl_summary and traces are logged once, also when
+    RL stopped with an error)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (row,) = [r for r in rows if r["phase"] == phase]
+    return row
+
+
+def final_ledger(run_dir):
+    """The ledger rl_summary logged (`ledger/<bucket>`), as counts."""
+    return Counter({k.removeprefix("ledger/"): int(v)
+                    for k, v in final_row(run_dir, "rl_summary").items()
+                    if k.startswith("ledger/")})
+
+
 def coin_reward(t, *_):
     """A seeded 0/1 per episode: about half the groups of 2 are flat (equal rewards)."""
     return float(derive_seed(t.task_id, t.sample_index) % 2)
@@ -159,9 +179,6 @@ def test_what_the_end_of_rl_leaves_is_traced_as_untrained(calc_sft_dir, tmp_path
                  slow_episodes(monkeypatch, 0.0, slow_s, pattern=[False] * 7 + [True]))
     run = Run(cfg, tmp_path)
 
-    def stop_after(step):
-        raise RunError(f"stopped after step {step}")
-
     try:
         if stop:
             with pytest.raises(RunError, match="stopped after step 1"):
@@ -170,12 +187,8 @@ def test_what_the_end_of_rl_leaves_is_traced_as_untrained(calc_sft_dir, tmp_path
             rl(run)
     finally:
         run.close()
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    (summary,) = [r for r in rows if r["phase"] == "rl_summary"]  # logged when stopped too
-    ledger = Counter({k.removeprefix("ledger/"): int(v) for k, v in summary.items()
-                      if k.startswith("ledger/")})
+    ledger, traces = final_ledger(tmp_path), final_row(tmp_path, "traces")
     accounted(ledger)
-    (traces,) = [r for r in rows if r["phase"] == "traces"]
     with closing(connect(tmp_path / "traces.sqlite")) as con:
         n, trained, at_end, both = con.execute(
             "SELECT count(*), count(trained_step), total(at_end), "
@@ -207,19 +220,13 @@ def test_a_group_being_judged_at_the_end_of_rl_is_counted_as_in_flight(calc_sft_
                  "rl.judge.fn=slow_loop:slow_judge")
     run = Run(cfg, tmp_path)
 
-    def stop_after(step):
-        raise RunError(f"stopped after step {step}")
-
     try:
         with caplog.at_level(logging.ERROR, logger="tiller.rollout.manager"), \
                 pytest.raises(RunError, match="stopped after step 1"):
             rl(run, after_step=stop_after)
     finally:
         run.close()
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    (summary,) = [r for r in rows if r["phase"] == "rl_summary"]
-    ledger = Counter({k.removeprefix("ledger/"): int(v) for k, v in summary.items()
-                      if k.startswith("ledger/")})
+    ledger = final_ledger(tmp_path)
     accounted(ledger)
     assert ledger["dropped/run_error"] == 0 and ledger["dropped/in_flight_at_end"] >= 2
     assert not [r for r in caplog.records if "a group failed" in r.message]

@@ -7,12 +7,12 @@ train on exactly the gated reward (the traced advantages, hand-computed)."""
 import json
 import logging
 import math
-import sys
-from pathlib import Path
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
+from helpers import trained_episodes
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiller.config import ConfigError, load_config
@@ -21,7 +21,6 @@ from tiller.envs.base import Task
 from tiller.envs.verifiers import Reward
 from tiller.errors import RunError
 from tiller.observe.health import JudgeHackingTrend
-from tiller.observe.traces import connect, decode
 from tiller.rollout.trajectory import Status, Trajectory
 from tiller.run import Run
 from tiller.train.judges import ModelJudge, grounded_answer
@@ -44,6 +43,10 @@ def episode(final_text, tool_output="36", value=None, status=Status.COMPLETED, g
                       (0.0,) * (generated + 1), 1, ((1, generated + 1),), (0,), messages,
                       Reward(value, {"correct": value}), status, tool_calls=1,
                       tool_errors=tool_errors)
+
+
+def without_final_answer(t):
+    return replace(t, messages=t.messages[:-1])
 
 
 def algorithm(*more):
@@ -170,8 +173,7 @@ def test_the_model_judge_is_p_yes_over_p_yes_plus_no(calc_model_dir):
     assert scores["The answer is 36."] != scores["The answer is 1203."]
     assert judge(TASK, episode("The answer is 36.")) == scores["The answer is 36."]
     # an episode that did not end on an assistant answer is judged on an empty answer
-    cut = episode("The answer is 36.")
-    cut = Trajectory(**{**cut.__dict__, "messages": cut.messages[:-1]})
+    cut = without_final_answer(episode("The answer is 36."))
     assert judge(TASK, cut) == pytest.approx(
         math.exp(logp("", " yes")) / (math.exp(logp("", " yes")) + math.exp(logp("", " no"))),
         rel=1e-5)
@@ -181,8 +183,7 @@ def test_the_model_judge_scores_an_empty_context(calc_model_dir):
     # prompt "{answer}" and no final answer: the context encodes to nothing, so the
     # continuations are scored after the tokenizer's start token
     judge = ModelJudge(calc_model_dir, "{answer}")
-    cut = episode("The answer is 36.")
-    cut = Trajectory(**{**cut.__dict__, "messages": cut.messages[:-1]})
+    cut = without_final_answer(episode("The answer is 36."))
     assert 0.0 < judge(TASK, cut) < 1.0
 
 
@@ -237,32 +238,27 @@ def group_rewards(db, weight):
     """Per trained group of a traced run, per member: (the gated reward, hand-computed from its
     verifier value and judge score; the advantage it was trained with; verifier success; the
     judge's score)."""
-    con = connect(db)
-    rows = con.execute("SELECT task_id, trained_step, reward, checks, env_error, loss_mask, "
-                       "train_mask, advantages FROM episodes WHERE phase = 'rl' AND "
-                       "trained_step IS NOT NULL ORDER BY trained_step, task_id, sample_index"
-                       ).fetchall()
     groups = {}
-    for r in rows:
+    for r in trained_episodes(db):
         judge = json.loads(r["checks"])["judge"]
         success = r["reward"] >= 1.0 and not r["env_error"]
         paid = r["reward"] + (weight * judge if success else 0.0)
-        mask = decode("train_mask", r["train_mask"])
-        adv = {a for a, m in zip(decode("advantages", r["advantages"]), mask, strict=True) if m}
-        assert len(adv) == 1  # every trained token of an episode shares its advantage
         groups.setdefault((r["trained_step"], r["task_id"]), []).append(
-            (paid, adv.pop(), success, judge))
+            (paid, r["advantage"], success, judge))
     return list(groups.values())
+
+
+def grpo(r):
+    """GRPO by hand (ALGORITHMS.md): (r - mean) / (std + 1e-6), std with Bessel's correction."""
+    return (r - r.mean()) / (r.std(ddof=1) + 1e-6)
 
 
 @pytest.mark.parametrize("judge", ["model", "fn"])
 def test_a_real_run_trains_on_the_judge_only_where_the_verifier_says_success(
-        judge, calc_model_dir, calc_sft_dir, tmp_path, monkeypatch):
+        judge, calc_model_dir, calc_sft_dir, tmp_path):
     # odd samples are the scripted expert's (they succeed, worded two ways), even ones the tiny
     # policy's (they fail): every group has both, and the judge (a real model, or one that
     # scores the failures highest) scores them all
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    sys.modules.pop("half_expert_loop", None)
     weight = 0.5
     cfg = load_config(CONFIG, [
         f"model.path={calc_sft_dir}", "model.build=null", "sft.enabled=false", "rl.steps=2",
@@ -287,9 +283,6 @@ def test_a_real_run_trains_on_the_judge_only_where_the_verifier_says_success(
         # than 1 (the judge's term), and differently: the judge term shows in the advantages
         assert paid[0] == paid[2] == 0.0 and (paid[[1, 3]] > 1.0).all()
         assert abs(paid[1] - paid[3]) > 1e-3  # the tiny model judge: ~0.005 apart
-        # GRPO by hand (ALGORITHMS.md): (r - mean) / (std + 1e-6), std with Bessel's correction
-        def grpo(r):
-            return (r - r.mean()) / (r.std(ddof=1) + 1e-6)
         expected = grpo(paid)
         assert [m[1] for m in g] == pytest.approx(expected.tolist(), abs=1e-5)
         # which the verifier alone, or a judge paid on every episode, would not have given

@@ -5,19 +5,15 @@ constant under GRPO leaves the weights where they were."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from helpers import rl_rows
+from helpers import rl_rows, trained_episodes
 from safetensors.torch import load_file
 
 from tiller.config import ConfigError, load_config
 from tiller.controller import train
 from tiller.envs.verifiers import Reward
 from tiller.errors import RunError
-from tiller.observe.traces import connect, decode
 from tiller.train.reward_control import RewardControl
 
 CONFIG = "configs/calculator.yaml"
@@ -59,11 +55,9 @@ def test_config_errors_are_one_line():
         load_config(CONFIG, ["rl.reward_control=noise"])
 
 
-def half_expert(calc_sft_dir, monkeypatch, *more):
+def half_expert(calc_sft_dir, *more):
     """A tiny run whose odd samples are the scripted expert's (tests/half_expert_loop.py): the
     verifier pays 1 on half of every group, so the real reward carries a signal to remove."""
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    sys.modules.pop("half_expert_loop", None)
     return load_config(CONFIG, [
         f"model.path={calc_sft_dir}", "model.build=null", "sft.enabled=false", "rl.steps=2",
         "rl.tasks_per_step=2", "rl.group_size=4", "eval.tasks=8", "logging.progress=false",
@@ -72,21 +66,15 @@ def half_expert(calc_sft_dir, monkeypatch, *more):
 
 def trained(run_dir):
     """(verifier success, the advantage trained with) of every trained RL episode."""
-    con = connect(run_dir / "traces.sqlite")
-    out = []
-    for r in con.execute("SELECT reward, train_mask, advantages FROM episodes WHERE phase = "
-                         "'rl' AND trained_step IS NOT NULL"):
-        adv = {a for a, m in zip(decode("advantages", r["advantages"]),
-                                 decode("train_mask", r["train_mask"]), strict=True) if m}
-        assert len(adv) == 1  # every trained token of an episode shares its advantage
-        out.append((r["reward"] >= 1.0, adv.pop()))
+    out = [(r["reward"] >= 1.0, r["advantage"])
+           for r in trained_episodes(run_dir / "traces.sqlite")]
     assert len(out) == 16  # 2 steps x 2 groups x 4 samples
     return out
 
 
 def test_constant_under_grpo_trains_on_it_logs_the_real_reward_and_moves_nothing(
-        calc_sft_dir, tmp_path, monkeypatch):
-    cfg = half_expert(calc_sft_dir, monkeypatch, "rl.reward_control=constant",
+        calc_sft_dir, tmp_path):
+    cfg = half_expert(calc_sft_dir, "rl.reward_control=constant",
                       "rl.reward_control_value=1.0")
     train(cfg, tmp_path)
     rows = rl_rows(tmp_path)
@@ -106,11 +94,9 @@ def test_constant_under_grpo_trains_on_it_logs_the_real_reward_and_moves_nothing
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_random_control_trains_on_rewards_unlinked_from_success(calc_sft_dir, tmp_path,
-                                                                 monkeypatch):
-    train(half_expert(calc_sft_dir, monkeypatch), tmp_path / "real")
-    train(half_expert(calc_sft_dir, monkeypatch, "rl.reward_control=random"),
-                 tmp_path / "rand")
+def test_random_control_trains_on_rewards_unlinked_from_success(calc_sft_dir, tmp_path):
+    train(half_expert(calc_sft_dir), tmp_path / "real")
+    train(half_expert(calc_sft_dir, "rl.reward_control=random"), tmp_path / "rand")
     # with the real reward every success is above its group's mean, every failure below
     assert all((a > 0) == s for s, a in trained(tmp_path / "real"))
     # shuffled rewards: the same mean and logged success, but some failures were rewarded

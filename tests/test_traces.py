@@ -177,13 +177,18 @@ def test_a_split_episode_gets_its_rows_back_end_to_end(tmp_path):
     assert second["trainer_logprobs"] == [200, 201, 202]
 
 
+def short_episode(task_id):
+    """Two prompt tokens and two generated ones, rewarded 1, with no seed."""
+    b = TrajectoryBuilder(task_id)
+    b.append_prompt([1, 2])
+    b.append_generated([3, 4], [-0.1, -0.2], 0)
+    return b.finish(Reward(1.0), Status.COMPLETED)
+
+
 def test_a_second_run_into_the_same_file_updates_only_its_own_rows(tmp_path):
     """The same seed gives the same episode seeds: a rerun's trainer arrays and at_end marks
     go to the rows its writer wrote, not to the earlier run's with equal seeds."""
-    b = TrajectoryBuilder("t")
-    b.append_prompt([1, 2])
-    b.append_generated([3, 4], [-0.1, -0.2], 0)
-    traj = replace(b.finish(Reward(1.0), Status.COMPLETED), seed=7)
+    traj = replace(short_episode("t"), seed=7)
     batch = Batch.collate([traj], 0)
     marks = torch.ones_like(batch.input_ids, dtype=torch.float32)
     db = tmp_path / "traces.sqlite"
@@ -203,13 +208,7 @@ def test_a_second_run_into_the_same_file_updates_only_its_own_rows(tmp_path):
 
 
 def test_seedless_episodes_are_written_and_never_given_anothers_arrays(tmp_path):
-    def episode(task):
-        b = TrajectoryBuilder(task)
-        b.append_prompt([1, 2])
-        b.append_generated([3, 4], [-0.1, -0.2], 0)
-        return b.finish(Reward(1.0), Status.COMPLETED)  # seed None: not collected by a run
-
-    trajs = [episode("t"), episode("u")]
+    trajs = [short_episode("t"), short_episode("u")]  # seed None: not collected by a run
     assert [t.seed for t in trajs] == [None, None]
     batch = Batch.collate(trajs[:1], 0)
     writer = TraceWriter(tmp_path / "traces.sqlite")
