@@ -215,9 +215,13 @@ def test_cannot_write_outside_tmpfs(box: Sandbox, tmp_path: Path) -> None:
         "        print('denied', path, type(e).__name__)\n"
         "import os\n"
         "try:\n"
-        "    os.write(0, b'x'); print('WROTE stdin')  # fd 0 is a host temp file\n"
+        "    os.write(0, b'x'); print('WROTE stdin')  # fd 0 is the host's copy of stdin\n"
         "except OSError as e:\n"
         "    print('denied stdin', type(e).__name__)\n"
+        "try:  # a fresh open ignores fd 0's read-only mode\n"
+        "    open('/proc/self/fd/0', 'r+b', buffering=0).write(b'x'); print('WROTE stdin')\n"
+        "except OSError as e:\n"
+        "    print('denied stdin reopened', type(e).__name__)\n"
     )
     try:
         r = box.run_python(code)
