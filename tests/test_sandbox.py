@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import platform
 import secrets
 import shutil
 import signal
@@ -22,6 +23,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,10 +45,11 @@ LIMITS = SandboxLimits(
 )
 
 # Refuse to run a destructive payload unless we are inside bwrap's pid namespace (our parent is
-# its pid 1), so a broken sandbox cannot turn kill(-1) loose on the host.
+# its pid 1, tiller's launcher), so a broken sandbox cannot turn kill(-1) loose on the host.
 IN_PID_NAMESPACE = (
     "import os, sys\n"
-    "if os.getppid() != 1 or open('/proc/1/comm').read().strip() != 'bwrap':\n"
+    "pid1 = open('/proc/1/cmdline', 'rb').read()\n"
+    "if os.getppid() != 1 or b'tiller sandbox launcher' not in pid1:\n"
     "    print('REFUSED: not in a pid namespace'); sys.exit(99)\n"
 )
 
@@ -212,9 +215,13 @@ def test_cannot_write_outside_tmpfs(box: Sandbox, tmp_path: Path) -> None:
         "        print('denied', path, type(e).__name__)\n"
         "import os\n"
         "try:\n"
-        "    os.write(0, b'x'); print('WROTE stdin')  # fd 0 is a host temp file\n"
+        "    os.write(0, b'x'); print('WROTE stdin')  # fd 0 is the host's copy of stdin\n"
         "except OSError as e:\n"
         "    print('denied stdin', type(e).__name__)\n"
+        "try:  # a fresh open ignores fd 0's read-only mode\n"
+        "    open('/proc/self/fd/0', 'r+b', buffering=0).write(b'x'); print('WROTE stdin')\n"
+        "except OSError as e:\n"
+        "    print('denied stdin reopened', type(e).__name__)\n"
     )
     try:
         r = box.run_python(code)
@@ -477,27 +484,71 @@ def test_memory_outside_the_address_space_is_denied() -> None:
 
 
 # Run in a fresh interpreter that is a child subreaper: any process the sandbox leaves behind
-# (an orphan bwrap, a zombie) is re-parented to it and shows up as its child.
+# (an orphan bwrap, a zombie, a program's child) is re-parented to it and shows up as its
+# child. Each leftover is described, then killed and reaped, so the next program starts clean.
+# Its address space is capped at 1 GiB, whatever the sandbox does.
 REAPER = """\
-import ctypes, glob, sys
-from tiller.tools.sandbox import Sandbox, SandboxLimits
+import ctypes, glob, json, os, resource, signal, sys
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+from tiller.tools import sandbox as sb
 ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
-code = "import os, time\\nif os.fork() == 0:\\n    os.setsid()\\ntime.sleep(9)  # bounded\\n"
-r = Sandbox(SandboxLimits(wall_seconds=1), backend='bwrap').run_python(code)
-left = [p for f in glob.glob('/proc/self/task/*/children') for p in open(f).read().split()]
-print(r.outcome.value, len(left))
+report = {}
+for name, (code, wall, info_max) in json.loads(sys.argv[1]).items():
+    sb._INFO_MAX_BYTES = info_max
+    r = sb.Sandbox(sb.SandboxLimits(wall_seconds=wall), backend='bwrap').run_python(code)
+    left = [int(p) for f in glob.glob('/proc/self/task/*/children') for p in open(f).read().split()]
+    seen = []
+    for pid in left:
+        try:
+            stat = open(f'/proc/{pid}/stat').read()
+            seen.append(stat[stat.index('(') : stat.rindex(')') + 3])  # "(comm) state"
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            seen.append('gone')
+        os.waitpid(pid, 0)
+    report[name] = [r.outcome.value, seen]
+print(json.dumps(report))
 """
+
+# Each program is bounded by its own code (9 s of sleep at most, 8 children).
+LEFTOVER_PROGRAMS = {
+    "ok": ("print('hi')", 20, 4096),
+    "hostile": (IN_PID_NAMESPACE + (
+        "import signal, time\n"
+        "for _ in range(8):\n"
+        "    if os.fork() == 0:\n"
+        "        os.setsid(); time.sleep(9); os._exit(0)  # bounded\n"
+        "for target in (1, -1):\n"
+        "    try:\n"
+        "        os.kill(target, signal.SIGKILL)\n"
+        "    except OSError:\n"
+        "        pass\n"
+    ), 20, 4096),
+    "timeout": ("import os, time\nif os.fork() == 0:\n    os.setsid()\ntime.sleep(9)  # bounded\n",
+                1, 4096),
+    "killed": ("import os, signal, time\nos.fork()\nos.killpg(0, signal.SIGKILL)\ntime.sleep(9)\n",
+               20, 4096),
+    # bwrap's --info-fd report cut short: the sandbox must still be stopped and reaped
+    "info_error": ("import time\ntime.sleep(9)  # bounded\n", 1, 5),
+}
 
 
 @needs_bwrap
 def test_no_process_of_the_sandbox_survives_the_call() -> None:
-    """Killing only the outer bwrap left its child (the sandbox's pid 1) to --die-with-parent
-    and the host's init to reap; now the child is killed first and bwrap reaps it."""
+    """After a normal, a hostile, a timed-out and a killed program, nothing the sandbox started
+    is left: no zombie, no live process. bwrap's own pid 1 used to outlive every call that did
+    not time out: bwrap exits on its pid 1's status report, before that pid 1 has exited, so the
+    pid 1 became a zombie of the host's init (found as 27 zombie bwraps after this file's
+    tests). Killing only the outer bwrap (the timeout and the unreadable --info-fd paths) left
+    the same orphan."""
     env = {**os.environ, "PYTHONPATH": str(Path(sb.__file__).parents[2])}
-    proc = subprocess.run([sys.executable, "-c", REAPER], capture_output=True, text=True,
-                          timeout=30, env=env)
+    proc = subprocess.run([sys.executable, "-c", REAPER, json.dumps(LEFTOVER_PROGRAMS)],
+                          capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["timeout", "0"]
+    assert json.loads(proc.stdout) == {
+        "ok": ["ok", []], "hostile": ["ok", []], "timeout": ["timeout", []],
+        "killed": ["killed", []], "info_error": ["sandbox_error", []],
+    }  # fmt: skip
 
 
 # --- sandbox failures are reported as such ----------------------------------------------------
@@ -532,12 +583,64 @@ def test_model_cannot_fake_a_sandbox_error(box: Sandbox) -> None:
     assert box.run_python(code).outcome is SandboxOutcome.ERROR
 
 
-@needs_bwrap
-@pytest.mark.skipif(
-    os.geteuid() != 0 or not os.path.exists("/usr/bin/python3"),
-    reason="needs root (to become an unprivileged caller) and /usr/bin/python3",
-)
-def test_unprivileged_caller_gets_a_user_namespace() -> None:
+# --- an unprivileged caller -------------------------------------------------------------------
+#
+# As a non-root caller, bwrap makes a user namespace and every process in the sandbox runs as
+# the caller's uid. These tests drive the sandbox as uid 65534 with the system Python: tiller's
+# sandbox module comes on stdin (it imports only stdlib-only tiller modules). The driver caps its
+# own address space (1 GiB) and CPU time (60 s), so that a sandbox that failed to contain a
+# payload could not take the machine down, and it is a child subreaper: anything the sandbox
+# leaves behind becomes its child, is counted, killed and reaped.
+
+NOBODY_DRIVER = """\
+import ctypes, glob, json, os, resource, signal, sys, types
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+resource.setrlimit(resource.RLIMIT_CPU, (60, 60))
+ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+sys.path.insert(0, sys.argv[1])
+mod = types.ModuleType('sandbox_under_test'); sys.modules[mod.__name__] = mod
+exec(compile(sys.stdin.read(), 'sandbox.py', 'exec'), mod.__dict__)
+limits, payload, stdin = json.loads(sys.argv[2])
+r = mod.Sandbox(mod.SandboxLimits(**limits), backend='bwrap').run_python(payload, stdin=stdin)
+left = [int(p) for f in glob.glob('/proc/self/task/*/children') for p in open(f).read().split()]
+for pid in left:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+print(json.dumps([r.outcome.value, r.stdout, r.stderr, len(left)]))
+"""
+NOBODY = {"user": 65534, "group": 65534, "extra_groups": [], "cwd": "/",
+          "env": {"PATH": "/usr/bin:/bin"}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def as_nobody() -> None:
+    """Skips unless this test runs as root (to become another user), a system Python >= 3.10
+    exists, and bwrap can make a user namespace for uid 65534 here."""
+    if not HAS_BWRAP or os.geteuid() != 0:
+        pytest.skip("needs bwrap and root (to become an unprivileged caller)")
+    version_ok = "import sys; print(sys.version_info >= (3, 10))"
+    python = subprocess.run(["/usr/bin/python3", "-c", version_ok], capture_output=True, text=True,
+                            timeout=30)  # fmt: skip
+    if python.stdout.strip() != "True":
+        pytest.skip("needs /usr/bin/python3 >= 3.10 to drive the sandbox as another user")
+    userns = subprocess.run(["bwrap", "--unshare-user", "--ro-bind", "/", "/", "true"],
+                            capture_output=True, text=True, timeout=30, **NOBODY)
+    if userns.returncode != 0:
+        pytest.skip(f"bwrap cannot make a user namespace for uid 65534: {userns.stderr[-300:]}")
+
+
+def _run_as_nobody(payload: str, stdin: str = "", **limits: Any) -> tuple[str, str, str, int]:
+    """(outcome, stdout, stderr, leftover processes) of `payload` run by uid 65534."""
+    args = [str(Path(sb.__file__).parents[2]), json.dumps([limits, payload, stdin])]
+    proc = subprocess.run(["/usr/bin/python3", "-I", "-c", NOBODY_DRIVER, *args],
+                          input=Path(sb.__file__).read_text(), capture_output=True, text=True,
+                          timeout=90, **NOBODY)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    outcome, stdout, stderr, left = json.loads(proc.stdout)
+    return outcome, stdout, stderr, left
+
+
+def test_unprivileged_caller_gets_a_user_namespace(as_nobody) -> None:
     """The non-root path: bwrap makes a user namespace, RLIMIT_NPROC counts inside it, and the
     namespace-owned / and /dev are read-only."""
     payload = (
@@ -559,28 +662,109 @@ def test_unprivileged_caller_gets_a_user_namespace() -> None:
         "        pass\n"
         "print(os.getuid(), n, wrote)\n"
     )
-    src = str(Path(sb.__file__).parents[2])  # tiller's stdlib-only modules, for the imports
-    driver = (
-        f"import json, sys, types\nsys.path.insert(0, {src!r})\n"
-        "mod = types.ModuleType('sandbox_under_test'); sys.modules[mod.__name__] = mod\n"
-        "exec(compile(sys.stdin.read(), 'sandbox.py', 'exec'), mod.__dict__)\n"
-        "box = mod.Sandbox(mod.SandboxLimits(max_processes=8, wall_seconds=4), backend='bwrap')\n"
-        f"r = box.run_python({payload!r})\n"
-        "print(json.dumps([r.outcome.value, r.stdout, r.stderr]))\n"
-    )
-    proc = subprocess.run(
-        ["/usr/bin/python3", "-I", "-c", driver], input=Path(sb.__file__).read_text(),
-        capture_output=True, text=True, timeout=20, cwd="/", env={"PATH": "/usr/bin:/bin"},
-        user=65534, group=65534, extra_groups=[],
-    )  # fmt: skip
-    if proc.returncode != 0:
-        pytest.skip(f"/usr/bin/python3 cannot run the module: {proc.stderr[-300:]}")
-    outcome, stdout, stderr = json.loads(proc.stdout)
-    if outcome == "sandbox_error":
-        pytest.skip(f"unprivileged user namespaces unavailable here: {stderr[-300:]}")
+    outcome, stdout, stderr, left = _run_as_nobody(payload, max_processes=8, wall_seconds=4)
     assert outcome == "ok", stderr
     uid, forked, wrote = map(int, stdout.split())
-    assert uid == 65534 and forked < 8 and wrote == 0
+    assert uid == 65534 and forked < 8 and wrote == 0 and left == 0
+
+
+# Everything a process of the sandbox could do to another one of the same uid, pid 1 first: as
+# a non-root caller, bwrap's own pid 1 ran as that uid without the sandbox's rlimits and with
+# the stdin file open. Bounded whatever the sandbox does: one child, 256 MiB per hog, 3 s of
+# sleep. The /proc/1/mem attack is the escape the review reproduced: it writes code over the
+# instruction where pid 1 will resume (from /proc/1/syscall), then gives pid 1 an orphan to reap,
+# so pid 1 execs a memory hog outside the sandbox's limits (x86_64 machine code).
+PID1_ATTACKS = r"""
+import ctypes, os, struct, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+libc.syscall.argtypes = [ctypes.c_long] * 6
+libc.syscall.restype = ctypes.c_long
+HOG = "b = bytearray(b'\\x01') * (256 << 20); print('HOG', len(b) >> 20, flush=True)"
+
+
+def report(name, ret):
+    print(name, 'ALLOWED' if ret >= 0 else f'errno {ctypes.get_errno()}', flush=True)
+
+
+child = os.fork()
+if child == 0:
+    time.sleep(5)  # bounded
+    os._exit(0)
+report('ptrace pid 1', libc.ptrace(0x4206, 1, None, None))  # PTRACE_SEIZE
+report('ptrace own child', libc.ptrace(0x4206, child, None, None))
+buf = ctypes.create_string_buffer(8)
+iov = (ctypes.c_void_p * 2)(ctypes.addressof(buf), 8)  # one iovec, at the same address in both
+report('process_vm_readv', libc.process_vm_readv(child, iov, 1, iov, 1, 0))
+report('kcmp', libc.syscall(312, os.getpid(), child, 0, 0, 0))  # KCMP_FILE: fd 0 of each
+report('pidfd_getfd', libc.syscall(438, os.pidfd_open(child), 0, 0, 0, 0))
+os.kill(child, 9)
+os.waitpid(child, 0)
+try:
+    print('stdin via pid 1 READ', open('/proc/1/fd/0', 'rb').read(), flush=True)
+except OSError as e:
+    print('stdin via pid 1 errno', e.errno, flush=True)
+try:
+    with open('/proc/self/fd/0', 'r+b', buffering=0) as f:  # a fresh open of the host's file
+        f.write(b'PWNED')
+    print('stdin WRITTEN', flush=True)
+except OSError as e:
+    print('stdin write errno', e.errno, flush=True)
+print('stdin', sys.stdin.read(), flush=True)
+try:
+    hog = bytearray(b'\x01') * (256 << 20)
+    print('hog ALLOCATED', len(hog) >> 20, flush=True)
+    del hog
+except MemoryError:
+    print('hog MemoryError', flush=True)
+try:
+    mem = open('/proc/1/mem', 'r+b', buffering=0)
+except OSError as e:
+    print('mem errno', e.errno, flush=True)
+else:
+    pc = int(open('/proc/1/syscall').read().split()[-1], 16)  # where pid 1 resumes
+    data, blob, addrs = pc + 64, b'', []
+    for s in (sys.executable.encode(), b'-c', HOG.encode()):
+        addrs.append(data + len(blob))
+        blob += s + b'\0'
+    blob += b'\0' * (-len(blob) % 8)
+    argv = data + len(blob)
+    blob += struct.pack('<4Q', *addrs, 0)
+    code = (b'\x48\xbf' + struct.pack('<Q', addrs[0])  # mov rdi, path
+            + b'\x48\xbe' + struct.pack('<Q', argv)  # mov rsi, argv
+            + b'\x31\xd2\xb8\x3b\x00\x00\x00\x0f\x05'  # xor edx, edx; execve
+            + b'\xbf\x2a\x00\x00\x00\xb8\x3c\x00\x00\x00\x0f\x05')  # exit(42)
+    mem.seek(pc)
+    mem.write(code.ljust(64, b'\x90') + blob)
+    print('mem INJECTED', flush=True)
+    if os.fork() == 0:  # an orphan for pid 1 to reap: its wait returns into the new code
+        if os.fork() == 0:
+            os._exit(0)
+        os._exit(0)
+    os.wait()
+    time.sleep(3)  # bounded: time for pid 1's hog to print
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the /proc/1/mem payload is x86_64")
+def test_unprivileged_caller_cannot_escape_through_pid_1(as_nobody) -> None:
+    """As a non-root caller, the sandbox's code shared a uid with bwrap's pid 1, which had the
+    host's limits: ptrace and /proc/1/mem let it run a 256 MiB hog under memory_mb=64 (seen on
+    the code before this test), and /proc/1/fd/0 gave the whole stdin file (the unit-test
+    harness's nonce is on it). Now pid 1 is tiller's launcher: limited, not dumpable, its stdin
+    closed; ptrace, process_vm_readv/writev, kcmp and pidfd_getfd are denied; stdin is a sealed
+    memfd that no open can write."""
+    outcome, stdout, stderr, left = _run_as_nobody(
+        PID1_ATTACKS, stdin="SECRET-STDIN", memory_mb=64, wall_seconds=10)
+    assert "HOG" not in stdout and "ALLOWED" not in stdout and "INJECTED" not in stdout, stdout
+    assert outcome == "ok", (stdout, stderr)
+    assert stdout.splitlines() == [
+        "ptrace pid 1 errno 1", "ptrace own child errno 1", "process_vm_readv errno 1",
+        "kcmp errno 1", "pidfd_getfd errno 1",  # EPERM: seccomp
+        "stdin via pid 1 errno 13", "stdin write errno 1", "stdin SECRET-STDIN",  # EACCES, EPERM
+        "hog MemoryError", "mem errno 13",
+    ]  # fmt: skip
+    assert left == 0
 
 
 # --- the fallback -----------------------------------------------------------------------------
@@ -606,6 +790,39 @@ def test_fallback_enforces_cpu_and_wall_limits(fallback: Sandbox) -> None:
     r = quick.run_python(code)
     assert r.outcome is SandboxOutcome.TIMEOUT and r.wall_seconds < 9, r
     _assert_no_sleepers(token)  # its process group was killed
+
+
+# A host process with a secret in its environment runs the same probe in both backends.
+ENVIRON_HOST = """\
+import warnings
+from tiller.tools.sandbox import Sandbox
+warnings.simplefilter('ignore')
+probe = (
+    "import glob\\n"
+    "seen = []\\n"
+    "for path in glob.glob('/proc/*/environ'):\\n"
+    "    try:\\n"
+    "        seen.append(b'TILLER_TEST_SECRET=' in open(path, 'rb').read())\\n"
+    "    except OSError:\\n"
+    "        pass\\n"
+    "print(len(seen) > 0, any(seen))\\n"
+)
+for backend in ('subprocess', 'bwrap'):
+    print(backend, Sandbox(backend=backend).run_python(probe).stdout.strip())
+"""
+
+
+@needs_bwrap
+def test_fallback_does_not_hide_the_trainers_environment() -> None:
+    """What docs/sandbox.md says of the fallback's "cleared environment": the code's own is
+    cleared, but it reads the trainer's through /proc/<ppid>/environ (same uid). bwrap's pid
+    namespace shows it no host process."""
+    env = {**os.environ, "PYTHONPATH": str(Path(sb.__file__).parents[2]),
+           "TILLER_TEST_SECRET": secrets.token_hex(8)}  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", ENVIRON_HOST], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["subprocess True True", "bwrap True False"]
 
 
 @pytest.fixture

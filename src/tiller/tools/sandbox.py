@@ -7,6 +7,17 @@ Layers, and why each one is there (docs/sandbox.md has the user-facing summary):
   the sandbox), and a filesystem holding only read-only /usr, a few /etc files, the interpreter,
   and a size-capped tmpfs at /tmp that is the cwd and HOME. `/` and `/dev` are remounted read-only,
   because otherwise they are tmpfs the code could fill without any size cap.
+* **No process of bwrap's own inside** (`--as-pid-1`): bwrap's pid 1 had the caller's limits,
+  held the stdin file, and for a non-root caller ran as the code's own uid, so the code could
+  ptrace it or write its /proc/1/mem and make it exec anything outside the limits (a 256 MiB
+  hog under `memory_mb=64`). bwrap also exits on its pid 1's status report before that pid 1
+  has exited, which left one zombie bwrap per call to the host's init. Our launcher is pid 1
+  instead: not dumpable (no ptrace, /proc/1/mem or /proc/1/fd for anyone without
+  CAP_SYS_PTRACE), stdin closed, the same rlimits and seccomp filter as the code, and the reaper
+  of every orphan; it keeps its credentials, so bwrap's `--die-with-parent` holds for it.
+  Applying the limits to bwrap itself instead would not do: RLIMIT_NPROC set before the user
+  namespace exists counts all of the caller's processes, and bwrap's pid 1 would still be
+  dumpable with the stdin file open.
 * **The interpreter is the host's own** (`sys.executable`, e.g. a venv over a pyenv build), so the
   model sees the same Python and packages as the trainer. We bind `sys.prefix`, `sys.base_prefix`
   (and exec prefixes, and the real path of the executable) read-only at the same paths. bwrap
@@ -25,23 +36,26 @@ Layers, and why each one is there (docs/sandbox.md has the user-facing summary):
   and so outside RLIMIT_AS: System V shared memory, message queues and semaphores (`shmget`,
   `msgget`, `semget`: a 48 MiB program held 192 MiB of host shmem in detached segments until
   the IPC namespace died) and `memfd_create`/`memfd_secret` (each memfd is a RLIMIT_FSIZE-sized
-  file in host RAM, one per open file).
-* **rlimits**, set by a tiny launcher inside the sandbox just before it execs the model's program:
+  file in host RAM, one per open file). And it denies reaching into another process:
+  `ptrace`, `process_vm_readv`/`process_vm_writev`, `kcmp` and `pidfd_getfd`.
+* **rlimits**, set by our launcher inside the sandbox just before it execs the model's program:
   CPU seconds, address space, processes, file size, open files, no core dumps (a core would be
   handed to the host's core_pattern handler). Not `preexec_fn`: that is unsafe in a threaded
   host (`arun_python` uses threads), and it would set RLIMIT_NPROC before bwrap's user namespace
   exists, where it would count all of the caller's processes.
 * **Host side**: a wall-clock deadline, then SIGKILL to the sandbox's pid 1 (bwrap's child, whose
-  host pid `--info-fd` tells us; the kernel then kills its whole pid namespace) and to the
-  process group, and the outer bwrap is reaped: killing only the outer bwrap would leave its
-  child to `--die-with-parent` and the host's init to reap. Output is read in bounded chunks
-  (at most `max_output_bytes` kept per stream, the rest drained and dropped), stdin from a file.
+  host pid `--info-fd` or /proc tells us; the kernel then kills its whole pid namespace), a wait
+  for bwrap to reap it and exit, and bwrap is reaped: killing the outer bwrap first would leave
+  its child to `--die-with-parent` and the host's init to reap. Output is read in bounded chunks
+  (at most `max_output_bytes` kept per stream, the rest drained and dropped). stdin is a memfd
+  sealed against writes: a fresh open of /proc/self/fd/0 ignores how fd 0 was opened.
 
 `backend="auto"` refuses to run without a working bwrap (a one-line `ConfigError`) unless the
 unsafe fallback is allowed (`allow_unsafe_fallback=True`, or `set_unsafe_fallback(True)` for the
 process, as a run does from `env.tools.sandbox.allow_unsafe_fallback`). The probe that decides
 it is retried before it fails. The fallback (`backend="subprocess"`) keeps only the rlimits, the
-timeout, a cleared environment and a temp cwd, and says so with a warning once per process.
+timeout, a cleared environment (the code can still read the trainer's, /proc/<ppid>/environ)
+and a temp cwd, and says so with a warning for every `Sandbox` that uses it.
 
 Outcomes: a wall-clock timeout and the CPU rlimit (SIGXCPU) are TIMEOUT; any other signal is
 KILLED (e.g. SIGKILL once the hard CPU limit is hit by code that ignores SIGXCPU, SIGSEGV, SIGABRT);
@@ -57,6 +71,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import math
@@ -92,6 +107,7 @@ _NOBODY = 65534  # the uid inside a user namespace (non-root callers)
 _ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime")
 _INFO_MAX_BYTES = 4096  # bwrap's --info-fd JSON is a few bytes
 _DRAIN_SECONDS = 0.2  # how long to keep reading pipes after the program exited or was killed
+_REAP_SECONDS = 10.0  # how long bwrap may take to reap the sandbox's killed pid 1 and exit
 PROBE_ATTEMPTS = 3  # test runs of bwrap before `auto` gives up on it (one failure may be transient)
 PROBE_BACKOFF_S = 0.5  # sleep before the 2nd probe; doubles for each further one
 MAX_CONCURRENT_RUNS = min(32, (os.cpu_count() or 1) + 4)  # `arun_python`s running at once
@@ -103,7 +119,7 @@ class SandboxLimits:
     cpu_seconds: float = 5.0  # RLIMIT_CPU (rounded up): SIGXCPU, then SIGKILL a second later
     wall_seconds: float = 10.0  # host-side deadline, then SIGKILL
     memory_mb: int = 512  # RLIMIT_AS: address space, not RSS
-    max_processes: int = 64  # RLIMIT_NPROC; counts threads and bwrap's own pid 1
+    max_processes: int = 64  # RLIMIT_NPROC; counts threads (and a non-root caller's pid 1)
     max_file_mb: int = 16  # RLIMIT_FSIZE: largest file the code may write
     max_open_files: int = 64  # RLIMIT_NOFILE
     tmpfs_mb: int = 64  # size of the writable /tmp (bwrap only)
@@ -134,15 +150,48 @@ class SandboxResult:
 
 
 # Runs inside the sandbox with the target interpreter (-I -S: no env, no site-packages), before
-# any model code: drop root, copy the inputs in, set rlimits, signal "started", exec the program.
+# any model code. Under bwrap it is the sandbox's pid 1 (`--as-pid-1`, so no process of bwrap's
+# own is inside): it makes itself non-dumpable, forks the program's process, then takes the same
+# rlimits, closes its stdin and reaps every process until the program's exits, and exits with
+# its status (128 + n for signal n, as bwrap reports it). The program's process drops root,
+# copies the inputs in, sets the rlimits, signals "started" and execs the program. pid 1 forks
+# before it lowers its rlimits: a copy with RLIMIT_FSIZE set could not take large inputs, and
+# with RLIMIT_NPROC set (non-root: pid 1 counts) `max_processes=1` could not fork at all.
 _LAUNCHER = """\
-import json, os, resource, shutil, sys
+# tiller sandbox launcher
+import json, os, resource, shutil, signal, sys
 cfg = json.loads(sys.argv[1])
+
+
+def set_rlimits():  # only lowering: allowed without privileges
+    for name, limit in cfg["rlimits"].items():
+        resource.setrlimit(getattr(resource, name), tuple(limit))
+
+
+def be_init(program):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # its only handler: init ignores the rest
+    os.close(0)  # nothing in the sandbox may reopen stdin through /proc/1/fd/0
+    os.close(cfg["ready_fd"])
+    set_rlimits()
+    while True:
+        pid, status = os.wait()  # orphans are re-parented to pid 1: reap them too
+        if pid == program:
+            code = os.waitstatus_to_exitcode(status)
+            os._exit(code if code >= 0 else 128 - code)
+
+
 if cfg["parent_pid"]:  # fallback only: die with the host process (bwrap has --die-with-parent)
     import ctypes
     ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
     if os.getppid() != cfg["parent_pid"]:
         sys.exit("sandbox launcher: host process already gone")
+if cfg["init"]:  # the sandbox's pid 1 keeps its credentials, so --die-with-parent holds
+    import ctypes
+    if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE: no ptrace, no /proc/1/mem
+        sys.exit("sandbox launcher: prctl(PR_SET_DUMPABLE, 0) failed")
+    program = os.fork()
+    if program:
+        be_init(program)
 if cfg["uid"] is not None:
     os.setgroups([])
     os.setresgid(cfg["uid"], cfg["uid"], cfg["uid"])
@@ -151,8 +200,7 @@ if cfg["inbox"]:  # the environment's inputs, so before the policy's limits
     for name in os.listdir(cfg["inbox"]):
         src = os.path.join(cfg["inbox"], name)
         (shutil.copytree if os.path.isdir(src) else shutil.copy2)(src, name)
-for name, limit in cfg["rlimits"].items():  # only lowering: allowed without privileges
-    resource.setrlimit(getattr(resource, name), tuple(limit))
+set_rlimits()
 if not os.access(cfg["python"], os.X_OK):
     sys.exit("sandbox launcher: cannot execute " + cfg["python"] + " as uid " + str(os.getuid()))
 os.write(cfg["ready_fd"], b"1")
@@ -223,12 +271,10 @@ class Sandbox:
         files["main.py"] = code
         # A private (0700) directory, so other host users cannot read the code or the files.
         with tempfile.TemporaryDirectory(prefix="tiller-", ignore_cleanup_errors=True) as tmp:
-            inbox, stdin_path, bpf_path = (os.path.join(tmp, n) for n in ("inbox", "stdin", "bpf"))
+            inbox, bpf_path = os.path.join(tmp, "inbox"), os.path.join(tmp, "bpf")
             _write_tree(inbox, files)
-            Path(stdin_path).write_bytes(stdin.encode())
             Path(bpf_path).write_bytes(_seccomp_program() or b"")
-            # Read-only opens: the code gets stdin_file as fd 0 and must not write through it.
-            with open(stdin_path, "rb") as stdin_file, open(bpf_path, "rb") as bpf_file:
+            with _sealed_file(stdin.encode()) as stdin_file, open(bpf_path, "rb") as bpf_file:
                 return self._run(inbox, stdin_file, bpf_file)
 
     def _run(self, inbox: str, stdin_file: IO[bytes], bpf_file: IO[bytes]) -> SandboxResult:
@@ -242,6 +288,7 @@ class Sandbox:
             "inbox": None,
             "uid": None,
             "parent_pid": None,
+            "init": self.backend == "bwrap",
         }
         pass_fds = [ready_w]
         if self.backend == "bwrap":
@@ -284,7 +331,7 @@ class Sandbox:
         try:
             out, err, truncated, started, timed_out, info_error = _supervise(
                 proc, ready_r, info_r, start + self.limits.wall_seconds,
-                self.limits.max_output_bytes,
+                self.limits.max_output_bytes, self.backend == "bwrap",
             )
         finally:
             os.close(ready_r)
@@ -311,11 +358,12 @@ class Sandbox:
 
 
 def _supervise(
-    proc: subprocess.Popen, ready_fd: int, info_fd: int, deadline: float, max_bytes: int
+    proc: subprocess.Popen, ready_fd: int, info_fd: int, deadline: float, max_bytes: int,
+    bwrap: bool,
 ) -> tuple[bytearray, bytearray, bool, bool, bool, str | None]:
     """Pump stdout/stderr until the program exits or `deadline` passes, keeping at most
-    `max_bytes` of each, then kill the sandbox (bwrap's child, then the process group) and
-    reap. Returns (stdout, stderr, truncated, started, timed_out, info_error)."""
+    `max_bytes` of each, then stop and reap the sandbox (`_stop`; also when this raises).
+    Returns (stdout, stderr, truncated, started, timed_out, info_error)."""
     bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     info = bytearray()
     state: dict[str, Any] = {"truncated": False, "started": False, "info_error": None}
@@ -341,42 +389,29 @@ def _supervise(
                 buf += chunk[:room]
                 state["truncated"] |= len(chunk) > room
 
-    def exited() -> bool:  # without reaping, so the pid (and our pgid) cannot be recycled yet
-        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-
     try:
         exited_at = None
         while streams_open() and time.monotonic() < deadline:
             # Something the program left behind (fallback only) may hold the pipes open.
-            if exited_at is None and exited():
+            if exited_at is None and _exited(proc.pid):
                 exited_at = time.monotonic()
             if exited_at is not None and time.monotonic() - exited_at > _DRAIN_SECONDS:
                 break
             pump(min(deadline - time.monotonic(), 0.05))
-        while not exited() and time.monotonic() < deadline:
+        while not _exited(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.002)
-        timed_out = not exited()
+        timed_out = not _exited(proc.pid)
         if info_fd in sel.get_map():
             pump(0)  # bwrap writes the child's pid right after it starts it
-        try:
-            killed = _kill_bwrap_child(bytes(info), proc.pid)
-        except SandboxInfoError as e:  # the process-group kill below still stops everything
-            logger.warning("tiller sandbox: %s; killing bwrap's process group instead", e)
-            state["info_error"] = str(e)
-            killed = False
-        if killed:
-            # bwrap reaps its child and exits by itself; killing it first would orphan the child
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(_DRAIN_SECONDS)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the outer bwrap (and the fallback's program)
-        proc.wait()
+        state["info_error"] = _stop(proc, bytes(info), bwrap)
         drain_until = time.monotonic() + _DRAIN_SECONDS  # last words of a killed program
         while streams_open() and time.monotonic() < drain_until:
             pump(drain_until - time.monotonic())
         if not state["started"] and ready_fd in sel.get_map():
             pump(0)
     finally:
+        if proc.returncode is None:  # something above raised: the sandbox must not outlive us
+            _stop(proc, bytes(info), bwrap)
         sel.close()
         proc.stdout.close()
         proc.stderr.close()
@@ -384,31 +419,81 @@ def _supervise(
     return out, err, state["truncated"], state["started"], timed_out, state["info_error"]
 
 
+def _exited(pid: int) -> bool:
+    """Whether our child `pid` has exited, without reaping it: until it is reaped its pid and
+    process group id cannot be recycled, so signalling them stays safe."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
+def _stop(proc: subprocess.Popen, info: bytes, bwrap: bool) -> str | None:
+    """Kill what is left of the sandbox and reap it; returns why bwrap's --info-fd report was
+    unreadable, if it was.
+
+    Under bwrap: SIGKILL the sandbox's pid 1 (the kernel then kills its whole pid namespace) and
+    wait for bwrap to reap it and exit, so nothing is left for the host's init. Its pid comes
+    from --info-fd, else from /proc. Only a bwrap still running `_REAP_SECONDS` later is killed
+    itself (logged: that leaves pid 1 to --die-with-parent and the host's init). Then the process
+    group is killed (the fallback's program and what it left in its group; bwrap's sandbox is in
+    a session of its own) while its leader is unreaped, and the leader is reaped."""
+    info_error = None
+    if bwrap:
+        try:
+            pid1 = _pid_from_info(info)
+        except SandboxInfoError as e:
+            logger.warning("tiller sandbox: %s; looking for the sandbox's pid 1 in /proc", e)
+            info_error, pid1 = str(e), None
+        signalled, give_up = False, time.monotonic() + _REAP_SECONDS
+        while not _exited(proc.pid):
+            if time.monotonic() > give_up:
+                logger.warning("tiller sandbox: bwrap (pid %d) still runs %.0f s after its "
+                               "sandbox was killed; killing bwrap", proc.pid, _REAP_SECONDS)
+                break
+            if not signalled:
+                pid1 = pid1 or _bwrap_child(proc.pid)
+                signalled = pid1 is not None and _kill_child(pid1, proc.pid)
+            time.sleep(0.002)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return info_error
+
+
 class SandboxInfoError(RuntimeError):
     """bwrap's `--info-fd` report could not be read: an infrastructure failure."""
 
 
-def _kill_bwrap_child(info: bytes, bwrap_pid: int) -> bool:
-    """SIGKILL bwrap's child, the sandbox's pid 1 (the kernel then kills everything in its pid
-    namespace), so the outer bwrap reaps it and exits: nothing is left for the host's init.
-    The pid comes from `--info-fd`; a pidfd whose parent is still our bwrap cannot be a
-    recycled pid. Returns whether it was signalled."""
+def _pid_from_info(info: bytes) -> int | None:
+    """The host pid of bwrap's child (the sandbox's pid 1) from its `--info-fd` report; None if
+    there is none (bwrap failed, or has not started the child yet)."""
     if not info:
-        return False  # the fallback, or bwrap failed before starting a child
+        return None
     try:
-        pid = int(json.loads(info.decode())["child-pid"])
+        return int(json.loads(info.decode())["child-pid"])
     except (ValueError, KeyError, TypeError) as e:  # JSON and UTF-8 errors are ValueErrors
         raise SandboxInfoError(f"unreadable bwrap --info-fd output {info[:100]!r}: "
                                f"{type(e).__name__}: {e}") from e
+
+
+def _bwrap_child(bwrap_pid: int) -> int | None:
+    """bwrap's child from /proc (None: none yet, or a kernel without CONFIG_PROC_CHILDREN)."""
+    try:
+        children = Path(f"/proc/{bwrap_pid}/task/{bwrap_pid}/children").read_text().split()
+    except FileNotFoundError:
+        return None
+    return int(children[0]) if children else None
+
+
+def _kill_child(pid: int, parent: int) -> bool:
+    """SIGKILL `pid` if it is `parent`'s child, through a pidfd: one whose process's parent is
+    still our unreaped `parent` cannot be a recycled pid. Returns whether it was signalled."""
     try:
         pidfd = os.pidfd_open(pid)
     except ProcessLookupError:
         return False  # gone and reaped by bwrap already
     try:
         status = Path(f"/proc/{pid}/status").read_text()
-        parent = next(int(ln.split()[1]) for ln in status.splitlines()
-                      if ln.startswith("PPid:"))
-        if parent != bwrap_pid:
+        ppid = next(int(ln.split()[1]) for ln in status.splitlines() if ln.startswith("PPid:"))
+        if ppid != parent:
             return False
         signal.pidfd_send_signal(pidfd, signal.SIGKILL)
         return True
@@ -443,6 +528,22 @@ def _sandbox_env(python: str, home: str) -> dict[str, str]:
         "OPENBLAS_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
     }
+
+
+def _sealed_file(data: bytes) -> IO[bytes]:
+    """`data` in a memfd sealed against every write, for the code's stdin. A file on disk would
+    not do: a fresh open of /proc/self/fd/0 skips the read-only open, so a non-root caller's
+    sandbox (the file's owner) could rewrite it, and a root caller's random uid could rewrite a
+    memfd (mode 0777) without the seals."""
+    fd = os.memfd_create("tiller-stdin", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    file = os.fdopen(fd, "r+b", buffering=0)
+    view = memoryview(data)
+    while view:
+        view = view[file.write(view):]
+    seals = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    file.seek(0)
+    return file
 
 
 def _write_tree(root: str, files: dict[str, str | bytes]) -> None:
@@ -486,7 +587,8 @@ def _under(path: str, parent: str) -> bool:
 def _bwrap_argv(limits: SandboxLimits, inbox: str, python: str, bpf_fd: int | None,
                 info_fd: int) -> list[str]:
     bwrap = shutil.which("bwrap") or "bwrap"  # a full path: bwrap itself runs with an empty env
-    argv = [bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net"]
+    argv = [bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--as-pid-1"]
+    argv += ["--unshare-net"]
     argv += ["--info-fd", str(info_fd)]
     argv += ["--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]
     if os.geteuid() == 0:  # privileged bwrap; the launcher drops to a random uid
@@ -525,20 +627,22 @@ def _bwrap_argv(limits: SandboxLimits, inbox: str, python: str, bpf_fd: int | No
 _LD_W_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
 _ALLOW, _ERRNO = 0x7FFF0000, 0x00050000
 # audit arch; syscalls denied outright (namespaces: unshare, setns; memory outside the address
-# space: shmget, msgget, semget, memfd_create, memfd_secret); then clone3 and clone
+# space: shmget, msgget, semget, memfd_create, memfd_secret; another process's memory and
+# files: ptrace, process_vm_readv, process_vm_writev, kcmp, pidfd_getfd); then clone3 and clone
 _SYSCALLS = {
-    "x86_64": (0xC000003E, (272, 308, 29, 68, 64, 319, 447), 435, 56),
-    "aarch64": (0xC00000B7, (97, 268, 194, 186, 190, 279, 447), 435, 220),
+    "x86_64": (0xC000003E, (272, 308, 29, 68, 64, 319, 447, 101, 310, 311, 312, 438), 435, 56),
+    "aarch64": (0xC00000B7, (97, 268, 194, 186, 190, 279, 447, 117, 270, 271, 272, 438), 435, 220),
 }
 
 
 @cache
 def _seccomp_program() -> bytes | None:
-    """Deny creating or entering namespaces and memory that RLIMIT_AS does not count; None (and
-    a warning) on other architectures."""
+    """Deny creating or entering namespaces, memory that RLIMIT_AS does not count, and reaching
+    into another process (ptrace and its relatives); None (and a warning) on other
+    architectures."""
     if platform.machine() not in _SYSCALLS:
         logger.warning("tiller.tools.sandbox: no seccomp filter for %s; nested user namespaces, "
-                       "SysV IPC and memfds are not blocked", platform.machine())  # fmt: skip
+                       "SysV IPC, memfds and ptrace are not blocked", platform.machine())
         return None
     arch, denied, clone3, clone = _SYSCALLS[platform.machine()]
     eperm, enosys = _ERRNO | 1, _ERRNO | 38
@@ -627,7 +731,8 @@ def _warn_fallback(reason: str) -> None:
     msg = (
         f"tiller sandbox: running model-written code WITHOUT bubblewrap ({reason}). Only rlimits, "
         "a wall-clock timeout, a cleared environment and a temp cwd apply: the code can read and "
-        "write the host filesystem as this user, use the network, and signal host processes."
+        "write the host filesystem as this user (the trainer's environment too, through "
+        "/proc/<pid>/environ), use the network, and signal host processes."
         f"{root} Install bubblewrap (apt-get install bubblewrap) to sandbox it."
     )
     logger.warning(msg)
