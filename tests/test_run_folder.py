@@ -29,6 +29,7 @@ from tiller.errors import ConfigError
 from tiller.rollout.delta import DeltaUpdate, TensorDelta
 from tiller.rollout.http_engine import HttpEngine
 from tiller.rollout.weight_sync import WeightUpdate
+from tiller.tools.replay import ReplayStore
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs/calculator.yaml")
@@ -126,6 +127,18 @@ def test_files_written_in_place_refuse_a_planted_link(calc_sft_dir, tmp_path, na
                                   "tiller does not write through links: remove it, or write "
                                   "to another folder")
     assert target.read_text() == "ssh-ed25519 AAAA-the-users-own-key user@host\n"
+
+
+def test_a_replay_store_refuses_a_planted_link(tmp_path):
+    """A link to a file that does not exist yet: SQLite would create it there (a login
+    script, say) and record the tool results into it."""
+    profile = tmp_path / "home" / ".bash_profile"
+    profile.parent.mkdir()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "tools.sqlite").symlink_to(profile)
+    with pytest.raises(ConfigError, match=r"tools.sqlite is a symbolic link"):
+        ReplayStore(tmp_path / "run" / "tools.sqlite", "record")
+    assert not profile.exists()
 
 
 def test_weight_updates_replace_planted_links(tmp_path):
