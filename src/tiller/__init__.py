@@ -1,16 +1,16 @@
 """tiller: reinforcement learning for multi-turn, tool-using LLM agents.
 
 `tiller.train(config_or_path, **overrides)` and `tiller.Trainer(...).train()` (tiller.api) are
-loaded on first use, so `import tiller` stays fast and imports no torch.
+loaded on first use, so `import tiller` stays fast and imports no torch. This module imports
+nothing at all: `python -m tiller` runs it while the current folder is still on the import path
+(tiller/__main__.py takes it off).
 """
-
-from typing import Any
 
 __version__ = "0.1.0"
 __all__ = ["Trainer", "train"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name == "Trainer":
         from tiller.api import Trainer
 

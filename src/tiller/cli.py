@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import nullcontext
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated
@@ -68,15 +69,20 @@ def _print_summary(summary: dict) -> None:
         console.print(f"report: {summary['report']}", highlight=False, soft_wrap=True)
 
 
-def _run(action: str, config: Path, overrides: list[str] | None, output_dir: Path | None) -> None:
+def _run(action: str, config: Path, overrides: list[str] | None, output_dir: Path | None,
+         run_folder: bool = False) -> None:
+    """`controller.<action>` on the config; `run_folder`: the config is a run folder's, read
+    as data (`tiller.trust`: checked first, and no dotted path imported)."""
     # the config and the controller import torch and transformers: only once a command that
     # needs them runs, so --help and `tiller view` start fast
     from tiller import controller
     from tiller.config import load_config
+    from tiller.trust import untrusted_run_config
 
     try:
         cfg = load_config(config, overrides or [])
-        summary = getattr(controller, action)(cfg, output_dir)
+        with untrusted_run_config(cfg, config, overrides or []) if run_folder else nullcontext():
+            summary = getattr(controller, action)(cfg, output_dir)
     except (ConfigError, ModelLoadError) as e:
         _fail(str(e))
     except RunError as e:  # the run started but cannot learn: one line, exit 1
@@ -99,15 +105,21 @@ def evaluate(
         "--model", help="the model folder to evaluate (default for a run folder: its "
                         "checkpoints/final)")] = None,
     output_dir: OutputDir = None,
+    trust_run_config: Annotated[bool, typer.Option(
+        "--trust-run-config", help="a run folder's config.yaml may import code (dotted "
+        "paths), turn the sandbox off, write outside the output folder or name servers; "
+        "without this flag each of those is refused")] = False,
 ) -> None:
     """Success of a model on every eval set (eval.sets, eval.seeds); per-episode outcomes go
-    to <output dir>/eval/checkpoint.jsonl for `tiller compare`."""
+    to <output dir>/eval/checkpoint.jsonl for `tiller compare`. A run folder's config is
+    data: what it may not ask for without --trust-run-config is in docs/evaluation.md."""
     try:
         config, extra, output_dir = _eval_target(target, model, output_dir)
     except ConfigError as e:
         _fail(str(e))
     # --model last: it wins over the config's and the overrides' model.* keys
-    _run("evaluate_checkpoint", config, [*(overrides or []), *extra], output_dir)
+    _run("evaluate_checkpoint", config, [*(overrides or []), *extra], output_dir,
+         run_folder=target.is_dir() and not trust_run_config)
 
 
 def _eval_target(target: Path, model: Path | None, output_dir: Path | None

@@ -22,6 +22,7 @@ import torch
 
 from tiller.config import Config
 from tiller.errors import ConfigError, RunError, require_package
+from tiller.files import write_file
 from tiller.observe.evaluation import (
     is_success,
     outcome_rows,
@@ -370,7 +371,7 @@ def train(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:
     finally:  # a close that fails (the trace writer's last rows) still leaves the run's result
         run.timings["total_s"] = time.perf_counter() - t0
         summary["timings"] = run.timings
-        (run.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_file(run.dir / "summary.json", json.dumps(summary, indent=2))
     if cfg.logging.report:
         summary["report"] = report_uri(run.dir)
     return summary
@@ -399,5 +400,5 @@ def evaluate_checkpoint(cfg: Config, output_dir: str | Path | None = None) -> di
     finally:
         run.close()
     summary = {"run_dir": str(run.dir), "model": cfg.model.path, **sets}
-    (run.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_file(run.dir / "summary.json", json.dumps(summary, indent=2))
     return summary

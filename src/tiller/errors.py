@@ -4,7 +4,8 @@ imports nothing from tiller, so every box can raise them without import cycles."
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
@@ -36,10 +37,27 @@ class RunFolderError(Exception):
     file): the message names the file and, for a bad line, its number."""
 
 
+_refused: str | None = None  # why import_dotted refuses every path now (None: it imports)
+
+
+@contextmanager
+def refusing_imports(why: str) -> Iterator[None]:
+    """While the block runs, `import_dotted` refuses every path, in one line ending with
+    `why` (a run folder's config is data: `tiller.trust`)."""
+    global _refused
+    before, _refused = _refused, why
+    try:
+        yield
+    finally:
+        _refused = before
+
+
 def import_dotted(path: str, field: str) -> Callable[..., Any]:
     """The callable at `package.module:name` (or `package.module.name`) that config `field`
     names; a one-line ConfigError when it cannot be imported (whatever the import raised: a
-    syntax error in the user's module too) or is not callable."""
+    syntax error in the user's module too) or is not callable, or while `refusing_imports`."""
+    if _refused is not None:
+        raise ConfigError(f"config field {field}: got {path!r}; {_refused}")
     if path.startswith(IN_PROCESS):
         if path not in _held:
             raise ConfigError(f"config field {field}: got {path!r}, a callable that was passed "

@@ -26,6 +26,7 @@ from transformers.utils import logging as hf_logging
 from tiller.config import BuildConfig
 from tiller.envs.base import Env
 from tiller.errors import ConfigError, ModelLoadError
+from tiller.files import replacing
 from tiller.rollout.agent_loop import EpisodeLimits
 from tiller.rollout.chat import CHAT_TEMPLATE, IM_END, SPECIAL_TOKENS
 from tiller.rollout.collect import collect_expert
@@ -129,8 +130,9 @@ def build_tiny_model(
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    with replacing(out) as new:
+        model.save_pretrained(new)
+        tokenizer.save_pretrained(new)
     return out
 
 

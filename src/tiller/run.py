@@ -21,6 +21,7 @@ from tiller.config import Config
 from tiller.envs import Env, Task, ToolEnv
 from tiller.envs.dataset import DatasetEnv, read_conversations
 from tiller.errors import ConfigError, require_package
+from tiller.files import replacing, write_file
 from tiller.gateway.program import ProgramEpisode, load_program
 from tiller.models import build_env_model, load_model, load_tokenizer, resolve_device
 from tiller.observe.metrics import MetricsLogger, check_backends
@@ -158,7 +159,7 @@ class Run:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.dir = Path(output_dir or cfg.output_dir or Path("runs") / f"{cfg.name}-{stamp}")
         self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+        write_file(self.dir / "config.yaml", yaml.safe_dump(cfg.model_dump(), sort_keys=False))
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
@@ -310,8 +311,9 @@ class Run:
 
     def save(self, name: str = "final") -> Path:
         out = self.dir / "checkpoints" / name
-        self.model.save_pretrained(out, safe_serialization=True)
-        self.tokenizer.save_pretrained(out)
+        with replacing(out) as new:
+            self.model.save_pretrained(new, safe_serialization=True)
+            self.tokenizer.save_pretrained(new)
         return out
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from tiller.files import write_file
 from tiller.rollout.trajectory import Trajectory
 from tiller.train.algorithms.passk import pass_at_k
 
@@ -73,13 +74,13 @@ def outcome_rows(trajectories: Sequence[Trajectory], set_name: str, seed: int,
 
 def write_outcomes(path: Path, set_name: str, rows: Sequence[dict]) -> None:
     """Put `rows` as the outcomes of `set_name` in the JSONL file at `path`, keeping the rows
-    of its other sets (one file per evaluation label holds all its sets)."""
+    of its other sets (one file per evaluation label holds all its sets). A link there is
+    not this run's file: it is neither read nor written through, but replaced."""
     kept = []
-    if path.is_file():
+    if path.is_file() and not path.is_symlink():
         kept = [r for r in map(json.loads, path.read_text().splitlines())
                 if r["set"] != set_name]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in [*kept, *rows]))
+    write_file(path, "".join(json.dumps(r) + "\n" for r in [*kept, *rows]))
 
 
 def success_by_difficulty(tasks: Sequence[Any], trajectories: Sequence[Trajectory],

@@ -13,6 +13,7 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tiller.errors import require_package
+from tiller.files import open_append, refuse_links
 
 
 def check_backends(tensorboard: bool, wandb: bool) -> None:
@@ -29,10 +30,12 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, tensorboard: bool = True, wandb: bool = False,
                  wandb_project: str = "tiller", config: dict[str, Any] | None = None):
         self.path = run_dir / "metrics.jsonl"
-        self._file = self.path.open("a")
+        check_backends(tensorboard, wandb)
+        # TensorBoard and W&B write files of their own inside these folders
+        refuse_links(run_dir / "tensorboard", run_dir / "wandb")
+        self._file = open_append(self.path)
         self._tb = None
         self._wandb = None
-        check_backends(tensorboard, wandb)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

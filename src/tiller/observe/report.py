@@ -14,6 +14,7 @@ import html
 import io
 import json
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any
 import yaml
 
 from tiller.errors import RunFolderError, require_package
+from tiller.files import write_file
 
 # the section titles, in order (the report's <h2>s; tests check they are all there)
 SECTIONS = ("Held-out success", "RL learning curve", "Success by difficulty",
@@ -126,17 +128,29 @@ def _curves(rows: Sequence[dict[str, Any]], keys: Sequence[str], ylabel: str,
     return _png(fig)
 
 
+# control characters (newlines too) and the Unicode line and paragraph separators
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _text(value: Any) -> str:
+    """`value` as HTML text: markup escaped, and every control character shown as its
+    backslash escape (a newline as \\n), so a config or metric string from the run folder
+    never puts a raw line of its own into the file."""
+    return _CONTROL.sub(lambda m: m[0].encode("unicode_escape").decode(),
+                        html.escape(str(value)))
+
+
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     def cell(v: Any) -> str:
-        return f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
+        return f"{v:.4g}" if isinstance(v, float) else _text(v)
 
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    head = "".join(f"<th>{_text(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{cell(v)}</td>" for v in r) + "</tr>" for r in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
 def _note(text: str) -> str:
-    return f'<p class="note">{html.escape(text)}</p>'
+    return f'<p class="note">{_text(text)}</p>'
 
 
 def _no_rl(run: RunRecords) -> str | None:
@@ -355,18 +369,16 @@ def render_report(run: RunRecords) -> str:
              ("algorithm", json.dumps(cfg.get("rl", {}).get("algorithm", {}))),
              ("finished", "yes" if run.summary is not None else "no (no summary.json)")]
     facts += [(k, f"{v:.1f} s") for k, v in (run.summary or {}).get("timings", {}).items()]
-    body = [f"<h1>tiller run report: {html.escape(cfg.get('name', run.dir.name))}</h1>",
+    body = [f"<h1>tiller run report: {_text(cfg.get('name', run.dir.name))}</h1>",
             _table(("", ""), facts)]
     for title, render in zip(SECTIONS, RENDERERS, strict=True):
-        body.append(f'<section><h2>{html.escape(title)}</h2>{render(run)}</section>')
+        body.append(f'<section><h2>{_text(title)}</h2>{render(run)}</section>')
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>tiller report: "
-            f"{html.escape(run.dir.name)}</title><style>{_CSS}</style></head><body>"
+            f"{_text(run.dir.name)}</title><style>{_CSS}</style></head><body>"
             f"{''.join(body)}</body></html>")
 
 
 def write_report(run_dir: str | Path) -> Path:
     """Write `run_dir/report.html` and return its path."""
     run = load_run(run_dir)
-    path = run.dir / "report.html"
-    path.write_text(render_report(run))
-    return path
+    return write_file(run.dir / "report.html", render_report(run))

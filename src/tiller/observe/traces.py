@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tiller.errors import RunError, RunFolderError
+from tiller.files import refuse_sqlite_links
 from tiller.seeds import derive_seed
 
 if TYPE_CHECKING:  # the readers (tiller view, tiller report) never load torch
@@ -236,6 +237,7 @@ class TraceWriter:
         self._rl_rows: dict[int, int] = {}
         self._error: BaseException | None = None
         self._closed = False
+        refuse_sqlite_links(self.path)  # SQLite writes in place
         # the schema exists before the first put returns: a reader never sees a bare file
         con = self._connect()
         try:

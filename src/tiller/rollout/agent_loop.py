@@ -348,4 +348,6 @@ EpisodeFn = Callable[..., Awaitable[Trajectory]]
 
 def load_episode_fn(path: str) -> EpisodeFn:
     """Resolve `package.module:function` (or `package.module.function`) to the loop."""
+    if path == f"{__name__}:run_episode":  # tiller's own loop (the default): nothing to import
+        return run_episode
     return import_dotted(path, "agent.loop")

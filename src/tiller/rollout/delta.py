@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from tiller.files import replacing, write_file
 from tiller.rollout.weight_sync import WeightSyncError, _names, verify_checksums
 
 MAX_VARINT_BYTES = 10  # a uint64 needs at most 10 groups of 7 bits
@@ -134,8 +135,9 @@ class DeltaUpdate:
         for name, d in self.deltas.items():
             tensors[f"{name}/idx"] = d.index_bytes.contiguous()
             tensors[f"{name}/val"] = d.values.detach().contiguous().cpu()
-        save_file(tensors, str(folder / "delta.safetensors"))
-        (folder / "tiller_version.json").write_text(json.dumps({
+        with replacing(folder / "delta.safetensors") as new:
+            save_file(tensors, str(new))
+        write_file(folder / "tiller_version.json", json.dumps({
             "version": self.version, "kind": "delta", "base_version": self.base_version,
             "numel": {k: d.numel for k, d in self.deltas.items()},
             "checksums": self.checksums}))

@@ -52,6 +52,7 @@ from typing import Any, TypeVar
 import httpx
 
 from tiller.errors import ConfigError, RunError
+from tiller.files import refuse_links
 from tiller.rollout.delta import DeltaUpdate
 from tiller.rollout.engine import Generation, SamplingParams
 from tiller.rollout.weight_sync import WeightUpdate
@@ -397,6 +398,8 @@ class HttpEngine:
         removed. Older versions this engine wrote are removed afterwards."""
         if in_flight not in ("continue", "abort"):
             raise ValueError(f"in_flight must be 'continue' or 'abort', got {in_flight!r}")
+        # a link planted there would be written through, and removed with what it points to
+        refuse_links(self.weights_dir / f"v{update.version}")
         folder = (self.weights_dir / f"v{update.version}").resolve()
         fresh = folder not in self._written  # a failed push removes only a folder it wrote
         update.save(folder)

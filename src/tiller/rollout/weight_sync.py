@@ -28,6 +28,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from tiller.files import replacing, write_file
+
 CHECKSUM_RUNS, CHECKSUM_RUN = 16, 64  # per tensor: 16 runs of 64 consecutive elements
 _positions: dict[tuple[int, str], torch.Tensor] = {}  # (numel, device) -> sampled positions
 
@@ -123,8 +125,9 @@ class WeightUpdate:
             if v.data_ptr() not in seen:
                 seen.add(v.data_ptr())
                 out[k] = v.detach().contiguous().cpu()
-        save_file(out, str(folder / "model.safetensors"))
-        (folder / "tiller_version.json").write_text(json.dumps(
+        with replacing(folder / "model.safetensors") as new:
+            save_file(out, str(new))
+        write_file(folder / "tiller_version.json", json.dumps(
             {"version": self.version, "kind": "full", "partial": self.partial,
              "checksums": self.checksums}))
         return folder

@@ -26,6 +26,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Literal
 
+from tiller.files import refuse_sqlite_links
 from tiller.tools.executor import Invoke, as_invoke, canonical_json
 from tiller.tools.registry import ToolCall, ToolOutcome, ToolRegistry, ToolResult
 
@@ -65,6 +66,7 @@ class ReplayStore:
         self.path, self.mode = Path(path), mode
         self.misses = 0
         self._lock = threading.Lock()
+        refuse_sqlite_links(self.path)  # SQLite writes in place
         self._conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")

@@ -1,0 +1,80 @@
+"""Writing tiller's output files without writing through a link planted in a run folder.
+
+A run folder may be shared or downloaded, so any name in it may be a symbolic link to a file
+elsewhere (`report.html -> ~/.ssh/authorized_keys`). Every file or folder tiller writes whole
+is written under a private temporary folder beside it (mode 0700: nobody else can put a link
+in it) and then renamed over its name with `os.replace`: a link at the name is replaced, never
+followed, and a reader never sees half a file. Files that are written in place (appended to,
+or opened by SQLite or TensorBoard) are refused when their name is a link.
+
+This does not defend against another user changing the folder while tiller writes to it:
+keep run folders where only you can write (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TextIO
+
+from tiller.errors import ConfigError
+
+
+@contextmanager
+def replacing(path: str | Path) -> Iterator[Path]:
+    """A fresh path to write `path`'s new content to (a file, or a folder such as a
+    checkpoint), renamed over `path` when the block ends without an error (on an error `path`
+    is left as it was). Whatever was at `path` (a file, a link, a folder) is replaced."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    private = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        new = private / path.name
+        yield new
+        if new.is_dir() and (path.is_symlink() or path.exists()):
+            # rename(2) puts a folder only over a missing name or an empty folder
+            if path.is_symlink() or not path.is_dir():
+                path.unlink()
+            else:  # the old folder goes with the private one
+                os.replace(path, private / f"{path.name}.old")
+        os.replace(new, path)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def write_file(path: str | Path, data: str | bytes) -> Path:
+    """Write `data` (text as UTF-8) to `path` whole, by temporary file and rename."""
+    with replacing(path) as new:
+        new.write_bytes(data.encode() if isinstance(data, str) else data)
+    return Path(path)
+
+
+def open_append(path: str | Path) -> TextIO:
+    """`path` opened to append UTF-8 text (created if missing); a link there is refused."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+            refuse_links(path)
+        raise
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def refuse_links(*paths: str | Path) -> None:
+    """One line when any of `paths` is a symbolic link: a file opened in place there would
+    write wherever the link points."""
+    for p in map(Path, paths):
+        if p.is_symlink():
+            raise ConfigError(f"{p} is a symbolic link (to {os.readlink(p)!r}); tiller does not "
+                              "write through links: remove it, or write to another folder")
+
+
+def refuse_sqlite_links(path: str | Path) -> None:
+    """`refuse_links` for an SQLite database and the journal, WAL and shared-memory files
+    SQLite opens beside it."""
+    refuse_links(*(f"{path}{suffix}" for suffix in ("", "-journal", "-wal", "-shm")))
