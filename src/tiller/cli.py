@@ -243,28 +243,11 @@ def serve(
         min=1, help="open connections; one more is answered 503 and closed")] = 512,
 ) -> None:
     """Serve a model over HTTP: SGLang's /generate and OpenAI-compatible chat and completions."""
+    keys = tuple(api_key or ())
+    _check_serve_options(host, keys, dtype, device, weights_root)
+
     import gc
     import logging
-
-    from tiller.errors import require_package
-    from tiller.serve.guard import check_exposure
-
-    keys = tuple(api_key or ())
-    try:
-        check_exposure(host, keys)
-    except ConfigError as e:
-        _fail(str(e))
-    if dtype not in DTYPES:
-        _fail(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
-    if device not in ("auto", "cpu", "cuda"):
-        _fail(f"--device {device}: expected auto, cpu or cuda")
-    if weights_root is not None and not weights_root.is_dir():
-        _fail(f"--weights-root {str(weights_root)!r} is not a folder")
-    try:
-        require_package("uvicorn", "serve", "tiller serve")
-        require_package("fastapi", "serve", "tiller serve")
-    except ConfigError as e:
-        _fail(str(e))
 
     import torch
 
@@ -295,9 +278,10 @@ def serve(
             request_timeout_s=request_timeout_s,
             connections=listen.ConnectionLimits(read_timeout_s=read_timeout_s, keep_alive_s=75,
                                                 max_connections=max_connections))
-        server, guard = listen.server(create_app(engine, tokenizer, settings), settings.connections,
-                                  name="tiller serve", log_level="info", host=host, port=port,
-                                  timeout_graceful_shutdown=5)
+        server, guard = listen.server(create_app(engine, tokenizer, settings),
+                                      settings.connections, name="tiller serve",
+                                      log_level="info", host=host, port=port,
+                                      timeout_graceful_shutdown=5)
     except ConfigError as e:
         engine.close()
         _fail(str(e))
@@ -307,6 +291,26 @@ def serve(
     # then walks the request's objects only
     gc.freeze()
     listen.run(server, guard)
+
+
+def _check_serve_options(host: str, keys: tuple[str, ...], dtype: str, device: str,
+                         weights_root: Path | None) -> None:
+    """`tiller serve`'s options checked before the model loads: one line and exit code 2."""
+    from tiller.errors import require_package
+    from tiller.serve.guard import check_exposure
+
+    try:
+        check_exposure(host, keys)
+        require_package("uvicorn", "serve", "tiller serve")
+        require_package("fastapi", "serve", "tiller serve")
+    except ConfigError as e:
+        _fail(str(e))
+    if dtype not in DTYPES:
+        _fail(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    if device not in ("auto", "cpu", "cuda"):
+        _fail(f"--device {device}: expected auto, cpu or cuda")
+    if weights_root is not None and not weights_root.is_dir():
+        _fail(f"--weights-root {str(weights_root)!r} is not a folder")
 
 
 def main() -> None:  # pragma: no cover - console entry point
