@@ -10,8 +10,8 @@ import random
 import sqlite3
 import string
 import sys
-from collections.abc import Callable
-from contextlib import closing
+from collections.abc import Callable, Iterator
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -166,3 +166,60 @@ def traces_of_version(path: Path, version: int) -> Path:
     with closing(sqlite3.connect(path)) as con, con:
         con.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(version),))
     return path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve_process(model_dir: Path, *args: str, timeout_s: float = 180.0
+                  ) -> Iterator[dict[str, Any]]:
+    """`tiller serve MODEL_DIR --port <free> --device cpu ARGS` as a subprocess (without
+    TILLER_API_KEY from the environment); yields {"url", "port", "log"} once /health answers
+    ("log": its output lines so far). Stopped with SIGINT at exit; its output must then hold
+    no traceback."""
+    import os
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    import httpx
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "TILLER_API_KEY"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tiller", "serve", str(model_dir), "--port", str(port),
+         "--device", "cpu", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    url = f"http://127.0.0.1:{port}"
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, f"tiller serve exited: {''.join(log)[-2000:]}"
+            assert time.monotonic() < deadline, f"tiller serve did not answer /health in " \
+                                                f"{timeout_s:g} s"
+            time.sleep(0.5)
+        yield {"url": url, "port": port, "log": log}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        reader.join(timeout=10)
+    assert "Traceback" not in "".join(log), "".join(log)[-3000:]

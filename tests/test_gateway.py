@@ -209,7 +209,8 @@ def test_misuse_gets_a_4xx_with_a_clear_message_and_is_counted(gateway, engine):
             with pytest.raises(openai.AuthenticationError, match="unknown session key"):
                 await openai.AsyncOpenAI(base_url=gateway.base_url, api_key="sk-wrong",
                                          max_retries=0).chat.completions.create(**ok)
-            assert "invalid request" in await error(400, content=b"{not json", headers=auth)
+            assert "invalid request" in await error(
+                400, content=b"{not json", headers={**auth, "content-type": "application/json"})
             assert "temprature" in await error(400, json={**ok, "temprature": 1},
                                                headers=auth)
             with pytest.raises(openai.NotFoundError, match="'gpt-4o' is not served"):

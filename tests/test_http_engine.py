@@ -407,6 +407,7 @@ class Recorder(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
         srv = self.server
         srv.calls.append((self.path, body, self.headers.get("Authorization")))
+        srv.post_types.append(self.headers.get("Content-Type"))  # tiller serve needs JSON
         if self.path == "/generate" and srv.hold:
             srv.generating.set()
             srv.aborted.wait(10)
@@ -438,7 +439,7 @@ def recorders(n: int, answers: dict, hold: bool = False) -> Iterator[list[Thread
     try:
         for _ in range(n):
             srv = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
-            srv.calls, srv.answers, srv.hold = [], answers, hold
+            srv.calls, srv.answers, srv.hold, srv.post_types = [], answers, hold, []
             srv.generating, srv.aborted = threading.Event(), threading.Event()
             threading.Thread(target=srv.serve_forever, daemon=True).start()
             made.append(srv)
@@ -471,6 +472,8 @@ def test_control_calls_fan_out_to_every_server_with_the_key(tmp_path):
         assert [(p, a) for p, _, a in srv.calls] == [
             ("/pause_generation", "Bearer k3y"), ("/continue_generation", "Bearer k3y"),
             ("/flush_cache", "Bearer k3y")]
+        # what tiller serve requires of every POST (415 otherwise)
+        assert srv.post_types == ["application/json"] * 3
 
 
 def test_abort_goes_to_the_server_running_the_request(params, tmp_path):

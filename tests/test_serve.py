@@ -9,8 +9,6 @@ import functools
 import json
 import logging
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +23,7 @@ import torch
 import torch.nn.functional as F
 import uvicorn
 from fastapi.testclient import TestClient
+from helpers import free_port, serve_process
 
 from tiller.envs import ENVS
 from tiller.models import load_model, load_tokenizer
@@ -34,7 +33,7 @@ from tiller.rollout.collect import collect_expert
 from tiller.rollout.engine import EmbeddedEngine
 from tiller.rollout.weight_sync import WeightUpdate
 from tiller.serve.app import create_app
-from tiller.serve.guard import is_loopback
+from tiller.serve.guard import META_MAX_BYTES, is_loopback
 from tiller.serve.server import ServeSettings
 
 MAX_PROMPT, MAX_BODY, MAX_N = 512, 65536, 4
@@ -74,12 +73,6 @@ def tool_model_dir(calc_model_dir, episode, tmp_path_factory):
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve_cmd(model_dir: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "tiller", "serve", str(model_dir), *args]
 
@@ -91,37 +84,11 @@ def weights_root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tool_model_dir, weights_root):
-    """A live `tiller serve` on a free loopback port; killed at teardown."""
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "TILLER_API_KEY"}
-    proc = subprocess.Popen(
-        _serve_cmd(tool_model_dir, "--port", str(port), "--weights-root", str(weights_root),
-                   "--max-prompt-tokens", str(MAX_PROMPT), "--max-body-bytes", str(MAX_BODY),
-                   "--max-n", str(MAX_N), "--device", "cpu"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-    url = f"http://127.0.0.1:{port}"
-    log: list[str] = []
-    threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True).start()
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, f"tiller serve exited: {''.join(log)[-2000:]}"
-            assert time.monotonic() < deadline, "tiller serve did not answer /health in 180 s"
-            time.sleep(0.5)
-        yield {"url": url, "model": str(tool_model_dir), "log": log}
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-    assert "Traceback" not in "".join(log), "".join(log)[-3000:]
+    """A live `tiller serve` on a free loopback port; stopped at teardown."""
+    with serve_process(tool_model_dir, "--weights-root", str(weights_root),
+                       "--max-prompt-tokens", str(MAX_PROMPT), "--max-body-bytes",
+                       str(MAX_BODY), "--max-n", str(MAX_N)) as live:
+        yield {**live, "model": str(tool_model_dir)}
 
 
 @pytest.fixture()
@@ -331,7 +298,8 @@ def test_a_chunked_body_over_the_limit_gets_413(http):
             yield b"x" * 1000
         yield b'"}'
 
-    r = http.post("/generate", content=chunks())  # no content-length: counted as it streams
+    # no content-length: counted as it streams
+    r = http.post("/generate", content=chunks(), headers={"content-type": "application/json"})
     assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"]
 
 
@@ -372,6 +340,17 @@ def checkpoints(tool_model_dir, weights_root, tmp_path_factory):
     (outside / "loop_c").symlink_to(outside / "loop_d")  # and one outside, linked from inside
     (outside / "loop_d").symlink_to(outside / "loop_c")
     (weights_root / "out_loop").symlink_to(outside / "loop_c")
+    # tiller_version.json is read under the same rules as the weights (issue 19, item 7): a
+    # link out of the root (its content would make any folder a delta), a FIFO (reading it
+    # would block the update forever), a file too large to read
+    (outside / "meta.json").write_text('{"kind": "full"}')
+    for name in ("meta_link", "meta_fifo", "meta_huge"):
+        WeightUpdate.full(model, 0).save(weights_root / name)
+        (weights_root / name / "tiller_version.json").unlink(missing_ok=True)
+    (weights_root / "meta_link" / "tiller_version.json").symlink_to(outside / "meta.json")
+    os.mkfifo(weights_root / "meta_fifo" / "tiller_version.json")
+    with open(weights_root / "meta_huge" / "tiller_version.json", "wb") as f:
+        f.truncate(META_MAX_BYTES + 1)  # sparse: no disk used
     return outside
 
 
@@ -387,12 +366,15 @@ def checkpoints(tool_model_dir, weights_root, tmp_path_factory):
     ("a" * 300, 400, "cannot be resolved"),
     ("loop_a", 400, "cannot be resolved"),
     ("out_loop", 400, "cannot be resolved"),
+    ("meta_link", 403, "tiller_version.json links outside --weights-root"),
+    ("meta_fifo", 400, "tiller_version.json is not a regular file"),
+    ("meta_huge", 400, f"tiller_version.json has {META_MAX_BYTES + 1} bytes"),
 ])
 def test_weights_outside_the_root_or_misfit_are_refused(http, checkpoints, path, status, part):
     before = _greedy(http)
     if path == "/etc":
         path = str(checkpoints / "ckpt")  # an absolute path outside the root
-    r = http.post("/update_weights_from_disk", json={"model_path": path})
+    r = http.post("/update_weights_from_disk", json={"model_path": path}, timeout=20)
     assert r.status_code == status, r.text
     assert part in r.json()["error"]["message"]
     after = _greedy(http)  # weights and version unchanged
@@ -427,7 +409,7 @@ def test_update_weights_from_disk_echoes_the_version_and_changes_outputs(http, c
 # ---- control routes (the engine's abort, pause/resume, cache) -------------------------------
 
 def test_pause_queues_requests_and_abort_returns_them_partial(http, server):
-    assert http.post("/pause_generation").json() == {"success": True}
+    assert http.post("/pause_generation", json={}).json() == {"success": True}
     answers: dict[str, httpx.Response] = {}
 
     def ask(rid: str) -> None:
@@ -450,7 +432,7 @@ def test_pause_queues_requests_and_abort_returns_them_partial(http, server):
         assert len(a["output_ids"]) == len(a["meta_info"]["output_token_logprobs"]) < 16
         assert "b" not in answers
     finally:
-        assert http.post("/continue_generation").json() == {"success": True}
+        assert http.post("/continue_generation", json={}).json() == {"success": True}
         for t in threads:
             t.join(timeout=60)
     b = answers["b"].json()
@@ -471,7 +453,7 @@ def test_session_reuses_the_kv_and_flush_cache_drops_it(http):
     assert cached["meta_info"]["cached_tokens"] >= 4
     fresh = http.post("/generate", json=body).json()
     assert cached["output_ids"] == fresh["output_ids"]  # reuse changes nothing but the work
-    flushed = http.post("/flush_cache").json()
+    flushed = http.post("/flush_cache", json={}).json()
     assert flushed["success"] is True and flushed["entries_dropped"] >= 1
 
 
@@ -491,20 +473,29 @@ def test_loopback_hosts():
     assert not any(map(is_loopback, ["0.0.0.0", "10.0.0.1", "::", "example.com"]))
 
 
+KEY = "s3cret-0123456789"
+
+
 def _app(model, tokenizer, **settings):
     engine = EmbeddedEngine(model, tokenizer.pad_token_id)
     stops = stop_token_ids(tokenizer, model.generation_config)
     return create_app(engine, tokenizer, ServeSettings("tiny", stops, **settings))
 
 
+def _client(app, **kwargs) -> TestClient:
+    """FastAPI's in-process client, sending the Host header of a loopback address (its
+    default, "testserver", is refused as DNS rebinding would be)."""
+    return TestClient(app, base_url="http://127.0.0.1", **kwargs)
+
+
 def test_api_key_guards_every_route_but_health(model, tokenizer):
-    with TestClient(_app(model, tokenizer, api_key="s3cret")) as c:
+    with _client(_app(model, tokenizer, api_keys=(KEY,))) as c:
         assert c.get("/health").status_code == 200
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             r = c.get("/get_model_info", headers=headers)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
             assert c.post("/generate", json=GEN, headers=headers).status_code == 401
-        ok = c.get("/get_model_info", headers={"Authorization": "Bearer s3cret"})
+        ok = c.get("/get_model_info", headers={"Authorization": f"Bearer {KEY}"})
         assert ok.status_code == 200 and ok.json()["model_path"] == "tiny"
 
 
@@ -519,8 +510,8 @@ def test_a_failing_engine_answers_500_json_and_logs(model, tokenizer, caplog):
         return forward(*args, **kwargs)
 
     model.forward = broken_forward  # a fault inside the real engine: prefill works, decode not
-    with TestClient(_app(model, tokenizer, request_timeout_s=60), \
-                    raise_server_exceptions=False) as c, \
+    with _client(_app(model, tokenizer, request_timeout_s=60), \
+                 raise_server_exceptions=False) as c, \
             caplog.at_level(logging.ERROR, logger="tiller.serve"):
         r = c.post("/generate", json=GEN)
         assert r.status_code == 500
@@ -540,7 +531,7 @@ def test_an_unexpected_error_is_a_json_500_and_the_connection_lives_on(model, to
     async def boom() -> None:
         raise KeyError("a bug")
 
-    port = _free_port()
+    port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -571,7 +562,7 @@ def test_an_unexpected_error_is_a_json_500_and_the_connection_lives_on(model, to
 def test_a_generation_past_the_timeout_is_aborted_with_504(model, tokenizer):
     app = _app(model, tokenizer, request_timeout_s=1.0)
     engine = app.state.server.engine
-    with TestClient(app) as c:
+    with _client(app) as c:
         engine.pause()  # nothing decodes: the request waits until the timeout
         r = c.post("/generate", json=GEN)
         assert r.status_code == 504

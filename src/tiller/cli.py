@@ -205,18 +205,19 @@ def view(
     from tiller.errors import RunFolderError, require_package
 
     try:
-        uvicorn = require_package("uvicorn", "serve", "tiller view")
+        require_package("uvicorn", "serve", "tiller view")
         require_package("fastapi", "serve", "tiller view")
-        from tiller.observe.viewer.app import create_app
+        from tiller.observe.viewer.app import create_app, viewer_server
 
-        viewer = create_app(run_dir)
+        server, guard = viewer_server(create_app(run_dir), port)
     except (ConfigError, RunFolderError) as e:
         _fail(str(e))
     # loopback only: the traces hold every prompt and answer of the run
     console.print(f"tiller view: http://127.0.0.1:{port}/ ({run_dir})", highlight=False,
                   soft_wrap=True)
-    uvicorn.run(viewer, host="127.0.0.1", port=port, log_level="warning",
-                timeout_graceful_shutdown=2)
+    from tiller.serve import listen
+
+    listen.run(server, guard)
 
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -228,8 +229,13 @@ def serve(
     port: Annotated[int, typer.Option(help="TCP port", min=1, max=65535)] = 30000,
     host: Annotated[str, typer.Option(help="address to bind; other than loopback needs "
                                            "--api-key")] = "127.0.0.1",
-    api_key: Annotated[str | None, typer.Option(
-        envvar="TILLER_API_KEY", help="bearer token every route but /health requires")] = None,
+    api_key: Annotated[list[str] | None, typer.Option(
+        envvar="TILLER_API_KEY", help="bearer token every route but /health requires (at "
+        "least 16 characters); repeat it to give each client its own key: clients never "
+        "share the KV prefix cache")] = None,
+    allowed_host: Annotated[list[str] | None, typer.Option(
+        help="a name clients reach this server by, beside its address and loopback names "
+        "(other Host headers are 421); repeatable")] = None,
     weights_root: Annotated[Path | None, typer.Option(
         help="the only folder /update_weights_from_disk may read (off when unset)")] = None,
     dtype: Annotated[str, typer.Option(help=f"one of {', '.join(DTYPES)}")] = "float32",
@@ -242,34 +248,27 @@ def serve(
         min=1, help="longest prompt (default: the model's context)")] = None,
     request_timeout_s: Annotated[float, typer.Option(
         min=0.001, help="504 for a generation not done by then")] = 600.0,
+    read_timeout_s: Annotated[float, typer.Option(
+        min=0.001, help="a connection is closed when a request (line, headers, body) has "
+        "not arrived whole this long after its first byte")] = 10.0,
+    max_connections: Annotated[int, typer.Option(
+        min=1, help="open connections; one more is answered 503 and closed")] = 512,
 ) -> None:
     """Serve a model over HTTP: SGLang's /generate and OpenAI-compatible chat and completions."""
+    keys = tuple(api_key or ())
+    _check_serve_options(host, keys, dtype, device, weights_root)
+
+    import gc
     import logging
-
-    from tiller.errors import require_package
-    from tiller.serve.guard import is_loopback
-
-    if not is_loopback(host) and not api_key:
-        _fail(f"--host {host} is reachable from other machines: pass --api-key (or set "
-              "TILLER_API_KEY), or bind 127.0.0.1")
-    if dtype not in DTYPES:
-        _fail(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
-    if device not in ("auto", "cpu", "cuda"):
-        _fail(f"--device {device}: expected auto, cpu or cuda")
-    if weights_root is not None and not weights_root.is_dir():
-        _fail(f"--weights-root {str(weights_root)!r} is not a folder")
-    try:
-        uvicorn = require_package("uvicorn", "serve", "tiller serve")
-        require_package("fastapi", "serve", "tiller serve")
-    except ConfigError as e:
-        _fail(str(e))
 
     import torch
 
     from tiller.models import load_model, load_tokenizer, resolve_device
     from tiller.rollout.chat import stop_token_ids
     from tiller.rollout.engine import EmbeddedEngine
+    from tiller.serve import listen
     from tiller.serve.app import create_app
+    from tiller.serve.guard import Hosts
     from tiller.serve.server import ServeSettings
 
     try:
@@ -281,16 +280,49 @@ def serve(
         _fail(str(e))
     engine = EmbeddedEngine(model, tokenizer.pad_token_id, max_batch_size=max_batch_size,
                             cache_bytes=cache_bytes)
-    settings = ServeSettings(
-        model_path=str(model_path), stop_token_ids=stops, dtype=dtype, device=str(torch_device),
-        api_key=api_key, weights_root=weights_root.resolve() if weights_root else None,
-        max_body_bytes=max_body_bytes, max_n=max_n, max_prompt_tokens=max_prompt_tokens,
-        request_timeout_s=request_timeout_s)
+    try:
+        settings = ServeSettings(
+            model_path=str(model_path), stop_token_ids=stops, dtype=dtype,
+            device=str(torch_device), api_keys=keys,
+            hosts=Hosts(host, tuple(allowed_host or ()), " (--allowed-host NAME adds one)"),
+            weights_root=weights_root.resolve() if weights_root else None,
+            max_body_bytes=max_body_bytes, max_n=max_n, max_prompt_tokens=max_prompt_tokens,
+            request_timeout_s=request_timeout_s,
+            connections=listen.ConnectionLimits(read_timeout_s=read_timeout_s, keep_alive_s=75,
+                                                max_connections=max_connections))
+        server, guard = listen.server(create_app(engine, tokenizer, settings),
+                                      settings.connections, name="tiller serve",
+                                      log_level="info", host=host, port=port,
+                                      timeout_graceful_shutdown=5)
+    except ConfigError as e:
+        engine.close()
+        _fail(str(e))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    # keep-alive well above HttpEngine's 2 s idle expiry: a server that closes a pooled
-    # connection first makes the client's next request on it fail with ReadError
-    uvicorn.run(create_app(engine, tokenizer, settings), host=host, port=port,
-                log_level="info", timeout_graceful_shutdown=5, timeout_keep_alive=75)
+    # what torch, transformers and the model made is left out of the collector's full passes:
+    # a full collection triggered by a large request (it holds the GIL, so every route waits)
+    # then walks the request's objects only
+    gc.freeze()
+    listen.run(server, guard)
+
+
+def _check_serve_options(host: str, keys: tuple[str, ...], dtype: str, device: str,
+                         weights_root: Path | None) -> None:
+    """`tiller serve`'s options checked before the model loads: one line and exit code 2."""
+    from tiller.errors import require_package
+    from tiller.serve.guard import check_exposure
+
+    try:
+        check_exposure(host, keys)
+        require_package("uvicorn", "serve", "tiller serve")
+        require_package("fastapi", "serve", "tiller serve")
+    except ConfigError as e:
+        _fail(str(e))
+    if dtype not in DTYPES:
+        _fail(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    if device not in ("auto", "cpu", "cuda"):
+        _fail(f"--device {device}: expected auto, cpu or cuda")
+    if weights_root is not None and not weights_root.is_dir():
+        _fail(f"--weights-root {str(weights_root)!r} is not a folder")
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -4,9 +4,13 @@ training process, uvicorn in its own thread, with one session per episode.
 Each episode's session key is its api key (`Authorization: Bearer <key>`). Routes:
 GET /v1/models, POST /v1/chat/completions (what `openai.AsyncOpenAI(base_url=...)` calls) and
 GET /health. Every misuse is a 4xx in OpenAI's error shape with a message saying what to
-change: no or an unknown key 401, the key of an ended session 404, a wrong model name 404, a
-malformed body 400, a second call while one is in flight 409, a call past the episode's turn or
-token limit 400, a body over the size limit 413. Each is counted (`stats`) and logged.
+change: a Host other than 127.0.0.1 or a loopback name 421 (DNS rebinding), a body that is not
+`Content-Type: application/json` 415, no or an unknown key 401, the key of an ended session
+404, a wrong model name 404, a malformed body 400, a conversation too large for the episode's
+token limit 400 (counted before it is rendered), a second call while one is in flight 409, a
+call past the episode's turn or token limit 400, a body over the size limit 413. Each is
+counted (`stats`) and logged. Connections have tiller's read deadline and cap
+(`tiller.serve.listen`); parsing and rendering run in worker threads, off the event loop.
 """
 
 from __future__ import annotations
@@ -20,32 +24,37 @@ import time
 from collections import Counter, OrderedDict
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tiller.gateway.session import Session
+from tiller.gateway.session import Plan, Session
 from tiller.rollout.agent_loop import RUN_FAILURES, Actor, EpisodeLimits
 from tiller.rollout.chat import ChatFormat
+from tiller.serve import listen
 from tiller.serve.app import CatchAll
-from tiller.serve.guard import Guard
+from tiller.serve.guard import Guard, Hosts
+from tiller.serve.listen import ConnectionGuard, ConnectionLimits
 from tiller.serve.openai_routes import (
     TEMPLATE_ERRORS,
     chat_choice,
     chat_inputs,
     chat_reply,
     check_model_and_stop,
+    parse_chat,
     render_error,
     template_message,
 )
-from tiller.serve.protocol import APIError, ChatCompletionRequest, ChatMessage, parse_body
+from tiller.serve.protocol import APIError, ChatCompletionRequest, ChatMessage
 
 logger = logging.getLogger(__name__)
 
 MODEL = "policy"  # the model name the gateway serves (the run's policy)
 SAMPLING_FIELDS = frozenset({"temperature", "top_p", "top_k", "seed"})
 ENDED_KEYS_KEPT = 65536  # keys of ended sessions remembered, to tell "ended" from "unknown"
+HOST = "127.0.0.1"
+# keep-alive 30 s: the openai client's pooled connections outlive an episode's tool calls
+LIMITS = ConnectionLimits(read_timeout_s=10.0, keep_alive_s=30, max_connections=512)
 
 
 class Gateway:
@@ -53,9 +62,10 @@ class Gateway:
     `open`/`close_session` bracket each episode; `close()` stops the server."""
 
     def __init__(self, *, model: str = MODEL, max_body_bytes: int = 4 << 20,
-                 start_timeout_s: float = 30.0):
+                 start_timeout_s: float = 30.0, limits: ConnectionLimits = LIMITS):
         self.model = model
         self.start_timeout_s = start_timeout_s
+        self.limits = limits
         self.sessions: dict[str, Session] = {}
         self.ended: OrderedDict[str, None] = OrderedDict()
         self.lock = threading.Lock()  # sessions, ended, and each session's busy/ended flags
@@ -63,17 +73,17 @@ class Gateway:
         self._logged: set[Any] = set()  # kinds of warning already logged once
         self.app = self._build_app(max_body_bytes)
         self._server: Any = None
+        self.connections: ConnectionGuard | None = None  # the server's refusal counts
         self._thread: threading.Thread | None = None
         self.base_url = ""
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Gateway:
         sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))  # loopback only: the agent programs run in this process
+        sock.bind((HOST, 0))  # loopback only: the agent programs run in this process
         port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="off",
-                                access_log=False, timeout_keep_alive=30)
-        self._server = uvicorn.Server(config)
+        self._server, self.connections = listen.server(
+            self.app, self.limits, name="agent gateway", lifespan="off", access_log=False)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         daemon=True, name="tiller-gateway")
         self._thread.start()
@@ -98,12 +108,17 @@ class Gateway:
             if self._thread.is_alive():
                 logger.error("the agent gateway did not stop within 30 s")
         self._server = None
+        if self.connections is not None:
+            self.connections.flush()
         if self.counts:
             logger.info("agent gateway: %s", dict(sorted(self.counts.items())))
 
     def stats(self) -> dict[str, float]:
         with self.lock:
-            return {f"gateway/{k}": float(v) for k, v in self.counts.items()}
+            # dict() copies in one step: the server's thread counts refusals meanwhile
+            counts = self.counts + Counter(dict(self.connections.counts if self.connections
+                                                else {}))
+            return {f"gateway/{k}": float(v) for k, v in counts.items()}
 
     # ------------------------------------------------------------------ sessions
     def open(self, actor: Actor, tokenizer: Any, *, task_id: str, sample_index: int,
@@ -153,12 +168,14 @@ class Gateway:
     def _build_app(self, max_body_bytes: int) -> FastAPI:
         app = FastAPI(title="tiller agent gateway", docs_url=None, redoc_url=None,
                       openapi_url=None)
-        app.add_middleware(Guard, api_key=None, max_body_bytes=max_body_bytes)
+        app.add_middleware(Guard, max_body_bytes=max_body_bytes, hosts=Hosts(HOST),
+                           refused=lambda scope, e: self._count_rejection(
+                               scope["method"], scope["path"], e))
         app.add_middleware(CatchAll)
 
         @app.exception_handler(APIError)
         async def api_error(request: Request, e: APIError) -> JSONResponse:
-            self._count_rejection(request, e)
+            self._count_rejection(request.method, request.url.path, e)
             return JSONResponse(e.body(), status_code=e.status)
 
         @app.exception_handler(StarletteHTTPException)
@@ -167,7 +184,7 @@ class Gateway:
                        "gateway; it serves GET /v1/models and POST /v1/chat/completions"
                        if e.status_code in (404, 405) else str(e.detail))
             error = APIError(e.status_code, message)
-            self._count_rejection(request, error)
+            self._count_rejection(request.method, request.url.path, error)
             return JSONResponse(error.body(), status_code=e.status_code)
 
         @app.get("/health")
@@ -191,22 +208,30 @@ class Gateway:
 
         return app
 
-    def _count_rejection(self, request: Request, e: APIError) -> None:
+    def _count_rejection(self, method: str, path: str, e: APIError) -> None:
         with self.lock:
             self.counts[f"rejected/{e.status}"] += 1
-            first = (e.status, request.url.path) not in self._logged
-            self._logged.add((e.status, request.url.path))
+            first = (e.status, path) not in self._logged
+            self._logged.add((e.status, path))
         # the first of each kind is a warning, the rest are counted (`stats`) and debug-logged
         logger.log(logging.WARNING if first else logging.DEBUG, "agent gateway: %s %s -> %d: %s",
-                   request.method, request.url.path, e.status, e.message)
+                   method, path[:200], e.status, e.message)
 
-    async def _chat(self, session: Session, request: Request) -> Any:
-        body: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
+    def _inputs(self, session: Session, raw: bytes
+                ) -> tuple[ChatCompletionRequest, list[dict[str, Any]], list[dict] | None]:
+        """The call's body, messages and tools (template form), checked and bounded by the
+        episode's token budget before anything is rendered (in a worker thread)."""
+        body = parse_chat(raw, session.limits.max_episode_tokens, "env.max_episode_tokens")
         check_model_and_stop(body, self.model)
         if body.n != 1:
             raise APIError(400, f"n={body.n}: a session samples one choice per call (the "
                                 "trajectory continues one of them); use n=1")
         messages, tools = chat_inputs(body)
+        return body, messages, tools
+
+    async def _chat(self, session: Session, request: Request) -> Any:
+        body, messages, tools = await asyncio.to_thread(self._inputs, session,
+                                                        await request.body())
         ignored = sorted(SAMPLING_FIELDS & body.model_fields_set)
         with self.lock:
             if ignored:  # the run's sampling settings hold, so the trainer's logprobs match
@@ -233,11 +258,7 @@ class Gateway:
             session.refused = f"turn limit: env.max_turns={limits.max_turns} calls"
             raise APIError(400, f"this episode has made its {limits.max_turns} calls "
                                 "(env.max_turns); end the episode")
-        try:
-            chat = ChatFormat(session.tokenizer, tools, limits.chat_format)
-            plan = session.plan(chat, messages, tools)
-        except TEMPLATE_ERRORS as e:
-            raise render_error(e) from e
+        chat, plan = await asyncio.to_thread(_plan, session, messages, tools)
         room = limits.max_episode_tokens - len(plan.prompt)
         if room <= 0:
             session.refused = (f"token budget: a prompt of {len(plan.prompt)} tokens, "
@@ -276,3 +297,13 @@ class Gateway:
                                 "episode")
         rid = f"chatcmpl-{secrets.token_hex(12)}"
         return chat_reply(body, rid, plan.prompt, [kept], [choice])
+
+
+def _plan(session: Session, messages: list[dict[str, Any]], tools: list[dict] | None
+          ) -> tuple[ChatFormat, Plan]:
+    """The call's chat format and prompt plan (rendering: run in a worker thread)."""
+    try:
+        chat = ChatFormat(session.tokenizer, tools, session.limits.chat_format)
+        return chat, session.plan(chat, messages, tools)
+    except TEMPLATE_ERRORS as e:
+        raise render_error(e) from e

@@ -138,6 +138,7 @@ class _Request:
     out_lp: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     cached: int = 0
+    cache_scope: str | None = None  # KV is reused only between requests of the same scope
     budget: int = 0
     admitted_version: int = -1  # the weights its KV started under; stored only if unchanged
     kv_len: int = 0  # tokens whose KV is in its slot (the prompt, then each one decoded)
@@ -209,13 +210,15 @@ class EmbeddedEngine:
     # ----- the API (any thread) -----
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, seed: int, *,
-                       session_id: str | None = None, request_id: str | None = None
-                       ) -> Generation:
+                       session_id: str | None = None, request_id: str | None = None,
+                       cache_scope: str | None = None) -> Generation:
+        """One turn. `cache_scope`: the request reuses, and leaves, KV only within this scope
+        (`tiller serve` gives each api key its own)."""
         self._check_prompt(prompt_ids)
         loop = asyncio.get_running_loop()
         future = loop.create_future()  # cancelling the await cancels the request
         request = _Request(list(prompt_ids), params, seed & (2**63 - 1), session_id,
-                           request_id, future, loop)
+                           request_id, future, loop, cache_scope=cache_scope)
         # Requests made in the same turn of the event loop reach the worker together, so a
         # burst (a GRPO group's first turns) is admitted, and its identical prompts prefilled,
         # at once.
@@ -566,7 +569,7 @@ class EmbeddedEngine:
     def _prefill(self, new: list[_Request]) -> tuple:
         """Run the uncached part of each new request's prompt (identical ones once); returns
         what `_admit` needs, and changes nothing of the running batch."""
-        looked = [self.cache.lookup(r.prompt_ids, r.session_id) for r in new]
+        looked = [self.cache.lookup(r.prompt_ids, r.session_id, r.cache_scope) for r in new]
         groups: dict[tuple, int] = {}
         unique, index = [], []
         for r, (c, kv) in zip(new, looked, strict=True):
@@ -714,7 +717,7 @@ class EmbeddedEngine:
             # the KV of the prompt and every generated token but the last (never run)
             kv = [(k[i:i + 1, :, :r.kv_len].clone(), v[i:i + 1, :, :r.kv_len].clone())
                   for k, v in self._buf]
-            self.cache.put(r.prompt_ids + r.out_ids[:-1], kv, r.session_id)
+            self.cache.put(r.prompt_ids + r.out_ids[:-1], kv, r.session_id, r.cache_scope)
         self._answer(r, reason)
 
     def _answer(self, r: _Request, reason: str) -> None:

@@ -29,6 +29,7 @@ class _Entry:
     nbytes: int
     session: str | None
     block_keys: list[int] = field(default_factory=list)
+    scope: str | None = None
 
 
 class PrefixCache:
@@ -39,35 +40,39 @@ class PrefixCache:
         self.block_size = block_size
         self.bytes = 0
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
-        self._sessions: dict[str, int] = {}
+        self._sessions: dict[tuple[str | None, str], int] = {}  # (scope, session) -> entry
         self._blocks: dict[int, int] = {}  # hash of tokens[: k * block_size] -> entry id
         self._ids = itertools.count()
         self.hits = self.misses = self.evictions = 0
 
-    def _block_hashes(self, tokens: tuple[int, ...]) -> list[int]:
-        h, out, b = 0, [], self.block_size
+    def _block_hashes(self, tokens: tuple[int, ...], scope: str | None) -> list[int]:
+        h, out, b = hash(scope), [], self.block_size
         for k in range(len(tokens) // b):
             h = hash((h, tokens[k * b:(k + 1) * b]))
             out.append(h)
         return out
 
-    def lookup(self, tokens: list[int], session: str | None) -> tuple[int, KV | None]:
-        """(n, kv): the KV of tokens[:n] from the best stored match, n < len(tokens) so that
-        at least one token is left to run; (0, None) on a miss."""
+    def lookup(self, tokens: list[int], session: str | None, scope: str | None = None
+               ) -> tuple[int, KV | None]:
+        """(n, kv): the KV of tokens[:n] from the best stored match of the same `scope`, n <
+        len(tokens) so that at least one token is left to run; (0, None) on a miss. Entries
+        put under another scope are never matched (`tiller serve`: one scope per api key, so
+        one client cannot learn from its cache hits what another's prompts begin with)."""
         toks = tuple(tokens)
         best_n, best_id = 0, None
-        sid = self._sessions.get(session) if session is not None else None
+        sid = self._sessions.get((scope, session)) if session is not None else None
         if sid is not None:
             e = self._entries[sid]
             if toks[:len(e.tokens)] == e.tokens:
                 best_n, best_id = len(e.tokens), sid
         if best_n < len(toks) - self.block_size:  # whole blocks may beat the session entry
-            for k, h in enumerate(self._block_hashes(toks[:-1]), start=1):
+            for k, h in enumerate(self._block_hashes(toks[:-1], scope), start=1):
                 eid = self._blocks.get(h)
                 if eid is None:
                     break
                 n = k * self.block_size
-                if n > best_n and self._entries[eid].tokens[:n] == toks[:n]:
+                e = self._entries[eid]
+                if n > best_n and e.scope == scope and e.tokens[:n] == toks[:n]:
                     best_n, best_id = n, eid
         best_n = min(best_n, len(toks) - 1)
         if best_id is None or best_n <= 0:
@@ -78,32 +83,36 @@ class PrefixCache:
         return best_n, [(k[:, :, :best_n], v[:, :, :best_n])
                         for k, v in self._entries[best_id].kv]
 
-    def put(self, tokens: list[int], kv: KV, session: str | None) -> None:
-        """Store `kv` (the KV of exactly `tokens`); it replaces the session's older entry."""
+    def put(self, tokens: list[int], kv: KV, session: str | None, scope: str | None = None
+            ) -> None:
+        """Store `kv` (the KV of exactly `tokens`) under `scope`; it replaces the session's
+        older entry."""
         nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
                      for k, v in kv)
-        if session is not None and session in self._sessions:
-            self._remove(self._sessions[session])
+        key = (scope, session)
+        if session is not None and key in self._sessions:
+            self._remove(self._sessions[key])
         if nbytes > self.budget_bytes:
             return
         while self.bytes + nbytes > self.budget_bytes:
             self._remove(next(iter(self._entries)))
             self.evictions += 1
         eid = next(self._ids)
-        entry = _Entry(tuple(tokens), kv, nbytes, session)
-        entry.block_keys = self._block_hashes(entry.tokens)
+        entry = _Entry(tuple(tokens), kv, nbytes, session, scope=scope)
+        entry.block_keys = self._block_hashes(entry.tokens, scope)
         for h in entry.block_keys:  # the newest entry serves a shared block
             self._blocks[h] = eid
         self._entries[eid] = entry
         self.bytes += nbytes
         if session is not None:
-            self._sessions[session] = eid
+            self._sessions[key] = eid
 
     def _remove(self, eid: int) -> None:
         entry = self._entries.pop(eid)
         self.bytes -= entry.nbytes
-        if entry.session is not None and self._sessions.get(entry.session) == eid:
-            del self._sessions[entry.session]
+        key = (entry.scope, entry.session)
+        if entry.session is not None and self._sessions.get(key) == eid:
+            del self._sessions[key]
         for h in entry.block_keys:
             if self._blocks.get(h) == eid:
                 del self._blocks[h]

@@ -12,12 +12,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tiller.serve import native
 from tiller.serve.guard import Guard, reply
 from tiller.serve.openai_routes import add_openai_routes
-from tiller.serve.protocol import APIError, EmptyRequest, parse_body
+from tiller.serve.protocol import APIError, EmptyRequest, read_body
 from tiller.serve.server import Server, ServeSettings
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,8 @@ def create_app(engine: Any, tokenizer: Any, settings: ServeSettings) -> FastAPI:
     app = FastAPI(title="tiller serve", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.server = server
-    app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(Guard, api_keys=settings.api_keys, hosts=settings.hosts,
+                       max_body_bytes=settings.max_body_bytes)
     app.add_middleware(CatchAll)  # added last: the outermost, so it sees every exception
 
     @app.exception_handler(APIError)
@@ -80,18 +82,18 @@ def create_app(engine: Any, tokenizer: Any, settings: ServeSettings) -> FastAPI:
 
     @app.post("/flush_cache")
     async def flush_cache(request: Request) -> dict[str, Any]:
-        parse_body(await request.body(), EmptyRequest)
+        await read_body(request, EmptyRequest)
         return {"success": True, "entries_dropped": await asyncio.to_thread(engine.flush_cache)}
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> dict[str, Any]:
-        parse_body(await request.body(), EmptyRequest)
+        await read_body(request, EmptyRequest)
         await asyncio.to_thread(engine.pause)
         return {"success": True}
 
     @app.post("/continue_generation")
     async def continue_generation(request: Request) -> dict[str, Any]:
-        parse_body(await request.body(), EmptyRequest)
+        await read_body(request, EmptyRequest)
         await asyncio.to_thread(engine.resume)
         return {"success": True}
 
@@ -120,6 +122,8 @@ class CatchAll:
 
         try:
             await self.app(scope, receive, tracked_send)
+        except ClientDisconnect:  # the client left before its body arrived: nobody to answer
+            logger.debug("%s %s: the client disconnected", scope["method"], scope["path"])
         except Exception as e:
             logger.error("%s %s failed", scope["method"], scope["path"], exc_info=e)
             if started:  # half an answer is out: only dropping the connection says it failed

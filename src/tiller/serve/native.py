@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import secrets
+from pathlib import Path
 from typing import Any
 
 from fastapi import Request
@@ -14,7 +15,7 @@ from safetensors import SafetensorError
 
 from tiller.rollout.delta import DeltaUpdate
 from tiller.rollout.weight_sync import WeightSyncError, WeightUpdate
-from tiller.serve.guard import resolve_below
+from tiller.serve.guard import read_below, resolve_below
 from tiller.serve.protocol import (
     AbortRequest,
     APIError,
@@ -22,32 +23,23 @@ from tiller.serve.protocol import (
     ScoreRequest,
     UpdateWeightsRequest,
     parse_body,
+    read_body,
 )
-from tiller.serve.server import Server, draw_seed, finish_reason
+from tiller.serve.server import Server, client_of, draw_seed, finish_reason
 
 logger = logging.getLogger(__name__)
 
 
 async def generate(server: Server, request: Request) -> dict[str, Any]:
     """SGLang's POST /generate."""
-    body: GenerateRequest = parse_body(await request.body(), GenerateRequest)
+    body, prompt = await asyncio.to_thread(_generate_inputs, server, await request.body())
     sp = body.sampling_params
-    if (body.text is None) == (body.input_ids is None):
-        raise APIError(400, "give exactly one of 'text' and 'input_ids'")
-    if body.stream:
-        raise APIError(400, "stream=true is not supported by /generate; use "
-                            "/v1/completions with stream=true")
-    if sp.stop:
-        raise APIError(400, "stop strings are not supported; use sampling_params.stop_token_ids")
-    if body.text is not None:
-        server.check_text(len(body.text))
-    prompt = body.input_ids if body.input_ids is not None else server.tokenizer.encode(body.text)
-    server.check_prompt(prompt, sp.max_new_tokens)
     params = server.sampling(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
                              max_new_tokens=sp.max_new_tokens, stop_token_ids=sp.stop_token_ids)
     seed = draw_seed(sp.seed)
     rid = body.rid or secrets.token_hex(16)
-    (g,) = await server.generate(prompt, params, [seed], rid=rid, session_id=body.session_id)
+    (g,) = await server.generate(prompt, params, [seed], rid=rid, session_id=body.session_id,
+                                 client=client_of(request))
     meta: dict[str, Any] = {
         "id": rid, "finish_reason": finish_reason(g), "prompt_tokens": len(prompt),
         "completion_tokens": len(g.token_ids), "cached_tokens": g.cached_tokens,
@@ -61,13 +53,34 @@ async def generate(server: Server, request: Request) -> dict[str, Any]:
             "meta_info": meta}
 
 
-def _read_update(folder: Any, files: list, version: int, engine: Any
+def _generate_inputs(server: Server, raw: bytes) -> tuple[GenerateRequest, list[int]]:
+    """/generate's body and prompt ids, checked (run in a worker thread: parsing and
+    tokenizing a large body takes a while)."""
+    body: GenerateRequest = parse_body(raw, GenerateRequest)
+    sp = body.sampling_params
+    if (body.text is None) == (body.input_ids is None):
+        raise APIError(400, "give exactly one of 'text' and 'input_ids'")
+    if body.stream:
+        raise APIError(400, "stream=true is not supported by /generate; use "
+                            "/v1/completions with stream=true")
+    if sp.stop:
+        raise APIError(400, "stop strings are not supported; use sampling_params.stop_token_ids")
+    if body.text is not None:
+        server.check_text(len(body.text))
+    prompt = body.input_ids if body.input_ids is not None else server.tokenizer.encode(body.text)
+    server.check_prompt(prompt, sp.max_new_tokens)
+    return body, prompt
+
+
+def _read_update(root: Path, folder: Path, files: list, version: int, engine: Any
                  ) -> WeightUpdate | DeltaUpdate:
     """The update in `folder`: a delta when its tiller_version.json says so (refused unless the
     engine holds its base version), else a full checkpoint; with the sender's checksums when the
-    json has them."""
-    meta_path = folder / "tiller_version.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    json has them. The json is read under the rules of --weights-root (`read_below`)."""
+    raw = read_below(root, folder / "tiller_version.json")
+    meta = json.loads(raw) if raw is not None else {}
+    if not isinstance(meta, dict):
+        raise ValueError(f"tiller_version.json holds a {type(meta).__name__}, not an object")
     if meta.get("kind") == "delta":
         update = DeltaUpdate.load(folder, meta, version)
         if update.base_version != engine.version:
@@ -84,7 +97,7 @@ async def update_weights(server: Server, request: Request) -> dict[str, Any]:
     """POST /update_weights_from_disk: a checkpoint folder below --weights-root (or a delta
     written by tiller's weight sync). An update whose checksums fail after applying is a 500:
     the weights are then neither version."""
-    body: UpdateWeightsRequest = parse_body(await request.body(), UpdateWeightsRequest)
+    body: UpdateWeightsRequest = await read_body(request, UpdateWeightsRequest)
     root = server.settings.weights_root
     if root is None:
         raise APIError(403, "weight updates from disk are off: start tiller serve with "
@@ -95,7 +108,8 @@ async def update_weights(server: Server, request: Request) -> dict[str, Any]:
         version = engine.version + 1 if body.weight_version is None else body.weight_version
         policy = "abort" if body.abort_all_requests else "continue"
         try:
-            update = await asyncio.to_thread(_read_update, folder, files, version, engine)
+            update = await asyncio.to_thread(_read_update, root, folder, files, version,
+                                             engine)
         except (WeightSyncError, SafetensorError, OSError, KeyError, ValueError) as e:
             raise APIError(400, f"cannot load {body.model_path!r}: {type(e).__name__}: {e}"
                            [:500]) from e  # nothing was applied
@@ -111,7 +125,7 @@ async def update_weights(server: Server, request: Request) -> dict[str, Any]:
 async def score(server: Server, request: Request) -> dict[str, Any]:
     """POST /score {input_ids}: log p(token_i | tokens_<i) at temperature 1 for i >= 1 under the
     current weights, and their version (read under the update lock, so they match)."""
-    body: ScoreRequest = parse_body(await request.body(), ScoreRequest)
+    body: ScoreRequest = await read_body(request, ScoreRequest)
     server.check_prompt(body.input_ids, 0)
     async with server.update_lock:
         logprobs = await asyncio.to_thread(server.engine.score, body.input_ids)
@@ -121,7 +135,7 @@ async def score(server: Server, request: Request) -> dict[str, Any]:
 async def abort(server: Server, request: Request) -> dict[str, Any]:
     """POST /abort_request {rid} or {abort_all: true}: the aborted requests answer with their
     partial output and finish_reason abort."""
-    body: AbortRequest = parse_body(await request.body(), AbortRequest)
+    body: AbortRequest = await read_body(request, AbortRequest)
     if body.abort_all == (body.rid is not None):
         raise APIError(400, "give either 'rid' or 'abort_all': true")
     if body.abort_all:

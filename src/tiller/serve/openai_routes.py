@@ -9,6 +9,7 @@ finish reason, optionally the usage, then `[DONE]`), not token by token.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -28,7 +29,7 @@ from tiller.serve.protocol import (
     CompletionRequest,
     parse_body,
 )
-from tiller.serve.server import Server, choice_seeds, draw_seed
+from tiller.serve.server import Server, check_chars, choice_seeds, client_of, draw_seed
 
 NO_TOP_LOGPROBS = ("top log-probabilities are not supported: the engine returns only the "
                    "sampled token's log-probability")
@@ -62,17 +63,24 @@ def usage(prompt: list[int], gens: list[Generation]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": gens[0].cached_tokens}}
 
 
-async def _run(server: Server, body: CompletionRequest | ChatCompletionRequest,
-               prompt: list[int], max_new_tokens: int | None, prefix: str
-               ) -> tuple[str, list[Generation], int, SamplingParams]:
-    """Check the prompt, generate `n` choices, and return (id, choices, seed, params)."""
+def _max_new(server: Server, prompt: list[int], max_new_tokens: int | None) -> int:
+    """The new tokens a request asks for (default: the rest of the context), the prompt
+    checked against them."""
     max_new = max_new_tokens or server.max_context - len(prompt)
     server.check_prompt(prompt, max_new)
+    return max_new
+
+
+async def _run(server: Server, request: Request,
+               body: CompletionRequest | ChatCompletionRequest, prompt: list[int],
+               max_new: int, prefix: str) -> tuple[str, list[Generation], int, SamplingParams]:
+    """Generate `n` choices of a checked prompt; return (id, choices, seed, params)."""
     params = server.sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                              max_new_tokens=max_new)
     seed = draw_seed(body.seed)
     rid = f"{prefix}-{secrets.token_hex(12)}"
-    gens = await server.generate(prompt, params, choice_seeds(seed, body.n), rid=rid)
+    gens = await server.generate(prompt, params, choice_seeds(seed, body.n), rid=rid,
+                                 client=client_of(request))
     return rid, gens, seed, params
 
 
@@ -97,8 +105,10 @@ def _completion_logprobs(server: Server, g: Generation) -> dict[str, Any]:
             "top_logprobs": None, "text_offset": offsets}
 
 
-async def completions(server: Server, request: Request) -> Any:
-    body: CompletionRequest = parse_body(await request.body(), CompletionRequest)
+def _completion_inputs(server: Server, raw: bytes
+                       ) -> tuple[CompletionRequest, list[int], int]:
+    """/v1/completions' body, prompt ids and new tokens, checked (in a worker thread)."""
+    body: CompletionRequest = parse_body(raw, CompletionRequest)
     _check_common(server, body)
     if body.logprobs:
         raise APIError(400, f"logprobs={body.logprobs}: {NO_TOP_LOGPROBS}; use logprobs=0")
@@ -106,7 +116,13 @@ async def completions(server: Server, request: Request) -> Any:
         server.check_text(len(body.prompt))
     prompt = (server.tokenizer.encode(body.prompt) if isinstance(body.prompt, str)
               else body.prompt)
-    rid, gens, seed, params = await _run(server, body, prompt, body.max_tokens, "cmpl")
+    return body, prompt, _max_new(server, prompt, body.max_tokens)
+
+
+async def completions(server: Server, request: Request) -> Any:
+    body, prompt, max_new = await asyncio.to_thread(_completion_inputs, server,
+                                                    await request.body())
+    rid, gens, seed, params = await _run(server, request, body, prompt, max_new, "cmpl")
     choices = []
     for i, g in enumerate(gens):
         choice: dict[str, Any] = {
@@ -214,19 +230,53 @@ def render_error(e: Exception) -> APIError:
 TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError)
 
 
-async def chat_completions(server: Server, request: Request) -> Any:
-    body: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
+def parse_chat(raw: bytes, max_tokens: int, limit: str) -> ChatCompletionRequest:
+    """A chat completion body, refused (400) when it cannot fit `max_tokens` (named `limit`):
+    before validation, for more messages than tokens (each renders to at least one; validating
+    a quarter of a million messages holds the GIL for seconds, so the count is read from a
+    plain `json.loads` first), and before rendering, for more characters than CHARS_PER_TOKEN
+    per token in what the template renders (contents, names, tool-call names and arguments,
+    tool schemas)."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):  # parse_body says what is wrong with it
+        data = None
+    messages = data.get("messages") if isinstance(data, dict) else None
+    if isinstance(messages, list) and len(messages) > max_tokens:
+        raise APIError(400, f"the conversation has {len(messages)} messages, over the limit "
+                            f"of {max_tokens} (each renders to at least one token of {limit})")
+    body: ChatCompletionRequest = parse_body(raw, ChatCompletionRequest)
+    chars = sum(len(json.dumps(t.model_dump(exclude_none=True, by_alias=True)))
+                for t in body.tools or [])
+    for m in body.messages:
+        parts = [m.content] if isinstance(m.content, str) else [p.text for p in m.content or []]
+        chars += sum(map(len, parts)) + len(m.name or "") + sum(
+            len(c.function.name) + len(c.function.arguments) for c in m.tool_calls or [])
+    check_chars(chars, max_tokens, limit)
+    return body
+
+
+def _chat_inputs(server: Server, raw: bytes
+                 ) -> tuple[ChatCompletionRequest, ChatFormat, list[int], int]:
+    """/v1/chat/completions' body, chat format, rendered prompt and new tokens, checked and
+    bounded before rendering (in a worker thread: rendering and tokenizing megabytes takes
+    seconds)."""
+    body = parse_chat(raw, server.max_prompt_tokens, "--max-prompt-tokens")
     _check_common(server, body)
     messages, tools = chat_inputs(body)
-    server.check_text(sum(len(m["content"]) for m in messages)
-                      + sum(len(json.dumps(t)) for t in tools or []))
     try:
         chat = ChatFormat(server.tokenizer, tools)
         prompt = chat.prompt_ids(messages)
     except TEMPLATE_ERRORS as e:
         raise render_error(e) from e
-    max_new = body.max_completion_tokens or body.max_tokens
-    rid, gens, seed, _ = await _run(server, body, prompt, max_new, "chatcmpl")
+    return body, chat, prompt, _max_new(server, prompt,
+                                        body.max_completion_tokens or body.max_tokens)
+
+
+async def chat_completions(server: Server, request: Request) -> Any:
+    body, chat, prompt, max_new = await asyncio.to_thread(_chat_inputs, server,
+                                                          await request.body())
+    rid, gens, seed, _ = await _run(server, request, body, prompt, max_new, "chatcmpl")
     seeds = choice_seeds(seed, body.n)
     choices = [{**chat_choice(server.tokenizer, chat.parse(g.token_ids), g, i, body),
                 "seed": seeds[i]} for i, g in enumerate(gens)]

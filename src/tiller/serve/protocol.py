@@ -7,6 +7,7 @@ Limits that depend on the server (context length, `--max-n`) are checked by the 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -33,6 +34,13 @@ class APIError(Exception):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+async def read_body(request: Any, model: type[_Strict]) -> Any:
+    """The request's body parsed as `model` (`parse_body`) in a worker thread: a body of
+    megabytes (a quarter of a million messages) takes seconds to validate, which must not
+    hold up the event loop and every other request with it."""
+    return await asyncio.to_thread(parse_body, await request.body(), model)
 
 
 def parse_body(raw: bytes, model: type[_Strict]) -> Any:

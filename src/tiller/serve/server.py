@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from tiller.rollout.engine import Generation, SamplingParams
+from tiller.serve.guard import Hosts, check_exposure
+from tiller.serve.listen import ConnectionLimits
 from tiller.serve.protocol import APIError
 
 logger = logging.getLogger(__name__)
@@ -30,12 +32,20 @@ class ServeSettings:
     stop_token_ids: tuple[int, ...]  # the model's default: chat.stop_token_ids(...)
     dtype: str = "float32"
     device: str = "cpu"
-    api_key: str | None = None
+    # one per client: each key's requests reuse only KV that requests with the same key left
+    api_keys: tuple[str, ...] = ()
+    hosts: Hosts = Hosts()  # the Host headers answered (the bound address, --allowed-host)
     weights_root: Path | None = None  # resolved; None: /update_weights_from_disk answers 403
     max_body_bytes: int = 4 << 20
     max_n: int = 8
     max_prompt_tokens: int | None = None  # None: the model's context
     request_timeout_s: float = 600.0
+    # read timeout, keep-alive, connection cap; keep-alive well above HttpEngine's 2 s idle
+    # expiry: a server that closes a pooled connection first fails the client's next request
+    connections: ConnectionLimits = ConnectionLimits(keep_alive_s=75)
+
+    def __post_init__(self) -> None:
+        check_exposure(self.hosts.bound, self.api_keys)
 
 
 class Server:
@@ -56,11 +66,8 @@ class Server:
 
     def check_text(self, chars: int) -> None:
         """APIError 400 for text so long it cannot fit --max-prompt-tokens, before tokenizing
-        it (tokenizing megabytes would hold up the event loop)."""
-        limit = CHARS_PER_TOKEN * self.max_prompt_tokens
-        if chars > limit:
-            raise APIError(400, f"the prompt has {chars} characters, over the limit of {limit} "
-                                f"({CHARS_PER_TOKEN} per token of --max-prompt-tokens)")
+        it."""
+        check_chars(chars, self.max_prompt_tokens, "--max-prompt-tokens")
 
     def check_prompt(self, ids: list[int], max_new_tokens: int) -> None:
         """APIError 400 unless the prompt is non-empty, in the vocabulary, at most
@@ -95,16 +102,19 @@ class Server:
             raise APIError(400, f"n={n} is over the limit of {self.settings.max_n} (--max-n)")
 
     async def generate(self, prompt: list[int], params: SamplingParams, seeds: list[int], *,
-                       rid: str, session_id: str | None = None) -> list[Generation]:
+                       rid: str, client: int | None, session_id: str | None = None
+                       ) -> list[Generation]:
         """One generation per seed (the choices of one request), registered under `rid` for
-        /abort_request. 504 after --request-timeout-s (the requests are aborted), 500 if the
-        engine raised."""
+        /abort_request, reusing only KV of requests made with the same api key (`client`,
+        the key's index; None without keys). 504 after --request-timeout-s (the requests are
+        aborted), 500 if the engine raised."""
         if rid in self.inflight:
             raise APIError(400, f"rid {rid!r} is already in flight; use a new one")
         ids = [rid] if len(seeds) == 1 else [f"{rid}-{i}" for i in range(len(seeds))]
         self.inflight[rid] = ids
+        scope = None if client is None else f"key{client}"
         calls = [self.engine.generate(prompt, params, seed, session_id=session_id,
-                                      request_id=request_id)
+                                      request_id=request_id, cache_scope=scope)
                  for seed, request_id in zip(seeds, ids, strict=True)]
         timeout = self.settings.request_timeout_s
         work = asyncio.ensure_future(asyncio.gather(*calls, return_exceptions=True))
@@ -137,6 +147,20 @@ class Server:
         if ids and ids[-1] in params.stop_token_ids:
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def client_of(request: Any) -> int | None:
+    """The index of the api key the request came with (set by `Guard`); None without keys."""
+    return request.scope.get("state", {}).get("client")
+
+
+def check_chars(chars: int, max_tokens: int, limit: str) -> None:
+    """APIError 400 for a prompt of `chars` characters, over CHARS_PER_TOKEN per token of
+    `max_tokens` (named `limit` in the message): refused before it is rendered or tokenized."""
+    most = CHARS_PER_TOKEN * max_tokens
+    if chars > most:
+        raise APIError(400, f"the prompt has {chars} characters, over the limit of {most} "
+                            f"({CHARS_PER_TOKEN} per token of {limit})")
 
 
 def _retrieve(future: asyncio.Future) -> None:

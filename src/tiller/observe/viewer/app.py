@@ -3,7 +3,10 @@ to the pages in `static/` (plain HTML, JS and CSS shipped in the package: no CDN
 fetched from outside).
 
 The database is opened read-only (`mode=ro`), one connection per request, so a training that
-is still running keeps writing it; the pages ask for one page of episodes at a time.
+is still running keeps writing it; the pages ask for one page of episodes at a time. It serves
+127.0.0.1 only, behind tiller's HTTP guard (`tiller.serve.guard.Guard`: a Host other than a
+loopback name is 421, so a DNS-rebinding page cannot read the traces; any request but GET and
+HEAD needs a JSON Content-Type, 415) and connection limits (`tiller.serve.listen`).
 
     GET /                          the single-page viewer (static/index.html)
     GET /api/run                   counts by phase and status, RL step range, run facts
@@ -30,6 +33,8 @@ from tiller.errors import RunFolderError
 from tiller.observe.report import load_run
 from tiller.observe.traces import connect
 from tiller.observe.viewer import queries
+from tiller.serve import listen
+from tiller.serve.guard import Guard, Hosts
 
 STATIC = Path(__file__).parent / "static"
 # the metrics the curves page draws (those the run logged)
@@ -40,6 +45,10 @@ CURVES = ("reward_mean", "success_rate", "zero_variance_group_frac", "tool_calls
 # where a run folder keeps a tokenizer, most recent first
 TOKENIZER_DIRS = ("checkpoints/final", "checkpoints/sft", "base_model")
 Status = Literal["completed", "truncated", "aborted", "env_error"]
+HOST = "127.0.0.1"  # the traces hold every prompt and answer of the run: loopback only
+MAX_BODY_BYTES = 1 << 16  # no route takes a body
+# a browser opens a few connections per page; idle ones are dropped after uvicorn's 5 s
+LIMITS = listen.ConnectionLimits(read_timeout_s=10.0, keep_alive_s=5, max_connections=128)
 
 
 def find_tokenizer(run_dir: Path) -> Any | None:
@@ -96,6 +105,7 @@ def create_app(run_dir: str | Path) -> FastAPI:
     connect(db).close()  # another schema version is one line at start-up, not a 500 a page
     texts = TokenTexts(find_tokenizer(run_dir))
     app = FastAPI(title="tiller view", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Guard, max_body_bytes=MAX_BODY_BYTES, hosts=Hosts(HOST))
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.get("/")
@@ -156,3 +166,10 @@ def create_app(run_dir: str | Path) -> FastAPI:
                 "evals": [{"label": label, **_finite(r)} for label, r in run.evals()]}
 
     return app
+
+
+def viewer_server(app: FastAPI, port: int) -> tuple[Any, listen.ConnectionGuard]:
+    """The uvicorn server of `tiller view` on 127.0.0.1:`port`, with the viewer's limits (and
+    the guard counting its refusals)."""
+    return listen.server(app, LIMITS, name="tiller view", host=HOST, port=port,
+                         timeout_graceful_shutdown=2)
