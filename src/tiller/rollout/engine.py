@@ -283,22 +283,27 @@ class EmbeddedEngine:
         go on under the new weights (their tokens record the version that sampled each) or,
         with in_flight="abort", end at once with their partial output. Stored KV is dropped:
         it was computed by the old weights. A delta applies only on top of its base version.
-        An update whose checksums do not match after applying raises `WeightSyncError` and
-        leaves the version as it was (the weights are then neither version: stop the run).
+        An update applies whole or not at all: one that does not fit the model (any tensor's
+        name, shape, dtype, or a delta's positions and values) raises `WeightSyncError` here,
+        and one whose checksums do not match what the weights would become raises it at the
+        safe point; both before a weight, a request or the cache is touched. Only a mismatch
+        after writing (`WeightsInconsistent`: the weights are neither version, stop the run)
+        leaves the version as it was with the weights changed.
         Waits at most `timeout_s` (default `control_timeout_s`) for the safe point."""
         if in_flight not in ("continue", "abort"):
             raise ValueError(f"in_flight must be 'continue' or 'abort', got {in_flight!r}")
-        update.check(self.model)  # a bad update fails here, before the worker waits on it
+        staged = update.stage(self.model)  # a bad update fails here, before the worker waits
 
         def apply() -> int:
             base = getattr(update, "base_version", None)
             if base is not None and base != self.version:
                 raise WeightSyncError(f"delta update v{update.version} is against v{base}, but "
                                       f"the engine holds v{self.version}: send a full update")
+            staged.verify()  # what the weights would become: refused here, nothing changed
             if in_flight == "abort":
                 self._abort(lambda r: True, waiting=False)
             self.cache.flush()
-            update.apply_to(self.model)
+            staged.write()
             self.version = update.version
             self.counters["weight_updates"] += 1
             return self.version
