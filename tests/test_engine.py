@@ -1,4 +1,5 @@
 import asyncio
+import concurrent.futures
 import random
 import threading
 import time
@@ -142,6 +143,29 @@ def test_a_request_cancelled_while_queued_never_runs(model):
     outs = asyncio.run(go())
     assert all(len(g.token_ids) == 4 for g in outs)
     assert engine.counters["cancelled"] == 1 and engine.counters["requests"] == 2
+
+
+def test_a_cancelled_submit_future_completes_wait_and_as_completed(model):
+    """concurrent.futures.wait and as_completed see a cancelled submit() future as done at
+    once, running or queued (Future.cancel() alone wakes only result() waiters); the engine
+    then drops both, and the queued one never runs."""
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    try:
+        running = engine.submit(PROMPTS[0], sampling(max_new_tokens=3000), seed=1)
+        wait_until(lambda: engine.counters["decode_steps"] >= 3, "decoding to start")
+        engine.pause()
+        queued = engine.submit(PROMPTS[1], sampling(max_new_tokens=4), seed=2)
+        assert running.cancel() and queued.cancel()
+        done, not_done = concurrent.futures.wait([running, queued], timeout=5)
+        assert done == {running, queued} and not not_done
+        assert set(concurrent.futures.as_completed([running, queued], timeout=5)) == done
+        engine.resume()
+        wait_until(lambda: engine.counters["cancelled"] == 2, "the engine to drop both")
+        assert engine.counters["requests"] == 1  # the queued one was never admitted
+        after = engine.submit(PROMPTS[2], sampling(max_new_tokens=2), seed=3)
+        assert len(after.result(timeout=30).token_ids) == 2
+    finally:
+        engine.close()
 
 
 def test_a_request_arriving_mid_decode_joins_without_waiting(model):

@@ -103,7 +103,7 @@ class Engine(Protocol):
                        session_id: str | None = None, request_id: str | None = None
                        ) -> Generation: ...
 
-    def abort(self, request_id: str) -> bool: ...
+    def abort(self, request_id: str, *, timeout_s: float | None = None) -> bool: ...
 
     def update_weights(self, update: WeightUpdate | DeltaUpdate, *,
                        in_flight: InFlight = "continue", timeout_s: float | None = None
@@ -231,13 +231,27 @@ class EmbeddedEngine:
     def submit(self, prompt_ids: list[int], params: SamplingParams, seed: int, *,
                session_id: str | None = None, request_id: str | None = None
                ) -> concurrent.futures.Future:
-        """Queue a request from any thread; the future resolves to its `Generation`."""
+        """Queue a request from any thread; the future resolves to its `Generation`.
+        Cancelling the future ends the request (it leaves the batch at the next iteration)
+        and counts as done at once for `concurrent.futures.wait` and `as_completed`."""
         self._check_prompt(prompt_ids)
         future: concurrent.futures.Future = concurrent.futures.Future()
+        future.add_done_callback(self._on_done)
         self._check_open()
         self._enqueue([_Request(list(prompt_ids), params, seed & (2**63 - 1), session_id,
                                 request_id, future)])
         return future
+
+    def _on_done(self, future: concurrent.futures.Future) -> None:
+        """A `submit` future's callback. `Future.cancel()` wakes only `result()` waiters: the
+        waiters of `concurrent.futures.wait` and `as_completed` hear of a cancel when someone
+        calls `set_running_or_notify_cancel` (an executor does, before it runs the work). The
+        engine never marks a request running (so its caller can cancel it any time), so it
+        calls that here, at the cancel, and wakes the worker to drop the request."""
+        if future.cancelled():
+            future.set_running_or_notify_cancel()
+            with self._cond:
+                self._cond.notify()
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         """A bad prompt fails its own caller here, not the batch it would have joined (on CUDA
@@ -269,13 +283,14 @@ class EmbeddedEngine:
         if closed:
             _deliver([(r.future, None, RuntimeError("the engine was closed")) for r in queued])
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, *, timeout_s: float | None = None) -> bool:
         """End the request now (queued or running); its caller gets the partial output with
-        finish_reason "abort". False when no such request is queued or running."""
+        finish_reason "abort". False when no such request is queued or running. Waits at
+        most `timeout_s` (default `control_timeout_s`) for the safe point."""
         if request_id is None:
             raise ValueError("abort needs the request_id the request was made with")
         return bool(self._control(lambda: self._abort(lambda r: r.request_id == request_id),
-                                  f"abort of request {request_id!r}"))
+                                  f"abort of request {request_id!r}", timeout_s))
 
     def update_weights(self, update: WeightUpdate | DeltaUpdate, *,
                        in_flight: InFlight = "continue", timeout_s: float | None = None) -> int:
@@ -353,6 +368,10 @@ class EmbeddedEngine:
             worker = self._worker
         if worker is not None and worker is not threading.current_thread():
             worker.join(timeout=self.control_timeout_s)
+            if worker.is_alive():
+                logger.error("engine: the worker thread did not stop within %gs "
+                             "(control_timeout_s) of close: it is stuck in a forward or a "
+                             "control call; its requests fail now", self.control_timeout_s)
         self._fail_all(RuntimeError("the engine was closed"))
 
     # ----- the worker -----
