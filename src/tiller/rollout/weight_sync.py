@@ -179,15 +179,31 @@ class StagedUpdate:
         if self.checksums is None:
             return
         _check_names(self.own, self.checksums, self.version)
-        sums = []
+        # batched like the sender's: tensors no write touches, tensors a whole write replaces
+        # (by target dtype, cast as copy_ will); only partial writes are laid over one by one
+        untouched: dict[str, torch.Tensor] = {}
+        whole: dict[torch.dtype, dict[str, torch.Tensor]] = {}
+        overlaid, sums = [], []
         for name in self.checksums:
-            flat = self.own[name].reshape(-1)
-            pos = checksum_positions(flat.numel(), flat.device)
-            values = flat[pos]
-            for w in self.by_storage.get(flat.data_ptr(), ()):
-                values = w.at(pos, values)
-            sums.append(values.to(torch.float64).sum())
-        got = dict(zip(self.checksums, torch.stack(sums).tolist(), strict=True)) if sums else {}
+            target = self.own[name]
+            writes = self.by_storage.get(target.data_ptr(), [])
+            if not writes:
+                untouched[name] = target
+            elif all(w.index is None for w in writes):
+                whole.setdefault(target.dtype, {})[name] = writes[-1].values
+            else:
+                flat = target.reshape(-1)
+                pos = checksum_positions(flat.numel(), flat.device)
+                values = flat[pos]
+                for w in writes:
+                    values = w.at(pos, values)
+                overlaid.append(name)
+                sums.append(values.to(torch.float64).sum())
+        got = checksums(untouched)
+        for dtype, group in whole.items():
+            got.update(checksums(group, dtype))
+        if sums:
+            got.update(zip(overlaid, torch.stack(sums).tolist(), strict=True))
         mismatch = _first_mismatch(got, self.checksums)
         if mismatch is not None:
             name, have, want = mismatch
