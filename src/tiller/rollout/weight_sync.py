@@ -143,11 +143,9 @@ class Write:
             self.target.view(-1)[self.index] = self.values
 
     @torch.no_grad()
-    def at(self, pos: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-        """The target's values at flat positions `pos` after this write, `current` before."""
-        if self.index is None:
-            flat = self.values.reshape(-1)
-            return flat[pos.to(flat.device)].to(current.device, current.dtype)
+    def overlay(self, pos: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+        """A partial write's target values at flat positions `pos` after it, given `current`,
+        the values there before."""
         j = torch.searchsorted(self.index, pos).clamp_(max=self.index.numel() - 1)
         hit = self.index[j] == pos
         out = current.clone()
@@ -180,7 +178,9 @@ class StagedUpdate:
             return
         _check_names(self.own, self.checksums, self.version)
         # batched like the sender's: tensors no write touches, tensors a whole write replaces
-        # (by target dtype, cast as copy_ will); only partial writes are laid over one by one
+        # (the last one, by target dtype, cast as copy_ will); a delta's partial writes are
+        # laid over the current values one tensor at a time (an update's writes are all whole
+        # or all partial)
         untouched: dict[str, torch.Tensor] = {}
         whole: dict[torch.dtype, dict[str, torch.Tensor]] = {}
         overlaid, sums = [], []
@@ -189,14 +189,14 @@ class StagedUpdate:
             writes = self.by_storage.get(target.data_ptr(), [])
             if not writes:
                 untouched[name] = target
-            elif all(w.index is None for w in writes):
+            elif writes[-1].index is None:
                 whole.setdefault(target.dtype, {})[name] = writes[-1].values
             else:
                 flat = target.reshape(-1)
                 pos = checksum_positions(flat.numel(), flat.device)
                 values = flat[pos]
                 for w in writes:
-                    values = w.at(pos, values)
+                    values = w.overlay(pos, values)
                 overlaid.append(name)
                 sums.append(values.to(torch.float64).sum())
         got = checksums(untouched)
