@@ -19,6 +19,12 @@ process, A and B alternating in each repeat (A first in even repeats, B first in
           serve extra or the command is missing.
   e2e     the demo's RL phase (configs/calculator.yaml, `rl.steps` steps from the SFT
           checkpoint, no SFT, no eval): episodes/s, generated tokens/s, seconds per RL step.
+  lookup  one KV prefix lookup (`PrefixCache.lookup`, run on the engine's worker thread for
+          every new request) of a prompt of L tokens whose every 16-token block is stored
+          (another session's entry of the same L tokens: a GRPO sibling's next turn), for each
+          L of --lookup-tokens, against the lookup before issue 19 (`QuadraticLookup`, below:
+          it compared the whole prefix again at every block hit). Milliseconds, median of
+          --repeats; no model is loaded for this section.
 
 Multi-turn columns:
   prefill / non-gen   tokens run through the model as prompt, over the non-generated tokens
@@ -67,6 +73,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import functools
 import importlib.util
 import inspect
 import itertools
@@ -106,6 +113,7 @@ from tiller.rollout.agent_loop import EngineActor, EpisodeLimits, run_episode
 from tiller.rollout.chat import ChatFormat, ParsedTurn, stop_token_ids
 from tiller.rollout.collect import collect
 from tiller.rollout.engine import EmbeddedEngine, Generation, SamplingParams
+from tiller.rollout.kv_cache import PrefixCache
 
 DEMO_SFT = "runs/seeds/seed0/checkpoints/sft"  # what `benchmarks/demo_seeds.py` leaves behind
 # a quick SFT of the demo's build config on tool-using demonstrations only, so that episodes
@@ -113,10 +121,10 @@ DEMO_SFT = "runs/seeds/seed0/checkpoints/sft"  # what `benchmarks/demo_seeds.py`
 BUILD_SFT = ["sft.tasks=640", "sft.epochs=4", "sft.imperfect_fraction=0.0"]
 QUICK_BUILD = ["model.build.hidden_size=64", "model.build.vocab_size=600",
                "model.build.corpus_tasks=60", "sft.tasks=32", "sft.epochs=1"]
-SECTIONS = ("single", "multi", "serve", "e2e")
+SECTIONS = ("single", "multi", "serve", "e2e", "lookup")
 QUICK_SIZES = {"repeats": 1, "prompts": "4", "episodes": "4", "group_size": 2,
                "max_new_tokens": 8, "big": "64,2,4", "clients": "2", "requests": "4",
-               "rl_steps": 1}
+               "rl_steps": 1, "lookup_tokens": "256,1024"}
 QUICK_RL = ["rl.tasks_per_step=2", "rl.group_size=2", "sampling.max_new_tokens=8"]
 
 
@@ -152,6 +160,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rl-steps", type=int, default=3, help="e2e: RL steps")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="e2e: extra config override (repeatable)")
+    p.add_argument("--lookup-tokens", default="2048,8192,32768",
+                   help="lookup: prompt lengths (tokens)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a seconds-long smoke run")
     args = p.parse_args(argv)
     if args.quick:  # every size small, except those given on the command line
@@ -798,6 +808,69 @@ def end_to_end(args: argparse.Namespace, model_path: Path) -> dict[str, Any]:
 # ---- tables -------------------------------------------------------------------------------
 
 
+# ---- prefix lookup ------------------------------------------------------------------------
+
+
+class QuadraticLookup:
+    """The block index of `PrefixCache` before issue 19, the lookup section's baseline: a hash
+    chained over whole blocks maps to the newest entry holding that prefix, and each block hit
+    is verified by comparing the whole prefix again, O(L^2 / block) per lookup."""
+
+    def __init__(self, block_size: int = 16):
+        self.block_size = block_size
+        self.entries: list[tuple[int, ...]] = []
+        self.blocks: dict[int, int] = {}  # hash of tokens[: k * block_size] -> entry index
+
+    def hashes(self, tokens: tuple[int, ...]) -> list[int]:
+        h, out, b = 0, [], self.block_size
+        for k in range(len(tokens) // b):
+            h = hash((h, tokens[k * b:(k + 1) * b]))
+            out.append(h)
+        return out
+
+    def put(self, tokens: list[int]) -> None:
+        self.entries.append(tuple(tokens))
+        for h in self.hashes(self.entries[-1]):
+            self.blocks[h] = len(self.entries) - 1
+
+    def lookup(self, tokens: list[int]) -> int:
+        toks, best = tuple(tokens), 0
+        for k, h in enumerate(self.hashes(toks[:-1]), start=1):
+            entry = self.blocks.get(h)
+            if entry is None:
+                break
+            n = k * self.block_size
+            if n > best and self.entries[entry][:n] == toks[:n]:
+                best = n
+        return min(best, len(toks) - 1)
+
+
+def prefix_lookup(args: argparse.Namespace) -> list[dict]:
+    """Per prompt length: the old and the new lookup of the same prompt, A/B alternating."""
+    rows = []
+    for length in ints(args.lookup_tokens):
+        rng = random.Random(length)
+        stored = [rng.randrange(32000) for _ in range(length)]
+        prompt = stored + [rng.randrange(32000) for _ in range(16)]  # the next turn's tokens
+        cache = PrefixCache(1 << 40)
+        kv = torch.zeros(1, 1, length, 1)
+        cache.put(stored, [(kv, kv)], "sibling")
+        old = QuadraticLookup()
+        old.put(stored)
+        sides = {"old": functools.partial(old.lookup, prompt),
+                 "new": lambda c=cache, p=prompt: c.lookup(p, "another session")[0]}
+        times: dict[str, list[float]] = {"old": [], "new": []}
+        for rep in range(args.repeats):
+            for side in (("old", "new") if rep % 2 == 0 else ("new", "old")):
+                found, seconds = timed(sides[side])
+                assert found == length, (side, found, length)  # both find every block
+                times[side].append(seconds)
+        old_ms, new_ms = (1e3 * statistics.median(times[s]) for s in ("old", "new"))
+        rows.append({"tokens": length, "old_ms": old_ms, "new_ms": new_ms,
+                     "old_vs_new": old_ms / new_ms})
+    return rows
+
+
 def fmt(x: Any, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if x is None else f"{x:{spec}}{suffix}"
 
@@ -857,6 +930,12 @@ def tables(res: dict[str, Any]) -> str:
                       [[str(e["steps"]), str(e["episodes"]), fmt(e["episodes_per_s"]),
                         fmt(e["tokens_per_s"], ".0f"), fmt(e["s_per_step"]),
                         fmt(e["rollout_s_per_step"]), fmt(e["trainer_busy_frac"], ".0%")]]))
+    if "lookup" in res:
+        out.append("\n### Prefix lookup (ms per lookup, every block of the prompt stored)\n")
+        out.append(md(["prompt tokens", "before (quadratic)", "now (trie)", "before / now"],
+                      [[str(r["tokens"]), fmt(r["old_ms"], ".3f"), fmt(r["new_ms"], ".3f"),
+                        fmt(r["old_vs_new"], ".0f", "x")] for r in res["lookup"]]))
+        out.append("\ngoal (issue 19): a 32k-token lookup under 5 ms")
     return "\n".join(out)
 
 
@@ -899,9 +978,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    path = demo_model(args)
-    tokenizer = load_tokenizer(path)
-    model = load_model(path).eval()
+    path = model = tokenizer = None
+    if set(args.sections) - {"lookup"}:  # the lookup section needs no model
+        path = demo_model(args)
+        tokenizer = load_tokenizer(path)
+        model = load_model(path).eval()
     res: dict[str, Any] = {"label": args.label, "tiller": str(Path(tiller.__file__).parent),
                            "commit": git_commit(), "threads": args.threads,
                            "repeats": args.repeats, "model_path": str(path),
@@ -911,7 +992,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                            *single_turn(args, f"qwen3 {millions(big)} random", big, tokenizer)],
         "multi": lambda: multi_turn(args, model, tokenizer),
         "serve": lambda: serve_load(args, path),
-        "e2e": lambda: end_to_end(args, path)}
+        "e2e": lambda: end_to_end(args, path),
+        "lookup": lambda: prefix_lookup(args)}
     big = big_model(tokenizer, *ints(args.big)) if "single" in args.sections else None
     res["section_s"] = {}
     for name in (s for s in SECTIONS if s in args.sections):

@@ -21,7 +21,7 @@ from tiller.config import load_config
 from tiller.controller import ledger_unaccounted, rl
 from tiller.errors import ConfigError, RunError
 from tiller.observe.traces import connect
-from tiller.rollout.manager import RolloutManager
+from tiller.rollout.manager import RolloutManager, WindDown
 from tiller.rollout.weight_sync import WeightUpdate
 from tiller.run import Run
 from tiller.seeds import derive_seed
@@ -234,6 +234,44 @@ def test_a_group_being_judged_at_the_end_of_rl_is_counted_as_in_flight(calc_sft_
         (at_end,) = con.execute("SELECT total(at_end) FROM episodes WHERE phase = 'rl'"
                                 ).fetchone()
     assert at_end == ledger["dropped/in_flight_at_end"] + ledger["dropped/unused_at_end"]
+
+
+def test_the_wind_down_against_a_stuck_engine_ends_within_its_allowance(calc_sft_dir, tmp_path,
+                                                                       caplog):
+    """The engine hangs inside a forward (a stuck accelerator) with every episode waiting on
+    it. close() aborts the live requests and waits for the episodes within one shared window,
+    cancels them, and returns inside WindDown.allowance with every episode in the ledger. Each
+    abort waited only until the window's end, so none is left to apply later. (Before, the
+    aborts and the episodes each got a full window, then the cancelled ones 30 s more, while
+    close allowed one window + 60 s: a stuck engine at the default 60 s outlived close.)"""
+    window = 3.0
+    run = Run(config(calc_sft_dir, "rl.mode=async", f"rollout.shutdown_timeout_s={window}"),
+              tmp_path)
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck(*_):
+        entered.set()
+        release.wait(120)
+
+    handle = run.engine.model.register_forward_pre_hook(stuck)
+    try:
+        manager = manager_for(run)
+        assert entered.wait(60), "no episode reached the engine"
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="tiller.rollout.manager"):
+            ledger = manager.close()
+        elapsed = time.monotonic() - t0
+        leftover = [op for op in run.engine._controls if not op.done.cancelled()]
+    finally:
+        release.set()
+        handle.remove()
+        run.close()
+    accounted(ledger)
+    assert ledger["dropped/cancelled_at_end"] == ledger["started"] > 0
+    assert elapsed < 1.5 * window < WindDown(window).allowance, elapsed  # one window, not two
+    assert not leftover, "aborts were left queued in the engine after close"
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "within rollout.shutdown_timeout_s" in said and "were cancelled" in said, said
 
 
 def test_an_error_on_the_rollout_thread_stops_the_run_with_that_error(calc_sft_dir, tmp_path):

@@ -63,8 +63,26 @@ def test_quick_run_fills_every_table(calc_sft_dir, tmp_path):
         assert [(r["clients"], r["ok"]) for r in res["serve"]] == [(2, 4)]
     # the RL phase: one step of 2 tasks x 2 samples
     assert res["e2e"]["steps"] == 1 and res["e2e"]["episodes"] == 4
-    for title in ("Single turn", "Multi-turn", "Server under load", "End to end"):
+    # the prefix lookup: both algorithms timed at each length (they found the same prefix)
+    assert [r["tokens"] for r in res["lookup"]] == [256, 1024]
+    assert all(r["old_ms"] > 0 and r["new_ms"] > 0 for r in res["lookup"])
+    for title in ("Single turn", "Multi-turn", "Server under load", "End to end",
+                  "Prefix lookup"):
         assert f"### {title}" in proc.stdout
+
+
+def test_the_baseline_lookup_finds_what_the_prefix_cache_finds():
+    """The lookup section's baseline (the quadratic lookup before issue 19) agrees with
+    `PrefixCache` on prompts sharing 0 to all of their blocks with the stored entry."""
+    stored = list(range(100, 260))
+    old = bench.QuadraticLookup()
+    old.put(stored)
+    new = bench.PrefixCache(1 << 30)
+    kv = bench.torch.zeros(1, 1, len(stored), 1)
+    new.put(stored, [(kv, kv)], "a")
+    for keep in (0, 5, 16, 40, 160):
+        prompt = stored[:keep] + [7] * 20
+        assert old.lookup(prompt) == new.lookup(prompt, "b")[0] == keep // 16 * 16
 
 
 def test_fixed_turns_env_runs_every_turn(tokenizer):

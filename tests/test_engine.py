@@ -1,4 +1,6 @@
 import asyncio
+import concurrent.futures
+import copy
 import random
 import threading
 import time
@@ -34,12 +36,17 @@ def as_trajectory(prompt, gen):
                       Reward(0.0), Status.COMPLETED)
 
 
-def trainer_gap(model, prompt, gen) -> float:
-    """Largest |engine logprob - trainer logprob| over the generated tokens, the trainer
-    scoring prompt + generation in one full forward."""
+def trainer_gaps(model, prompt, gen) -> torch.Tensor:
+    """Per generated token, |engine logprob - trainer logprob|, the trainer scoring prompt +
+    generation in one full forward."""
     batch = Batch.collate([as_trajectory(prompt, gen)], pad_token_id=0)
     logp, _ = token_logprobs(model, batch)
-    return float((logp[0, len(prompt):] - torch.tensor(gen.logprobs)).abs().max().detach())
+    return (logp[0, len(prompt):] - torch.tensor(gen.logprobs)).abs().detach()
+
+
+def trainer_gap(model, prompt, gen) -> float:
+    """The largest of `trainer_gaps`."""
+    return float(trainer_gaps(model, prompt, gen).max())
 
 
 def test_batched_sampling_matches_single_requests_and_trainer_logprobs(model):
@@ -142,6 +149,29 @@ def test_a_request_cancelled_while_queued_never_runs(model):
     outs = asyncio.run(go())
     assert all(len(g.token_ids) == 4 for g in outs)
     assert engine.counters["cancelled"] == 1 and engine.counters["requests"] == 2
+
+
+def test_a_cancelled_submit_future_completes_wait_and_as_completed(model):
+    """concurrent.futures.wait and as_completed see a cancelled submit() future as done at
+    once, running or queued (Future.cancel() alone wakes only result() waiters); the engine
+    then drops both, and the queued one never runs."""
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    try:
+        running = engine.submit(PROMPTS[0], sampling(max_new_tokens=3000), seed=1)
+        wait_until(lambda: engine.counters["decode_steps"] >= 3, "decoding to start")
+        engine.pause()
+        queued = engine.submit(PROMPTS[1], sampling(max_new_tokens=4), seed=2)
+        assert running.cancel() and queued.cancel()
+        done, not_done = concurrent.futures.wait([running, queued], timeout=5)
+        assert done == {running, queued} and not not_done
+        assert set(concurrent.futures.as_completed([running, queued], timeout=5)) == done
+        engine.resume()
+        wait_until(lambda: engine.counters["cancelled"] == 2, "the engine to drop both")
+        assert engine.counters["requests"] == 1  # the queued one was never admitted
+        after = engine.submit(PROMPTS[2], sampling(max_new_tokens=2), seed=3)
+        assert len(after.result(timeout=30).token_ids) == 2
+    finally:
+        engine.close()
 
 
 def test_a_request_arriving_mid_decode_joins_without_waiting(model):
@@ -279,8 +309,6 @@ def test_a_queued_request_can_be_aborted(model):
 
 
 def perturbed(model, version):
-    import copy
-
     other = copy.deepcopy(model)
     with torch.no_grad():
         for p in other.parameters():
@@ -288,19 +316,31 @@ def perturbed(model, version):
     return WeightUpdate.full(other, version)
 
 
-def test_a_weight_update_mid_generation_continues_with_per_token_versions(model):
+def test_a_turn_spanning_a_weight_update_is_sampled_by_the_version_each_token_records(model):
+    """in_flight="continue": the running request's KV is recomputed by the new weights before
+    its next token, so every token's logprob is the one its recorded version gives it with
+    the whole context (the trainer's full forward under that version, to 1e-4). Before, the
+    tokens after the update attended to keys and values of the old weights while labelled
+    with the new version (off by up to 17 nats here). The KV it ends with is all v7's,
+    so the session's next turn may reuse it."""
     torch.manual_seed(1)
+    old = copy.deepcopy(model)
+    update = perturbed(model, 7)
     engine = EmbeddedEngine(model, pad_token_id=0)
-    future = engine.submit(PROMPTS[0], sampling(max_new_tokens=400), seed=3)
+    future = engine.submit(PROMPTS[0], sampling(max_new_tokens=400), seed=3, session_id="s")
     wait_until(lambda: engine.counters["decode_steps"] >= 5, "decoding to start")
-    assert engine.update_weights(perturbed(model, 7)) == 7
+    assert engine.update_weights(update) == 7
     out = future.result(timeout=60)
     assert out.finish_reason == "length" and len(out.token_ids) == 400 and out.version == 7
     switch = out.versions.index(7)
     assert 5 <= switch < 400
     assert out.versions == (0,) * switch + (7,) * (400 - switch)
-    # its KV is partly the old weights': not kept, so a next turn prefills under v7 only
-    assert len(engine.cache) == 0
+    # the prompt and the tokens sampled before the update, but the last (never run yet)
+    assert engine.counters["recomputed_tokens"] == len(PROMPTS[0]) + switch - 1
+    assert float(trainer_gaps(old, PROMPTS[0], out)[:switch].max()) < 1e-4
+    assert float(trainer_gaps(model, PROMPTS[0], out)[switch:].max()) < 1e-4
+    assert len(engine.cache) == 1
+    engine.close()
 
 
 def test_a_weight_update_can_abort_the_requests_in_flight(model):
@@ -339,14 +379,16 @@ def test_pause_holds_requests_until_resume_and_flush_empties_the_cache(model):
 
 def test_a_control_call_that_gets_no_safe_point_times_out_naming_what_it_waited_for(model):
     engine = EmbeddedEngine(model, pad_token_id=0, control_timeout_s=0.2)
-    gate = threading.Event()
+    entered, gate = threading.Event(), threading.Event()
 
     def stuck(*_):  # a forward that hangs until the gate opens
+        entered.set()
         gate.wait(30)
 
     hook = model.register_forward_pre_hook(stuck)
     try:
         first = engine.submit(PROMPTS[0], sampling(max_new_tokens=2), seed=0)
+        assert entered.wait(30)  # the worker is inside the forward, not before it
         with pytest.raises(TimeoutError, match="weight update v5 was not applied within 0.2s"):
             engine.update_weights(WeightUpdate.full(model, 5))
     finally:
@@ -568,8 +610,6 @@ def test_kv_buffers_grow_only_in_the_dimension_that_is_short(model):
 
 
 def test_a_row_with_non_finite_activations_fails_alone_and_leaves_its_slot_clean(model):
-    import copy
-
     m = copy.deepcopy(model)
     head = torch.nn.Linear(m.config.hidden_size, m.config.vocab_size)
     with torch.no_grad():

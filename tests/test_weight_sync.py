@@ -6,10 +6,12 @@ timing out with an error naming what was waited for, and deltas over HTTP throug
 from __future__ import annotations
 
 import copy
+import re
 import socket
 import threading
 import time
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -17,7 +19,7 @@ from test_http_engine import servers
 
 from tiller.config import WeightSyncConfig, load_config
 from tiller.errors import ConfigError, RunError
-from tiller.rollout.delta import DeltaUpdate, bits, decode_gaps, encode_gaps
+from tiller.rollout.delta import DeltaUpdate, TensorDelta, bits, decode_gaps, encode_gaps
 from tiller.rollout.engine import EmbeddedEngine
 from tiller.rollout.http_engine import HttpEngine
 from tiller.rollout.sync import WeightSync
@@ -190,10 +192,102 @@ def test_an_update_tampered_after_its_checksum_is_refused_naming_version_and_ten
             update.tensors[name] = update.tensors[name] + 1.0
         else:
             update.deltas[name].values.add_(1.0)
-        with pytest.raises(WeightSyncError, match=f"weight update v1: tensor {name} does not "
-                                                  "hold what was sent"):
+        before = copy.deepcopy(engine.model)
+        with pytest.raises(WeightSyncError, match=f"weight update v1: tensor {name} would not "
+                                                  "hold what was sent .* nothing was applied"):
             engine.update_weights(update)
-        assert engine.version == 0  # not reported as applied
+        # refused before writing: not one weight changed, and the version did not move
+        assert engine.version == 0 and same_bits(engine.model, before)
+    finally:
+        engine.close()
+
+
+# ---------------------------------------------------------------- malformed updates
+GOOD, BAD = "model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.down_proj.weight"
+
+
+def leb128(gaps: list[int]) -> torch.Tensor:
+    """Varints of arbitrary gaps (encode_gaps takes only ascending positions)."""
+    out = []
+    for g in gaps:
+        while True:
+            out.append((g & 0x7F) | (0x80 if g >> 7 else 0))
+            g >>= 7
+            if not g:
+                break
+    return torch.tensor(out, dtype=torch.uint8)
+
+
+def bad_deltas(n: int, dtype: torch.dtype) -> dict[str, tuple[dict, str]]:
+    """Per case: the bad tensor's entries of a delta (its name -> TensorDelta) and what the
+    one-line error says about it; n is the tensor's size."""
+    two = torch.ones(2, dtype=dtype)
+    return {
+        # positions n + 3 then (wrapping) 1: only the last position was bounds-checked before
+        "wrapped": ({BAD: TensorDelta(n, leb128([n + 3, 2**64 - n - 2]), two)},
+                    rf"positions not strictly ascending inside \[0, {n}\)"),
+        "past the end": ({BAD: TensorDelta(n, torch.from_numpy(encode_gaps(np.array([0, n]))),
+                                           two)}, "positions not strictly ascending"),
+        "count": ({BAD: TensorDelta(n, torch.from_numpy(encode_gaps(np.arange(3))), two)},
+                  "3 positions for 2 values"),
+        "cut varint": ({BAD: TensorDelta(n, torch.tensor([0x85], dtype=torch.uint8), two[:1])},
+                       "end inside a varint"),
+        "dtype": ({BAD: TensorDelta(n, leb128([0]), torch.ones(1, dtype=torch.float64))},
+                  f"values in torch.float64 for the model's {dtype} \\(a delta is never cast"),
+        "size": ({BAD: TensorDelta(n + 1, leb128([0]), two[:1])},
+                 f"{n + 1} elements vs the model's {n}"),
+        "name": ({"no.such.tensor": TensorDelta(n, leb128([0]), two[:1])},
+                 "no.such.tensor \\(the model has no such tensor"),
+    }
+
+
+@pytest.mark.parametrize("case", list(bad_deltas(1, torch.float32)))
+def test_a_malformed_delta_is_refused_whole_and_changes_no_weight(model, case):
+    """A delta whose first tensor is fine and whose second is malformed: one WeightSyncError
+    naming the bad tensor, raised before the first is written (every weight bit-identical,
+    the version unchanged), and a good delta applies afterwards."""
+    engine = engine_of(model)
+    try:
+        own = engine.model.state_dict()
+        good = TensorDelta(own[GOOD].numel(), leb128([0, 5, 7]),
+                           torch.full((3,), 7.0, dtype=own[GOOD].dtype))
+        tensors, words = bad_deltas(own[BAD].numel(), own[BAD].dtype)[case]
+        before = copy.deepcopy(engine.model)
+        with pytest.raises(WeightSyncError) as e:
+            engine.update_weights(DeltaUpdate(1, 0, {GOOD: good, **tensors}))
+        message = str(e.value)
+        assert message.startswith("delta update v1 does not fit the model: ")
+        assert "\n" not in message
+        assert re.search(words, message) and GOOD not in message, message
+        assert engine.version == 0 and same_bits(engine.model, before)
+        assert engine.update_weights(DeltaUpdate(1, 0, {GOOD: good})) == 1
+        assert own[GOOD].view(-1)[[0, 5, 12]].tolist() == [7.0, 7.0, 7.0]
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("case, words", [
+    ("dtype", r"dtype mismatch \(only floating point is cast\): "
+              rf"{BAD} torch.int64 vs the model's torch.bfloat16"),
+    ("not a tensor", f"not tensors: {BAD}"),
+    ("shape", f"shape mismatch: {BAD}"),
+    ("name", "tensors the model lacks: no.such.tensor")])
+def test_a_full_update_with_one_bad_tensor_changes_no_weight(model, case, words):
+    """Every other tensor of the update is new and fine: none of them is written."""
+    engine = engine_of(model)
+    try:
+        tensors = {k: v + 1.0 for k, v in model.state_dict().items()}
+        target = tensors[BAD]
+        tensors[BAD] = {"dtype": target.long(), "not a tensor": target.tolist(),
+                        "shape": target[:-1], "name": target}[case]
+        if case == "name":
+            tensors["no.such.tensor"] = target
+        before = copy.deepcopy(engine.model)
+        with pytest.raises(WeightSyncError) as e:
+            engine.update_weights(WeightUpdate(1, tensors))
+        assert str(e.value).startswith("weight update v1 does not fit the model: ")
+        assert re.search(words, str(e.value)) and "\n" not in str(e.value)
+        assert engine.version == 0 and same_bits(engine.model, before)
     finally:
         engine.close()
 
@@ -313,15 +407,54 @@ def test_deltas_over_http_reach_tiller_serve_and_another_base_is_refused(model, 
             with pytest.raises(RunError, match="delta update v3 is against base version v1, "
                                                "but this server holds v2"):
                 http.update_weights(stale)
-            # a delta whose checksum the server cannot match: a loud 500 naming the tensor
+            # a delta whose checksum the server cannot match: a 400 naming the tensor
             step(sync)
             with torch.no_grad():
                 next(model.parameters()).add_(0.01)
             update, _ = sync.build(3)
             name = next(iter(update.checksums))
             update.checksums[name] += 1.0
-            with pytest.raises(RunError, match=f"HTTP 500.*weight update v3: tensor {name}"):
+            held = http.score(sync.probe)
+            with pytest.raises(RunError, match=r"HTTP 400: .*refused .*nothing was applied"):
                 http.update_weights(update)
+            assert http.score(sync.probe) == held  # refused before writing: still v2, exactly
+        finally:
+            http.close()
+
+
+def test_tiller_serve_refuses_a_malformed_update_whole(model, calc_model_dir, tmp_path):
+    """Through a live `tiller serve` (float32): a delta whose first tensor is fine and whose
+    second has a position past its end, and a full checkpoint with every tensor new but one of
+    the wrong dtype, are each a 400 naming the bad tensor. The server's weights score a probe
+    bit for bit as before, its version stays, and a good update applies afterwards."""
+    with servers(calc_model_dir, 1, tmp_path / "root") as s:
+        http = HttpEngine(s.urls, weights_dir=s.root / "w", request_timeout_s=60)
+        try:
+            probe = list(range(3, 60))
+            before = http.score(probe)
+            own = model.state_dict()
+            n = own[BAD].numel()
+            good = TensorDelta(own[GOOD].numel(), leb128([0, 5, 7]), torch.full((3,), 7.0))
+            wrapped = TensorDelta(n, leb128([n + 3, 2**64 - n - 2]), torch.ones(2))
+            full = {k: v + 1.0 for k, v in own.items()}
+            full[BAD] = full[BAD].long()
+            for folder, update, words in (
+                    ("bad_delta", DeltaUpdate(1, 0, {GOOD: good, BAD: wrapped}),
+                     rf"delta update v1 does not fit the model: {BAD} \(positions not strictly "
+                     rf"ascending inside \[0, {n}\)\)"),
+                    ("bad_full", WeightUpdate(1, full),
+                     r"weight update v1 does not fit the model: dtype mismatch \(only floating "
+                     rf"point is cast\): {BAD} torch.int64 vs the model's torch.float32")):
+                update.save(s.root / folder)
+                r = httpx.post(s.urls[0] + "/update_weights_from_disk", timeout=60,
+                               json={"model_path": folder, "weight_version": 1})
+                assert http.score(probe) == before  # every logprob bit for bit
+                info = httpx.get(s.urls[0] + "/get_model_info", timeout=30).json()
+                assert info["weight_version"] == 0
+                message = r.json()["error"]["message"]
+                assert r.status_code == 400 and re.search(words + "$", message), message
+            assert http.update_weights(DeltaUpdate(1, 0, {GOOD: good})) == 1
+            assert http.score(probe) != before
         finally:
             http.close()
 

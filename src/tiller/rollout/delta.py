@@ -9,6 +9,11 @@ Python loop per element.
 
 The sender (`sync.WeightSync`) diffs against its own copy of what the engine holds, so
 the engine's weights after any number of deltas equal a full sync bit for bit.
+
+A delta is checked whole before any element is written (`DeltaUpdate.stage`): every tensor's
+name and size, its index bytes (complete varints), its positions (strictly ascending, inside
+the tensor), one value per position, in the model's dtype (a delta carries bit patterns, so
+it is never cast). A delta with one bad tensor is refused and changes nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tiller.files import replacing, write_file
-from tiller.rollout.weight_sync import WeightSyncError, _names, verify_checksums
+from tiller.rollout.weight_sync import StagedUpdate, WeightSyncError, Write, _names
 
 MAX_VARINT_BYTES = 10  # a uint64 needs at most 10 groups of 7 bits
 
@@ -81,6 +86,26 @@ class TensorDelta:
     def nbytes(self) -> int:
         return self.index_bytes.numel() + self.values.numel() * self.values.element_size()
 
+    def decoded(self, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, values) to write into `target`, on its device; ValueError saying what
+        does not fit it."""
+        if self.numel != target.numel():
+            raise ValueError(f"{self.numel} elements vs the model's {target.numel()}")
+        for what, t in (("index bytes", self.index_bytes), ("values", self.values)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 1:
+                raise ValueError(f"its {what} are not a 1-D tensor")
+        if self.index_bytes.dtype != torch.uint8:
+            raise ValueError(f"its index bytes are {self.index_bytes.dtype}, not uint8")
+        if self.values.dtype != target.dtype:
+            raise ValueError(f"values in {self.values.dtype} for the model's {target.dtype} "
+                             "(a delta is never cast)")
+        idx = decode_gaps(self.index_bytes.cpu().numpy())
+        if idx.size != self.values.numel():
+            raise ValueError(f"{idx.size} positions for {self.values.numel()} values")
+        if idx.size and (idx[0] < 0 or idx[-1] >= self.numel or (np.diff(idx) <= 0).any()):
+            raise ValueError(f"positions not strictly ascending inside [0, {self.numel})")
+        return torch.from_numpy(idx).to(target.device), self.values.to(target.device)
+
 
 @dataclass(frozen=True)
 class DeltaUpdate:
@@ -97,34 +122,33 @@ class DeltaUpdate:
         return sum(d.nbytes for d in self.deltas.values())
 
     def check(self, model: nn.Module) -> None:
-        """Raise `WeightSyncError` for a tensor the model lacks or whose size differs."""
-        self._check(model.state_dict())
+        """Raise `WeightSyncError` naming every tensor that does not fit the model (see
+        `TensorDelta.decoded`)."""
+        self.stage(model)
 
-    def _check(self, own: dict[str, torch.Tensor]) -> None:
-        bad = [f"{k} ({d.numel} elements vs the model's "
-               f"{own[k].numel() if k in own else 'none'})"
-               for k, d in self.deltas.items() if k not in own or own[k].numel() != d.numel]
-        if bad:
-            raise WeightSyncError(f"delta update v{self.version} does not fit the model: "
-                                  f"{_names(bad)}")
-
-    @torch.no_grad()
-    def apply_to(self, model: nn.Module) -> None:
-        """Write the changed elements into `model`, then verify the checksums (if any)."""
+    def stage(self, model: nn.Module) -> StagedUpdate:
+        """The delta checked whole against `model`, its writes decided, nothing written."""
         own = model.state_dict()
-        self._check(own)
+        problems, writes = [], []
         for name, d in self.deltas.items():
-            if d.values.numel() == 0:
+            if name not in own:
+                problems.append(f"{name} (the model has no such tensor)")
                 continue
-            target = own[name]
-            idx = torch.from_numpy(decode_gaps(d.index_bytes.numpy())).to(target.device)
-            if idx.numel() != d.values.numel() or int(idx[-1]) >= d.numel:
-                raise ValueError(f"delta update v{self.version}: tensor {name} has "
-                                 f"{idx.numel()} indices (last {int(idx[-1])}) for "
-                                 f"{d.values.numel()} values of {d.numel} elements")
-            target.view(-1)[idx] = d.values.to(target.device, target.dtype)
-        if self.checksums is not None:
-            verify_checksums(own, self.checksums, self.version)
+            try:
+                idx, values = d.decoded(own[name])
+            except ValueError as e:
+                problems.append(f"{name} ({e})")
+                continue
+            if idx.numel():
+                writes.append(Write(own[name], values, idx))
+        if problems:
+            raise WeightSyncError(f"delta update v{self.version} does not fit the model: "
+                                  f"{_names(problems)}")
+        return StagedUpdate(self.version, own, writes, self.checksums)
+
+    def apply_to(self, model: nn.Module) -> None:
+        """Stage, verify and write (`StagedUpdate.apply`): all of it or, raising, none."""
+        self.stage(model).apply()
 
     def save(self, folder: str | Path) -> Path:
         """`folder/delta.safetensors` (`<name>/idx`, `<name>/val` per tensor) and

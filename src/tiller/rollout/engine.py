@@ -17,6 +17,11 @@ A worker thread keeps one running batch and loops over iterations:
 5. retire: a row that sampled a stop token or reached its budget leaves at once, its answer is
    delivered and its KV stored for the session's next turn.
 
+A weight update with in_flight="continue" recomputes the KV of every running row under the new
+weights before the next decode (`_recompute_kv`), so each token is sampled by exactly the
+version it records: that version's weights computed its logits and every key and value it
+attended to.
+
 Row i of the batch sits in slot i of preallocated per-layer KV buffers, its KV in columns
 [0, length): a decode step writes each row's new key and value in place at its own length, with
 explicit position ids and a 4-D mask the engine builds, so every row sees exactly its own
@@ -89,7 +94,8 @@ class Generation:
     logprobs: list[float]
     finish_reason: str  # "stop" (a stop token was sampled), "length" or "abort"
     version: int  # the weight version when the request finished
-    versions: tuple[int, ...] = ()  # the weight version that sampled each token
+    # per token, the version whose weights computed its logits and all the KV it attended to
+    versions: tuple[int, ...] = ()
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV was reused instead of prefilled
 
@@ -103,7 +109,7 @@ class Engine(Protocol):
                        session_id: str | None = None, request_id: str | None = None
                        ) -> Generation: ...
 
-    def abort(self, request_id: str) -> bool: ...
+    def abort(self, request_id: str, *, timeout_s: float | None = None) -> bool: ...
 
     def update_weights(self, update: WeightUpdate | DeltaUpdate, *,
                        in_flight: InFlight = "continue", timeout_s: float | None = None
@@ -140,8 +146,19 @@ class _Request:
     cached: int = 0
     cache_scope: str | None = None  # KV is reused only between requests of the same scope
     budget: int = 0
-    admitted_version: int = -1  # the weights its KV started under; stored only if unchanged
+    kv_version: int = -1  # the weights that computed its KV; stored only if still current
     kv_len: int = 0  # tokens whose KV is in its slot (the prompt, then each one decoded)
+
+
+@dataclass(frozen=True)
+class _Prefilled:
+    """What a prefill forward gives, per sequence (identical ones share a row's values)."""
+
+    logits: torch.Tensor  # [rows, vocab], of each sequence's last token
+    kv: KV  # per layer, [rows, heads, columns, dim], real columns where `mask` is 1
+    mask: torch.Tensor  # [rows, columns]
+    cached: list[int]  # tokens served by the prefix cache, per sequence
+    ran: int  # tokens run through the model (identical sequences once)
 
 
 @dataclass
@@ -198,8 +215,8 @@ class EmbeddedEngine:
         self.counters = {name: 0 for name in (
             "requests", "prompt_tokens", "prefill_tokens", "cached_tokens", "generated_tokens",
             "decode_steps", "decoded_row_steps", "prefill_calls",
-            "aborted", "cancelled", "undelivered", "weight_updates", "failed_batches",
-            "failed_requests")}
+            "aborted", "cancelled", "undelivered", "weight_updates", "recomputed_tokens",
+            "failed_batches", "failed_requests")}
         self.busy_s = 0.0
         self.max_rows = 0
         # answers for asyncio callers, delivered once per loop per iteration: one wake-up of
@@ -234,13 +251,27 @@ class EmbeddedEngine:
     def submit(self, prompt_ids: list[int], params: SamplingParams, seed: int, *,
                session_id: str | None = None, request_id: str | None = None
                ) -> concurrent.futures.Future:
-        """Queue a request from any thread; the future resolves to its `Generation`."""
+        """Queue a request from any thread; the future resolves to its `Generation`.
+        Cancelling the future ends the request (it leaves the batch at the next iteration)
+        and counts as done at once for `concurrent.futures.wait` and `as_completed`."""
         self._check_prompt(prompt_ids)
         future: concurrent.futures.Future = concurrent.futures.Future()
+        future.add_done_callback(self._on_done)
         self._check_open()
         self._enqueue([_Request(list(prompt_ids), params, seed & (2**63 - 1), session_id,
                                 request_id, future)])
         return future
+
+    def _on_done(self, future: concurrent.futures.Future) -> None:
+        """A `submit` future's callback. `Future.cancel()` wakes only `result()` waiters: the
+        waiters of `concurrent.futures.wait` and `as_completed` hear of a cancel when someone
+        calls `set_running_or_notify_cancel` (an executor does, before it runs the work). The
+        engine never marks a request running (so its caller can cancel it any time), so it
+        calls that here, at the cancel, and wakes the worker to drop the request."""
+        if future.cancelled():
+            future.set_running_or_notify_cancel()
+            with self._cond:
+                self._cond.notify()
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         """A bad prompt fails its own caller here, not the batch it would have joined (on CUDA
@@ -272,38 +303,46 @@ class EmbeddedEngine:
         if closed:
             _deliver([(r.future, None, RuntimeError("the engine was closed")) for r in queued])
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, *, timeout_s: float | None = None) -> bool:
         """End the request now (queued or running); its caller gets the partial output with
-        finish_reason "abort". False when no such request is queued or running."""
+        finish_reason "abort". False when no such request is queued or running. Waits at
+        most `timeout_s` (default `control_timeout_s`) for the safe point."""
         if request_id is None:
             raise ValueError("abort needs the request_id the request was made with")
         return bool(self._control(lambda: self._abort(lambda r: r.request_id == request_id),
-                                  f"abort of request {request_id!r}"))
+                                  f"abort of request {request_id!r}", timeout_s))
 
     def update_weights(self, update: WeightUpdate | DeltaUpdate, *,
                        in_flight: InFlight = "continue", timeout_s: float | None = None) -> int:
         """Apply `update` between two decode steps and return the new version. Running requests
-        go on under the new weights (their tokens record the version that sampled each) or,
-        with in_flight="abort", end at once with their partial output. Stored KV is dropped:
-        it was computed by the old weights. A delta applies only on top of its base version.
-        An update whose checksums do not match after applying raises `WeightSyncError` and
-        leaves the version as it was (the weights are then neither version: stop the run).
+        go on under the new weights, their KV so far recomputed by them first (each token
+        records the one version that computed it, see `_recompute_kv`) or, with
+        in_flight="abort", end at once with their partial output. Stored KV is dropped: it was
+        computed by the old weights. A delta applies only on top of its base version.
+        An update applies whole or not at all: one that does not fit the model (any tensor's
+        name, shape, dtype, or a delta's positions and values) raises `WeightSyncError` here,
+        and one whose checksums do not match what the weights would become raises it at the
+        safe point; both before a weight, a request or the cache is touched. Only a mismatch
+        after writing (`WeightsInconsistent`: the weights are neither version, stop the run)
+        leaves the version as it was with the weights changed.
         Waits at most `timeout_s` (default `control_timeout_s`) for the safe point."""
         if in_flight not in ("continue", "abort"):
             raise ValueError(f"in_flight must be 'continue' or 'abort', got {in_flight!r}")
-        update.check(self.model)  # a bad update fails here, before the worker waits on it
+        staged = update.stage(self.model)  # a bad update fails here, before the worker waits
 
         def apply() -> int:
             base = getattr(update, "base_version", None)
             if base is not None and base != self.version:
                 raise WeightSyncError(f"delta update v{update.version} is against v{base}, but "
                                       f"the engine holds v{self.version}: send a full update")
+            staged.verify()  # what the weights would become: refused here, nothing changed
             if in_flight == "abort":
                 self._abort(lambda r: True, waiting=False)
             self.cache.flush()
-            update.apply_to(self.model)
+            staged.write()
             self.version = update.version
             self.counters["weight_updates"] += 1
+            self._recompute_kv()
             return self.version
 
         return self._control(apply, f"weight update v{update.version}", timeout_s)
@@ -351,6 +390,10 @@ class EmbeddedEngine:
             worker = self._worker
         if worker is not None and worker is not threading.current_thread():
             worker.join(timeout=self.control_timeout_s)
+            if worker.is_alive():
+                logger.error("engine: the worker thread did not stop within %gs "
+                             "(control_timeout_s) of close: it is stuck in a forward or a "
+                             "control call; its requests fail now", self.control_timeout_s)
         self._fail_all(RuntimeError("the engine was closed"))
 
     # ----- the worker -----
@@ -456,16 +499,20 @@ class EmbeddedEngine:
             logits.append(self._decode())
         if new:
             try:
-                prefilled = self._prefill(new)
+                looked = [self.cache.lookup(r.prompt_ids, r.session_id, r.cache_scope)
+                          for r in new]
+                prefilled = self._prefill([r.prompt_ids for r in new], looked)
+                self.counters["prefill_calls"] += 1
+                self.counters["prefill_tokens"] += prefilled.ran
                 width = max(len(r.prompt_ids) for r in new) + 1  # + the next decode's column
-                self._ensure_capacity(len(self._rows) + len(new), width, like=prefilled[1])
+                self._ensure_capacity(len(self._rows) + len(new), width, like=prefilled.kv)
             except Exception as e:  # only the new requests fail; the running batch goes on
                 logger.exception("engine: the prefill of %d new requests failed", len(new))
                 self.counters["failed_requests"] += len(new)
                 for r in new:
                     self._resolve(r, error=e)
             else:
-                logits.append(self._admit(new, *prefilled))
+                logits.append(self._admit(new, prefilled))
         if not logits:
             return
         rows = self._rows  # _admit appended the new rows after the running ones
@@ -566,30 +613,30 @@ class EmbeddedEngine:
         self.counters["decoded_row_steps"] += n
         return logits
 
-    def _prefill(self, new: list[_Request]) -> tuple:
-        """Run the uncached part of each new request's prompt (identical ones once); returns
-        what `_admit` needs, and changes nothing of the running batch."""
-        looked = [self.cache.lookup(r.prompt_ids, r.session_id, r.cache_scope) for r in new]
+    def _prefill(self, seqs: list[list[int]], looked: list[tuple[int, KV | None]]
+                 ) -> _Prefilled:
+        """Run each token sequence after its cached prefix (`looked`: its length and KV, from
+        the prefix cache; identical ones run once); changes nothing of the running batch."""
         groups: dict[tuple, int] = {}
         unique, index = [], []
-        for r, (c, kv) in zip(new, looked, strict=True):
-            key = (tuple(r.prompt_ids), c)  # the same tokens' KV, whichever entry served it
+        for seq, (c, kv) in zip(seqs, looked, strict=True):
+            key = (tuple(seq), c)  # the same tokens' KV, whichever entry served it
             if key not in groups:
                 groups[key] = len(unique)
-                unique.append((r, c, kv))
+                unique.append((seq, c, kv))
             index.append(groups[key])
         cmax = max(c for _, c, _ in unique)
-        smax = max(len(r.prompt_ids) - c for r, c, _ in unique)
+        smax = max(len(seq) - c for seq, c, _ in unique)
         u = len(unique)
         ids = torch.full((u, smax), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((u, cmax + smax), dtype=torch.long)
         pos = torch.zeros((u, smax), dtype=torch.long)
-        for j, (r, c, _) in enumerate(unique):
-            s = len(r.prompt_ids) - c
-            ids[j, smax - s:] = torch.tensor(r.prompt_ids[c:])
-            pos[j, smax - s:] = torch.arange(c, c + s)
+        for j, (seq, c, _) in enumerate(unique):
+            n = len(seq) - c
+            ids[j, smax - n:] = torch.tensor(seq[c:])
+            pos[j, smax - n:] = torch.arange(c, c + n)
             mask[j, cmax - c:cmax] = 1
-            mask[j, cmax + smax - s:] = 1
+            mask[j, cmax + smax - n:] = 1
         past: KV = []
         if cmax:  # each row's cached KV, right-aligned in a [u, heads, cmax, dim] block
             ref = next(kv for _, _, kv in unique if kv)
@@ -614,33 +661,35 @@ class EmbeddedEngine:
             layer.keys, layer.values = k, v
         logits = self._forward(ids, allowed, pos, cache, last_only=True)
         kv = [(layer.keys, layer.values) for layer in cache.layers]
-        self.counters["prefill_calls"] += 1
-        self.counters["prefill_tokens"] += sum(len(r.prompt_ids) - c for r, c, _ in unique)
         sel = torch.tensor(index, device=self.device)
-        if u < len(new):  # identical prompts share one prefill
+        if u < len(seqs):  # identical sequences share one prefill
             logits, mask = logits[sel], mask[sel]
             kv = [(k[sel], v[sel]) for k, v in kv]
-        return logits, kv, mask, [unique[j][1] for j in index]
+        return _Prefilled(logits, kv, mask, [unique[j][1] for j in index],
+                          sum(len(seq) - c for seq, c, _ in unique))
 
-    def _admit(self, new: list[_Request], logits: torch.Tensor, kv: KV, mask: torch.Tensor,
-               cached: list[int]) -> torch.Tensor:
-        """Copy the prefilled rows' real KV columns, in order, into the slots after the
-        running rows; returns their logits."""
-        n, u = len(self._rows), len(new)
-        lengths = [len(r.prompt_ids) for r in new]
-        width = max(lengths)
+    def _write_slots(self, first: int, p: _Prefilled, width: int) -> None:
+        """Copy each prefilled row's real KV columns, in order, into slots first, first + 1,
+        ... (columns [0, width))."""
+        u = p.mask.size(0)
         # stable sort of "is padding": each row's real columns first, in their order
-        order = torch.argsort((mask == 0).to(torch.uint8), dim=1, stable=True)[:, :width]
-        for (keys, values), (k, v) in zip(self._buf, kv, strict=True):
+        order = torch.argsort((p.mask == 0).to(torch.uint8), dim=1, stable=True)[:, :width]
+        for (keys, values), (k, v) in zip(self._buf, p.kv, strict=True):
             idx = order[:, None, :, None].expand(u, k.size(1), width, k.size(3))
-            keys[n:n + u, :, :width] = k.gather(2, idx)
-            values[n:n + u, :, :width] = v.gather(2, idx)
+            keys[first:first + u, :, :width] = k.gather(2, idx)
+            values[first:first + u, :, :width] = v.gather(2, idx)
+
+    def _admit(self, new: list[_Request], p: _Prefilled) -> torch.Tensor:
+        """Put the prefilled requests in the slots after the running rows; returns their
+        logits."""
+        lengths = [len(r.prompt_ids) for r in new]
+        self._write_slots(len(self._rows), p, max(lengths))
         self._len = torch.cat([self._len, torch.tensor(lengths, device=self.device)])
-        self._last = torch.cat([self._last, self._last.new_zeros(u)])  # set by the sampler
-        for r, c in zip(new, cached, strict=True):
+        self._last = torch.cat([self._last, self._last.new_zeros(len(new))])  # the sampler's
+        for r, c in zip(new, p.cached, strict=True):
             r.kv_len = len(r.prompt_ids)
             r.cached = c
-            r.admitted_version = self.version
+            r.kv_version = self.version
             r.budget = min(r.params.max_new_tokens, self.max_context - len(r.prompt_ids))
             self.counters["requests"] += 1
             self.counters["prompt_tokens"] += len(r.prompt_ids)
@@ -648,7 +697,42 @@ class EmbeddedEngine:
         self._rows = self._rows + new
         self.max_rows = max(self.max_rows, len(self._rows))
         self._set_row_params()
-        return logits
+        return p.logits
+
+    @torch.inference_mode()
+    def _recompute_kv(self) -> None:
+        """After a weight update that running rows continue through: run each row's tokens
+        whose KV is in its slot (the prompt and every generated token but the last) through
+        the new weights, and overwrite its slot with their KV. The row's next token is then
+        sampled from the new version alone, whose weights computed its logits and every key
+        and value it attends to, as its recorded version says. The cost is one prefill of
+        the running rows (in chunks of at most max_prefill_tokens padded tokens, one row at
+        least), what a resumed request (in_flight="abort") pays too. If it fails, the rows
+        fail with the error, like a failed decode."""
+        rows = self._rows
+        try:
+            start = 0
+            while start < len(rows):
+                end, width = start + 1, rows[start].kv_len
+                while end < len(rows) and (end + 1 - start) * max(
+                        width, rows[end].kv_len) <= self.max_prefill_tokens:
+                    width = max(width, rows[end].kv_len)
+                    end += 1
+                seqs = [(r.prompt_ids + r.out_ids)[:r.kv_len] for r in rows[start:end]]
+                p = self._prefill(seqs, [(0, None)] * len(seqs))
+                self._write_slots(start, p, width)
+                self.counters["recomputed_tokens"] += p.ran
+                start = end
+        except Exception as e:
+            logger.exception("engine: recomputing the KV of %d running rows under weight "
+                             "version %d failed; they get the error", len(rows), self.version)
+            self.counters["failed_batches"] += 1
+            for r in rows:
+                self._resolve(r, error=e)
+            self._reset_batch()
+            return
+        for r in rows:
+            r.kv_version = self.version
 
     # ----- batch bookkeeping -----
 
@@ -711,9 +795,9 @@ class EmbeddedEngine:
 
     def _finish(self, i: int, reason: str) -> None:
         r = self._rows[i]
-        # KV computed (partly) by older weights is not kept: the next turn would reuse it
+        # KV computed by older weights is not kept: the next turn would reuse it
         if (reason != "abort" and self.cache.budget_bytes > 0
-                and r.admitted_version == self.version):
+                and r.kv_version == self.version):
             # the KV of the prompt and every generated token but the last (never run)
             kv = [(k[i:i + 1, :, :r.kv_len].clone(), v[i:i + 1, :, :r.kv_len].clone())
                   for k, v in self._buf]

@@ -286,15 +286,17 @@ class HttpEngine:
         raise ServerDown(f"restarted: answered with {problem}; down until the next weight push")
 
     # ------------------------------------------------------------------ control
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, *, timeout_s: float | None = None) -> bool:
         """Ask the server running `request_id` to end it (its `generate` then returns the partial
-        output, finish_reason "abort"); False when no server is running it."""
+        output, finish_reason "abort"); False when no server is running it. Waits at most
+        `timeout_s` (default `request_timeout_s`) for the answer."""
         server = self._rids.get(request_id)
         if server is None:
             return False
         answer = self._call(self._post(server, "/abort_request", {"rid": request_id},
-                                       missing_ok=True),
-                            f"abort of {request_id} on {server.url}")
+                                       timeout=timeout_s, missing_ok=True),
+                            f"abort of {request_id} on {server.url}",
+                            None if timeout_s is None else timeout_s + 1.0)
         if answer is None:  # 404: it finished before the abort arrived
             return False
         return not isinstance(answer, dict) or int(answer.get("aborted", 1)) > 0

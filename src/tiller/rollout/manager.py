@@ -53,6 +53,28 @@ from tiller.seeds import derive_seed
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class WindDown:
+    """The end of RL's time budget, derived here and only here from
+    rollout.shutdown_timeout_s (`window`):
+
+        aborting the live requests and waiting for the episodes   share `window`
+        cancelling what is still running, and its unwinding       at most `grace`
+        close() waits for all of it                               `allowance` = window + grace
+                                                                  + `margin`
+
+    so the wind-down always ends inside close's allowance: close raises only if the rollout
+    thread itself is stuck (e.g. an episode blocking the event loop)."""
+
+    window: float
+    grace: float = 10.0  # cancelled tasks only need to reach their next await
+    margin: float = 5.0  # the hand-offs between threads
+
+    @property
+    def allowance(self) -> float:
+        return self.window + self.grace + self.margin
+
+
 @dataclass
 class Taken:
     """One step's batch and what happened since the last one."""
@@ -276,20 +298,22 @@ class RolloutManager:
         """Stop starting episodes, abort the running requests (their episodes end as aborted,
         `dropped/in_flight_at_end`), wait rollout.shutdown_timeout_s for them, cancel what is
         left (`dropped/cancelled_at_end`), and count unused ready groups
-        (`dropped/unused_at_end`)."""
+        (`dropped/unused_at_end`); within `WindDown.allowance` in all."""
         if self._loop.is_closed():
             return self.ledger
         with self._cond:
             self.control.stopping = True
-        limit = self.cfg.rollout.shutdown_timeout_s + 60
+        budget = WindDown(self.cfg.rollout.shutdown_timeout_s)
         try:
-            done = asyncio.run_coroutine_threadsafe(self._wind_down(), self._loop)
+            done = asyncio.run_coroutine_threadsafe(self._wind_down(budget), self._loop)
             try:
-                done.result(timeout=limit)
+                done.result(timeout=budget.allowance)
             except concurrent.futures.TimeoutError as e:
-                raise RunError(f"rl: the episodes running at the end of RL did not end or "
-                               f"cancel within {limit:g}s (rollout.shutdown_timeout_s + 60)"
-                               ) from e
+                raise RunError(f"rl: the wind-down at the end of RL did not finish within "
+                               f"{budget.allowance:g}s (rollout.shutdown_timeout_s + "
+                               f"{budget.grace + budget.margin:g}): {self._inflight} episodes "
+                               f"still running; the rollout thread is stuck (an episode "
+                               f"blocking its event loop?)") from e
         finally:
             self._judge_pool.shutdown(wait=False, cancel_futures=True)
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -560,24 +584,51 @@ class RolloutManager:
             self._cond.notify_all()
         self._pump()
 
-    async def _wind_down(self) -> None:
-        window = self.cfg.rollout.shutdown_timeout_s
-        aborts = [asyncio.ensure_future(asyncio.to_thread(self.engine.abort, rid))
-                  for rid in list(self.control.live)]
-        if aborts:  # a stuck engine must not hold the wind-down past its window
-            done, late = await asyncio.wait(aborts, timeout=window)
-            failed = [t.exception() for t in done if t.exception() is not None]
-            if failed or late:  # their episodes still end: at their next turn, or cancelled
-                first = f"{type(failed[0]).__name__}: {failed[0]}" if failed else "timed out"
-                log.warning("rl: %d of %d aborts at the end of RL failed or did not answer "
-                            "within %gs; first: %s", len(failed) + len(late), len(aborts),
-                            window, first)
+    async def _wind_down(self, budget: WindDown) -> None:
+        """Abort the live requests and wait for the episodes, both within `budget.window`;
+        then cancel the groups still running and give them `budget.grace` to unwind."""
+        deadline = time.monotonic() + budget.window
+        live = list(self.control.live)
+        aborting = (asyncio.ensure_future(asyncio.to_thread(self._abort_live, live, deadline))
+                    if live else None)
         running = list(self._tasks)
-        if running:
-            _, late = await asyncio.wait(running, timeout=self.cfg.rollout.shutdown_timeout_s)
+        if running:  # aborted episodes end at once; the others at their next turn
+            _, late = await asyncio.wait(running, timeout=max(0.0, deadline - time.monotonic()))
+        else:
+            late = set()
+        if aborting is not None:
+            left = max(0.0, deadline - time.monotonic())
+            if not (await asyncio.wait([aborting], timeout=left))[0]:
+                log.warning("rl: the aborts of %d requests at the end of RL had not all "
+                            "answered within %gs (rollout.shutdown_timeout_s); the engine "
+                            "may be stuck", len(live), budget.window)
+        if late:
             for t in late:
                 t.cancel()
-            if late:
-                log.warning("rl: %d groups still running %gs after the end of RL were "
-                            "cancelled", len(late), self.cfg.rollout.shutdown_timeout_s)
-                await asyncio.wait(late, timeout=30)
+            log.warning("rl: %d groups still running %gs (rollout.shutdown_timeout_s) after "
+                        "the end of RL were cancelled", len(late), budget.window)
+            _, stuck = await asyncio.wait(late, timeout=budget.grace)
+            if stuck:
+                log.error("rl: %d cancelled groups did not unwind within %gs; their episodes "
+                          "are not accounted", len(stuck), budget.grace)
+
+    def _abort_live(self, request_ids: list[str], deadline: float) -> None:
+        """In a thread: abort each request, one after another, each waiting only until
+        `deadline` (a stuck engine then holds this thread no longer than the window); logs
+        the aborts that failed, timed out or were not tried."""
+        failed: list[str] = []
+        untried = 0
+        for i, rid in enumerate(request_ids):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                untried = len(request_ids) - i
+                break
+            try:
+                self.engine.abort(rid, timeout_s=left)
+            except Exception as e:  # its episode still ends: at its next turn, or cancelled
+                failed.append(f"{rid}: {type(e).__name__}: {e}")
+        if failed or untried:
+            log.warning("rl: of the %d requests live at the end of RL, %d aborts failed or "
+                        "timed out and %d were not tried within rollout.shutdown_timeout_s%s",
+                        len(request_ids), len(failed), untried,
+                        f"; first: {failed[0]}" if failed else "")

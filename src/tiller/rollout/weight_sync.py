@@ -3,15 +3,22 @@
 The trainer publishes a `WeightUpdate` after each optimizer step; an engine applies it and
 reports the new version on every generation, which is how a trajectory knows which policy
 sampled it. A full update must cover every tensor of the receiving model exactly (same names,
-same shapes); an update of a subset must say so (`partial=True`). Otherwise applying it fails
-before any weight is written, so the receiver keeps its old weights and version. Tensors are
-cast to the receiver's dtype and device (an fp32 trainer feeds a bf16 engine).
+same shapes); an update of a subset must say so (`partial=True`). Floating tensors are cast to
+the receiver's floating dtype and device (an fp32 trainer feeds a bf16 engine); any other tensor
+must have the receiver's dtype exactly (an integer buffer is never cast from a float).
+
+An update applies completely or not at all. `stage(model)` checks all of it against the model
+(names, shapes, dtypes; for a delta every tensor's index bytes, bounds and value count) and
+decides every write before one is done, raising one `WeightSyncError` that lists what does not
+fit. `StagedUpdate.verify` then checks the checksums of what the model would hold after the
+writes, still before writing; only `write` changes weights.
 
 Checksums: the sender may attach, per tensor, a float64 sum of the values the receiver must hold
-(in its dtype) at 1024 fixed, seeded positions (`checksum_positions`); the receiver recomputes
-them after applying and raises `WeightSyncError` naming the version and the first tensor that
-differs. This catches an update applied to the wrong tensor, a tensor left out or not written, a
-wrong cast, and corruption of most elements of a tensor (in flight or on disk). It does not see a
+(in its dtype) at 1024 fixed, seeded positions (`checksum_positions`); the receiver predicts
+them before writing (`verify`: a corrupted update is refused, nothing written) and recomputes
+them after (`write`: a mismatch then is `WeightsInconsistent`, the weights are neither version).
+This catches an update applied to the wrong tensor, a tensor left out or not written, a wrong
+cast, and corruption of most elements of a tensor (in flight or on disk). It does not see a
 change confined to positions it does not sample (e.g. one element) nor one that keeps the sum
 (a swap of two sampled values): the parity check after every sync (`sync.WeightSync`) is the
 end-to-end guard.
@@ -21,7 +28,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,7 +43,13 @@ _positions: dict[tuple[int, str], torch.Tensor] = {}  # (numel, device) -> sampl
 
 class WeightSyncError(ValueError):
     """An update that does not fit the receiving model, or a sync that did not arrive intact;
-    the message names the version and the tensors."""
+    the message names the version and the tensors. Raised before any weight is written, unless
+    it is a `WeightsInconsistent`."""
+
+
+class WeightsInconsistent(WeightSyncError):
+    """Writing an update began and the result is not what was sent: the weights are neither
+    the old version nor the new one (a bug or a hardware fault, never bad input): stop."""
 
 
 def checksum_positions(numel: int, device: torch.device) -> torch.Tensor:
@@ -84,21 +97,137 @@ def checksums(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None
 def verify_checksums(own: dict[str, torch.Tensor], expected: dict[str, float],
                      version: int) -> None:
     """Raise `WeightSyncError` naming the version and the first tensor of `own` (a model's
-    state dict) whose checksum differs from `expected` (beyond float64 rounding of the sum;
-    NaN matches only NaN)."""
+    state dict) whose checksum differs from `expected`."""
+    _check_names(own, expected, version)
+    mismatch = _first_mismatch(checksums({k: own[k] for k in expected}), expected)
+    if mismatch is not None:
+        name, have, want = mismatch
+        raise WeightSyncError(f"weight update v{version}: tensor {name} does not hold what "
+                              f"was sent after applying (checksum {have!r}, the sender's "
+                              f"{want!r}): the update was corrupted or not applied")
+
+
+def _check_names(own: dict[str, torch.Tensor], expected: dict[str, float], version: int
+                 ) -> None:
     missing = sorted(set(expected) - set(own))
     if missing:
         raise WeightSyncError(f"weight update v{version}: checksums name tensors the model "
                               f"lacks: {_names(missing)}")
-    got = checksums({k: own[k] for k in expected})
+
+
+def _first_mismatch(got: dict[str, float], expected: dict[str, float]
+                    ) -> tuple[str, float, float] | None:
+    """(name, got, expected) of the first checksum that differs beyond float64 rounding of the
+    sum (NaN matches only NaN), else None."""
     for name, want in expected.items():
         have = got[name]
         same = (math.isnan(want) and math.isnan(have)) or abs(have - want) <= 1e-9 * max(
             1.0, abs(want), abs(have))
         if not same:
-            raise WeightSyncError(f"weight update v{version}: tensor {name} does not hold what "
-                                  f"was sent after applying (checksum {have!r}, the sender's "
-                                  f"{want!r}): the update was corrupted or not applied")
+            return name, have, want
+    return None
+
+
+@dataclass(frozen=True)
+class Write:
+    """One write of a staged update: `values` into `target` (its flat positions `index`, or the
+    whole tensor when None), already checked to fit."""
+
+    target: torch.Tensor
+    values: torch.Tensor
+    index: torch.Tensor | None = None  # int64 on the target's device, strictly ascending
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        if self.index is None:
+            self.target.copy_(self.values)
+        else:
+            self.target.view(-1)[self.index] = self.values
+
+    @torch.no_grad()
+    def overlay(self, pos: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+        """A partial write's target values at flat positions `pos` after it, given `current`,
+        the values there before."""
+        j = torch.searchsorted(self.index, pos).clamp_(max=self.index.numel() - 1)
+        hit = self.index[j] == pos
+        out = current.clone()
+        out[hit] = self.values[j[hit]]
+        return out
+
+
+@dataclass
+class StagedUpdate:
+    """An update checked against one model with every write decided: nothing is written until
+    `write`, and `verify` refuses a corrupted one before that."""
+
+    version: int
+    own: dict[str, torch.Tensor]  # the model's state dict (the tensors the writes target)
+    writes: list[Write]
+    checksums: dict[str, float] | None = None
+    by_storage: dict[int, list[Write]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.by_storage = {}
+        for w in self.writes:  # tied names share a storage: the last write wins
+            self.by_storage.setdefault(w.target.data_ptr(), []).append(w)
+
+    @torch.no_grad()
+    def verify(self) -> None:
+        """Raise `WeightSyncError`, nothing written, when the checksums of what the model would
+        hold after the writes differ from the sender's (at the model's current values, so call
+        it where the update is applied)."""
+        if self.checksums is None:
+            return
+        _check_names(self.own, self.checksums, self.version)
+        # batched like the sender's: tensors no write touches, tensors a whole write replaces
+        # (the last one, by target dtype, cast as copy_ will); a delta's partial writes are
+        # laid over the current values one tensor at a time (an update's writes are all whole
+        # or all partial)
+        untouched: dict[str, torch.Tensor] = {}
+        whole: dict[torch.dtype, dict[str, torch.Tensor]] = {}
+        overlaid, sums = [], []
+        for name in self.checksums:
+            target = self.own[name]
+            writes = self.by_storage.get(target.data_ptr(), [])
+            if not writes:
+                untouched[name] = target
+            elif writes[-1].index is None:
+                whole.setdefault(target.dtype, {})[name] = writes[-1].values
+            else:
+                flat = target.reshape(-1)
+                pos = checksum_positions(flat.numel(), flat.device)
+                values = flat[pos]
+                for w in writes:
+                    values = w.overlay(pos, values)
+                overlaid.append(name)
+                sums.append(values.to(torch.float64).sum())
+        got = checksums(untouched)
+        for dtype, group in whole.items():
+            got.update(checksums(group, dtype))
+        if sums:
+            got.update(zip(overlaid, torch.stack(sums).tolist(), strict=True))
+        mismatch = _first_mismatch(got, self.checksums)
+        if mismatch is not None:
+            name, have, want = mismatch
+            raise WeightSyncError(f"weight update v{self.version}: tensor {name} would not "
+                                  f"hold what was sent (checksum {have!r}, the sender's "
+                                  f"{want!r}): the update was corrupted; nothing was applied")
+
+    def apply(self) -> None:
+        """`verify`, then `write`."""
+        self.verify()
+        self.write()
+
+    def write(self) -> None:
+        """Do every write, then verify the checksums (if any) on what the model holds; a
+        mismatch now raises `WeightsInconsistent`."""
+        for w in self.writes:
+            w.apply()
+        if self.checksums is not None:
+            try:
+                verify_checksums(self.own, self.checksums, self.version)
+            except WeightSyncError as e:
+                raise WeightsInconsistent(f"{e}; the weights are now neither version") from e
 
 
 @dataclass(frozen=True)
@@ -161,11 +290,15 @@ class WeightUpdate:
         return update
 
     def check(self, model: nn.Module) -> None:
-        """Raise `WeightSyncError` naming the unexpected, missing (full updates only) and
-        mis-shaped tensors, if any."""
-        self._check(model.state_dict())
+        """Raise `WeightSyncError` naming the unexpected, missing (full updates only),
+        mis-shaped and mis-typed tensors, if any."""
+        self.stage(model)
 
-    def _check(self, own: dict[str, torch.Tensor]) -> None:
+    def stage(self, model: nn.Module) -> StagedUpdate:
+        """The update checked against `model` (see `check`) and its writes: one in-place
+        `copy_` per tensor, in the model's order as load_state_dict (of tied names given
+        different values, the last wins), tied names sharing a source and a target once."""
+        own = model.state_dict()
         problems = []
         unexpected = sorted(set(self.tensors) - set(own))
         if unexpected:
@@ -174,34 +307,39 @@ class WeightUpdate:
         if missing:
             problems.append(f"missing tensors (a full update must cover the model; pass "
                             f"partial=True for a subset): {_names(missing)}")
+        given = {k: v for k, v in self.tensors.items() if k in own}
+        odd = sorted(k for k, v in given.items() if not isinstance(v, torch.Tensor))
+        if odd:
+            problems.append(f"not tensors: {_names(odd)}")
+        given = {k: v for k, v in given.items() if k not in odd}
         shapes = [f"{k} {tuple(v.shape)} vs the model's {tuple(own[k].shape)}"
-                  for k, v in self.tensors.items() if k in own and v.shape != own[k].shape]
+                  for k, v in given.items() if v.shape != own[k].shape]
         if shapes:
             problems.append(f"shape mismatch: {_names(shapes)}")
+        dtypes = [f"{k} {v.dtype} vs the model's {own[k].dtype}"
+                  for k, v in given.items() if not castable(v.dtype, own[k].dtype)]
+        if dtypes:
+            problems.append(f"dtype mismatch (only floating point is cast): {_names(dtypes)}")
         if problems:
             raise WeightSyncError(f"weight update v{self.version} does not fit the model: "
                                   + "; ".join(problems))
-
-    @torch.no_grad()
-    def apply_to(self, model: nn.Module) -> None:
-        """Copy the tensors into `model` (cast to its dtype and device) after `check`: one
-        in-place `copy_` per tensor, where tied names sharing a source and a target are written
-        once, then verify the checksums if the update has them."""
-        own = model.state_dict()
-        self._check(own)
-        written: set[tuple[int, int]] = set()
-        # in the model's order, as load_state_dict: of tied names given different values (two
-        # clones), the last wins, whatever order the update's dict (or its file) has
+        writes: list[Write] = []
+        done: set[tuple[int, int]] = set()
         for name, target in own.items():
-            if name not in self.tensors:
-                continue
-            src = self.tensors[name]
-            pair = (target.data_ptr(), src.data_ptr())
-            if pair not in written:
-                written.add(pair)
-                target.copy_(src)
-        if self.checksums is not None:
-            verify_checksums(own, self.checksums, self.version)
+            if name in given and (target.data_ptr(), given[name].data_ptr()) not in done:
+                done.add((target.data_ptr(), given[name].data_ptr()))
+                writes.append(Write(target, given[name]))
+        return StagedUpdate(self.version, own, writes, self.checksums)
+
+    def apply_to(self, model: nn.Module) -> None:
+        """Stage, verify and write (`StagedUpdate.apply`): all of it or, raising, none."""
+        self.stage(model).apply()
+
+
+def castable(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether a tensor of `source` may be written into one of `target`: the same dtype, or
+    floating point into floating point (rounded to the target's precision)."""
+    return source == target or (source.is_floating_point and target.is_floating_point)
 
 
 def _names(items: list[str], shown: int = 5) -> str:

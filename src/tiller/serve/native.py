@@ -14,7 +14,7 @@ from fastapi import Request
 from safetensors import SafetensorError
 
 from tiller.rollout.delta import DeltaUpdate
-from tiller.rollout.weight_sync import WeightSyncError, WeightUpdate
+from tiller.rollout.weight_sync import WeightsInconsistent, WeightSyncError, WeightUpdate
 from tiller.serve.guard import read_below, resolve_below
 from tiller.serve.protocol import (
     AbortRequest,
@@ -76,7 +76,8 @@ def _read_update(root: Path, folder: Path, files: list, version: int, engine: An
                  ) -> WeightUpdate | DeltaUpdate:
     """The update in `folder`: a delta when its tiller_version.json says so (refused unless the
     engine holds its base version), else a full checkpoint; with the sender's checksums when the
-    json has them. The json is read under the rules of --weights-root (`read_below`)."""
+    json has them. The json is read under the rules of --weights-root (`read_below`);
+    `engine.update_weights` checks the whole update before writing anything."""
     raw = read_below(root, folder / "tiller_version.json")
     meta = json.loads(raw) if raw is not None else {}
     if not isinstance(meta, dict):
@@ -87,7 +88,6 @@ def _read_update(root: Path, folder: Path, files: list, version: int, engine: An
             raise WeightSyncError(f"delta update v{version} is against base version "
                                   f"v{update.base_version}, but this server holds "
                                   f"v{engine.version}: push a full update")
-        update.check(engine.model)
         return update
     return WeightUpdate.load(folder, version, engine.model, files=files,
                              checksums=meta.get("checksums"))
@@ -95,8 +95,9 @@ def _read_update(root: Path, folder: Path, files: list, version: int, engine: An
 
 async def update_weights(server: Server, request: Request) -> dict[str, Any]:
     """POST /update_weights_from_disk: a checkpoint folder below --weights-root (or a delta
-    written by tiller's weight sync). An update whose checksums fail after applying is a 500:
-    the weights are then neither version."""
+    written by tiller's weight sync). An update that does not fit the model or whose checksums
+    do not match is a 400 and changes nothing; a 500 only when writing it went wrong (the
+    weights are then neither version)."""
     body: UpdateWeightsRequest = await read_body(request, UpdateWeightsRequest)
     root = server.settings.weights_root
     if root is None:
@@ -115,8 +116,11 @@ async def update_weights(server: Server, request: Request) -> dict[str, Any]:
                            [:500]) from e  # nothing was applied
         try:
             applied = await asyncio.to_thread(engine.update_weights, update, in_flight=policy)
-        except WeightSyncError as e:  # the checksums, or the base version changed meanwhile
+        except WeightsInconsistent as e:  # written, and not what was sent
             raise APIError(500, f"applying {body.model_path!r} failed: {e}"[:500]) from e
+        except WeightSyncError as e:  # refused whole: the weights and version are unchanged
+            raise APIError(400, f"refused {body.model_path!r}, nothing was applied: {e}"
+                           [:500]) from e
     logger.info("weights updated from %s to version %d", folder, applied)
     return {"success": True, "message": f"loaded {body.model_path!r} as version {applied}",
             "weight_version": applied, "boot_id": server.boot_id}
