@@ -13,7 +13,7 @@ import json
 import sys
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
@@ -31,7 +31,7 @@ Overrides = Annotated[list[str] | None, typer.Argument(help="overrides: section.
 OutputDir = Annotated[Path | None, typer.Option("--output-dir", "-o", help="run folder")]
 
 
-def _fail(message: str, code: int = 2) -> None:
+def _fail(message: str, code: int = 2) -> NoReturn:
     # escaped: "pip install 'tiller[search]'" is not rich markup
     console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
@@ -63,6 +63,9 @@ def _print_summary(summary: dict) -> None:
                      if k.startswith("success/seed")}
             console.print(f"{key} per seed: " + ", ".join(f"{k} {v:.3f}"
                                                           for k, v in seeds.items()))
+    rt = summary["runtime"]
+    console.print(f"torch threads: {rt['threads']} per compute stream ({rt['source']}; "
+                  "runtime.json)", highlight=False)
     console.print(f"run folder: {summary['run_dir']}")
     if "report" in summary:
         console.print(f"report: {summary['report']}", highlight=False, soft_wrap=True)
@@ -210,6 +213,18 @@ def view(
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def _threads_option(value: str) -> int | str:
+    """`--threads`: validated as runtime.threads is (a whole number >= 1, or auto)."""
+    from pydantic import ValidationError
+
+    from tiller.config import RuntimeConfig
+
+    try:
+        return RuntimeConfig(threads=int(value) if value.lstrip("-").isdigit() else value).threads
+    except ValidationError as e:
+        _fail(f"--threads {value}: {e.errors()[0]['msg']}")
+
+
 @app.command()
 def serve(
     model_path: Annotated[Path, typer.Argument(help="a Hugging Face model folder")],
@@ -230,6 +245,8 @@ def serve(
         min=1, help="longest prompt (default: the model's context)")] = None,
     request_timeout_s: Annotated[float, typer.Option(
         min=0.001, help="504 for a generation not done by then")] = 600.0,
+    threads: Annotated[str, typer.Option(
+        help="torch threads: a number, or auto (runtime.threads' rule for one engine)")] = "auto",
 ) -> None:
     """Serve a model over HTTP: SGLang's /generate and OpenAI-compatible chat and completions."""
     import logging
@@ -246,6 +263,7 @@ def serve(
         _fail(f"--device {device}: expected auto, cpu or cuda")
     if weights_root is not None and not weights_root.is_dir():
         _fail(f"--weights-root {str(weights_root)!r} is not a folder")
+    thread_setting = _threads_option(threads)
     try:
         uvicorn = require_package("uvicorn", "serve", "tiller serve")
         require_package("fastapi", "serve", "tiller serve")
@@ -257,14 +275,19 @@ def serve(
     from tiller.models import load_model, load_tokenizer, resolve_device
     from tiller.rollout.chat import stop_token_ids
     from tiller.rollout.engine import EmbeddedEngine
+    from tiller.runtime import set_up_threads
     from tiller.serve.app import create_app
     from tiller.serve.server import ServeSettings
 
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         torch_device = resolve_device(device)
         tokenizer = load_tokenizer(model_path)
         model = load_model(model_path, getattr(torch, dtype)).to(torch_device)
         stops = stop_token_ids(tokenizer, model.generation_config)
+        # one compute stream: the engine's worker thread
+        set_up_threads(thread_setting, params=sum(p.numel() for p in model.parameters()),
+                       streams=1, field="--threads")
     except (ConfigError, ModelLoadError) as e:
         _fail(str(e))
     engine = EmbeddedEngine(model, tokenizer.pad_token_id, max_batch_size=max_batch_size,
@@ -274,7 +297,6 @@ def serve(
         api_key=api_key, weights_root=weights_root.resolve() if weights_root else None,
         max_body_bytes=max_body_bytes, max_n=max_n, max_prompt_tokens=max_prompt_tokens,
         request_timeout_s=request_timeout_s)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # keep-alive well above HttpEngine's 2 s idle expiry: a server that closes a pooled
     # connection first makes the client's next request on it fail with ReadError
     uvicorn.run(create_app(engine, tokenizer, settings), host=host, port=port,

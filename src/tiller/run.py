@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
+import os
 import random
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
@@ -39,6 +42,7 @@ from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.rollout.memory import MemoryPolicy
 from tiller.rollout.sync import WeightSync
 from tiller.rollout.trajectory import Trajectory
+from tiller.runtime import compute_streams, set_up_threads
 from tiller.tools.sandbox import set_unsafe_fallback
 from tiller.tools.stack import ToolStack
 from tiller.train.conversations import conversation_demos
@@ -132,6 +136,20 @@ def check_sft_source(cfg: Config, env_cls: type[Env]) -> None:
                           "messages JSONL), or set sft.enabled=false")
 
 
+def write_json(path: Path, data: Any) -> None:
+    """`data` as JSON at `path`, through a temp file and `os.replace` (never half-written, and
+    a link planted at `path` is replaced, not written through)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # O_EXCL: a new file
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide it from whoever reads the run
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
 class Run:
     """Everything one run needs, built from a validated `Config`. Hooks named in the config
     (agent loop or program, key steps) are imported first, so a bad one fails before any work."""
@@ -209,6 +227,10 @@ class Run:
         # engine's copy (and the reference model) are in model.dtype
         self.dtype = getattr(torch, cfg.model.dtype)
         self.model = load_model(path, torch.float32).to(self.device)
+        # before the engine, the trainer or any episode computes: they share these threads
+        self.runtime = set_up_threads(cfg.runtime.threads, streams=compute_streams(cfg),
+                                      params=sum(p.numel() for p in self.model.parameters()))
+        write_json(self.dir / "runtime.json", self.runtime)
         check_rollout_setup(self.tokenizer, self.model.config, self.limits)
         if cfg.rl.judge.model is not None:
             self.judge = ModelJudge(cfg.rl.judge.model, cfg.rl.judge.prompt, device=self.device)
