@@ -164,7 +164,7 @@ def set_up_threads(setting: int | str, *, params: int, streams: int,
     log.info("tiller threads: %d torch thread(s) per compute stream (%s); child processes get "
              "OMP_NUM_THREADS=%d", choice.threads, why, choice.threads)
     cores = usable_cores()
-    if choice.rule is None and choice.threads * streams > cores:  # auto never asks for more
+    if choice.rule is None and choice.threads * streams > cores:  # asked for, not the rule
         log.warning("%s: %d thread(s) x %d compute stream(s) is more than the %d cores this "
                     "process may use: the threads will wait for each other", choice.source,
                     choice.threads, streams, cores)
