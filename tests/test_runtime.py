@@ -17,15 +17,8 @@ import torch
 from tiller import runtime
 from tiller.config import load_config
 from tiller.errors import ConfigError
-from tiller.run import Run
-from tiller.runtime import (
-    THREAD_VARS,
-    TINY_PARAMS,
-    choose_threads,
-    compute_streams,
-    default_threads,
-    thread_env,
-)
+from tiller.run import Run, compute_streams
+from tiller.runtime import THREAD_VARS, TINY_PARAMS, choose_threads, default_threads, thread_env
 from tiller.tools.sandbox import Sandbox, SandboxLimits
 
 DEMO = 524_288  # about the demo model's parameters (0.5M): above TINY_PARAMS

@@ -42,7 +42,7 @@ from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.rollout.memory import MemoryPolicy
 from tiller.rollout.sync import WeightSync
 from tiller.rollout.trajectory import Trajectory
-from tiller.runtime import compute_streams, set_up_threads
+from tiller.runtime import set_up_threads
 from tiller.tools.sandbox import set_unsafe_fallback
 from tiller.tools.stack import ToolStack
 from tiller.train.conversations import conversation_demos
@@ -134,6 +134,16 @@ def check_sft_source(cfg: Config, env_cls: type[Env]) -> None:
         raise ConfigError(f"config field sft.enabled: env {cfg.env.name} has no scripted "
                           "expert to demonstrate; give SFT conversations in data.sft (a "
                           "messages JSONL), or set sft.enabled=false")
+
+
+def compute_streams(cfg: Config) -> int:
+    """A run's torch compute streams that run at once: the embedded engine's worker, a judge
+    model's worker (it scores episodes while others are generated), and the trainer when it
+    trains while episodes are sampled (rl.mode one_step_off or async; in sync it waits for
+    them). At least 1 (the trainer of an HTTP-engine run)."""
+    rollout = int(cfg.engine.backend == "embedded") + int(cfg.rl.judge.model is not None)
+    overlaps = cfg.rl.mode != "sync" and cfg.rl.steps > 0
+    return max(1, rollout + int(overlaps))
 
 
 def write_json(path: Path, data: Any) -> None:

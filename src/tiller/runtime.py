@@ -17,12 +17,9 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tiller.errors import ConfigError
-
-if TYPE_CHECKING:
-    from tiller.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -47,21 +44,11 @@ def default_threads(cores: int, load: float, params: int, streams: int) -> int:
 
     `cores`: the CPUs this process may use; `load`: the 1-minute load average (runnable
     processes, whoever they belong to); `streams`: this process's torch streams running at
-    once (`compute_streams`)."""
+    once (`tiller.run.compute_streams`)."""
     if params < TINY_PARAMS:
         return 1
     free = max(1, math.floor(cores - load + 0.5))
     return max(1, free // max(1, streams))
-
-
-def compute_streams(cfg: Config) -> int:
-    """A run's torch compute streams that run at once: the embedded engine's worker, a judge
-    model's worker (it scores episodes while others are generated), and the trainer when it
-    trains while episodes are sampled (rl.mode one_step_off or async; in sync it waits for
-    them). At least 1 (the trainer of an HTTP-engine run)."""
-    rollout = int(cfg.engine.backend == "embedded") + int(cfg.rl.judge.model is not None)
-    overlaps = cfg.rl.mode != "sync" and cfg.rl.steps > 0
-    return max(1, rollout + int(overlaps))
 
 
 def _cgroup_cpus() -> float | None:
