@@ -975,6 +975,9 @@ def git_commit() -> str:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    # what runtime.threads: auto takes in the runs made here and the `tiller serve` started
+    # here (an environment variable, so an older checkout under PYTHONPATH reads it too)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

@@ -48,6 +48,7 @@ from tiller.rollout.delta import DeltaUpdate
 from tiller.rollout.engine import EmbeddedEngine
 from tiller.rollout.sync import WeightSync
 from tiller.rollout.weight_sync import WeightUpdate
+from tiller.runtime import apply_threads
 from tiller.train.batch import Batch
 from tiller.train.trainer import Trainer
 
@@ -208,7 +209,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     path = demo_model(args)
     tokenizer = load_tokenizer(path)
     demo = load_model(path, torch.float32)

@@ -862,6 +862,28 @@ class TracesConfig(_Section):
         "run (or for room in the queue, for an eval episode)")
 
 
+class RuntimeConfig(_Section):
+    """How this process uses the machine's CPUs (tiller.runtime; README, "CPU threads")."""
+
+    threads: int | Literal["auto"] = Field(
+        "auto", description="torch's intra-op and inter-op threads in this process, and "
+        "OMP/MKL/OpenBLAS/Rayon threads for the processes it starts; set once when the model "
+        "is loaded, recorded in runtime.json. auto: OMP_NUM_THREADS when the environment sets "
+        "it, else the cores no other process is using (usable cores minus the 1-minute load "
+        "average, rounded) shared among the torch compute streams that run at once (the "
+        "embedded engine, a judge model, and the trainer outside rl.mode sync), and 1 for a "
+        "model under 250,000 parameters")
+
+    @field_validator("threads", mode="before")
+    @classmethod
+    def _threads(cls, value: Any) -> int | str:
+        whole = isinstance(value, int) and not isinstance(value, bool)
+        if value == "auto" or (whole and value >= 1):
+            return value
+        raise PydanticCustomError("threads", "expected auto or a whole number of threads, at "
+                                  "least 1")
+
+
 class ObserveConfig(_Section):
     traces: TracesConfig = Field(default_factory=TracesConfig,
                                  description="token-level traces (traces.sqlite)")
@@ -947,6 +969,8 @@ class Config(_Section):
     rollout: RolloutConfig = RolloutConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     observe: ObserveConfig = ObserveConfig()
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig,
+                                   description="CPU threads of this process and its children")
     data: DataConfig = Field(default_factory=DataConfig,
                              description="data files: env dataset's rows, SFT conversations")
     rewards: list[RewardConfig] = Field(default_factory=list,

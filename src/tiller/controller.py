@@ -342,7 +342,8 @@ def train(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:
         require_package("matplotlib", "report", "logging.report=true",
                         instead="set logging.report=false")
     run = Run(cfg, output_dir)
-    summary: dict[str, Any] = {"run_dir": str(run.dir), "seed": cfg.seed}
+    summary: dict[str, Any] = {"run_dir": str(run.dir), "seed": cfg.seed,
+                               "runtime": run.runtime}
     try:
         no_eval = heldout_disabled(cfg, run.env_cls)
         if no_eval:  # said once, here and in the summary: never a silent zero
@@ -399,6 +400,7 @@ def evaluate_checkpoint(cfg: Config, output_dir: str | Path | None = None) -> di
         sets = evaluate_sets(run, "checkpoint")
     finally:
         run.close()
-    summary = {"run_dir": str(run.dir), "model": cfg.model.path, **sets}
+    summary = {"run_dir": str(run.dir), "model": cfg.model.path, "runtime": run.runtime,
+               **sets}
     write_file(run.dir / "summary.json", json.dumps(summary, indent=2))
     return summary

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -40,6 +41,7 @@ from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.rollout.memory import MemoryPolicy
 from tiller.rollout.sync import WeightSync
 from tiller.rollout.trajectory import Trajectory
+from tiller.runtime import set_up_threads
 from tiller.tools.sandbox import set_unsafe_fallback
 from tiller.tools.stack import ToolStack
 from tiller.train.conversations import conversation_demos
@@ -133,6 +135,16 @@ def check_sft_source(cfg: Config, env_cls: type[Env]) -> None:
                           "messages JSONL), or set sft.enabled=false")
 
 
+def compute_streams(cfg: Config) -> int:
+    """A run's torch compute streams that run at once: the embedded engine's worker, a judge
+    model's worker (it scores episodes while others are generated), and the trainer when it
+    trains while episodes are sampled (rl.mode one_step_off or async; in sync it waits for
+    them). At least 1 (the trainer of an HTTP-engine run)."""
+    rollout = int(cfg.engine.backend == "embedded") + int(cfg.rl.judge.model is not None)
+    overlaps = cfg.rl.mode != "sync" and cfg.rl.steps > 0
+    return max(1, rollout + int(overlaps))
+
+
 class Run:
     """Everything one run needs, built from a validated `Config`. Hooks named in the config
     (agent loop or program, key steps) are imported first, so a bad one fails before any work."""
@@ -210,6 +222,10 @@ class Run:
         # engine's copy (and the reference model) are in model.dtype
         self.dtype = getattr(torch, cfg.model.dtype)
         self.model = load_model(path, torch.float32).to(self.device)
+        # before the engine, the trainer or any episode computes: they share these threads
+        self.runtime = set_up_threads(cfg.runtime.threads, streams=compute_streams(cfg),
+                                      params=sum(p.numel() for p in self.model.parameters()))
+        write_file(self.dir / "runtime.json", json.dumps(self.runtime, indent=2))
         check_rollout_setup(self.tokenizer, self.model.config, self.limits)
         if cfg.rl.judge.model is not None:
             self.judge = ModelJudge(cfg.rl.judge.model, cfg.rl.judge.prompt, device=self.device)

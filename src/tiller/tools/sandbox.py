@@ -97,6 +97,7 @@ from typing import IO, Any
 # Only stdlib-only tiller modules: the sandbox also runs under a bare system Python (the
 # unprivileged-user test executes this file with /usr/bin/python3 and tiller's src on the path).
 from tiller.errors import ConfigError
+from tiller.runtime import thread_env
 from tiller.tools.threads import run_in_thread
 
 logger = logging.getLogger(__name__)
@@ -518,15 +519,14 @@ def _rlimits(limits: SandboxLimits) -> dict[str, tuple[int, int]]:
 
 def _sandbox_env(python: str, home: str) -> dict[str, str]:
     """A minimal environment. Thread pools are pinned to one thread because threads count
-    against RLIMIT_NPROC (OpenBLAS would start one per host core on `import numpy`)."""
+    against RLIMIT_NPROC (OpenBLAS would start one per host core on `import numpy`), and many
+    sandboxed programs run at once."""
     return {
         "PATH": f"{os.path.dirname(python)}:/usr/local/bin:/usr/bin:/bin",
         "HOME": home,
         "TMPDIR": home,
         "LANG": "C.UTF-8",
-        "OMP_NUM_THREADS": "1",
-        "OPENBLAS_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
+        **thread_env(1),
     }
 
 
