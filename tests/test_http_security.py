@@ -7,6 +7,7 @@ sockets, the tiny model."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import re
@@ -251,16 +252,23 @@ def health_while(url: str, body: bytes) -> tuple[httpx.Response, list[float]]:
                                  headers={"content-type": "application/json"}))
 
     thread = threading.Thread(target=post)
-    thread.start()
-    latencies = []
-    with httpx.Client(base_url=url, timeout=120) as http:
-        http.get("/health")  # connected before the big request lands
-        while thread.is_alive():
-            t0 = time.perf_counter()
-            assert http.get("/health").status_code == 200
-            latencies.append(time.perf_counter() - t0)
-            time.sleep(0.05)
-    thread.join()
+    # this (pytest) process holds models and fixtures: a full collection of its own heap
+    # would stall the measuring client, not the server, for most of a second
+    gc.collect()
+    gc.disable()
+    try:
+        thread.start()
+        latencies = []
+        with httpx.Client(base_url=url, timeout=120) as http:
+            http.get("/health")  # connected before the big request lands
+            while thread.is_alive():
+                t0 = time.perf_counter()
+                assert http.get("/health").status_code == 200
+                latencies.append(time.perf_counter() - t0)
+                time.sleep(0.05)
+        thread.join()
+    finally:
+        gc.enable()
     return answer[0], latencies
 
 
@@ -283,7 +291,9 @@ def test_health_answers_while_a_huge_chat_request_is_in_flight(long_context_dir)
             answer, latencies = health_while(live["url"], body)
             assert answer.status_code == 400 and says in answer.json()["error"]["message"]
             assert max(latencies) < 0.5, (says, max(latencies), len(latencies))
-            assert len(latencies) >= 3, latencies  # it was in flight while /health was asked
+            # it was in flight while /health was asked (the message count is now refused in
+            # a fraction of a second: one answer then shows the loop was free)
+            assert latencies, says
 
 
 # ---- 5: slowloris -------------------------------------------------------------------------
