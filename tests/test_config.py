@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from tiller.config import ConfigError, load_config
+from tiller.config import AlgorithmConfig, Config, ConfigError, RLConfig, load_config
 
 CONFIG = "configs/calculator.yaml"
 
@@ -77,6 +77,9 @@ def run_cli(*args):
          "no Hugging Face model at '/no/such/model'"),
         (["env.name=chess"], "unknown env 'chess'; choose one of: "),
         (["rl.algorithm.advantage=magic"], "rl.algorithm.advantage: got 'magic'"),
+        (["rl.mode=async", "rl.algorithm.off_policy=none"],
+         "rl.algorithm.off_policy: got 'none' with rl.mode async, max_staleness 4, whose "
+         "samples are stale"),
     ],
 )
 def test_cli_errors_are_one_line_not_tracebacks(tmp_path, args, message):
@@ -104,3 +107,46 @@ def test_plugin_combinations_that_would_do_nothing_are_refused(overrides, messag
     with pytest.raises(ConfigError) as e:
         load_config(None, ["model.build={}", *overrides])
     assert str(e.value).startswith(message), str(e.value)
+
+
+# ---- issue 19: stale samples get an off-policy correction by default -------------------------
+
+@pytest.mark.parametrize("mode", [["rl.mode=async"], ["rl.mode=one_step_off"],
+                                  ["rl.mode=async", "rl.max_staleness=1"]])
+def test_stale_modes_default_to_a_correction_and_refuse_none(mode):
+    cfg = load_config(CONFIG, mode)
+    assert (cfg.rl.algorithm.off_policy, cfg.rl.algorithm.is_cap) == ("decoupled", 5.0)
+    assert Config.model_validate(cfg.model_dump()) == cfg  # saved resolved, loads back
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIG, [*mode, "rl.algorithm.off_policy=none"])
+    assert str(e.value).startswith("config field rl.algorithm.off_policy: got 'none' with "
+                                   "rl.mode ")
+    assert str(e.value).endswith("or set rl.algorithm.allow_uncorrected_off_policy: true to "
+                                 "train them as on-policy") and "\n" not in str(e.value)
+    ack = load_config(CONFIG, [*mode, "rl.algorithm.off_policy=none",
+                               "rl.algorithm.allow_uncorrected_off_policy=true"])
+    assert ack.rl.algorithm.off_policy == "none"
+    # a correction the user chose stays, with its own defaults
+    tis = load_config(CONFIG, [*mode, "rl.algorithm.off_policy=tis"]).rl.algorithm
+    assert (tis.off_policy, tis.is_cap) == ("tis", 2.0)
+    # an unset correction's knob is read by the default one
+    assert load_config(CONFIG, [*mode, "rl.algorithm.is_cap=3"]).rl.algorithm.is_cap == 3.0
+
+
+def test_on_policy_modes_keep_no_correction_and_refuse_the_acknowledgement():
+    assert load_config(CONFIG).rl.algorithm.off_policy == "none"  # sync stays as it was
+    on_policy = load_config(CONFIG, ["rl.mode=async", "rl.max_staleness=0"])
+    assert on_policy.rl.algorithm.off_policy == "none"  # async at staleness 0 is sync
+    for more in ([], ["rl.mode=async", "rl.max_staleness=0"]):
+        with pytest.raises(ConfigError, match=r"config field rl.algorithm."
+                           r"allow_uncorrected_off_policy: got True; it only applies where "
+                           r"samples can be stale"):
+            load_config(CONFIG, [*more, "rl.algorithm.allow_uncorrected_off_policy=true"])
+    with pytest.raises(ConfigError, match=r"allow_uncorrected_off_policy: got True; the "
+                       r"algorithm ignores it: used only with off_policy: none"):
+        load_config(CONFIG, ["rl.mode=async", "rl.algorithm.off_policy=tis",
+                             "rl.algorithm.allow_uncorrected_off_policy=true"])
+    # built from an AlgorithmConfig instance (the Python API) it resolves the same way
+    rl = RLConfig(mode="one_step_off", algorithm=AlgorithmConfig(eps_high=0.3))
+    assert (rl.algorithm.off_policy, rl.algorithm.eps_high) == ("decoupled", 0.3)
+    assert RLConfig(algorithm=AlgorithmConfig(eps_high=0.3)).algorithm.off_policy == "none"

@@ -150,9 +150,12 @@ CORRECTIONS = [
     ({"off_policy": "tis", "is_cap": 5.0}, 2.0, 0.0, 0.0),
     ({"off_policy": "tis", "is_cap": 1.5}, 1.5, 1.0, 0.0),
     ({"off_policy": "decoupled", "is_cap": 5.0}, 2.0, 0.0, 0.0),
+    ({"off_policy": "decoupled", "is_cap": 1.5}, 0.0, 0.0, 1.0),  # 2 > 1.5: filtered out
+    ({"off_policy": "decoupled_tis", "is_cap": 1.5}, 1.5, 1.0, 0.0),  # 2 > 1.5: capped
     ({"off_policy": "seq_is", "is_cap": 5.0}, 5.0, 1.0, 0.0),  # 2^3 per 3-token row, capped
-    ({"off_policy": "mis"}, 1.0, 0.0, 0.0),  # 2 is inside [0.5, 5]: kept, not reweighted
+    ({"off_policy": "mis"}, 2.0, 0.0, 0.0),  # 2 is inside [0.5, 5]: kept with its ratio
     ({"off_policy": "mis", "mis_high": 1.5}, 0.0, 0.0, 1.0),  # 2 > 1.5: every token removed
+    ({"off_policy": "mis_mask"}, 1.0, 0.0, 0.0),  # inside the band: kept, not reweighted
 ]
 
 
@@ -180,7 +183,8 @@ def test_off_policy_weight_multiplies_every_policy_loss(calc_model_dir, loss):
 
 def test_decoupled_recomputes_the_proximal_policy_with_one_optimizer_step(calc_model_dir):
     # sampled by the initial weights (logp0); the trainer's weights have moved since, so the
-    # behaviour weight min(exp(logp_prox - logp0), C) is not 1 on the first (only) pass
+    # behaviour weight min(exp(logp_prox - logp0), C) of decoupled_tis is not 1 on the first
+    # (only) pass; decoupled would zero the capped tokens instead (its weight is hand-tested)
     batch = clip_batch()
     with torch.no_grad():
         logp0, _ = token_logprobs(load_model(calc_model_dir), batch)
@@ -190,7 +194,7 @@ def test_decoupled_recomputes_the_proximal_policy_with_one_optimizer_step(calc_m
         for p in moved.parameters():
             p.add_(0.05 * torch.randn_like(p))
     state = copy.deepcopy(moved.state_dict())
-    alg = {"off_policy": "decoupled", "is_cap": 1.2, "aggregation": "token-mean"}
+    alg = {"off_policy": "decoupled_tis", "is_cap": 1.2, "aggregation": "token-mean"}
     cfg = RLConfig(micro_batch_size=8, max_grad_norm=1e9, algorithm=alg)
     forwards = []
     moved.register_forward_hook(lambda *_: forwards.append(1))

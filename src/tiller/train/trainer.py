@@ -247,8 +247,7 @@ class Trainer:
         kl_in_rew = beta > 0 and alg.kl.placement == "reward"
         one_update = cfg.mini_batches == 1 and cfg.ppo_epochs == 1
         # a no-grad prepass fixes logp_old before any update: several updates anchor on it, the
-        # reward penalty needs it first, and a correction that declares the proximal policy
-        # (`decoupled`) always gets it from one
+        # reward penalty needs it first, and a correction declaring the proximal policy gets it
         proximal = "logp_prox" in OFF_POLICY.inputs[alg.off_policy]
         prepass = not one_update or kl_in_rew or proximal
         row_staleness = _row_staleness(self.version, batch.sample_version)
