@@ -150,3 +150,32 @@ def test_on_policy_modes_keep_no_correction_and_refuse_the_acknowledgement():
     rl = RLConfig(mode="one_step_off", algorithm=AlgorithmConfig(eps_high=0.3))
     assert (rl.algorithm.off_policy, rl.algorithm.eps_high) == ("decoupled", 0.3)
     assert RLConfig(algorithm=AlgorithmConfig(eps_high=0.3)).algorithm.off_policy == "none"
+
+
+def test_sampling_logprobs_needs_truncation():
+    assert load_config(CONFIG).sampling.logprobs == "sampled"
+    cfg = load_config(CONFIG, ["sampling.top_p=0.9", "sampling.logprobs=untruncated"])
+    assert cfg.sampling.logprobs == "untruncated" and cfg.sampling.truncates
+    with pytest.raises(ConfigError, match=r"config field sampling.logprobs: got 'untruncated'; "
+                       r"it only matters with sampling.top_k > 0 or sampling.top_p < 1"):
+        load_config(CONFIG, ["sampling.logprobs=untruncated"])
+    with pytest.raises(ConfigError, match=r"sampling.logprobs: got 'raw'; .*'sampled' or "
+                       r"'untruncated'"):
+        load_config(CONFIG, ["sampling.top_k=5", "sampling.logprobs=raw"])
+
+
+def test_a_correction_blind_to_truncation_is_one_warning(caplog):
+    from tiller.run import warn_blind_correction
+
+    blind = load_config(CONFIG, ["sampling.top_k=5", "sampling.logprobs=untruncated",
+                                 "rl.mode=async"])
+    with caplog.at_level("WARNING", logger="tiller.run"):
+        warn_blind_correction(blind)
+        warn_blind_correction(load_config(CONFIG, ["sampling.top_k=5", "rl.mode=async"]))
+        warn_blind_correction(load_config(CONFIG, ["sampling.top_k=5",
+                                                   "sampling.logprobs=untruncated"]))
+    [record] = caplog.records  # sampled logprobs, or no correction (sync): nothing to say
+    assert record.getMessage().startswith("sampling.logprobs is untruncated with top_k 5 / "
+                                          "top_p 1: off_policy decoupled cannot see the "
+                                          "truncation")
+    assert "\n" not in record.getMessage()

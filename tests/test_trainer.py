@@ -428,3 +428,34 @@ def test_sft_loss_is_at_temperature_one(calc_model_dir):
     with torch.no_grad():
         logp, _ = token_logprobs(load_model(calc_model_dir), batch, 1.0)
     assert losses[0] == losses[1] == pytest.approx(-float((logp * batch.loss_mask).sum()) / 3)
+
+
+# ---- issue 19: the trainer recomputes the truncated distribution the engine sampled ---------
+
+def test_trainer_logprobs_are_of_the_truncated_distribution(model):
+    batch = clip_batch()
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids).logits[:, :-1].float()
+        full, _ = token_logprobs(model, batch, temperature=0.7)
+        trunc, ent = token_logprobs(model, batch, 0.7, with_entropy=True, top_k=3)
+    # by hand: renormalised over the 3 most likely tokens (plus the token itself)
+    logp = torch.log_softmax(logits / 0.7, -1)
+    top = torch.topk(logp, 3, -1).indices
+    keep = torch.zeros_like(logp, dtype=torch.bool).scatter(-1, top, True)
+    ids = batch.input_ids[:, 1:, None]
+    norm = torch.logsumexp(logp.masked_fill(~keep.scatter(-1, ids, True), float("-inf")), -1)
+    hand = logp.gather(-1, ids)[..., 0] - norm
+    assert torch.allclose(trunc[:, 1:], hand, atol=1e-5)
+    assert torch.allclose(full[:, 1:], logp.gather(-1, ids)[..., 0], atol=1e-5)
+    assert (trunc[:, 1:] > full[:, 1:] + 1e-3).any()  # the kept mass is below 1
+    q = torch.softmax(logp.masked_fill(~keep, float("-inf")), -1)  # entropy of the top 3
+    h = -(q * torch.log(q.clamp_min(1e-30))).sum(-1)
+    assert torch.allclose(ent[:, 1:], h, atol=1e-5) and float(ent[:, 1:].max()) <= math.log(3)
+    # the trainer's passes use the sampler's truncation: with the engine's sampled logprobs
+    # the ratio to the behaviour policy is 1 on-policy
+    on_policy = rollout_at(batch, trunc, 0.0)
+    trainer = Trainer(model, temperature=0.7, top_k=3)
+    trainer.set_optimizer(lr=1e-3)
+    m = trainer.rl_step(on_policy, RLConfig(micro_batch_size=8, algorithm={"off_policy": "tis"}),
+                        l_max=8)
+    assert m["logp_mismatch_max"] < 1e-5 and m["is_weight_mean"] == pytest.approx(1.0, abs=1e-5)

@@ -139,6 +139,25 @@ class SamplingConfig(_Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     max_new_tokens: int = Field(48, ge=1)
+    logprobs: Literal["sampled", "untruncated"] = Field(
+        "sampled", description="with top_k or top_p on, the logprob the engine records per "
+        "token and the trainer recomputes: sampled = of the distribution the token was drawn "
+        "from (softmax(logits / T) renormalised over the kept set, docs/algorithms.md); "
+        "untruncated = of softmax(logits / T) before truncation, for a server that reports "
+        "only that (off-policy corrections then cannot see the truncation)")
+
+    @model_validator(mode="after")
+    def _logprobs_need_truncation(self) -> SamplingConfig:
+        if self.logprobs != "sampled" and not self.truncates:
+            raise ConfigError(f"config field sampling.logprobs: got {self.logprobs!r}; it only "
+                              "matters with sampling.top_k > 0 or sampling.top_p < 1 (without "
+                              "truncation both kinds are the same number)")
+        return self
+
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k or top-p cuts the distribution tokens are drawn from."""
+        return self.top_k > 0 or self.top_p < 1
 
 
 class EngineConfig(_Section):
