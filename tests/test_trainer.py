@@ -430,6 +430,84 @@ def test_sft_loss_is_at_temperature_one(calc_model_dir):
     assert losses[0] == losses[1] == pytest.approx(-float((logp * batch.loss_mask).sum()) / 3)
 
 
+# ---- issue 19: dropout off in the gradient passes ----------------------------------------------
+
+def gpt2_with_dropout(p: float = 0.3):
+    """A GPT-2-style model built here: random weights, dropout p on embeddings, attention and
+    residuals (as GPT-2, OPT and Phi ship)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=2,
+                                      n_head=2, resid_pdrop=p, embd_pdrop=p, attn_pdrop=p))
+
+
+def engine_batch(model):
+    """Two groups of two rows of 8 tokens, with the logprobs an engine (eval mode) reports."""
+    trajs = [make_traj([1, 2, 3, 4], [5 + i, 6 + 2 * i, 7 + i, 8], float(i % 2), task=f"t{i // 2}")
+             for i in range(4)]
+    batch = Batch.collate(trajs, 0)
+    with torch.no_grad():
+        logp, _ = token_logprobs(model.eval(), batch)
+    return rollout_at(batch, logp, 0.0)
+
+
+def pass_logprobs(logits, batch):
+    """The logprobs of the batch's ids from one forward pass's logits."""
+    lp = torch.log_softmax(logits[:, :-1].float(), -1)
+    return lp.gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+
+
+@pytest.mark.parametrize("dropout", ["off", "keep"])
+def test_dropout_off_makes_the_ratio_exactly_1_before_the_update(dropout):
+    model = gpt2_with_dropout()
+    batch = engine_batch(model)
+    logits = []
+    model.register_forward_hook(lambda _m, _i, out: logits.append(out.logits.detach()))
+    trainer = Trainer(model) if dropout == "off" else Trainer(model, dropout="keep")
+    trainer.set_optimizer(lr=1e-2)
+    cfg = RLConfig(micro_batch_size=8, ppo_epochs=2, algorithm={"off_policy": "tis"})
+    trainer.rl_step(batch, cfg, l_max=8)
+    # passes: logp_old's no-grad prepass, epoch 1 (the weights have not moved yet), epoch 2
+    assert len(logits) == 3
+    on = batch.loss_mask[:, 1:] > 0
+    rho = torch.exp(pass_logprobs(logits[1], batch) - pass_logprobs(logits[0], batch))[on]
+    if dropout == "off":
+        assert torch.equal(rho, torch.ones_like(rho))
+    else:  # dropout on in the gradient pass: a ratio off 1 with no update at all
+        assert (rho - 1).abs().max() > 0.05
+    # one optimizer step without a prepass: logp_old is the gradient pass's own logprobs,
+    # which with dropout off are the engine's exactly (no spurious mismatch, TIS weight 1)
+    model = gpt2_with_dropout()
+    batch = engine_batch(model)
+    trainer = Trainer(model) if dropout == "off" else Trainer(model, dropout="keep")
+    trainer.set_optimizer(lr=1e-2)
+    m = trainer.rl_step(batch, RLConfig(micro_batch_size=8, algorithm={"off_policy": "tis"}),
+                        l_max=8)
+    if dropout == "off":
+        assert (m["logp_mismatch_max"], m["is_weight_mean"], m["is_weight_max"]) == (
+            0.0, 1.0, 1.0)
+    else:
+        assert m["logp_mismatch_max"] > 0.05
+
+
+def test_dropout_rates_and_keep_on_a_model_without_dropout(calc_model_dir, tmp_path):
+    from tiller.config import load_config
+    from tiller.models import dropout_rates
+    from tiller.run import Run
+
+    rates = dropout_rates(gpt2_with_dropout(0.3))
+    assert rates["transformer.drop"] == 0.3 and rates["transformer.h.0.attn.attn_dropout"] == 0.3
+    assert set(rates.values()) == {0.3} and len(rates) == 1 + 2 * 3  # embd + (attn, resid x2)
+    assert dropout_rates(load_model(calc_model_dir)) == {}  # the built Qwen3: no dropout
+    cfg = load_config("configs/calculator.yaml", [f"model.path={calc_model_dir}",
+                                                  "model.build=null", "model.dropout=keep",
+                                                  "logging.tensorboard=false"])
+    with pytest.raises(ConfigError, match=r"^config field model.dropout: got 'keep'; this model "
+                                          r"has no dropout"):
+        Run(cfg, tmp_path / "run")
+
+
 # ---- issue 19: the trainer recomputes the truncated distribution the engine sampled ---------
 
 def test_trainer_logprobs_are_of_the_truncated_distribution(model):

@@ -53,6 +53,11 @@ class ModelConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the policy, engine, reference and critic run; auto = cuda "
         "when available, else cpu")
+    dropout: Literal["off", "keep"] = Field(
+        "off", description="off: every gradient pass (SFT, RL, the critic) runs the model in "
+        "eval mode, without dropout, so the policy trained is the one the engine samples and "
+        "the ratio is 1 before an update; keep: dropout stays on in those passes (train mode). "
+        "keep on a model without dropout is an error")
     chat_format: Literal["auto", "hermes", "qwen3", "qwen3.5", "llama3", "harmony"] = Field(
         "auto", description="the family whose tool-call and reasoning parser reads generated "
         "turns (rendering is always the tokenizer's own chat template); auto = detect from "

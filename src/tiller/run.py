@@ -23,7 +23,13 @@ from tiller.envs import Env, Task, ToolEnv
 from tiller.envs.dataset import DatasetEnv, read_conversations
 from tiller.errors import ConfigError, require_package
 from tiller.gateway.program import ProgramEpisode, load_program
-from tiller.models import build_env_model, load_model, load_tokenizer, resolve_device
+from tiller.models import (
+    build_env_model,
+    dropout_rates,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+)
 from tiller.observe.metrics import MetricsLogger, check_backends
 from tiller.observe.traces import TraceWriter
 from tiller.plugins import check_env_tools, env_label, load_env_class
@@ -230,11 +236,15 @@ class Run:
         if cfg.rl.judge.model is not None:
             self.judge = ModelJudge(cfg.rl.judge.model, cfg.rl.judge.prompt, device=self.device)
         self.timings["build_s"] = time.perf_counter() - t0
+        if cfg.model.dropout == "keep" and not dropout_rates(self.model):
+            raise ConfigError("config field model.dropout: got 'keep'; this model has no "
+                              "dropout (no dropout module or attention_dropout above 0), so "
+                              "there is nothing to keep: remove it")
         s = cfg.sampling
         truncated = s.logprobs == "sampled"  # the trainer recomputes what the engine reports
         self.trainer = Trainer(self.model, temperature=s.temperature or 1.0,
                                compute_dtype=self.dtype, top_k=s.top_k if truncated else 0,
-                               top_p=s.top_p if truncated else 1.0)
+                               top_p=s.top_p if truncated else 1.0, dropout=cfg.model.dropout)
         if cfg.engine.backend == "http":  # the servers get the trainer's weights (version 0)
             require_package("httpx", "serve", "engine.backend=http")
             from tiller.rollout.http_engine import connect  # httpx is an optional extra

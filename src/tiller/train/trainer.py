@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from functools import partial
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -129,17 +129,23 @@ class Trainer:
     Devices: the batch and every whole-batch tensor (logp_old, advantages, values) stay on the
     host, where the advantages are computed; each micro-batch moves to the model's device for
     its pass, and its results come back.
+
+    `dropout` (model.dropout): "off" runs the gradient passes (SFT and RL) in eval mode, so they
+    compute the same function as the engine and the no-grad passes (dropout and any other
+    train-only randomness off; gradients flow as usual) and rho = 1 before an update; "keep"
+    runs them in train mode.
     """
 
     def __init__(self, model: nn.Module, temperature: float = 1.0,
                  compute_dtype: torch.dtype = torch.float32, top_k: int = 0,
-                 top_p: float = 1.0):
+                 top_p: float = 1.0, dropout: Literal["keep", "off"] = "off"):
         self.model = model
         self.temperature = temperature
         self.compute_dtype = compute_dtype
         # RL's logprobs are of the distribution the engine samples from: truncated like it
         # (`batch.token_logprobs`); 0 and 1.0 = untruncated (sampling.logprobs: untruncated)
         self.top_k, self.top_p = top_k, top_p
+        self.dropout = dropout
         self.version = 0
         self.optimizer: torch.optim.Optimizer | None = None
         self.last_rl: RLStepTensors | None = None
@@ -186,6 +192,10 @@ class Trainer:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
             return token_logprobs(model, mb, temperature, with_entropy, top_k, top_p)
 
+    def _train_mode(self) -> None:
+        """The mode of a gradient pass: train (dropout on) only with dropout "keep"."""
+        self.model.train(self.dropout == "keep")
+
     def _step(self, max_grad_norm: float) -> float:
         assert self.optimizer is not None, "call set_optimizer first"
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm)
@@ -196,7 +206,7 @@ class Trainer:
 
     def sft_step(self, batch: Batch, micro_batch_size: int, max_grad_norm: float = 1.0) -> dict:
         """Cross-entropy on generated (assistant) tokens only: the mask RL uses."""
-        self.model.train()
+        self._train_mode()
         total = float(batch.loss_mask.sum())
         loss_sum = 0.0
         for idx in micro_batches(batch.attention_mask.sum(-1), micro_batch_size):
@@ -241,8 +251,8 @@ class Trainer:
         single optimizer step (one mini-batch, one epoch), no KL in the reward and a correction
         that does not declare `logp_prox` (`decoupled` and `decoupled_tis` do), the weights do
         not move before the gradient pass, so that pass's own (detached) logprobs are logp_old,
-        the separate no-grad pass is skipped, and rho = 1 exactly. Logprobs are of the
-        sampler's truncated distribution.
+        the separate no-grad pass is skipped, and rho = 1 exactly (with dropout "off", also
+        before the first update otherwise). Logprobs are of the sampler's truncated distribution.
         The reference model runs only while the KL coefficient (`kl_beta_at(step)`) is above 0.
         Staleness metrics compare `batch.sample_version` with the version at train start.
         """
@@ -274,7 +284,7 @@ class Trainer:
         correction = partial(_correction, alg, prepass)
         aggregate = AGGREGATIONS[alg.aggregation]
         sums: dict[str, float] = defaultdict(float)
-        self.model.train()
+        self._train_mode()
         steps = minibatches(batch, cfg.mini_batches, micro, l_max)
         for _epoch in range(cfg.ppo_epochs):
             for _, micros, totals in steps:
