@@ -115,7 +115,8 @@ def test_plugin_combinations_that_would_do_nothing_are_refused(overrides, messag
                                   ["rl.mode=async", "rl.max_staleness=1"]])
 def test_stale_modes_default_to_a_correction_and_refuse_none(mode):
     cfg = load_config(CONFIG, mode)
-    assert (cfg.rl.algorithm.off_policy, cfg.rl.algorithm.is_cap) == ("decoupled", 5.0)
+    a = cfg.rl.algorithm  # IcePop's band, docs/async.md
+    assert (a.off_policy, a.mis_low, a.mis_high, a.is_cap) == ("mis", 0.5, 5.0, None)
     assert Config.model_validate(cfg.model_dump()) == cfg  # saved resolved, loads back
     with pytest.raises(ConfigError) as e:
         load_config(CONFIG, [*mode, "rl.algorithm.off_policy=none"])
@@ -130,7 +131,7 @@ def test_stale_modes_default_to_a_correction_and_refuse_none(mode):
     tis = load_config(CONFIG, [*mode, "rl.algorithm.off_policy=tis"]).rl.algorithm
     assert (tis.off_policy, tis.is_cap) == ("tis", 2.0)
     # an unset correction's knob is read by the default one
-    assert load_config(CONFIG, [*mode, "rl.algorithm.is_cap=3"]).rl.algorithm.is_cap == 3.0
+    assert load_config(CONFIG, [*mode, "rl.algorithm.mis_high=3"]).rl.algorithm.mis_high == 3.0
 
 
 def test_on_policy_modes_keep_no_correction_and_refuse_the_acknowledgement():
@@ -148,7 +149,7 @@ def test_on_policy_modes_keep_no_correction_and_refuse_the_acknowledgement():
                              "rl.algorithm.allow_uncorrected_off_policy=true"])
     # built from an AlgorithmConfig instance (the Python API) it resolves the same way
     rl = RLConfig(mode="one_step_off", algorithm=AlgorithmConfig(eps_high=0.3))
-    assert (rl.algorithm.off_policy, rl.algorithm.eps_high) == ("decoupled", 0.3)
+    assert (rl.algorithm.off_policy, rl.algorithm.eps_high) == ("mis", 0.3)
     assert RLConfig(algorithm=AlgorithmConfig(eps_high=0.3)).algorithm.off_policy == "none"
 
 
@@ -176,6 +177,6 @@ def test_a_correction_blind_to_truncation_is_one_warning(caplog):
                                                    "sampling.logprobs=untruncated"]))
     [record] = caplog.records  # sampled logprobs, or no correction (sync): nothing to say
     assert record.getMessage().startswith("sampling.logprobs is untruncated with top_k 5 / "
-                                          "top_p 1: off_policy decoupled cannot see the "
+                                          "top_p 1: off_policy mis cannot see the "
                                           "truncation")
     assert "\n" not in record.getMessage()

@@ -461,8 +461,9 @@ class AlgorithmConfig(_Section):
     off_policy: str = Field(
         "none", description="off-policy correction, a weight on each token's policy loss: "
         "none | tis | mis | mis_mask | seq_is | decoupled | decoupled_tis. Default: none in "
-        "rl.mode sync (and async with max_staleness 0), decoupled where samples can be stale "
-        "(one_step_off, async), where none is an error unless allow_uncorrected_off_policy")
+        "rl.mode sync (and async with max_staleness 0), mis where samples can be stale "
+        "(one_step_off, async; docs/async.md says why), where none is an error unless "
+        "allow_uncorrected_off_policy")
     allow_uncorrected_off_policy: bool | None = Field(
         None, description="true: accept off_policy: none on stale samples (rl.mode "
         "one_step_off or async with max_staleness > 0), which treats them as on-policy "
@@ -683,7 +684,7 @@ class JudgeConfig(_Section):
 
 # The off-policy correction where samples can be stale (rl.mode one_step_off, or async with
 # max_staleness > 0) and rl.algorithm.off_policy is unset; docs/async.md says why.
-STALE_OFF_POLICY = "decoupled"
+STALE_OFF_POLICY = "mis"
 
 
 def _can_be_stale(mode: Any, max_staleness: Any) -> bool:
@@ -802,9 +803,9 @@ class RLConfig(_Section):
                 f"async, max_staleness {self.staleness_bound}")
             raise ConfigError(f"config field rl.algorithm.off_policy: got 'none' with rl.mode "
                               f"{where}, whose samples are stale: use a correction "
-                              f"({STALE_OFF_POLICY}, the default here; or tis, mis, seq_is), "
-                              "or set rl.algorithm.allow_uncorrected_off_policy: true to train "
-                              "them as on-policy")
+                              f"({STALE_OFF_POLICY}, the default here; or tis, decoupled, "
+                              "seq_is), or set rl.algorithm.allow_uncorrected_off_policy: true "
+                              "to train them as on-policy")
         if self.staleness_bound == 0 and allow is not None:
             raise ConfigError(f"config field rl.algorithm.allow_uncorrected_off_policy: got "
                               f"{allow}; it only applies where samples can be stale (rl.mode "
