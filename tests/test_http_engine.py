@@ -6,6 +6,7 @@ out, and short training runs with `engine.backend: http`."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import signal
@@ -515,6 +516,33 @@ def test_tokens_the_server_did_not_sample_are_a_loud_error(params, tmp_path):
                                                r"output_ids at position 1 \(3 vs 3 tokens\)"):
                 asyncio.run(http.generate([1], params, 0))
             assert (http.stats()["failed_requests"], http.stats()["retries"]) == (1, 0)
+        finally:
+            http.close()
+
+
+def test_truncated_logprobs_must_be_of_the_kind_the_trainer_recomputes(params, tmp_path):
+    answer = {"output_ids": [4, 2], "meta_info": {
+        "finish_reason": {"type": "stop"}, "weight_version": 0,
+        "output_token_logprobs": [[-0.5, 4, None], [-0.1, 2, None]]}}
+    top_p = dataclasses.replace(params, top_p=0.5)
+    with recorders(1, {"/generate": answer}) as srvs:  # a server that does not say which
+        http = engine_for([url(srvs[0])], tmp_path)
+        try:
+            with pytest.raises(RunError, match=r"reports untruncated logprobs \(meta_info."
+                               r"logprob_kind\) under top_k 0 / top_p 0.5, but sampling."
+                               r"logprobs is sampled: set sampling.logprobs: untruncated"):
+                asyncio.run(http.generate([1], top_p, 0))
+            assert http.stats()["failed_requests"] == 1
+            untruncated = dataclasses.replace(top_p, logprobs="untruncated")
+            assert asyncio.run(http.generate([1], untruncated, 0)).logprobs == [-0.5, -0.1]
+            assert asyncio.run(http.generate([1], params, 0)).token_ids == [4, 2]  # no top-p
+        finally:
+            http.close()
+    answer["meta_info"]["logprob_kind"] = "sampled"  # as tiller serve says
+    with recorders(1, {"/generate": answer}) as srvs:
+        http = engine_for([url(srvs[0])], tmp_path)
+        try:
+            assert asyncio.run(http.generate([1], top_p, 0)).token_ids == [4, 2]
         finally:
             http.close()
 

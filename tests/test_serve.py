@@ -171,6 +171,7 @@ def test_generate_round_trips_ids_and_logprobs(http, tool_model_dir):
     assert meta["prompt_tokens"] == len(prompt) and meta["completion_tokens"] == len(ids) > 0
     assert [t for _, t, _ in meta["output_token_logprobs"]] == ids
     assert meta["finish_reason"]["type"] in ("stop", "length")
+    assert meta["logprob_kind"] == "sampled"  # of the distribution sampled from
     assert out["text"] == tokenizer.decode([t for t in ids if t != 2],
                                            skip_special_tokens=False)
 

@@ -53,6 +53,11 @@ class ModelConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the policy, engine, reference and critic run; auto = cuda "
         "when available, else cpu")
+    dropout: Literal["off", "keep"] = Field(
+        "off", description="off: every gradient pass (SFT, RL, the critic) runs the model in "
+        "eval mode, without dropout, so the policy trained is the one the engine samples and "
+        "the ratio is 1 before an update; keep: dropout stays on in those passes (train mode). "
+        "keep on a model without dropout is an error")
     chat_format: Literal["auto", "hermes", "qwen3", "qwen3.5", "llama3", "harmony"] = Field(
         "auto", description="the family whose tool-call and reasoning parser reads generated "
         "turns (rendering is always the tokenizer's own chat template); auto = detect from "
@@ -139,6 +144,25 @@ class SamplingConfig(_Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     max_new_tokens: int = Field(48, ge=1)
+    logprobs: Literal["sampled", "untruncated"] = Field(
+        "sampled", description="with top_k or top_p on, the logprob the engine records per "
+        "token and the trainer recomputes: sampled = of the distribution the token was drawn "
+        "from (softmax(logits / T) renormalised over the kept set, docs/algorithms.md); "
+        "untruncated = of softmax(logits / T) before truncation, for a server that reports "
+        "only that (off-policy corrections then cannot see the truncation)")
+
+    @model_validator(mode="after")
+    def _logprobs_need_truncation(self) -> SamplingConfig:
+        if self.logprobs != "sampled" and not self.truncates:
+            raise ConfigError(f"config field sampling.logprobs: got {self.logprobs!r}; it only "
+                              "matters with sampling.top_k > 0 or sampling.top_p < 1 (without "
+                              "truncation both kinds are the same number)")
+        return self
+
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k or top-p cuts the distribution tokens are drawn from."""
+        return self.top_k > 0 or self.top_p < 1
 
 
 class EngineConfig(_Section):
@@ -324,6 +348,8 @@ _IGNORABLE: list[Ignorable] = [
      "used only when dynamic_sampling.enabled is true"),
     ("overlong.l_cache", lambda a: a.overlong.mode == "soft",
      "used only when overlong.mode is 'soft'"),
+    ("allow_uncorrected_off_policy", lambda a: a.off_policy == "none",
+     "used only with off_policy: none (a correction is on)"),
     ("advantage_eps", lambda a: _estimator_takes(a, "eps"),
      "used only by estimators that divide by a std (grpo, reinforce_pp, gae)"),
     ("credit.gamma_turn", _outcome_estimator, "used only by outcome-reward estimators (a "
@@ -432,14 +458,23 @@ class AlgorithmConfig(_Section):
         None, ge=1, description="max generated tokens per episode (default: the env's budget, "
         "min(env.max_turns * sampling.max_new_tokens, env.max_episode_tokens))"
     )
-    off_policy: str = Field("none", description="off-policy correction, a weight on each "
-                            "token's policy loss: none | tis | mis | seq_is | decoupled")
-    is_cap: float | None = Field(None, gt=0.0, description="importance weight cap C of tis, "
-                                 "seq_is and decoupled (default 2.0)")
-    mis_low: float | None = Field(None, gt=0.0, lt=1.0, description="mis: tokens whose "
-                                  "exp(logp_old - logp_rollout) is below this are removed "
-                                  "(default 0.5)")
-    mis_high: float | None = Field(None, gt=1.0, description="mis: tokens whose "
+    off_policy: str = Field(
+        "none", description="off-policy correction, a weight on each token's policy loss: "
+        "none | tis | mis | mis_mask | seq_is | decoupled | decoupled_tis. Default: none in "
+        "rl.mode sync (and async with max_staleness 0), mis where samples can be stale "
+        "(one_step_off, async; docs/async.md says why), where none is an error unless "
+        "allow_uncorrected_off_policy")
+    allow_uncorrected_off_policy: bool | None = Field(
+        None, description="true: accept off_policy: none on stale samples (rl.mode "
+        "one_step_off or async with max_staleness > 0), which treats them as on-policy "
+        "(docs/async.md records such a run collapsing); only with off_policy: none there")
+    is_cap: float | None = Field(None, gt=0.0, description="importance weight cap C: tis, "
+                                 "seq_is and decoupled_tis truncate at it (default 2.0), "
+                                 "decoupled removes tokens above it (default 5.0)")
+    mis_low: float | None = Field(None, ge=0.0, lt=1.0, description="mis, mis_mask: tokens "
+                                  "whose exp(logp_old - logp_rollout) is below this are "
+                                  "removed (default 0.5; 0: no lower bound)")
+    mis_high: float | None = Field(None, gt=1.0, description="mis, mis_mask: tokens whose "
                                    "exp(logp_old - logp_rollout) is above this are removed "
                                    "(default 5.0)")
     kl: KLConfig = Field(default_factory=KLConfig)
@@ -647,6 +682,17 @@ class JudgeConfig(_Section):
         return self.fn is not None or self.model is not None
 
 
+# The off-policy correction where samples can be stale (rl.mode one_step_off, or async with
+# max_staleness > 0) and rl.algorithm.off_policy is unset; docs/async.md says why.
+STALE_OFF_POLICY = "mis"
+
+
+def _can_be_stale(mode: Any, max_staleness: Any) -> bool:
+    """Whether samples can be older than the trainer's weights (RLConfig.staleness_bound > 0),
+    from the raw values before validation."""
+    return mode == "one_step_off" or (mode == "async" and max_staleness != 0)
+
+
 class RLConfig(_Section):
     steps: int = Field(30, ge=0)
     tasks_per_step: int = Field(16, ge=1)
@@ -731,6 +777,41 @@ class RLConfig(_Section):
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError("expected two floats in [0, 1), e.g. [0.9, 0.99]")
         return betas
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stale_default_correction(cls, data: Any) -> Any:
+        """Where samples can be stale, an rl.algorithm.off_policy left unset is
+        STALE_OFF_POLICY (sync keeps none: its samples are on-policy)."""
+        if not isinstance(data, dict) or not _can_be_stale(data.get("mode", "sync"),
+                                                           data.get("max_staleness")):
+            return data
+        alg = data.get("algorithm")
+        if isinstance(alg, AlgorithmConfig) and "off_policy" not in alg.model_fields_set:
+            alg = alg.model_dump(exclude_unset=True)
+        if alg is None:
+            alg = {}
+        if not isinstance(alg, dict) or "off_policy" in alg:
+            return data
+        return {**data, "algorithm": {**alg, "off_policy": STALE_OFF_POLICY}}
+
+    @model_validator(mode="after")
+    def _stale_samples_corrected(self) -> RLConfig:
+        allow = self.algorithm.allow_uncorrected_off_policy
+        if self.staleness_bound > 0 and self.algorithm.off_policy == "none" and not allow:
+            where = "one_step_off" if self.mode == "one_step_off" else (
+                f"async, max_staleness {self.staleness_bound}")
+            raise ConfigError(f"config field rl.algorithm.off_policy: got 'none' with rl.mode "
+                              f"{where}, whose samples are stale: use a correction "
+                              f"({STALE_OFF_POLICY}, the default here; or tis, decoupled, "
+                              "seq_is), or set rl.algorithm.allow_uncorrected_off_policy: true "
+                              "to train them as on-policy")
+        if self.staleness_bound == 0 and allow is not None:
+            raise ConfigError(f"config field rl.algorithm.allow_uncorrected_off_policy: got "
+                              f"{allow}; it only applies where samples can be stale (rl.mode "
+                              "one_step_off, or async with max_staleness > 0), and here they "
+                              f"cannot (rl.mode {self.mode})")
+        return self
 
     @model_validator(mode="after")
     def _steps_have_rows(self) -> RLConfig:

@@ -159,7 +159,8 @@ def rl(run: Run, after_step: Callable[[int], None] | None = None) -> dict[str, A
     # kl.beta = 0 (or switched off from the start): no reference model exists or runs
     ref = (copy.deepcopy(run.model).to(run.dtype).eval()
            if kl_beta_at(0, alg.kl.beta, alg.kl.off_after) else None)
-    critic = Critic(run.model, alg.critic) if alg.critic is not None else None
+    critic = (Critic(run.model, alg.critic, run.cfg.model.dropout)
+              if alg.critic is not None else None)
     trend = EnvErrorTrend()
     hacking = JudgeHackingTrend(cfg.judge.window, cfg.judge.margin)
     # the manager's reward is the verifier's (plus the gated judge term); the batch's may be

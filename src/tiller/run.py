@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -24,7 +25,13 @@ from tiller.envs.dataset import DatasetEnv, read_conversations
 from tiller.errors import ConfigError, require_package
 from tiller.files import replacing, write_file
 from tiller.gateway.program import ProgramEpisode, load_program
-from tiller.models import build_env_model, load_model, load_tokenizer, resolve_device
+from tiller.models import (
+    build_env_model,
+    dropout_rates,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+)
 from tiller.observe.metrics import MetricsLogger, check_backends
 from tiller.observe.traces import TraceWriter
 from tiller.plugins import check_env_tools, env_label, load_env_class
@@ -48,6 +55,8 @@ from tiller.train.conversations import conversation_demos
 from tiller.train.judges import ModelJudge, check_judge_model
 from tiller.train.shaping import load_judge, load_key_steps
 from tiller.train.trainer import Trainer
+
+log = logging.getLogger(__name__)
 
 
 def get_env(name: str) -> type[Env]:
@@ -145,6 +154,19 @@ def compute_streams(cfg: Config) -> int:
     return max(1, rollout + int(overlaps))
 
 
+def warn_blind_correction(cfg: Config) -> None:
+    """One warning when RL trains with top-k / top-p truncation, untruncated logprobs and an
+    off-policy correction: the behaviour logprob it divides by is not the probability the
+    token was drawn with (lower by the log of the kept mass), so its weights stay near 1 on
+    off-policy data."""
+    s, alg = cfg.sampling, cfg.rl.algorithm
+    if cfg.rl.steps and s.truncates and s.logprobs == "untruncated" and alg.off_policy != "none":
+        log.warning("sampling.logprobs is untruncated with top_k %d / top_p %g: off_policy %s "
+                    "cannot see the truncation (its behaviour logprob is not the one tokens "
+                    "were drawn with); use sampling.logprobs: sampled where the engine reports "
+                    "it (tiller's engines do)", s.top_k, s.top_p, alg.off_policy)
+
+
 class Run:
     """Everything one run needs, built from a validated `Config`. Hooks named in the config
     (agent loop or program, key steps) are imported first, so a bad one fails before any work."""
@@ -162,6 +184,7 @@ class Run:
         self.sft_conversations = read_conversations(cfg.data) if cfg.data.sft else []
         check_backends(cfg.logging.tensorboard, cfg.logging.wandb)
         check_task_counts(cfg, self.env_cls)
+        warn_blind_correction(cfg)
         self.episode_fn = load_episode_fn(cfg.agent.loop)
         program = load_program(cfg.agent.program) if cfg.agent.program else None
         self.key_steps = load_key_steps(cfg.rl.algorithm.credit.key_steps)
@@ -230,8 +253,15 @@ class Run:
         if cfg.rl.judge.model is not None:
             self.judge = ModelJudge(cfg.rl.judge.model, cfg.rl.judge.prompt, device=self.device)
         self.timings["build_s"] = time.perf_counter() - t0
-        self.trainer = Trainer(self.model, temperature=cfg.sampling.temperature or 1.0,
-                               compute_dtype=self.dtype)
+        if cfg.model.dropout == "keep" and not dropout_rates(self.model):
+            raise ConfigError("config field model.dropout: got 'keep'; this model has no "
+                              "dropout (no dropout module or attention_dropout above 0), so "
+                              "there is nothing to keep: remove it")
+        s = cfg.sampling
+        truncated = s.logprobs == "sampled"  # the trainer recomputes what the engine reports
+        self.trainer = Trainer(self.model, temperature=s.temperature or 1.0,
+                               compute_dtype=self.dtype, top_k=s.top_k if truncated else 0,
+                               top_p=s.top_p if truncated else 1.0, dropout=cfg.model.dropout)
         if cfg.engine.backend == "http":  # the servers get the trainer's weights (version 0)
             require_package("httpx", "serve", "engine.backend=http")
             from tiller.rollout.http_engine import connect  # httpx is an optional extra
@@ -269,7 +299,7 @@ class Run:
     def sampling(self, temperature: float) -> SamplingParams:
         s = self.cfg.sampling
         return SamplingParams(temperature=temperature, top_p=s.top_p, top_k=s.top_k,
-                              max_new_tokens=s.max_new_tokens,
+                              max_new_tokens=s.max_new_tokens, logprobs=s.logprobs,
                               stop_token_ids=stop_token_ids(self.tokenizer,
                                                             self.model.generation_config,
                                                             self.cfg.model.chat_format))

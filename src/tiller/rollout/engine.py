@@ -64,6 +64,9 @@ class SamplingParams:
     top_k: int = 0
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()  # required: see __post_init__
+    # the logprob reported per token: of the distribution sampled from (renormalised over the
+    # top-k / top-p kept set), or of softmax(logits / T) before truncation (rollout.sampling)
+    logprobs: Literal["sampled", "untruncated"] = "sampled"
 
     def __post_init__(self) -> None:
         # Without a stop token every turn runs to max_new_tokens and the episode is truncated:
@@ -83,6 +86,8 @@ class SamplingParams:
              whole(self.max_new_tokens) and self.max_new_tokens >= 1, "an int >= 1"),
             ("stop_token_ids", self.stop_token_ids,
              all(whole(t) for t in self.stop_token_ids), "ints"),
+            ("logprobs", self.logprobs, self.logprobs in ("sampled", "untruncated"),
+             "'sampled' or 'untruncated'"),
         ) if not ok]
         if bad:
             raise ValueError("SamplingParams: " + "; ".join(bad))
@@ -520,7 +525,8 @@ class EmbeddedEngine:
         steps = self._len - p["prompt_len"]  # each row's index of the token it samples
         logits = torch.cat(logits)
         tokens, lps = sample(logits, p["temperature"], p["top_k"], p["top_p"], p["seed"],
-                             steps, max_top_k=self._max_top_k, any_top_p=self._any_top_p)
+                             steps, max_top_k=self._max_top_k, any_top_p=self._any_top_p,
+                             untruncated=p["untruncated"])
         finite = torch.isfinite(logits).all(-1) & torch.isfinite(lps)
         # the one host sync of the iteration: tokens, logprobs and the finite flags together
         packed = torch.stack([tokens.double(), lps.double(), finite.double()]).tolist()
@@ -789,6 +795,8 @@ class EmbeddedEngine:
             "top_p": torch.tensor([r.params.top_p for r in rows], device=dev),
             "seed": torch.tensor([r.seed for r in rows], dtype=torch.long, device=dev),
             "prompt_len": torch.tensor([len(r.prompt_ids) for r in rows], device=dev),
+            "untruncated": torch.tensor([r.params.logprobs == "untruncated" for r in rows],
+                                        dtype=torch.bool, device=dev),
         }
         self._max_top_k = max((r.params.top_k for r in rows), default=0)
         self._any_top_p = any(r.params.top_p < 1.0 for r in rows)

@@ -243,6 +243,7 @@ class HttpEngine:
             try:
                 answer = await self._post(server, "/generate", body)
                 gen = _generation(server.url, answer, len(prompt_ids), started)
+                _check_logprob_kind(server.url, answer, params)
                 self._check_fresh(server, answer, gen)
             except RunError as e:  # a 4xx, a 500 about this request, a malformed answer
                 self.counters["failed_requests"] += 1
@@ -542,6 +543,20 @@ _SKIPPED = object()  # what a control call to a server found down returns
 def _short(text: str, n: int = 200) -> str:
     text = " ".join(text.split())
     return text if len(text) <= n else text[:n] + "..."
+
+
+def _check_logprob_kind(url: str, answer: Any, params: SamplingParams) -> None:
+    """With top-k / top-p on, the logprobs must be the kind the trainer recomputes
+    (`params.logprobs`, from sampling.logprobs): tiller serve reports `meta_info.logprob_kind`
+    ("sampled"); a server that does not say is taken to report untruncated logprobs."""
+    if params.top_k == 0 and params.top_p >= 1:
+        return  # no truncation: both kinds are the same number
+    kind = answer["meta_info"].get("logprob_kind", "untruncated")
+    if kind != params.logprobs:
+        raise RunError(f"server {url} reports {kind} logprobs (meta_info.logprob_kind) under "
+                       f"top_k {params.top_k} / top_p {params.top_p}, but sampling.logprobs is "
+                       f"{params.logprobs}: set sampling.logprobs: {kind} so the trainer "
+                       "recomputes the same kind")
 
 
 def _generation(url: str, answer: Any, prompt_tokens: int, started: int) -> Generation:
