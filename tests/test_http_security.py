@@ -349,6 +349,62 @@ def test_slowloris_connections_are_timed_out_capped_and_logged_once(calc_model_d
     assert total["timeouts"] + total["refusals"] == 34 and total["refusals"] >= len(refused)
 
 
+def kept_alive(port: int, head: str) -> tuple[socket.socket, bytes]:
+    """A connection that sent one HTTP/1.1 request (keep-alive) and read its whole answer."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(head.encode())
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += s.recv(4096)
+    length = int(re.search(rb"content-length: (\d+)", data, re.I).group(1))
+    while len(data) < data.index(b"\r\n\r\n") + 4 + length:
+        data += s.recv(4096)
+    return s, data
+
+
+def still_open(s: socket.socket) -> bool:
+    s.settimeout(0.2)
+    try:
+        return s.recv(1) != b""
+    except TimeoutError:
+        return True
+
+
+def test_idle_keep_alive_connections_make_room_for_new_clients(calc_model_dir):
+    """The review's lockout: --max-connections sockets, each kept alive after one GET /health
+    (no key needed), locked every new client out with 503. Now a new connection closes the
+    one idle longest; a request the guard refuses closes its connection; a flood of
+    connections all mid-request is still refused at the cap; each closing is counted."""
+    health = "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with serve_process(calc_model_dir, "--read-timeout-s", "5", "--max-connections",
+                       "8") as live:
+        port, url = live["port"], live["url"]
+        idle = []
+        for _ in range(8):
+            idle.append(kept_alive(port, health)[0])
+            time.sleep(0.02)  # idle since distinct times: the first is the oldest
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # 503 before
+        assert closed_within(idle[0], 5) == b""  # the oldest made room
+        assert all(map(still_open, idle[1:]))
+        # refused by the guard: answered, then closed at once (not kept alive for 75 s)
+        rebound = socket.create_connection(("127.0.0.1", port), timeout=10)
+        rebound.sendall(b"GET /health HTTP/1.1\r\nHost: evil.example\r\n\r\n")
+        assert closed_within(rebound, 5).startswith(b"HTTP/1.1 421")
+        # mid-request connections are never closed to make room: past the cap, 503
+        flood = [half_open(port) for _ in range(10)]
+        time.sleep(0.5)
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+        assert not any(map(still_open, idle))  # every idle one gave its place
+        answers = [closed_within(s, 10) for s in flood]
+        assert sum(a.startswith(b"HTTP/1.1 503") for a in answers) >= 2
+        for s in idle + [rebound] + flood:
+            s.close()
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    lines = [line for line in live["log"] if "idle keep-alive connection(s) to make room" in line]
+    assert lines and len(lines) <= 2, lines  # logged at most once per 10 s
+    assert int(re.search(r"\((\d+) in all", lines[-1]).group(1)) >= 8
+
+
 # ---- 8: one API client must not learn another's prompt from the prefix cache --------------
 
 def test_prefix_cache_scopes_never_share():

@@ -267,7 +267,8 @@ def serve(
         min=0.001, help="a connection is closed when a request (line, headers, body) has "
         "not arrived whole this long after its first byte")] = 10.0,
     max_connections: Annotated[int, typer.Option(
-        min=1, help="open connections; one more is answered 503 and closed")] = 512,
+        min=1, help="open connections; one more closes the longest-idle keep-alive one, "
+        "or is answered 503 when none is idle")] = 512,
     threads: Annotated[str, typer.Option(
         help="torch threads: a number, or auto (runtime.threads' rule for one engine)")] = "auto",
 ) -> None:

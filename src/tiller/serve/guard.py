@@ -170,6 +170,9 @@ class Guard:
       server without asking; a JSON body needs the server's consent, which is never given);
     - 413 for bodies over `max_body_bytes` (declared or streamed).
 
+    A refusal closes the connection (`Connection: close`): one kept alive after it would
+    hold a place under the connection cap for a client that was not served.
+
     `refused(scope, error)`, when given, is told of each refusal (the gateway counts them)."""
 
     def __init__(self, app: ASGIApp, *, max_body_bytes: int, hosts: Hosts,
@@ -187,7 +190,7 @@ class Guard:
         if error is not None:
             if self.refused is not None:
                 self.refused(scope, error)
-            await reply(send, error)
+            await reply(send, error, close=True)
             return
         scope.setdefault("state", {})["client"] = client
         received = 0
@@ -239,9 +242,11 @@ def _too_large(limit: int) -> APIError:
     return APIError(413, f"request body over {limit} bytes (--max-body-bytes)")
 
 
-async def reply(send: Send, error: APIError) -> None:
+async def reply(send: Send, error: APIError, *, close: bool = False) -> None:
+    """Answer `error` as JSON; with `close`, close the connection after it."""
     body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": error.status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
+                "headers": headers + [(b"connection", b"close")] * close})
     await send({"type": "http.response.body", "body": body})
