@@ -287,13 +287,13 @@ def test_the_wind_down_against_a_stuck_engine_ends_within_its_allowance(calc_sft
     assert max(deadlines) - min(deadlines) < window / 2, aborts
     assert not leftover, "aborts were left queued in the engine after close"
     said = {r.getMessage(): r.created for r in caplog.records}
-    aborted = [m for m in said if "had not all answered within 3s" in m]
+    # (whether the abort thread ended before its wait was given up, a second warning, is a
+    # race at the deadline: not asserted)
     cancelled = [m for m in said if f"{groups} groups still running 3s" in m
                  and "were cancelled" in m]
-    assert len(aborted) == len(cancelled) == 1, list(said)
-    abort_log = [m for m in said if "were not tried within rollout.shutdown_timeout_s" in m]
-    assert abort_log and f", {len(aborts)} aborts failed or timed out and " in abort_log[0], \
-        abort_log
+    untried = [m for m in said if "were not tried within rollout.shutdown_timeout_s" in m]
+    assert len(cancelled) == len(untried) == 1, list(said)
+    assert f", {len(aborts)} aborts failed or timed out and " in untried[0], untried
     # the episodes were cancelled at the window's end, not a window later; close returned
     # within what it allows (window + grace + margin), after the stuck engine used the window
     assert min(deadlines) - 0.1 <= said[cancelled[0]] < min(deadlines) + window / 2, aborts
