@@ -194,7 +194,8 @@ class Run:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.dir = Path(output_dir or cfg.output_dir or Path("runs") / f"{cfg.name}-{stamp}")
         self.dir.mkdir(parents=True, exist_ok=True)
-        write_file(self.dir / "config.yaml", yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+        write_file(self.dir / "config.yaml", yaml.safe_dump(cfg.model_dump(), sort_keys=False),
+                   root=self.dir)
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
@@ -239,7 +240,7 @@ class Run:
         self.device = resolve_device(cfg.model.device)
         path = Path(cfg.model.path) if cfg.model.path is not None else build_env_model(
             self.env_cls, self.dir / "base_model", cfg.model.build, seed=cfg.seed,
-            difficulty=cfg.env.difficulty, max_turns=cfg.env.max_turns)
+            difficulty=cfg.env.difficulty, max_turns=cfg.env.max_turns, root=self.dir)
         self.tokenizer = load_tokenizer(path)
         # fp32 master weights for the optimizer whatever model.dtype is (see Trainer); the
         # engine's copy (and the reference model) are in model.dtype
@@ -248,7 +249,7 @@ class Run:
         # before the engine, the trainer or any episode computes: they share these threads
         self.runtime = set_up_threads(cfg.runtime.threads, streams=compute_streams(cfg),
                                       params=sum(p.numel() for p in self.model.parameters()))
-        write_file(self.dir / "runtime.json", json.dumps(self.runtime, indent=2))
+        write_file(self.dir / "runtime.json", json.dumps(self.runtime, indent=2), root=self.dir)
         check_rollout_setup(self.tokenizer, self.model.config, self.limits)
         if cfg.rl.judge.model is not None:
             self.judge = ModelJudge(cfg.rl.judge.model, cfg.rl.judge.prompt, device=self.device)
@@ -267,7 +268,9 @@ class Run:
             from tiller.rollout.http_engine import connect  # httpx is an optional extra
 
             e = cfg.engine
+            # a weights_dir of the config is the user's; the default is in the run folder
             self.engine = connect(e.urls, weights_dir=e.weights_dir or self.dir / "weights",
+                                  root=None if e.weights_dir else self.dir,
                                   api_key=e.api_key.get_secret_value() if e.api_key else None,
                                   request_timeout_s=e.request_timeout_s,
                                   max_retries=e.max_retries,
@@ -357,7 +360,7 @@ class Run:
 
     def save(self, name: str = "final") -> Path:
         out = self.dir / "checkpoints" / name
-        with replacing(out) as new:
+        with replacing(out, root=self.dir) as new:
             self.model.save_pretrained(new, safe_serialization=True)
             self.tokenizer.save_pretrained(new)
         return out

@@ -150,21 +150,22 @@ class DeltaUpdate:
         """Stage, verify and write (`StagedUpdate.apply`): all of it or, raising, none."""
         self.stage(model).apply()
 
-    def save(self, folder: str | Path) -> Path:
+    def save(self, folder: str | Path, *, root: str | Path | None = None) -> Path:
         """`folder/delta.safetensors` (`<name>/idx`, `<name>/val` per tensor) and
-        `folder/tiller_version.json` saying kind delta, the base version and the checksums."""
+        `folder/tiller_version.json` saying kind delta, the base version and the checksums,
+        below `root` (no link among the folders between; default `folder` itself)."""
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
+        root = folder if root is None else root
         tensors: dict[str, torch.Tensor] = {}
         for name, d in self.deltas.items():
             tensors[f"{name}/idx"] = d.index_bytes.contiguous()
             tensors[f"{name}/val"] = d.values.detach().contiguous().cpu()
-        with replacing(folder / "delta.safetensors") as new:
+        with replacing(folder / "delta.safetensors", root=root) as new:
             save_file(tensors, str(new))
         write_file(folder / "tiller_version.json", json.dumps({
             "version": self.version, "kind": "delta", "base_version": self.base_version,
             "numel": {k: d.numel for k, d in self.deltas.items()},
-            "checksums": self.checksums}))
+            "checksums": self.checksums}), root=root)
         return folder
 
     @classmethod

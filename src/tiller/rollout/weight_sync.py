@@ -242,23 +242,24 @@ class WeightUpdate:
         """Every parameter and buffer, copied so later training steps cannot alter it."""
         return cls(version, {k: v.detach().clone() for k, v in model.state_dict().items()})
 
-    def save(self, folder: str | Path) -> Path:
+    def save(self, folder: str | Path, *, root: str | Path | None = None) -> Path:
         """Write the tensors to `folder/model.safetensors` and the version (and checksums) to
-        `folder/tiller_version.json` (what `tiller serve`'s /update_weights_from_disk reads).
-        Names sharing one storage (tied embeddings) are written once; `load` fills them in."""
+        `folder/tiller_version.json` (what `tiller serve`'s /update_weights_from_disk reads),
+        below `root` (no link among the folders between; default `folder` itself). Names
+        sharing one storage (tied embeddings) are written once; `load` fills them in."""
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
+        root = folder if root is None else root
         seen: set[int] = set()
         out = {}
         for k, v in self.tensors.items():
             if v.data_ptr() not in seen:
                 seen.add(v.data_ptr())
                 out[k] = v.detach().contiguous().cpu()
-        with replacing(folder / "model.safetensors") as new:
+        with replacing(folder / "model.safetensors", root=root) as new:
             save_file(out, str(new))
         write_file(folder / "tiller_version.json", json.dumps(
             {"version": self.version, "kind": "full", "partial": self.partial,
-             "checksums": self.checksums}))
+             "checksums": self.checksums}), root=root)
         return folder
 
     @classmethod
