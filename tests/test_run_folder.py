@@ -31,6 +31,7 @@ from tiller.rollout.http_engine import HttpEngine
 from tiller.rollout.weight_sync import WeightUpdate
 from tiller.run import Run
 from tiller.tools.replay import ReplayStore
+from tiller.tools.stack import ToolsConfig, ToolStack
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs/calculator.yaml")
@@ -140,6 +141,19 @@ def test_a_replay_store_refuses_a_planted_link(tmp_path):
     with pytest.raises(ConfigError, match=r"tools.sqlite is a symbolic link"):
         ReplayStore(tmp_path / "run" / "tools.sqlite", "record")
     assert not profile.exists()
+
+
+def test_a_replay_store_in_a_linked_folder_of_the_run_folder_is_refused(tmp_path):
+    """A relative env.tools.replay.path lives in the run folder; its folder linked elsewhere
+    would have SQLite create the store there."""
+    outside = tmp_path / "home"
+    outside.mkdir()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "cache").symlink_to(outside, target_is_directory=True)
+    tools = ToolsConfig(replay={"path": "cache/tools.sqlite", "mode": "record"})
+    with pytest.raises(ConfigError, match=r"run/cache is a symbolic link"):
+        ToolStack(tools, tmp_path / "run")
+    assert list(outside.iterdir()) == []
 
 
 def test_weight_updates_replace_planted_links(tmp_path):
