@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -35,9 +36,11 @@ from tiller.observe.viewer.app import create_app as create_viewer
 from tiller.observe.viewer.app import viewer_server
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits
 from tiller.rollout.chat import stop_token_ids
+from tiller.rollout.delta import DeltaUpdate, TensorDelta, encode_gaps
 from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.rollout.kv_cache import PrefixCache
 from tiller.rollout.weight_sync import WeightUpdate
+from tiller.serve import listen, native
 from tiller.serve.app import create_app
 from tiller.serve.guard import Hosts, host_name
 from tiller.serve.listen import ConnectionLimits, GuardedH11
@@ -412,6 +415,73 @@ def test_idle_keep_alive_connections_make_room_for_new_clients(calc_model_dir):
     lines = [line for line in live["log"] if "idle keep-alive connection(s) to make room" in line]
     assert lines and len(lines) <= 2, lines  # logged at most once per 10 s
     assert int(re.search(r"\((\d+) in all", lines[-1]).group(1)) >= 8
+
+
+# ---- 7: a weight file is opened as it was checked ------------------------------------------
+
+def identity_and_poison_deltas(model, root: Path, outside: Path) -> Path:
+    """A delta of the served weights below `root` (`root/d`, every element of the final norm
+    set to what it is) and an attacker's outside it (`outside/p`, the same norm zeroed)."""
+    own = model.state_dict()["model.norm.weight"]
+    index = torch.from_numpy(encode_gaps(np.arange(own.numel())))
+    for folder, values in ((root / "d", own.flatten().clone()),
+                           (outside / "p", torch.zeros(own.numel(), dtype=own.dtype))):
+        DeltaUpdate(1, 0, {"model.norm.weight": TensorDelta(own.numel(), index, values)}
+                    ).save(folder)
+    return root / "d"
+
+
+@pytest.mark.parametrize("swap, error", [
+    ("none", None),
+    ("file", "OSError: [Errno 40] Too many levels of symbolic links"),  # O_NOFOLLOW: ELOOP
+    ("folder", "NotADirectoryError: [Errno 20] Not a directory: 'd'"),  # with O_DIRECTORY
+])
+def test_a_delta_swapped_for_a_link_after_the_check_is_not_loaded(model, tokenizer, tmp_path,
+                                                                 monkeypatch, swap, error):
+    """A delta checked below --weights-root, then its file (or its folder) replaced by a link
+    to an attacker's delta outside the root before the server opens it; the attacker acts
+    between the two, here just after tiller_version.json was read. Before, DeltaUpdate.load
+    looked delta.safetensors up again by name and applied the attacker's delta (200, the norm
+    zeroed); now the checked path is opened one folder at a time without following a link:
+    400 naming it, nothing applied. Without a swap the same delta applies."""
+    root, outside = (tmp_path / "root").resolve(), (tmp_path / "outside").resolve()
+    folder = identity_and_poison_deltas(model, root, outside)
+    read = native.read_below
+
+    def read_then_swap(*args, **kwargs):
+        raw = read(*args, **kwargs)
+        if swap == "file":
+            (folder / "delta.safetensors").rename(folder / "checked.bin")
+            (folder / "delta.safetensors").symlink_to(outside / "p" / "delta.safetensors")
+        elif swap == "folder":
+            folder.rename(root / "checked")
+            folder.symlink_to(outside / "p", target_is_directory=True)
+        return raw
+
+    monkeypatch.setattr(native, "read_below", read_then_swap)
+    engine = EmbeddedEngine(model, tokenizer.pad_token_id)
+    settings = ServeSettings("tiny", stop_token_ids(tokenizer, model.generation_config),
+                             weights_root=root)
+    port = free_port()
+    server, _ = listen.server(create_app(engine, tokenizer, settings), settings.connections,
+                              name="tiller serve", host="127.0.0.1", port=port)
+    try:
+        with uvicorn_thread(server), httpx.Client(base_url=f"http://127.0.0.1:{port}",
+                                                  timeout=60) as http:
+            probe = {"input_ids": [5, 6, 7, 8, 9]}
+            before = http.post("/score", json=probe).json()["logprobs"]
+            r = http.post("/update_weights_from_disk", json={"model_path": "d"})
+            after = http.post("/score", json=probe).json()
+    finally:
+        engine.close()
+    if swap == "none":
+        assert r.status_code == 200 and after["weight_version"] == 1, r.text
+    else:
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"].startswith(
+            f"delta.safetensors cannot be opened below --weights-root: {error}"), r.text
+        assert after["weight_version"] == 0
+    assert after["logprobs"] == before  # the identity delta, or nothing, was applied
 
 
 # ---- 8: one API client must not learn another's prompt from the prefix cache --------------

@@ -28,7 +28,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tiller.files import replacing, write_file
-from tiller.rollout.weight_sync import StagedUpdate, WeightSyncError, Write, _names
+from tiller.rollout.weight_sync import (
+    StagedUpdate,
+    VersionFile,
+    WeightSyncError,
+    Write,
+    _names,
+)
 
 MAX_VARINT_BYTES = 10  # a uint64 needs at most 10 groups of 7 bits
 
@@ -169,10 +175,19 @@ class DeltaUpdate:
         return folder
 
     @classmethod
-    def load(cls, folder: str | Path, meta: dict, version: int | None = None) -> DeltaUpdate:
-        """What `save` wrote; `meta` is its tiller_version.json, already read."""
-        raw = load_file(str(Path(folder) / "delta.safetensors"))
-        deltas = {name: TensorDelta(int(n), raw[f"{name}/idx"], raw[f"{name}/val"])
-                  for name, n in meta["numel"].items()}
-        return cls(meta["version"] if version is None else version, int(meta["base_version"]),
-                   deltas, meta.get("checksums"))
+    def load(cls, path: str | Path, meta: VersionFile, version: int | None = None
+             ) -> DeltaUpdate:
+        """What `save` wrote: the delta.safetensors file at `path` (opened by exactly this
+        path: a caller that checked a file passes the path of the file it checked) and its
+        tiller_version.json, already read and validated (`VersionFile.parse`), as version
+        `version` (default the file's)."""
+        version = meta.version if version is None else version
+        if meta.kind != "delta" or meta.base_version is None or meta.numel is None:
+            raise WeightSyncError(f"tiller_version.json says kind {meta.kind!r}, not a delta "
+                                  "with base_version and numel")
+        if version is None:
+            raise WeightSyncError("tiller_version.json gives no version, and none was asked")
+        raw = load_file(str(path))
+        deltas = {name: TensorDelta(n, raw[f"{name}/idx"], raw[f"{name}/val"])
+                  for name, n in meta.numel.items()}
+        return cls(version, meta.base_version, deltas, meta.checksums)
