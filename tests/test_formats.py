@@ -30,6 +30,8 @@ from real_vocab import (
 )
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen3Config
 
+from tiller.engine.api import Generation, SamplingParams
+from tiller.engine.embedded import EmbeddedEngine
 from tiller.envs.base import Env, StepResult, Task
 from tiller.envs.verifiers import Reward
 from tiller.errors import ConfigError
@@ -40,7 +42,6 @@ from tiller.rollout.agent_loop import (
     run_episode,
 )
 from tiller.rollout.chat import FAMILIES, ChatFormat, ParsedTurn, stop_token_ids
-from tiller.rollout.engine import EmbeddedEngine, Generation, SamplingParams
 from tiller.rollout.trajectory import Status
 from tiller.tools.registry import ToolCall, ToolOutcome, ToolResult
 from tiller.train.batch import Batch, token_logprobs

@@ -42,11 +42,11 @@ from typing import Any, Protocol
 
 from tiller.buffer import DataBuffer, Group
 from tiller.config import Config
+from tiller.engine.api import Engine, Generation, SamplingParams
 from tiller.envs.base import Env, Task
 from tiller.errors import RunError
 from tiller.rollout.agent_loop import EpisodeLimits
 from tiller.rollout.collect import EpisodeFn, check_aborted, run_one
-from tiller.rollout.engine import Engine, Generation, SamplingParams
 from tiller.rollout.trajectory import Trajectory
 from tiller.seeds import derive_seed
 
