@@ -17,11 +17,11 @@ from tiller.config import ConfigError, load_config
 from tiller.controller import train
 from tiller.engine.api import Generation
 from tiller.envs import ENVS, adapters
+from tiller.envs.actions import ParsedTurn
 from tiller.envs.adapters import GuessNumberEnv, GuessNumberGame, reasoning_gym_env
 from tiller.models import train_tokenizer
 from tiller.observe.evaluation import is_success
 from tiller.rollout.agent_loop import EpisodeLimits, run_episode
-from tiller.rollout.chat import ParsedTurn
 from tiller.rollout.collect import collect_expert
 from tiller.rollout.trajectory import Status
 

@@ -31,8 +31,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tiller.engine.api import Generation
+from tiller.envs.actions import ParsedTurn
 from tiller.rollout.agent_loop import Actor, EpisodeLimits
-from tiller.rollout.chat import ChatFormat, ParsedTurn
+from tiller.rollout.chat import ChatFormat
 from tiller.rollout.trajectory import TrajectoryBuilder
 from tiller.seeds import derive_seed
 

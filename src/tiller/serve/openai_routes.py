@@ -21,7 +21,8 @@ from fastapi.responses import StreamingResponse
 from jinja2 import TemplateError
 
 from tiller.engine.api import Generation, SamplingParams
-from tiller.rollout.chat import ChatFormat, ParsedTurn
+from tiller.envs.actions import ParsedTurn
+from tiller.rollout.chat import ChatFormat
 from tiller.serve.protocol import (
     APIError,
     ChatCompletionRequest,
