@@ -69,4 +69,4 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_boxes_are_folders():
     assert {p.name for p in ROOT.iterdir() if p.is_dir() and p.name != "__pycache__"} == {
-        "engine", "rollout", "train", "tools", "envs", "observe", "serve", "gateway"}
+        "config", "engine", "rollout", "train", "tools", "envs", "observe", "serve", "gateway"}
