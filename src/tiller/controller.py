@@ -34,7 +34,8 @@ from tiller.observe.health import EnvErrorTrend, JudgeHackingTrend
 from tiller.observe.metrics import progress
 from tiller.rollout.collect import rollout_metrics
 from tiller.rollout.curriculum import make_curriculum
-from tiller.rollout.manager import RolloutManager, Rollouts
+from tiller.rollout.manager import RolloutManager
+from tiller.rollout.protocol import Rollouts
 from tiller.rollout.trajectory import Status, Trajectory
 from tiller.run import Run, get_env, heldout_disabled, rl_task_reserve
 from tiller.tools.executor import ToolReliabilityError
