@@ -16,9 +16,9 @@ from tiller.envs import ENVS
 from tiller.envs.actions import ParsedTurn
 from tiller.envs.code import CodeEnv, make_tasks
 from tiller.models import train_tokenizer
-from tiller.observe.evaluation import is_success
 from tiller.rollout.agent_loop import EpisodeLimits, run_episode
 from tiller.rollout.collect import collect_expert
+from tiller.rollout.trajectory import is_success
 from tiller.tools import launch
 from tiller.tools.registry import ToolCall
 

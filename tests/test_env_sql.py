@@ -16,9 +16,9 @@ from tiller.envs import ENVS
 from tiller.envs.actions import ParsedTurn
 from tiller.envs.sql import SqlEnv, build_db, make_tasks, snapshot
 from tiller.models import train_tokenizer
-from tiller.observe.evaluation import is_success
 from tiller.rollout.agent_loop import EpisodeLimits, run_episode
 from tiller.rollout.collect import collect_expert
+from tiller.rollout.trajectory import is_success
 from tiller.tools.registry import ToolCall
 
 CONFIG = Path(__file__).parents[1] / "configs" / "sql.yaml"
