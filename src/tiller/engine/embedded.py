@@ -51,6 +51,7 @@ from tiller.engine.worker import Worker, deliver
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(eq=False)
 class _Request:
     prompt_ids: list[int]

@@ -79,6 +79,7 @@ CHAT_TEMPLATE = r"""
 {%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}
 """
 
+
 def _loads(text: str) -> tuple[object, str | None]:
     """json.loads that reports instead of raising: also on deep nesting (RecursionError) and
     on integers longer than Python's 4300-digit conversion limit (ValueError)."""
