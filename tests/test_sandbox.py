@@ -285,7 +285,7 @@ def test_memory_limit_applies_to_every_process() -> None:
         "                chunks.append(bytearray(b'\\x01') * (16 << 20)); got += 16\n"
         "        except MemoryError:\n"
         "            pass\n"
-        "        print('child', got); os._exit(0)\n"
+        "        os.write(1, f'child {got}\\n'.encode()); os._exit(0)  # one write: no interleaving\n"
         "for _ in range(4):\n"
         "    os.wait()\n"
     )
