@@ -28,15 +28,16 @@ from helpers import rl_rows
 
 from tiller.config import load_config
 from tiller.controller import ledger_unaccounted, rl
+from tiller.engine.api import SamplingParams
+from tiller.engine.embedded import EmbeddedEngine
+from tiller.engine.http import HttpEngine, connect
+from tiller.engine.updates import WeightUpdate
 from tiller.envs import ENVS
 from tiller.errors import ConfigError, RunError
 from tiller.models import load_model
 from tiller.rollout.agent_loop import EngineActor, run_episode
 from tiller.rollout.chat import stop_token_ids
 from tiller.rollout.collect import collect
-from tiller.rollout.engine import EmbeddedEngine, SamplingParams
-from tiller.rollout.http_engine import HttpEngine, connect
-from tiller.rollout.weight_sync import WeightUpdate
 from tiller.run import Run
 
 START_TIMEOUT_S = 180.0  # importing torch and transformers on a loaded 2-core box is slow
@@ -245,7 +246,7 @@ def test_a_server_killed_mid_collection_is_retried_on_the_other(
         return trajs
 
     try:
-        with caplog.at_level(logging.WARNING, "tiller.rollout.http_engine"):
+        with caplog.at_level(logging.WARNING, "tiller.engine.http"):
             trajs = asyncio.run(main())
         stats = http.stats()
         # the next weight push finds server 0 still dead: skipped, counted, server 1 updated

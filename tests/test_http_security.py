@@ -27,6 +27,10 @@ import torch
 from fastapi.testclient import TestClient
 from helpers import free_port, serve_process
 
+from tiller.engine.api import SamplingParams
+from tiller.engine.embedded import EmbeddedEngine
+from tiller.engine.kv_cache import PrefixCache
+from tiller.engine.updates import WeightUpdate
 from tiller.errors import ConfigError
 from tiller.gateway.server import Gateway
 from tiller.models import load_model
@@ -35,9 +39,6 @@ from tiller.observe.viewer.app import create_app as create_viewer
 from tiller.observe.viewer.app import viewer_server
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits
 from tiller.rollout.chat import stop_token_ids
-from tiller.rollout.engine import EmbeddedEngine, SamplingParams
-from tiller.rollout.kv_cache import PrefixCache
-from tiller.rollout.weight_sync import WeightUpdate
 from tiller.serve.app import create_app
 from tiller.serve.guard import Hosts, host_name
 from tiller.serve.listen import ConnectionLimits, GuardedH11

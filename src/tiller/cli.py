@@ -281,9 +281,9 @@ def serve(
 
     import torch
 
+    from tiller.engine.embedded import EmbeddedEngine
     from tiller.models import load_model, load_tokenizer, resolve_device
     from tiller.rollout.chat import stop_token_ids
-    from tiller.rollout.engine import EmbeddedEngine
     from tiller.runtime import set_up_threads
     from tiller.serve import listen
     from tiller.serve.app import create_app

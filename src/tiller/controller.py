@@ -24,7 +24,6 @@ from tiller.config import Config
 from tiller.errors import ConfigError, RunError, require_package
 from tiller.files import write_file
 from tiller.observe.evaluation import (
-    is_success,
     outcome_rows,
     success_by_difficulty,
     success_summary,
@@ -34,8 +33,9 @@ from tiller.observe.health import EnvErrorTrend, JudgeHackingTrend
 from tiller.observe.metrics import progress
 from tiller.rollout.collect import rollout_metrics
 from tiller.rollout.curriculum import make_curriculum
-from tiller.rollout.manager import RolloutManager, Rollouts
-from tiller.rollout.trajectory import Status, Trajectory
+from tiller.rollout.manager import RolloutManager
+from tiller.rollout.protocol import Rollouts
+from tiller.rollout.trajectory import Status, Trajectory, is_success
 from tiller.run import Run, get_env, heldout_disabled, rl_task_reserve
 from tiller.tools.executor import ToolReliabilityError
 from tiller.train.algorithms.kl import kl_beta_at

@@ -5,7 +5,6 @@ The schedule that uses them is `tiller.controller`."""
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
 import random
@@ -20,9 +19,12 @@ import torch
 import yaml
 
 from tiller.config import Config
+from tiller.engine.api import SamplingParams
+from tiller.engine.factory import make_engine
+from tiller.engine.weight_sync import WeightSync
 from tiller.envs import Env, Task, ToolEnv
 from tiller.envs.dataset import DatasetEnv, read_conversations
-from tiller.errors import ConfigError, require_package
+from tiller.errors import ConfigError
 from tiller.files import replacing, write_file
 from tiller.gateway.program import ProgramEpisode, load_program
 from tiller.models import (
@@ -44,9 +46,7 @@ from tiller.rollout.agent_loop import (
 from tiller.rollout.chat import stop_token_ids
 from tiller.rollout.collect import check_aborted, collect, collect_expert
 from tiller.rollout.curriculum import check_curriculum
-from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.rollout.memory import MemoryPolicy
-from tiller.rollout.sync import WeightSync
 from tiller.rollout.trajectory import Trajectory
 from tiller.runtime import set_up_threads
 from tiller.tools.sandbox import set_unsafe_fallback
@@ -262,23 +262,10 @@ class Run:
         self.trainer = Trainer(self.model, temperature=s.temperature or 1.0,
                                compute_dtype=self.dtype, top_k=s.top_k if truncated else 0,
                                top_p=s.top_p if truncated else 1.0, dropout=cfg.model.dropout)
-        if cfg.engine.backend == "http":  # the servers get the trainer's weights (version 0)
-            require_package("httpx", "serve", "engine.backend=http")
-            from tiller.rollout.http_engine import connect  # httpx is an optional extra
-
-            e = cfg.engine
-            self.engine = connect(e.urls, weights_dir=e.weights_dir or self.dir / "weights",
-                                  api_key=e.api_key.get_secret_value() if e.api_key else None,
-                                  request_timeout_s=e.request_timeout_s,
-                                  max_retries=e.max_retries,
-                                  vocab_size=self.model.config.vocab_size,
-                                  max_context=self.model.config.max_position_embeddings,
-                                  initial=self.trainer.weight_update(), dtype=cfg.model.dtype)
-        else:
-            self.engine = EmbeddedEngine(copy.deepcopy(self.model).to(self.dtype),
-                                         self.tokenizer.pad_token_id,
-                                         max_batch_size=cfg.engine.max_batch_size,
-                                         cache_bytes=cfg.engine.cache_bytes)
+        # the servers of engine.backend http get the trainer's weights (version 0)
+        self.engine = make_engine(cfg, self.model, self.tokenizer.pad_token_id,
+                                  weights_dir=self.dir / "weights",
+                                  initial=self.trainer.weight_update)
         try:
             self.weight_sync = WeightSync(self.trainer, self.engine, cfg.weight_sync,
                                           self.dtype)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from tiller.config import AlgorithmConfig, RLConfig
-from tiller.rollout.weight_sync import WeightUpdate
+from tiller.engine.updates import WeightUpdate
 from tiller.train.algorithms import (
     ADVANTAGES,
     AGGREGATIONS,
