@@ -767,20 +767,3 @@ def test_the_servers_context_bounds_a_turn(params, tmp_path):
     assert [(p, b["sampling_params"]["max_new_tokens"]) for p, b, _ in srvs[0].calls] == [
         ("/generate", 1)]  # 12 asked, 1 fits
 
-
-def test_run_close_closes_every_part_when_the_engine_fails(tmp_path):
-    """A run whose engine cannot close (here: none to close) still closes its metrics file and
-    tool stack and resets the sandbox policy, then raises the engine's error."""
-    from tiller.observe.metrics import MetricsLogger
-    from tiller.tools import sandbox
-    from tiller.tools.stack import ToolsConfig, ToolStack
-
-    run = Run.__new__(Run)  # only the parts close() touches
-    run.engine = None
-    run.logger = MetricsLogger(tmp_path, tensorboard=False)
-    run.tools = ToolStack(ToolsConfig(), tmp_path)
-    sandbox.set_unsafe_fallback(True)
-    with pytest.raises(AttributeError, match="close"):
-        run.close()
-    assert run.logger._file.closed and sandbox._fallback_allowed is False
-

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tiller.config import Config
-from tiller.errors import ConfigError, RunError, require_package
+from tiller.errors import ConfigError, RunError
 from tiller.files import write_file
 from tiller.observe.evaluation import (
     outcome_rows,
@@ -31,12 +31,13 @@ from tiller.observe.evaluation import (
 )
 from tiller.observe.health import EnvErrorTrend, JudgeHackingTrend
 from tiller.observe.metrics import progress
+from tiller.preflight import check_evaluable, check_report, heldout_disabled, rl_task_reserve
 from tiller.rollout.collect import rollout_metrics
 from tiller.rollout.curriculum import make_curriculum
 from tiller.rollout.manager import RolloutManager
 from tiller.rollout.protocol import Rollouts
 from tiller.rollout.trajectory import Status, Trajectory, is_success
-from tiller.run import Run, get_env, heldout_disabled, rl_task_reserve
+from tiller.run import Run
 from tiller.tools.executor import ToolReliabilityError
 from tiller.train.algorithms.kl import kl_beta_at
 from tiller.train.critic import Critic
@@ -157,7 +158,7 @@ def rl(run: Run, after_step: Callable[[int], None] | None = None) -> dict[str, A
     cfg, alg = run.cfg.rl, run.cfg.rl.algorithm
     run.trainer.set_optimizer(cfg.lr, cfg.weight_decay, cfg.adam_betas, cfg.adam_eps)
     # kl.beta = 0 (or switched off from the start): no reference model exists or runs
-    ref = (copy.deepcopy(run.model).to(run.dtype).eval()
+    ref = (copy.deepcopy(run.model).to(run.trainer.compute_dtype).eval()
            if kl_beta_at(0, alg.kl.beta, alg.kl.off_after) else None)
     critic = (Critic(run.model, alg.critic, run.cfg.model.dropout)
               if alg.critic is not None else None)
@@ -339,9 +340,7 @@ def ledger_unaccounted(ledger: Counter[str]) -> int:
 def train(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:
     """The whole pipeline; returns (and writes) the run summary."""
     t0 = time.perf_counter()
-    if cfg.logging.report:  # before any work: a report that cannot be written is one line now
-        require_package("matplotlib", "report", "logging.report=true",
-                        instead="set logging.report=false")
+    check_report(cfg)  # before any work
     run = Run(cfg, output_dir)
     summary: dict[str, Any] = {"run_dir": str(run.dir), "seed": cfg.seed,
                                "runtime": run.runtime}
@@ -393,9 +392,7 @@ def report_uri(run_dir: Path) -> str:
 
 def evaluate_checkpoint(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:
     """Success of the model at `model.path` on every eval set, by set name."""
-    no_eval = heldout_disabled(cfg, get_env(cfg.env.name).configure(cfg))
-    if no_eval:
-        raise ConfigError(f"tiller eval has nothing to evaluate: {no_eval}")
+    check_evaluable(cfg)
     run = Run(cfg, output_dir)
     try:
         sets = evaluate_sets(run, "checkpoint")
