@@ -27,7 +27,7 @@ import torch
 from helpers import rl_rows
 
 from tiller.config import load_config
-from tiller.controller import ledger_unaccounted, rl
+from tiller.controller import rl
 from tiller.engine.api import SamplingParams
 from tiller.engine.embedded import EmbeddedEngine
 from tiller.engine.http import HttpEngine, connect
@@ -35,6 +35,7 @@ from tiller.engine.updates import WeightUpdate
 from tiller.envs import ENVS
 from tiller.errors import ConfigError, RunError
 from tiller.models import load_model
+from tiller.observe.steps import ledger_unaccounted
 from tiller.rollout.agent_loop import EngineActor, run_episode
 from tiller.rollout.chat import stop_token_ids
 from tiller.rollout.collect import collect
