@@ -46,7 +46,8 @@ from tiller.train.batch import Batch
 from tiller.train.critic import Critic
 from tiller.train.reward_control import RewardControl
 from tiller.train.sft import train_sft
-from tiller.train.shaping import judged, rl_batch, train_reward
+from tiller.train.shaping import KeyStepFn, judged, rl_batch, train_reward
+from tiller.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ def rl(run: Run, after_step: Callable[[int], None] | None = None) -> dict[str, A
     weights, record the step. `after_step(s)` runs once step s's weights are pushed, before
     the next step's groups start in sync (benchmarks evaluate there)."""
     cfg, alg = run.cfg.rl, run.cfg.rl.algorithm
-    learner = Learner(run)
+    learner = Learner(run.cfg, run.trainer, run.tokenizer, run.key_steps)
     curriculum = make_curriculum(run.cfg, run.env_cls, rl_task_reserve(run.cfg))
     record = step_recorder(run, curriculum)
     rollouts = rl_rollouts(run, learner.reward, curriculum)
@@ -210,19 +211,19 @@ class Learner:
     """The trainer's side of an RL step: the optimizer, the reference model (only while the
     KL term is on), the critic, the reward control, and the shaping of a batch into tensors."""
 
-    def __init__(self, run: Run):
-        self.cfg, self.alg = run.cfg, run.cfg.rl.algorithm
-        self.trainer, self.tokenizer, self.key_steps = run.trainer, run.tokenizer, run.key_steps
-        rl_cfg, kl = run.cfg.rl, self.alg.kl
-        run.trainer.set_optimizer(rl_cfg.lr, rl_cfg.weight_decay, rl_cfg.adam_betas,
-                                  rl_cfg.adam_eps)
+    def __init__(self, cfg: Config, trainer: Trainer, tokenizer: Any,
+                 key_steps: KeyStepFn | None):
+        self.cfg, self.alg = cfg, cfg.rl.algorithm
+        self.trainer, self.tokenizer, self.key_steps = trainer, tokenizer, key_steps
+        rl_cfg, kl = cfg.rl, self.alg.kl
+        trainer.set_optimizer(rl_cfg.lr, rl_cfg.weight_decay, rl_cfg.adam_betas, rl_cfg.adam_eps)
         # kl.beta = 0 (or switched off from the start): no reference model exists or runs
-        self.ref = (copy.deepcopy(run.model).to(run.trainer.compute_dtype).eval()
+        self.ref = (copy.deepcopy(trainer.model).to(trainer.compute_dtype).eval()
                     if kl_beta_at(0, kl.beta, kl.off_after) else None)
-        self.critic = (Critic(run.model, self.alg.critic, run.cfg.model.dropout)
+        self.critic = (Critic(trainer.model, self.alg.critic, cfg.model.dropout)
                        if self.alg.critic is not None else None)
         self.control = RewardControl(rl_cfg.reward_control, rl_cfg.reward_control_value,
-                                     run.cfg.seed)
+                                     cfg.seed)
 
     def reward(self, t: Trajectory, value: float | None = None) -> float:
         """The reward trained on: the verifier's plus the gated judge term (the rollout

@@ -36,7 +36,7 @@ from tiller.rollout.agent_loop import EpisodeLimits, check_rollout_setup, load_e
 from tiller.rollout.curriculum import check_curriculum
 from tiller.tools.registry import Tool
 from tiller.train.judges import check_judge_model
-from tiller.train.shaping import load_judge, load_key_steps
+from tiller.train.shaping import JudgeFn, KeyStepFn, load_judge, load_key_steps
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +50,8 @@ class Checked:
     sft_conversations: list[Conversation]
     episode_fn: Callable[..., Any]
     program: Callable[..., Any] | None
-    key_steps: Callable[..., Any] | None
-    judge: Callable[..., Any] | None  # rl.judge.fn; rl.judge.model loads with the models
+    key_steps: KeyStepFn | None
+    judge: JudgeFn | None  # rl.judge.fn; rl.judge.model loads with the models
 
 
 def check_run(cfg: Config) -> Checked:
