@@ -18,9 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tiller.config import load_config
-from tiller.controller import ledger_unaccounted, rl
+from tiller.controller import rl
 from tiller.engine.updates import WeightUpdate
 from tiller.errors import ConfigError, RunError
+from tiller.observe.steps import ledger_unaccounted
 from tiller.observe.traces import connect
 from tiller.rollout.manager import RolloutManager
 from tiller.rollout.protocol import WindDown

@@ -166,7 +166,7 @@ def test_sampling_logprobs_needs_truncation():
 
 
 def test_a_correction_blind_to_truncation_is_one_warning(caplog):
-    from tiller.run import warn_blind_correction
+    from tiller.preflight import warn_blind_correction
 
     blind = load_config(CONFIG, ["sampling.top_k=5", "sampling.logprobs=untruncated",
                                  "rl.mode=async"])

@@ -11,6 +11,7 @@ from tiller.controller import rl
 from tiller.envs import ENVS
 from tiller.envs.dataset import DatasetEnv
 from tiller.envs.verifiers import Reward
+from tiller.preflight import check_task_counts
 from tiller.rollout.curriculum import (
     DRAW,
     LEVEL,
@@ -21,7 +22,7 @@ from tiller.rollout.curriculum import (
     make_curriculum,
 )
 from tiller.rollout.trajectory import Status, Trajectory
-from tiller.run import Run, check_task_counts
+from tiller.run import Run
 
 CONFIG = "configs/calculator.yaml"
 CALC = ENVS["calculator"]

@@ -140,7 +140,7 @@ def test_eval_set_errors_are_one_line():
         load_config(CONFIG, ["eval.sets=[{name: a}, {name: a}]"])
     with pytest.raises(ConfigError, match=r"eval.seeds: got \[1, 1\]; each seed once"):
         load_config(CONFIG, ["eval.seeds=[1, 1]"])
-    from tiller.run import check_task_counts
+    from tiller.preflight import check_task_counts
 
     cfg = load_config("configs/sql.yaml", ["eval.sets=[{name: x, split: ood_templates}]"])
     with pytest.raises(ConfigError, match=r"eval.sets \(x\).split: got 'ood_templates'; env "

@@ -27,7 +27,7 @@ import torch
 from helpers import rl_rows
 
 from tiller.config import load_config
-from tiller.controller import ledger_unaccounted, rl
+from tiller.controller import rl
 from tiller.engine.api import SamplingParams
 from tiller.engine.embedded import EmbeddedEngine
 from tiller.engine.http import HttpEngine, connect
@@ -35,6 +35,7 @@ from tiller.engine.updates import WeightUpdate
 from tiller.envs import ENVS
 from tiller.errors import ConfigError, RunError
 from tiller.models import load_model
+from tiller.observe.steps import ledger_unaccounted
 from tiller.rollout.agent_loop import EngineActor, run_episode
 from tiller.rollout.chat import stop_token_ids
 from tiller.rollout.collect import collect
@@ -766,21 +767,4 @@ def test_the_servers_context_bounds_a_turn(params, tmp_path):
     assert (full.token_ids, full.finish_reason, full.prompt_tokens) == ([], "length", 10)
     assert [(p, b["sampling_params"]["max_new_tokens"]) for p, b, _ in srvs[0].calls] == [
         ("/generate", 1)]  # 12 asked, 1 fits
-
-
-def test_run_close_closes_every_part_when_the_engine_fails(tmp_path):
-    """A run whose engine cannot close (here: none to close) still closes its metrics file and
-    tool stack and resets the sandbox policy, then raises the engine's error."""
-    from tiller.observe.metrics import MetricsLogger
-    from tiller.tools import sandbox
-    from tiller.tools.stack import ToolsConfig, ToolStack
-
-    run = Run.__new__(Run)  # only the parts close() touches
-    run.engine = None
-    run.logger = MetricsLogger(tmp_path, tensorboard=False)
-    run.tools = ToolStack(ToolsConfig(), tmp_path)
-    sandbox.set_unsafe_fallback(True)
-    with pytest.raises(AttributeError, match="close"):
-        run.close()
-    assert run.logger._file.closed and sandbox._fallback_allowed is False
 

@@ -24,11 +24,12 @@ from tiller.envs.verifiers import Reward
 from tiller.errors import ConfigError
 from tiller.observe.evaluation import success_summary
 from tiller.plugins import check_env_tools, load_env_class
+from tiller.preflight import heldout_disabled
 from tiller.rollout.agent_loop import EngineActor
 from tiller.rollout.collect import collect, draws
 from tiller.rollout.manager import RolloutManager
 from tiller.rollout.trajectory import Status, Trajectory
-from tiller.run import Run, heldout_disabled
+from tiller.run import Run
 from tiller.tools.registry import ToolRegistry, load_tools
 from tiller.train.batch import Batch
 from tiller.train.trainer import compute_advantages

@@ -78,7 +78,7 @@ def test_cli_report_on_a_folder_that_is_not_a_run_is_one_line(tmp_path):
 def test_async_run_plots_staleness(tiny_run, tmp_path):
     """The staleness section plots what an async run logs (the controller's own
     staleness_metrics rows) instead of the sync run's one line."""
-    from tiller.controller import staleness_metrics
+    from tiller.observe.steps import staleness_metrics
 
     run_dir, _ = tiny_run
     rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
