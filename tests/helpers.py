@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 
 from tiller.config import Config
 from tiller.engine.api import Generation
-from tiller.envs import ENVS
 from tiller.models import load_tokenizer
+from tiller.plugins import load_env_class
 from tiller.rollout.agent_loop import EpisodeLimits, run_episode
 from tiller.rollout.collect import collect_expert
 from tiller.rollout.trajectory import is_success
@@ -120,7 +120,7 @@ def check_short_run(cfg: Config, summary: dict[str, Any], random_actor: Callable
     tokenizer and episode limits, the scripted expert succeeds and `random_actor(tokenizer)`
     does not (so env and verifier tell them apart under the run's settings), and the RL steps
     changed the weights. Returns (expert, random) success rates."""
-    env_cls = ENVS[cfg.env.name]
+    env_cls = load_env_class(cfg.env.name)  # registered, installed or a dotted path
     tok = load_tokenizer(summary["checkpoint"])
     limits = EpisodeLimits(cfg.env.max_turns, cfg.env.max_episode_tokens)
     tasks = env_cls.make_tasks("heldout", cfg.eval.tasks, cfg.seed, cfg.env.difficulty)

@@ -100,7 +100,7 @@ def test_trainer_trains_on_a_parquet_file_with_an_in_process_reward(tmp_path):
 
 
 def test_tiller_train_runs_the_readme_example(tmp_path, monkeypatch):
-    """The README's command, through the API with two overrides that keep it short."""
+    """docs/datasets.md's command, through the API with two overrides that keep it short."""
     monkeypatch.chdir(ROOT)
     monkeypatch.syspath_prepend(str(EXAMPLE))
     summary = tiller.train(EXAMPLE / "config.yaml", output_dir=tmp_path / "run",
