@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tiller.algorithms.kl import kl_beta_at
 from tiller.config import Config
 from tiller.errors import ConfigError, RunError, require_package
 from tiller.files import write_file
@@ -38,7 +39,6 @@ from tiller.rollout.protocol import Rollouts
 from tiller.rollout.trajectory import Status, Trajectory, is_success
 from tiller.run import Run, get_env, heldout_disabled, rl_task_reserve
 from tiller.tools.executor import ToolReliabilityError
-from tiller.train.algorithms.kl import kl_beta_at
 from tiller.train.critic import Critic
 from tiller.train.reward_control import RewardControl
 from tiller.train.sft import train_sft
