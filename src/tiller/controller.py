@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tiller.algorithms.kl import kl_beta_at
-from tiller.config import Config
+from tiller.config import Config, JudgeConfig
 from tiller.errors import ConfigError, RunError, require_package
 from tiller.files import write_file
 from tiller.observe.evaluation import (
@@ -162,11 +162,13 @@ def rl(run: Run, after_step: Callable[[int], None] | None = None) -> dict[str, A
     critic = (Critic(run.model, alg.critic, run.cfg.model.dropout)
               if alg.critic is not None else None)
     trend = EnvErrorTrend()
-    hacking = JudgeHackingTrend(cfg.judge.window, cfg.judge.margin)
+    judging = cfg.judge if isinstance(cfg.judge, JudgeConfig) else None
+    hacking = JudgeHackingTrend(judging.window, judging.margin) if judging else None
+    judge_weight = judging.weight if judging else 0.0
     # the manager's reward is the verifier's (plus the gated judge term); the batch's may be
     # the control's (`v`)
     reward = lambda t, v=None: train_reward(t, alg, run.cfg.l_max, run.cfg.l_cache,  # noqa: E731
-                                            cfg.judge.weight, v)
+                                            judge_weight, v)
     control = RewardControl(cfg.reward_control, cfg.reward_control_value, run.cfg.seed)
     curriculum = make_curriculum(run.cfg, run.env_cls, rl_task_reserve(run.cfg))
     in_flight = "abort" if run.cfg.rollout.partial == "abort_resume" else "continue"
@@ -200,8 +202,8 @@ def rl(run: Run, after_step: Callable[[int], None] | None = None) -> dict[str, A
                 if run.traces is not None:
                     for t in taken.ended:
                         run.traces.put_episode(t, "rl", "train", run.trainer.version, step + 1)
-                judge = judge_metrics(taken.ended, cfg.judge.weight)
-                if judge:
+                judge = judge_metrics(taken.ended, judge_weight)
+                if judge and hacking:
                     m.update(judge, **hacking.update(judge["judge/mean"], m["success_rate"]))
                 idle = 0 if kept else idle + 1
                 if not kept and (not m.get("groups_dropped") or idle > cfg.max_idle_steps):

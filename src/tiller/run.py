@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import yaml
 
-from tiller.config import Config
+from tiller.config import Config, FnJudgeConfig, ModelJudgeConfig
 from tiller.engine.api import SamplingParams
 from tiller.engine.factory import make_engine
 from tiller.engine.weight_sync import WeightSync
@@ -149,7 +149,8 @@ def compute_streams(cfg: Config) -> int:
     model's worker (it scores episodes while others are generated), and the trainer when it
     trains while episodes are sampled (rl.mode one_step_off or async; in sync it waits for
     them). At least 1 (the trainer of an HTTP-engine run)."""
-    rollout = int(cfg.engine.backend == "embedded") + int(cfg.rl.judge.model is not None)
+    rollout = (int(cfg.engine.backend == "embedded")
+               + int(isinstance(cfg.rl.judge, ModelJudgeConfig)))
     overlaps = cfg.rl.mode != "sync" and cfg.rl.steps > 0
     return max(1, rollout + int(overlaps))
 
@@ -188,9 +189,10 @@ class Run:
         self.episode_fn = load_episode_fn(cfg.agent.loop)
         program = load_program(cfg.agent.program) if cfg.agent.program else None
         self.key_steps = load_key_steps(cfg.rl.algorithm.credit.key_steps)
-        self.judge = load_judge(cfg.rl.judge.fn)  # rl.judge.model loads with the models
-        if cfg.rl.judge.model is not None:
-            check_judge_model(cfg.rl.judge.model)
+        judge = cfg.rl.judge  # rl.judge.model loads with the models
+        self.judge = load_judge(judge.fn) if isinstance(judge, FnJudgeConfig) else None
+        if isinstance(judge, ModelJudgeConfig):
+            check_judge_model(judge.model)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.dir = Path(output_dir or cfg.output_dir or Path("runs") / f"{cfg.name}-{stamp}")
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -250,7 +252,7 @@ class Run:
                                       params=sum(p.numel() for p in self.model.parameters()))
         write_file(self.dir / "runtime.json", json.dumps(self.runtime, indent=2))
         check_rollout_setup(self.tokenizer, self.model.config, self.limits)
-        if cfg.rl.judge.model is not None:
+        if isinstance(cfg.rl.judge, ModelJudgeConfig):
             self.judge = ModelJudge(cfg.rl.judge.model, cfg.rl.judge.prompt, device=self.device)
         self.timings["build_s"] = time.perf_counter() - t0
         if cfg.model.dropout == "keep" and not dropout_rates(self.model):

@@ -13,14 +13,20 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from tiller.config.base import Section
+from tiller.config.base import TAGS, Section
+from tiller.config.curriculum import DifficultyCurriculumConfig
 from tiller.config.data import DataConfig, RewardConfig
-from tiller.config.engine import EngineConfig, SamplingConfig, WeightSyncConfig
+from tiller.config.engine import (
+    AnyEngineConfig,
+    EmbeddedEngineConfig,
+    SamplingConfig,
+    WeightSyncConfig,
+)
 from tiller.config.env import AgentConfig, EnvConfig
 from tiller.config.eval import EvalConfig
 from tiller.config.model import ModelConfig, RuntimeConfig
 from tiller.config.observe import LoggingConfig, ObserveConfig
-from tiller.config.rl import RLConfig
+from tiller.config.rl import AnyRLConfig, SyncRLConfig
 from tiller.config.rollout import RolloutConfig
 from tiller.config.sft import SFTConfig
 from tiller.errors import ConfigError
@@ -35,10 +41,10 @@ class Config(Section):
     agent: AgentConfig = AgentConfig()
     sampling: SamplingConfig = SamplingConfig()
     sft: SFTConfig = SFTConfig()
-    rl: RLConfig = RLConfig()
+    rl: AnyRLConfig = SyncRLConfig()
     eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
-    engine: EngineConfig = EngineConfig()
+    engine: AnyEngineConfig = EmbeddedEngineConfig()
     rollout: RolloutConfig = RolloutConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     observe: ObserveConfig = ObserveConfig()
@@ -92,6 +98,8 @@ class Config(Section):
     @model_validator(mode="after")
     def _curriculum_fits_env(self) -> Config:
         c = self.rl.curriculum
+        if not isinstance(c, DifficultyCurriculumConfig):
+            return self
         for name in ("min_level", "start"):
             level = getattr(c, name)
             if level is not None and level > self.env.difficulty:
@@ -99,7 +107,7 @@ class Config(Section):
                                   f"at most env.difficulty = {self.env.difficulty} (the "
                                   f"target, the highest level)")
         lowest = c.min_level or 1
-        if c.enabled and c.mode == "difficulty" and lowest == self.env.difficulty:
+        if c.enabled and lowest == self.env.difficulty:
             raise ConfigError(f"config field rl.curriculum.mode: got 'difficulty' with a single "
                               f"level (rl.curriculum.min_level {lowest} = env.difficulty), so "
                               f"there is nothing to adapt: expected rl.curriculum.min_level "
@@ -165,7 +173,7 @@ def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 def first_error(e: ValidationError) -> str:
     err = e.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "config"
+    where = ".".join(str(p) for p in err["loc"] if p not in TAGS) or "config"
     more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
     got = f" got {err['input']!r};" if "input" in err and not isinstance(err["input"], dict) else ""
     return f"config field {where}:{got} {err['msg']}{more}"
