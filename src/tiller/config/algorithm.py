@@ -19,9 +19,12 @@ from tiller.errors import ConfigError
 class KLConfig(Section):
     """KL(pi || pi_ref). beta = 0 means no reference model at all (no reference forward)."""
 
-    beta: float = Field(0.0, ge=0.0)
+    beta: float = Field(0.0, ge=0.0, description="the KL coefficient: placement loss adds "
+                        "beta * k per token to the loss, placement reward subtracts beta * k1 "
+                        "from each token's reward; 0 = no reference model")
     estimator: str | None = Field(
-        None, description="k1 | k2 | k3 | abs | k1+ | k3+ (default k3); placement loss"
+        None, description="the per-token estimator k of placement loss: k1 | k2 | k3 | abs | "
+        "k1+ | k3+ (default k3)"
     )
     placement: Literal["loss", "reward"] | None = Field(
         None, description="loss: + beta * k per token; reward: - beta * k1 from the reward"
@@ -37,7 +40,8 @@ class KLConfig(Section):
 class DynamicSamplingConfig(Section):
     """DAPO: drop zero-variance groups, refill with new groups up to `max_rounds` rounds."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="drop groups whose rewards are all equal (no "
+                          "advantage to learn from) and sample new groups in their place")
     max_rounds: int | None = Field(
         None, ge=1, description="generation rounds per step, the first one included (default 3)"
     )
@@ -46,14 +50,19 @@ class DynamicSamplingConfig(Section):
 class OverlongConfig(Section):
     """Truncated episodes: `mask` them out of the loss, or `soft`-punish their length."""
 
-    mode: Literal["none", "mask", "soft"] = "none"
+    mode: Literal["none", "mask", "soft"] = Field(
+        "none", description="none: truncated episodes train like any other; mask: they are "
+        "left out of the loss; soft: DAPO's length penalty on every episode's reward, 0 up to "
+        "l_max - l_cache generated tokens, falling linearly to -1 at l_max")
     l_cache: int | None = Field(None, ge=1, description="soft buffer (default 20% of l_max)")
 
 
 class CreditConfig(Section):
     """Turn-level credit (used when the verifier gives `Reward.turn_rewards`) and key steps."""
 
-    gamma_turn: float | None = Field(None, ge=0.0, le=1.0, description="default 1.0")
+    gamma_turn: float | None = Field(
+        None, ge=0.0, le=1.0, description="discount per turn of turn rewards: a turn's return "
+        "is R_k = r_k + gamma_turn * R_(k+1) (default 1.0)")
     turn_baseline: Literal["per_turn", "pooled"] | None = Field(
         None, description="group baseline per turn index, or pooled over turns (default per_turn)"
     )
@@ -66,10 +75,15 @@ class CreditConfig(Section):
 class CriticConfig(Section):
     """The value model of the `gae` estimator (PPO)."""
 
-    gamma: float = Field(1.0, ge=0.0, le=1.0)
-    lam: float = Field(0.95, ge=0.0, le=1.0)
-    value_lr: float = Field(1e-3, gt=0)
-    value_clip: float = Field(0.2, gt=0)
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="discount per token of GAE's "
+                         "returns")
+    lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE's lambda: 1 = Monte Carlo "
+                       "returns (unbiased, noisy), 0 = one-step TD (the critic's bias)")
+    value_lr: float = Field(1e-3, gt=0, description="AdamW's learning rate of the critic (its "
+                            "own optimizer)")
+    value_clip: float = Field(0.2, gt=0, description="PPO's clipped value loss: V may move at "
+                              "most this far from V_old per batch before the clipped term "
+                              "takes over")
     whiten: bool = Field(True, description="whiten GAE advantages over the batch's tokens")
 
 
@@ -85,8 +99,10 @@ class AlgorithmConfig(Section):
 
     preset: str | None = Field(None, description="grpo | dapo | dr_grpo | gspo | ppo | rloo | "
                                "reinforce_pp: a set of defaults for the knobs below")
-    advantage: str = Field("grpo", description="grpo | dr_grpo | rloo | reinforce_pp | gae")
-    policy_loss: str = Field("ppo_clip", description="ppo_clip | gspo | cispo | sapo")
+    advantage: str = Field("grpo", description="the advantage estimator: grpo | dr_grpo | "
+                           "rloo | reinforce_pp | gae (gae adds a critic)")
+    policy_loss: str = Field("ppo_clip", description="the policy loss: ppo_clip | gspo | "
+                             "cispo | sapo")
     eps_low: float | None = Field(None, ge=0.0, description="clip range below 1 (ppo_clip, gspo; "
                                   "cispo's IS-weight bound); default: the loss's own")
     eps_high: float | None = Field(None, ge=0.0, description="clip range above 1 (ppo_clip, "
@@ -100,7 +116,8 @@ class AlgorithmConfig(Section):
     advantage_eps: float | None = Field(
         None, gt=0.0, description="the epsilon in the advantage's denominator (std + eps) of "
         "the estimators that whiten: grpo, reinforce_pp, gae (default 1e-6)")
-    aggregation: str = Field("token-mean", description="token-mean | seq-mean-token-mean | "
+    aggregation: str = Field("token-mean", description="how per-token losses become the "
+                             "batch's loss: token-mean | seq-mean-token-mean | "
                              "seq-mean-token-sum | seq-mean-token-sum-norm | token-sum")
     l_max: int | None = Field(
         None, ge=1, description="max generated tokens per episode (default: the env's budget, "
@@ -125,11 +142,17 @@ class AlgorithmConfig(Section):
     mis_high: float | None = Field(None, gt=1.0, description="mis, mis_mask: tokens whose "
                                    "exp(logp_old - logp_rollout) is above this are removed "
                                    "(default 5.0)")
-    kl: KLConfig = Field(default_factory=KLConfig)
-    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
-    overlong: OverlongConfig = Field(default_factory=OverlongConfig)
-    credit: CreditConfig = Field(default_factory=CreditConfig)
-    critic: CriticConfig | None = Field(None, description="advantage 'gae' only")
+    kl: KLConfig = Field(default_factory=KLConfig, description="the KL penalty to the "
+                         "reference model (the policy at the start of RL)")
+    dynamic_sampling: DynamicSamplingConfig = Field(
+        default_factory=DynamicSamplingConfig, description="DAPO's dynamic sampling")
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig,
+                                     description="long episodes: truncated ones "
+                                     "masked, or a length penalty")
+    credit: CreditConfig = Field(default_factory=CreditConfig,
+                                 description="turn-level credit and key-step masks")
+    critic: CriticConfig | None = Field(None, description="the value model of advantage gae "
+                                        "(filled in for it; refused with other estimators)")
 
     @field_validator("advantage")
     @classmethod

@@ -12,10 +12,16 @@ from tiller.errors import ConfigError
 
 
 class SamplingConfig(Section):
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    max_new_tokens: int = Field(48, ge=1)
+    """How the engine samples each assistant turn: in RL, and in evaluation with
+    eval.temperature in place of temperature."""
+
+    temperature: float = Field(1.0, ge=0.0, description="softmax temperature: tokens are drawn "
+                               "from softmax(logits / T); 0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling: draw from the "
+                         "most likely tokens whose probability adds up to top_p; 1 = off")
+    top_k: int = Field(0, ge=0, description="draw from the k most likely tokens; 0 = off")
+    max_new_tokens: int = Field(48, ge=1, description="tokens one assistant turn may generate; "
+                                "a turn cut there ends the episode (truncated)")
     logprobs: Literal["sampled", "untruncated"] = Field(
         "sampled", description="with top_k or top_p on, the logprob the engine records per "
         "token and the trainer recomputes: sampled = of the distribution the token was drawn "

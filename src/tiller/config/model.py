@@ -14,10 +14,11 @@ from tiller.config.base import Section
 class BuildConfig(Section):
     """A tiny Qwen3 with random weights and a BPE tokenizer trained on the env's text."""
 
-    vocab_size: int = Field(1024, ge=300, le=65536)
-    hidden_size: int = Field(128, ge=16, le=4096)
-    num_layers: int = Field(2, ge=1, le=64)
-    num_heads: int = Field(4, ge=1, le=64)
+    vocab_size: int = Field(1024, ge=300, le=65536, description="tokens of the BPE tokenizer "
+                            "trained on the env's text (rows of the embedding)")
+    hidden_size: int = Field(128, ge=16, le=4096, description="width of the hidden states")
+    num_layers: int = Field(2, ge=1, le=64, description="transformer layers")
+    num_heads: int = Field(4, ge=1, le=64, description="attention heads per layer")
     corpus_tasks: int = Field(400, ge=10, description="expert episodes the tokenizer trains on")
 
 

@@ -23,17 +23,22 @@ class RLConfig(Variant):
     schedule, rl.mode, is the variant: `SyncRLConfig`, `OneStepOffRLConfig`, `AsyncRLConfig`.
     Built alone (the trainer's own tests) it has no schedule: its samples are on-policy."""
 
-    steps: int = Field(30, ge=0)
-    tasks_per_step: int = Field(16, ge=1)
-    group_size: int = Field(8, ge=1)
-    lr: float = Field(5e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
+    steps: int = Field(30, ge=0, description="RL steps: each trains on tasks_per_step groups "
+                       "with mini_batches * ppo_epochs optimizer steps; 0 skips RL")
+    tasks_per_step: int = Field(16, ge=1, description="tasks (groups) trained on per RL step")
+    group_size: int = Field(8, ge=1, description="episodes sampled per task (G); group "
+                            "baselines (grpo, rloo, ...) compare a task's episodes")
+    lr: float = Field(5e-4, gt=0, description="AdamW's learning rate for RL (constant)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay for RL")
+    max_grad_norm: float = Field(1.0, gt=0, description="the gradient's global L2 norm is "
+                                 "clipped to this before each optimizer step")
     mini_batches: int = Field(1, ge=1, description="optimizer steps per pass over the batch")
     ppo_epochs: int = Field(
         1, ge=1, description="passes over each rollout batch (logp_old fixed before the first); "
         "with mini_batches 1 and ppo_epochs 1 the ratio is 1 and clipping never acts")
-    micro_batch_size: int = Field(32, ge=1)
+    micro_batch_size: int = Field(32, ge=1, description="rows per forward/backward pass "
+                                  "(gradients accumulate over a mini-batch): memory, not the "
+                                  "result")
     adam_betas: tuple[float, float] = Field(
         (0.9, 0.99), description="AdamW's (beta1, beta2) for RL, each in [0, 1)")
     adam_eps: float = Field(1e-8, gt=0, description="AdamW's epsilon for RL (added to the "
@@ -52,7 +57,10 @@ class RLConfig(Variant):
         0.1, ge=0.0, le=1.0,
         description="fail the run when more than this share of a step's (or an eval's) "
                     "episodes aborted (engine or loop failure), naming the first error")
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    algorithm: AlgorithmConfig = Field(
+        default_factory=AlgorithmConfig, description="advantage estimator, policy loss, "
+        "aggregation, KL, off-policy correction and their knobs, from a preset or by name "
+        "(docs/algorithms.md)")
     reward_control: Literal["none", "random", "constant"] = Field(
         "none",
         description="the spurious-reward control (docs/evaluation.md): none trains on the "
