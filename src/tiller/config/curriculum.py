@@ -19,7 +19,7 @@ class CurriculumConfig(Variant):
     their own."""
 
     enabled: bool = Field(False, description="draw RL tasks through the curriculum; false: "
-                          "every RL task is made at env.difficulty, in order")
+                          "every RL task is made at env.difficulty")
     band: tuple[float, float] = Field(
         (0.3, 0.7), description="[low, high] success rate a task (or level) should have: "
         "above high it is too easy, below low too hard, to teach much")

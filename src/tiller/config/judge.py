@@ -39,8 +39,8 @@ class FnJudgeConfig(JudgeConfig):
 
 
 class ModelJudgeConfig(JudgeConfig):
-    """A frozen language model asked whether the answer is correct (tiller.train.judges.
-    ModelJudge)."""
+    """A frozen language model asked whether the answer is correct
+    (`tiller.train.judges.ModelJudge`)."""
 
     model: str = Field(
         description="local path of a Hugging Face causal LM and tokenizer: the score is P(yes) "

@@ -77,8 +77,10 @@ def _variants(family: list[type[BaseModel]], key: str, about: str) -> Iterator[T
         for v in with_keys)]
     own = {v: [n for n in v.model_fields if n not in shared] for v in family}
     choices = ", ".join(_chosen_by(v) for v in family)
+    holders = "every variant" if len(with_keys) == len(family) else " and ".join(
+        _chosen_by(v) for v in with_keys)
     yield _table(with_keys[0], key, f"`{key}`", f"{about}. One type per variant ({choices}); "
-                 "the keys every variant has:", shared, "None: each key belongs to variants, "
+                 f"the keys of {holders}:", shared, "None: each key belongs to variants, "
                  "below.")
     for v in family:
         yield _table(v, key, f"`{key}`, with {_chosen_by(v)}", _doc(v), own[v])
