@@ -3,7 +3,14 @@ import sys
 
 import pytest
 
-from tiller.config import AlgorithmConfig, Config, ConfigError, RLConfig, load_config
+from tiller.config import (
+    AlgorithmConfig,
+    Config,
+    ConfigError,
+    OneStepOffRLConfig,
+    RLConfig,
+    load_config,
+)
 
 CONFIG = "configs/calculator.yaml"
 
@@ -47,8 +54,8 @@ def test_the_engine_api_key_stays_out_of_every_dump():
 
 @pytest.mark.parametrize("field", ["max_batch_size=64", "cache_bytes=0"])
 def test_embedded_engine_fields_with_the_http_backend_are_errors(field):
-    with pytest.raises(ConfigError, match=rf"engine.{field.split('=')[0]}: only used with "
-                                          r"engine.backend: embedded"):
+    with pytest.raises(ConfigError, match=rf"engine.{field.split('=')[0]}: got \d+; it only "
+                       r"applies with engine.backend: embedded \(engine.backend is http\)"):
         load_config(CONFIG, [*HTTP, f"engine.{field}"])
     load_config(CONFIG, [*HTTP, "engine.max_batch_size=128"])  # the default: nothing to ignore
 
@@ -148,7 +155,7 @@ def test_on_policy_modes_keep_no_correction_and_refuse_the_acknowledgement():
         load_config(CONFIG, ["rl.mode=async", "rl.algorithm.off_policy=tis",
                              "rl.algorithm.allow_uncorrected_off_policy=true"])
     # built from an AlgorithmConfig instance (the Python API) it resolves the same way
-    rl = RLConfig(mode="one_step_off", algorithm=AlgorithmConfig(eps_high=0.3))
+    rl = OneStepOffRLConfig(algorithm=AlgorithmConfig(eps_high=0.3))
     assert (rl.algorithm.off_policy, rl.algorithm.eps_high) == ("mis", 0.3)
     assert RLConfig(algorithm=AlgorithmConfig(eps_high=0.3)).algorithm.off_policy == "none"
 

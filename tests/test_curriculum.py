@@ -145,8 +145,8 @@ def test_filter_skips_tasks_outside_the_band_counts_them_and_redraws_them():
     ("rl.curriculum.band=[0.7, 0.3]", "rl.curriculum.band: got [0.7, 0.3]; expected [low, "
      "high] with 0 <= low < high <= 1"),
     ("rl.curriculum.band=[0.3, 1.5]", "rl.curriculum.band: got [0.3, 1.5]"),
-    ("rl.curriculum.pool=10", "rl.curriculum.pool: got 10; it is not used with "
-     "rl.curriculum.mode: difficulty"),
+    ("rl.curriculum.pool=10", "rl.curriculum.pool: got 10; it only applies with "
+     "rl.curriculum.mode: filter (rl.curriculum.mode is difficulty)"),
     ("rl.curriculum.start=5", "rl.curriculum.start: got 5; expected at most env.difficulty = 2"),
     ("rl.curriculum.mode=sometimes", "rl.curriculum.mode: got 'sometimes'"),
     ("rl.curriculum.min_groups=9", "rl.curriculum.min_groups: got 9; expected at most "

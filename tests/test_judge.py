@@ -214,12 +214,12 @@ def test_model_judge_config_errors_are_one_line(calc_model_dir, tmp_path):
         load_config(CONFIG, [*base, judge, "rl.judge.prompt='Is {question} right?'"])
     with pytest.raises(ConfigError, match=r"^config field rl.judge.prompt: KeyError: 'x'"):
         load_config(CONFIG, [*base, judge, "rl.judge.prompt='{answer} {x}'"])
-    with pytest.raises(ConfigError, match=r"^config field rl.judge.prompt: it only applies with "
-                       "rl.judge.model"):
+    with pytest.raises(ConfigError, match=r"^config field rl.judge.prompt: got .*; it only "
+                       "applies with rl.judge.model$"):
         load_config(CONFIG, [*base, "rl.judge.prompt='{answer}?'"])
     for knob in ("weight=0.3", "window=5", "margin=0.1"):
         with pytest.raises(ConfigError, match=rf"^config field rl.judge.{knob.split('=')[0]}: "
-                           "got .*; it only applies with a judge"):
+                           r"got .*; it only applies with rl.judge.fn or rl.judge.model$"):
             load_config(CONFIG, [*base, f"rl.judge.{knob}"])
     with pytest.raises(ConfigError, match=r"^config field rl.judge.model: got .* "
                        "rl.reward_control: random"):

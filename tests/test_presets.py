@@ -10,6 +10,7 @@ import yaml
 from helpers import rl_rows
 from typer.testing import CliRunner
 
+from tiller.algorithms.presets import PRESETS
 from tiller.cli import app
 from tiller.config import Config, ConfigError, RLConfig, load_config
 from tiller.controller import rl, train
@@ -18,7 +19,6 @@ from tiller.rollout.trajectory import Status, Trajectory
 from tiller.run import Run
 from tiller.train.batch import Batch, token_logprobs
 from tiller.train.critic import Critic
-from tiller.train.presets import PRESETS
 from tiller.train.shaping import train_reward
 from tiller.train.trainer import Trainer
 

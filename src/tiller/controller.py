@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiller.config import Config
+from tiller.algorithms.kl import kl_beta_at
+from tiller.config import Config, JudgeConfig
 from tiller.errors import ConfigError, RunError
 from tiller.files import write_file
 from tiller.observe.evaluation import (
@@ -41,7 +42,6 @@ from tiller.rollout.protocol import Rollouts, Taken
 from tiller.rollout.trajectory import Status, Trajectory, is_success
 from tiller.run import Run
 from tiller.tools.executor import ToolReliabilityError
-from tiller.train.algorithms.kl import kl_beta_at
 from tiller.train.batch import Batch
 from tiller.train.critic import Critic
 from tiller.train.reward_control import RewardControl
@@ -229,7 +229,7 @@ class Learner:
         """The reward trained on: the verifier's plus the gated judge term (the rollout
         manager's), or with `value` the reward control's in the verifier's place."""
         return train_reward(t, self.alg, self.cfg.l_max, self.cfg.l_cache,
-                            self.cfg.rl.judge.weight, value)
+                            judge_weight(self.cfg), value)
 
     def shape(self, taken: Taken, step: int) -> tuple[Batch, dict[str, float]]:
         """The batch's tensors (rewards, advantages, masks, weights) and the shaping's
@@ -281,10 +281,16 @@ def step_recorder(run: Run, curriculum: Curriculum | None) -> StepRecorder:
     if curriculum is not None:  # before the next step's draws (sync: exact)
         others.append(curriculum.metrics)
     judge = run.cfg.rl.judge
+    hacking = (JudgeHackingTrend(judge.window, judge.margin) if isinstance(judge, JudgeConfig)
+               else None)
     return StepRecorder(run.log, run.traces, run.trainer,
                         tools=lambda: run.tools.stats(reset=True), engine=run.engine.stats,
-                        others=others, judge_weight=judge.weight,
-                        hacking=JudgeHackingTrend(judge.window, judge.margin))
+                        others=others, judge_weight=judge_weight(run.cfg), hacking=hacking)
+
+
+def judge_weight(cfg: Config) -> float:
+    """rl.judge.weight, 0 without a judge."""
+    return cfg.rl.judge.weight if isinstance(cfg.rl.judge, JudgeConfig) else 0.0
 
 
 def rl_rollouts(run: Run, reward: Callable[[Trajectory], float],

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tiller.config import Config
+from tiller.config import Config, FnJudgeConfig, ModelJudgeConfig
 from tiller.envs import Env
 from tiller.envs.dataset import Conversation, DatasetEnv, read_conversations
 from tiller.errors import ConfigError, require_package
@@ -68,10 +68,11 @@ def check_run(cfg: Config) -> Checked:
     episode_fn = load_episode_fn(cfg.agent.loop)
     program = load_program(cfg.agent.program) if cfg.agent.program else None
     key_steps = load_key_steps(cfg.rl.algorithm.credit.key_steps)
-    judge = load_judge(cfg.rl.judge.fn)
-    if cfg.rl.judge.model is not None:
-        check_judge_model(cfg.rl.judge.model)
-    return Checked(env_cls, conversations, episode_fn, program, key_steps, judge)
+    judge = cfg.rl.judge  # rl.judge.model loads with the models
+    judge_fn = load_judge(judge.fn) if isinstance(judge, FnJudgeConfig) else None
+    if isinstance(judge, ModelJudgeConfig):
+        check_judge_model(judge.model)
+    return Checked(env_cls, conversations, episode_fn, program, key_steps, judge_fn)
 
 
 def check_tools(env_cls: type[Env], tools: Sequence[Tool]) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import yaml
 
-from tiller.config import Config
+from tiller.config import Config, ModelJudgeConfig
 from tiller.engine.api import SamplingParams
 from tiller.engine.factory import make_engine
 from tiller.engine.weight_sync import WeightSync
@@ -50,7 +50,8 @@ def compute_streams(cfg: Config) -> int:
     model's worker (it scores episodes while others are generated), and the trainer when it
     trains while episodes are sampled (rl.mode one_step_off or async; in sync it waits for
     them). At least 1 (the trainer of an HTTP-engine run)."""
-    rollout = int(cfg.engine.backend == "embedded") + int(cfg.rl.judge.model is not None)
+    rollout = (int(cfg.engine.backend == "embedded")
+               + int(isinstance(cfg.rl.judge, ModelJudgeConfig)))
     overlaps = cfg.rl.mode != "sync" and cfg.rl.steps > 0
     return max(1, rollout + int(overlaps))
 
@@ -159,7 +160,7 @@ class Run:
                                       params=sum(p.numel() for p in self.model.parameters()))
         write_file(self.dir / "runtime.json", json.dumps(self.runtime, indent=2))
         check_model(cfg, self.tokenizer, self.model, self.limits)
-        if cfg.rl.judge.model is not None:
+        if isinstance(cfg.rl.judge, ModelJudgeConfig):
             self.judge = ModelJudge(cfg.rl.judge.model, cfg.rl.judge.prompt, device=device)
         self.timings["build_s"] = time.perf_counter() - t0
         s = cfg.sampling
