@@ -168,6 +168,21 @@ def traces_of_version(path: Path, version: int) -> Path:
     return path
 
 
+def cli(*args: str | Path, env: dict[str, str | None] | None = None) -> tuple[int, str]:
+    """`tiller ARGS` run in this process (typer's CliRunner): its exit status and what it
+    printed, stdout and stderr together. `env` sets environment variables for the call (None
+    removes one). An exception the CLI lets escape is raised here: the traceback a user would
+    see fails the test."""
+    from typer.testing import CliRunner
+
+    from tiller.cli import app
+
+    result = CliRunner().invoke(app, [str(a) for a in args], env=env)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.output
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     import socket

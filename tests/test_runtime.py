@@ -13,6 +13,7 @@ import threading
 
 import pytest
 import torch
+from helpers import cli
 
 from tiller import runtime
 from tiller.config import load_config
@@ -99,10 +100,9 @@ def test_bad_threads_value_is_one_line(value):
 
 
 def test_serve_refuses_bad_threads_in_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "tiller", "serve", str(tmp_path),
-                           "--threads", "0"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    lines = proc.stdout.strip().splitlines()
+    code, out = cli("serve", tmp_path, "--threads", "0")
+    assert code == 2
+    lines = out.strip().splitlines()
     assert lines == ["error: --threads 0: expected auto or a whole number of threads, at least 1"]
 
 

@@ -9,12 +9,9 @@ import functools
 import json
 import logging
 import os
-import subprocess
-import sys
 import threading
 import time
 from http.client import HTTPConnection
-from pathlib import Path
 
 import httpx
 import openai
@@ -23,7 +20,7 @@ import torch
 import torch.nn.functional as F
 import uvicorn
 from fastapi.testclient import TestClient
-from helpers import free_port, serve_process
+from helpers import cli, free_port, serve_process
 
 from tiller.engine.embedded import EmbeddedEngine
 from tiller.engine.updates import WeightUpdate
@@ -71,10 +68,6 @@ def tool_model_dir(calc_model_dir, episode, tmp_path_factory):
     model.save_pretrained(out)
     load_tokenizer(calc_model_dir).save_pretrained(out)
     return out
-
-
-def _serve_cmd(model_dir: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "tiller", "serve", str(model_dir), *args]
 
 
 @pytest.fixture(scope="module")
@@ -461,11 +454,10 @@ def test_session_reuses_the_kv_and_flush_cache_drops_it(http):
 # ---- start-up safety and in-process checks --------------------------------------------------
 
 def test_a_non_loopback_host_without_a_key_is_refused(tool_model_dir):
-    env = {k: v for k, v in os.environ.items() if k != "TILLER_API_KEY"}
-    proc = subprocess.run(_serve_cmd(tool_model_dir, "--host", "0.0.0.0", "--port", "1"),
-                          capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 2
-    out = (proc.stdout + proc.stderr).strip()
+    code, out = cli("serve", tool_model_dir, "--host", "0.0.0.0", "--port", "1",
+                    env={"TILLER_API_KEY": None})
+    assert code == 2
+    out = out.strip()
     assert len(out.splitlines()) == 1 and "--api-key" in out and "Traceback" not in out
 
 
