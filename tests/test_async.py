@@ -13,7 +13,7 @@ from contextlib import closing
 import pytest
 import slow_loop
 import torch
-from helpers import RL_MOVES, rl_rows
+from helpers import RL_MOVES, rl_rows, tiny_rl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -32,10 +32,7 @@ CONFIG = "configs/calculator.yaml"
 
 
 def config(model_dir, *more):
-    return load_config(CONFIG, [
-        f"model.path={model_dir}", "model.build=null", "sft.enabled=false", "rl.steps=3",
-        "rl.tasks_per_step=2", "rl.group_size=2", "eval.tasks=8", "logging.progress=false",
-        "logging.tensorboard=false", *more])
+    return load_config(CONFIG, tiny_rl(model_dir, "rl.steps=3", "rl.group_size=2", *more))
 
 
 def slow_episodes(monkeypatch, prob, seconds, pattern=None):

@@ -340,7 +340,7 @@ def test_rl_through_the_gateway_trains_exactly_the_sampled_tokens(agent_model_di
     """`tiller train` with agent.program (in-process, as the CLI runs it): two GRPO steps on
     the example agent's episodes, and every generated turn of every trained row is one engine
     answer, after exactly the context the engine was given, with the engine's logprobs."""
-    from helpers import RL_MOVES
+    from helpers import RL_MOVES, tiny_rl
 
     from tiller.controller import train
     from tiller.train.trainer import Trainer
@@ -362,11 +362,9 @@ def test_rl_through_the_gateway_trains_exactly_the_sampled_tokens(agent_model_di
 
     monkeypatch.setattr(EmbeddedEngine, "generate", recording_generate)
     monkeypatch.setattr(Trainer, "rl_step", recording_step)
-    cfg = load_config("configs/calculator.yaml", [
-        f"model.path={agent_model_dir}", "model.build=null", "sft.enabled=false",
-        "rl.steps=2", "rl.tasks_per_step=2", "rl.group_size=2", "eval.tasks=2",
-        "env.tools.gate.enabled=false", "logging.progress=false", "logging.tensorboard=false",
-        "agent.program=openai_agent.agent:main", *RL_MOVES])
+    cfg = load_config("configs/calculator.yaml", tiny_rl(
+        agent_model_dir, "rl.steps=2", "rl.group_size=2", "eval.tasks=2",
+        "env.tools.gate.enabled=false", "agent.program=openai_agent.agent:main", *RL_MOVES))
     summary = train(cfg, tmp_path / "run")
     assert summary["rl"]["ledger"]["trained"] == 8
     assert len(batches) == 2

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import rl_rows
+from helpers import rl_rows, tiny_rl
 
 from tiller.config import load_config
 from tiller.controller import ledger_unaccounted, rl
@@ -609,10 +609,8 @@ CONFIG = "configs/calculator.yaml"
 
 
 def rl_config(sft_dir: Path, *more: str):
-    return load_config(CONFIG, [
-        f"model.path={sft_dir}", "model.build=null", "model.dtype=float32", "sft.enabled=false",
-        "rl.steps=3", "rl.tasks_per_step=4", "rl.group_size=4", "eval.tasks=8",
-        "logging.progress=false", "logging.tensorboard=false", *more])
+    return load_config(CONFIG, tiny_rl(sft_dir, "model.dtype=float32", "rl.steps=3",
+                                       "rl.tasks_per_step=4", *more))
 
 
 def http_config(sft_dir: Path, servers: Servers, name: str):

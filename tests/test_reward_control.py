@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import rl_rows, trained_episodes
+from helpers import rl_rows, tiny_rl, trained_episodes
 from safetensors.torch import load_file
 
 from tiller.config import ConfigError, load_config
@@ -58,10 +58,8 @@ def test_config_errors_are_one_line():
 def half_expert(calc_sft_dir, *more):
     """A tiny run whose odd samples are the scripted expert's (tests/half_expert_loop.py): the
     verifier pays 1 on half of every group, so the real reward carries a signal to remove."""
-    return load_config(CONFIG, [
-        f"model.path={calc_sft_dir}", "model.build=null", "sft.enabled=false", "rl.steps=2",
-        "rl.tasks_per_step=2", "rl.group_size=4", "eval.tasks=8", "logging.progress=false",
-        "logging.tensorboard=false", "agent.loop=half_expert_loop:run_episode", *more])
+    return load_config(CONFIG, tiny_rl(calc_sft_dir, "rl.steps=2",
+                                       "agent.loop=half_expert_loop:run_episode", *more))
 
 
 def trained(run_dir):

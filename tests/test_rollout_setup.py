@@ -5,7 +5,7 @@ import copy
 import shutil
 
 import pytest
-from helpers import cli
+from helpers import cli, saved_model
 from transformers import GenerationConfig
 
 from tiller.config import ConfigError, load_config
@@ -45,9 +45,7 @@ def model_dir(calc_model_dir, tmp_path, *, eos=None, template=None, gen_eos=None
 
 
 def run_config(path, *overrides):
-    return load_config(CONFIG, [f"model.path={path}", "model.build=null",
-                                "logging.progress=false", "logging.tensorboard=false",
-                                *overrides])
+    return load_config(CONFIG, [*saved_model(path), *overrides])
 
 
 def test_stop_tokens_are_end_of_turn_and_every_generation_config_eos(tokenizer):

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 import torch
-from helpers import cli
+from helpers import cli, saved_model
 
 from tiller import runtime
 from tiller.config import load_config
@@ -108,8 +108,7 @@ def test_serve_refuses_bad_threads_in_one_line(tmp_path):
 
 def _run(calc_model_dir, tmp_path, threads: str) -> Run:
     cfg = load_config("configs/calculator.yaml", [
-        f"model.path={calc_model_dir}", "model.build=null", "sft.enabled=false",
-        "logging.progress=false", "logging.tensorboard=false", f"runtime.threads={threads}"])
+        *saved_model(calc_model_dir), "sft.enabled=false", f"runtime.threads={threads}"])
     return Run(cfg, tmp_path / f"run-{threads}")
 
 
