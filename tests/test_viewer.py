@@ -20,7 +20,7 @@ import httpx
 import pytest
 import uvicorn
 from browser import artifacts_dir, chromium_page
-from helpers import traces_of_version
+from helpers import cli, traces_of_version
 
 from tiller.config import RLConfig
 from tiller.engine.api import SamplingParams
@@ -263,10 +263,9 @@ def test_a_folder_without_traces_is_one_line(tmp_path):
     with pytest.raises(RunFolderError, match="holds traces of schema version 1; this tiller "
                                              "reads version 2"):
         create_app(tmp_path / "old")
-    out = subprocess.run([sys.executable, "-m", "tiller", "view", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2
-    assert out.stdout.strip().splitlines() == [
+    code, out = cli("view", tmp_path)
+    assert code == 2
+    assert out.strip().splitlines() == [
         f"error: {tmp_path} has no traces.sqlite (is it a run folder? traces are written "
         f"when observe.traces.enabled=true)"]
 
