@@ -81,6 +81,7 @@ def served(calc_model_dir, tmp_path_factory):
         yield live
 
 
+@pytest.mark.integration
 def test_serve_refuses_cross_site_posts(served):
     """A web page may POST text/plain, form and multipart bodies (or none) to any server
     without a CORS preflight: none of them changes the weights or pauses generation."""
@@ -104,6 +105,7 @@ def test_serve_refuses_cross_site_posts(served):
         assert r.status_code == 200
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("host, status", [
     ("evil.example:{port}", 421), ("localhost.evil.example", 421), ("10.0.0.1", 421),
     ("127.0.0.1.nip.io:{port}", 421), ("[::1", 421),
@@ -123,6 +125,7 @@ def test_serve_answers_only_its_own_host_names(served, host, status):
                             f"Connection: close\r\n\r\n{body}") == status
 
 
+@pytest.mark.integration
 def test_serve_needs_exactly_one_host_header(served):
     port = served["port"]
     assert raw_status(port, "GET /get_model_info HTTP/1.0\r\n\r\n") == 400
@@ -147,6 +150,7 @@ def uvicorn_thread(server) -> Iterator[None]:
         assert not thread.is_alive()
 
 
+@pytest.mark.integration
 def test_viewer_refuses_rebound_hosts_and_posts(tmp_path):
     """A rebound page cannot read the traces; tiller view shares serve's guard and limits."""
     TraceWriter(tmp_path / "traces.sqlite").close()
@@ -173,6 +177,7 @@ def actor(model, tokenizer):
     engine.close()
 
 
+@pytest.mark.integration
 def test_gateway_refuses_cross_site_rebound_and_oversized_calls(actor, tokenizer):
     """The gateway: a text/plain POST 415, a rebound Host 421, a conversation that cannot fit
     the episode's token budget 400 before it is rendered (too many messages, or too many
@@ -270,6 +275,7 @@ def health_while(url: str, body: bytes) -> tuple[httpx.Response, list[float]]:
     return answer[0], latencies
 
 
+@pytest.mark.integration
 def test_health_answers_while_a_huge_chat_request_is_in_flight(long_context_dir):
     """Issue 19's attack: megabytes of tool-call arguments, and a quarter of a million empty
     messages, held every route (/health included) for seconds while the chat template was
@@ -317,6 +323,7 @@ def closed_within(s: socket.socket, seconds: float) -> bytes:
     return data
 
 
+@pytest.mark.integration
 def test_slowloris_connections_are_timed_out_capped_and_logged_once(calc_model_dir):
     """Connections that never finish their headers are closed after --read-timeout-s; past
     --max-connections a connection is answered 503 at once; a normal client is served

@@ -16,6 +16,7 @@ from tiller.errors import RunFolderError
 from tiller.observe.report import SECTIONS, load_run, render_report, write_report
 
 
+@pytest.mark.integration
 def test_train_writes_a_report_that_renders_in_chromium(tiny_run, tmp_path):
     run_dir, summary = tiny_run
     report = run_dir / "report.html"

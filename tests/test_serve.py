@@ -98,6 +98,7 @@ def client(server):
 
 # ---- the openai client ----------------------------------------------------------------------
 
+@pytest.mark.integration
 def test_openai_chat_completion_returns_the_parsed_tool_call(server, client, episode):
     resp = client.chat.completions.create(
         model=server["model"], messages=episode["messages"], tools=episode["tools"],
@@ -116,6 +117,7 @@ def test_openai_chat_completion_returns_the_parsed_tool_call(server, client, epi
     assert [m.id for m in client.models.list().data] == [server["model"]]
 
 
+@pytest.mark.integration
 def test_openai_streaming_chat_gives_the_same_call(server, client, episode):
     stream = client.chat.completions.create(
         model=server["model"], messages=episode["messages"], tools=episode["tools"],
@@ -130,6 +132,7 @@ def test_openai_streaming_chat_gives_the_same_call(server, client, episode):
     assert chunks[-1].usage.completion_tokens == len(episode["ids"]) - episode["start"]
 
 
+@pytest.mark.integration
 def test_openai_completions_with_n_logprobs_and_streaming(server, client):
     kwargs = {"model": server["model"], "prompt": "Ben has 45 crates", "max_tokens": 6,
               "temperature": 1.0, "seed": 11, "n": 3, "logprobs": 0}
@@ -151,6 +154,7 @@ def test_openai_completions_with_n_logprobs_and_streaming(server, client):
 
 # ---- /generate ------------------------------------------------------------------------------
 
+@pytest.mark.integration
 def test_generate_round_trips_ids_and_logprobs(http, tool_model_dir):
     tokenizer = load_tokenizer(tool_model_dir)
     prompt = tokenizer.encode("Ben has 45 crates with 31 beads in each.")
@@ -180,6 +184,7 @@ def test_generate_round_trips_ids_and_logprobs(http, tool_model_dir):
     assert by_text["output_ids"] == ids  # text is tokenized to the same prompt
 
 
+@pytest.mark.integration
 def test_generate_without_seed_reports_the_one_it_drew(http):
     body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8}}
     first = http.post("/generate", json=body).json()
@@ -272,6 +277,7 @@ BAD = [  # (id, route, body: dict, or bytes sent as they are, expected status, m
 ]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("route, body, status, part", [b[1:] for b in BAD],
                          ids=[b[0] for b in BAD])
 def test_bad_input_gets_a_4xx(server, http, route, body, status, part):
@@ -285,6 +291,7 @@ def test_bad_input_gets_a_4xx(server, http, route, body, status, part):
     assert http.get("/health").status_code == 200
 
 
+@pytest.mark.integration
 def test_a_chunked_body_over_the_limit_gets_413(http):
     def chunks():
         yield b'{"text": "'
@@ -297,6 +304,7 @@ def test_a_chunked_body_over_the_limit_gets_413(http):
     assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"]
 
 
+@pytest.mark.integration
 def test_unknown_route_and_method_are_json_errors(http):
     assert http.get("/nowhere").json()["error"]["code"] == 404
     assert http.get("/generate").json()["error"]["code"] == 405
@@ -348,6 +356,7 @@ def checkpoints(tool_model_dir, weights_root, tmp_path_factory):
     return outside
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("path, status, part", [
     ("../outside", 403, "outside --weights-root"),
     ("same/../../x", 403, "outside --weights-root"),
@@ -376,6 +385,7 @@ def test_weights_outside_the_root_or_misfit_are_refused(http, checkpoints, path,
     assert after["meta_info"]["weight_version"] == before["meta_info"]["weight_version"]
 
 
+@pytest.mark.integration
 def test_a_fifo_named_safetensors_is_refused_without_hanging(http, weights_root):
     (weights_root / "fifo").mkdir()
     os.mkfifo(weights_root / "fifo" / "x.safetensors")  # opening it would block the load
@@ -383,6 +393,7 @@ def test_a_fifo_named_safetensors_is_refused_without_hanging(http, weights_root)
     assert r.status_code == 400 and "not a regular file" in r.json()["error"]["message"]
 
 
+@pytest.mark.integration
 def test_update_weights_from_disk_echoes_the_version_and_changes_outputs(http, checkpoints):
     before = _greedy(http)
     version = before["meta_info"]["weight_version"]
@@ -402,6 +413,7 @@ def test_update_weights_from_disk_echoes_the_version_and_changes_outputs(http, c
 
 # ---- control routes (the engine's abort, pause/resume, cache) -------------------------------
 
+@pytest.mark.integration
 def test_pause_queues_requests_and_abort_returns_them_partial(http, server):
     assert http.post("/pause_generation", json={}).json() == {"success": True}
     answers: dict[str, httpx.Response] = {}
@@ -436,6 +448,7 @@ def test_pause_queues_requests_and_abort_returns_them_partial(http, server):
             or reason == "stop" and b["output_ids"][-1] == 0), b
 
 
+@pytest.mark.integration
 def test_session_reuses_the_kv_and_flush_cache_drops_it(http):
     first = http.post("/generate", json={
         "input_ids": [5, 6, 7, 8], "session_id": "s1",
@@ -514,6 +527,7 @@ def test_a_failing_engine_answers_500_json_and_logs(model, tokenizer, caplog):
     assert any("the engine failed" in rec.getMessage() for rec in caplog.records)
 
 
+@pytest.mark.integration
 def test_an_unexpected_error_is_a_json_500_and_the_connection_lives_on(model, tokenizer,
                                                                         caplog):
     """A real uvicorn on loopback: the 500 is answered without re-raising, so uvicorn keeps

@@ -385,6 +385,7 @@ def test_a_run_traces_every_episode_and_trains_the_same_with_traces_off(tmp_path
     assert json.loads(steps[-1][1])["trained"] == ledger["trained"]
 
 
+@pytest.mark.integration
 def test_a_killed_run_leaves_a_readable_database(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(Path("src").resolve())}
