@@ -222,6 +222,7 @@ def test_gym_env_rejecting_an_action_is_the_policys_fault_not_an_env_error():
     assert traj.reward.checks["invalid_actions"] == 1.0 and is_success(traj)
 
 
+@pytest.mark.slow
 def test_guess_number_short_training_run(tmp_path):
     cfg = load_config(CALCULATOR, [
         *TINY_ENV_RUN, "env.name=guess_number", "env.max_turns=8", "model.build.vocab_size=400",

@@ -61,6 +61,7 @@ def test_trainer_names_importable_callables_and_holds_the_others(tmp_path, monke
         tiller.Trainer(model=TINY, data="x.jsonl", reward=3)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_trainer_trains_on_a_parquet_file_with_an_in_process_reward(tmp_path):
     rows = [{"prompt": f"What is {a} + 1?", "answer": a + 1} for a in range(8)]
@@ -101,6 +102,7 @@ def test_trainer_trains_on_a_parquet_file_with_an_in_process_reward(tmp_path):
     assert "replay from the CLI needs an importable" in out.stdout
 
 
+@pytest.mark.slow
 def test_tiller_train_runs_the_readme_example(tmp_path, monkeypatch):
     """The README's command, through the API with two overrides that keep it short."""
     monkeypatch.chdir(ROOT)

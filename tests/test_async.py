@@ -72,6 +72,7 @@ def coin_reward(t, *_):
     return float(derive_seed(t.task_id, t.sample_index) % 2)
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(k=st.integers(0, 2), seed=st.integers(0, 10_000), slow_s=st.floats(0.05, 0.5),
@@ -134,6 +135,7 @@ def manager_for(run, reward=None):
                           version=run.trainer.version)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shutdown_s, buckets", [
     (30.0, {"dropped/in_flight_at_end": 4}),
     # the group's 3 fast episodes ended before it was cancelled: counted, not lost
@@ -160,6 +162,7 @@ def test_the_ledger_accounts_for_episodes_in_flight_at_the_end(calc_sft_dir, tmp
     assert {k: v for k, v in ledger.items() if k.endswith("_at_end")} == buckets
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, stop, shutdown_s, slow_s", [
     ("async", False, 30.0, 4.0),  # a run that finishes never samples past its last step
     # stopped after step 1, which trained 2 of the 6 groups started (the throttle allows 3
@@ -234,6 +237,7 @@ def test_a_group_being_judged_at_the_end_of_rl_is_counted_as_in_flight(calc_sft_
     assert at_end == ledger["dropped/in_flight_at_end"] + ledger["dropped/unused_at_end"]
 
 
+@pytest.mark.slow
 def test_the_wind_down_against_a_stuck_engine_ends_within_its_allowance(calc_sft_dir, tmp_path,
                                                                        caplog):
     """The engine hangs inside a forward (a stuck accelerator) with every episode waiting on

@@ -108,6 +108,7 @@ def test_unimportable_agent_loop_is_one_line(tmp_path):
     assert "\n" not in result.output.strip()
 
 
+@pytest.mark.slow
 def test_metrics_share_one_monotonic_global_step(tmp_path):
     summary = train(load_config(CONFIG, TINY_RUN), tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -180,6 +181,7 @@ def test_sft_tasks_beyond_the_sft_difficulty_task_space_name_sft_difficulty(tmp_
     assert "at sft.difficulty=1" in result.output, result.output
 
 
+@pytest.mark.slow
 def test_a_failing_trace_close_fails_the_run_but_keeps_its_summary(tmp_path, monkeypatch):
     from tiller.observe.traces import TraceWriter
 

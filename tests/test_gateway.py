@@ -339,6 +339,7 @@ def test_agent_program_config_errors_are_one_line():
         load_program("test_gateway:wrong_signature")
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_rl_through_the_gateway_trains_exactly_the_sampled_tokens(agent_model_dir, tmp_path,
                                                                   monkeypatch):

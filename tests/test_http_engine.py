@@ -173,6 +173,7 @@ async def wait_until(condition, what: str, timeout: float = 60.0) -> None:
 
 
 # ---------------------------------------------------------------- generation and routing
+@pytest.mark.slow
 @pytest.mark.integration
 def test_generate_round_trips_token_ids_and_logprobs(two_servers, model, tokenizer, params,
                                                      tmp_path):
@@ -191,6 +192,7 @@ def test_generate_round_trips_token_ids_and_logprobs(two_servers, model, tokeniz
     assert got.versions == (0,) * len(got.token_ids) and got.prompt_tokens == len(prompt)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_sessions_stick_and_new_ones_go_to_the_least_loaded(two_servers, params, tmp_path):
     http = engine_for(two_servers.urls, tmp_path)
@@ -222,6 +224,7 @@ def test_sessions_stick_and_new_ones_go_to_the_least_loaded(two_servers, params,
         http.close()
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_a_server_killed_mid_collection_is_retried_on_the_other(
         own_servers, model, tokenizer, params, limits, tmp_path, caplog):
@@ -300,6 +303,7 @@ def perturbed(model, version: int) -> WeightUpdate:
     return update
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_weight_push_reaches_every_server_with_its_version(two_servers, model, tokenizer,
                                                            params, tmp_path):
@@ -324,6 +328,7 @@ def test_weight_push_reaches_every_server_with_its_version(two_servers, model, t
         http.close()
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_a_restarted_server_is_dropped_until_the_next_push_rejoins_it(two_servers, model,
                                                                       tokenizer, params,
@@ -359,6 +364,7 @@ def test_a_restarted_server_is_dropped_until_the_next_push_rejoins_it(two_server
         http.close()
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_a_server_echoing_another_version_is_a_loud_error(two_servers, model, tmp_path):
     """One real server and one that claims to have loaded another version."""
@@ -378,6 +384,7 @@ def test_a_server_echoing_another_version_is_a_loud_error(two_servers, model, tm
     assert server_version(urls[0]) == 4  # the honest one took it
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_start_up_checks_the_model_and_pushes_the_initial_weights(two_servers, model,
                                                                   tmp_path):
@@ -587,6 +594,7 @@ GENERATED = {"output_ids": [4], "meta_info": {
     "weight_version": 0}}
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_a_500_of_a_healthy_server_fails_only_that_request(params, tmp_path):
     """tiller serve's 500 "the engine failed" is about the request: no retry, no server down;
@@ -646,6 +654,7 @@ def record_pushes(run: Run, servers: Servers) -> list[tuple[int, list[int]]]:
     return pushes
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_a_training_run_over_two_servers_learns_like_the_embedded_run(two_servers, calc_sft_dir,
                                                                       tmp_path):
@@ -671,6 +680,7 @@ def test_a_training_run_over_two_servers_learns_like_the_embedded_run(two_server
     assert [r["reward_mean"] for r in rows] == pytest.approx([r["reward_mean"] for r in ref])
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_an_async_run_over_two_servers_pushes_every_version_and_counts_every_episode(
         two_servers, calc_sft_dir, tmp_path):
@@ -697,6 +707,7 @@ def test_an_async_run_over_two_servers_pushes_every_version_and_counts_every_epi
     assert out["staleness_max"] <= 1 and "dropped/aborted" not in ledger
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_a_server_killed_mid_run_is_retried_and_every_episode_counted(own_servers,
                                                                       calc_sft_dir, tmp_path):
@@ -737,6 +748,7 @@ def test_a_server_killed_mid_run_is_retried_and_every_episode_counted(own_server
     assert server_version(own_servers.urls[1]) == run.trainer.version
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_pause_abort_and_resume_on_real_servers(two_servers, params, tmp_path):
     """A request queued on a paused server is aborted there and comes back empty, "abort"."""

@@ -81,6 +81,7 @@ def served(calc_model_dir, tmp_path_factory):
         yield live
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_serve_refuses_cross_site_posts(served):
     """A web page may POST text/plain, form and multipart bodies (or none) to any server
@@ -105,6 +106,7 @@ def test_serve_refuses_cross_site_posts(served):
         assert r.status_code == 200
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize("host, status", [
     ("evil.example:{port}", 421), ("localhost.evil.example", 421), ("10.0.0.1", 421),
@@ -125,6 +127,7 @@ def test_serve_answers_only_its_own_host_names(served, host, status):
                             f"Connection: close\r\n\r\n{body}") == status
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_serve_needs_exactly_one_host_header(served):
     port = served["port"]
@@ -275,6 +278,7 @@ def health_while(url: str, body: bytes) -> tuple[httpx.Response, list[float]]:
     return answer[0], latencies
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_health_answers_while_a_huge_chat_request_is_in_flight(long_context_dir):
     """Issue 19's attack: megabytes of tool-call arguments, and a quarter of a million empty
@@ -323,6 +327,7 @@ def closed_within(s: socket.socket, seconds: float) -> bytes:
     return data
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_slowloris_connections_are_timed_out_capped_and_logged_once(calc_model_dir):
     """Connections that never finish their headers are closed after --read-timeout-s; past

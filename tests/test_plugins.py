@@ -57,6 +57,7 @@ def one_line_error(match: str, fn, *args):
 # ---------------------------------------------------------------- tiller train, from outside
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_tiller_train_with_a_dotted_path_env_from_a_package_outside_tiller(tmp_path):
     """The acceptance run: the real CLI in a fresh process, the env (and an extra tool) named
@@ -226,6 +227,7 @@ def test_installed_packages_register_envs_under_the_tiller_envs_entry_point(
     assert "pair_sum_installed" in message and "calculator" in message
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_the_example_package_installs_with_its_entry_point(tmp_path, monkeypatch):
     """pip installs examples/plugin_pkg (offline, into a folder): env.name=pair_sum finds it."""

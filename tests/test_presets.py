@@ -167,6 +167,7 @@ def tiny(sft_dir):
     return tiny_rl(sft_dir, "rl.steps=2")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_trains_the_tiny_pipeline(name, calc_sft_dir, tmp_path, monkeypatch):
     # The one-step-SFT model never succeeds, so every group would be flat. A synthetic reward

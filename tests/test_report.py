@@ -16,6 +16,7 @@ from tiller.errors import RunFolderError
 from tiller.observe.report import SECTIONS, load_run, render_report, write_report
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_train_writes_a_report_that_renders_in_chromium(tiny_run, tmp_path):
     run_dir, summary = tiny_run
@@ -37,6 +38,7 @@ def test_train_writes_a_report_that_renders_in_chromium(tiny_run, tmp_path):
         page.screenshot(path=str(artifacts_dir() / "report.png"), full_page=True)
 
 
+@pytest.mark.slow
 def test_report_tables_hold_the_summary_numbers(tiny_run):
     run_dir, summary = tiny_run
     run = load_run(run_dir)
@@ -51,6 +53,7 @@ def test_report_tables_hold_the_summary_numbers(tiny_run):
         assert f"<td>{key}</td><td>{n}</td>" in html
 
 
+@pytest.mark.slow
 def test_unfinished_run_reports_what_it_has(tiny_run, tmp_path):
     """A run that stopped before RL (no summary.json, no RL rows): each RL section says so in
     one line, the eval it logged is plotted."""
@@ -84,6 +87,7 @@ def test_cli_report_on_a_folder_that_is_not_a_run_is_one_line(tmp_path):
         f"error: {tmp_path} is not a run folder: it has no metrics.jsonl"]
 
 
+@pytest.mark.slow
 def test_async_run_plots_staleness(tiny_run, tmp_path):
     """The staleness section plots what an async run logs (the controller's own
     staleness_metrics rows) instead of the sync run's one line."""
@@ -103,6 +107,7 @@ def test_async_run_plots_staleness(tiny_run, tmp_path):
     assert staleness.count("<img") == 1 and "sync run" not in staleness
 
 
+@pytest.mark.slow
 def test_without_matplotlib_report_and_train_stop_with_one_line(tiny_run, monkeypatch):
     run_dir, _ = tiny_run
     # None in sys.modules: `import matplotlib` raises ImportError, as when it is not installed
@@ -123,6 +128,7 @@ def test_without_matplotlib_report_and_train_stop_with_one_line(tiny_run, monkey
     assert not (run_dir / "never").exists()  # stopped before the run folder was made
 
 
+@pytest.mark.slow
 def test_train_prints_the_report_link_last(tiny_run, capsys):
     from tiller.cli import _print_summary
 

@@ -70,6 +70,7 @@ def trained(run_dir):
     return out
 
 
+@pytest.mark.slow
 def test_constant_under_grpo_trains_on_it_logs_the_real_reward_and_moves_nothing(
         calc_sft_dir, tmp_path):
     cfg = half_expert(calc_sft_dir, "rl.reward_control=constant",
@@ -92,6 +93,7 @@ def test_constant_under_grpo_trains_on_it_logs_the_real_reward_and_moves_nothing
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.slow
 def test_random_control_trains_on_rewards_unlinked_from_success(calc_sft_dir, tmp_path):
     train(half_expert(calc_sft_dir), tmp_path / "real")
     train(half_expert(calc_sft_dir, "rl.reward_control=random"), tmp_path / "rand")

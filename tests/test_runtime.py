@@ -120,6 +120,7 @@ def _in_new_thread(fn):
     return out[0]
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_run_applies_its_threads(calc_model_dir, tmp_path):
     for threads in (2, 1):  # each run sets them, whatever the one before did

@@ -98,6 +98,7 @@ def client(server):
 
 # ---- the openai client ----------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_openai_chat_completion_returns_the_parsed_tool_call(server, client, episode):
     resp = client.chat.completions.create(
@@ -117,6 +118,7 @@ def test_openai_chat_completion_returns_the_parsed_tool_call(server, client, epi
     assert [m.id for m in client.models.list().data] == [server["model"]]
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_openai_streaming_chat_gives_the_same_call(server, client, episode):
     stream = client.chat.completions.create(
@@ -132,6 +134,7 @@ def test_openai_streaming_chat_gives_the_same_call(server, client, episode):
     assert chunks[-1].usage.completion_tokens == len(episode["ids"]) - episode["start"]
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_openai_completions_with_n_logprobs_and_streaming(server, client):
     kwargs = {"model": server["model"], "prompt": "Ben has 45 crates", "max_tokens": 6,
@@ -154,6 +157,7 @@ def test_openai_completions_with_n_logprobs_and_streaming(server, client):
 
 # ---- /generate ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_generate_round_trips_ids_and_logprobs(http, tool_model_dir):
     tokenizer = load_tokenizer(tool_model_dir)
@@ -184,6 +188,7 @@ def test_generate_round_trips_ids_and_logprobs(http, tool_model_dir):
     assert by_text["output_ids"] == ids  # text is tokenized to the same prompt
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_generate_without_seed_reports_the_one_it_drew(http):
     body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8}}
@@ -277,6 +282,7 @@ BAD = [  # (id, route, body: dict, or bytes sent as they are, expected status, m
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize("route, body, status, part", [b[1:] for b in BAD],
                          ids=[b[0] for b in BAD])
@@ -291,6 +297,7 @@ def test_bad_input_gets_a_4xx(server, http, route, body, status, part):
     assert http.get("/health").status_code == 200
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_a_chunked_body_over_the_limit_gets_413(http):
     def chunks():
@@ -304,6 +311,7 @@ def test_a_chunked_body_over_the_limit_gets_413(http):
     assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"]
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_unknown_route_and_method_are_json_errors(http):
     assert http.get("/nowhere").json()["error"]["code"] == 404
@@ -356,6 +364,7 @@ def checkpoints(tool_model_dir, weights_root, tmp_path_factory):
     return outside
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize("path, status, part", [
     ("../outside", 403, "outside --weights-root"),
@@ -385,6 +394,7 @@ def test_weights_outside_the_root_or_misfit_are_refused(http, checkpoints, path,
     assert after["meta_info"]["weight_version"] == before["meta_info"]["weight_version"]
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_a_fifo_named_safetensors_is_refused_without_hanging(http, weights_root):
     (weights_root / "fifo").mkdir()
@@ -393,6 +403,7 @@ def test_a_fifo_named_safetensors_is_refused_without_hanging(http, weights_root)
     assert r.status_code == 400 and "not a regular file" in r.json()["error"]["message"]
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_update_weights_from_disk_echoes_the_version_and_changes_outputs(http, checkpoints):
     before = _greedy(http)
@@ -413,6 +424,7 @@ def test_update_weights_from_disk_echoes_the_version_and_changes_outputs(http, c
 
 # ---- control routes (the engine's abort, pause/resume, cache) -------------------------------
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_pause_queues_requests_and_abort_returns_them_partial(http, server):
     assert http.post("/pause_generation", json={}).json() == {"success": True}
@@ -448,6 +460,7 @@ def test_pause_queues_requests_and_abort_returns_them_partial(http, server):
             or reason == "stop" and b["output_ids"][-1] == 0), b
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_session_reuses_the_kv_and_flush_cache_drops_it(http):
     first = http.post("/generate", json={

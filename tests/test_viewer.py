@@ -55,6 +55,7 @@ def flagged(ep: dict, threshold: float) -> int:
                                     strict=True) if m and abs(a - b) > threshold)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_viewer_in_chromium_marks_exactly_the_loss_mask(tiny_run, tmp_path):
     run_dir, _ = tiny_run
