@@ -1,7 +1,5 @@
-import subprocess
-import sys
-
 import pytest
+from helpers import cli
 
 from tiller.config import (
     AlgorithmConfig,
@@ -71,11 +69,6 @@ def test_unreadable_configs(tmp_path):
         load_config(CONFIG, ["rl.steps"])
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "tiller", *args], capture_output=True,
-                          text=True, timeout=120)
-
-
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -90,9 +83,8 @@ def run_cli(*args):
     ],
 )
 def test_cli_errors_are_one_line_not_tracebacks(tmp_path, args, message):
-    proc = run_cli("train", CONFIG, *args, "--output-dir", str(tmp_path / "run"))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2
+    code, out = cli("train", CONFIG, *args, "--output-dir", tmp_path / "run")
+    assert code == 2
     assert "Traceback" not in out
     lines = [line for line in out.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]

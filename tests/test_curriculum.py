@@ -5,6 +5,7 @@ line, and real tiny RL runs (sync and async) log the curriculum's metrics."""
 import json
 
 import pytest
+from helpers import tiny_rl
 
 from tiller.config import ConfigError, load_config
 from tiller.controller import rl
@@ -185,10 +186,8 @@ def test_a_difficulty_curriculum_on_an_env_without_difficulty_is_one_line():
 
 # ------------------------------------------------------------------ real runs
 def tiny(sft_dir, *more):
-    return load_config(CONFIG, [
-        f"model.path={sft_dir}", "model.build=null", "sft.enabled=false", "rl.steps=3",
-        "rl.tasks_per_step=2", "rl.group_size=4", "eval.tasks=8", "logging.progress=false",
-        "logging.tensorboard=false", "rl.curriculum.enabled=true", *more])
+    return load_config(CONFIG, tiny_rl(sft_dir, "rl.steps=3", "rl.curriculum.enabled=true",
+                                       *more))
 
 
 def rl_rows(run_dir):

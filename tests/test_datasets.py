@@ -294,6 +294,7 @@ def test_sft_conversation_mask_is_exactly_the_assistant_tokens(tokenizer, user_p
     assert traj.prompt_len == len(chat.prompt_ids(messages[:2]))
 
 
+@pytest.mark.slow
 def test_tiller_train_on_a_user_jsonl_with_dotted_path_rewards(tmp_path, user_pkg):
     """`tiller train` end to end: a tiny model built on the dataset's text, SFT from a
     conversations file, RL with the user's reward functions, held-out eval on data.eval."""

@@ -109,6 +109,7 @@ def test_ood_templates_are_heldout_problems_in_new_words():
         "heldout", 2)
 
 
+@pytest.mark.slow
 def test_eval_sets_and_seeds_write_every_outcome(tmp_path):
     cfg = load_config(CONFIG, [*TINY_RUN, "rl.steps=0", SETS, "eval.seeds=[0, 1]",
                                "eval.samples_per_task=2", "eval.pass_k=2"])
@@ -174,6 +175,7 @@ def test_env_state_is_reset_between_episodes_on_sql():
 # ---------------------------------------------------------------- the commands
 
 
+@pytest.mark.slow
 def test_eval_run_dir_and_compare(tmp_path):
     runner = CliRunner()
     run = tmp_path / "run"

@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from helpers import trained_episodes
+from helpers import tiny_rl, trained_episodes
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiller.config import ConfigError, load_config
@@ -260,14 +260,12 @@ def test_a_real_run_trains_on_the_judge_only_where_the_verifier_says_success(
     # policy's (they fail): every group has both, and the judge (a real model, or one that
     # scores the failures highest) scores them all
     weight = 0.5
-    cfg = load_config(CONFIG, [
-        f"model.path={calc_sft_dir}", "model.build=null", "sft.enabled=false", "rl.steps=2",
-        "rl.tasks_per_step=2", "rl.group_size=4", "eval.tasks=8", "logging.progress=false",
-        "logging.tensorboard=false",
+    cfg = load_config(CONFIG, tiny_rl(
+        calc_sft_dir, "rl.steps=2",
         f"rl.judge.model={calc_model_dir}" if judge == "model"
         else "rl.judge.fn=half_expert_loop:tempting_judge",
         f"rl.judge.weight={weight}", "rl.judge.window=1",
-        "agent.loop=half_expert_loop:run_episode"])
+        "agent.loop=half_expert_loop:run_episode"))
     run = Run(cfg, tmp_path)
     rl(run)
     run.close()

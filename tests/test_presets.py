@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 import yaml
-from helpers import rl_rows
+from helpers import rl_rows, tiny_rl
 from typer.testing import CliRunner
 
 from tiller.algorithms.presets import PRESETS
@@ -164,11 +164,10 @@ def test_preset_update_moves_rewarded_up_and_unrewarded_down(name, ppo_epochs, m
 
 
 def tiny(sft_dir):
-    return [f"model.path={sft_dir}", "model.build=null", "sft.enabled=false", "rl.steps=2",
-            "rl.tasks_per_step=2", "rl.group_size=4", "eval.tasks=8", "logging.progress=false",
-            "logging.tensorboard=false"]
+    return tiny_rl(sft_dir, "rl.steps=2")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_trains_the_tiny_pipeline(name, calc_sft_dir, tmp_path, monkeypatch):
     # The one-step-SFT model never succeeds, so every group would be flat. A synthetic reward
