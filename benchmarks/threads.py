@@ -1,5 +1,5 @@
 """CPU threads on the demo's SFT phase: idle and loaded, each with 1 and 2 torch threads and
-with `runtime.threads: auto` (issue 19, "CPU threads"; README, "CPU threads").
+with `runtime.threads: auto` (issue 19, "CPU threads"; docs/running.md, "CPU threads").
 
     .venv/bin/python benchmarks/threads.py            # the demo's SFT: 80 steps, sft.tasks=640
     .venv/bin/python benchmarks/threads.py --quick    # a tiny model, 2 steps (tests/)
@@ -12,7 +12,7 @@ from that model with `runtime.threads` set, its environment stripped of the thre
 seconds (os.wait4) and the torch thread count its runtime.json reports. "idle" runs alone (the
 machine as it is: say what else ran); "loaded" runs beside `--busy` processes that spin a
 Python loop, started by this benchmark `--settle` seconds before the first loaded measurement
-(so the 1-minute load average has seen them) and stopped after the last.
+(so the 1-minute load average the auto rule reads has seen them) and stopped after the last.
 Ratios are against "before": torch's own default thread count (what every run used before
 runtime.threads, measured in a child process here) on the idle machine, and on the same load.
 Writes OUT/threads.json and OUT/threads.md (printed).

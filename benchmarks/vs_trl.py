@@ -65,9 +65,10 @@ import torch  # noqa: E402
 from tiller.config import BuildConfig, load_config  # noqa: E402
 from tiller.controller import rl, sft  # noqa: E402
 from tiller.envs import calculator  # noqa: E402
+from tiller.envs.actions import ParsedTurn  # noqa: E402
 from tiller.envs.base import Task, register_env  # noqa: E402
 from tiller.models import build_env_model, load_model, load_tokenizer  # noqa: E402
-from tiller.rollout.chat import ChatFormat, ParsedTurn  # noqa: E402
+from tiller.rollout.chat import ChatFormat  # noqa: E402
 from tiller.run import Run  # noqa: E402
 from tiller.runtime import apply_threads  # noqa: E402
 from tiller.tools.registry import ToolError  # noqa: E402

@@ -1,11 +1,12 @@
-"""A custom agent loop in about 20 lines, as README's "Your own agent loop" shows it.
+"""A custom agent loop in about 20 lines, as docs/plugins.md's "Your own agent loop" shows it.
 
 Name it in a config as `agent.loop: custom_loop:run_episode` (with this folder importable).
 It has no token budget and lets exceptions propagate; tiller's own loop adds both.
 tests/test_custom_loop.py checks that it writes the same tokens as tiller's loop.
 """
 
-from tiller.rollout.chat import ChatFormat, assistant_message
+from tiller.envs.actions import assistant_message
+from tiller.rollout.chat import ChatFormat
 from tiller.rollout.trajectory import Status, TrajectoryBuilder
 from tiller.seeds import derive_seed
 

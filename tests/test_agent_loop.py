@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from tiller.config import ConfigError
+from tiller.engine.api import Generation, SamplingParams
+from tiller.engine.embedded import EmbeddedEngine
 from tiller.envs import ENVS
 from tiller.envs.verifiers import Reward
 from tiller.errors import RunError
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits, ExpertActor, run_episode
 from tiller.rollout.chat import CHAT_TEMPLATE
-from tiller.rollout.engine import EmbeddedEngine, Generation, SamplingParams
 from tiller.rollout.trajectory import Status
 from tiller.tools.registry import ToolOutcome, ToolResult
 from tiller.train.batch import Batch, token_logprobs

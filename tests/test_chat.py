@@ -1,15 +1,11 @@
 import time
 
+import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from tiller.rollout.chat import (
-    CHAT_TEMPLATE,
-    TOOL_CALL_CLOSE,
-    TOOL_CALL_OPEN,
-    ParsedTurn,
-    parse_tool_calls,
-)
+from tiller.envs.actions import ParsedTurn
+from tiller.rollout.chat import CHAT_TEMPLATE, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_tool_calls
 from tiller.tools.registry import ToolCall
 
 
@@ -174,6 +170,7 @@ def _parse_never_raises(text):
         assert turn == ParsedTurn(text.split("<|im_end|>", 1)[0].strip())
 
 
+@pytest.mark.slow
 def test_parser_never_raises_on_10k_fuzzed_inputs():
     _parse_never_raises()
     assert len(_fuzzed) >= 10_000

@@ -6,11 +6,12 @@ from pathlib import Path
 import pytest
 from custom_loop import run_episode as custom_episode
 
+from tiller.engine.api import SamplingParams
+from tiller.engine.embedded import EmbeddedEngine
 from tiller.envs import ENVS
 from tiller.envs.verifiers import Reward
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits, ExpertActor, run_episode
 from tiller.rollout.chat import stop_token_ids
-from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.rollout.trajectory import Status, TrajectoryBuilder
 
 Calc = ENVS["calculator"]
@@ -73,7 +74,7 @@ def test_custom_loop_writes_the_default_loops_tokens_for_the_engine(model, token
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/architecture.md"])
+@pytest.mark.parametrize("doc", ["docs/plugins.md", "docs/architecture.md"])
 def test_the_docs_show_exactly_the_tested_loop(doc):
     text = Path(doc).read_text()
     shown = text[text.index("```python\nasync def run_episode") + len("```python\n"):]

@@ -30,6 +30,9 @@ from real_vocab import (
 )
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen3Config
 
+from tiller.engine.api import Generation, SamplingParams
+from tiller.engine.embedded import EmbeddedEngine
+from tiller.envs.actions import ParsedTurn
 from tiller.envs.base import Env, StepResult, Task
 from tiller.envs.verifiers import Reward
 from tiller.errors import ConfigError
@@ -39,8 +42,7 @@ from tiller.rollout.agent_loop import (
     check_rollout_setup,
     run_episode,
 )
-from tiller.rollout.chat import FAMILIES, ChatFormat, ParsedTurn, stop_token_ids
-from tiller.rollout.engine import EmbeddedEngine, Generation, SamplingParams
+from tiller.rollout.chat import FAMILIES, ChatFormat, stop_token_ids
 from tiller.rollout.trajectory import Status
 from tiller.tools.registry import ToolCall, ToolOutcome, ToolResult
 from tiller.train.batch import Batch, token_logprobs
@@ -214,6 +216,7 @@ def check_exact(tok, chat, actor, traj):
     assert generated == [t for out in actor.outputs for t in out]  # the mask: exactly these
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_scripted_tool_episode_is_exact_and_parsed(fmt):
     tok, chat, actor, env, traj = scripted_episode(fmt)
@@ -337,6 +340,7 @@ class EchoEnv(LookupEnv):
                                             "content": f"result {len(self.actions)}"}], done)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt, arch", [("qwen3", "qwen3"), ("qwen3.6", "qwen3"),
                                        ("llama3.2", "llama")])
 def test_engine_sampled_episodes_are_exact_and_logprobs_match_the_trainer(fmt, arch):

@@ -25,10 +25,10 @@ from typer.testing import CliRunner
 import tiller
 from tiller.cli import app
 from tiller.config import load_config
+from tiller.engine.delta import DeltaUpdate, TensorDelta
+from tiller.engine.http import HttpEngine
+from tiller.engine.updates import WeightUpdate
 from tiller.errors import ConfigError
-from tiller.rollout.delta import DeltaUpdate, TensorDelta
-from tiller.rollout.http_engine import HttpEngine
-from tiller.rollout.weight_sync import WeightUpdate
 from tiller.run import Run
 from tiller.tools.replay import ReplayStore
 from tiller.tools.stack import ToolsConfig, ToolStack
@@ -347,6 +347,8 @@ def test_a_data_rows_tools_column_is_refused_as_it_is_read(tmp_path, trusted_mod
     assert trusted_module.exists()  # trusted: the row's tool was imported
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_python_m_tiller_in_a_run_folder_imports_nothing_from_it(tmp_path):
     """`python -m tiller eval .` with the run folder as the current folder: a module file
     there named like anything tiller imports (yaml.py, typing.py, torch.py, ...) is not

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from tiller.rollout.sampling import kept_set, sample, truncated_logprobs, uniform
+from tiller.engine.sampling import kept_set, sample, truncated_logprobs, uniform
 
 
 def rows(n, **over):

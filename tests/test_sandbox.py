@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from tiller.config import ConfigError
+from tiller.tools import launch
 from tiller.tools import sandbox as sb
 from tiller.tools.sandbox import Sandbox, SandboxLimits, SandboxOutcome
 
@@ -285,7 +286,8 @@ def test_memory_limit_applies_to_every_process() -> None:
         "                chunks.append(bytearray(b'\\x01') * (16 << 20)); got += 16\n"
         "        except MemoryError:\n"
         "            pass\n"
-        "        print('child', got); os._exit(0)\n"
+        "        os.write(1, f'child {got}\\n'.encode())  # one write: lines never interleave\n"
+        "        os._exit(0)\n"
         "for _ in range(4):\n"
         "    os.wait()\n"
     )
@@ -378,6 +380,7 @@ def test_killing_parent_and_everything_stays_inside(box: Sandbox) -> None:
         sentinel.wait()
 
 
+@pytest.mark.integration
 @needs_bwrap
 def test_host_crash_takes_the_sandbox_down() -> None:
     token = _sleep_token()
@@ -490,11 +493,11 @@ def test_memory_outside_the_address_space_is_denied() -> None:
 REAPER = """\
 import ctypes, glob, json, os, resource, signal, sys
 resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
-from tiller.tools import sandbox as sb
+from tiller.tools import launch, sandbox as sb
 ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
 report = {}
 for name, (code, wall, info_max) in json.loads(sys.argv[1]).items():
-    sb._INFO_MAX_BYTES = info_max
+    launch._INFO_MAX_BYTES = info_max
     r = sb.Sandbox(sb.SandboxLimits(wall_seconds=wall), backend='bwrap').run_python(code)
     left = [int(p) for f in glob.glob('/proc/self/task/*/children') for p in open(f).read().split()]
     seen = []
@@ -533,6 +536,7 @@ LEFTOVER_PROGRAMS = {
 }
 
 
+@pytest.mark.integration
 @needs_bwrap
 def test_no_process_of_the_sandbox_survives_the_call() -> None:
     """After a normal, a hostile, a timed-out and a killed program, nothing the sandbox started
@@ -557,7 +561,7 @@ def test_no_process_of_the_sandbox_survives_the_call() -> None:
 @needs_bwrap
 def test_bwrap_setup_failure_is_sandbox_error(monkeypatch) -> None:
     missing = f"/nonexistent-{secrets.token_hex(4)}"
-    monkeypatch.setattr(sb, "_python_binds", lambda: [(missing, missing)])
+    monkeypatch.setattr(launch, "_python_binds", lambda: [(missing, missing)])
     r = Sandbox(LIMITS, backend="bwrap").run_python("print('never runs')")
     assert r.outcome is SandboxOutcome.SANDBOX_ERROR, r
     assert "bwrap:" in r.stderr and r.stdout == ""
@@ -567,7 +571,7 @@ def test_bwrap_setup_failure_is_sandbox_error(monkeypatch) -> None:
 def test_unreadable_info_fd_is_sandbox_error_and_still_kills(monkeypatch) -> None:
     """A partial `--info-fd` read (here: cut to 5 bytes) is the infrastructure's failure, not
     the policy's, and the sandbox is still killed (through the process group)."""
-    monkeypatch.setattr(sb, "_INFO_MAX_BYTES", 5)
+    monkeypatch.setattr(launch, "_INFO_MAX_BYTES", 5)
     token = _sleep_token()
     code = (f"import subprocess, time\nsubprocess.Popen(['sleep', {token!r}])\n"
             "time.sleep(9)  # bounded\n")
@@ -666,6 +670,7 @@ def _run_unprivileged(python: list[str], payload: str, stdin: str = "", **limits
     return outcome, stdout, stderr, left
 
 
+@pytest.mark.integration
 def test_an_unprivileged_caller_is_found_as_root_and_as_another_user() -> None:
     """Neither case skips: a non-root test is its own unprivileged caller, root becomes
     nobody."""
@@ -674,6 +679,7 @@ def test_an_unprivileged_caller_is_found_as_root_and_as_another_user() -> None:
         assert unprivileged_python(0)[1:4] == ["-u", "nobody", "--"]
 
 
+@pytest.mark.integration
 def test_unprivileged_caller_gets_a_user_namespace(unprivileged) -> None:
     """The non-root path: bwrap makes a user namespace, RLIMIT_NPROC counts inside it, and the
     namespace-owned / and /dev are read-only."""
@@ -793,7 +799,7 @@ def pid1_attacks(machine: str, inject: bool) -> str:
     """PID1_ATTACKS with kcmp's number on `machine` and, when `inject`, the x86_64 code that
     makes pid 1 exec the hog. Fails on an architecture tiller's seccomp filter does not know:
     ptrace and its relatives are not denied there."""
-    if machine not in sb._SYSCALLS:
+    if machine not in launch._SYSCALLS:
         pytest.fail(f"tiller's sandbox has no seccomp filter for {machine}: ptrace, "
                     "process_vm_readv/writev, kcmp and pidfd_getfd are not denied here")
     if machine not in KCMP:
@@ -801,6 +807,7 @@ def pid1_attacks(machine: str, inject: bool) -> str:
     return f"KCMP, INJECT = {KCMP[machine]}, {inject}\n{PID1_ATTACKS}"
 
 
+@pytest.mark.integration
 def test_unprivileged_caller_cannot_escape_through_pid_1(unprivileged) -> None:
     """As a non-root caller, the sandbox's code shared a uid with bwrap's pid 1, which had the
     host's limits: ptrace and /proc/1/mem let it run a 256 MiB hog under memory_mb=64 (seen on
@@ -868,6 +875,7 @@ for backend in ('subprocess', 'bwrap'):
 """
 
 
+@pytest.mark.integration
 @needs_bwrap
 def test_fallback_does_not_hide_the_trainers_environment() -> None:
     """What docs/sandbox.md says of the fallback's "cleared environment": the code's own is
@@ -918,7 +926,7 @@ def test_a_failed_probe_is_retried_counted_and_then_refused(monkeypatch, fresh_p
                                                             caplog) -> None:
     """A single failed bwrap test run used to switch the whole process to the unsandboxed
     fallback. Now it is retried; only PROBE_ATTEMPTS failures in a row refuse."""
-    real_binds, broken_runs = sb._python_binds, [1]  # the first probe's bwrap fails to start
+    real_binds, broken_runs = launch._python_binds, [1]  # the first probe's bwrap fails to start
 
     def flaky_binds():
         if broken_runs:
@@ -927,7 +935,7 @@ def test_a_failed_probe_is_retried_counted_and_then_refused(monkeypatch, fresh_p
             return [(missing, missing)]
         return real_binds()
 
-    monkeypatch.setattr(sb, "_python_binds", flaky_binds)
+    monkeypatch.setattr(launch, "_python_binds", flaky_binds)
     assert Sandbox(LIMITS).backend == "bwrap"  # the retry worked
     assert sb.probe_failures() == 1 and "probe 1/3" in caplog.text
 

@@ -22,6 +22,8 @@ from helpers import TINY_RUN, numbers, traces_of_version
 
 from tiller.config import ConfigError, RLConfig, load_config
 from tiller.controller import train
+from tiller.engine.api import SamplingParams
+from tiller.engine.embedded import EmbeddedEngine
 from tiller.envs.calculator import CalculatorEnv as Calc
 from tiller.envs.verifiers import Reward
 from tiller.errors import RunError, RunFolderError
@@ -29,7 +31,6 @@ from tiller.models import load_model
 from tiller.observe.traces import TraceWriter, connect, decode, query, read_episode
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits, ExpertActor, run_episode
 from tiller.rollout.collect import collect, run_one
-from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.rollout.trajectory import Status, TrajectoryBuilder
 from tiller.run import Run
 from tiller.tools.stack import ToolStack
@@ -351,6 +352,7 @@ def test_reader_and_config_errors(tmp_path):
             load_config("configs/calculator.yaml", [override])
 
 
+@pytest.mark.slow
 def test_a_run_traces_every_episode_and_trains_the_same_with_traces_off(tmp_path):
     on = train(load_config("configs/calculator.yaml", [*RUN, "observe.traces.sample_rate=0.5"]),
                tmp_path / "on")
@@ -384,6 +386,8 @@ def test_a_run_traces_every_episode_and_trains_the_same_with_traces_off(tmp_path
     assert json.loads(steps[-1][1])["trained"] == ledger["trained"]
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_a_killed_run_leaves_a_readable_database(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(Path("src").resolve())}

@@ -5,13 +5,14 @@ import math
 import pytest
 import torch
 
+from tiller.algorithms import ADVANTAGES, AGGREGATIONS
 from tiller.config import ConfigError, RLConfig
+from tiller.engine.api import SamplingParams
+from tiller.engine.embedded import EmbeddedEngine
+from tiller.engine.updates import WeightSyncError, WeightUpdate
 from tiller.envs.verifiers import Reward
 from tiller.models import load_model
-from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.rollout.trajectory import Status, Trajectory
-from tiller.rollout.weight_sync import WeightSyncError, WeightUpdate
-from tiller.train.algorithms import ADVANTAGES, AGGREGATIONS
 from tiller.train.batch import Batch, token_logprobs
 from tiller.train.critic import Critic
 from tiller.train.trainer import Trainer, compute_advantages

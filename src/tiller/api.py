@@ -48,13 +48,14 @@ def dotted_name(fn: Callable[..., Any]) -> str:
 
 
 def _as_dict(config: ConfigLike) -> dict[str, Any]:
-    from tiller.config import Config, load_config
+    from tiller.config import Config, HttpEngineConfig, load_config
 
     if isinstance(config, dict):
         return copy.deepcopy(config)
     cfg = config if isinstance(config, Config) else load_config(config)
     data = cfg.model_dump()
-    if cfg.engine.api_key is not None:  # dumps hide the key; the run needs it
+    # dumps hide the key; the run needs it
+    if isinstance(cfg.engine, HttpEngineConfig) and cfg.engine.api_key is not None:
         data["engine"]["api_key"] = cfg.engine.api_key.get_secret_value()
     return data
 
@@ -63,12 +64,14 @@ def build_config(config: ConfigLike, overrides: dict[str, Any]) -> Config:
     """`config` (a YAML path, a dict or a Config) with `overrides` merged in, validated."""
     from pydantic import ValidationError
 
-    from tiller.config import Config, _first_error, _merge
+    from tiller.config import Config
+    from tiller.config.base import merge
+    from tiller.config.root import first_error
 
     try:
-        return Config.model_validate(_merge(_as_dict(config), overrides))
+        return Config.model_validate(merge(_as_dict(config), overrides))
     except ValidationError as e:
-        raise ConfigError(_first_error(e)) from e
+        raise ConfigError(first_error(e)) from e
 
 
 def train(config: ConfigLike, /, output_dir: str | Path | None = None,

@@ -12,8 +12,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from tiller.envs.actions import ParsedTurn
 from tiller.envs.verifiers import Reward
-from tiller.rollout.chat import ParsedTurn
 from tiller.tools.registry import Tool, ToolCall, ToolOutcome, ToolRegistry, ToolResult
 
 if TYPE_CHECKING:

@@ -14,13 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from tiller.algorithms.passk import pass_at_k
 from tiller.files import folder_below, write_file
-from tiller.rollout.trajectory import Trajectory
-from tiller.train.algorithms.passk import pass_at_k
-
-
-def is_success(t: Trajectory) -> bool:
-    return t.reward.value >= 1.0 and not t.reward.env_error
+from tiller.rollout.trajectory import Trajectory, is_success
 
 
 def bootstrap_ci(

@@ -13,13 +13,8 @@ from typing import Any
 from fastapi import Request
 from safetensors import SafetensorError
 
-from tiller.rollout.delta import DeltaUpdate
-from tiller.rollout.weight_sync import (
-    VersionFile,
-    WeightsInconsistent,
-    WeightSyncError,
-    WeightUpdate,
-)
+from tiller.engine.delta import DeltaUpdate
+from tiller.engine.updates import VersionFile, WeightsInconsistent, WeightSyncError, WeightUpdate
 from tiller.serve.guard import opened_below, read_below, resolve_below
 from tiller.serve.protocol import (
     AbortRequest,

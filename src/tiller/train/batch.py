@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from tiller.rollout.sampling import kept_set, truncated_logprobs
+from tiller.engine.sampling import kept_set, truncated_logprobs
 from tiller.rollout.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
