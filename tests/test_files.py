@@ -1,5 +1,6 @@
 """tiller.files: output files are replaced, never written through a planted link; files written
-in place refuse a link. The attacks through the commands are in tests/test_run_folder.py."""
+in place refuse a link; a linked folder inside the run folder is refused. The attacks through
+the commands are in tests/test_run_folder.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import stat
 import pytest
 
 from tiller.errors import ConfigError
-from tiller.files import open_append, refuse_sqlite_links, replacing, write_file
+from tiller.files import folder_below, open_append, refuse_sqlite_links, replacing, write_file
 
 
 def plant(tmp_path, name):
@@ -24,10 +25,10 @@ def plant(tmp_path, name):
 
 def test_write_file_replaces_a_link_and_leaves_its_target(tmp_path):
     link, victim = plant(tmp_path, "report.html")
-    write_file(link, "new\ncontent")
+    write_file(link, "new\ncontent", root=link.parent)
     assert victim.read_text() == "precious\n"
     assert not link.is_symlink() and link.read_text() == "new\ncontent"
-    write_file(link, b"\x00bytes")  # bytes as they are; the old file replaced whole
+    write_file(link, b"\x00bytes", root=link.parent)  # bytes as they are, replacing the old
     assert link.read_bytes() == b"\x00bytes"
     assert sorted(p.name for p in link.parent.iterdir()) == ["report.html"]  # no temp left
 
@@ -35,15 +36,15 @@ def test_write_file_replaces_a_link_and_leaves_its_target(tmp_path):
 def test_write_file_keeps_the_umask_mode(tmp_path):
     old = os.umask(0o027)
     try:
-        path = write_file(tmp_path / "summary.json", "{}")
+        path = write_file(tmp_path / "summary.json", "{}", root=tmp_path)
     finally:
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o640  # not the private folder's 0700
 
 
 def test_a_failed_write_leaves_the_old_file(tmp_path):
-    path = write_file(tmp_path / "config.yaml", "old")
-    with pytest.raises(RuntimeError), replacing(path) as new:
+    path = write_file(tmp_path / "config.yaml", "old", root=tmp_path)
+    with pytest.raises(RuntimeError), replacing(path, root=tmp_path) as new:
         new.write_text("half")
         raise RuntimeError("the writer failed")
     assert path.read_text() == "old"
@@ -62,7 +63,7 @@ def test_a_folder_replaces_a_link_or_an_old_folder(tmp_path, before):
     elif before == "folder":
         out.mkdir()
         (out / "stale.bin").write_text("old weights")
-    with replacing(out) as new:
+    with replacing(out, root=tmp_path) as new:
         new.mkdir()
         (new / "model.safetensors").write_text("weights")
     assert not out.is_symlink() and sorted(p.name for p in out.iterdir()) == [
@@ -74,13 +75,13 @@ def test_a_folder_replaces_a_link_or_an_old_folder(tmp_path, before):
 def test_open_append_refuses_a_link_in_one_line(tmp_path):
     link, victim = plant(tmp_path, "metrics.jsonl")
     with pytest.raises(ConfigError) as e:
-        open_append(link)
+        open_append(link, root=link.parent)
     assert str(e.value) == (f"{link} is a symbolic link (to {str(victim)!r}); tiller does not "
                             "write through links: remove it, or write to another folder")
     assert victim.read_text() == "precious\n"
-    with open_append(tmp_path / "plain.jsonl") as f:  # a plain file: appended to
+    with open_append(tmp_path / "plain.jsonl", root=tmp_path) as f:  # a plain file: appended to
         f.write("a\n")
-    with open_append(tmp_path / "plain.jsonl") as f:
+    with open_append(tmp_path / "plain.jsonl", root=tmp_path) as f:
         f.write("b\n")
     assert (tmp_path / "plain.jsonl").read_text() == "a\nb\n"
 
@@ -91,3 +92,68 @@ def test_sqlite_files_refuse_a_link_beside_the_database(tmp_path, suffix):
     with pytest.raises(ConfigError, match="is a symbolic link"):
         refuse_sqlite_links(tmp_path / "run" / "traces.sqlite")
     assert victim.read_text() == "precious\n"
+
+
+def tree(folder):
+    """Every path below `folder` with its content (None for a folder)."""
+    return {str(p.relative_to(folder)): None if p.is_dir() else p.read_text()
+            for p in sorted(folder.rglob("*"))}
+
+
+def write_folder(new):
+    new.mkdir()
+    (new / "model.safetensors").write_text("weights")
+
+
+WRITERS = {  # what each writer of tiller.files writes below the run folder
+    "write_file": lambda path, root: write_file(path, "{}", root=root),
+    "replacing a folder": lambda path, root: _replace(path, root, write_folder),
+    "replacing a file": lambda path, root: _replace(path, root, lambda new: new.write_text("x")),
+    "open_append": lambda path, root: open_append(path, root=root).close(),
+}
+
+
+def _replace(path, root, write):
+    with replacing(path, root=root) as new:
+        write(new)
+
+
+@pytest.mark.parametrize("writer", list(WRITERS))
+@pytest.mark.parametrize("linked, name", [
+    ("checkpoints", "checkpoints/final"),  # the link is the folder that holds the name
+    ("traces", "traces/deep/er/x.json"),  # ... or one further up
+    ("eval/sub", "eval/sub/x"),  # ... below a plain folder
+])
+def test_a_linked_folder_in_the_run_folder_is_refused(tmp_path, writer, linked, name):
+    """A sub-folder of the run folder linked to a folder of the user's: tiller wrote into it
+    (and, replacing a folder, removed the user's folder of that name) before; now one line
+    naming the link, and nothing outside changes or appears."""
+    outside = tmp_path / "outside"
+    (outside / "final").mkdir(parents=True)
+    (outside / "final" / "thesis.tex").write_text("years of work")
+    (outside / "x.json").write_text("the user's")
+    run = tmp_path / "run"
+    (run / linked).parent.mkdir(parents=True)
+    (run / linked).symlink_to(outside, target_is_directory=True)
+    before = tree(outside)
+    with pytest.raises(ConfigError) as e:
+        WRITERS[writer](run / name, run)
+    assert str(e.value) == (f"{run / linked} is a symbolic link (to {str(outside)!r}); tiller "
+                            "does not write through links: remove it, or write to another "
+                            "folder")
+    assert tree(outside) == before
+
+
+def test_the_root_itself_may_be_a_link_and_missing_folders_are_made(tmp_path):
+    """The run folder is the user's choice, links and all; below it folders are made."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "runs").symlink_to(tmp_path / "real", target_is_directory=True)
+    path = write_file(tmp_path / "runs" / "a" / "b" / "summary.json", "{}",
+                      root=tmp_path / "runs")
+    assert (tmp_path / "real" / "a" / "b" / "summary.json").read_text() == "{}"
+    assert path == tmp_path / "runs" / "a" / "b" / "summary.json"
+    with pytest.raises(ValueError, match="is not inside"):
+        folder_below(tmp_path / "runs", tmp_path / "elsewhere")
+    assert folder_below(tmp_path / "runs", tmp_path / "runs" / "a" / ".." / "c", make=False
+                        ) == tmp_path / "runs" / "c"
+    assert not (tmp_path / "runs" / "c").exists()  # make=False makes nothing

@@ -19,12 +19,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
 from helpers import cli, free_port, serve_process
 
 from tiller.engine.api import SamplingParams
+from tiller.engine.delta import DeltaUpdate, TensorDelta, encode_gaps
 from tiller.engine.embedded import EmbeddedEngine
 from tiller.engine.kv_cache import PrefixCache
 from tiller.engine.updates import WeightUpdate
@@ -36,6 +38,7 @@ from tiller.observe.viewer.app import create_app as create_viewer
 from tiller.observe.viewer.app import viewer_server
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits
 from tiller.rollout.chat import stop_token_ids
+from tiller.serve import listen, native
 from tiller.serve.app import create_app
 from tiller.serve.guard import Hosts, host_name
 from tiller.serve.listen import ConnectionLimits, GuardedH11
@@ -250,7 +253,7 @@ def long_context_dir(calc_model_dir, tmp_path_factory):
 
 def health_while(url: str, body: bytes) -> tuple[httpx.Response, list[float]]:
     """POST `body` to /v1/chat/completions and, until it is answered, GET /health every
-    50 ms; returns the chat answer and each /health latency in seconds."""
+    50 ms (once at least); returns the chat answer and each /health latency in seconds."""
     answer: list[httpx.Response] = []
 
     def post() -> None:
@@ -267,10 +270,12 @@ def health_while(url: str, body: bytes) -> tuple[httpx.Response, list[float]]:
         latencies = []
         with httpx.Client(base_url=url, timeout=120) as http:
             http.get("/health")  # connected before the big request lands
-            while thread.is_alive():
+            while True:
                 t0 = time.perf_counter()
                 assert http.get("/health").status_code == 200
                 latencies.append(time.perf_counter() - t0)
+                if not thread.is_alive():
+                    break
                 time.sleep(0.05)
         thread.join()
     finally:
@@ -284,22 +289,31 @@ def test_health_answers_while_a_huge_chat_request_is_in_flight(long_context_dir)
     """Issue 19's attack: megabytes of tool-call arguments, and a quarter of a million empty
     messages, held every route (/health included) for seconds while the chat template was
     rendered on the event loop. Now the size is bounded before rendering (arguments and
-    message count included) and parsing and rendering run in a worker thread."""
+    message count included) and parsing and rendering run in a worker thread. The review's
+    shapes that the message count missed (320,000 empty content parts in one message, 120,000
+    tool calls) held it during validation (pydantic holds the GIL): the JSON values are now
+    counted before validation."""
     args = json.dumps({"x": "a" * 1_000_000})  # under 32 chars x 131071 tokens: rendered
     calls = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": args}}]},
         {"role": "tool", "content": "1"}]
+    many_calls = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "", "arguments": "{}"}}] * 120_000}]
+    too_many = "JSON values (messages, content parts, tool calls, tools and their fields)"
     cases = [(calls, "tokens, over the limit of 131071"),
              ([{"role": "user"}] * 250_000, "the conversation has 250000 messages, over the "
-                                            "limit of 131071")]
+                                            "limit of 131071"),
+             ([{"role": "user", "content": [{"type": "text", "text": ""}] * 320_000}],
+              too_many),
+             (many_calls, too_many)]
     with serve_process(long_context_dir, "--max-body-bytes", str(8 << 20)) as live:
         for messages, says in cases:
             body = json.dumps({"model": str(long_context_dir), "messages": messages,
-                               "max_tokens": 1}).encode()
+                               "max_tokens": 1}, separators=(",", ":")).encode()
+            assert len(body) < 8 << 20  # under --max-body-bytes
             answer, latencies = health_while(live["url"], body)
             assert answer.status_code == 400 and says in answer.json()["error"]["message"]
-            # none when the refusal came before the first poll: the loop was free then too
-            assert max(latencies, default=0.0) < 0.5, (says, latencies)
+            assert max(latencies) < 0.5, (says, max(latencies), len(latencies))
 
 
 # ---- 5: slowloris -------------------------------------------------------------------------
@@ -355,6 +369,131 @@ def test_slowloris_connections_are_timed_out_capped_and_logged_once(calc_model_d
              for kind, found in (("timeouts", timeouts), ("refusals", refusals))}
     # every half-open connection was refused or timed out, counted in the last line
     assert total["timeouts"] + total["refusals"] == 34 and total["refusals"] >= len(refused)
+
+
+def kept_alive(port: int, head: str) -> tuple[socket.socket, bytes]:
+    """A connection that sent one HTTP/1.1 request (keep-alive) and read its whole answer."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(head.encode())
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += s.recv(4096)
+    length = int(re.search(rb"content-length: (\d+)", data, re.I).group(1))
+    while len(data) < data.index(b"\r\n\r\n") + 4 + length:
+        data += s.recv(4096)
+    return s, data
+
+
+def still_open(s: socket.socket) -> bool:
+    s.settimeout(0.2)
+    try:
+        return s.recv(1) != b""
+    except TimeoutError:
+        return True
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_idle_keep_alive_connections_make_room_for_new_clients(calc_model_dir):
+    """The review's lockout: --max-connections sockets, each kept alive after one GET /health
+    (no key needed), locked every new client out with 503. Now a new connection closes the
+    one idle longest; a request the guard refuses closes its connection; a flood of
+    connections all mid-request is still refused at the cap; each closing is counted."""
+    health = "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with serve_process(calc_model_dir, "--read-timeout-s", "5", "--max-connections",
+                       "8") as live:
+        port, url = live["port"], live["url"]
+        idle = []
+        for _ in range(8):
+            idle.append(kept_alive(port, health)[0])
+            time.sleep(0.02)  # idle since distinct times: the first is the oldest
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # 503 before
+        assert closed_within(idle[0], 5) == b""  # the oldest made room
+        assert all(map(still_open, idle[1:]))
+        # refused by the guard: answered, then closed at once (not kept alive for 75 s)
+        rebound = socket.create_connection(("127.0.0.1", port), timeout=10)
+        rebound.sendall(b"GET /health HTTP/1.1\r\nHost: evil.example\r\n\r\n")
+        assert closed_within(rebound, 5).startswith(b"HTTP/1.1 421")
+        # mid-request connections are never closed to make room: past the cap, 503
+        flood = [half_open(port) for _ in range(10)]
+        time.sleep(0.5)
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+        assert not any(map(still_open, idle))  # every idle one gave its place
+        answers = [closed_within(s, 10) for s in flood]
+        assert sum(a.startswith(b"HTTP/1.1 503") for a in answers) >= 2
+        for s in idle + [rebound] + flood:
+            s.close()
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    lines = [line for line in live["log"] if "idle keep-alive connection(s) to make room" in line]
+    assert lines and len(lines) <= 2, lines  # logged at most once per 10 s
+    assert int(re.search(r"\((\d+) in all", lines[-1]).group(1)) >= 8
+
+
+# ---- 7: a weight file is opened as it was checked ------------------------------------------
+
+def identity_and_poison_deltas(model, root: Path, outside: Path) -> Path:
+    """A delta of the served weights below `root` (`root/d`, every element of the final norm
+    set to what it is) and an attacker's outside it (`outside/p`, the same norm zeroed)."""
+    own = model.state_dict()["model.norm.weight"]
+    index = torch.from_numpy(encode_gaps(np.arange(own.numel())))
+    for folder, values in ((root / "d", own.flatten().clone()),
+                           (outside / "p", torch.zeros(own.numel(), dtype=own.dtype))):
+        DeltaUpdate(1, 0, {"model.norm.weight": TensorDelta(own.numel(), index, values)}
+                    ).save(folder)
+    return root / "d"
+
+
+@pytest.mark.parametrize("swap, error", [
+    ("none", None),
+    ("file", "OSError: [Errno 40] Too many levels of symbolic links"),  # O_NOFOLLOW: ELOOP
+    ("folder", "NotADirectoryError: [Errno 20] Not a directory: 'd'"),  # with O_DIRECTORY
+])
+def test_a_delta_swapped_for_a_link_after_the_check_is_not_loaded(model, tokenizer, tmp_path,
+                                                                 monkeypatch, swap, error):
+    """A delta checked below --weights-root, then its file (or its folder) replaced by a link
+    to an attacker's delta outside the root before the server opens it; the attacker acts
+    between the two, here just after tiller_version.json was read. Before, DeltaUpdate.load
+    looked delta.safetensors up again by name and applied the attacker's delta (200, the norm
+    zeroed); now the checked path is opened one folder at a time without following a link:
+    400 naming it, nothing applied. Without a swap the same delta applies."""
+    root, outside = (tmp_path / "root").resolve(), (tmp_path / "outside").resolve()
+    folder = identity_and_poison_deltas(model, root, outside)
+    read = native.read_below
+
+    def read_then_swap(*args, **kwargs):
+        raw = read(*args, **kwargs)
+        if swap == "file":
+            (folder / "delta.safetensors").rename(folder / "checked.bin")
+            (folder / "delta.safetensors").symlink_to(outside / "p" / "delta.safetensors")
+        elif swap == "folder":
+            folder.rename(root / "checked")
+            folder.symlink_to(outside / "p", target_is_directory=True)
+        return raw
+
+    monkeypatch.setattr(native, "read_below", read_then_swap)
+    engine = EmbeddedEngine(model, tokenizer.pad_token_id)
+    settings = ServeSettings("tiny", stop_token_ids(tokenizer, model.generation_config),
+                             weights_root=root)
+    port = free_port()
+    server, _ = listen.server(create_app(engine, tokenizer, settings), settings.connections,
+                              name="tiller serve", host="127.0.0.1", port=port)
+    try:
+        with uvicorn_thread(server), httpx.Client(base_url=f"http://127.0.0.1:{port}",
+                                                  timeout=60) as http:
+            probe = {"input_ids": [5, 6, 7, 8, 9]}
+            before = http.post("/score", json=probe).json()["logprobs"]
+            r = http.post("/update_weights_from_disk", json={"model_path": "d"})
+            after = http.post("/score", json=probe).json()
+    finally:
+        engine.close()
+    if swap == "none":
+        assert r.status_code == 200 and after["weight_version"] == 1, r.text
+    else:
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"].startswith(
+            f"delta.safetensors cannot be opened below --weights-root: {error}"), r.text
+        assert after["weight_version"] == 0
+    assert after["logprobs"] == before  # the identity delta, or nothing, was applied
 
 
 # ---- 8: one API client must not learn another's prompt from the prefix cache --------------

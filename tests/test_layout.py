@@ -76,7 +76,6 @@ MAX_MODULE_LINES = 600
 # today's offenders (module, or module.qualified.function) -> their size in lines; issue 20
 # shrinks this to empty
 SIZE_ALLOWANCES: dict[str, int] = {
-    "tiller.cli.serve": 86,
     "tiller.engine.http.HttpEngine.update_weights": 93,
     "tiller.rollout.agent_loop.run_episode": 82,
     "tiller.rollout.agent_loop._turns": 106,

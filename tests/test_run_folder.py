@@ -29,7 +29,9 @@ from tiller.engine.delta import DeltaUpdate, TensorDelta
 from tiller.engine.http import HttpEngine
 from tiller.engine.updates import WeightUpdate
 from tiller.errors import ConfigError
+from tiller.run import Run
 from tiller.tools.replay import ReplayStore
+from tiller.tools.stack import ToolsConfig, ToolStack
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs/calculator.yaml")
@@ -141,6 +143,19 @@ def test_a_replay_store_refuses_a_planted_link(tmp_path):
     assert not profile.exists()
 
 
+def test_a_replay_store_in_a_linked_folder_of_the_run_folder_is_refused(tmp_path):
+    """A relative env.tools.replay.path lives in the run folder; its folder linked elsewhere
+    would have SQLite create the store there."""
+    outside = tmp_path / "home"
+    outside.mkdir()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "cache").symlink_to(outside, target_is_directory=True)
+    tools = ToolsConfig(replay={"path": "cache/tools.sqlite", "mode": "record"})
+    with pytest.raises(ConfigError, match=r"run/cache is a symbolic link"):
+        ToolStack(tools, tmp_path / "run")
+    assert list(outside.iterdir()) == []
+
+
 def test_weight_updates_replace_planted_links(tmp_path):
     names = ("model.safetensors", "delta.safetensors", "tiller_version.json")
     planted = {n: victim(tmp_path, n) for n in names}
@@ -175,6 +190,52 @@ def test_http_engine_refuses_a_planted_version_folder(tmp_path):
     finally:
         http.close()
     assert sorted(p.name for p in precious.iterdir()) == ["thesis.tex"]
+
+
+def test_eval_refuses_a_linked_folder_in_its_output_folder(calc_sft_dir, tmp_path):
+    """eval/ linked to a folder of the user's: the outcomes were written into it."""
+    outside = tmp_path / "home" / "notes"
+    outside.mkdir(parents=True)
+    (outside / "todo.txt").write_text("mine")
+    out = tmp_path / "ev"
+    out.mkdir()
+    (out / "eval").symlink_to(outside, target_is_directory=True)
+    r = CliRunner().invoke(app, ["eval", CONFIG, "--model", str(calc_sft_dir), "-o", str(out),
+                                 *EVAL])
+    assert r.exit_code == 2, r.output
+    assert one_line(r.output) == (f"error: {out / 'eval'} is a symbolic link (to "
+                                  f"{str(outside)!r}); tiller does not write through links: "
+                                  "remove it, or write to another folder")
+    assert [p.name for p in outside.iterdir()] == ["todo.txt"]
+
+
+def test_a_run_refuses_linked_checkpoints_and_weights_folders(calc_model_dir, tmp_path):
+    """checkpoints/ linked to a folder of the user's: saving `final` wrote the weights there
+    and removed the user's own `final` folder. weights/ (the HTTP engine's default, in the run
+    folder): each version's folder was written there and the old ones removed."""
+    outside = tmp_path / "home"
+    (outside / "final").mkdir(parents=True)
+    (outside / "final" / "thesis.tex").write_text("years of work")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").symlink_to(outside, target_is_directory=True)
+    (out / "weights").symlink_to(outside, target_is_directory=True)
+    cfg = load_config(CONFIG, [f"model.path={calc_model_dir}", "model.build=null", *EVAL])
+    run = Run(cfg, out)
+    try:
+        with pytest.raises(ConfigError, match=rf"^{out / 'checkpoints'} is a symbolic link "):
+            run.save()
+    finally:
+        run.close()
+    http = HttpEngine(["http://127.0.0.1:9"], weights_dir=out / "weights", root=out,
+                      request_timeout_s=2.0, max_retries=0)
+    try:
+        with pytest.raises(ConfigError, match=rf"^{out / 'weights'} is a symbolic link "):
+            http.update_weights(WeightUpdate(1, {"w": torch.ones(3)}))
+    finally:
+        http.close()
+    assert sorted(str(p.relative_to(outside)) for p in outside.rglob("*")) == [
+        "final", "final/thesis.tex"]
 
 
 # ---------------------------------------------------------------- item 9: config as data

@@ -22,6 +22,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 from helpers import cli, free_port, serve_process
 
+from tiller.engine.delta import DeltaUpdate
 from tiller.engine.embedded import EmbeddedEngine
 from tiller.engine.updates import WeightUpdate
 from tiller.envs import ENVS
@@ -339,6 +340,9 @@ def checkpoints(tool_model_dir, weights_root, tmp_path_factory):
              model.state_dict().items()}
     WeightUpdate(0, noisy).save(weights_root / "noisy")
     WeightUpdate(0, {"lm_head.weight": torch.zeros(3, 3)}).save(weights_root / "misfit")
+    norm = model.state_dict()["model.norm.weight"]
+    WeightUpdate(0, {"model.norm.weight": torch.zeros_like(norm)}, partial=True).save(
+        weights_root / "partial")
     outside = tmp_path_factory.mktemp("outside")
     WeightUpdate(0, noisy).save(outside / "ckpt")
     (weights_root / "link").symlink_to(outside / "ckpt", target_is_directory=True)
@@ -361,7 +365,26 @@ def checkpoints(tool_model_dir, weights_root, tmp_path_factory):
     os.mkfifo(weights_root / "meta_fifo" / "tiller_version.json")
     with open(weights_root / "meta_huge" / "tiller_version.json", "wb") as f:
         f.truncate(META_MAX_BYTES + 1)  # sparse: no disk used
+    # and validated: a malformed one is a 400 with the reason, never a 500 or a guess
+    for name, text in MALFORMED_META.items():  # beside the weights and a delta (of nothing)
+        WeightUpdate.full(model, 0).save(weights_root / name)
+        DeltaUpdate(1, 0, {}).save(weights_root / name)
+        (weights_root / name / "tiller_version.json").write_text(text)
     return outside
+
+
+MALFORMED_META = {  # name -> tiller_version.json; each was a 500 or silently taken before
+    "meta_array": "[1, 2]",
+    "meta_numel_array": '{"kind": "delta", "base_version": 0, "numel": [1]}',
+    "meta_numel_nested": '{"kind": "delta", "base_version": 0, "numel": {"x": [1]}}',
+    "meta_base_array": '{"kind": "delta", "base_version": [0], "numel": {}}',
+    "meta_no_base": '{"kind": "delta", "numel": {}}',
+    "meta_checksums_text": '{"kind": "full", "checksums": "abc"}',
+    "meta_deep": "[" * 100_000,
+    "meta_kind": '{"kind": "sparse"}',
+    "meta_extra": '{"kind": "full", "weights": "all"}',
+    "meta_newline_key": '{"kind": "delta", "base_version": 0, "numel": {"a\\nb": "1"}}',
+}
 
 
 @pytest.mark.slow
@@ -381,6 +404,18 @@ def checkpoints(tool_model_dir, weights_root, tmp_path_factory):
     ("meta_link", 403, "tiller_version.json links outside --weights-root"),
     ("meta_fifo", 400, "tiller_version.json is not a regular file"),
     ("meta_huge", 400, f"tiller_version.json has {META_MAX_BYTES + 1} bytes"),
+    *[(name, 400, f"tiller_version.json is malformed: {why}") for name, why in [
+        ("meta_array", "the file: Input should be an object"),
+        ("meta_numel_array", "numel: Input should be an object"),
+        ("meta_numel_nested", "numel.x: Input should be a valid integer"),
+        ("meta_base_array", "base_version: Input should be a valid integer"),
+        ("meta_no_base", "the file: Value error, a delta needs base_version and numel"),
+        ("meta_checksums_text", "checksums: Input should be an object"),
+        ("meta_deep", "the file: Invalid JSON: recursion limit exceeded"),
+        ("meta_kind", "kind: Input should be 'full' or 'delta'"),
+        ("meta_extra", "weights: Extra inputs are not permitted"),
+        ("meta_newline_key", "numel.a b: Input should be a valid integer"),
+    ]],
 ])
 def test_weights_outside_the_root_or_misfit_are_refused(http, checkpoints, path, status, part):
     before = _greedy(http)
@@ -388,7 +423,8 @@ def test_weights_outside_the_root_or_misfit_are_refused(http, checkpoints, path,
         path = str(checkpoints / "ckpt")  # an absolute path outside the root
     r = http.post("/update_weights_from_disk", json={"model_path": path}, timeout=20)
     assert r.status_code == status, r.text
-    assert part in r.json()["error"]["message"]
+    message = r.json()["error"]["message"]
+    assert part in message and "\n" not in message, message
     after = _greedy(http)  # weights and version unchanged
     assert after["output_ids"] == before["output_ids"]
     assert after["meta_info"]["weight_version"] == before["meta_info"]["weight_version"]
@@ -420,6 +456,20 @@ def test_update_weights_from_disk_echoes_the_version_and_changes_outputs(http, c
     assert r.json()["weight_version"] == 6
     restored = _greedy(http)
     assert restored["output_ids"] == before["output_ids"] and version == 0
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_partial_update_from_disk_changes_only_what_it_names(http, checkpoints):
+    """tiller_version.json's `partial` is honoured (it was ignored: 400, missing tensors)."""
+    before = _greedy(http)
+    r = http.post("/update_weights_from_disk", json={"model_path": "partial"})
+    assert r.status_code == 200, r.text
+    after = _greedy(http)  # the norm was zeroed, everything else kept
+    assert after["meta_info"]["weight_version"] == before["meta_info"]["weight_version"] + 1
+    assert after["output_ids"] != before["output_ids"]
+    r = http.post("/update_weights_from_disk", json={"model_path": "same"})
+    assert r.status_code == 200 and _greedy(http)["output_ids"] == before["output_ids"]
 
 
 # ---- control routes (the engine's abort, pause/resume, cache) -------------------------------

@@ -14,7 +14,7 @@ import sys
 from contextlib import nullcontext
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 from rich.console import Console
@@ -22,6 +22,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from tiller.errors import ConfigError, ModelLoadError, RunError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+    from tiller.engine.embedded import EmbeddedEngine
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Reinforcement learning for tool-using LLM agents.")
@@ -286,7 +292,8 @@ def serve(
         min=0.001, help="a connection is closed when a request (line, headers, body) has "
         "not arrived whole this long after its first byte")] = 10.0,
     max_connections: Annotated[int, typer.Option(
-        min=1, help="open connections; one more is answered 503 and closed")] = 512,
+        min=1, help="open connections; one more closes the longest-idle keep-alive one, "
+        "or is answered 503 when none is idle")] = 512,
     threads: Annotated[str, typer.Option(
         help="torch threads: a number, or auto (runtime.threads' rule for one engine)")] = "auto",
 ) -> None:
@@ -298,30 +305,14 @@ def serve(
     import gc
     import logging
 
-    import torch
-
-    from tiller.engine.embedded import EmbeddedEngine
-    from tiller.models import load_model, load_tokenizer, resolve_device
-    from tiller.rollout.chat import stop_token_ids
-    from tiller.runtime import set_up_threads
     from tiller.serve import listen
     from tiller.serve.app import create_app
     from tiller.serve.guard import Hosts
     from tiller.serve.server import ServeSettings
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        torch_device = resolve_device(device)
-        tokenizer = load_tokenizer(model_path)
-        model = load_model(model_path, getattr(torch, dtype)).to(torch_device)
-        stops = stop_token_ids(tokenizer, model.generation_config)
-        # one compute stream: the engine's worker thread
-        set_up_threads(thread_setting, params=sum(p.numel() for p in model.parameters()),
-                       streams=1, field="--threads")
-    except (ConfigError, ModelLoadError) as e:
-        _fail(str(e))
-    engine = EmbeddedEngine(model, tokenizer.pad_token_id, max_batch_size=max_batch_size,
-                            cache_bytes=cache_bytes)
+    engine, tokenizer, stops, torch_device = _serve_engine(
+        model_path, dtype, device, thread_setting, max_batch_size, cache_bytes)
     try:
         settings = ServeSettings(
             model_path=str(model_path), stop_token_ids=stops, dtype=dtype,
@@ -344,6 +335,34 @@ def serve(
     # then walks the request's objects only
     gc.freeze()
     listen.run(server, guard)
+
+
+def _serve_engine(
+    model_path: Path, dtype: str, device: str, threads: int | str, max_batch_size: int,
+    cache_bytes: int,
+) -> tuple[EmbeddedEngine, PreTrainedTokenizerBase, tuple[int, ...], torch.device]:
+    """`tiller serve`'s engine over the loaded model, its tokenizer, the model's stop token
+    ids and the torch device; a model that does not load is one line and exit code 2."""
+    import torch
+
+    from tiller.engine.embedded import EmbeddedEngine
+    from tiller.models import load_model, load_tokenizer, resolve_device
+    from tiller.rollout.chat import stop_token_ids
+    from tiller.runtime import set_up_threads
+
+    try:
+        torch_device = resolve_device(device)
+        tokenizer = load_tokenizer(model_path)
+        model = load_model(model_path, getattr(torch, dtype)).to(torch_device)
+        stops = stop_token_ids(tokenizer, model.generation_config)
+        # one compute stream: the engine's worker thread
+        set_up_threads(threads, params=sum(p.numel() for p in model.parameters()),
+                       streams=1, field="--threads")
+    except (ConfigError, ModelLoadError) as e:
+        _fail(str(e))
+    engine = EmbeddedEngine(model, tokenizer.pad_token_id, max_batch_size=max_batch_size,
+                            cache_bytes=cache_bytes)
+    return engine, tokenizer, stops, torch_device
 
 
 def _check_serve_options(host: str, keys: tuple[str, ...], dtype: str, device: str,

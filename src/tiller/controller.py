@@ -150,7 +150,7 @@ def evaluate(run: Run, tasks: list, label: str, name: str = "heldout",
             per_seed[f"success/seed{seed}"] = success_summary(got)["success"]
             rows += outcome_rows(got, name, seed, difficulty or run.cfg.env.difficulty)
             trajs += got
-    write_outcomes(run.dir / "eval" / f"{label}.jsonl", name, rows)
+    write_outcomes(run.dir / "eval" / f"{label}.jsonl", name, rows, root=run.dir)
     if run.traces is not None:  # every eval episode is kept, under its set's phase
         split = {t.id: t.split for t in tasks}
         for t in trajs:
@@ -341,7 +341,7 @@ def train(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:
     finally:  # a close that fails (the trace writer's last rows) still leaves the run's result
         run.timings["total_s"] = time.perf_counter() - t0
         summary["timings"] = run.timings
-        write_file(run.dir / "summary.json", json.dumps(summary, indent=2))
+        write_file(run.dir / "summary.json", json.dumps(summary, indent=2), root=run.dir)
     if cfg.logging.report:
         summary["report"] = report_uri(run.dir)
     return summary
@@ -369,5 +369,5 @@ def evaluate_checkpoint(cfg: Config, output_dir: str | Path | None = None) -> di
         run.close()
     summary = {"run_dir": str(run.dir), "model": cfg.model.path, "runtime": run.runtime,
                **sets}
-    write_file(run.dir / "summary.json", json.dumps(summary, indent=2))
+    write_file(run.dir / "summary.json", json.dumps(summary, indent=2), root=run.dir)
     return summary

@@ -7,6 +7,10 @@ in it) and then renamed over its name with `os.replace`: a link at the name is r
 followed, and a reader never sees half a file. Files that are written in place (appended to,
 or opened by SQLite or TensorBoard) are refused when their name is a link.
 
+A folder inside the run folder may be a link too (`checkpoints -> /elsewhere`): every writer
+takes the folder it writes below (`root`, the run folder) and refuses, in one line, a link
+among the folders from there down to the file, so nothing is written or removed through one.
+
 This does not defend against another user changing the folder while tiller writes to it:
 keep run folders where only you can write (docs/security.md).
 """
@@ -25,13 +29,32 @@ from typing import TextIO
 from tiller.errors import ConfigError
 
 
+def folder_below(root: str | Path, folder: str | Path, *, make: bool = True) -> Path:
+    """`folder` (absolute), after a ConfigError naming the first folder below `root` on the
+    way to it that is a symbolic link (`refuse_links`); with `make`, the missing ones (and
+    `root`) are made. `root` is trusted as it is, links and all; `folder` must be inside it
+    (a ValueError otherwise: a caller's mistake, not the user's)."""
+    top, full = Path(os.path.abspath(root)), Path(os.path.abspath(folder))
+    if full != top and top not in full.parents:
+        raise ValueError(f"{str(folder)!r} is not inside {str(root)!r}")
+    if make:
+        top.mkdir(parents=True, exist_ok=True)
+    for part in full.relative_to(top).parts:
+        top = top / part
+        refuse_links(top)
+        if make:
+            top.mkdir(exist_ok=True)
+    return full
+
+
 @contextmanager
-def replacing(path: str | Path) -> Iterator[Path]:
+def replacing(path: str | Path, *, root: str | Path) -> Iterator[Path]:
     """A fresh path to write `path`'s new content to (a file, or a folder such as a
     checkpoint), renamed over `path` when the block ends without an error (on an error `path`
-    is left as it was). Whatever was at `path` (a file, a link, a folder) is replaced."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    is left as it was). Whatever was at `path` (a file, a link, a folder) is replaced. `root`
+    is the folder written below (the run folder): a link among the folders between it and
+    `path` is refused (`folder_below`)."""
+    path = folder_below(root, Path(path).parent) / Path(path).name
     private = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         new = private / path.name
@@ -47,15 +70,18 @@ def replacing(path: str | Path) -> Iterator[Path]:
         shutil.rmtree(private, ignore_errors=True)
 
 
-def write_file(path: str | Path, data: str | bytes) -> Path:
-    """Write `data` (text as UTF-8) to `path` whole, by temporary file and rename."""
-    with replacing(path) as new:
+def write_file(path: str | Path, data: str | bytes, *, root: str | Path) -> Path:
+    """Write `data` (text as UTF-8) to `path` whole, by temporary file and rename (`replacing`
+    below `root`)."""
+    with replacing(path, root=root) as new:
         new.write_bytes(data.encode() if isinstance(data, str) else data)
     return Path(path)
 
 
-def open_append(path: str | Path) -> TextIO:
-    """`path` opened to append UTF-8 text (created if missing); a link there is refused."""
+def open_append(path: str | Path, *, root: str | Path) -> TextIO:
+    """`path` opened to append UTF-8 text (created if missing); a link there, or among the
+    folders between `root` and it, is refused."""
+    path = folder_below(root, Path(path).parent) / Path(path).name
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
     except OSError as e:

@@ -122,8 +122,11 @@ def build_tiny_model(
     num_heads: int = 4,
     max_positions: int = 2048,
     seed: int = 0,
+    root: str | Path | None = None,
 ) -> Path:
-    """Train a tokenizer on `corpus`, initialize a small Qwen3 from `seed`, save both."""
+    """Train a tokenizer on `corpus`, initialize a small Qwen3 from `seed`, save both to
+    `out_dir`, written below `root` (a run folder: no link among the folders between them;
+    default `out_dir`'s parent, taken as it is)."""
     out = Path(out_dir)
     tokenizer = train_tokenizer(corpus, vocab_size)
     config = Qwen3Config(
@@ -142,16 +145,17 @@ def build_tiny_model(
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with replacing(out) as new:
+    with replacing(out, root=out.parent if root is None else root) as new:
         model.save_pretrained(new)
         tokenizer.save_pretrained(new)
     return out
 
 
 def build_env_model(env_cls: type[Env], out: Path, build: BuildConfig, *, seed: int,
-                    difficulty: int, max_turns: int) -> Path:
+                    difficulty: int, max_turns: int, root: str | Path | None = None) -> Path:
     """A tiny model whose tokenizer learned from the env's expert episodes (or the text of
-    `env_cls.tokenizer_corpus`, for an env without an expert).
+    `env_cls.tokenizer_corpus`, for an env without an expert), saved to `out` below `root`
+    (`build_tiny_model`).
 
     The episodes are rendered through the real loop with a byte-level tokenizer (the BPE
     alphabet with no merges yet); a share of them guess, so answers without tools are covered.
@@ -165,4 +169,4 @@ def build_env_model(env_cls: type[Env], out: Path, build: BuildConfig, *, seed: 
         corpus = [bootstrap.decode(t.token_ids) for t in trajs]
     return build_tiny_model(out, corpus, vocab_size=build.vocab_size,
                             hidden_size=build.hidden_size, num_layers=build.num_layers,
-                            num_heads=build.num_heads, seed=seed)
+                            num_heads=build.num_heads, seed=seed, root=root)

@@ -61,7 +61,8 @@ def make_run_dir(cfg: Config, output_dir: str | Path | None) -> Path:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(output_dir or cfg.output_dir or Path("runs") / f"{cfg.name}-{stamp}")
     out.mkdir(parents=True, exist_ok=True)
-    write_file(out / "config.yaml", yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+    write_file(out / "config.yaml", yaml.safe_dump(cfg.model_dump(), sort_keys=False),
+               root=out)
     return out
 
 
@@ -149,7 +150,7 @@ class Run:
         device = resolve_device(cfg.model.device)
         path = Path(cfg.model.path) if cfg.model.path is not None else build_env_model(
             self.env_cls, self.dir / "base_model", cfg.model.build, seed=cfg.seed,
-            difficulty=cfg.env.difficulty, max_turns=cfg.env.max_turns)
+            difficulty=cfg.env.difficulty, max_turns=cfg.env.max_turns, root=self.dir)
         self.tokenizer = load_tokenizer(path)
         # fp32 master weights for the optimizer whatever model.dtype is (see Trainer); the
         # engine's copy (and the reference model) are in model.dtype
@@ -158,7 +159,7 @@ class Run:
         # before the engine, the trainer or any episode computes: they share these threads
         self.runtime = set_up_threads(cfg.runtime.threads, streams=compute_streams(cfg),
                                       params=sum(p.numel() for p in self.model.parameters()))
-        write_file(self.dir / "runtime.json", json.dumps(self.runtime, indent=2))
+        write_file(self.dir / "runtime.json", json.dumps(self.runtime, indent=2), root=self.dir)
         check_model(cfg, self.tokenizer, self.model, self.limits)
         if isinstance(cfg.rl.judge, ModelJudgeConfig):
             self.judge = ModelJudge(cfg.rl.judge.model, cfg.rl.judge.prompt, device=device)
@@ -169,8 +170,7 @@ class Run:
                                compute_dtype=dtype, top_k=s.top_k if truncated else 0,
                                top_p=s.top_p if truncated else 1.0, dropout=cfg.model.dropout)
         # the servers of engine.backend http get the trainer's weights (version 0)
-        self.engine = make_engine(cfg, self.model, self.tokenizer.pad_token_id,
-                                  weights_dir=self.dir / "weights",
+        self.engine = make_engine(cfg, self.model, self.tokenizer.pad_token_id, run_dir=self.dir,
                                   initial=self.trainer.weight_update)
         closes(stack, "engine", self.engine.close)
         self.weight_sync = WeightSync(self.trainer, self.engine, cfg.weight_sync, dtype)
@@ -244,7 +244,7 @@ class Run:
 
     def save(self, name: str = "final") -> Path:
         out = self.dir / "checkpoints" / name
-        with replacing(out) as new:
+        with replacing(out, root=self.dir) as new:
             self.model.save_pretrained(new, safe_serialization=True)
             self.tokenizer.save_pretrained(new)
         return out

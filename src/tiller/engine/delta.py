@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from tiller.engine.updates import StagedUpdate, WeightSyncError, Write, _names
+from tiller.engine.updates import StagedUpdate, VersionFile, WeightSyncError, Write, _names
 from tiller.files import replacing, write_file
 
 MAX_VARINT_BYTES = 10  # a uint64 needs at most 10 groups of 7 bits
@@ -150,28 +150,38 @@ class DeltaUpdate:
         """Stage, verify and write (`StagedUpdate.apply`): all of it or, raising, none."""
         self.stage(model).apply()
 
-    def save(self, folder: str | Path) -> Path:
+    def save(self, folder: str | Path, *, root: str | Path | None = None) -> Path:
         """`folder/delta.safetensors` (`<name>/idx`, `<name>/val` per tensor) and
-        `folder/tiller_version.json` saying kind delta, the base version and the checksums."""
+        `folder/tiller_version.json` saying kind delta, the base version and the checksums,
+        below `root` (no link among the folders between; default `folder` itself)."""
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
+        root = folder if root is None else root
         tensors: dict[str, torch.Tensor] = {}
         for name, d in self.deltas.items():
             tensors[f"{name}/idx"] = d.index_bytes.contiguous()
             tensors[f"{name}/val"] = d.values.detach().contiguous().cpu()
-        with replacing(folder / "delta.safetensors") as new:
+        with replacing(folder / "delta.safetensors", root=root) as new:
             save_file(tensors, str(new))
         write_file(folder / "tiller_version.json", json.dumps({
             "version": self.version, "kind": "delta", "base_version": self.base_version,
             "numel": {k: d.numel for k, d in self.deltas.items()},
-            "checksums": self.checksums}))
+            "checksums": self.checksums}), root=root)
         return folder
 
     @classmethod
-    def load(cls, folder: str | Path, meta: dict, version: int | None = None) -> DeltaUpdate:
-        """What `save` wrote; `meta` is its tiller_version.json, already read."""
-        raw = load_file(str(Path(folder) / "delta.safetensors"))
-        deltas = {name: TensorDelta(int(n), raw[f"{name}/idx"], raw[f"{name}/val"])
-                  for name, n in meta["numel"].items()}
-        return cls(meta["version"] if version is None else version, int(meta["base_version"]),
-                   deltas, meta.get("checksums"))
+    def load(cls, path: str | Path, meta: VersionFile, version: int | None = None
+             ) -> DeltaUpdate:
+        """What `save` wrote: the delta.safetensors file at `path` (opened by exactly this
+        path: a caller that checked a file passes the path of the file it checked) and its
+        tiller_version.json, already read and validated (`VersionFile.parse`), as version
+        `version` (default the file's)."""
+        version = meta.version if version is None else version
+        if meta.kind != "delta" or meta.base_version is None or meta.numel is None:
+            raise WeightSyncError(f"tiller_version.json says kind {meta.kind!r}, not a delta "
+                                  "with base_version and numel")
+        if version is None:
+            raise WeightSyncError("tiller_version.json gives no version, and none was asked")
+        raw = load_file(str(path))
+        deltas = {name: TensorDelta(n, raw[f"{name}/idx"], raw[f"{name}/val"])
+                  for name, n in meta.numel.items()}
+        return cls(version, meta.base_version, deltas, meta.checksums)

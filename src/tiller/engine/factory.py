@@ -16,18 +16,20 @@ from tiller.engine.updates import WeightUpdate
 from tiller.errors import require_package
 
 
-def make_engine(cfg: Config, model: PreTrainedModel, pad_token_id: int, *, weights_dir: Path,
+def make_engine(cfg: Config, model: PreTrainedModel, pad_token_id: int, *, run_dir: Path,
                 initial: Callable[[], WeightUpdate]) -> Engine:
     """The engine of `cfg.engine.backend` over the trainer's `model`: `embedded` holds a copy in
     `cfg.model.dtype`; `http` connects to `cfg.engine.urls`, checks the servers against the
     model and pushes them `initial()` (weight versions go through `cfg.engine.weights_dir`,
-    else `weights_dir`)."""
+    else `run_dir`/weights, whose folders below the run folder are never links)."""
     e = cfg.engine
     if e.backend == "http":
         require_package("httpx", "serve", "engine.backend=http")
         from tiller.engine.http import connect  # httpx is an optional extra
 
-        return connect(e.urls, weights_dir=e.weights_dir or weights_dir,
+        # a weights_dir of the config is the user's; the default is in the run folder
+        return connect(e.urls, weights_dir=e.weights_dir or run_dir / "weights",
+                       root=None if e.weights_dir else run_dir,
                        api_key=e.api_key.get_secret_value() if e.api_key else None,
                        request_timeout_s=e.request_timeout_s, max_retries=e.max_retries,
                        vocab_size=model.config.vocab_size,

@@ -56,7 +56,7 @@ from tiller.engine.delta import DeltaUpdate
 from tiller.engine.updates import WeightUpdate
 from tiller.engine.wire import check_logprob_kind, parse_generation
 from tiller.errors import ConfigError, RunError
-from tiller.files import refuse_links
+from tiller.files import folder_below
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -89,14 +89,17 @@ class Server:
 
 class HttpEngine:
     """`Engine` over the servers at `urls`; weight versions go through `weights_dir`, a folder
-    every server can read (below each `tiller serve --weights-root`)."""
+    every server can read (below each `tiller serve --weights-root`), inside `root` (the run
+    folder, whose folders down to each version's are never links; default `weights_dir`)."""
 
     def __init__(self, urls: list[str], *, weights_dir: str | Path, api_key: str | None = None,
-                 request_timeout_s: float = 300.0, max_retries: int = 2):
+                 request_timeout_s: float = 300.0, max_retries: int = 2,
+                 root: str | Path | None = None):
         if not urls:
             raise ConfigError("config field engine.urls: list at least one server URL")
         self.servers = [Server(u.rstrip("/")) for u in urls]
         self.weights_dir = Path(weights_dir)
+        self.root = self.weights_dir if root is None else Path(root)
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
         self.version = 0
@@ -401,9 +404,9 @@ class HttpEngine:
         removed. Older versions this engine wrote are removed afterwards."""
         if in_flight not in ("continue", "abort"):
             raise ValueError(f"in_flight must be 'continue' or 'abort', got {in_flight!r}")
-        # a link planted there would be written through, and removed with what it points to
-        refuse_links(self.weights_dir / f"v{update.version}")
-        folder = (self.weights_dir / f"v{update.version}").resolve()
+        # a link planted there, or at a folder above it in the run folder, would be written
+        # through, and removed with what it points to
+        folder = folder_below(self.root, self.weights_dir / f"v{update.version}").resolve()
         fresh = folder not in self._written  # a failed push removes only a folder it wrote
         update.save(folder)
         body = {"model_path": str(folder), "weight_version": update.version,
@@ -547,13 +550,15 @@ def _short(text: str, n: int = 200) -> str:
 
 def connect(urls: list[str], *, weights_dir: str | Path, api_key: str | None,
             request_timeout_s: float, max_retries: int, vocab_size: int, max_context: int,
-            initial: WeightUpdate, dtype: str | None = None) -> HttpEngine:
+            initial: WeightUpdate, dtype: str | None = None,
+            root: str | Path | None = None) -> HttpEngine:
     """An `HttpEngine` whose servers were checked against the trainer's model and hold its
     weights (`initial`): a server started from another checkpoint would otherwise sample
     another policy. `api_key` None: the TILLER_API_KEY environment variable, if set."""
     engine = HttpEngine(urls, weights_dir=weights_dir,
                         api_key=api_key or os.environ.get("TILLER_API_KEY"),
-                        request_timeout_s=request_timeout_s, max_retries=max_retries)
+                        request_timeout_s=request_timeout_s, max_retries=max_retries,
+                        root=root)
     try:
         engine.check_servers(vocab_size, max_context, dtype)
         engine.update_weights(initial)

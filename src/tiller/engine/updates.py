@@ -30,8 +30,10 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -230,6 +232,48 @@ class StagedUpdate:
                 raise WeightsInconsistent(f"{e}; the weights are now neither version") from e
 
 
+MAX_VERSION = 2**63 - 1  # versions and element counts fit an int64
+Count = Annotated[int, Field(ge=0, le=MAX_VERSION)]
+
+
+class VersionFile(BaseModel):
+    """`tiller_version.json`, beside the tensors of an update on disk: what `WeightUpdate.save`
+    and `DeltaUpdate.save` write and `tiller serve` reads (`parse`). Strict: a wrong type, a
+    delta without its base or sizes, a key of the other kind or an unknown key is refused, never
+    guessed; a checkpoint without the file is a full update."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    version: Count | None = None  # the sender's; `tiller serve` takes the request's
+    kind: Literal["full", "delta"] = "full"
+    partial: bool = False  # full: the tensors not named keep their values (a delta always)
+    base_version: Count | None = None  # delta: the version it changes
+    numel: dict[str, Count] | None = None  # delta: element count of each tensor it changes
+    checksums: dict[str, float] | None = None  # per tensor (see `checksums`)
+
+    @model_validator(mode="after")
+    def _fields_of_its_kind(self) -> VersionFile:
+        delta_fields = (self.base_version, self.numel)
+        if self.kind == "delta" and None in delta_fields:
+            raise ValueError("a delta needs base_version and numel")
+        if self.kind == "full" and delta_fields != (None, None):
+            raise ValueError("base_version and numel are a delta's (kind 'delta')")
+        return self
+
+    @classmethod
+    def parse(cls, raw: bytes | None) -> VersionFile:
+        """`raw` validated (None: there is no file); `WeightSyncError` with one line naming
+        the first problems otherwise."""
+        if raw is None:
+            return cls()
+        try:
+            return cls.model_validate_json(raw)
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'the file'}: "
+                                 f"{err['msg']}" for err in e.errors()[:3])
+            raise WeightSyncError(" ".join(f"tiller_version.json is malformed: {problems}"
+                                           .split())) from e  # its keys may hold newlines
+
+
 @dataclass(frozen=True)
 class WeightUpdate:
     version: int
@@ -242,32 +286,34 @@ class WeightUpdate:
         """Every parameter and buffer, copied so later training steps cannot alter it."""
         return cls(version, {k: v.detach().clone() for k, v in model.state_dict().items()})
 
-    def save(self, folder: str | Path) -> Path:
+    def save(self, folder: str | Path, *, root: str | Path | None = None) -> Path:
         """Write the tensors to `folder/model.safetensors` and the version (and checksums) to
-        `folder/tiller_version.json` (what `tiller serve`'s /update_weights_from_disk reads).
-        Names sharing one storage (tied embeddings) are written once; `load` fills them in."""
+        `folder/tiller_version.json` (what `tiller serve`'s /update_weights_from_disk reads),
+        below `root` (no link among the folders between; default `folder` itself). Names
+        sharing one storage (tied embeddings) are written once; `load` fills them in."""
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
+        root = folder if root is None else root
         seen: set[int] = set()
         out = {}
         for k, v in self.tensors.items():
             if v.data_ptr() not in seen:
                 seen.add(v.data_ptr())
                 out[k] = v.detach().contiguous().cpu()
-        with replacing(folder / "model.safetensors") as new:
+        with replacing(folder / "model.safetensors", root=root) as new:
             save_file(out, str(new))
         write_file(folder / "tiller_version.json", json.dumps(
             {"version": self.version, "kind": "full", "partial": self.partial,
-             "checksums": self.checksums}))
+             "checksums": self.checksums}), root=root)
         return folder
 
     @classmethod
     def load(cls, folder: str | Path, version: int, model: nn.Module,
-             files: list[Path] | None = None, checksums: dict[str, float] | None = None
-             ) -> WeightUpdate:
+             files: list[Path] | None = None, checksums: dict[str, float] | None = None,
+             partial: bool = False) -> WeightUpdate:
         """Every `*.safetensors` file in `folder` (a `save` or an HF `save_pretrained`
         checkpoint), or exactly `files` when given (paths a caller already checked), as a full
-        update of `model` (verified against `checksums` after applying, when given). Names the
+        update of `model` (a subset of it when `partial`; verified against `checksums` after
+        applying, when given). Names the
         model ties to a tensor in the files (lm_head to the embeddings) may be absent; anything
         else that does not fit raises `WeightSyncError` before a weight is written."""
         if files is None:
@@ -285,7 +331,7 @@ class WeightUpdate:
             for n in names:
                 if n not in tensors and present:
                     tensors[n] = tensors[present[0]]
-        update = cls(version, tensors, checksums=checksums)
+        update = cls(version, tensors, partial=partial, checksums=checksums)
         update.check(model)
         return update
 

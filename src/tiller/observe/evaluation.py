@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from tiller.algorithms.passk import pass_at_k
-from tiller.files import write_file
+from tiller.files import folder_below, write_file
 from tiller.rollout.trajectory import Trajectory, is_success
 
 
@@ -68,15 +68,17 @@ def outcome_rows(trajectories: Sequence[Trajectory], set_name: str, seed: int,
              "difficulty": difficulty} for t in trajectories]
 
 
-def write_outcomes(path: Path, set_name: str, rows: Sequence[dict]) -> None:
+def write_outcomes(path: Path, set_name: str, rows: Sequence[dict], *, root: Path) -> None:
     """Put `rows` as the outcomes of `set_name` in the JSONL file at `path`, keeping the rows
     of its other sets (one file per evaluation label holds all its sets). A link there is
-    not this run's file: it is neither read nor written through, but replaced."""
+    not this run's file: it is neither read nor written through, but replaced; a link among
+    the folders between `root` (the run folder) and it is refused before anything is read."""
+    path = folder_below(root, path.parent) / path.name
     kept = []
     if path.is_file() and not path.is_symlink():
         kept = [r for r in map(json.loads, path.read_text().splitlines())
                 if r["set"] != set_name]
-    write_file(path, "".join(json.dumps(r) + "\n" for r in [*kept, *rows]))
+    write_file(path, "".join(json.dumps(r) + "\n" for r in [*kept, *rows]), root=root)
 
 
 def success_by_difficulty(tasks: Sequence[Any], trajectories: Sequence[Trajectory],

@@ -33,7 +33,7 @@ class MetricsLogger:
         check_backends(tensorboard, wandb)
         # TensorBoard and W&B write files of their own inside these folders
         refuse_links(run_dir / "tensorboard", run_dir / "wandb")
-        self._file = open_append(self.path)
+        self._file = open_append(self.path, root=run_dir)
         self._tb = None
         self._wandb = None
         if tensorboard:

@@ -381,4 +381,4 @@ def render_report(run: RunRecords) -> str:
 def write_report(run_dir: str | Path) -> Path:
     """Write `run_dir/report.html` and return its path."""
     run = load_run(run_dir)
-    return write_file(run.dir / "report.html", render_report(run))
+    return write_file(run.dir / "report.html", render_report(run), root=run.dir)

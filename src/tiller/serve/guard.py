@@ -1,6 +1,7 @@
 """What keeps tiller's HTTP servers safe by default: the Host and Content-Type checks, the
 bearer keys and the body size limit (`Guard`, shared by `tiller serve`, the agent gateway and
-`tiller view`), and the folder weight updates may be read from (`resolve_below`)."""
+`tiller view`), and the folder weight updates may be read from (`resolve_below`, and
+`opened_below`, which opens a checked file without following a link swapped in since)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import ipaddress
 import json
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,12 +34,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def resolve_below(root: Path, requested: str) -> tuple[Path, list[Path]]:
+def resolve_below(root: Path, requested: str) -> tuple[Path, dict[str, Path]]:
     """The real path of the folder `requested` (relative to `root`, or absolute) and the real
-    paths of its `*.safetensors` files, to be loaded from exactly these paths. APIError 403 when
-    the folder or a file lies outside `root` once `..` and symlinks are resolved; 400 when the
-    path cannot be resolved (a NUL byte, a name too long, a symlink loop), is not a folder, or
-    a file is not a regular file (a FIFO would hang the load)."""
+    paths of its `*.safetensors` files by their names in it, to be opened from exactly these
+    paths (`opened_below`). APIError 403 when the folder or a file lies outside `root` once
+    `..` and symlinks are resolved; 400 when the path cannot be resolved (a NUL byte, a name
+    too long, a symlink loop), is not a folder, or a file is not a regular file (a FIFO would
+    hang the load)."""
     shown = requested if len(requested) <= 100 else requested[:100] + "..."
     try:
         target = (root / requested).resolve()  # an absolute `requested` replaces root here
@@ -46,14 +49,14 @@ def resolve_below(root: Path, requested: str) -> tuple[Path, list[Path]]:
                                 f"{str(root)!r}")
         if not stat.S_ISDIR(target.stat().st_mode):
             raise APIError(400, f"model_path {requested!r} is not a folder below --weights-root")
-        files = []
+        files = {}
         for f in sorted(target.glob("*.safetensors")):
             real = f.resolve(strict=True)
             if root not in real.parents:
                 raise APIError(403, f"{f.name} in {requested!r} links outside --weights-root")
             if not stat.S_ISREG(real.stat().st_mode):
                 raise APIError(400, f"{f.name} in {requested!r} is not a regular file")
-            files.append(real)
+            files[f.name] = real
     except FileNotFoundError as e:
         raise APIError(400, f"model_path {requested!r} is not a folder below --weights-root "
                             f"({e.strerror})") from e
@@ -63,29 +66,65 @@ def resolve_below(root: Path, requested: str) -> tuple[Path, list[Path]]:
     return target, files
 
 
+def open_below(root: Path, real: Path) -> int:
+    """A read-only descriptor of the regular file at `real`, a resolved path inside `root`,
+    opened one folder at a time from `root` without following a link at any step (and
+    without blocking on a FIFO): a link swapped in anywhere below `root` after `real` was
+    checked fails the open instead of redirecting it. APIError 403 when `real` is not inside
+    `root`; 400 when it cannot be opened so or is not a regular file."""
+    if root not in real.parents:
+        raise APIError(403, f"{real.name} links outside --weights-root {str(root)!r}")
+    *folders, name = real.relative_to(root).parts
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    at = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in folders:
+            below = os.open(part, flags | os.O_DIRECTORY, dir_fd=at)
+            os.close(at)
+            at = below
+        fd = os.open(name, flags | os.O_NONBLOCK, dir_fd=at)
+    except OSError as e:  # ELOOP or ENOTDIR: a link was swapped in; or the file went away
+        raise APIError(400, f"{name} cannot be opened below --weights-root: "
+                            f"{type(e).__name__}: {e}"[:300]) from e
+    finally:
+        os.close(at)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise APIError(400, f"{name} is not a regular file")
+    return fd
+
+
+@contextmanager
+def opened_below(root: Path, real: Path) -> Iterator[Path]:
+    """A path naming the file `open_below` opened (its descriptor's entry in /proc/self/fd,
+    or /dev/fd), for a reader that opens files by name (safetensors): opening it opens the
+    file that was checked, whatever has since been moved or linked at `real`."""
+    fd = open_below(root, real)
+    try:
+        yield Path("/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd", str(fd))
+    finally:
+        os.close(fd)
+
+
 def read_below(root: Path, path: Path, max_bytes: int = META_MAX_BYTES) -> bytes | None:
     """The bytes of the file at `path` under the rules of `resolve_below`: None when there is
     none; APIError 403 when it resolves outside `root`, 400 when it cannot be resolved, is not
-    a regular file or has over `max_bytes`. It is opened without following a link swapped in
-    after the check and without blocking on a FIFO, and checked on the open file."""
+    a regular file or has over `max_bytes`. It is opened as `open_below` opens (no link
+    followed after the check, no wait on a FIFO) and checked on the open file."""
     if not os.path.lexists(path):
         return None
     try:
         real = path.resolve(strict=True)
-        if root not in real.parents:
-            raise APIError(403, f"{path.name} links outside --weights-root {str(root)!r}")
-        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise APIError(400, f"{path.name} is not a regular file")
-            if st.st_size > max_bytes:
-                raise APIError(400, f"{path.name} has {st.st_size} bytes, over the limit of "
-                                    f"{max_bytes}")
-            return f.read(max_bytes + 1)[:max_bytes]
-    except (OSError, RuntimeError) as e:  # a symlink loop, a dangling link, a link swapped in
+    except (OSError, RuntimeError) as e:  # a symlink loop, a dangling link
         raise APIError(400, f"{path.name} cannot be read: {type(e).__name__}: {e}"[:300]
                        ) from e
+    if root not in real.parents:
+        raise APIError(403, f"{path.name} links outside --weights-root {str(root)!r}")
+    with os.fdopen(open_below(root, real), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise APIError(400, f"{path.name} has {size} bytes, over the limit of {max_bytes}")
+        return f.read(max_bytes + 1)[:max_bytes]
 
 
 MIN_KEY_CHARS = 16
@@ -170,6 +209,9 @@ class Guard:
       server without asking; a JSON body needs the server's consent, which is never given);
     - 413 for bodies over `max_body_bytes` (declared or streamed).
 
+    A refusal closes the connection (`Connection: close`): one kept alive after it would
+    hold a place under the connection cap for a client that was not served.
+
     `refused(scope, error)`, when given, is told of each refusal (the gateway counts them)."""
 
     def __init__(self, app: ASGIApp, *, max_body_bytes: int, hosts: Hosts,
@@ -187,7 +229,7 @@ class Guard:
         if error is not None:
             if self.refused is not None:
                 self.refused(scope, error)
-            await reply(send, error)
+            await reply(send, error, close=True)
             return
         scope.setdefault("state", {})["client"] = client
         received = 0
@@ -239,9 +281,11 @@ def _too_large(limit: int) -> APIError:
     return APIError(413, f"request body over {limit} bytes (--max-body-bytes)")
 
 
-async def reply(send: Send, error: APIError) -> None:
+async def reply(send: Send, error: APIError, *, close: bool = False) -> None:
+    """Answer `error` as JSON; with `close`, close the connection after it."""
     body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": error.status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
+                "headers": headers + [(b"connection", b"close")] * close})
     await send({"type": "http.response.body", "body": body})

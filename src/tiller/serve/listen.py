@@ -12,9 +12,13 @@ uvicorn's h11 protocol (uvicorn's `http=` option takes a protocol class) and add
   `read_timeout_s` of its first byte, and a new connection must send one within
   `read_timeout_s` of opening; otherwise the connection is closed. Idle time between requests
   stays uvicorn's keep-alive timeout (`keep_alive_s`);
-- a connection cap: a connection opened while `max_connections` are open is answered 503 and
-  closed at once, before anything is read, so the process never runs out of file descriptors
-  (the open-file limit is raised to fit the cap, or the start refused);
+- a connection cap: a connection opened while `max_connections` are open takes the place of
+  the connection that has been idle longest between requests (keep-alive), closed as nginx
+  does; when none is idle (every one is mid-request or awaiting its first), it is answered 503
+  and closed at once, before anything is read. So the process never runs out of file
+  descriptors (the open-file limit is raised to fit the cap, or the start refused), and
+  connections kept alive after one cheap request (`GET /health` needs no key) cannot lock new
+  clients out;
 - counted refusals: each is counted (`ConnectionGuard.counts`) and logged at most once per
   `log_interval_s` per kind, with the number since the last line.
 
@@ -53,7 +57,7 @@ class ConnectionLimits:
 
     read_timeout_s: float = 10.0  # a whole request (line, headers, body) from its first byte
     keep_alive_s: int = 5  # idle time between requests (uvicorn's timeout_keep_alive)
-    max_connections: int = 512  # open at once; one more is answered 503 and closed
+    max_connections: int = 512  # open at once; one more replaces the longest-idle or gets 503
     log_interval_s: float = 10.0  # at most one log line per kind of refusal per interval
 
     def __post_init__(self) -> None:
@@ -66,10 +70,12 @@ class ConnectionGuard:
     """The limits of one server, its refusal counts and their rate-limited log lines."""
 
     MESSAGES = {
-        "connections_refused": "refused {n} connection(s): {limit} were open "
+        "connections_refused": "refused {n} connection(s): {limit} were open, none idle "
                                "(max_connections={limit}; answered 503 and closed)",
         "read_timeouts": "closed {n} connection(s) that sent no whole request within "
                          "{timeout:g} s (read_timeout_s)",
+        "idle_closed": "closed {n} idle keep-alive connection(s) to make room for new ones "
+                       "(max_connections={limit} were open)",
     }
 
     def __init__(self, limits: ConnectionLimits, name: str):
@@ -114,15 +120,27 @@ class GuardedH11(H11Protocol):
 
     guard: ConnectionGuard
     _deadline: asyncio.TimerHandle | None = None
+    _idle_since = 0.0  # loop time of its last response (when it is idle between requests)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self.guard.limits.max_connections:
-            self.guard.refused("connections_refused", self.loop)
-            transport.write(REFUSED)
-            transport.close()
-            return
+            idle = self._longest_idle()
+            if idle is None:
+                self.guard.refused("connections_refused", self.loop)
+                transport.write(REFUSED)
+                transport.close()
+                return
+            self.guard.refused("idle_closed", self.loop)
+            idle.timeout_keep_alive_handler()  # what its keep-alive timer would do later
         self._arm()  # a new connection gets read_timeout_s to send its first request
+
+    def _longest_idle(self) -> GuardedH11 | None:
+        """The open connection idle between requests (uvicorn's keep-alive timer runs only
+        then) for the longest time, or None."""
+        idle = [c for c in self.connections if isinstance(c, GuardedH11)
+                and c.timeout_keep_alive_task is not None and not c.transport.is_closing()]
+        return min(idle, key=lambda c: c._idle_since, default=None)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -133,6 +151,7 @@ class GuardedH11(H11Protocol):
         self._update()
 
     def on_response_complete(self) -> None:
+        self._idle_since = self.loop.time()
         super().on_response_complete()
         self._update()
 

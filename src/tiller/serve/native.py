@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +14,8 @@ from fastapi import Request
 from safetensors import SafetensorError
 
 from tiller.engine.delta import DeltaUpdate
-from tiller.engine.updates import WeightsInconsistent, WeightSyncError, WeightUpdate
-from tiller.serve.guard import read_below, resolve_below
+from tiller.engine.updates import VersionFile, WeightsInconsistent, WeightSyncError, WeightUpdate
+from tiller.serve.guard import opened_below, read_below, resolve_below
 from tiller.serve.protocol import (
     AbortRequest,
     APIError,
@@ -75,25 +75,30 @@ def _generate_inputs(server: Server, raw: bytes) -> tuple[GenerateRequest, list[
     return body, prompt
 
 
-def _read_update(root: Path, folder: Path, files: list, version: int, engine: Any
+def _read_update(root: Path, folder: Path, files: dict[str, Path], version: int, engine: Any
                  ) -> WeightUpdate | DeltaUpdate:
     """The update in `folder`: a delta when its tiller_version.json says so (refused unless the
     engine holds its base version), else a full checkpoint; with the sender's checksums when the
-    json has them. The json is read under the rules of --weights-root (`read_below`);
-    `engine.update_weights` checks the whole update before writing anything."""
-    raw = read_below(root, folder / "tiller_version.json")
-    meta = json.loads(raw) if raw is not None else {}
-    if not isinstance(meta, dict):
-        raise ValueError(f"tiller_version.json holds a {type(meta).__name__}, not an object")
-    if meta.get("kind") == "delta":
-        update = DeltaUpdate.load(folder, meta, version)
-        if update.base_version != engine.version:
-            raise WeightSyncError(f"delta update v{version} is against base version "
-                                  f"v{update.base_version}, but this server holds "
-                                  f"v{engine.version}: push a full update")
-        return update
-    return WeightUpdate.load(folder, version, engine.model, files=files,
-                             checksums=meta.get("checksums"))
+    json has them. The json is read under the rules of --weights-root (`read_below`) and
+    validated (`VersionFile`: a malformed one is a WeightSyncError, so a 400); every tensor file
+    is read from the descriptor of the checked file (`opened_below`), never looked up again by
+    name. `engine.update_weights` checks the whole update before writing anything."""
+    meta = VersionFile.parse(read_below(root, folder / "tiller_version.json"))
+    with ExitStack() as opened:
+        if meta.kind == "full":
+            paths = [opened.enter_context(opened_below(root, f)) for f in files.values()]
+            return WeightUpdate.load(folder, version, engine.model, files=paths,
+                                     checksums=meta.checksums, partial=meta.partial)
+        if "delta.safetensors" not in files:
+            raise WeightSyncError("tiller_version.json says kind 'delta' and there is no "
+                                  "delta.safetensors beside it")
+        update = DeltaUpdate.load(opened.enter_context(opened_below(
+            root, files["delta.safetensors"])), meta, version)
+    if update.base_version != engine.version:
+        raise WeightSyncError(f"delta update v{version} is against base version "
+                              f"v{update.base_version}, but this server holds "
+                              f"v{engine.version}: push a full update")
+    return update
 
 
 async def update_weights(server: Server, request: Request) -> dict[str, Any]:

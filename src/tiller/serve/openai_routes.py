@@ -229,15 +229,33 @@ def render_error(e: Exception) -> APIError:
 
 
 TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError)
+REQUEST_FIELDS = 64  # JSON values allowed beside one per token: the request's own fields
+
+
+def json_values(data: Any, most: int) -> int:
+    """The number of JSON values in `data` (objects, arrays and scalars; not keys), counted up
+    to `most + 1` at most (it stops there)."""
+    n, stack = 0, [data]
+    while stack and n <= most:
+        value = stack.pop()
+        n += 1
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return n
 
 
 def parse_chat(raw: bytes, max_tokens: int, limit: str) -> ChatCompletionRequest:
-    """A chat completion body, refused (400) when it cannot fit `max_tokens` (named `limit`):
-    before validation, for more messages than tokens (each renders to at least one; validating
-    a quarter of a million messages holds the GIL for seconds, so the count is read from a
-    plain `json.loads` first), and before rendering, for more characters than CHARS_PER_TOKEN
-    per token in what the template renders (contents, names, tool-call names and arguments,
-    tool schemas)."""
+    """A chat completion body, refused (400) when it cannot fit `max_tokens` (named `limit`).
+
+    Before validation (pydantic holds the GIL while it validates, in a worker thread too:
+    every route waits), from a plain `json.loads`: for more messages than tokens (each renders
+    to at least one), and for more JSON values than tokens plus REQUEST_FIELDS (validation
+    walks every one: 320,000 empty content parts in one message, or 120,000 tool calls, held
+    the server for most of a second). Before rendering: for more characters than
+    CHARS_PER_TOKEN per token in what the template renders (contents, names, tool-call names
+    and arguments, tool schemas)."""
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError):  # parse_body says what is wrong with it
@@ -246,6 +264,12 @@ def parse_chat(raw: bytes, max_tokens: int, limit: str) -> ChatCompletionRequest
     if isinstance(messages, list) and len(messages) > max_tokens:
         raise APIError(400, f"the conversation has {len(messages)} messages, over the limit "
                             f"of {max_tokens} (each renders to at least one token of {limit})")
+    most = max_tokens + REQUEST_FIELDS
+    if json_values(data, most) > most:
+        raise APIError(400, f"the request has over {most} JSON values (messages, content "
+                            f"parts, tool calls, tools and their fields), more than the "
+                            f"{max_tokens} tokens of {limit} plus {REQUEST_FIELDS} for the "
+                            "request's own fields")
     body: ChatCompletionRequest = parse_body(raw, ChatCompletionRequest)
     chars = sum(len(json.dumps(t.model_dump(exclude_none=True, by_alias=True)))
                 for t in body.tools or [])

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tiller.errors import ConfigError
+from tiller.files import folder_below
 from tiller.tools.executor import ExecutorConfig, Invoke, ProbeReport, ToolExecutor
 from tiller.tools.faults import FaultConfig, FaultInjector
 from tiller.tools.registry import ToolCall, ToolOutcome, ToolRegistry, ToolResult, load_tools
@@ -86,8 +87,9 @@ class ToolStack:
         self.store = None
         if cfg.replay is not None:
             path = Path(cfg.replay.path)
-            self.store = ReplayStore(_replay_path(path if path.is_absolute() else run_dir / path,
-                                                  cfg.replay.mode), cfg.replay.mode)
+            if not path.is_absolute():  # in the run folder: no folder on the way is a link
+                path = folder_below(run_dir, (run_dir / path).parent, make=False) / path.name
+            self.store = ReplayStore(_replay_path(path, cfg.replay.mode), cfg.replay.mode)
         self.functions = load_tools(cfg.functions)  # before any work: a bad path is one line
         self.executor = ToolExecutor(config=cfg.executor)
         self.first_error: dict[str, str] = {}
