@@ -44,9 +44,9 @@ from tiller.config import Config
 from tiller.engine.api import Engine, Generation, SamplingParams
 from tiller.envs.base import Env, Task
 from tiller.errors import RunError
-from tiller.rollout.agent_loop import EpisodeLimits
+from tiller.rollout.agent_loop import EpisodeFn, EpisodeLimits
 from tiller.rollout.buffer import DataBuffer, Group
-from tiller.rollout.collect import EpisodeFn, check_aborted, run_one
+from tiller.rollout.collect import check_aborted, run_one
 from tiller.rollout.protocol import Leftovers, Taken, WindDown
 from tiller.rollout.trajectory import Trajectory
 from tiller.seeds import derive_seed
