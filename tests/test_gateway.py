@@ -371,10 +371,10 @@ def test_rl_through_the_gateway_trains_exactly_the_sampled_tokens(agent_model_di
     from helpers import RL_MOVES
 
     from tiller.controller import train
-    from tiller.train.trainer import Trainer
+    from tiller.train.trainer import PolicyTrainer
 
     sampled, batches = {}, []
-    generate, rl_step = EmbeddedEngine.generate, Trainer.rl_step
+    generate, rl_step = EmbeddedEngine.generate, PolicyTrainer.rl_step
 
     async def recording_generate(self, prompt_ids, params, seed, **kw):
         gen = await generate(self, prompt_ids, params, seed, **kw)
@@ -389,7 +389,7 @@ def test_rl_through_the_gateway_trains_exactly_the_sampled_tokens(agent_model_di
         return rl_step(self, batch, *args, **kw)
 
     monkeypatch.setattr(EmbeddedEngine, "generate", recording_generate)
-    monkeypatch.setattr(Trainer, "rl_step", recording_step)
+    monkeypatch.setattr(PolicyTrainer, "rl_step", recording_step)
     cfg = load_config("configs/calculator.yaml", [
         f"model.path={agent_model_dir}", "model.build=null", "sft.enabled=false",
         "rl.steps=2", "rl.tasks_per_step=2", "rl.group_size=2", "eval.tasks=2",

@@ -54,7 +54,7 @@ from tiller.tools.stack import ToolStack
 from tiller.train.conversations import conversation_demos
 from tiller.train.judges import ModelJudge, check_judge_model
 from tiller.train.shaping import load_judge, load_key_steps
-from tiller.train.trainer import Trainer
+from tiller.train.trainer import PolicyTrainer
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +241,7 @@ class Run:
             self.env_cls, self.dir / "base_model", cfg.model.build, seed=cfg.seed,
             difficulty=cfg.env.difficulty, max_turns=cfg.env.max_turns)
         self.tokenizer = load_tokenizer(path)
-        # fp32 master weights for the optimizer whatever model.dtype is (see Trainer); the
+        # fp32 master weights for the optimizer whatever model.dtype is (see PolicyTrainer); the
         # engine's copy (and the reference model) are in model.dtype
         self.dtype = getattr(torch, cfg.model.dtype)
         self.model = load_model(path, torch.float32).to(self.device)
@@ -259,7 +259,7 @@ class Run:
                               "there is nothing to keep: remove it")
         s = cfg.sampling
         truncated = s.logprobs == "sampled"  # the trainer recomputes what the engine reports
-        self.trainer = Trainer(self.model, temperature=s.temperature or 1.0,
+        self.trainer = PolicyTrainer(self.model, temperature=s.temperature or 1.0,
                                compute_dtype=self.dtype, top_k=s.top_k if truncated else 0,
                                top_p=s.top_p if truncated else 1.0, dropout=cfg.model.dropout)
         # the servers of engine.backend http get the trainer's weights (version 0)

@@ -118,8 +118,9 @@ class RLStepTensors(NamedTuple):
     advantages: torch.Tensor  # 0 off the loss mask
 
 
-class Trainer:
-    """Owns the policy's optimizer and weight version; publishes `WeightUpdate`s.
+class PolicyTrainer:
+    """Owns the policy's optimizer and weight version; runs the SFT and RL steps and publishes
+    `WeightUpdate`s. (`tiller.Trainer`, in api.py, is the user's entry point to a whole run.)
 
     `model` holds the master weights the optimizer steps, fp32 in a run whatever `model.dtype`
     says: AdamW updates of RL's learning rates (~1e-6) are far below bf16's resolution
