@@ -62,9 +62,6 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
         "rl.algorithm is validated and resolved against the algorithm registries (issue 20: "
         "the resolution moves next to the registries)",
     ("tiller.config.algorithm", "tiller.train.presets"): "the same, for the presets",
-    ("tiller.train", "tiller.api"):
-        "the package tiller.train is callable and runs tiller.api.train (issue 20: the two "
-        "public Trainers)",
 }
 
 
