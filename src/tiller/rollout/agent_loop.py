@@ -311,10 +311,11 @@ def _fits(chat: ChatFormat, room: int, context: list[dict]) -> bool:
 
 class EpisodeFn(Protocol):
     """The episode hook (`agent.loop`, and the gateway's `ProgramEpisode`): one episode of
-    `task` in `env`, its turns written by `actor`; `run_episode` is tiller's own."""
+    `task` in `env`, its turns written by `actor`; `run_episode` is tiller's own. tiller
+    always passes `limits`; `sample_index` only for the policy's episodes."""
 
     def __call__(self, env: Env, task: Task, actor: Actor, tokenizer: PreTrainedTokenizerBase,
-                 *, seed: int, sample_index: int = 0, limits: EpisodeLimits = ...
+                 *, seed: int, limits: EpisodeLimits, sample_index: int = 0
                  ) -> Awaitable[Trajectory]: ...
 
 
