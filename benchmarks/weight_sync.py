@@ -50,7 +50,7 @@ from tiller.rollout.agent_loop import EpisodeLimits
 from tiller.rollout.collect import collect_expert
 from tiller.runtime import apply_threads
 from tiller.train.batch import Batch
-from tiller.train.trainer import Trainer
+from tiller.train.trainer import PolicyTrainer
 
 DEMO_BUILD = BuildConfig(vocab_size=1024, hidden_size=128, num_layers=2, num_heads=8)
 QUICK_BUILD = BuildConfig(vocab_size=600, hidden_size=64, num_layers=2, num_heads=4,
@@ -108,10 +108,10 @@ def median_s(fn: Callable[[], object], repeats: int) -> float:
 
 
 def setup(model: PreTrainedModel, mode: str, lr: float = 1e-6
-          ) -> tuple[Trainer, EmbeddedEngine, WeightSync]:
+          ) -> tuple[PolicyTrainer, EmbeddedEngine, WeightSync]:
     """A fresh fp32 trainer on a copy of `model`, a bf16 engine, and their sync (first push
     done: the engine holds version 0)."""
-    trainer = Trainer(copy.deepcopy(model), compute_dtype=torch.bfloat16)
+    trainer = PolicyTrainer(copy.deepcopy(model), compute_dtype=torch.bfloat16)
     trainer.set_optimizer(lr)
     engine = EmbeddedEngine(copy.deepcopy(model).to(torch.bfloat16), 0)
     sync = WeightSync(trainer, engine, WeightSyncConfig(mode=mode), torch.bfloat16)
@@ -185,7 +185,7 @@ def seconds_row(label: str, model: PreTrainedModel, batch: Batch, lr: float, rep
 def parity_rows(label: str, model: PreTrainedModel) -> list[dict[str, Any]]:
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
-        trainer = Trainer(copy.deepcopy(model), compute_dtype=dtype)
+        trainer = PolicyTrainer(copy.deepcopy(model), compute_dtype=dtype)
         engine = EmbeddedEngine(copy.deepcopy(model).to(dtype), 0)
         try:
             sync = WeightSync(trainer, engine, WeightSyncConfig(), dtype)

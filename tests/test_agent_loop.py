@@ -254,7 +254,7 @@ def test_a_failing_step_still_closes_the_env(tokenizer, limits):
 def test_a_failing_close_is_logged_and_recorded_not_swallowed(tokenizer, limits, caplog):
     task = two_step_task()
     env = FailingCalc("close")
-    with caplog.at_level("WARNING", logger="tiller.rollout.agent_loop"):
+    with caplog.at_level("WARNING", logger="tiller.rollout.episode"):
         traj = run_with(env, ExpertActor(Calc, task, tokenizer), tokenizer, limits, task)
     # the episode's data is sound: it keeps its status and reward
     assert traj.status is Status.COMPLETED and traj.reward.value == 1.0

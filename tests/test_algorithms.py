@@ -42,7 +42,7 @@ from tiller.algorithms.offpolicy import (
 from tiller.algorithms.passk import mean_pass_at_k, pass_at_k
 from tiller.config import AlgorithmConfig, ConfigError, RLConfig, load_config
 from tiller.train.batch import Batch, minibatches
-from tiller.train.trainer import Trainer, compute_advantages
+from tiller.train.trainer import PolicyTrainer, compute_advantages
 
 
 def close(actual: torch.Tensor, expected: list, atol: float = 1e-5) -> None:
@@ -409,7 +409,7 @@ def test_new_losses_train_through_the_trainer(calc_model_dir):
         batch.rewards = torch.tensor(rewards)
         model = load_model(calc_model_dir)
         before = torch.cat([p.detach().flatten() for p in model.parameters()])
-        trainer = Trainer(model)
+        trainer = PolicyTrainer(model)
         trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # delta = -gradient
         cfg = RLConfig(micro_batch_size=2, max_grad_norm=1e9, mini_batches=mini_batches,
                        algorithm={"advantage": "dr_grpo", **alg})

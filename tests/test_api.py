@@ -1,11 +1,14 @@
-"""The Python API: `tiller.train(config_or_path, **overrides)` and `tiller.Trainer(...)`, over
-the same config models as the CLI; `import tiller` stays free of torch."""
+"""The Python API: `tiller.Trainer.from_config(config_or_path, **overrides)` and
+`tiller.Trainer(...)`, over the same config models as the CLI; `import tiller` stays free of
+torch."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pyarrow as pa
@@ -40,7 +43,16 @@ def test_overrides_are_nested_dicts_validated_like_the_cli():
     with pytest.raises(ConfigError, match=r"^config field rl.steps: got -1;"):
         build_config(ROOT / "configs" / "calculator.yaml", {"rl": {"steps": -1}})
     with pytest.raises(ConfigError, match=r"^config field rl.stepz: "):
-        tiller.train(ROOT / "configs" / "calculator.yaml", rl={"stepz": 1})
+        tiller.Trainer.from_config(ROOT / "configs" / "calculator.yaml", rl={"stepz": 1})
+
+
+def test_from_config_validates_like_build_config_and_tiller_train_is_a_plain_package():
+    t = tiller.Trainer.from_config(ROOT / "configs" / "calculator.yaml", output_dir="out",
+                                   rl={"steps": 3})
+    assert t.config == build_config(ROOT / "configs" / "calculator.yaml", {"rl": {"steps": 3}})
+    assert t.output_dir == "out" and t.config.rl.steps == 3
+    package = importlib.import_module("tiller.train")
+    assert type(package) is types.ModuleType and not callable(package)
 
 
 def test_trainer_names_importable_callables_and_holds_the_others(tmp_path, monkeypatch):
@@ -103,12 +115,12 @@ def test_trainer_trains_on_a_parquet_file_with_an_in_process_reward(tmp_path):
 
 
 @pytest.mark.slow
-def test_tiller_train_runs_the_readme_example(tmp_path, monkeypatch):
+def test_from_config_runs_the_readme_example(tmp_path, monkeypatch):
     """docs/datasets.md's command, through the API with two overrides that keep it short."""
     monkeypatch.chdir(ROOT)
     monkeypatch.syspath_prepend(str(EXAMPLE))
-    summary = tiller.train(EXAMPLE / "config.yaml", output_dir=tmp_path / "run",
-                           rl={"steps": 1}, sft={"epochs": 1})
+    summary = tiller.Trainer.from_config(EXAMPLE / "config.yaml", output_dir=tmp_path / "run",
+                                         rl={"steps": 1}, sft={"epochs": 1}).train()
     assert summary["sft"]["demonstrations"] == 25
     assert summary["heldout_after_rl"]["tasks"] == 8
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]

@@ -32,6 +32,23 @@ def test_builder_keeps_ids_mask_logprobs_spans_and_versions_aligned():
     assert (traj.sample_index, traj.tool_calls, traj.info) == (3, 1, {"k": "v"})
 
 
+def test_builder_owns_the_episodes_counts_info_and_timings():
+    b = TrajectoryBuilder("t")
+    b.counts["tool_calls"] += 2
+    b.info["error"] = "engine: boom"
+    with b.timed("env_s"):
+        pass
+    with pytest.raises(OSError), b.timed("env_s"):  # a block that raises is timed too
+        raise OSError("gone")
+    traj = b.finish(Reward(0.0), Status.ABORTED, tool_calls=1, env_errors=1,
+                    info={"k": "v"}, timings={"total_s": 1.5})
+    assert (traj.tool_calls, traj.env_errors, traj.parse_errors) == (3, 1, 0)
+    assert traj.info == {"error": "engine: boom", "k": "v"}
+    assert set(traj.timings) == {"env_s", "total_s"} and traj.timings["total_s"] == 1.5
+    with pytest.raises(TypeError, match="unknown counts \\['tool_call'\\]"):
+        b.finish(Reward(0.0), Status.ABORTED, tool_call=1)
+
+
 def test_builder_rejects_misaligned_appends():
     b = TrajectoryBuilder("t")
     b.append_prompt([1])

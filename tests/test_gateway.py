@@ -19,6 +19,7 @@ from tiller.config import load_config
 from tiller.engine.api import SamplingParams
 from tiller.engine.embedded import EmbeddedEngine
 from tiller.envs import ENVS
+from tiller.envs.verifiers import Reward
 from tiller.errors import ConfigError
 from tiller.gateway.program import ProgramEpisode, load_program
 from tiller.gateway.server import Gateway
@@ -26,7 +27,7 @@ from tiller.models import load_model, load_tokenizer
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits, run_episode
 from tiller.rollout.chat import ChatFormat, stop_token_ids
 from tiller.rollout.collect import collect_expert
-from tiller.rollout.trajectory import Status
+from tiller.rollout.trajectory import Status, TrajectoryBuilder
 from tiller.train.batch import Batch
 
 ROOT = Path(__file__).parents[1]
@@ -100,11 +101,12 @@ def gateway():
 
 
 def _episode(gateway, engine, program, *, reward="verifier", timeout=60.0, task=None,
-             limits=LIMITS):
+             limits=LIMITS, env=None):
     actor = RecordingActor(EngineActor(engine["engine"], engine["params"]))
     episode = ProgramEpisode(gateway, program, timeout, reward)
     task = task or CALC.make_tasks("train", 1, 3, 2)[0]
-    traj = asyncio.run(episode(CALC(), task, actor, engine["tok"], seed=0, limits=limits))
+    traj = asyncio.run(episode(env or CALC(), task, actor, engine["tok"], seed=0,
+                               limits=limits))
     return traj, actor.calls
 
 
@@ -197,7 +199,7 @@ def test_misuse_gets_a_4xx_with_a_clear_message_and_is_counted(gateway, engine):
     limits = EpisodeLimits(max_turns=1, max_episode_tokens=512)
 
     async def go():
-        session = gateway.open(actor, engine["tok"], task_id="t", sample_index=0, seed=0,
+        session = gateway.open(actor, engine["tok"], TrajectoryBuilder("t"), seed=0,
                                limits=limits)
         auth = {"Authorization": f"Bearer {session.key}"}
         ok = {"model": gateway.model, "messages": MESSAGES}
@@ -321,6 +323,32 @@ def test_failing_programs_are_aborted_episodes_with_the_reason(gateway, engine):
     assert "made no chat completion call" in traj.info["error"]
 
 
+class UnsoundCalc(CALC):
+    """The calculator env whose verifier reports its own check failed (env_error) and whose
+    close raises."""
+
+    async def verify(self, final):
+        await super().verify(final)
+        return Reward(0.0, {"tests": 0.0}, env_error=True)
+
+    async def close(self):
+        await super().close()
+        raise OSError("temp dir busy")
+
+
+def test_program_episodes_end_by_the_agent_loops_rules(gateway, engine, task):
+    """A program episode runs in the agent loop's episode shell: a verifier's env_error is an
+    ENV_ERROR episode with the loop's message, and a failing env.close is recorded in info
+    (as in tests/test_agent_loop.py), not lost."""
+    program = load_program("openai_agent.agent:main")
+    traj, calls = _episode(gateway, engine, program, task=task, env=UnsoundCalc())
+    assert len(calls) == 2 and traj.num_turns == 2  # the episode itself ran to the end
+    assert traj.status is Status.ENV_ERROR and traj.reward.env_error and traj.env_errors == 1
+    assert traj.info == {"error": "env.verify: the verifier reported env_error",
+                         "close_error": "env.close: OSError: temp dir busy"}
+    assert set(traj.timings) == {"generate_s", "total_s"} and traj.timings["generate_s"] > 0
+
+
 def test_agent_program_config_errors_are_one_line():
     base = ["model.build.vocab_size=600", "agent.program=openai_agent.agent:main"]
     with pytest.raises(ConfigError, match="agent.program.*agent.loop must stay the default"):
@@ -349,10 +377,10 @@ def test_rl_through_the_gateway_trains_exactly_the_sampled_tokens(agent_model_di
     from helpers import RL_MOVES, tiny_rl
 
     from tiller.controller import train
-    from tiller.train.trainer import Trainer
+    from tiller.train.trainer import PolicyTrainer
 
     sampled, batches = {}, []
-    generate, rl_step = EmbeddedEngine.generate, Trainer.rl_step
+    generate, rl_step = EmbeddedEngine.generate, PolicyTrainer.rl_step
 
     async def recording_generate(self, prompt_ids, params, seed, **kw):
         gen = await generate(self, prompt_ids, params, seed, **kw)
@@ -367,7 +395,7 @@ def test_rl_through_the_gateway_trains_exactly_the_sampled_tokens(agent_model_di
         return rl_step(self, batch, *args, **kw)
 
     monkeypatch.setattr(EmbeddedEngine, "generate", recording_generate)
-    monkeypatch.setattr(Trainer, "rl_step", recording_step)
+    monkeypatch.setattr(PolicyTrainer, "rl_step", recording_step)
     cfg = load_config("configs/calculator.yaml", tiny_rl(
         agent_model_dir, "rl.steps=2", "rl.group_size=2", "eval.tasks=2",
         "env.tools.gate.enabled=false", "agent.program=openai_agent.agent:main", *RL_MOVES))
@@ -405,7 +433,7 @@ def test_streamed_call_is_recorded_like_any_other(gateway, engine):
     actor = RecordingActor(EngineActor(engine["engine"], engine["params"]))
 
     async def go():
-        session = gateway.open(actor, engine["tok"], task_id="s", sample_index=0, seed=0,
+        session = gateway.open(actor, engine["tok"], TrajectoryBuilder("s"), seed=0,
                                limits=LIMITS)
         async with openai.AsyncOpenAI(base_url=gateway.base_url, api_key=session.key,
                                       max_retries=0) as sdk:

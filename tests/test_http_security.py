@@ -39,6 +39,7 @@ from tiller.observe.viewer.app import viewer_server
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits
 from tiller.rollout.chat import stop_token_ids
 from tiller.serve import listen, native
+from tiller.rollout.trajectory import TrajectoryBuilder
 from tiller.serve.app import create_app
 from tiller.serve.guard import Hosts, host_name
 from tiller.serve.listen import ConnectionLimits, GuardedH11
@@ -195,7 +196,7 @@ def test_gateway_refuses_cross_site_rebound_and_oversized_calls(actor, tokenizer
     budget = EpisodeLimits(max_turns=4, max_episode_tokens=64)
 
     async def go() -> list[tuple[int, str]]:
-        session = gateway.open(actor, tokenizer, task_id="t", sample_index=0, seed=0,
+        session = gateway.open(actor, tokenizer, TrajectoryBuilder("t"), seed=0,
                                limits=budget)
         auth = {"Authorization": f"Bearer {session.key}"}
         call = {"model": gateway.model, "messages": [{"role": "user", "content": "hi"}]}

@@ -66,9 +66,6 @@ ALLOWED: dict[str, set[str]] = {
 }
 # imports against the layers today: (importer, imported module) -> why, and what removes it
 EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("tiller.train", "tiller.api"):
-        "the package tiller.train is callable and runs tiller.api.train (issue 20: the two "
-        "public Trainers)",
 }
 
 MAX_FUNCTION_LINES = 80

@@ -20,7 +20,7 @@ from tiller.run import Run
 from tiller.train.batch import Batch, token_logprobs
 from tiller.train.critic import Critic
 from tiller.train.shaping import train_reward
-from tiller.train.trainer import Trainer
+from tiller.train.trainer import PolicyTrainer
 
 CONFIG = "configs/calculator.yaml"
 
@@ -154,7 +154,7 @@ def test_preset_update_moves_rewarded_up_and_unrewarded_down(name, ppo_epochs, m
     alg = cfg.algorithm
     ref = copy.deepcopy(model) if alg.kl.beta > 0 else None
     critic = Critic(model, alg.critic) if alg.critic is not None else None
-    trainer = Trainer(model)
+    trainer = PolicyTrainer(model)
     trainer.set_optimizer(lr=1e-3)
     before = sequence_logprobs(model, batch)
     trainer.rl_step(batch, cfg, l_max=8, ref_model=ref, critic=critic)
@@ -192,13 +192,13 @@ def test_preset_trains_the_tiny_pipeline(name, calc_sft_dir, tmp_path, monkeypat
 
 def test_beta_zero_builds_and_runs_no_reference(calc_sft_dir, tmp_path, monkeypatch):
     passes = []  # True: a no-grad pass of the policy, False: of the reference
-    real = Trainer._logprobs
+    real = PolicyTrainer._logprobs
 
     def spy(self, model, batch, micro_batch_size):
         passes.append(model is self.model)
         return real(self, model, batch, micro_batch_size)
 
-    monkeypatch.setattr(Trainer, "_logprobs", spy)
+    monkeypatch.setattr(PolicyTrainer, "_logprobs", spy)
     rl(Run(load_config(CONFIG, [*tiny(calc_sft_dir), preset("dr_grpo")]), tmp_path / "a"))
     assert passes == []  # beta = 0: no reference, no extra pass
     # beta > 0 switched off after one step: one reference pass, then none

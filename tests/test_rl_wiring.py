@@ -22,7 +22,7 @@ from tiller.run import Run
 from tiller.train.batch import Batch
 from tiller.train.critic import Critic, explained_variance
 from tiller.train.shaping import load_key_steps, rl_batch, train_reward
-from tiller.train.trainer import Trainer, compute_advantages
+from tiller.train.trainer import PolicyTrainer, compute_advantages
 
 CONFIG = "configs/calculator.yaml"
 
@@ -100,7 +100,7 @@ def update_of(model_dir, batch, cfg, ref_model=None):
 
     model = load_model(model_dir)
     before = torch.cat([p.detach().flatten() for p in model.parameters()])
-    trainer = Trainer(model)
+    trainer = PolicyTrainer(model)
     trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # delta = -gradient
     metrics = trainer.rl_step(batch, cfg, l_max=8, ref_model=ref_model)
     return torch.cat([p.detach().flatten() for p in model.parameters()]) - before, metrics
@@ -115,7 +115,7 @@ def test_ppo_explained_variance_rises_on_a_fixed_batch(model):
     batch = Batch.collate(trajs, 0)
     cfg = RLConfig(micro_batch_size=4, algorithm={
         "preset": "ppo", "kl": {"beta": 0}, "critic": {"lam": 1.0, "value_lr": 3e-3}})
-    trainer = Trainer(model)
+    trainer = PolicyTrainer(model)
     trainer.set_optimizer(lr=1e-6)  # the policy barely moves
     critic = Critic(model, cfg.algorithm.critic)
     assert not set(map(id, critic.model.parameters())) & set(map(id, model.parameters()))

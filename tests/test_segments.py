@@ -10,7 +10,7 @@ from tiller.envs.verifiers import Reward
 from tiller.rollout.trajectory import Status, TrajectoryBuilder
 from tiller.train.batch import Batch, token_logprobs
 from tiller.train.shaping import rl_batch
-from tiller.train.trainer import Trainer, compute_advantages
+from tiller.train.trainer import PolicyTrainer, compute_advantages
 
 
 def split_episode(reward: float, task: str = "t", reason: str = "template_history"):
@@ -112,7 +112,7 @@ def test_each_row_is_scored_on_its_own_sequence_and_trains(model, tokenizer):
         own, _ = token_logprobs(model, second)
     assert torch.allclose(logp[1], own[0], atol=1e-6)
     assert torch.allclose(logp[2], alone[0], atol=1e-6)
-    trainer = Trainer(model)
+    trainer = PolicyTrainer(model)
     trainer.set_optimizer(lr=1e-2)
     before = [p.detach().clone() for p in model.parameters()]
     m = trainer.rl_step(batch, cfg, l_max=8)

@@ -35,7 +35,7 @@ from tiller.rollout.trajectory import Status, TrajectoryBuilder
 from tiller.run import Run
 from tiller.tools.stack import ToolStack
 from tiller.train.batch import Batch
-from tiller.train.trainer import RLStepTensors, Trainer
+from tiller.train.trainer import PolicyTrainer, RLStepTensors
 
 RUN = [*TINY_RUN, "logging.tensorboard=false"]
 
@@ -129,7 +129,7 @@ def test_the_trainer_arrays_are_what_the_trainer_computed(rl_episodes, model, to
     writer = TraceWriter(tmp_path / "traces.sqlite")
     for t in trajs:
         writer.put_episode(t, "rl", "train", global_step=0, rl_step=1)
-    trainer = Trainer(model)
+    trainer = PolicyTrainer(model)
     trainer.set_optimizer(1e-4)
     batch = Batch.collate(trajs, tokenizer.pad_token_id, rewards=[0, 1, 1, 0, 0.5, 0],
                           group_index=[0, 0, 1, 1, 2, 2])

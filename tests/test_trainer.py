@@ -15,7 +15,7 @@ from tiller.models import load_model
 from tiller.rollout.trajectory import Status, Trajectory
 from tiller.train.batch import Batch, token_logprobs
 from tiller.train.critic import Critic
-from tiller.train.trainer import Trainer, compute_advantages
+from tiller.train.trainer import PolicyTrainer, compute_advantages
 
 
 def make_traj(prompt, completion, reward, task="task"):
@@ -56,7 +56,7 @@ def test_grpo_step_raises_probability_of_rewarded_sequence(model, tokenizer):
             lp, _ = token_logprobs(model, b)
         trajs.append(t.__class__(**{**t.__dict__, "logprobs": tuple(lp[0].tolist())}))
     before = [seq_logprob(model, t, pad) for t in trajs]
-    trainer = Trainer(model)
+    trainer = PolicyTrainer(model)
     trainer.set_optimizer(lr=1e-3)
     # rewards 1 and 0 in one group (same task id): grpo advantages +-0.707
     metrics = trainer.rl_step(Batch.collate(trajs, pad), RLConfig(micro_batch_size=1), l_max=64)
@@ -80,7 +80,7 @@ def clip_batch():
 def sgd_step(model_dir, batch, cfg, lr=1.0):
     """One rl_step of plain SGD (delta = -lr * gradient) on a fresh copy of the model."""
     m = load_model(model_dir)
-    trainer = Trainer(m)
+    trainer = PolicyTrainer(m)
     trainer.optimizer = torch.optim.SGD(m.parameters(), lr=lr)
     return m, trainer, trainer.rl_step(batch, cfg, l_max=8)
 
@@ -102,7 +102,7 @@ def test_clipping_acts_after_the_first_optimizer_step(calc_model_dir, mini_batch
 
 
 def test_a_batch_smaller_than_mini_batches_takes_one_step_per_row(model):
-    trainer = Trainer(model)
+    trainer = PolicyTrainer(model)
     trainer.set_optimizer(lr=1e-3)
     # a small batch at run time (dynamic sampling, dropped env errors): no empty optimizer step
     m = trainer.rl_step(clip_batch(), RLConfig(micro_batch_size=8, mini_batches=6), l_max=8)
@@ -199,7 +199,7 @@ def test_decoupled_recomputes_the_proximal_policy_with_one_optimizer_step(calc_m
     cfg = RLConfig(micro_batch_size=8, max_grad_norm=1e9, algorithm=alg)
     forwards = []
     moved.register_forward_hook(lambda *_: forwards.append(1))
-    trainer = Trainer(moved)
+    trainer = PolicyTrainer(moved)
     trainer.optimizer = torch.optim.SGD(moved.parameters(), lr=1.0)
     m = trainer.rl_step(rollout_at(batch, logp0, 0.0), cfg, l_max=8)
     assert len(forwards) == 2 and trainer.version == 1  # the no-grad prepass, then the update
@@ -226,7 +226,7 @@ def test_decoupled_recomputes_the_proximal_policy_with_one_optimizer_step(calc_m
     moved.load_state_dict(state)
     tis = RLConfig(micro_batch_size=8, max_grad_norm=1e9,
                    algorithm={**alg, "off_policy": "tis"})
-    trainer = Trainer(moved)
+    trainer = PolicyTrainer(moved)
     trainer.optimizer = torch.optim.SGD(moved.parameters(), lr=1.0)
     trainer.rl_step(rollout_at(batch, logp0, 0.0), tis, l_max=8)
     assert len(forwards) == 1
@@ -274,7 +274,7 @@ def test_off_policy_metrics_on_a_tiny_batch(calc_model_dir):
     batch.rollout_logprobs = (logp + shift) * batch.loss_mask
     batch.sample_version = torch.tensor([3, 1, -1, 2])
     model = load_model(calc_model_dir)
-    trainer = Trainer(model)
+    trainer = PolicyTrainer(model)
     trainer.set_optimizer(lr=1e-3)
     trainer.version = 3
     cfg = RLConfig(micro_batch_size=8, algorithm={"off_policy": "tis", "is_cap": 1.2})
@@ -332,7 +332,7 @@ def test_micro_batching_gives_the_same_update(calc_model_dir, tokenizer, aggrega
     for micro in (6, 2):
         m = load_model(calc_model_dir)
         before = torch.cat([p.detach().flatten() for p in m.parameters()])
-        t = Trainer(m)
+        t = PolicyTrainer(m)
         t.optimizer = torch.optim.SGD(m.parameters(), lr=1.0)  # delta = -gradient
         alg = {"advantage": "dr_grpo", "aggregation": aggregation, **EXTRAS[extras]}
         t.rl_step(Batch.collate(trajs, pad, rewards),
@@ -346,7 +346,7 @@ def test_micro_batching_gives_the_same_update(calc_model_dir, tokenizer, aggrega
 def test_sft_step_lowers_loss_on_assistant_tokens_only(model, tokenizer):
     pad = tokenizer.pad_token_id
     traj = make_traj([5, 6, 7, 8], [20, 21, 22], 1.0)
-    trainer = Trainer(model)
+    trainer = PolicyTrainer(model)
     trainer.set_optimizer(lr=5e-3)
     batch = Batch.collate([traj], pad)
     first = trainer.sft_step(batch, micro_batch_size=4)
@@ -401,7 +401,7 @@ def test_generate_and_rl_step_on_cuda(calc_model_dir):
     cfg = RLConfig(micro_batch_size=2, ppo_epochs=2, mini_batches=2,
                    algorithm={"preset": "ppo"})
     def step(model):
-        trainer = Trainer(model)
+        trainer = PolicyTrainer(model)
         trainer.set_optimizer(lr=1e-3)
         critic = Critic(model, cfg.algorithm.critic)
         m = trainer.rl_step(Batch.collate(trajs, 0), cfg, l_max=8,
@@ -423,7 +423,7 @@ def test_sft_loss_is_at_temperature_one(calc_model_dir):
     batch = Batch.collate([make_traj([5, 6, 7, 8], [20, 21, 22], 1.0)], 0)
     losses = []
     for temperature in (1.0, 0.5):
-        trainer = Trainer(load_model(calc_model_dir), temperature=temperature)
+        trainer = PolicyTrainer(load_model(calc_model_dir), temperature=temperature)
         trainer.set_optimizer(lr=1e-3)
         losses.append(trainer.sft_step(batch, micro_batch_size=1)["sft_loss"])
     with torch.no_grad():
@@ -465,7 +465,7 @@ def test_dropout_off_makes_the_ratio_exactly_1_before_the_update(dropout):
     batch = engine_batch(model)
     logits = []
     model.register_forward_hook(lambda _m, _i, out: logits.append(out.logits.detach()))
-    trainer = Trainer(model) if dropout == "off" else Trainer(model, dropout="keep")
+    trainer = PolicyTrainer(model) if dropout == "off" else PolicyTrainer(model, dropout="keep")
     trainer.set_optimizer(lr=1e-2)
     cfg = RLConfig(micro_batch_size=8, ppo_epochs=2, algorithm={"off_policy": "tis"})
     trainer.rl_step(batch, cfg, l_max=8)
@@ -481,7 +481,7 @@ def test_dropout_off_makes_the_ratio_exactly_1_before_the_update(dropout):
     # which with dropout off are the engine's exactly (no spurious mismatch, TIS weight 1)
     model = gpt2_with_dropout()
     batch = engine_batch(model)
-    trainer = Trainer(model) if dropout == "off" else Trainer(model, dropout="keep")
+    trainer = PolicyTrainer(model) if dropout == "off" else PolicyTrainer(model, dropout="keep")
     trainer.set_optimizer(lr=1e-2)
     m = trainer.rl_step(batch, RLConfig(micro_batch_size=8, algorithm={"off_policy": "tis"}),
                         l_max=8)
@@ -533,7 +533,7 @@ def test_trainer_logprobs_are_of_the_truncated_distribution(model):
     # the trainer's passes use the sampler's truncation: with the engine's sampled logprobs
     # the ratio to the behaviour policy is 1 on-policy
     on_policy = rollout_at(batch, trunc, 0.0)
-    trainer = Trainer(model, temperature=0.7, top_k=3)
+    trainer = PolicyTrainer(model, temperature=0.7, top_k=3)
     trainer.set_optimizer(lr=1e-3)
     m = trainer.rl_step(on_policy, RLConfig(micro_batch_size=8, algorithm={"off_policy": "tis"}),
                         l_max=8)

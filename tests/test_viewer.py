@@ -33,7 +33,7 @@ from tiller.observe.viewer.app import create_app
 from tiller.rollout.agent_loop import EngineActor, run_episode
 from tiller.rollout.collect import collect
 from tiller.train.batch import Batch
-from tiller.train.trainer import Trainer
+from tiller.train.trainer import PolicyTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -221,7 +221,7 @@ def test_a_group_is_one_draw_of_its_task_under_one_tag(calc_model_dir, tokenizer
         writer.put_episode(t, "rl", "train", 0, 1)
     for t in evals:
         writer.put_episode(t, "eval_rl", "heldout", 1)
-    trainer = Trainer(model)
+    trainer = PolicyTrainer(model)
     trainer.set_optimizer(1e-4)
     batch = Batch.collate(rl, tokenizer.pad_token_id, group_index=[0, 0, 1, 1, 2, 2, 3, 3])
     trainer.rl_step(batch, RLConfig(), l_max=256)

@@ -24,7 +24,7 @@ from tiller.engine.http import HttpEngine
 from tiller.engine.updates import WeightSyncError, WeightUpdate, checksum_positions, checksums
 from tiller.engine.weight_sync import WeightSync
 from tiller.errors import ConfigError, RunError
-from tiller.train.trainer import Trainer
+from tiller.train.trainer import PolicyTrainer
 
 
 def engine_of(model, dtype=torch.bfloat16) -> EmbeddedEngine:
@@ -32,7 +32,7 @@ def engine_of(model, dtype=torch.bfloat16) -> EmbeddedEngine:
 
 
 def syncer(model, engine, dtype=torch.bfloat16, **cfg) -> WeightSync:
-    return WeightSync(Trainer(model), engine, WeightSyncConfig(**cfg), dtype)
+    return WeightSync(PolicyTrainer(model), engine, WeightSyncConfig(**cfg), dtype)
 
 
 def step(sync: WeightSync) -> None:
@@ -478,7 +478,7 @@ def test_a_probe_longer_than_the_context_is_a_config_error(model):
         assert context < 4096
         with pytest.raises(ConfigError, match=f"weight_sync.parity_tokens: got 4096; expected "
                                               f"at most the model's context of {context}"):
-            WeightSync(Trainer(model), engine, WeightSyncConfig(parity_tokens=4096),
+            WeightSync(PolicyTrainer(model), engine, WeightSyncConfig(parity_tokens=4096),
                        torch.bfloat16)
     finally:
         engine.close()
@@ -488,7 +488,7 @@ def test_trainer_and_engine_score_alike_in_fp32(model):
     engine = engine_of(model, torch.float32)
     try:
         ids = list(range(3, 40))
-        got, want = engine.score(ids), Trainer(model).score(ids)
+        got, want = engine.score(ids), PolicyTrainer(model).score(ids)
         assert len(got) == len(want) == len(ids) - 1
         assert np.allclose(got, want, atol=1e-5)
         assert all(lp < 0 for lp in want)

@@ -1,6 +1,7 @@
-"""The Python API, over the same config models as `tiller train` (docs/datasets.md):
+"""The Python API, `tiller.Trainer`, over the same config models as `tiller train`
+(docs/datasets.md):
 
-    tiller.train("configs/calculator.yaml", rl={"steps": 5}, seed=1)
+    tiller.Trainer.from_config("configs/calculator.yaml", rl={"steps": 5}, seed=1).train()
     tiller.Trainer(model={"build": {}}, data="train.jsonl", reward=my_reward,
                    tools=[my_tool], rl={"steps": 20}).train()
 
@@ -74,15 +75,6 @@ def build_config(config: ConfigLike, overrides: dict[str, Any]) -> Config:
         raise ConfigError(first_error(e)) from e
 
 
-def train(config: ConfigLike, /, output_dir: str | Path | None = None,
-          **overrides: Any) -> dict[str, Any]:
-    """Run the whole pipeline (`tiller train`) on `config` with `overrides`; returns the run
-    summary (also written to the run folder's summary.json)."""
-    from tiller import controller
-
-    return controller.train(build_config(config, overrides), output_dir)
-
-
 def _reward_entry(r: Any) -> dict[str, Any]:
     from tiller.envs.rewards import VERIFIERS
 
@@ -115,7 +107,8 @@ def _env_name(env: Any) -> str:
 
 
 class Trainer:
-    """A run built from keyword arguments (see the module docstring); `train()` runs it.
+    """A run built from keyword arguments, or from a config with overrides (`from_config`);
+    `train()` runs it. `config` is the validated `Config`.
 
     model: a local checkpoint path, or a `model` section dict ({"build": {...}}).
     env: an env name, an Env subclass (registered by its `name` in this process) or an `env`
@@ -159,8 +152,18 @@ class Trainer:
         self.config = build_config(tree, {})
         self.output_dir = output_dir
 
+    @classmethod
+    def from_config(cls, config: ConfigLike, /, output_dir: str | Path | None = None,
+                    **overrides: Any) -> Trainer:
+        """The run of `config` (a YAML path, a dict or a Config) with `overrides` merged in,
+        validated exactly as `tiller train` validates it."""
+        trainer = cls.__new__(cls)
+        trainer.config, trainer.output_dir = build_config(config, overrides), output_dir
+        return trainer
+
     def train(self) -> dict[str, Any]:
-        """The whole pipeline; returns the run summary."""
+        """The whole pipeline (`tiller train`); returns the run summary (also written to the
+        run folder's summary.json)."""
         from tiller import controller
 
         return controller.train(self.config, self.output_dir)

@@ -40,7 +40,7 @@ from tiller.tools.sandbox import set_unsafe_fallback
 from tiller.tools.stack import ToolStack
 from tiller.train.conversations import conversation_demos
 from tiller.train.judges import ModelJudge
-from tiller.train.trainer import Trainer
+from tiller.train.trainer import PolicyTrainer
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class Run:
             self.env_cls, self.dir / "base_model", cfg.model.build, seed=cfg.seed,
             difficulty=cfg.env.difficulty, max_turns=cfg.env.max_turns, root=self.dir)
         self.tokenizer = load_tokenizer(path)
-        # fp32 master weights for the optimizer whatever model.dtype is (see Trainer); the
+        # fp32 master weights for the optimizer whatever model.dtype is (see PolicyTrainer); the
         # engine's copy (and the reference model) are in model.dtype
         dtype = getattr(torch, cfg.model.dtype)
         self.model = load_model(path, torch.float32).to(device)
@@ -166,9 +166,10 @@ class Run:
         self.timings["build_s"] = time.perf_counter() - t0
         s = cfg.sampling
         truncated = s.logprobs == "sampled"  # the trainer recomputes what the engine reports
-        self.trainer = Trainer(self.model, temperature=s.temperature or 1.0,
-                               compute_dtype=dtype, top_k=s.top_k if truncated else 0,
-                               top_p=s.top_p if truncated else 1.0, dropout=cfg.model.dropout)
+        self.trainer = PolicyTrainer(self.model, temperature=s.temperature or 1.0,
+                                     compute_dtype=dtype, top_k=s.top_k if truncated else 0,
+                                     top_p=s.top_p if truncated else 1.0,
+                                     dropout=cfg.model.dropout)
         # the servers of engine.backend http get the trainer's weights (version 0)
         self.engine = make_engine(cfg, self.model, self.tokenizer.pad_token_id, run_dir=self.dir,
                                   initial=self.trainer.weight_update)

@@ -44,8 +44,9 @@ import shutil
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -305,32 +306,45 @@ class HttpEngine:
             return False
         return not isinstance(answer, dict) or int(answer.get("aborted", 1)) > 0
 
-    def _fan_out(self, path: str, body: dict | None = None) -> list[Any]:
-        """POST to every up server at once and return the answers of those that answered; a
-        server that is dead now is marked down and skipped (logged, counted in
-        `control_skipped_down`), like at a weight push; none answering is a RunError. A 4xx or
-        a 500 of a healthy server is a RunError naming it."""
+    def _on_each(self, servers: list[Server], act: Callable[[Server], Awaitable[T]], what: str,
+                 timeout: float | None = None) -> list[T]:
+        """`act(server)` on each of `servers` at once, on the engine's loop, and their results
+        in server order (`_each`); `what` names the operation if it runs past `timeout`."""
+        return self._call(_each(servers, act), what, timeout)
+
+    def _on_up(self, act: Callable[[Server], Awaitable[Any]], what: str,
+               timeout: float | None = None) -> list[tuple[Server, Any]]:
+        """`act(server)` on every up server at once (`_on_each`), and (server, result) of
+        each that answered: `act` returns `_SKIPPED` for one it found dead now. None up, or
+        none answering, is a RunError."""
         up = [s for s in self.servers if not s.down]
         if not up:
             raise self._all_down()
-
-        async def one(server: Server) -> Any:
-            try:
-                return await self._post(server, path, body if body is not None else {})
-            except ServerDown as e:
-                self._mark_down(server, str(e))
-                self.counters["control_skipped_down"] += 1
-                logger.warning("%s: server %s is down (%s); skipped", path, server.url, e)
-                return _SKIPPED
-
-        async def every() -> list[Any]:
-            return list(await asyncio.gather(*(one(s) for s in up)))
-
-        answers = [a for a in self._call(every(), f"{path} on {len(up)} server(s)")
-                   if a is not _SKIPPED]
-        if not answers:
+        results = self._on_each(up, act, f"{what} on {len(up)} server(s)", timeout)
+        answered = [(s, r) for s, r in zip(up, results, strict=True) if r is not _SKIPPED]
+        if not answered:
             raise self._all_down()
-        return answers
+        return answered
+
+    async def _control(self, server: Server, path: str, body: dict, *,
+                       timeout: float | None = None, doing: str = "") -> Any:
+        """POST a control call to `server`: its answer, or `_SKIPPED` when the server is dead
+        now (marked down with `doing` before the error, logged, counted in
+        `control_skipped_down`, like at a weight push). A 4xx or a 500 of a healthy server is
+        a RunError naming it."""
+        try:
+            return await self._post(server, path, body, timeout=timeout)
+        except ServerDown as e:
+            self._mark_down(server, f"{doing}{e}")
+            self.counters["control_skipped_down"] += 1
+            logger.warning("%s: server %s is down (%s); skipped", path, server.url, e)
+            return _SKIPPED
+
+    def _fan_out(self, path: str, body: dict | None = None) -> list[Any]:
+        """POST to every up server at once (`_control`) and return the answers of those that
+        answered; none answering is a RunError."""
+        act = partial(self._control, path=path, body=body if body is not None else {})
+        return [answer for _, answer in self._on_up(act, path)]
 
     def pause(self) -> None:
         self._fan_out("/pause_generation")
@@ -353,42 +367,36 @@ class HttpEngine:
     def check_servers(self, vocab_size: int, max_context: int, dtype: str | None = None) -> None:
         """Every server answers /get_model_info with the trainer's vocabulary size, context
         length and (when given) the engine dtype (`model.dtype`); otherwise one ConfigError
-        naming the server."""
-
-        async def one(server: Server) -> None:
-            try:
-                info = await self._post(server, "/get_model_info", timeout=HEALTH_TIMEOUT_S)
-            except ServerDown as e:
-                raise ConfigError(f"config field engine.urls: server {server.url} is not "
-                                  f"reachable ({e}); start it with `tiller serve MODEL --port "
-                                  f"N`") from e
-            if not isinstance(info, dict):
-                raise ConfigError(f"config field engine.urls: server {server.url} answered "
-                                  f"/get_model_info with {_short(str(info))}, not a JSON object")
-            if dtype is not None and "dtype" in info and info["dtype"] != dtype:
-                raise ConfigError(f"config field model.dtype: {dtype}, but server {server.url} "
-                                  f"serves dtype {info['dtype']}: set model.dtype: "
-                                  f"{info['dtype']} or restart it with --dtype {dtype}")
-            for name, ours in (("vocab_size", vocab_size), ("max_context", max_context)):
-                if name not in info:
-                    logger.warning("server %s: /get_model_info has no %s; not checked against "
-                                   "the trainer's %s", server.url, name, ours)
-                elif info[name] != ours:
-                    raise ConfigError(f"config field engine.urls: server {server.url} serves a "
-                                      f"model with {name}={info[name]}, the trainer's has "
-                                      f"{ours}: serve the run's model (model.path)")
-
-        async def every() -> None:
-            # Raise the first failure in server order, not in completion order: the same
-            # misconfiguration gives the same message on every start.
-            results = await asyncio.gather(*(one(s) for s in self.servers),
-                                           return_exceptions=True)
-            for result in results:
-                if isinstance(result, BaseException):
-                    raise result
-
-        self._call(every(), "/get_model_info on every server")
+        naming the server (the first in server order, whichever answered first: the same
+        misconfiguration gives the same message on every start)."""
+        check = partial(self._check_model, vocab_size=vocab_size, max_context=max_context,
+                        dtype=dtype)
+        self._on_each(self.servers, check, "/get_model_info on every server")
         self.max_context = max_context
+
+    async def _check_model(self, server: Server, *, vocab_size: int, max_context: int,
+                           dtype: str | None) -> None:
+        try:
+            info = await self._post(server, "/get_model_info", timeout=HEALTH_TIMEOUT_S)
+        except ServerDown as e:
+            raise ConfigError(f"config field engine.urls: server {server.url} is not "
+                              f"reachable ({e}); start it with `tiller serve MODEL --port "
+                              f"N`") from e
+        if not isinstance(info, dict):
+            raise ConfigError(f"config field engine.urls: server {server.url} answered "
+                              f"/get_model_info with {_short(str(info))}, not a JSON object")
+        if dtype is not None and "dtype" in info and info["dtype"] != dtype:
+            raise ConfigError(f"config field model.dtype: {dtype}, but server {server.url} "
+                              f"serves dtype {info['dtype']}: set model.dtype: "
+                              f"{info['dtype']} or restart it with --dtype {dtype}")
+        for name, ours in (("vocab_size", vocab_size), ("max_context", max_context)):
+            if name not in info:
+                logger.warning("server %s: /get_model_info has no %s; not checked against "
+                               "the trainer's %s", server.url, name, ours)
+            elif info[name] != ours:
+                raise ConfigError(f"config field engine.urls: server {server.url} serves a "
+                                  f"model with {name}={info[name]}, the trainer's has "
+                                  f"{ours}: serve the run's model (model.path)")
 
     def update_weights(self, update: WeightUpdate | DeltaUpdate, *, in_flight: str = "continue",
                        timeout_s: float | None = None) -> int:
@@ -411,65 +419,11 @@ class HttpEngine:
         update.save(folder)
         body = {"model_path": str(folder), "weight_version": update.version,
                 "abort_all_requests": in_flight == "abort"}
-
-        async def one(server: Server) -> bool:
-            server.pending = update.version
-            try:
-                return await push(server)
-            finally:
-                server.pending = None
-
-        async def push(server: Server) -> bool:
-            if server.down and isinstance(update, DeltaUpdate):
-                self.counters["push_skipped_down"] += 1
-                logger.warning("weight push v%d (a delta): server %s is down; skipped until a "
-                               "full update", update.version, server.url)
-                return False
-            if server.down:
-                try:
-                    await self._post(server, "/health", timeout=HEALTH_TIMEOUT_S)
-                except ServerDown as e:
-                    server.last_error = str(e)
-                    self.counters["push_skipped_down"] += 1
-                    logger.warning("weight push v%d: server %s is still down (%s); skipped",
-                                   update.version, server.url, e)
-                    return False
-            try:
-                answer = await self._post(server, "/update_weights_from_disk", body,
-                                          timeout=timeout_s)
-            except ServerDown as e:  # it died: like a dead server, it gets no requests
-                self._mark_down(server, f"weight update v{update.version}: {e}")
-                self.counters["push_skipped_down"] += 1
-                logger.warning("weight push v%d: server %s failed (%s); marked down, skipped",
-                               update.version, server.url, e)
-                return False
-            echoed = answer.get("weight_version") if isinstance(answer, dict) else None
-            if not (isinstance(answer, dict) and answer.get("success") is True
-                    and echoed == update.version):
-                raise RunError(f"weight push v{update.version}: server {server.url} answered "
-                               f"{_short(str(answer))} (expected success and weight_version "
-                               f"{update.version}): it does not hold the trainer's weights")
-            server.previous, server.version = server.version, update.version
-            server.boot_id = answer.get("boot_id")
-            if server.down:
-                server.down = False
-                self.counters["servers_rejoined"] += 1
-                logger.warning("weight push v%d: server %s is back and rejoins", update.version,
-                               server.url)
-            return True
-
-        async def every() -> list[bool]:
-            # every server's push ends before any error is raised (or the folder removed)
-            results = await asyncio.gather(*(one(s) for s in self.servers),
-                                           return_exceptions=True)
-            for r in results:
-                if isinstance(r, BaseException):
-                    raise r
-            return list(results)
-
+        push = partial(self._push, update=update, body=body, timeout_s=timeout_s)
         try:
             wait = None if timeout_s is None else timeout_s + 10.0
-            pushed = self._call(every(), f"weight push v{update.version} to every server", wait)
+            pushed = self._on_each(self.servers, push,
+                                   f"weight push v{update.version} to every server", wait)
             if not any(pushed):
                 raise self._all_down()
         except BaseException:
@@ -484,6 +438,57 @@ class HttpEngine:
         self.version = update.version
         return update.version
 
+    async def _push(self, server: Server, *, update: WeightUpdate | DeltaUpdate, body: dict,
+                    timeout_s: float | None) -> bool:
+        """Have `server` load the saved `update` (`body`): True when it did, False when it was
+        skipped as down (`update_weights`)."""
+        if server.down and not await self._may_rejoin(server, update):
+            return False
+        server.pending = update.version
+        try:
+            answer = await self._post(server, "/update_weights_from_disk", body,
+                                      timeout=timeout_s)
+        except ServerDown as e:  # it died: like a dead server, it gets no requests
+            self._mark_down(server, f"weight update v{update.version}: {e}")
+            self.counters["push_skipped_down"] += 1
+            logger.warning("weight push v%d: server %s failed (%s); marked down, skipped",
+                           update.version, server.url, e)
+            return False
+        finally:
+            server.pending = None
+        echoed = answer.get("weight_version") if isinstance(answer, dict) else None
+        if not (isinstance(answer, dict) and answer.get("success") is True
+                and echoed == update.version):
+            raise RunError(f"weight push v{update.version}: server {server.url} answered "
+                           f"{_short(str(answer))} (expected success and weight_version "
+                           f"{update.version}): it does not hold the trainer's weights")
+        server.previous, server.version = server.version, update.version
+        server.boot_id = answer.get("boot_id")
+        if server.down:
+            server.down = False
+            self.counters["servers_rejoined"] += 1
+            logger.warning("weight push v%d: server %s is back and rejoins", update.version,
+                           server.url)
+        return True
+
+    async def _may_rejoin(self, server: Server, update: WeightUpdate | DeltaUpdate) -> bool:
+        """A down server takes a full update when it answers /health now; otherwise it is
+        skipped (logged, counted in `push_skipped_down`)."""
+        if isinstance(update, DeltaUpdate):
+            self.counters["push_skipped_down"] += 1
+            logger.warning("weight push v%d (a delta): server %s is down; skipped until a "
+                           "full update", update.version, server.url)
+            return False
+        try:
+            await self._post(server, "/health", timeout=HEALTH_TIMEOUT_S)
+        except ServerDown as e:
+            server.last_error = str(e)
+            self.counters["push_skipped_down"] += 1
+            logger.warning("weight push v%d: server %s is still down (%s); skipped",
+                           update.version, server.url, e)
+            return False
+        return True
+
     def score_servers(self, token_ids: list[int], *, timeout_s: float | None = None
                       ) -> dict[str, list[float]]:
         """Every up server's /score of `token_ids` (log p(token_i | tokens_<i), i >= 1), by URL,
@@ -491,36 +496,23 @@ class HttpEngine:
         dead now (no answer within `timeout_s`, default `request_timeout_s`, a connection
         error, 502/503/504) is marked down and skipped, logged and counted in
         `control_skipped_down`, as at a weight push; none answering is a RunError."""
-        up = [s for s in self.servers if not s.down]
-        if not up:
-            raise self._all_down()
-
-        async def one(server: Server) -> list[float] | object:
-            try:
-                answer = await self._post(server, "/score", {"input_ids": token_ids},
-                                          timeout=timeout_s)
-            except ServerDown as e:
-                self._mark_down(server, f"scoring the parity probe: {e}")
-                self.counters["control_skipped_down"] += 1
-                logger.warning("/score: server %s is down (%s); skipped", server.url, e)
-                return _SKIPPED
-            if (not isinstance(answer, dict) or answer.get("weight_version") != server.version
-                    or not isinstance(answer.get("logprobs"), list)
-                    or len(answer["logprobs"]) != len(token_ids) - 1):
-                raise RunError(f"server {server.url}: /score answered {_short(str(answer))}; "
-                               f"expected {len(token_ids) - 1} logprobs from weight version "
-                               f"{server.version}")
-            return [float(x) for x in answer["logprobs"]]
-
-        async def every() -> list[list[float] | object]:
-            return list(await asyncio.gather(*(one(s) for s in up)))
-
+        score = partial(self._score_on, token_ids=token_ids, timeout_s=timeout_s)
         wait = None if timeout_s is None else timeout_s + 10.0
-        scores = self._call(every(), f"/score on {len(up)} server(s)", wait)
-        answered = {s.url: got for s, got in zip(up, scores, strict=True) if got is not _SKIPPED}
-        if not answered:
-            raise self._all_down()
-        return answered
+        return {s.url: got for s, got in self._on_up(score, "/score", wait)}
+
+    async def _score_on(self, server: Server, *, token_ids: list[int],
+                        timeout_s: float | None) -> list[float] | object:
+        answer = await self._control(server, "/score", {"input_ids": token_ids},
+                                     timeout=timeout_s, doing="scoring the parity probe: ")
+        if answer is _SKIPPED:
+            return _SKIPPED
+        if (not isinstance(answer, dict) or answer.get("weight_version") != server.version
+                or not isinstance(answer.get("logprobs"), list)
+                or len(answer["logprobs"]) != len(token_ids) - 1):
+            raise RunError(f"server {server.url}: /score answered {_short(str(answer))}; "
+                           f"expected {len(token_ids) - 1} logprobs from weight version "
+                           f"{server.version}")
+        return [float(x) for x in answer["logprobs"]]
 
     def score(self, token_ids: list[int], *, timeout_s: float | None = None) -> list[float]:
         """The first up server's /score of `token_ids` (see `score_servers`)."""
@@ -541,6 +533,17 @@ class HttpEngine:
 
 
 _SKIPPED = object()  # what a control call to a server found down returns
+
+
+async def _each(servers: list[Server], act: Callable[[Server], Awaitable[T]]) -> list[T]:
+    """`act(server)` on every server at once; every call ends before any error is raised (a
+    weight push is never left half-applied, nor its folder removed under a server still
+    loading it), then the first in server order is. Else the results, in server order."""
+    results = await asyncio.gather(*(act(s) for s in servers), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise errors[0]
+    return list(results)
 
 
 def _short(text: str, n: int = 200) -> str:

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import logging
 import math
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,15 +32,13 @@ from typing import TYPE_CHECKING, Any
 from tiller.envs.base import Env, Task
 from tiller.envs.verifiers import Reward
 from tiller.errors import ConfigError, import_dotted, require_package
-from tiller.rollout.agent_loop import RUN_FAILURES, Actor, EpisodeLimits, error_text
+from tiller.rollout.agent_loop import Actor, EpisodeLimits
+from tiller.rollout.episode import RUN_FAILURES, Outcome, record_abort, run_in_env
 from tiller.rollout.trajectory import Status, Trajectory, TrajectoryBuilder
 
 if TYPE_CHECKING:  # the gateway needs FastAPI and uvicorn (the serve extra)
     from tiller.gateway.server import Gateway
     from tiller.gateway.session import Session
-
-logger = logging.getLogger(__name__)
-_logged: set[type[BaseException]] = set()  # exception types whose traceback was logged
 
 PROGRAM_ARGS = ("base_url", "api_key", "model", "task")
 
@@ -79,7 +75,8 @@ def program_reward(result: Any) -> Reward:
 
 @dataclass
 class ProgramEpisode:
-    """The episode function (`run_episode`'s signature) that runs `program` per episode."""
+    """The episode function (`EpisodeFn`) that runs `program` per episode, inside the episode
+    shell (`rollout.episode.run_in_env`: reset, verify, close and the env-error rules)."""
 
     gateway: Gateway
     program: Callable[..., Any]
@@ -88,54 +85,40 @@ class ProgramEpisode:
 
     async def __call__(self, env: Env, task: Task, actor: Actor, tokenizer: Any, *, seed: int,
                        limits: EpisodeLimits, sample_index: int = 0) -> Trajectory:
-        t0 = time.perf_counter()
-        info: dict[str, str] = {}
-        result: Any = None
-        try:
-            try:
-                messages = await env.reset(task, seed)
-            except RUN_FAILURES:
-                raise
-            except Exception as e:
-                info["error"] = error_text(e, "env.reset")
-                return TrajectoryBuilder(task.id, sample_index).finish(
-                    Reward(0.0, {"reset_error": 1.0}, env_error=True), Status.ENV_ERROR,
-                    info=info, env_errors=1)
-            session = self.gateway.open(actor, tokenizer, task_id=task.id,
-                                        sample_index=sample_index, seed=seed, limits=limits)
+        traj = TrajectoryBuilder(task.id, sample_index)
+        traj.timings["generate_s"] = 0.0
+
+        async def play(messages: list[dict[str, Any]]) -> Outcome:
+            session = self.gateway.open(actor, tokenizer, traj, seed=seed, limits=limits)
             view = {"id": task.id, "prompt": task.prompt, "system": task.system,
                     "messages": [dict(m) for m in messages], "tools": env.tool_schemas()}
-            try:
-                result = await asyncio.wait_for(
-                    self.program(base_url=self.gateway.base_url, api_key=session.key,
-                                 model=self.gateway.model, task=view), self.timeout_s)
-            except asyncio.TimeoutError:
-                info["error"] = (f"agent.program: did not return within {self.timeout_s:g} s "
-                                 "(agent.program_timeout_s)")
-            except RUN_FAILURES:
-                raise
-            except Exception as e:  # the program's own failure: the episode is aborted
-                info["error"] = error_text(e, "agent.program")[:500]
-                if type(e) not in _logged:  # its traceback once per exception type
-                    _logged.add(type(e))
-                    logger.exception("task %s sample %d: the agent program raised; the "
-                                     "episode is aborted", task.id, sample_index)
-            finally:
-                self.gateway.close_session(session)
-            if session.run_failure is not None:
-                raise session.run_failure
-            return await self._finish(env, session, result, info, t0)
-        finally:
-            try:
-                await env.close()
-            except Exception as e:  # the episode is sound; the leak is logged and recorded
-                info["close_error"] = error_text(e, "env.close")
-                logger.warning("task %s sample %d: %s", task.id, sample_index,
-                               info["close_error"])
+            return await self._play(session, view)
 
-    async def _finish(self, env: Env, session: Session, result: Any, info: dict[str, str],
-                      t0: float) -> Trajectory:
-        """The status and reward of a closed session, and its trajectory."""
+        return await run_in_env(env, task, seed, traj, play)
+
+    async def _play(self, session: Session, view: dict[str, Any]) -> Outcome:
+        """Run the program on the task `view` in `session`, then close the session."""
+        traj, result = session.builder, None
+        try:
+            result = await asyncio.wait_for(
+                self.program(base_url=self.gateway.base_url, api_key=session.key,
+                             model=self.gateway.model, task=view), self.timeout_s)
+        except asyncio.TimeoutError:
+            traj.info["error"] = (f"agent.program: did not return within {self.timeout_s:g} s "
+                                  "(agent.program_timeout_s)")
+        except RUN_FAILURES:
+            raise
+        except Exception as e:  # the program's own failure: the episode is aborted
+            record_abort(traj, e, "agent.program", "the agent program raised", max_chars=500)
+        finally:
+            self.gateway.close_session(session)
+        if session.run_failure is not None:
+            raise session.run_failure
+        return self._outcome(session, result)
+
+    def _outcome(self, session: Session, result: Any) -> Outcome:
+        """The status of a closed session, and the reward when the program gives it."""
+        info = session.builder.info
         if session.aborted is not None:
             info.setdefault("error", session.aborted)
         if session.history is None and "error" not in info:
@@ -150,33 +133,15 @@ class ProgramEpisode:
         status = (Status.ABORTED if session.aborted is not None else
                   Status.TRUNCATED if truncated and session.history is not None else
                   Status.ABORTED if "error" in info else Status.COMPLETED)
-        env_errors = 0
-        if self.reward_source == "program":
-            no_reward = Reward(0.0, {"no_program_reward": 1.0})
-            if "error" in info:  # aborted, or truncated and the program raised on the refusal
-                reward = no_reward
-            else:
-                try:
-                    reward = program_reward(result)
-                except ValueError as e:
-                    info["error"] = str(e)
-                    status, reward = Status.ABORTED, no_reward
-        else:
-            final = session.final if status is not Status.ABORTED else None
-            try:
-                reward = await env.verify(final)
-            except RUN_FAILURES:
-                raise
-            except Exception as e:
-                info.setdefault("error", error_text(e, "env.verify"))
-                reward = Reward(0.0, {"verifier_error": 1.0}, env_error=True)
-            if reward.env_error:
-                env_errors = 1
-                info.setdefault("error", f"env.verify: {reward.error or 'env_error'}")
-                if status is not Status.ABORTED:
-                    status = Status.ENV_ERROR
-        timings = {"generate_s": session.generate_s, "total_s": time.perf_counter() - t0}
         messages = session.history or []
-        return session.builder.finish(reward, status, messages=messages, timings=timings,
-                                      info=info, tool_calls=session.tool_calls,
-                                      parse_errors=session.parse_errors, env_errors=env_errors)
+        if self.reward_source != "program":  # the env's verifier scores the last turn
+            final = session.final if status is not Status.ABORTED else None
+            return Outcome(status, final, messages)
+        no_reward = Reward(0.0, {"no_program_reward": 1.0})
+        if "error" in info:  # aborted, or truncated and the program raised on the refusal
+            return Outcome(status, None, messages, no_reward)
+        try:
+            return Outcome(status, None, messages, program_reward(result))
+        except ValueError as e:
+            info["error"] = str(e)
+            return Outcome(Status.ABORTED, None, messages, no_reward)

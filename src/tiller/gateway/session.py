@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -57,26 +56,26 @@ class Session:
     """The state of one episode's session, changed only by the gateway's chat route (one call
     at a time) and read by the episode once the session is closed."""
 
-    def __init__(self, key: str, actor: Actor, tokenizer: Any, *, task_id: str,
-                 sample_index: int, seed: int, limits: EpisodeLimits,
-                 loop: asyncio.AbstractEventLoop):
+    def __init__(self, key: str, actor: Actor, tokenizer: Any, builder: TrajectoryBuilder, *,
+                 seed: int, limits: EpisodeLimits, loop: asyncio.AbstractEventLoop):
+        """`builder`: the episode's trajectory, which the session's calls extend (its
+        counts get the calls' tool calls and parse errors, its timings `generate_s`)."""
         self.key, self.actor, self.tokenizer = key, actor, tokenizer
         self.limits, self.loop = limits, loop
         self.seed = seed
-        self.engine_session = f"{task_id}/{sample_index}/{seed}"  # the engine's KV key
-        self.builder = TrajectoryBuilder(task_id, sample_index)
+        # the engine's KV key
+        self.engine_session = f"{builder.task_id}/{builder.sample_index}/{seed}"
+        self.builder = builder
         self.history: list[dict[str, Any]] | None = None  # last call's messages + its reply
         self.tools: list[dict] | None = None
         self.closed_turn = False  # the last turn ends with the end-of-turn token
         self.calls = 0  # calls that reached the engine
         self.rejected = 0  # calls answered 4xx/5xx
-        self.tool_calls = self.parse_errors = 0
         self.final: ParsedTurn | None = None  # the last turn, when the model finished it
         self.last_cut = False  # the last turn was cut at a length limit
         self.refused: str | None = None  # why a call was refused for the episode's limits
         self.aborted: str | None = None  # why the engine failed or aborted a turn
         self.run_failure: BaseException | None = None  # a ConfigError/RunError: stops the run
-        self.generate_s = 0.0
         self.busy = False
         self.ended = False
         self.inflight: concurrent.futures.Future | None = None
@@ -118,15 +117,15 @@ class Session:
         session is closed (CancelledError)."""
         seed = derive_seed(self.seed, self.calls)
         self.calls += 1
-        t = time.perf_counter()
-        future = asyncio.run_coroutine_threadsafe(
-            self.actor.act(prompt, messages, seed, session_id=self.engine_session), self.loop)
-        self.inflight = future
-        try:
-            return await asyncio.wrap_future(future)
-        finally:
-            self.inflight = None
-            self.generate_s += time.perf_counter() - t
+        with self.builder.timed("generate_s"):
+            future = asyncio.run_coroutine_threadsafe(
+                self.actor.act(prompt, messages, seed, session_id=self.engine_session),
+                self.loop)
+            self.inflight = future
+            try:
+                return await asyncio.wrap_future(future)
+            finally:
+                self.inflight = None
 
     def commit(self, plan: Plan, gen: Generation, keep: int, chat: ChatFormat,
                messages: list[dict[str, Any]], tools: list[dict] | None
@@ -158,8 +157,8 @@ class Session:
         self.closed_turn = stopped and ids[-1] == eot
         self.last_cut = kept.finish_reason == "length"
         self.final = turn if stopped else None
-        self.tool_calls += len(turn.tool_calls)
-        self.parse_errors += len(turn.parse_errors)
+        b.counts["tool_calls"] += len(turn.tool_calls)
+        b.counts["parse_errors"] += len(turn.parse_errors)
         self.tools = tools
         return kept, turn
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import logging
 import random
-import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
 
@@ -22,17 +21,16 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from tiller.engine.api import Engine, Generation, SamplingParams
 from tiller.envs.actions import ParsedTurn, assistant_message
-from tiller.envs.base import Env, Task
-from tiller.envs.verifiers import Reward
-from tiller.errors import ConfigError, RunError, import_dotted
+from tiller.envs.base import Env, StepResult, Task
+from tiller.errors import ConfigError, import_dotted
 from tiller.rollout.chat import FAMILIES, ChatFormat, end_of_turn_token
+from tiller.rollout.episode import RUN_FAILURES, Outcome, error_text, record_abort, run_in_env
 from tiller.rollout.memory import MemoryPolicy, drop_oldest, truncate_tool_outputs
 from tiller.rollout.trajectory import Status, Trajectory, TrajectoryBuilder
 from tiller.seeds import derive_seed
 from tiller.tools.registry import ToolOutcome
 
 logger = logging.getLogger(__name__)
-_logged: set[type[BaseException]] = set()  # exception types whose traceback was logged
 
 
 class Actor(Protocol):
@@ -125,16 +123,6 @@ def check_rollout_setup(
 HISTORY_MODES = ("stream", "template")
 
 
-# The run's own configuration or state is broken (a sandbox that refuses to start, fail-closed):
-# every episode would fail the same way, so these stop the run instead of scoring an episode.
-RUN_FAILURES = (ConfigError, RunError)
-
-
-def error_text(e: BaseException, where: str) -> str:
-    """How an episode records a failure in `info`: where, the exception type, its message."""
-    return f"{where}: {type(e).__name__}: {e}"
-
-
 async def run_episode(
     env: Env,
     task: Task,
@@ -145,7 +133,7 @@ async def run_episode(
     sample_index: int = 0,
     limits: EpisodeLimits = EpisodeLimits(),
 ) -> Trajectory:
-    """Run one episode and verify it; `env.close` always runs.
+    """Run one episode and verify it (`episode.run_in_env`); `env.close` always runs.
 
     Never raises for what the policy, a tool, the env, the engine or the chat template did; the
     status says what happened and `info["error"]` why, when something failed:
@@ -158,107 +146,81 @@ async def run_episode(
     or the verifier reported `env_error`). A `ConfigError` or `RunError` raised by the env or
     the actor is the run's problem, not the episode's: it propagates (after `env.close`).
     """
-    t0 = time.perf_counter()
-    timings = {"generate_s": 0.0, "env_s": 0.0}
     traj = TrajectoryBuilder(task.id, sample_index)
-    counts = {"tool_calls": 0, "tool_errors": 0, "env_errors": 0, "parse_errors": 0,
-              "tool_outputs_truncated": 0}
-    info: dict[str, str] = {}
-    messages: list[dict] = []
-    final: ParsedTurn | None = None
-    status = Status.TRUNCATED
-    try:
+    traj.timings.update(generate_s=0.0, env_s=0.0)
+    turns = _Turns(env, actor, tokenizer, traj, limits, seed,
+                   session_id=f"{task.id}/{sample_index}/{seed}")
+    return await run_in_env(env, task, seed, traj, turns.play)
+
+
+End = tuple[ParsedTurn | None, Status]  # how the turns ended: the final answer and the status
+
+
+@dataclass
+class _Turns:
+    """The turns of `run_episode`: generate, parse, step, append the observation. `messages`
+    records the whole conversation; `context` is what the model sees, which differs from it
+    once `drop_oldest` memory dropped exchanges (a new exact sequence starts there). With
+    `history="template"` each next context is the template's rendering of it; where that is
+    not the sampled stream plus the observation (a template that drops earlier reasoning), a
+    new exact sequence starts from the rendering."""
+
+    env: Env
+    actor: Actor
+    tokenizer: PreTrainedTokenizerBase
+    traj: TrajectoryBuilder
+    limits: EpisodeLimits
+    seed: int
+    session_id: str
+    messages: list[dict] = field(default_factory=list)  # set by `play`
+    context: list[dict] = field(default_factory=list)
+    opening: int = 0  # messages env.reset opened with: `drop_oldest` keeps them
+    chat: ChatFormat = field(init=False)
+
+    async def play(self, messages: list[dict]) -> Outcome:
+        """The episode's body after `env.reset` gave the opening `messages` (kept as the
+        conversation): the turns' outcome, ABORTED when the loop itself broke."""
+        self.messages = self.context = messages
+        self.opening = len(messages)
         try:
-            messages = await env.reset(task, seed)
+            self.chat = ChatFormat(self.tokenizer, self.env.tool_schemas(),
+                                   self.limits.chat_format)
+            self.traj.append_prompt(self.chat.prompt_ids(messages))
+            final, status = await self._run()
         except RUN_FAILURES:
             raise
-        except Exception as e:  # the environment itself broke: nothing to verify
-            counts["env_errors"] += 1
-            info["error"] = error_text(e, "env.reset")
-            reward = Reward(0.0, {"reset_error": 1.0})
-        else:
-            try:
-                chat = ChatFormat(tokenizer, env.tool_schemas(), limits.chat_format)
-                traj.append_prompt(chat.prompt_ids(messages))
-                final, status = await _turns(env, actor, chat, traj, messages, seed=seed,
-                                             session_id=f"{task.id}/{sample_index}/{seed}",
-                                             limits=limits, counts=counts, info=info,
-                                             timings=timings)
-            except RUN_FAILURES:
-                raise
-            except Exception as e:  # the loop broke (template, tokenizer, a generation's shape)
-                info["error"] = error_text(e, "agent loop")
-                status = Status.ABORTED
-                if type(e) not in _logged:  # a bug's traceback, once per exception type
-                    _logged.add(type(e))
-                    logger.exception("task %s sample %d: the agent loop broke; the episode is "
-                                     "aborted", task.id, sample_index)
-            try:
-                reward = await env.verify(final)
-            except RUN_FAILURES:
-                raise
-            except Exception as e:  # a broken checker (sandbox down, ...) is the env's failure
-                counts["env_errors"] += 1
-                info.setdefault("error", error_text(e, "env.verify"))
-                reward = Reward(0.0, {"verifier_error": 1.0})
-            if reward.env_error:  # the verifier says its own check could not run
-                counts["env_errors"] += 1
-                why = reward.error or "the verifier reported env_error"
-                info.setdefault("error", f"env.verify: {why}")
-    finally:
-        try:
-            await env.close()
-        except Exception as e:  # the episode is sound; the leak is logged and recorded
-            info["close_error"] = error_text(e, "env.close")
-            logger.warning("task %s sample %d: %s", task.id, sample_index, info["close_error"])
-    if counts["env_errors"]:
-        reward = replace(reward, env_error=True)
-        if status is not Status.ABORTED:  # an abort is counted against rl.max_aborted_frac
-            status = Status.ENV_ERROR
-    timings["total_s"] = time.perf_counter() - t0
-    return traj.finish(reward, status, messages=messages, timings=timings, info=info, **counts)
+        except Exception as e:  # the loop broke (template, tokenizer, a generation's shape)
+            record_abort(self.traj, e, "agent loop", "the agent loop broke")
+            return Outcome(Status.ABORTED, messages=messages)
+        return Outcome(status, final, messages)
 
+    async def _run(self) -> End:
+        for turn in range(self.limits.max_turns):
+            end = await self._turn(turn)
+            if end is not None:
+                return end
+        return None, Status.TRUNCATED
 
-async def _turns(
-    env: Env,
-    actor: Actor,
-    chat: ChatFormat,
-    traj: TrajectoryBuilder,
-    messages: list[dict],
-    *,
-    seed: int,
-    session_id: str,
-    limits: EpisodeLimits,
-    counts: dict[str, int],
-    info: dict[str, str],
-    timings: dict[str, float],
-) -> tuple[ParsedTurn | None, Status]:
-    """The turns of `run_episode`: generate, parse, step, append the observation; returns the
-    final answer (None unless COMPLETED) and the status so far. `messages` records the whole
-    conversation; `context` is what the model sees, which differs from it once `drop_oldest`
-    memory dropped exchanges (a new exact sequence starts there). With `history="template"`
-    each next context is the template's rendering of it; where that is not the sampled stream
-    plus the observation (a template that drops earlier reasoning), a new exact sequence
-    starts from the rendering."""
-    memory, opening, context = limits.memory, len(messages), messages
-    for turn in range(limits.max_turns):
-        t = time.perf_counter()
+    async def _turn(self, turn: int) -> End | None:
+        """One turn; how the episode ended, or None when it goes on."""
+        traj, chat = self.traj, self.chat
         try:
-            gen = await actor.act(traj.token_ids, context, derive_seed(seed, turn),
-                                  session_id=session_id)
+            with traj.timed("generate_s"):
+                gen = await self.actor.act(traj.token_ids, self.context,
+                                           derive_seed(self.seed, turn),
+                                           session_id=self.session_id)
         except RUN_FAILURES:
             raise
         except Exception as e:
-            info["error"] = error_text(e, "engine")
+            traj.info["error"] = error_text(e, "engine")
             return None, Status.ABORTED
-        timings["generate_s"] += time.perf_counter() - t
-        keep = max(0, limits.max_episode_tokens - len(traj))
+        keep = max(0, self.limits.max_episode_tokens - len(traj))
         ids = gen.token_ids[:keep]
         traj.discarded_tokens += len(gen.token_ids) - len(ids)
         # each token keeps the version that sampled it; the turn counts as its oldest
         traj.append_generated(ids, gen.logprobs[:keep], list(gen.versions[:keep]) or gen.version)
         if gen.finish_reason == "abort":  # a partial turn (abort, or an aborting weight update)
-            info["error"] = "engine: the request was aborted mid-turn"
+            traj.info["error"] = "engine: the request was aborted mid-turn"
             return None, Status.ABORTED
         cut_off = gen.finish_reason != "stop" or keep < len(gen.token_ids)
         # A stop on a generation_config eos that is not the end-of-turn token (Qwen's
@@ -267,78 +229,94 @@ async def _turns(
         ended = (not cut_off and bool(ids) and ids[-1] not in chat.turn_end_ids
                  and ids[-1] in chat.tokenizer.all_special_ids)
         parsed = chat.parse(ids[:-1] if ended else ids)
-        _record(messages, context, [assistant_message(parsed)])
+        self._record([assistant_message(parsed)])
         if cut_off:
             return None, Status.TRUNCATED
         if ended:
-            info["ended_by"] = chat.tokenizer.convert_ids_to_tokens(ids[-1])
+            traj.info["ended_by"] = chat.tokenizer.convert_ids_to_tokens(ids[-1])
             return None, Status.COMPLETED
+        result = await self._step(parsed, turn)
+        if result is None:
+            return None, Status.TRUNCATED
+        if result.done:
+            return parsed, Status.COMPLETED
+        return self._observe(result.messages)
 
-        t = time.perf_counter()
+    async def _step(self, parsed: ParsedTurn, turn: int) -> StepResult | None:
+        """`env.step(parsed)`, its tool calls counted; None when the env itself broke."""
+        traj = self.traj
         try:
-            result = await env.step(parsed)
+            with traj.timed("env_s"):
+                result = await self.env.step(parsed)
         except RUN_FAILURES:
             raise
         except Exception as e:  # the environment itself broke
-            counts["env_errors"] += 1
-            info["error"] = error_text(e, "env.step")
-            return None, Status.TRUNCATED
-        finally:
-            timings["env_s"] += time.perf_counter() - t
-        counts["parse_errors"] += len(parsed.parse_errors)
-        counts["tool_calls"] += len(result.tool_results)
+            traj.counts["env_errors"] += 1
+            traj.info["error"] = error_text(e, "env.step")
+            return None
+        traj.counts["parse_errors"] += len(parsed.parse_errors)
+        traj.counts["tool_calls"] += len(result.tool_results)
         traj.tool_results += [(turn, r) for r in result.tool_results]
         outcomes = [r.outcome for r in result.tool_results]
-        counts["tool_errors"] += outcomes.count(ToolOutcome.TOOL_ERROR)
-        counts["env_errors"] += outcomes.count(ToolOutcome.ENV_ERROR)
+        traj.counts["tool_errors"] += outcomes.count(ToolOutcome.TOOL_ERROR)
+        traj.counts["env_errors"] += outcomes.count(ToolOutcome.ENV_ERROR)
         for r in result.tool_results:
             if r.outcome is ToolOutcome.ENV_ERROR:
-                info.setdefault("error", f"tool {r.call.name}: {r.content}"[:300])
-        if result.done:
-            return parsed, Status.COMPLETED
+                traj.info.setdefault("error", f"tool {r.call.name}: {r.content}"[:300])
+        return result
 
-        new = result.messages
+    def _observe(self, new: list[dict]) -> End | None:
+        """Append the observation `new` (or start a new exact sequence); how the episode
+        ended when it does not fit, else None."""
+        traj, chat, limits, memory = self.traj, self.chat, self.limits, self.limits.memory
         if memory.mode == "truncate_tool_output":
             new, cut = truncate_tool_outputs(new, chat.tokenizer, memory.tool_output_tokens)
-            counts["tool_outputs_truncated"] += cut
+            traj.counts["tool_outputs_truncated"] += cut
         try:
-            obs_ids = chat.observation_ids(context, new)
-            rendered = (chat.prompt_ids([*context, *new]) if limits.history == "template"
+            obs_ids = chat.observation_ids(self.context, new)
+            rendered = (chat.prompt_ids([*self.context, *new]) if limits.history == "template"
                         else None)
         except Exception as e:  # the template raised: ids would be wrong
-            info["error"] = error_text(e, "chat template")
+            traj.info["error"] = error_text(e, "chat template")
             return None, Status.ABORTED
-        _record(messages, context, new)
+        self._record(new)
         room = limits.max_episode_tokens - memory.reserve_tokens  # for the context
         if memory.mode == "drop_oldest" and len(traj) + len(obs_ids) > room:
-            kept = drop_oldest(context, opening, partial(_fits, chat, room))
+            kept = drop_oldest(self.context, self.opening, partial(_fits, chat, room))
             if kept is not None:  # else nothing can go: truncated below, as with full memory
-                context = kept
-                traj.start_segment(chat.prompt_ids(context), "memory_dropped")
-                continue
+                self.context = kept
+                traj.start_segment(chat.prompt_ids(kept), "memory_dropped")
+                return None
         if rendered is not None and rendered != traj.token_ids + obs_ids:
             if len(rendered) >= limits.max_episode_tokens:
                 return None, Status.TRUNCATED
             traj.start_segment(rendered, "template_history")  # the template rewrote history
-            continue
+            return None
         if len(traj) + len(obs_ids) >= limits.max_episode_tokens:
             return None, Status.TRUNCATED
         traj.append_observation(obs_ids)
-    return None, Status.TRUNCATED
+        return None
+
+    def _record(self, new: list[dict]) -> None:
+        """Append `new` to the conversation and, once they are apart, to the model's
+        context."""
+        self.messages.extend(new)
+        if self.context is not self.messages:
+            self.context.extend(new)
 
 
 def _fits(chat: ChatFormat, room: int, context: list[dict]) -> bool:
     return len(chat.prompt_ids(context)) <= room
 
 
-def _record(messages: list[dict], context: list[dict], new: list[dict]) -> None:
-    """Append `new` to the conversation and, once they are apart, to the model's context."""
-    messages.extend(new)
-    if context is not messages:
-        context.extend(new)
+class EpisodeFn(Protocol):
+    """The episode hook (`agent.loop`, and the gateway's `ProgramEpisode`): one episode of
+    `task` in `env`, its turns written by `actor`; `run_episode` is tiller's own. tiller
+    always passes `limits`; `sample_index` only for the policy's episodes."""
 
-
-EpisodeFn = Callable[..., Awaitable[Trajectory]]
+    def __call__(self, env: Env, task: Task, actor: Actor, tokenizer: PreTrainedTokenizerBase,
+                 *, seed: int, limits: EpisodeLimits, sample_index: int = 0
+                 ) -> Awaitable[Trajectory]: ...
 
 
 def load_episode_fn(path: str) -> EpisodeFn:

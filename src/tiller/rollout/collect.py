@@ -13,14 +13,13 @@ from tiller.envs.base import Env, Task
 from tiller.errors import RunError
 from tiller.rollout.agent_loop import (
     Actor,
+    EpisodeFn,
     EpisodeLimits,
     ExpertActor,
-    derive_seed,
     run_episode,
 )
 from tiller.rollout.trajectory import Status, Trajectory, is_success
-
-EpisodeFn = Callable[..., Any]  # the signature of `run_episode`
+from tiller.seeds import derive_seed
 
 
 async def run_one(task: Task, k: int, actor: Actor, *, episode_fn: EpisodeFn,

@@ -44,9 +44,9 @@ from tiller.config import Config
 from tiller.engine.api import Engine, Generation, SamplingParams
 from tiller.envs.base import Env, Task
 from tiller.errors import RunError
-from tiller.rollout.agent_loop import EpisodeLimits
+from tiller.rollout.agent_loop import EpisodeFn, EpisodeLimits
 from tiller.rollout.buffer import DataBuffer, Group
-from tiller.rollout.collect import EpisodeFn, check_aborted, run_one
+from tiller.rollout.collect import check_aborted, run_one
 from tiller.rollout.protocol import Leftovers, Taken, WindDown
 from tiller.rollout.trajectory import Trajectory
 from tiller.seeds import derive_seed
@@ -65,8 +65,10 @@ class _Unit:
 
 
 @dataclass
-class _Control:
-    """What the actors share with the manager: shutdown, the live requests, counters."""
+class _ActorRequests:
+    """The actors' engine requests, as the manager sees them: whether rollouts are stopping (no
+    request starts, no cut turn is resumed), the ids of the live ones (shutdown aborts them)
+    and how many turns were resumed."""
 
     stopping: bool = False
     live: set[str] = field(default_factory=set)
@@ -82,7 +84,7 @@ class RolloutActor:
 
     engine: Engine
     params: SamplingParams
-    control: _Control
+    requests: _ActorRequests
     resume: bool = False
 
     async def act(self, prompt_ids: list[int], messages: list[dict], seed: int,
@@ -92,18 +94,18 @@ class RolloutActor:
         versions: list[int] = []
         prompt_tokens = cached = 0
         while True:
-            if self.control.stopping:
+            if self.requests.stopping:
                 return Generation(ids, logprobs, "abort", self.engine.version, tuple(versions),
                                   prompt_tokens, cached)
             request_id = uuid.uuid4().hex
             params = replace(self.params, max_new_tokens=self.params.max_new_tokens - len(ids))
-            self.control.live.add(request_id)
+            self.requests.live.add(request_id)
             try:  # a resumed request draws fresh randomness: its own seed
                 gen = await self.engine.generate(
                     prompt_ids + ids, params, derive_seed(seed, len(ids)) if ids else seed,
                     session_id=session_id, request_id=request_id)
             finally:
-                self.control.live.discard(request_id)
+                self.requests.live.discard(request_id)
             ids += gen.token_ids
             logprobs += gen.logprobs
             versions += gen.versions or [gen.version] * len(gen.token_ids)
@@ -112,10 +114,10 @@ class RolloutActor:
             finish = gen.finish_reason
             if finish == "abort" and len(ids) >= self.params.max_new_tokens:
                 finish = "length"
-            if finish != "abort" or not self.resume or self.control.stopping:
+            if finish != "abort" or not self.resume or self.requests.stopping:
                 return Generation(ids, logprobs, finish, gen.version, tuple(versions),
                                   prompt_tokens, cached)
-            self.control.resumed += 1
+            self.requests.resumed += 1
 
 
 class RolloutManager:
@@ -140,8 +142,8 @@ class RolloutManager:
         self.dynamic = rl.algorithm.dynamic_sampling
         self.rounds = (self.dynamic.max_rounds or 1) if self.dynamic.enabled else 1
         self.tasks = tasks
-        self.control = _Control()
-        self.actor = RolloutActor(engine, params, self.control,
+        self.requests = _ActorRequests()
+        self.actor = RolloutActor(engine, params, self.requests,
                                   resume=cfg.rollout.partial == "abort_resume")
         self._episode = dict(episode_fn=episode_fn, make_env=make_env, tokenizer=tokenizer,
                              limits=limits, seed=cfg.seed)
@@ -203,7 +205,7 @@ class RolloutManager:
             stats = {"zero_variance_group_frac": self._flat / max(self._groups_ended, 1),
                      "groups_kept": float(len(batch)), "episodes_running": float(self._inflight),
                      "groups_ready": float(len(self.buffer.ready) - len(batch)),
-                     "resumed_turns": float(self.control.resumed)}
+                     "resumed_turns": float(self.requests.resumed)}
             if self.dynamic.enabled:
                 units = {g.key[0] for g in batch} | ({step} if self.mode != "async" else set())
                 stats["groups_dropped"] = float(self._flat_filtered)
@@ -236,7 +238,7 @@ class RolloutManager:
         if self._loop.is_closed():
             return self.ledger
         with self._cond:
-            self.control.stopping = True
+            self.requests.stopping = True
         budget = WindDown(self.cfg.rollout.shutdown_timeout_s)
         try:
             done = asyncio.run_coroutine_threadsafe(self._wind_down(budget), self._loop)
@@ -275,7 +277,7 @@ class RolloutManager:
         RL left untrained. Those cancelled while running have no trajectory
         (`dropped/cancelled_at_end`)."""
         with self._cond:
-            if not self.control.stopping:  # before close they belong to the next batch
+            if not self.requests.stopping:  # before close they belong to the next batch
                 raise RuntimeError("RolloutManager.leftovers() is for after close()")
             return Leftovers(list(self._ended), list(self._at_end))
 
@@ -322,7 +324,7 @@ class RolloutManager:
 
     def _next_launch(self) -> tuple[int, int] | None:
         """(unit, round) of the next group to start, or None while the rules say wait."""
-        if self.control.stopping or self._error is not None or self._exhausted:
+        if self.requests.stopping or self._error is not None or self._exhausted:
             return None
         room = (self.max_inflight is None or self._inflight + self.G <= self.max_inflight)
         if self._refills:  # a refill reuses the slot of the group it replaces
@@ -483,7 +485,7 @@ class RolloutManager:
             unit = self._units[key[0]]
             unit.pending -= 1
             self._ended += trajs
-            if self.control.stopping:
+            if self.requests.stopping:
                 self._count(trajs, "dropped/in_flight_at_end")
                 self._at_end += trajs
                 self._cond.notify_all()
@@ -522,7 +524,7 @@ class RolloutManager:
         """Abort the live requests and wait for the episodes, both within `budget.window`;
         then cancel the groups still running and give them `budget.grace` to unwind."""
         deadline = time.monotonic() + budget.window
-        live = list(self.control.live)
+        live = list(self.requests.live)
         aborting = (asyncio.ensure_future(asyncio.to_thread(self._abort_live, live, deadline))
                     if live else None)
         running = list(self._tasks)

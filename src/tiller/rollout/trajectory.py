@@ -8,13 +8,18 @@ A `TrajectoryBuilder` keeps these (and the turn spans and versions) aligned by c
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from tiller.envs.verifiers import Reward
 from tiller.tools.registry import ToolResult
+
+# the per-episode counts a `Trajectory` carries (its int fields of these names)
+COUNTS = ("tool_calls", "tool_errors", "env_errors", "parse_errors", "tool_outputs_truncated")
 
 
 class Status(str, Enum):
@@ -95,6 +100,10 @@ class TrajectoryBuilder:
         append_generated(ids, logprobs, version)    mask 1, the engine's logprobs, a turn span
         append_observation(ids)                     mask 0, logprob 0
         start_segment(ids, reason)                  a new exact sequence with context ids
+
+    It also holds what the episode records besides tokens, which `finish` puts in the
+    trajectory: `counts` (one entry per name in `COUNTS`), `info` (e.g. "error") and
+    `timings` (seconds; `timed(key)` adds a block's wall time to one).
     """
 
     def __init__(self, task_id: str, sample_index: int = 0):
@@ -110,6 +119,18 @@ class TrajectoryBuilder:
         self.tool_results: list[tuple[int, ToolResult]] = []  # (turn, result), in call order
         self._segment_starts: list[int] = []
         self._split_reasons: list[str] = []
+        self.counts: dict[str, int] = dict.fromkeys(COUNTS, 0)
+        self.info: dict[str, str] = {}
+        self.timings: dict[str, float] = {}
+
+    @contextmanager
+    def timed(self, key: str) -> Iterator[None]:
+        """Add the wall time of the block (also when it raises) to `timings[key]`."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - t
 
     def __len__(self) -> int:
         """Tokens in the current sequence: the context the next turn is generated after (the
@@ -172,14 +193,15 @@ class TrajectoryBuilder:
         status: Status,
         *,
         messages: Sequence[dict[str, Any]] = (),
-        tool_calls: int = 0,
-        tool_errors: int = 0,
-        env_errors: int = 0,
-        parse_errors: int = 0,
-        tool_outputs_truncated: int = 0,
         timings: Mapping[str, float] | None = None,
         info: Mapping[str, str] | None = None,
+        **counts: int,
     ) -> Trajectory:
+        """The trajectory, with the builder's counts plus `counts` (keyword arguments named
+        in `COUNTS`), and its timings and info updated with `timings` and `info`."""
+        unknown = sorted(set(counts) - set(COUNTS))
+        if unknown:
+            raise TypeError(f"finish() got unknown counts {unknown}; expected some of {COUNTS}")
         return Trajectory(
             task_id=self.task_id,
             sample_index=self.sample_index,
@@ -192,13 +214,9 @@ class TrajectoryBuilder:
             messages=tuple(messages),
             reward=reward,
             status=status,
-            tool_calls=tool_calls,
-            tool_errors=tool_errors,
-            env_errors=env_errors,
-            parse_errors=parse_errors,
-            tool_outputs_truncated=tool_outputs_truncated,
-            timings=dict(timings or {}),
-            info=dict(info or {}),
+            **{k: n + counts.get(k, 0) for k, n in self.counts.items()},
+            timings={**self.timings, **(timings or {})},
+            info={**self.info, **(info or {})},
             token_versions=tuple(self._token_versions),
             discarded_tokens=self.discarded_tokens,
             tool_results=tuple(self.tool_results),

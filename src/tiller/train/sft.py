@@ -12,7 +12,7 @@ from tiller.config import SFTConfig
 from tiller.errors import RunError
 from tiller.rollout.trajectory import Trajectory
 from tiller.train.batch import Batch
-from tiller.train.trainer import Trainer
+from tiller.train.trainer import PolicyTrainer
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
@@ -23,8 +23,9 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
     return warm * 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
 
 
-def train_sft(trainer: Trainer, demos: Sequence[Trajectory], cfg: SFTConfig, pad_token_id: int,
-              seed: int, on_step: Callable[[int, dict[str, float]], None]) -> int:
+def train_sft(trainer: PolicyTrainer, demos: Sequence[Trajectory], cfg: SFTConfig,
+              pad_token_id: int, seed: int,
+              on_step: Callable[[int, dict[str, float]], None]) -> int:
     """`cfg.epochs` shuffled passes over `demos` in batches of `cfg.batch_size`; `on_step(step,
     metrics)` after each optimizer step. Returns the number of steps."""
     if not demos:

@@ -118,8 +118,24 @@ class RLStepTensors(NamedTuple):
     advantages: torch.Tensor  # 0 off the loss mask
 
 
-class Trainer:
-    """Owns the policy's optimizer and weight version; publishes `WeightUpdate`s.
+class _RLInputs(NamedTuple):
+    """What one `rl_step` fixes before its first update; [B, T] tensors on the host."""
+
+    beta: float  # the KL coefficient at this step (0: no KL, no reference pass)
+    kl_in_loss: bool  # the KL term is in the loss (else, with beta > 0, in the reward)
+    prepass: bool  # logp_old came from a no-grad pass before any update
+    logp_old: torch.Tensor  # without the prepass, filled by the (single) gradient pass
+    logp_ref: torch.Tensor | None  # the reference model's logprobs, when beta > 0
+    values: torch.Tensor | None  # the critic's
+    kl_reward: torch.Tensor | None  # -beta * k1 per token, with the KL in the reward
+    advantages: torch.Tensor  # 0 off the loss mask
+    returns: torch.Tensor | None  # the critic's value targets
+    row_staleness: torch.Tensor  # [B] trainer version - sample version (-1: unknown)
+
+
+class PolicyTrainer:
+    """Owns the policy's optimizer and weight version; runs the SFT and RL steps and publishes
+    `WeightUpdate`s. (`tiller.Trainer`, in api.py, is the user's entry point to a whole run.)
 
     `model` holds the master weights the optimizer steps, fp32 in a run whatever `model.dtype`
     says: AdamW updates of RL's learning rates (~1e-6) are far below bf16's resolution
@@ -256,13 +272,23 @@ class Trainer:
         The reference model runs only while the KL coefficient (`kl_beta_at(step)`) is above 0.
         Staleness metrics compare `batch.sample_version` with the version at train start.
         """
+        x = self._rl_inputs(batch, cfg, ref_model, critic, step)
+        sums, updates = self._rl_updates(batch, cfg, l_max, x)
+        metrics = _rl_metrics(batch, cfg, x, sums, updates)
+        if critic is not None:
+            assert x.values is not None and x.returns is not None
+            metrics.update(critic.update(batch, x.returns, x.values, cfg, l_max))
+        self.last_rl = RLStepTensors(x.logp_old, x.advantages)
+        return metrics
+
+    def _rl_inputs(self, batch: Batch, cfg: RLConfig, ref_model: nn.Module | None,
+                   critic: Critic | None, step: int) -> _RLInputs:
+        """What `rl_step` fixes before its first update (see `_RLInputs`)."""
         alg = cfg.algorithm
         mask = batch.loss_mask
-        dev = self.device
         beta = kl_beta_at(step, alg.kl.beta, alg.kl.off_after)
         if beta > 0 and ref_model is None:
             raise ValueError("rl.algorithm.kl.beta > 0 needs a reference model")
-        kl_in_loss = beta > 0 and alg.kl.placement == "loss"
         kl_in_rew = beta > 0 and alg.kl.placement == "reward"
         one_update = cfg.mini_batches == 1 and cfg.ppo_epochs == 1
         # a no-grad prepass fixes logp_old before any update: several updates anchor on it, the
@@ -278,71 +304,90 @@ class Trainer:
         if kl_in_rew:
             kl_reward = kl_in_reward(torch.zeros_like(mask), logp_old, logp_ref, beta, mask)
         advantages, returns = compute_advantages(batch, alg, values, kl_reward)
+        return _RLInputs(beta, beta > 0 and alg.kl.placement == "loss", prepass, logp_old,
+                         logp_ref, values, kl_reward, advantages, returns, row_staleness)
 
-        policy_loss = POLICY_LOSSES[alg.policy_loss]
-        loss_kw = POLICY_LOSSES.knob_values(alg.policy_loss, alg)  # exactly the declared knobs
-        correction = partial(_correction, alg, prepass)
-        aggregate = AGGREGATIONS[alg.aggregation]
+    def _rl_updates(self, batch: Batch, cfg: RLConfig, l_max: int, x: _RLInputs
+                    ) -> tuple[dict[str, float], int]:
+        """`cfg.ppo_epochs` passes over the batch, each `cfg.mini_batches` optimizer steps:
+        the sums of each micro-batch's terms (`_rl_backward`) and of the gradient norms, and
+        the number of optimizer steps."""
         sums: dict[str, float] = defaultdict(float)
         self._train_mode()
-        steps = minibatches(batch, cfg.mini_batches, micro, l_max)
+        steps = minibatches(batch, cfg.mini_batches, cfg.micro_batch_size, l_max)
         for _epoch in range(cfg.ppo_epochs):
             for _, micros, totals in steps:
                 for rows in micros:
-                    mb = batch.rows(rows).to(dev)
-                    width = mb.input_ids.size(1)
-                    logp, ent = self._forward(self.model, mb, self.temperature,
-                                            with_entropy=True)
-                    if not prepass:
-                        logp_old[rows, :width] = logp.detach().to(logp_old.device)
-                    old, m = _on(logp_old, rows, width, dev), mb.loss_mask
-                    loss_tok, stats = policy_loss(logp, old, _on(advantages, rows, width, dev), m,
-                                                  **loss_kw)
-                    loss_tok = loss_tok * correction(old, mb.rollout_logprobs, m)[0]
-                    if alg.entropy_coef > 0:
-                        loss_tok = entropy_bonus(loss_tok, ent, alg.entropy_coef)
-                    if kl_in_loss:
-                        kl = KL_ESTIMATORS[alg.kl.estimator](logp, _on(logp_ref, rows, width, dev))
-                        loss_tok = loss_tok + beta * kl
-                        sums["kl"] += float((kl.detach() * m).sum())
-                    # rl.env_error_weight: scales the row's loss, never its normalizers
-                    loss = aggregate(loss_tok * mb.loss_weight[:, None], m, **totals)
-                    loss.backward()
-                    sums["loss"] += float(loss.detach())
-                    sums["entropy"] += float((ent.detach() * m).sum())
-                    for key in ("clipped", "clipped_low", "clipped_high", "dual_clipped"):
-                        sums[key] += float(stats[key].sum())  # stats are 0 off the mask
+                    terms = self._rl_backward(batch.rows(rows).to(self.device), rows, totals,
+                                              cfg.algorithm, x)
+                    for key, value in terms.items():
+                        sums[key] += value
                 sums["grad_norm"] += self._step(cfg.max_grad_norm)
+        return sums, cfg.ppo_epochs * len(steps)
 
-        updates = cfg.ppo_epochs * len(steps)
-        n_tok = max(float(mask.sum()), 1.0)
-        seen = n_tok * cfg.ppo_epochs  # token visits: the per-token means below are over them
-        metrics = {
-            **mismatch_stats(batch.rollout_logprobs, logp_old, mask),
-            # the weights the passes applied: a pure function of logp_old, fixed from the start
-            **correction_stats(*correction(logp_old, batch.rollout_logprobs, mask), mask),
-            **staleness_stats(batch.rollout_logprobs, logp_old, mask, row_staleness),
-            "loss": sums["loss"] / updates,
-            "grad_norm": sums["grad_norm"] / updates,
-            "optimizer_steps": float(updates),
-            "entropy": sums["entropy"] / seen,
-            "clip_frac": sums["clipped"] / seen,
-            "clip_frac_low": sums["clipped_low"] / seen,
-            "clip_frac_high": sums["clipped_high"] / seen,
-            "advantage_abs_mean": float((advantages.abs() * mask).sum()) / n_tok,
-        }
-        if alg.clip_ratio_c is not None:
-            metrics["dual_clip_frac"] = sums["dual_clipped"] / seen
-        if beta > 0:
-            metrics["kl_beta"] = beta
-            # the estimator in the loss, or k1 (what the reward pays) in the reward
-            metrics["kl"] = (sums["kl"] / seen if kl_in_loss
-                             else float(-kl_reward.sum()) / beta / n_tok)
-        if critic is not None:
-            assert values is not None and returns is not None
-            metrics.update(critic.update(batch, returns, values, cfg, l_max))
-        self.last_rl = RLStepTensors(logp_old, advantages)
-        return metrics
+    def _rl_backward(self, mb: Batch, rows: torch.Tensor, totals: dict[str, float],
+                     alg: AlgorithmConfig, x: _RLInputs) -> dict[str, float]:
+        """The gradient pass of one micro-batch `mb` (the batch's `rows`, on the device): the
+        policy loss times the off-policy weight, plus the entropy bonus and the KL term, times
+        each row's `loss_weight`, aggregated with the optimizer batch's `totals`; returns its
+        loss, its summed entropy (and KL) over the mask and its clip counts."""
+        dev, m = self.device, mb.loss_mask
+        width = mb.input_ids.size(1)
+        logp, ent = self._forward(self.model, mb, self.temperature, with_entropy=True)
+        if not x.prepass:
+            x.logp_old[rows, :width] = logp.detach().to(x.logp_old.device)
+        old = _on(x.logp_old, rows, width, dev)
+        loss_tok, stats = POLICY_LOSSES[alg.policy_loss](
+            logp, old, _on(x.advantages, rows, width, dev), m,
+            **POLICY_LOSSES.knob_values(alg.policy_loss, alg))  # exactly the declared knobs
+        loss_tok = loss_tok * _correction(alg, x.prepass, old, mb.rollout_logprobs, m)[0]
+        if alg.entropy_coef > 0:
+            loss_tok = entropy_bonus(loss_tok, ent, alg.entropy_coef)
+        terms: dict[str, float] = {}
+        if x.kl_in_loss:
+            assert x.logp_ref is not None
+            kl = KL_ESTIMATORS[alg.kl.estimator](logp, _on(x.logp_ref, rows, width, dev))
+            loss_tok = loss_tok + x.beta * kl
+            terms["kl"] = float((kl.detach() * m).sum())
+        # rl.env_error_weight: scales the row's loss, never its normalizers
+        loss = AGGREGATIONS[alg.aggregation](loss_tok * mb.loss_weight[:, None], m, **totals)
+        loss.backward()
+        terms["loss"] = float(loss.detach())
+        terms["entropy"] = float((ent.detach() * m).sum())
+        for key in ("clipped", "clipped_low", "clipped_high", "dual_clipped"):
+            terms[key] = float(stats[key].sum())  # stats are 0 off the mask
+        return terms
+
+
+def _rl_metrics(batch: Batch, cfg: RLConfig, x: _RLInputs, sums: dict[str, float],
+                updates: int) -> dict[str, float]:
+    """The step's metrics from its inputs and the sums of its passes (`_rl_updates`)."""
+    alg, mask = cfg.algorithm, batch.loss_mask
+    n_tok = max(float(mask.sum()), 1.0)
+    seen = n_tok * cfg.ppo_epochs  # token visits: the per-token means below are over them
+    weights = _correction(alg, x.prepass, x.logp_old, batch.rollout_logprobs, mask)
+    metrics = {
+        **mismatch_stats(batch.rollout_logprobs, x.logp_old, mask),
+        # the weights the passes applied: a pure function of logp_old, fixed from the start
+        **correction_stats(*weights, mask),
+        **staleness_stats(batch.rollout_logprobs, x.logp_old, mask, x.row_staleness),
+        "loss": sums["loss"] / updates,
+        "grad_norm": sums["grad_norm"] / updates,
+        "optimizer_steps": float(updates),
+        "entropy": sums["entropy"] / seen,
+        "clip_frac": sums["clipped"] / seen,
+        "clip_frac_low": sums["clipped_low"] / seen,
+        "clip_frac_high": sums["clipped_high"] / seen,
+        "advantage_abs_mean": float((x.advantages.abs() * mask).sum()) / n_tok,
+    }
+    if alg.clip_ratio_c is not None:
+        metrics["dual_clip_frac"] = sums["dual_clipped"] / seen
+    if x.beta > 0:
+        metrics["kl_beta"] = x.beta
+        # the estimator in the loss, or k1 (what the reward pays) in the reward
+        metrics["kl"] = (sums["kl"] / seen if x.kl_in_loss
+                         else float(-x.kl_reward.sum()) / x.beta / n_tok)
+    return metrics
 
 
 def _correction(alg: AlgorithmConfig, prepass: bool, logp_old: torch.Tensor,
