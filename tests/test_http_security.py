@@ -38,8 +38,8 @@ from tiller.observe.viewer.app import create_app as create_viewer
 from tiller.observe.viewer.app import viewer_server
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits
 from tiller.rollout.chat import stop_token_ids
-from tiller.serve import listen, native
 from tiller.rollout.trajectory import TrajectoryBuilder
+from tiller.serve import listen, native
 from tiller.serve.app import create_app
 from tiller.serve.guard import Hosts, host_name
 from tiller.serve.listen import ConnectionLimits, GuardedH11

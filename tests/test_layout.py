@@ -24,9 +24,9 @@
    tiller.engine, never through another box that imported it (so serve/, gateway/ and train/
    get the engine from engine/, never from rollout/).
 5. Sizes: no function (methods and nested functions included, from `def` to its last line) over
-   `MAX_FUNCTION_LINES`, no module over `MAX_MODULE_LINES`. `SIZE_ALLOWANCES` names today's
-   offenders with their sizes: one may shrink but not grow, and leaves the list once it fits
-   (the test fails on a stale entry), until the list is empty (issue 20).
+   `MAX_FUNCTION_LINES`, no module over `MAX_MODULE_LINES`. `SIZE_ALLOWANCES` would name an
+   offender with its size (it may shrink, not grow, and must leave the list once it fits); it
+   is empty since issue 20 split the last ones.
 """
 
 from __future__ import annotations
@@ -70,14 +70,8 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
 
 MAX_FUNCTION_LINES = 80
 MAX_MODULE_LINES = 600
-# today's offenders (module, or module.qualified.function) -> their size in lines; issue 20
-# shrinks this to empty
-SIZE_ALLOWANCES: dict[str, int] = {
-    "tiller.engine.http.HttpEngine.update_weights": 93,
-    "tiller.rollout.agent_loop.run_episode": 82,
-    "tiller.rollout.agent_loop._turns": 106,
-    "tiller.train.trainer.Trainer.rl_step": 115,
-}
+# offenders (module, or module.qualified.function) -> their size in lines: none
+SIZE_ALLOWANCES: dict[str, int] = {}
 
 
 def module_name(path: Path) -> str:

@@ -47,7 +47,7 @@ from tiller.train.critic import Critic
 from tiller.train.reward_control import RewardControl
 from tiller.train.sft import train_sft
 from tiller.train.shaping import KeyStepFn, judged, rl_batch, train_reward
-from tiller.train.trainer import Trainer
+from tiller.train.trainer import PolicyTrainer
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ class Learner:
     """The trainer's side of an RL step: the optimizer, the reference model (only while the
     KL term is on), the critic, the reward control, and the shaping of a batch into tensors."""
 
-    def __init__(self, cfg: Config, trainer: Trainer, tokenizer: Any,
+    def __init__(self, cfg: Config, trainer: PolicyTrainer, tokenizer: Any,
                  key_steps: KeyStepFn | None):
         self.cfg, self.alg = cfg, cfg.rl.algorithm
         self.trainer, self.tokenizer, self.key_steps = trainer, tokenizer, key_steps

@@ -19,7 +19,7 @@ STALE_OFF_POLICY = "mis"
 
 
 class RLConfig(Variant):
-    """RL's knobs every schedule shares, and what the trainer reads (`Trainer.rl_step`). The
+    """RL's knobs every schedule shares, and what the trainer reads (`PolicyTrainer.rl_step`). The
     schedule, rl.mode, is the variant: `SyncRLConfig`, `OneStepOffRLConfig`, `AsyncRLConfig`.
     Built alone (the trainer's own tests) it has no schedule: its samples are on-policy."""
 

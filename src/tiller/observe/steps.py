@@ -19,7 +19,7 @@ from tiller.rollout.collect import rollout_metrics
 from tiller.rollout.protocol import Rollouts, Taken
 from tiller.train.batch import Batch
 from tiller.train.shaping import judge_metrics
-from tiller.train.trainer import Trainer
+from tiller.train.trainer import PolicyTrainer
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,8 @@ class StepRecorder:
     `others` more counters for the row (the gateway's, the curriculum's)."""
 
     def __init__(self, log_fn: Callable[..., None], traces: TraceWriter | None,
-                 trainer: Trainer, *, tools: Stats, engine: Stats, others: Sequence[Stats] = (),
+                 trainer: PolicyTrainer, *, tools: Stats, engine: Stats,
+                 others: Sequence[Stats] = (),
                  judge_weight: float = 0.0, hacking: JudgeHackingTrend | None = None):
         self._log, self.traces, self._trainer = log_fn, traces, trainer
         self._tools, self._engine, self._others = tools, engine, others
