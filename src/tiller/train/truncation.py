@@ -15,14 +15,17 @@ Then
     H_K       = -sum_{v in K} q_v log q_v,  q = softmax of logp over K.
 
 The rank boundary m_p is found from `torch.topk` of a growing k (256, x4, ...) until some rank
-below k reaches the bound; only rows whose nucleus spans most of the vocabulary fall back to a
-whole sort. topk returns exactly the sorted prefix, and cumulative sums of a prefix are those
-of the whole row, so K is the set `kept_set` finds (tests/test_truncation.py checks equality on
-random logits with ties). K is described per row by a cut value c and a count s of ties kept,
-K = {p_v > c} + the first s (by index) of {p_v = c}, so the backward pass rebuilds it from
-logp without keeping any [rows, V] tensor: the autograd function saves logp itself (which
-log_softmax keeps anyway) and a few numbers per row, and works through the rows CHUNK_ELEMENTS
-at a time in both passes. Gradients (K is fixed, not differentiated through):
+below k reaches the bound; only rows whose nucleus spans most of the vocabulary take a topk of
+the whole row. topk returns exactly the sorted prefix, and on the CPU cumulative sums of a
+prefix are those of the whole row, so K is the set `kept_set` finds (tests/test_truncation.py
+checks equality on random logits with ties). (A GPU's parallel scan picks its tree by row
+length and row count, so there, as between any two batch shapes, a token within rounding of
+the bound can fall on either side.) K is described per row by a cut value c and the count M:
+K = {p_v >= c}, or where more than M tokens reach c, {p_v > c} and the first (by vocabulary
+index) of those tied at c. So the backward pass rebuilds K from logp without keeping any
+[rows, V] tensor: the autograd function saves logp itself (which log_softmax keeps anyway)
+and a few numbers per row, and works through the rows CHUNK_ELEMENTS at a time in both
+passes. Gradients (K is fixed, not differentiated through):
 
     d logp_K(y) / d logp_v = 1{v = y} - softmax_{K + {y}}(logp)_v
     d H_K / d logp_v       = -q_v (log q_v + H_K)   for v in K, 0 elsewhere.
@@ -51,8 +54,9 @@ def truncated_token_logprobs(logp: torch.Tensor, ids: torch.Tensor, top_k: int,
 
 
 def kept_cut(p: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(c, s) per row of `p` [C, V]: the kept set is {p > c} plus the first s, by vocabulary
-    index, of {p = c} (the module docstring's M ranks; c = +inf and s = 0 for M = 0)."""
+    """(c, M) per row of `p` [C, V]: the kept set is the first M ranks (the module docstring's),
+    {p >= c} where that has M tokens, else {p > c} and the first of {p = c} by vocabulary index
+    (c = +inf for M = 0)."""
     rows, vocab = p.shape
     m = torch.full((rows,), vocab, dtype=torch.long, device=p.device)
     cut = p.amin(-1)  # M = V: the smallest p
@@ -61,15 +65,13 @@ def kept_cut(p: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, t
         cut = torch.topk(p, min(top_k, vocab), dim=-1).values[:, -1]
         above = p >= cut[:, None]
         m = above.sum(-1)
-        kept = torch.where(above, p, torch.zeros_like(p))
+        kept = torch.where(above, p, 0.0)
     if top_p < 1:
         m_p, value = _top_p_rank(kept, top_p)
         inside = m_p < m  # the top-p boundary comes first
         m = torch.where(inside, m_p, m)
         cut = torch.where(inside, value, cut)
-    cut = torch.where(m > 0, cut, torch.full_like(cut, float("inf")))
-    ties = m - (p > cut[:, None]).sum(-1)
-    return cut, ties
+    return torch.where(m > 0, cut, float("inf")), m
 
 
 def _top_p_rank(kept: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +85,8 @@ def _top_p_rank(kept: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.T
     todo = torch.arange(rows, device=kept.device)
     k = min(FIRST_K, vocab)
     while todo.numel():
-        s = torch.topk(kept[todo], k, dim=-1).values  # sorted: the first k ranks
+        part = kept if todo.numel() == rows else kept[todo]
+        s = torch.topk(part, k, dim=-1).values  # sorted: the first k ranks
         reached = (s.cumsum(-1) - s) >= bound[todo, None]
         found = reached.any(-1) | (k == vocab)
         first = torch.where(reached.any(-1), reached.int().argmax(-1),
@@ -96,60 +99,62 @@ def _top_p_rank(kept: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.T
     return m_p, value
 
 
-def kept_mask(p: torch.Tensor, cut: torch.Tensor, ties: torch.Tensor) -> torch.Tensor:
+def kept_mask(p: torch.Tensor, cut: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """[C, V] bool: the kept set `kept_cut` described."""
-    above, at = p > cut[:, None], p == cut[:, None]
-    keep = above | at
-    partial = (at.sum(-1) > ties).nonzero()[:, 0]  # rows that keep only some of their ties
+    keep = p >= cut[:, None]
+    partial = (keep.sum(-1) > m).nonzero()[:, 0]  # rows that keep only some of their ties
     if partial.numel():
-        first = at[partial].cumsum(-1) <= ties[partial, None]
-        keep[partial] = above[partial] | (at[partial] & first)
+        sub, c = p[partial], cut[partial, None]
+        above, at = sub > c, sub == c
+        ties = m[partial] - above.sum(-1)  # how many of the tied tokens are kept
+        keep[partial] = above | (at & (at.cumsum(-1) <= ties[:, None]))
     return keep
 
 
 class _Truncated(torch.autograd.Function):
-    """`truncated_token_logprobs`, chunk by chunk in both passes (module docstring)."""
+    """`truncated_token_logprobs`, chunk by chunk in both passes (module docstring): the
+    normaliser over K + {y} is the one over K when y is in K (on-policy, always: the same
+    number the sampler computes), else logaddexp of it and logp_y."""
 
     @staticmethod
     def forward(ctx: Any, logp: torch.Tensor, ids: torch.Tensor, top_k: int, top_p: float,
                 with_entropy: bool, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = logp.size(0)
         out, ent = logp.new_empty(n), logp.new_zeros(n)
-        cut, ties = logp.new_empty(n), torch.empty(n, dtype=torch.long, device=logp.device)
+        cut, m = logp.new_empty(n), torch.empty(n, dtype=torch.long, device=logp.device)
         norm_y, norm_k = logp.new_empty(n), logp.new_empty(n)
         for a in range(0, n, rows):
-            lp, y = logp[a:a + rows], ids[a:a + rows, None]
+            lp, y, b = logp[a:a + rows], ids[a:a + rows, None], slice(a, a + rows)
             p = lp.exp()
-            cut[a:a + rows], ties[a:a + rows] = kept_cut(p, top_k, top_p)
-            keep = kept_mask(p, cut[a:a + rows], ties[a:a + rows])
-            norm_y[a:a + rows] = torch.logsumexp(
-                lp.masked_fill(~keep.scatter(-1, y, True), float("-inf")), dim=-1)
-            out[a:a + rows] = lp.gather(-1, y)[:, 0] - norm_y[a:a + rows]
+            cut[b], m[b] = kept_cut(p, top_k, top_p)
+            keep = kept_mask(p, cut[b], m[b])
+            drop = ~keep
+            norm_k[b] = torch.logsumexp(lp.masked_fill(drop, float("-inf")), -1)
+            lp_y = lp.gather(-1, y)[:, 0]
+            norm_y[b] = torch.where(keep.gather(-1, y)[:, 0], norm_k[b],
+                                    torch.logaddexp(norm_k[b], lp_y))
+            out[b] = lp_y - norm_y[b]
             if with_entropy:
-                norm_k[a:a + rows] = torch.logsumexp(lp.masked_fill(~keep, float("-inf")), -1)
-                logq = lp - norm_k[a:a + rows, None]
-                ent[a:a + rows] = -torch.where(keep, logq.exp() * logq,
-                                               torch.zeros_like(logq)).sum(-1)
-        ctx.save_for_backward(logp, ids, cut, ties, norm_y, norm_k, ent)
+                logq = lp - norm_k[b, None]
+                ent[b] = -(logq.exp() * logq).masked_fill_(drop, 0.0).sum(-1)
+        ctx.save_for_backward(logp, ids, cut, m, norm_y, norm_k, ent)
         ctx.rows, ctx.with_entropy = rows, with_entropy
         return out, ent
 
     @staticmethod
     def backward(ctx: Any, g_out: torch.Tensor, g_ent: torch.Tensor | None
                  ) -> tuple[torch.Tensor | None, ...]:
-        logp, ids, cut, ties, norm_y, norm_k, ent = ctx.saved_tensors
+        logp, ids, cut, m, norm_y, norm_k, ent = ctx.saved_tensors
         grad = torch.empty_like(logp)
         rows = ctx.rows
         for a in range(0, logp.size(0), rows):
             lp, y, b = logp[a:a + rows], ids[a:a + rows, None], slice(a, a + rows)
-            keep = kept_mask(lp.exp(), cut[b], ties[b])
-            q_y = torch.where(keep.scatter(-1, y, True), (lp - norm_y[b, None]).exp(),
-                              torch.zeros_like(lp))
-            g = -g_out[b, None] * q_y
-            g.scatter_add_(-1, y, g_out[b, None])
+            drop = ~kept_mask(lp.exp(), cut[b], m[b])
+            g = torch.sub(lp, norm_y[b, None], out=grad[b]).exp_().masked_fill_(drop, 0.0)
+            g.scatter_(-1, y, (lp.gather(-1, y) - norm_y[b, None]).exp())  # softmax on K + {y}
+            g.mul_(-g_out[b, None]).scatter_add_(-1, y, g_out[b, None])  # from 1{v = y}
             if ctx.with_entropy and g_ent is not None:
                 logq = lp - norm_k[b, None]
-                g -= torch.where(keep, g_ent[b, None] * logq.exp() * (logq + ent[b, None]),
-                                 torch.zeros_like(lp))
-            grad[b] = g
+                h = (logq + ent[b, None]).mul_(logq.exp_()).mul_(g_ent[b, None])
+                g.sub_(h.masked_fill_(drop, 0.0))
         return grad, None, None, None, None, None
