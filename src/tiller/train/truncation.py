@@ -15,10 +15,11 @@ Then
     H_K       = -sum_{v in K} q_v log q_v,  q = softmax of logp over K.
 
 The rank boundary m_p is found from `torch.topk` of a growing k (256, x4, ...) until some rank
-below k reaches the bound; only rows whose nucleus spans most of the vocabulary take a topk of
-the whole row. topk returns exactly the sorted prefix, and on the CPU cumulative sums of a
-prefix are those of the whole row, so K is the set `kept_set` finds (tests/test_truncation.py
-checks equality on random logits with ties). (A GPU's parallel scan picks its tree by row
+below k reaches the bound; only rows whose nucleus is longer than the largest prefix tried
+(the first 256 * 4^i above V / 8) take a topk of the whole row. topk returns exactly the
+sorted prefix, and on the CPU cumulative sums of a prefix are those of the whole row, so K is
+the set `kept_set` finds (tests/test_truncation.py checks equality on random logits with
+ties). (A GPU's parallel scan picks its tree by row
 length and row count, so there, as between any two batch shapes, a token within rounding of
 the bound can fall on either side.) K is described per row by a cut value c and the count M:
 K = {p_v >= c}, or where more than M tokens reach c, {p_v > c} and the first (by vocabulary
