@@ -47,10 +47,12 @@ def kept_set(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, *,
              max_top_k: int, any_top_p: bool) -> torch.Tensor:
     """[N, V] bool: the tokens each row's top-k / top-p truncation keeps, from its probabilities
     `probs` [N, V] (p = softmax(logits / T)). Top-k keeps the tokens with p >= the row's k-th
-    largest p (top_k 0: all); top-p then keeps, among those and by decreasing p, each token whose
-    renormalised mass of more likely kept tokens is below top_p (so at least one).
-    `max_top_k` (the largest top_k) and `any_top_p` are the caller's Python values, so no call
-    reads them back from the device."""
+    largest p (top_k 0: all); top-p then keeps, among those and by decreasing p (ties by
+    vocabulary index), the tokens before the first whose mass of more likely kept tokens
+    reaches top_p times the kept mass (so at least one). The kept mass is summed in vocabulary
+    order, so the trainer finds the same set without sorting whole rows
+    (`train/truncation.py`). `max_top_k` (the largest top_k) and `any_top_p` are the caller's
+    Python values, so no call reads them back from the device."""
     keep = torch.ones_like(probs, dtype=torch.bool)
     vocab = probs.size(-1)
     if max_top_k > 0:
@@ -61,9 +63,10 @@ def kept_set(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, *,
         keep = probs >= thr[:, None]
     if any_top_p:  # found in sorted order, mapped back to vocab order
         kept_probs = torch.where(keep, probs, torch.zeros_like(probs))
-        sorted_probs, order = torch.sort(kept_probs, dim=-1, descending=True)
+        sorted_probs, order = torch.sort(kept_probs, dim=-1, descending=True, stable=True)
         before = sorted_probs.cumsum(-1) - sorted_probs
-        keep_sorted = (before < top_p[:, None] * sorted_probs.sum(-1, keepdim=True)) | (
+        below = before < top_p[:, None] * kept_probs.sum(-1, keepdim=True)
+        keep_sorted = below.cummin(-1).values | (  # a prefix, even where float rounding dips
             top_p[:, None] >= 1)  # float drift must not cut a top_p = 1 row's tail
         keep = keep & torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)
     return keep
