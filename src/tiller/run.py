@@ -174,6 +174,8 @@ class Run:
         set_unsafe_fallback(cfg.env.tools.sandbox.allow_unsafe_fallback)
         try:
             check_env_tools(self.env_cls, self.tools.functions)
+            check_env_tools(self.env_cls, self.tools.extra[len(self.tools.functions):],
+                            "env.tools.mcp")
             self._build_models()
         except BaseException:  # nothing of a run that did not start outlives it
             self.tools.close()
