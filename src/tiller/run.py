@@ -206,7 +206,8 @@ class Run:
         self.device = resolve_device(cfg.model.device)
         path = Path(cfg.model.path) if cfg.model.path is not None else build_env_model(
             self.env_cls, self.dir / "base_model", cfg.model.build, seed=cfg.seed,
-            difficulty=cfg.env.difficulty, max_turns=cfg.env.max_turns)
+            difficulty=cfg.env.difficulty, max_turns=cfg.env.max_turns,
+            tools=[t.schema for t in self.tools.extra])
         self.tokenizer = load_tokenizer(path)
         # fp32 master weights for the optimizer whatever model.dtype is (see Trainer); the
         # engine's copy (and the reference model) are in model.dtype
