@@ -26,6 +26,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from tiller.envs.openenv import OpenEnvConfig
 from tiller.errors import ConfigError, import_dotted, require_package  # noqa: F401 (re-exported)
 from tiller.tools.stack import ToolsConfig
 
@@ -72,6 +73,8 @@ class EnvConfig(_Section):
     max_episode_tokens: int = Field(512, ge=16)
     tools: ToolsConfig = Field(default_factory=ToolsConfig,
                                description="executor, fault injection, record/replay, gate")
+    openenv: OpenEnvConfig | None = Field(None, description="env openenv: the OpenEnv server "
+                                          "(url or command) and how the policy acts on it")
 
 
 DEFAULT_LOOP = "tiller.rollout.agent_loop:run_episode"
@@ -1016,6 +1019,15 @@ class Config(_Section):
                               f"expected less than l_max = {self.l_max}")
         return self
 
+
+    @model_validator(mode="after")
+    def _source_fits_env(self) -> Config:
+        for name in ("openenv",):  # each env source's own section (a plug-in may subclass it)
+            if getattr(self.env, name) is not None and self.env.name != name \
+                    and ":" not in self.env.name:
+                raise ConfigError(f"config field env.{name}: only used with env.name: {name} "
+                                  f"(env.name is {self.env.name})")
+        return self
 
     @model_validator(mode="after")
     def _data_fits_env(self) -> Config:

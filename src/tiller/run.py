@@ -176,8 +176,10 @@ class Run:
             check_env_tools(self.env_cls, self.tools.functions)
             check_env_tools(self.env_cls, self.tools.extra[len(self.tools.functions):],
                             "env.tools.mcp")
+            self.env_cls.start(self.dir)  # an env server (openenv), checked before any work
             self._build_models()
         except BaseException:  # nothing of a run that did not start outlives it
+            self.env_cls.stop()
             self.tools.close()
             set_unsafe_fallback(False)
             raise
@@ -331,7 +333,10 @@ class Run:
                     self.logger.close()
                 finally:
                     try:
-                        self.tools.close()
+                        try:  # the env's server, then the tools' (MCP) servers
+                            self.env_cls.stop()
+                        finally:
+                            self.tools.close()
                     finally:
                         set_unsafe_fallback(False)  # the run's sandbox policy ends with it
                         if self.gateway is not None:
