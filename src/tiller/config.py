@@ -26,6 +26,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from tiller.envs.harbor import HarborConfig
 from tiller.envs.openenv import OpenEnvConfig
 from tiller.errors import ConfigError, import_dotted, require_package  # noqa: F401 (re-exported)
 from tiller.tools.stack import ToolsConfig
@@ -75,6 +76,8 @@ class EnvConfig(_Section):
                                description="executor, fault injection, record/replay, gate")
     openenv: OpenEnvConfig | None = Field(None, description="env openenv: the OpenEnv server "
                                           "(url or command) and how the policy acts on it")
+    harbor: HarborConfig | None = Field(None, description="env harbor: the folder of Harbor "
+                                        "tasks and the sandbox they run in")
 
 
 DEFAULT_LOOP = "tiller.rollout.agent_loop:run_episode"
@@ -1022,7 +1025,7 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _source_fits_env(self) -> Config:
-        for name in ("openenv",):  # each env source's own section (a plug-in may subclass it)
+        for name in ("openenv", "harbor"):  # each source's section (a plug-in may subclass)
             if getattr(self.env, name) is not None and self.env.name != name \
                     and ":" not in self.env.name:
                 raise ConfigError(f"config field env.{name}: only used with env.name: {name} "

@@ -5,6 +5,7 @@ from tiller.envs import (  # noqa: F401  (each registers itself)
     calculator,
     code,
     dataset,
+    harbor,
     openenv,
     search,
     sql,

@@ -88,6 +88,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from functools import cache
@@ -103,6 +104,8 @@ logger = logging.getLogger(__name__)
 
 _INBOX = "/inbox"  # where the code and files are bound (read-only) inside bwrap
 _WORKDIR = "/tmp"  # the writable tmpfs: cwd and HOME of the sandboxed program
+_RESERVED = ("/usr", "/etc", "/proc", "/dev", "/tmp", "/bin", "/sbin", "/lib", "/lib32",
+             "/lib64", _INBOX)  # what `mounts` may not shadow
 _NOBODY = 65534  # the uid inside a user namespace (non-root callers)
 _ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime")
 _INFO_MAX_BYTES = 4096  # bwrap's --info-fd JSON is a few bytes
@@ -212,12 +215,20 @@ os.execv(cfg["python"], [cfg["python"], "-E", "-s", "-u", "main.py"])
 class Sandbox:
     """Runs Python source under `limits`; `backend` is "auto" (bwrap if it works, else refuse
     unless `allow_unsafe_fallback`), "bwrap" or "subprocess" (the unsandboxed fallback).
-    `allow_unsafe_fallback=None` uses the process's setting (`set_unsafe_fallback`)."""
+    `allow_unsafe_fallback=None` uses the process's setting (`set_unsafe_fallback`).
+    `mounts` are absolute paths that get a writable tmpfs of their own (`tmpfs_mb` each), e.g.
+    a Harbor task's /app, /tests and /logs (bwrap only)."""
 
     def __init__(self, limits: SandboxLimits = SandboxLimits(), backend: str = "auto",
-                 allow_unsafe_fallback: bool | None = None) -> None:
+                 allow_unsafe_fallback: bool | None = None, mounts: Sequence[str] = ()) -> None:
         if backend not in ("auto", "bwrap", "subprocess"):
             raise ValueError(f"backend must be auto, bwrap or subprocess, not {backend!r}")
+        self.mounts = list(mounts)
+        for path in self.mounts:
+            if not path.startswith("/") or ".." in PurePosixPath(path).parts or path == "/" \
+                    or any(_under(path, d) or _under(d, path) for d in _RESERVED):
+                raise ValueError(f"mounts: got {path!r}; expected an absolute path outside "
+                                 f"{', '.join(_RESERVED)}")
         if not sys.executable:
             raise RuntimeError("sys.executable is unknown: no interpreter to run the code with")
         self.limits = limits
@@ -226,6 +237,10 @@ class Sandbox:
         if backend == "auto":
             problem = bwrap_problem()
             backend = "subprocess" if problem else "bwrap"
+            if problem and self.mounts:  # no fallback can give them: refused, not warned
+                raise ConfigError(f"cannot sandbox: {problem}; the paths "
+                                  f"{', '.join(self.mounts)} exist only inside bubblewrap "
+                                  "(apt-get install bubblewrap)")
             if allow_unsafe_fallback is None:
                 allow_unsafe_fallback = _fallback_allowed
             if problem and not allow_unsafe_fallback:
@@ -237,6 +252,9 @@ class Sandbox:
             if problem:
                 _warn_fallback(problem)
         elif backend == "subprocess":
+            if self.mounts:
+                raise ConfigError("this sandbox needs bubblewrap: the paths "
+                                  f"{', '.join(self.mounts)} exist only inside it")
             _warn_fallback("backend='subprocess' was requested")
         self.backend = backend
 
@@ -299,7 +317,7 @@ class Sandbox:
             bpf_fd = bpf_file.fileno() if _seccomp_program() else None
             if bpf_fd is not None:
                 pass_fds.append(bpf_fd)
-            prefix = _bwrap_argv(self.limits, inbox, python, bpf_fd, info_w)
+            prefix = _bwrap_argv(self.limits, inbox, python, bpf_fd, info_w, self.mounts)
             env, cwd = {}, "/"
         else:
             cfg["parent_pid"] = os.getpid()
@@ -585,7 +603,7 @@ def _under(path: str, parent: str) -> bool:
 
 
 def _bwrap_argv(limits: SandboxLimits, inbox: str, python: str, bpf_fd: int | None,
-                info_fd: int) -> list[str]:
+                info_fd: int, mounts: Sequence[str] = ()) -> list[str]:
     bwrap = shutil.which("bwrap") or "bwrap"  # a full path: bwrap itself runs with an empty env
     argv = [bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--as-pid-1"]
     argv += ["--unshare-net"]
@@ -616,6 +634,12 @@ def _bwrap_argv(limits: SandboxLimits, inbox: str, python: str, bpf_fd: int | No
                 argv += ["--perms", "0755", "--dir", str(parent)]
                 made.add(str(parent))
         argv += ["--ro-bind", src, dest]
+    for path in mounts:  # writable, size-capped, under the root made read-only below
+        for parent in reversed(PurePosixPath(path).parents[:-1]):
+            if str(parent) not in made:
+                argv += ["--perms", "0755", "--dir", str(parent)]
+                made.add(str(parent))
+        argv += ["--size", str(limits.tmpfs_mb << 20), "--perms", "1777", "--tmpfs", path]
     argv += ["--ro-bind", inbox, _INBOX]
     argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", _WORKDIR]
     if bpf_fd is not None:

@@ -1,0 +1,395 @@
+"""Harbor-format tasks (`env.name: harbor`): a folder of Harbor tasks, run in tiller's sandbox.
+
+The instruction is the prompt. The agent acts through one tool, `shell(command)`, which runs
+the command with bash in the task's workdir (e.g. /app) inside tiller's bubblewrap sandbox
+(`tiller.tools.sandbox`: no network, rlimits, a private uid). The workdir starts with the files
+the task's Dockerfile copies (`tiller.envs.harbor_format` reads the folder and refuses, in one
+line, a task that needs Docker) and its state carries from one command to the next: each call
+starts a fresh sandbox, unpacks the workdir, runs the command, and packs the workdir again
+(also after a timeout, as a terminal keeps what a killed command wrote). Only the workdir
+persists: files written elsewhere and background processes end with their command, and a
+command that breaks its runner (kills it, or grows the workdir past `workspace_mb`) leaves
+the workdir as it was.
+
+When the episode ends (a plain answer, or the turn limit), the task's tests grade the final
+workdir as Harbor runs them: tests/ at /tests, test.sh run from the workdir with its output in
+/logs/verifier/test-stdout.txt, and the reward read as Harbor's verifier reads it:
+/logs/verifier/reward.json (an object of finite numbers; `reward_key` is the one trained on)
+before /logs/verifier/reward.txt (one finite number). A test run that writes no reward file, or
+an unreadable one, is an env_error (Harbor errors the trial), as is a sandbox that fails to
+start; a command that fails, times out or breaks its runner is the policy's doing and is shown
+to it. The shell tool goes through the run's tool stack (timeouts, retries, faults, metrics);
+record/replay and the cache are refused: the tests grade the state the commands left, which a
+replayed or cached answer does not reproduce.
+
+The scripted expert runs the task's solution/solve.sh through the shell tool, then answers.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import random
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tiller.envs.base import Task, ToolEnv, register_env
+from tiller.envs.harbor_format import HarborTask, read_tasks
+from tiller.envs.verifiers import Reward
+from tiller.errors import ConfigError
+from tiller.rollout.chat import ParsedTurn
+from tiller.tools.registry import ToolError, tool
+from tiller.tools.sandbox import Sandbox, SandboxLimits, SandboxOutcome
+
+if TYPE_CHECKING:
+    from tiller.config import Config
+
+SYSTEM = ("You are working in a Linux shell. Run commands with the shell tool; its working "
+          "directory is the task's workdir. When the task is done, reply without a tool call.")
+MAX_REWARD_BYTES = 65536  # of reward.txt / reward.json the runner sends back
+
+
+class HarborConfig(BaseModel):
+    """`env.harbor`: the task folders and the sandbox they run in."""
+
+    model_config = ConfigDict(extra="forbid")
+    tasks: str = Field(description="a folder of Harbor task folders (or one task folder): "
+                       "the train tasks")
+    eval: str | None = Field(None, description="a folder of held-out Harbor tasks; unset: no "
+                             "held-out split, the run skips the held-out evaluations")
+    command_timeout_s: float = Field(30.0, gt=0, description="per shell command (wall and "
+                                     "CPU seconds); a command past it is killed and the "
+                                     "policy sees it timed out")
+    output_chars: int = Field(4000, ge=100, description="of a command's output shown to the "
+                              "policy (its start and end)")
+    memory_mb: int = Field(1024, ge=64, description="address space of a command and of the "
+                           "tests (RLIMIT_AS)")
+    workspace_mb: int = Field(32, ge=1, le=1024, description="size of the workdir carried "
+                              "between commands; a command that grows it past this has its "
+                              "changes discarded")
+    reward_key: str = Field("reward", description="the entry of reward.json trained on (a "
+                            "file with one entry needs no key)")
+    system: str | None = Field(SYSTEM, description="system prompt of every episode")
+
+
+@dataclass(frozen=True)
+class HarborSource:
+    train: list[HarborTask]
+    heldout: list[HarborTask]
+
+    def task(self, name: str) -> HarborTask:
+        return next(t for t in [*self.train, *self.heldout] if t.name == name)
+
+
+# Runs inside the sandbox (as main.py, with the sandbox's interpreter): unpack the workdir,
+# run one command (mode shell) or the task's tests (mode verify), report as one JSON object.
+# It makes itself non-dumpable first, so the command (same uid) cannot reach into it or its
+# stdout; the command runs in its own session, killed with whatever it left running.
+_RUNNER = r'''
+import base64, ctypes, io, json, os, shutil, signal, subprocess, sys, tarfile, threading
+ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
+spec = json.loads(sys.stdin.read())
+os.close(0)
+work = spec["workdir"]  # a tmpfs of its own, like /tests and /logs
+with tarfile.open("state.tar") as tar:
+    tar.extractall(work, filter="data")
+os.remove("state.tar")
+if os.path.isdir("tests"):  # into the mount, whose own mode is not ours to change
+    for name in os.listdir("tests"):
+        src = os.path.join("tests", name)
+        (shutil.copytree if os.path.isdir(src) else shutil.copy2)(src, "/tests/" + name)
+    for d in ("verifier", "agent", "artifacts"):
+        os.makedirs("/logs/" + d)
+env = {**os.environ, **spec["env"], "PWD": work}
+
+def run(argv, timeout, log=None):
+    out = open(log, "wb") if log else subprocess.PIPE
+    proc = subprocess.Popen(argv, cwd=work, stdin=subprocess.DEVNULL, stdout=out,
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    kept, total = bytearray(), [0]
+    def pump():
+        for chunk in iter(lambda: proc.stdout.read1(65536), b""):
+            total[0] += len(chunk)
+            kept.extend(chunk[:max(spec["keep"] - len(kept), 0)])
+    reader = None if log else threading.Thread(target=pump, daemon=True)
+    if reader: reader.start()
+    try:
+        proc.wait(timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # and whatever it left running
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    if reader: reader.join(5)
+    if log:
+        out.close()
+        with open(log, "rb") as f:
+            f.seek(max(os.path.getsize(log) - spec["keep"], 0))
+            kept, total[0] = f.read(), os.path.getsize(log)
+    return {"exit": proc.returncode, "timed_out": timed_out, "output_bytes": total[0],
+            "output": bytes(kept).decode("utf-8", "replace")}
+
+def read(path):
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return f.read(spec["reward_bytes"]).decode("utf-8", "replace")
+
+if spec["mode"] == "shell":
+    report = run(["bash", "-c", spec["command"]], spec["timeout"])
+    buf = io.BytesIO()
+    try:
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            tar.add(work, arcname=".")
+        state = buf.getvalue()
+        report["state"] = (base64.b64encode(state).decode() if len(state) <= spec["max_state"]
+                           else None)
+        report["state_error"] = None if report["state"] else f"{len(state) >> 20} MB"
+    except OSError as e:
+        report["state"], report["state_error"] = None, f"{type(e).__name__}: {e}"
+else:
+    os.chmod("/tests/test.sh", 0o755)
+    report = run(["/tests/test.sh"], spec["timeout"], log="/logs/verifier/test-stdout.txt")
+    report["json"] = read("/logs/verifier/reward.json")
+    report["txt"] = read("/logs/verifier/reward.txt")
+sys.stdout.write(json.dumps(report))
+'''
+
+
+def pack(files: dict[str, bytes]) -> bytes:
+    """A tar of `files` (relative paths), as the runner unpacks it."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in sorted(files.items()):
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def harbor_rewards(report: dict[str, Any]) -> dict[str, float]:
+    """The rewards as Harbor's verifier reads them: reward.json (checked first) is an object
+    of finite numbers, reward.txt one finite number; ValueError naming what is wrong."""
+    if report.get("json") is not None:
+        try:
+            rewards = json.loads(report["json"])
+        except ValueError as e:
+            raise ValueError(f"reward.json is not JSON: {e}") from None
+        values = rewards.values() if isinstance(rewards, dict) else [rewards]
+        if not isinstance(rewards, dict) or not rewards:
+            raise ValueError(f"reward.json is not an object of named rewards: "
+                             f"{report['json'][:100]!r}")
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
+            raise ValueError(f"reward.json holds a value that is not a finite number: "
+                             f"{report['json'][:100]!r}")
+        return {k: float(v) for k, v in rewards.items()}
+    if report.get("txt") is not None:
+        if not report["txt"].strip():
+            raise ValueError("reward.txt is empty")
+        try:
+            value = float(report["txt"])
+        except ValueError:
+            raise ValueError(f"reward.txt is not a number: {report['txt'][:100]!r}") from None
+        if not math.isfinite(value):
+            raise ValueError(f"reward.txt holds {value}")
+        return {"reward": value}
+    raise ValueError("the tests wrote neither /logs/verifier/reward.json nor reward.txt")
+
+
+def shown(report: dict[str, Any], keep: int, timeout: float) -> str:
+    """What the policy reads of a command: its output (start and end when it is long) and
+    how it ended."""
+    text = report["output"]
+    if report["output_bytes"] > len(text.encode()):
+        text += f"\n[... {report['output_bytes'] - len(text.encode())} more bytes]"
+    end = (f"[timed out after {timeout:g}s]" if report["timed_out"]
+           else f"[exit {report['exit']}]")
+    if report.get("state_error"):
+        end += f" [the workdir could not be kept ({report['state_error']}): changes discarded]"
+    return f"{text.rstrip()}\n{end}".lstrip()
+
+
+@register_env
+class HarborEnv(ToolEnv):
+    """The tasks of `env.harbor`, one sandboxed workdir per episode; configured per run."""
+
+    name: ClassVar[str] = "harbor"
+    has_difficulty: ClassVar[bool] = False  # a task is a task at every env.difficulty
+    settings: ClassVar[HarborConfig]
+    source: ClassVar[HarborSource]
+
+    def __init__(self, wrap: Any = None):
+        self.harbor: HarborTask | None = None
+        self.state = b""
+        s = self.settings
+        self.keep = s.output_chars // 2
+
+        @tool
+        async def shell(command: str) -> str:
+            """Run a bash command in the task's environment and return its output.
+
+            Args:
+                command: the command (a bash script: several lines are fine); it runs in the
+                    task's working directory, whose files persist between commands.
+            """
+            return await self._shell(command)
+
+        super().__init__([shell], wrap=wrap)
+
+    @classmethod
+    def configure(cls, cfg: Config) -> type[HarborEnv]:
+        """A subclass holding this run's tasks, every folder read and checked now."""
+        s = cfg.env.harbor
+        if s is None:
+            raise ConfigError("config field env.harbor: env.name is harbor, so name the task "
+                              "folder: {tasks: path/to/tasks}")
+        tools = cfg.env.tools
+        if tools.replay is not None:
+            raise ConfigError("config field env.tools.replay: env harbor's tests grade the "
+                              "workdir the shell commands changed, which replayed answers do "
+                              "not reproduce; remove it")
+        if tools.executor.policy("shell").cache:
+            raise ConfigError("config field env.tools.executor: a cached shell answer would "
+                              "skip the command's effect on the workdir; do not cache 'shell'")
+        train = read_tasks(s.tasks, "config field env.harbor.tasks")
+        heldout = read_tasks(s.eval, "config field env.harbor.eval") if s.eval else []
+        names = [t.name for t in [*train, *heldout]]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ConfigError(f"config field env.harbor: task name(s) {', '.join(twice)} "
+                              "appear twice (train and eval tasks must differ)")
+        return type("HarborEnv[tasks]", (cls,), {"settings": s,
+                                                 "source": HarborSource(train, heldout)})
+
+    @classmethod
+    def start(cls, run_dir: Path) -> None:
+        """The sandbox must work (bubblewrap: the tasks' absolute paths exist only there)."""
+        for task in [*cls.source.train, *cls.source.heldout]:
+            cls._sandbox(task, verify=True)
+
+    @classmethod
+    def _sandbox(cls, task: HarborTask, verify: bool) -> Sandbox:
+        s = cls.settings
+        timeout = task.verifier_timeout_s if verify else s.command_timeout_s
+        mounts = [task.workdir, "/tests", "/logs"] if verify else [task.workdir]
+        limits = SandboxLimits(  # tmpfs: the workdir, or /tmp's packed copy of it and tests
+            cpu_seconds=timeout, wall_seconds=timeout + 30, memory_mb=s.memory_mb,
+            max_file_mb=s.workspace_mb, tmpfs_mb=2 * s.workspace_mb + 64,
+            max_output_bytes=2 * s.workspace_mb * (1 << 20) + 2 * s.output_chars + (1 << 20))
+        try:
+            return Sandbox(limits, mounts=mounts)
+        except ConfigError as e:
+            raise ConfigError(f"env.name=harbor: {e}") from e
+
+    @classmethod
+    def make_tasks(cls, split: str, n: int, seed: int, difficulty: int = 1,
+                   heldout_fraction: float = 0.2) -> list[Task]:  # type: ignore[override]
+        """train: `n` tasks in seeded shuffled passes over the train folder (a later pass's
+        ids get `#<pass>`); heldout: the first `n` tasks of the eval folder."""
+        if split == "heldout":
+            return [cls._task(t, split, t.name) for t in cls.source.heldout[:n]]
+        rows, out = cls.source.train, []
+        for epoch in range(-(-n // len(rows))):
+            order = list(range(len(rows)))
+            random.Random(f"harbor/{seed}/{epoch}").shuffle(order)
+            out += [cls._task(rows[i], split, rows[i].name + (f"#{epoch}" if epoch else ""))
+                    for i in order]
+        return out[:n]
+
+    @classmethod
+    def _task(cls, t: HarborTask, split: str, id: str) -> Task:
+        return Task(id=f"harbor/{id}", prompt=t.instruction, answer=None, split=split,
+                    system=cls.settings.system, metadata={"harbor": t.name})
+
+    @classmethod
+    def task_space(cls, split: str, difficulty: int,  # type: ignore[override]
+                   heldout_fraction: float = 0.2) -> int | None:
+        """The eval tasks (0 without env.harbor.eval); train tasks are drawn in passes."""
+        return len(cls.source.heldout) if split == "heldout" else None
+
+    @classmethod
+    def expert_turn(cls, task: Task, messages: list[dict[str, Any]], rng: random.Random,
+                    guess_prob: float) -> str:  # type: ignore[override]
+        """solution/solve.sh through the shell tool, then "Done." (imperfect: only "Done.")."""
+        harbor = cls.source.task(task.metadata["harbor"])
+        if harbor.solve is None:
+            raise ConfigError(f"harbor task {harbor.name!r} has no solution/solve.sh for the "
+                              "scripted expert; set sft.enabled=false and "
+                              "env.tools.gate.enabled=false, or give SFT conversations")
+        if any(m["role"] == "assistant" for m in messages) or rng.random() < guess_prob:
+            return "Done."
+        call = {"name": "shell", "arguments": {"command": harbor.solve}}
+        return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+
+    async def reset(self, task: Task, seed: int) -> list[dict[str, Any]]:
+        self.harbor = self.source.task(task.metadata["harbor"])
+        self.state = pack(self.harbor.files)
+        return await super().reset(task, seed)
+
+    async def _run(self, verify: bool, spec: dict[str, Any],
+                   files: dict[str, str | bytes]) -> dict[str, Any] | str:
+        """The runner's report, or why there is none (the runner broke: the command's doing,
+        as the sandbox started). A sandbox that did not start raises OSError (env_error)."""
+        assert self.harbor is not None
+        s = self.settings
+        spec = {**spec, "workdir": self.harbor.workdir, "keep": self.keep,
+                "reward_bytes": MAX_REWARD_BYTES, "max_state": s.workspace_mb << 20}
+        box = self._sandbox(self.harbor, verify)
+        r = await box.arun_python(_RUNNER, stdin=json.dumps(spec),
+                                  files={"state.tar": self.state, **files})
+        if r.outcome is SandboxOutcome.SANDBOX_ERROR:
+            raise OSError(f"the sandbox did not start: {r.stderr.strip()[-300:]}")
+        try:
+            report = json.loads(r.stdout)
+            if not isinstance(report, dict):
+                raise ValueError("not an object")
+            return report
+        except ValueError:
+            return (f"{r.outcome.value} (exit {r.returncode}) "
+                    f"{' '.join(r.stderr.split())[-300:]}").rstrip()
+
+    async def _shell(self, command: str) -> str:
+        assert self.harbor is not None
+        report = await self._run(False, {"mode": "shell", "command": command,
+                                         "timeout": self.settings.command_timeout_s,
+                                         "env": self.harbor.env}, {})
+        if isinstance(report, str):
+            raise ToolError(f"the command broke the shell: {report}")
+        if report.get("state"):
+            self.state = base64.b64decode(report["state"])
+        return shown(report, self.keep, self.settings.command_timeout_s)
+
+    async def verify(self, final: ParsedTurn | None) -> Reward:
+        """The task's tests on the final workdir; Harbor's reward files, read as it reads
+        them. No reward (or an unreadable one) is an env_error, with what went wrong."""
+        assert self.harbor is not None
+        t = self.harbor
+        tests = {f"tests/{name}": data for name, data in t.tests.items()}
+        try:
+            report = await self._run(True, {"mode": "verify", "timeout": t.verifier_timeout_s,
+                                            "env": {**t.env, **t.verifier_env}}, tests)
+            if isinstance(report, str):
+                raise ValueError(f"the test runner broke: {report}")
+            rewards = harbor_rewards(report)
+        except (OSError, ValueError) as e:
+            tail = ""
+            if isinstance(e, ValueError) and isinstance(report, dict):
+                tail = f"; test.sh exit {report['exit']}, output ends: " \
+                       f"{' '.join(report['output'].split())[-200:]!r}"
+            return Reward(0.0, {}, env_error=True, error=f"harbor task {t.name}: {e}{tail}")
+        key = self.settings.reward_key
+        if key not in rewards and len(rewards) != 1:
+            return Reward(0.0, rewards, env_error=True, error=(
+                f"harbor task {t.name}: reward.json has no {key!r} (env.harbor.reward_key) "
+                f"among {', '.join(rewards)}"))
+        value = rewards[key] if key in rewards else next(iter(rewards.values()))
+        return Reward(value, rewards)

@@ -1,0 +1,232 @@
+"""Harbor-format tasks (`env.name: harbor`) in tiller's bubblewrap sandbox: the three example
+tasks (examples/harbor/tasks) graded by their own tests at 1.0 for the scripted expert (their
+solve.sh through the shell tool) and near 0 for a random policy; the workdir carries between
+commands and nothing else does; rewards read as Harbor reads them; a task that needs Docker or
+misses its tests is one line naming it before any work; a tiny run trains on them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers import TextActor, rl_rows
+
+from tiller.config import load_config
+from tiller.controller import train
+from tiller.envs.harbor import HarborEnv, harbor_rewards
+from tiller.errors import ConfigError
+from tiller.observe.evaluation import is_success
+from tiller.rollout.agent_loop import EpisodeLimits, run_episode
+from tiller.rollout.collect import collect_expert
+from tiller.run import Run
+from tiller.tools.sandbox import Sandbox
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "harbor" / "config.yaml"
+TASKS = ROOT / "examples" / "harbor" / "tasks"
+LIMITS = EpisodeLimits(max_turns=4, max_episode_tokens=4096)
+
+
+def harbor(tmp_path: Path, tasks: Path = TASKS, **settings) -> type[HarborEnv]:
+    section = json.dumps({"tasks": str(tasks), **settings})
+    cls = HarborEnv.configure(load_config(EXAMPLE, [f"env.harbor={section}"]))
+    cls.start(tmp_path)
+    return cls
+
+
+def shell(command: str) -> str:
+    return f"<tool_call>\n{json.dumps({'name': 'shell', 'arguments': {'command': command}})}" \
+           "\n</tool_call>"
+
+
+def play(cls, tokenizer, turns, name="write-file"):
+    task = next(t for t in cls.make_tasks("train", 3, 0) if t.metadata["harbor"] == name)
+    return asyncio.run(run_episode(cls(), task, TextActor(tokenizer, turns), tokenizer, seed=0,
+                                   limits=LIMITS))
+
+
+RANDOM_COMMANDS = ["ls", "cat notes.txt", "pwd", "echo hello > greeting.txt", "python3 calc.py",
+                   "sqlite3 shop.db .tables", "echo 0 > answer.txt", "rm -f calc.py"]
+
+
+def test_the_expert_solves_every_example_task_and_a_random_policy_none(tmp_path, tokenizer):
+    cls = harbor(tmp_path)
+    tasks = cls.make_tasks("train", 3, seed=0)
+    assert sorted(t.metadata["harbor"] for t in tasks) == ["fix-bug", "sqlite-query",
+                                                           "write-file"]
+    experts = collect_expert(cls, tasks, tokenizer, guess=0.0, limits=LIMITS, seed=0)
+    for t in experts:
+        assert t.status.value == "completed" and t.reward.value == 1.0, (t.task_id, t.info)
+        [(_, result)] = t.tool_results
+        assert result.content == "[exit 0]"
+    assert next(t for t in experts if t.task_id.endswith("sqlite-query")).reward.checks == {
+        "reward": 1.0, "answered": 1.0}  # reward.json: named rewards, `reward` trained on
+
+    def args(rng: random.Random, junk: str) -> dict:  # plausible commands and junk
+        return {"command": rng.choice([*RANDOM_COMMANDS, junk])}
+
+    async def randoms():
+        return await asyncio.gather(*(
+            run_episode(cls(), t, TextActor(tokenizer, tools=["shell"], make_args=args),
+                        tokenizer, seed=i, limits=LIMITS) for i, t in enumerate(tasks * 10)))
+
+    rand = asyncio.run(randoms())
+    assert sum(t.tool_calls for t in rand) >= 10  # the random policy did run commands
+    assert all(t.env_errors == 0 for t in rand)
+    assert sum(map(is_success, rand)) / len(rand) <= 0.05
+
+
+def test_the_workdir_carries_between_commands_and_nothing_else_does(tmp_path, tokenizer):
+    cls = harbor(tmp_path)
+    traj = play(cls, tokenizer, [
+        shell("echo kept > /app/x && chmod +x /app/x && mkdir -p d/e && echo gone > /tmp/y "
+              "&& (sleep 60 &) && pwd && cat notes.txt"),
+        shell("cat /app/x; test -x /app/x && echo executable; ls d; cat /tmp/y; "
+              "pgrep sleep || echo no-sleep; echo $HOME"),
+        "Done."])
+    first, second = (r.content for _, r in traj.tool_results)
+    assert first == "/app\nThe greeting goes in greeting.txt, next to this file.\n[exit 0]"
+    assert second.splitlines() == ["kept", "executable", "e",
+                                   "cat: /tmp/y: No such file or directory", "no-sleep", "/tmp",
+                                   "[exit 0]"]
+    assert traj.reward.value == 0.0 and traj.env_errors == 0  # graded: no greeting.txt
+
+
+def test_a_command_that_times_out_or_breaks_its_runner_is_the_policys(tmp_path, tokenizer):
+    cls = harbor(tmp_path, command_timeout_s=1)
+    traj = play(cls, tokenizer, [
+        shell("echo hello harbor > greeting.txt; sleep 30"),  # timed out: its write stays
+        shell("echo broken > greeting.txt; kill -9 $PPID"),  # its runner killed: discarded
+        shell("yes | head -c 100000"),  # long output: its start and end
+        "Done."])
+    timed_out, broken, long = (r for _, r in traj.tool_results)
+    assert (timed_out.outcome.value, timed_out.content) == ("ok", "[timed out after 1s]")
+    assert broken.outcome.value == "tool_error"
+    assert broken.content == "the command broke the shell: killed (exit -9)"
+    assert long.content.startswith("y\ny\n") and "[... 98000 more bytes]" in long.content
+    assert traj.env_errors == 0 and traj.reward.value == 1.0  # the timed-out write was kept
+
+
+@pytest.mark.parametrize("report,rewards", [
+    ({"json": '{"reward": 0.5, "style": 1}', "txt": "0"}, {"reward": 0.5, "style": 1.0}),
+    ({"json": None, "txt": " 1\n"}, {"reward": 1.0}),
+    ({"json": '{"reward": NaN}', "txt": None}, "holds a value that is not a finite number"),
+    ({"json": "[1]", "txt": None}, "is not an object of named rewards"),
+    ({"json": None, "txt": ""}, "reward.txt is empty"),
+    ({"json": None, "txt": "passed"}, "reward.txt is not a number: 'passed'"),
+    ({"json": None, "txt": "inf"}, "reward.txt holds inf"),
+    ({"json": None, "txt": None}, "the tests wrote neither /logs/verifier/reward.json nor"),
+])
+def test_rewards_are_read_as_harbors_verifier_reads_them(report, rewards):
+    if isinstance(rewards, dict):
+        assert harbor_rewards(report) == rewards
+    else:
+        with pytest.raises(ValueError, match=rewards):
+            harbor_rewards(report)
+
+
+def copy_task(tmp_path: Path, name: str = "write-file") -> Path:
+    folder = tmp_path / "tasks" / name
+    shutil.copytree(TASKS / name, folder)
+    return folder
+
+
+def test_tests_that_write_no_reward_are_an_env_error(tmp_path, tokenizer):
+    folder = copy_task(tmp_path)
+    (folder / "tests" / "test.sh").write_text("#!/bin/bash\necho checking; exit 3\n")
+    traj = play(harbor(tmp_path, tasks=folder.parent), tokenizer, ["Done."])
+    assert traj.status.value == "env_error"
+    assert traj.info["error"] == (
+        "env.verify: harbor task write-file: the tests wrote neither /logs/verifier/reward.json "
+        "nor reward.txt; test.sh exit 3, output ends: 'checking'")
+
+
+def test_a_reward_json_without_the_trained_key_is_an_env_error(tmp_path, tokenizer):
+    folder = copy_task(tmp_path)
+    (folder / "tests" / "test.sh").write_text(
+        '#!/bin/bash\necho \'{"a": 1, "b": 0}\' > /logs/verifier/reward.json\n')
+    traj = play(harbor(tmp_path, tasks=folder.parent), tokenizer, ["Done."])
+    assert traj.status.value == "env_error" and traj.reward.checks == {"a": 1.0, "b": 0.0}
+    assert "reward.json has no 'reward' (env.harbor.reward_key) among a, b" in \
+        traj.info["error"]
+    traj = play(harbor(tmp_path, tasks=folder.parent, reward_key="b"), tokenizer, ["Done."])
+    assert traj.status.value == "completed" and traj.reward.value == 0.0
+
+
+def edit(path: Path, text: str, append: bool = True) -> None:
+    path.write_text((path.read_text() if append and path.exists() else "") + text)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda f: (f / "tests" / "test.sh").unlink(),
+     "is missing its tests: tests/test.sh (Harbor grades a task by running it)"),
+    (lambda f: (f / "instruction.md").unlink(), "is missing instruction.md"),
+    (lambda f: edit(f / "environment" / "Dockerfile", "RUN apt-get install -y curl\n"),
+     "needs Docker, which tiller does not run: its Dockerfile runs RUN (line 4), which "
+     "copying files cannot reproduce"),
+    (lambda f: edit(f / "task.toml", '\n[environment.x]\n', append=False) or edit(
+        f / "task.toml", '[environment]\ndocker_image = "ghcr.io/x/y:1"\n', append=False),
+     "needs Docker, which tiller does not run: it runs in the prebuilt image 'ghcr.io/x/y:1'"),
+    (lambda f: edit(f / "environment" / "docker-compose.yaml", "services: {}\n"),
+     "its environment is a compose file (docker-compose.yaml)"),
+    (lambda f: edit(f / "environment" / "Dockerfile", "COPY notes.txt /etc/notes.txt\n"),
+     "copies to '/etc/notes.txt' (Dockerfile line 4); tiller carries the workdir '/app' only"),
+    (lambda f: edit(f / "environment" / "Dockerfile", "COPY --from=builder /x /app/x\n"),
+     "needs Docker: its Dockerfile's COPY takes --from=builder (line 4)"),
+    (lambda f: edit(f / "task.toml", '[environment]\nos = "windows"\n', append=False),
+     "runs on 'windows'; tiller's sandbox is Linux"),
+    (lambda f: (f / "steps").mkdir(), "has several steps (steps/)"),
+    (lambda f: edit(f / "task.toml", "[verifier\n", append=False),
+     "has a task.toml that is not valid TOML"),
+])
+def test_a_task_tiller_cannot_run_is_one_line_naming_it_before_any_work(tmp_path, change,
+                                                                          message):
+    folder = copy_task(tmp_path)
+    change(folder)
+    cfg = load_config(EXAMPLE, [f"env.harbor.tasks={folder.parent}"])
+    with pytest.raises(ConfigError) as e:
+        Run(cfg, tmp_path / "run")
+    assert str(e.value).startswith(f"config field env.harbor.tasks: harbor task 'write-file' "
+                                   f"({folder}) ")
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists()  # refused while the config was read
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["env.harbor=null"], "config field env.harbor: env.name is harbor, so name the task"),
+    (["env.harbor.tasks=/nonexistent"], "config field env.harbor.tasks: got '/nonexistent', "
+                                        "which is not a folder of Harbor tasks"),
+    (["env.tools.replay={path: t.sqlite}"], "config field env.tools.replay: env harbor's tests "
+                                            "grade the workdir"),
+    (["env.tools.executor.tools={shell: {cache: true}}"], "do not cache 'shell'"),
+    (["env.name=calculator"], "config field env.harbor: only used with env.name: harbor"),
+])
+def test_harbor_config_errors_are_one_line(tmp_path, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        Run(load_config(EXAMPLE, overrides), tmp_path / "run")
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_mounts_need_bubblewrap_and_stay_out_of_the_sandbox_own_paths():
+    with pytest.raises(ConfigError, match=r"^this sandbox needs bubblewrap: the paths /app "):
+        Sandbox(backend="subprocess", mounts=["/app"])
+    for path in ("/usr/local/app", "/", "app", "/app/../usr"):
+        with pytest.raises(ValueError, match="expected an absolute path outside /usr"):
+            Sandbox(mounts=[path])
+
+
+def test_a_tiny_run_trains_on_the_harbor_examples(tmp_path):
+    """examples/harbor/config.yaml, tiny: a model built on the expert's episodes, the tool
+    gate (the expert's shell calls all succeed), SFT on the expert, 2 RL steps."""
+    summary = train(load_config(EXAMPLE, ["logging.report=false", "sft.tasks=6",
+                                          "model.build.corpus_tasks=10"]), tmp_path / "run")
+    assert summary["tool_gate"] == {"gate_ok_rate/shell": 1.0}
+    steps = rl_rows(tmp_path / "run")
+    assert len(steps) == 2 and all(r["env_error_rate"] == 0.0 for r in steps)
+    assert summary["heldout"] == "disabled"  # no env.harbor.eval: said, not a silent zero
