@@ -26,8 +26,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from tiller.envs.harbor import HarborConfig
-from tiller.envs.openenv import OpenEnvConfig
+from tiller.envs.source_config import HarborConfig, OpenEnvConfig
 from tiller.errors import ConfigError, import_dotted, require_package  # noqa: F401 (re-exported)
 from tiller.tools.stack import ToolsConfig
 

@@ -37,10 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from tiller.envs.base import Task, ToolEnv, register_env
 from tiller.envs.harbor_format import HarborTask, read_tasks
+from tiller.envs.source_config import HarborConfig
 from tiller.envs.verifiers import Reward
 from tiller.errors import ConfigError
 from tiller.rollout.chat import ParsedTurn
@@ -50,32 +49,7 @@ from tiller.tools.sandbox import Sandbox, SandboxLimits, SandboxOutcome
 if TYPE_CHECKING:
     from tiller.config import Config
 
-SYSTEM = ("You are working in a Linux shell. Run commands with the shell tool; its working "
-          "directory is the task's workdir. When the task is done, reply without a tool call.")
 MAX_REWARD_BYTES = 65536  # of reward.txt / reward.json the runner sends back
-
-
-class HarborConfig(BaseModel):
-    """`env.harbor`: the task folders and the sandbox they run in."""
-
-    model_config = ConfigDict(extra="forbid")
-    tasks: str = Field(description="a folder of Harbor task folders (or one task folder): "
-                       "the train tasks")
-    eval: str | None = Field(None, description="a folder of held-out Harbor tasks; unset: no "
-                             "held-out split, the run skips the held-out evaluations")
-    command_timeout_s: float = Field(30.0, gt=0, description="per shell command (wall and "
-                                     "CPU seconds); a command past it is killed and the "
-                                     "policy sees it timed out")
-    output_chars: int = Field(4000, ge=100, description="of a command's output shown to the "
-                              "policy (its start and end)")
-    memory_mb: int = Field(1024, ge=64, description="address space of a command and of the "
-                           "tests (RLIMIT_AS)")
-    workspace_mb: int = Field(32, ge=1, le=1024, description="size of the workdir carried "
-                              "between commands; a command that grows it past this has its "
-                              "changes discarded")
-    reward_key: str = Field("reward", description="the entry of reward.json trained on (a "
-                            "file with one entry needs no key)")
-    system: str | None = Field(SYSTEM, description="system prompt of every episode")
 
 
 @dataclass(frozen=True)

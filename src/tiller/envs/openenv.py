@@ -47,9 +47,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
 from tiller.envs.base import Env, StepResult, Task, register_env
+from tiller.envs.source_config import OpenEnvConfig
 from tiller.envs.splits import draw_split, stable_id
 from tiller.envs.verifiers import Reward
 from tiller.errors import ConfigError, one_line
@@ -65,40 +64,6 @@ logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 16 << 20  # a WebSocket message tiller parses
 MAX_HTTP_BYTES = 1 << 20  # /health and /schema answers
 POLICY_CODES = {"VALIDATION_ERROR"}  # the action was rejected: the policy's fault
-
-
-class OpenEnvConfig(BaseModel):
-    """`env.openenv`: where the OpenEnv server is, and how the policy acts on it."""
-
-    model_config = ConfigDict(extra="forbid")
-    url: str | None = Field(None, pattern=r"^https?://", description="a running server's base "
-                            "URL, e.g. http://127.0.0.1:8000 (its /ws is the session)")
-    command: list[str] | None = Field(
-        None, min_length=1, description="argv that starts the server for the run; '{port}' in "
-        "it becomes a free port on 127.0.0.1, where tiller then connects")
-    start_timeout_s: float = Field(120.0, gt=0, description="how long the command's server "
-                                   "may take to answer /health")
-    timeout_s: float = Field(30.0, gt=0, description="per answer to a reset or step; a later "
-                             "answer is an env_error")
-    tool_name: str = Field("step", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$", description="the "
-                           "tool the policy acts with; its arguments are the action's fields")
-    text_field: str | None = Field(None, description="instead of a tool: the assistant's plain "
-                                   "text becomes this (string) field of the action")
-    observation_field: str | None = Field(None, description="show only this field of each "
-                                          "observation (default: all of them, as JSON)")
-    system: str | None = Field(None, description="system prompt of every episode")
-    reset_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra fields of "
-                                         "every reset request (besides the task's seed)")
-
-    @model_validator(mode="after")
-    def _one_server(self) -> OpenEnvConfig:
-        if (self.url is None) == (self.command is None):
-            raise ValueError("set exactly one of url (a running server) or command (tiller "
-                             "starts it)")
-        if self.command is not None and not any("{port}" in a for a in self.command):
-            raise ValueError("command must hold '{port}' where the server's port goes (tiller "
-                             "picks a free one and connects there)")
-        return self
 
 
 class OpenEnvError(ConnectionError):
