@@ -174,8 +174,7 @@ class Run:
         set_unsafe_fallback(cfg.env.tools.sandbox.allow_unsafe_fallback)
         try:
             check_env_tools(self.env_cls, self.tools.functions)
-            check_env_tools(self.env_cls, self.tools.extra[len(self.tools.functions):],
-                            "env.tools.mcp")
+            check_env_tools(self.env_cls, self.tools.mcp_tools, "env.tools.mcp")
             self.env_cls.start(self.dir)  # an env server (openenv), checked before any work
             self._build_models()
         except BaseException:  # nothing of a run that did not start outlives it

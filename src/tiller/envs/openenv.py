@@ -94,24 +94,27 @@ class Server:
         return "ws" + self.url.removeprefix("http") + "/ws"
 
     def wait_healthy(self) -> None:
-        """Poll /health until it answers (a command's server) or fail with one line."""
+        """/health must answer: at once for a url, within start_timeout_s for a command's
+        server (polled while it starts); otherwise one line."""
         import httpx
 
-        limit = self.cfg.start_timeout_s if self.proc else 10.0
-        deadline = time.monotonic() + limit
+        deadline = time.monotonic() + self.cfg.start_timeout_s
         while True:
             try:
                 health = _get_json(self.url + "/health")
                 break
             except httpx.TransportError as e:
-                if self.proc is not None and self.proc.poll() is not None:
+                if self.proc is None:
+                    raise ConfigError(f"config field env.openenv.url: {self.url}/health does "
+                                      f"not answer: {one_line(e)}") from e
+                if self.proc.poll() is not None:
                     raise ConfigError(f"config field env.openenv.command: the server exited "
                                       f"with status {self.proc.returncode} before it answered "
                                       f"/health{_tail(self.log)}") from e
                 if time.monotonic() > deadline:
-                    what = "command" if self.proc else "url"
-                    raise ConfigError(f"config field env.openenv.{what}: {self.url}/health did "
-                                      f"not answer within {limit:g}s: {one_line(e)}") from e
+                    raise ConfigError(f"config field env.openenv.command: {self.url}/health "
+                                      f"did not answer within start_timeout_s="
+                                      f"{self.cfg.start_timeout_s:g}: {one_line(e)}") from e
                 time.sleep(0.2)
         if not isinstance(health, dict):
             raise self.garbage("GET /health", health)
@@ -195,9 +198,7 @@ class Session:
         try:
             ws = await connect(url, open_timeout=timeout_s, max_size=MAX_MESSAGE_BYTES,
                                close_timeout=5)
-        except (OSError, asyncio.TimeoutError) as e:
-            raise OpenEnvError(f"cannot open a session at {url}: {one_line(e)}") from e
-        except Exception as e:  # websockets' handshake errors (InvalidStatus, ...)
+        except Exception as e:  # refused, timed out, or a handshake websockets rejects
             raise OpenEnvError(f"cannot open a session at {url}: {one_line(e)}") from e
         return cls(ws, timeout_s)
 

@@ -97,7 +97,8 @@ class ToolStack:
             except BaseException:
                 self.close()
                 raise
-        self.extra = [*self.functions, *(self.mcp.tools if self.mcp else [])]
+        self.mcp_tools = self.mcp.tools if self.mcp else []
+        self.extra = [*self.functions, *self.mcp_tools]  # every episode's registry gets them
         self.executor = ToolExecutor(config=cfg.executor)
         self.first_error: dict[str, str] = {}
         # totals of the counters outside the executor; abandoned threads are process-wide, so
