@@ -281,6 +281,56 @@ def test_a_slow_tool_times_out_as_env_error_and_the_server_keeps_serving(tmp_pat
         stack.close()
 
 
+def test_per_tool_concurrency_limits_apply_to_mcp_calls(tmp_path):
+    cfg = ToolsConfig.model_validate({"mcp": [stdio()], "executor": {
+        "tools": {"slow": {"max_concurrency": 2, "timeout_s": 30}}}})
+    stack = ToolStack(cfg, tmp_path)
+    try:
+        invoke = stack.wrapper("ep")(ToolRegistry([]))
+
+        async def burst():
+            return await asyncio.gather(*(invoke(ToolCall("slow", {"seconds": 0.2}))
+                                          for _ in range(6)))
+
+        assert [r.content for r in asyncio.run(burst())] == ["slept 0.2s"] * 6
+        stats = stack.stats()
+        assert stats["tool_peak_concurrency/slow"] == 2.0 and stats["ok_rate/slow"] == 1.0
+    finally:
+        stack.close()
+
+
+def processes_with(marker: str) -> list[int]:
+    """Running (not zombie) processes whose command line holds `marker`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes() \
+                    and alive(int(entry.name)):
+                found.append(int(entry.name))
+        except OSError:  # exited meanwhile
+            pass
+    return found
+
+
+def test_a_server_that_fails_to_start_stops_the_others_at_once(tmp_path):
+    """One server is starting, one never answers the handshake, one does not exist: the error
+    is the missing one's, and neither of the others outlives it nor is waited for."""
+    marker = f"tiller-test-{tmp_path.name}"  # in both command lines (the server ignores it)
+    silent = f"import time; time.sleep(120)  # {marker}"
+    cfg = ToolsConfig.model_validate({"mcp": [
+        {**stdio(), "command": [sys.executable, str(SERVER), marker]},
+        {"name": "silent", "command": [sys.executable, "-c", silent]},
+        {"name": "broken", "command": ["/nonexistent/mcp-server"]}]})
+    t = time.monotonic()
+    with pytest.raises(ConfigError, match=r"env.tools.mcp\[2\] \(broken\)"):
+        ToolStack(cfg, tmp_path)
+    assert time.monotonic() - t < 30  # not the silent one's start_timeout_s (60)
+    deadline = time.monotonic() + 10
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_with(marker) == [], "a server outlived the start-up error"
+
+
 def test_outcomes_faults_and_cache_apply_to_mcp_tools(tmp_path):
     """The server's tool errors are the policy's; arguments are validated against the
     server's schema before anything is sent; faults are injected behind that validation; a

@@ -278,9 +278,17 @@ class McpServer:
             self._broken.set()
 
     async def stop(self) -> None:
+        """End the connection; one still starting (or restarting) is cancelled rather than
+        waited for. Either way the SDK's transport stops the server as it unwinds."""
         self._stop.set()
-        if self.task is not None:
-            await asyncio.wait([self.task], timeout=CLOSE_TIMEOUT_S)
+        if self.task is None:
+            return
+        if self.session is None:
+            self.task.cancel()
+        done, _ = await asyncio.wait([self.task], timeout=CLOSE_TIMEOUT_S)
+        if not done:
+            self.task.cancel()
+            await asyncio.wait([self.task], timeout=5)
 
 
 async def _list_tools(session: Any) -> list[dict[str, Any]]:
