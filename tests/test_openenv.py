@@ -127,6 +127,23 @@ def test_the_openenv_example_trains_a_few_steps(tmp_path, monkeypatch):
     assert "Traceback" not in (tmp_path / "run" / "openenv.log").read_text()
 
 
+def test_a_run_that_fails_after_starting_the_server_stops_it(tmp_path, monkeypatch):
+    servers = []
+    start = OpenEnvEnv.start.__func__
+
+    def spy(cls, run_dir):
+        start(cls, run_dir)
+        servers.append(cls.server)
+
+    monkeypatch.setattr(OpenEnvEnv, "start", classmethod(spy))
+    cfg = load_config(EXAMPLE, [
+        f"env.openenv.command=[{sys.executable}, {GUESS}, --port, '{{port}}']",
+        "model.build=null", f"model.path={tmp_path / 'no-such-model'}"])
+    with pytest.raises(Exception, match="no-such-model"):
+        Run(cfg, tmp_path / "run")  # the model fails to load after the server started
+    assert len(servers) == 1 and servers[0].proc.poll() is not None, "server left running"
+
+
 def test_an_episode_maps_reset_step_observations_reward_and_done(tmp_path, tokenizer,
                                                                  test_server):
     url, log = test_server
