@@ -383,6 +383,9 @@ def test_result_text_renders_every_content_block():
     ([{"name": "calc", "command": [sys.executable, "-c",
                                    "import sys; sys.exit('no fastmcp here')"]}],
      "did not start: MCPError: Connection closed (its stderr ends: 'no fastmcp here')"),
+    ([{"name": "calc", "command": [sys.executable, "-c", "import time; time.sleep(60)"],
+       "start_timeout_s": 1}],
+     "did not start: no answer to the MCP handshake and tools/list within start_timeout_s=1"),
     ([{"name": "kb", "url": "http://127.0.0.1:{port}/mcp"}],
      "config field env.tools.mcp[0] (kb): url 'http://127.0.0.1:{port}/mcp' does not answer: "
      "ConnectError: All connection attempts failed"),
@@ -394,8 +397,8 @@ def test_result_text_renders_every_content_block():
      "server 'calc'; tool names must be unique"),
     ([stdio(), stdio()],
      "config field env.tools.mcp: server name(s) calc appear twice"),
-], ids=["command-missing", "command-exits", "url-silent", "bad-schema", "tool-clash",
-        "name-twice"])
+], ids=["command-missing", "command-exits", "command-silent", "url-silent", "bad-schema",
+        "tool-clash", "name-twice"])
 def test_a_bad_server_is_one_line_before_any_work(tmp_path, entries, message):
     port = free_port()  # nothing listens there
     for e in entries:

@@ -176,6 +176,9 @@ class McpServer:
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
                 error = one_line(innermost(e))
+                if isinstance(innermost(e), TimeoutError) and not str(innermost(e)):
+                    error = (f"no answer to the MCP handshake and tools/list within "
+                             f"start_timeout_s={self.cfg.start_timeout_s:g}")
             if self._stop.is_set():
                 return
             if self.listing is None:  # never came up: start() reports it
