@@ -411,6 +411,22 @@ def test_a_bad_server_is_one_line_before_any_work(tmp_path, entries, message):
     assert not (tmp_path / "run" / "base_model").exists()  # no model built
 
 
+def test_mcp_tools_join_any_tool_env_and_a_name_clash_is_one_line(tmp_path):
+    from tiller.envs import ENVS
+    from tiller.plugins import check_env_tools
+
+    stack = ToolStack(ToolsConfig.model_validate({"mcp": [stdio()]}), tmp_path)
+    try:
+        sql = ENVS["sql"](wrap=stack.wrapper("ep"))  # its own tools, then the server's
+        assert list(sql.registry.tools) == ["query", "execute", "calculate", "lookup", "slow",
+                                            "pid"]
+        with pytest.raises(ConfigError, match=r"^config field env.tools.mcp: tool name\(s\) "
+                                              r"calculate are already tools of env calculator"):
+            check_env_tools(ENVS["calculator"], stack.mcp_tools, "env.tools.mcp")
+    finally:
+        stack.close()
+
+
 def test_mcp_tools_on_an_env_that_takes_no_tools_are_one_line(tmp_path):
     cfg = load_config(ROOT / "configs" / "calculator.yaml", [
         "env.name=guess_number", mcp_override(stdio()), "logging.report=false"])
