@@ -2,16 +2,20 @@
 
     .venv/bin/python benchmarks/async_vs_sync.py                 # the demo model, 25 steps
     .venv/bin/python benchmarks/async_vs_sync.py --quick         # a tiny model, seconds
+    .venv/bin/python benchmarks/async_vs_sync.py --modes sync async \
+        --off-policy none tis mis decoupled                       # async once per correction
 
 The workload is the calculator demo with a heavy-tailed tool latency (env.tools.faults): 90%
 of tool calls sleep `--fast-s`, 10% sleep `--slow-factor` (30) times longer, drawn per call
 from a seeded RNG. A sleep costs no CPU, so the latency is what an agent's slow tools cost: time
 in which a synchronous trainer idles. Each mode starts from the same SFT checkpoint with the
-same seed, the same algorithm and off-policy correction (`--off-policy`, default tis: with
-one optimizer step per batch it is decoupled PPO's behaviour weight without its extra forward
-pass), and trains the same number of samples (rl.steps x tasks_per_step x group_size); the
-held-out success after RL comes with its 95% CI. Ratios are against the sync run of the same
-invocation.
+same seed and the same algorithm, and trains the same number of samples (rl.steps x
+tasks_per_step x group_size); the held-out success after RL comes with its 95% CI. Each mode
+other than sync runs once per off-policy correction in `--off-policy` (default: the mode's
+own default, `rl.algorithm.off_policy` left unset; `none` is run with
+allow_uncorrected_off_policy); sync runs once, with its default (none: its samples are
+on-policy). Ratios are against the sync run of the same invocation ("-" without one, e.g.
+`--modes async` to compare corrections only).
 """
 
 from __future__ import annotations
@@ -49,22 +53,27 @@ def sft_checkpoint(out: Path, quick: bool) -> Path:
     return folder / "checkpoints/sft"
 
 
-def run_mode(mode: str, model: Path, args: argparse.Namespace, out: Path) -> dict:
+def run_mode(mode: str, correction: str | None, model: Path, args: argparse.Namespace,
+             out: Path) -> dict:
     faults = (f"{{latency_s: {args.fast_s}, slow_prob: 0.1, "
               f"slow_s: {args.fast_s * args.slow_factor}, seed: {args.seed}}}")
     overrides = [f"model.path={model}", "model.build=null", "sft.enabled=false",
                  f"rl.steps={args.steps}", f"rl.mode={mode}", f"seed={args.seed}",
-                 f"env.tools.faults={faults}", f"rl.algorithm.off_policy={args.off_policy}",
-                 "logging.progress=false",
+                 f"env.tools.faults={faults}", "logging.progress=false",
                  "logging.tensorboard=false", *(QUICK if args.quick else [])]
+    if correction is not None:
+        overrides.append(f"rl.algorithm.off_policy={correction}")
+    if correction == "none":
+        overrides.append("rl.algorithm.allow_uncorrected_off_policy=true")
     if mode == "async":
         overrides.append(f"rl.max_staleness={args.max_staleness}")
     overrides += args.set
     cfg = load_config(ROOT / "configs/calculator.yaml", overrides)
     t0 = time.perf_counter()
-    summary = train(cfg, out / mode)
+    summary = train(cfg, out / f"{mode}-{cfg.rl.algorithm.off_policy}")
     rl, heldout = summary["rl"], summary["heldout_after_rl"]
-    return {"mode": mode, "samples_per_s": rl["samples_per_s"], "wall_s": rl["wall_s"],
+    return {"mode": mode, "off_policy": cfg.rl.algorithm.off_policy,
+            "samples_per_s": rl["samples_per_s"], "wall_s": rl["wall_s"],
             "trainer_busy": rl["trainer_busy_frac"], "engine_busy": rl.get("engine_busy_frac"),
             "rollout_train": rl["rollout_train_ratio"],
             "staleness_mean": rl.get("staleness_mean", 0.0),
@@ -75,17 +84,21 @@ def run_mode(mode: str, model: Path, args: argparse.Namespace, out: Path) -> dic
             "total_s": time.perf_counter() - t0}
 
 
+def vs_sync(row: dict, base: dict | None) -> str:
+    return "-" if base is None else f"{row['samples_per_s'] / base['samples_per_s']:.2f}x"
+
+
 def table(rows: list[dict]) -> str:
-    base = next(r for r in rows if r["mode"] == "sync")
-    head = ("| mode | trained samples/s | vs sync | RL wall s | trainer busy | engine busy | "
-            "rollout/train | staleness mean / max | started / trained / filtered stale | "
-            "held-out success [95% CI] |\n|" + "---|" * 10)
+    base = next((r for r in rows if r["mode"] == "sync"), None)  # no sync: no ratios
+    head = ("| mode | off_policy | trained samples/s | vs sync | RL wall s | trainer busy | "
+            "engine busy | rollout/train | staleness mean / max | started / trained / filtered "
+            "stale | held-out success [95% CI] |\n|" + "---|" * 11)
     lines = [head]
     for r in rows:
         engine = "-" if r["engine_busy"] is None else f"{r['engine_busy']:.0%}"
         lines.append(
-            f"| {r['mode']} | {r['samples_per_s']:.2f} | "
-            f"{r['samples_per_s'] / base['samples_per_s']:.2f}x | {r['wall_s']:.1f} | "
+            f"| {r['mode']} | {r['off_policy']} | {r['samples_per_s']:.2f} | "
+            f"{vs_sync(r, base)} | {r['wall_s']:.1f} | "
             f"{r['trainer_busy']:.0%} | {engine} | {r['rollout_train']:.2f} | "
             f"{r['staleness_mean']:.2f} / {r['staleness_max']} | "
             f"{r['started']} / {r['trained']} / {r['stale']} | "
@@ -100,7 +113,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--modes", nargs="+", default=["sync", "one_step_off", "async"])
     ap.add_argument("--max-staleness", type=int, default=4)
-    ap.add_argument("--off-policy", default="tis", help="rl.algorithm.off_policy, every mode")
+    ap.add_argument("--off-policy", nargs="+", default=None,
+                    help="rl.algorithm.off_policy values; each mode but sync runs once per "
+                         "value (default: once, with the mode's default correction)")
     ap.add_argument("--fast-s", type=float, default=0.2, help="latency of 90%% of tool calls")
     ap.add_argument("--slow-factor", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -110,13 +125,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.steps, args.fast_s = min(args.steps, 3), min(args.fast_s, 0.01)
-    if "sync" not in args.modes:
-        ap.error("--modes must include sync: the ratios are against it")
     model = args.model or sft_checkpoint(args.out, args.quick)
     rows = []
     for mode in args.modes:
-        print(f"{mode} ...", flush=True)
-        rows.append(run_mode(mode, model, args, args.out))
+        for correction in ([None] if mode == "sync" else args.off_policy or [None]):
+            print(f"{mode} {correction or '(default correction)'} ...", flush=True)
+            rows.append(run_mode(mode, correction, model, args, args.out))
     print(table(rows))
     (args.out / "results.json").write_text(json.dumps(rows, indent=2))
 

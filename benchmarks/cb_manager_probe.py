@@ -24,13 +24,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 import engine as bench  # noqa: E402  (benchmarks/engine.py: prompts and sampling params)
 
 from tiller.models import load_model, load_tokenizer  # noqa: E402
+from tiller.runtime import apply_threads  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="runs/seeds/seed0/checkpoints/sft")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    apply_threads(1)
     tok = load_tokenizer(args.model)
     model = load_model(args.model).eval()
     model.set_attn_implementation("sdpa")

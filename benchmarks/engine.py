@@ -105,15 +105,17 @@ from transformers import (
 
 import tiller
 from tiller.config import load_config
+from tiller.engine.api import Generation, SamplingParams
+from tiller.engine.embedded import EmbeddedEngine
+from tiller.engine.kv_cache import PrefixCache
+from tiller.envs.actions import ParsedTurn
 from tiller.envs.base import Env, StepResult, Task
 from tiller.envs.calculator import CalculatorEnv
 from tiller.envs.verifiers import Reward
 from tiller.models import load_model, load_tokenizer
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits, run_episode
-from tiller.rollout.chat import ChatFormat, ParsedTurn, stop_token_ids
+from tiller.rollout.chat import ChatFormat, stop_token_ids
 from tiller.rollout.collect import collect
-from tiller.rollout.engine import EmbeddedEngine, Generation, SamplingParams
-from tiller.rollout.kv_cache import PrefixCache
 
 DEMO_SFT = "runs/seeds/seed0/checkpoints/sft"  # what `benchmarks/demo_seeds.py` leaves behind
 # a quick SFT of the demo's build config on tool-using demonstrations only, so that episodes
@@ -975,6 +977,9 @@ def git_commit() -> str:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    # what runtime.threads: auto takes in the runs made here and the `tiller serve` started
+    # here (an environment variable, so an older checkout under PYTHONPATH reads it too)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

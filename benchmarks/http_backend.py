@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -37,9 +36,8 @@ def free_port() -> int:
 
 def start_server(model: Path, port: int, weights_root: Path, log: Path) -> subprocess.Popen:
     proc = subprocess.Popen([TILLER, "serve", str(model), "--port", str(port),
-                             "--weights-root", str(weights_root)],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                             "--weights-root", str(weights_root), "--threads", "1"],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:

@@ -48,6 +48,7 @@ from tiller.observe.compare import compare, load_outcomes  # noqa: E402
 from tiller.observe.compare import format_diff as fmt_diff  # noqa: E402
 from tiller.observe.compare import format_success as fmt  # noqa: E402
 from tiller.observe.traces import connect, read_episode  # noqa: E402
+from tiller.runtime import thread_env  # noqa: E402
 
 ENVS = ("calculator", "search", "sql")
 # A tiny model and budget: the pipeline in seconds (tests/test_benchmarks_learning.py).
@@ -137,8 +138,8 @@ def run_one(args: argparse.Namespace, seed: int, kind: str) -> dict:
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "tiller", "train", str(args.config), *ours, "-o", str(out)]
-    threads = str(max(1, (os.cpu_count() or 1) // args.jobs))
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    env = {**os.environ, **thread_env(threads)}  # what runtime.threads: auto takes
     log = out.with_suffix(".log")
     t0 = time.perf_counter()
     timed_out = threading.Event()
@@ -166,7 +167,7 @@ def run_one(args: argparse.Namespace, seed: int, kind: str) -> dict:
         raise RuntimeError(f"seed {seed} {kind}: tiller train exited {proc.returncode} "
                            f"(log: {log}):\n{tail}")
     cpu_s = usage.ru_utime + usage.ru_stime
-    result = {"cpu_s": cpu_s, "wall_s": time.perf_counter() - t0, "threads": int(threads)}
+    result = {"cpu_s": cpu_s, "wall_s": time.perf_counter() - t0, "threads": threads}
     stats.write_text(json.dumps(result))
     print(f"seed {seed} {kind}: {result['wall_s']:.0f} s wall", file=sys.stderr, flush=True)
     return {**json.loads((out / "summary.json").read_text()), **result}

@@ -17,7 +17,7 @@ group-normalized advantages, and one optimizer step per RL step over the same mi
 
 "rollout" is generation plus tool calls and reward scoring (the tool takes microseconds);
 "train" is the rest of the step. The sides alternate (tiller, TRL, TRL, tiller, ...) for
-`--rounds` rounds of `--steps` steps in this process, with `torch.set_num_threads(--threads)`;
+`--rounds` rounds of `--steps` steps in this process, with `--threads` torch threads;
 the first step of each run is a warm-up and not counted. Prints a table of medians (also
 `results.md` / `results.json` in the output folder) and the ratio TRL / tiller (above 1:
 tiller is faster).
@@ -65,10 +65,12 @@ import torch  # noqa: E402
 from tiller.config import BuildConfig, load_config  # noqa: E402
 from tiller.controller import rl, sft  # noqa: E402
 from tiller.envs import calculator  # noqa: E402
+from tiller.envs.actions import ParsedTurn  # noqa: E402
 from tiller.envs.base import Task, register_env  # noqa: E402
 from tiller.models import build_env_model, load_model, load_tokenizer  # noqa: E402
-from tiller.rollout.chat import ChatFormat, ParsedTurn  # noqa: E402
+from tiller.rollout.chat import ChatFormat  # noqa: E402
 from tiller.run import Run  # noqa: E402
+from tiller.runtime import apply_threads  # noqa: E402
 from tiller.tools.registry import ToolError  # noqa: E402
 
 CONFIG = "configs/calculator.yaml"
@@ -198,7 +200,8 @@ def tiller_round(args: argparse.Namespace, model: Path, max_prompt: int, out: Pa
         f"rl.steps={args.steps}", f"rl.tasks_per_step={args.tasks_per_step}",
         f"rl.group_size={args.group_size}", f"rl.lr={args.lr}",
         f"rl.micro_batch_size={args.micro_batch_size}", "rl.mini_batches=1", "rl.ppo_epochs=1",
-        f"seed={args.seed}", "logging.progress=false", "logging.tensorboard=false"])
+        f"seed={args.seed}", "logging.progress=false", "logging.tensorboard=false",
+        f"runtime.threads={args.threads}"])
     run = Run(cfg, out)
     try:
         rl(run)
@@ -391,7 +394,8 @@ def model_path(args: argparse.Namespace, out: Path) -> Path:
     print(f"no --model and no {DEMO_SFT}: running the demo's SFT ({CONFIG}) to make one",
           flush=True)
     run = Run(load_config(CONFIG, ["logging.progress=false", "logging.tensorboard=false",
-                                   f"seed={args.seed}"]), out / "sft")
+                                   f"seed={args.seed}", f"runtime.threads={args.threads}"]),
+              out / "sft")
     try:
         sft(run)
         return run.save("sft")
@@ -412,7 +416,8 @@ def adapt(args: argparse.Namespace, base: Path, max_prompt: int, out: Path) -> P
         f"env.max_episode_tokens={max_prompt + args.completion_budget}",
         f"sft.tasks={args.adapt_tasks}", "sft.epochs=1", "sft.batch_size=16",
         "sft.micro_batch_size=8", "sft.lr=3e-3", "sft.warmup_steps=4", "sft.lr_schedule=constant",
-        f"seed={args.seed}", "logging.progress=false", "logging.tensorboard=false"]), out)
+        f"seed={args.seed}", "logging.progress=false", "logging.tensorboard=false",
+        f"runtime.threads={args.threads}"]), out)
     try:
         sft(run)
         return run.save("sft")
@@ -422,7 +427,7 @@ def adapt(args: argparse.Namespace, base: Path, max_prompt: int, out: Path) -> P
 
 def main() -> None:
     args = parse_args()
-    torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or Path("runs") / f"bench-vs-trl-{stamp}")
     out.mkdir(parents=True, exist_ok=True)
@@ -443,7 +448,7 @@ def main() -> None:
     for r in range(args.rounds):
         order = args.sides if r % 2 == 0 else args.sides[::-1]  # ABBA: drift hits both
         for side in order:
-            torch.set_num_threads(args.threads)  # whatever a previous side's libraries did
+            apply_threads(args.threads)  # whatever a previous side's libraries did
             t0 = time.perf_counter()
             rows = (tiller_round(args, model, max(lengths), out / f"tiller-{r}") if side == "tiller"
                     else trl_round(args, model, tasks, out / f"trl-{r}"))

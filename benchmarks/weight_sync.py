@@ -40,14 +40,15 @@ from engine import big_model  # benchmarks/engine.py's 25.7M Qwen3 (this folder)
 from transformers import PreTrainedModel
 
 from tiller.config import BuildConfig, WeightSyncConfig
+from tiller.engine.delta import DeltaUpdate
+from tiller.engine.embedded import EmbeddedEngine
+from tiller.engine.updates import WeightUpdate
+from tiller.engine.weight_sync import WeightSync
 from tiller.envs import ENVS
 from tiller.models import build_env_model, load_model, load_tokenizer
 from tiller.rollout.agent_loop import EpisodeLimits
 from tiller.rollout.collect import collect_expert
-from tiller.rollout.delta import DeltaUpdate
-from tiller.rollout.engine import EmbeddedEngine
-from tiller.rollout.sync import WeightSync
-from tiller.rollout.weight_sync import WeightUpdate
+from tiller.runtime import apply_threads
 from tiller.train.batch import Batch
 from tiller.train.trainer import Trainer
 
@@ -208,7 +209,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     path = demo_model(args)
     tokenizer = load_tokenizer(path)
     demo = load_model(path, torch.float32)

@@ -19,14 +19,15 @@ from pathlib import Path
 import torch
 
 from tiller.config import BuildConfig
+from tiller.engine.api import SamplingParams
+from tiller.engine.embedded import EmbeddedEngine
+from tiller.engine.updates import WeightUpdate
 from tiller.envs import ENVS
 from tiller.models import build_env_model, load_model, load_tokenizer
-from tiller.observe.evaluation import is_success
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits, run_episode
 from tiller.rollout.chat import stop_token_ids
 from tiller.rollout.collect import collect, collect_expert
-from tiller.rollout.engine import EmbeddedEngine, SamplingParams
-from tiller.rollout.weight_sync import WeightUpdate
+from tiller.rollout.trajectory import is_success
 from tiller.train.algorithms import ADVANTAGES, AGGREGATIONS, POLICY_LOSSES
 from tiller.train.batch import Batch, token_logprobs
 

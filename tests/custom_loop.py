@@ -5,7 +5,8 @@ It has no token budget and lets exceptions propagate; tiller's own loop adds bot
 tests/test_custom_loop.py checks that it writes the same tokens as tiller's loop.
 """
 
-from tiller.rollout.chat import ChatFormat, assistant_message
+from tiller.envs.actions import assistant_message
+from tiller.rollout.chat import ChatFormat
 from tiller.rollout.trajectory import Status, TrajectoryBuilder
 from tiller.seeds import derive_seed
 

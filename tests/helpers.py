@@ -19,12 +19,12 @@ import torch
 from safetensors.torch import load_file
 
 from tiller.config import Config
+from tiller.engine.api import Generation
 from tiller.envs import ENVS
 from tiller.models import load_tokenizer
-from tiller.observe.evaluation import is_success
 from tiller.rollout.agent_loop import EpisodeLimits, run_episode
 from tiller.rollout.collect import collect_expert
-from tiller.rollout.engine import Generation
+from tiller.rollout.trajectory import is_success
 
 
 def load_benchmark(name: str):

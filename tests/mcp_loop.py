@@ -11,9 +11,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from tiller.engine.api import Generation
 from tiller.rollout.agent_loop import run_episode as tiller_episode
 from tiller.rollout.chat import end_of_turn_token
-from tiller.rollout.engine import Generation
 
 
 def scripted_turn(messages: list[dict[str, Any]]) -> str:

@@ -9,9 +9,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from tiller.engine.api import Generation
 from tiller.rollout.agent_loop import run_episode as tiller_episode
 from tiller.rollout.chat import end_of_turn_token
-from tiller.rollout.engine import Generation
 
 
 @dataclass

@@ -15,15 +15,14 @@ from helpers import RL_MOVES, TextActor, check_short_run
 
 from tiller.config import ConfigError, load_config
 from tiller.controller import train
+from tiller.engine.api import Generation
 from tiller.envs import ENVS, adapters
+from tiller.envs.actions import ParsedTurn
 from tiller.envs.adapters import GuessNumberEnv, GuessNumberGame, reasoning_gym_env
 from tiller.models import train_tokenizer
-from tiller.observe.evaluation import is_success
 from tiller.rollout.agent_loop import EpisodeLimits, run_episode
-from tiller.rollout.chat import ParsedTurn
 from tiller.rollout.collect import collect_expert
-from tiller.rollout.engine import Generation
-from tiller.rollout.trajectory import Status
+from tiller.rollout.trajectory import Status, is_success
 
 CALCULATOR = Path(__file__).parents[1] / "configs" / "calculator.yaml"
 LIMITS = EpisodeLimits(max_turns=10, max_episode_tokens=1 << 16)

@@ -3,14 +3,16 @@
 import asyncio
 
 import pytest
+import torch
 
 from tiller.config import ConfigError
+from tiller.engine.api import Generation, SamplingParams
+from tiller.engine.embedded import EmbeddedEngine
 from tiller.envs import ENVS
 from tiller.envs.verifiers import Reward
 from tiller.errors import RunError
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits, ExpertActor, run_episode
 from tiller.rollout.chat import CHAT_TEMPLATE
-from tiller.rollout.engine import EmbeddedEngine, Generation, SamplingParams
 from tiller.rollout.trajectory import Status
 from tiller.tools.registry import ToolOutcome, ToolResult
 from tiller.train.batch import Batch, token_logprobs
@@ -98,6 +100,38 @@ def test_engine_logprobs_match_trainer_in_fp32(model, tokenizer, limits):
     gap = ((logp - batch.rollout_logprobs).abs() * batch.loss_mask).max()
     assert batch.loss_mask.sum() > 20
     assert float(gap.detach()) < 1e-4
+
+
+@pytest.mark.parametrize("top_k, top_p", [(5, 1.0), (0, 0.6)])
+def test_engine_logprobs_match_trainer_under_truncation(model, tokenizer, limits, top_k, top_p):
+    """With top-k / top-p on, the engine reports the logprob of the distribution it sampled
+    from (sampled, the default) or before truncation (untruncated); the trainer recomputes the
+    same kind from the same weights."""
+    engine = EmbeddedEngine(model, tokenizer.pad_token_id)
+    tasks = Calc.make_tasks("train", 4, 0, 2)
+    out = {}
+    for kind in ("sampled", "untruncated"):
+        params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p, max_new_tokens=16,
+                                stop_token_ids=(tokenizer.eos_token_id,), logprobs=kind)
+
+        async def go(params=params):
+            return await asyncio.gather(*(
+                run_episode(Calc(), t, EngineActor(engine, params), tokenizer, seed=i,
+                            limits=limits) for i, t in enumerate(tasks)))
+
+        out[kind] = Batch.collate(asyncio.run(go()), tokenizer.pad_token_id)
+    sampled, untruncated = out["sampled"], out["untruncated"]
+    assert torch.equal(sampled.input_ids, untruncated.input_ids)  # same tokens, other logprob
+    mask = sampled.loss_mask
+    with torch.no_grad():
+        trunc, _ = token_logprobs(model, sampled, 0.8, top_k=top_k, top_p=top_p)
+        full, _ = token_logprobs(model, sampled, 0.8)
+    assert mask.sum() > 20
+    assert float(((trunc - sampled.rollout_logprobs).abs() * mask).max()) < 1e-4
+    assert float(((full - untruncated.rollout_logprobs).abs() * mask).max()) < 1e-4
+    # the sampled logprob is the higher one wherever the kept mass is below 1
+    gap = (sampled.rollout_logprobs - untruncated.rollout_logprobs)[mask > 0]
+    assert float(gap.min()) > -1e-5 and float(gap.max()) > 1e-2
 
 
 class Scripted:

@@ -58,11 +58,13 @@ def test_registries():
         "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-mean",
         "token-sum"
     ]
-    assert sorted(OFF_POLICY) == ["decoupled", "mis", "none", "seq_is", "tis"]
+    assert sorted(OFF_POLICY) == [
+        "decoupled", "decoupled_tis", "mis", "mis_mask", "none", "seq_is", "tis"
+    ]
     with pytest.raises(KeyError, match="unknown advantage estimator"):
         ADVANTAGES["nope"]
     with pytest.raises(KeyError, match="unknown off-policy correction 'icepop'; choose one of: "
-                       "decoupled, mis, none, seq_is, tis"):
+                       "decoupled, decoupled_tis, mis, mis_mask, none, seq_is, tis"):
         OFF_POLICY["icepop"]
 
 
@@ -352,10 +354,14 @@ def test_losses_take_exactly_their_declared_knobs():
         ({"critic": {"lam": 0.9}}, "critic.lam", "read only by advantage 'gae'"),
         ({"aggregation": "token-sum", "l_max": 64}, "l_max",
          "read only by aggregation 'seq-mean-token-sum-norm' and overlong.mode 'soft'"),
-        ({"is_cap": 3.0}, "is_cap", "read only by off_policy 'decoupled', 'seq_is', 'tis'"),
-        ({"off_policy": "tis", "mis_high": 4.0}, "mis_high", "read only by off_policy 'mis'"),
+        ({"is_cap": 3.0}, "is_cap",
+         "read only by off_policy 'decoupled', 'decoupled_tis', 'seq_is', 'tis'"),
+        ({"off_policy": "tis", "mis_high": 4.0}, "mis_high",
+         "read only by off_policy 'mis', 'mis_mask'"),
         ({"off_policy": "mis", "is_cap": 2.0}, "is_cap",
-         "read only by off_policy 'decoupled', 'seq_is', 'tis'"),
+         "read only by off_policy 'decoupled', 'decoupled_tis', 'seq_is', 'tis'"),
+        ({"off_policy": "tis", "allow_uncorrected_off_policy": True},
+         "allow_uncorrected_off_policy", "used only with off_policy: none (a correction is on)"),
     ],
 )
 def test_declared_knobs_drive_the_ignored_knob_rule(settings, knob, why):
@@ -572,13 +578,9 @@ def test_off_policy_corrections_hand_computed():
     close(stats["truncated"], [[0, 0, 1, 0], [0, 1, 0, 0]])
     close(stats["masked"], [[0, 0, 0, 0], [0, 0, 0, 0]])
     assert not w.requires_grad
-    # decoupled: the same weight with logp_prox as logp_old, logp_behaviour as logp_rollout
-    prox, _ = OFF_POLICY["decoupled"](old, ROLLOUT, MASK, is_cap=2.0)
+    # decoupled_tis: tis's weight with logp_prox as logp_old, logp_behaviour as logp_rollout
+    prox, _ = OFF_POLICY["decoupled_tis"](old, ROLLOUT, MASK, is_cap=2.0)
     assert torch.equal(prox, w) and not prox.requires_grad
-    # mis [0.5, 5]: 0.367879 (row 0) and 7.389056, 0.049787 (row 1) leave the band -> 0
-    w, stats = OFF_POLICY["mis"](old, ROLLOUT, MASK, mis_low=0.5, mis_high=5.0)
-    close(w[:, :3], [[1, 0, 1], [1, 0, 0]])
-    close(stats["masked"], [[0, 1, 0, 0], [0, 1, 1, 0]])  # 3 of 6 masked tokens removed
     # seq_is: sum of masked deltas row 0 = 0.5 -> exp = 1.648721, capped at 1.5;
     # row 1 = -1.5 -> exp(-1.5) = 0.223130; one weight broadcast to the row
     w, stats = OFF_POLICY["seq_is"](old, ROLLOUT, MASK, is_cap=1.5)
@@ -588,13 +590,56 @@ def test_off_policy_corrections_hand_computed():
     close(w, [[1.0] * 4, [1.0] * 4])
 
 
+def test_mis_keeps_the_ratio_inside_the_band_and_removes_the_rest():
+    # IcePop / Yao et al.: w = rho inside [0.5, 5], 0 outside. 0.367879 (row 0) and 7.389056,
+    # 0.049787 (row 1) leave the band; the others keep their ratio, NOT 1
+    w, stats = OFF_POLICY["mis"](OLD.clone().requires_grad_(True), ROLLOUT, MASK,
+                                 mis_low=0.5, mis_high=5.0)
+    close(w[:, :3], [[1.648721, 0, 2.718282], [0.606531, 0, 0]])
+    close(stats["masked"], [[0, 1, 0, 0], [0, 1, 1, 0]])  # 3 of 6 masked tokens removed
+    close(stats["truncated"], [[0, 0, 0, 0], [0, 0, 0, 0]])
+    assert not w.requires_grad
+    # the band is closed: rho exactly at a bound is kept (rho = 2 with mis_high 2)
+    w, _ = OFF_POLICY["mis"](torch.tensor([[math.log(2.0)]]), torch.zeros(1, 1),
+                             torch.ones(1, 1), mis_low=0.5, mis_high=2.0)
+    close(w, [[2.0]])
+    # mis_low = 0: the one-sided masked IS w = rho * 1{rho <= C}, C = 2: 0.049787 stays
+    w, _ = OFF_POLICY["mis"](OLD, ROLLOUT, MASK, mis_low=0.0, mis_high=2.0)
+    close(w[:, :3], [[1.648721, 0.367879, 0], [0.606531, 0, 0.049787]])
+    # mis_mask (tiller's mis before issue 19): the same band, but 1 inside it
+    w, stats = OFF_POLICY["mis_mask"](OLD, ROLLOUT, MASK, mis_low=0.5, mis_high=5.0)
+    close(w[:, :3], [[1, 0, 1], [1, 0, 0]])
+    close(stats["masked"], [[0, 1, 0, 0], [0, 1, 1, 0]])
+
+
+def test_decoupled_zeroes_tokens_above_the_cap_as_areal_does():
+    # AReaL: w = rho = exp(logp_prox - logp_behaviour) where rho <= C, 0 above (not clamped to C)
+    w, stats = OFF_POLICY["decoupled"](OLD.clone().requires_grad_(True), ROLLOUT, MASK,
+                                       is_cap=2.0)
+    close(w[:, :3], [[1.648721, 0.367879, 0], [0.606531, 0, 0.049787]])
+    close(stats["masked"], [[0, 0, 1, 0], [0, 1, 0, 0]])  # 2.718 and 7.389 filtered out
+    close(stats["truncated"], [[0, 0, 0, 0], [0, 0, 0, 0]])
+    assert not w.requires_grad
+    # its own default cap is 5 (AReaL's example configs): only 7.389 goes
+    w, _ = OFF_POLICY["decoupled"](OLD, ROLLOUT, MASK)
+    close(w[:, :3], [[1.648721, 0.367879, 2.718282], [0.606531, 0, 0.049787]])
+    # rho exactly at the cap is kept
+    w, _ = OFF_POLICY["decoupled"](torch.tensor([[math.log(2.0)]]), torch.zeros(1, 1),
+                                   torch.ones(1, 1), is_cap=2.0)
+    close(w, [[2.0]])
+
+
 def test_correction_stats_hand_computed():
     # tis C = 2 on the masked tokens: mean (1.648721 + 0.367879 + 2 + 0.606531 + 2 + 0.049787)
     # / 6 = 1.112153, max 2, truncated 2 of 6
     stats = correction_stats(*OFF_POLICY["tis"](OLD, ROLLOUT, MASK, is_cap=2.0), MASK)
     assert stats == pytest.approx({"is_weight_mean": 1.112153, "is_weight_max": 2.0,
-                                   "is_masked_frac": 0.0, "is_truncated_frac": 1 / 3}, abs=1e-6)
+                                   "is_truncated_frac": 1 / 3, "is_masked_frac": 0.0}, abs=1e-6)
+    # mis [0.5, 5]: (1.648721 + 0 + 2.718282 + 0.606531 + 0 + 0) / 6 = 0.828922, half removed
     stats = correction_stats(*OFF_POLICY["mis"](OLD, ROLLOUT, MASK), MASK)  # defaults 0.5, 5
+    assert stats == pytest.approx({"is_weight_mean": 0.828922, "is_weight_max": 2.718282,
+                                   "is_masked_frac": 0.5, "is_truncated_frac": 0.0}, abs=1e-6)
+    stats = correction_stats(*OFF_POLICY["mis_mask"](OLD, ROLLOUT, MASK), MASK)
     assert stats == {"is_weight_mean": 0.5, "is_weight_max": 1.0, "is_masked_frac": 0.5,
                      "is_truncated_frac": 0.0}
     empty = correction_stats(*OFF_POLICY["mis"](OLD, ROLLOUT, MASK * 0), MASK * 0)
@@ -624,16 +669,19 @@ def test_off_policy_config_resolves_validates_and_replaces_tis_c():
     a = AlgorithmConfig(off_policy="mis")
     assert (a.mis_low, a.mis_high, a.is_cap) == (0.5, 5.0, None)  # the function's defaults
     assert AlgorithmConfig(off_policy="seq_is").is_cap == 2.0
+    assert AlgorithmConfig(off_policy="decoupled_tis").is_cap == 2.0
+    assert AlgorithmConfig(off_policy="decoupled").is_cap == 5.0  # AReaL's
     assert AlgorithmConfig(off_policy="decoupled", is_cap=3.0).is_cap == 3.0
     assert AlgorithmConfig().off_policy == "none" and AlgorithmConfig().is_cap is None
     assert OFF_POLICY.knob_values("mis", AlgorithmConfig(off_policy="mis", mis_low=0.25)) == {
         "mis_low": 0.25, "mis_high": 5.0}
-    with pytest.raises(ValidationError, match="less than 1"):  # lo < 1 < hi
+    assert AlgorithmConfig(off_policy="mis", mis_low=0.0).mis_low == 0.0  # one-sided
+    with pytest.raises(ValidationError, match="less than 1"):  # 0 <= lo < 1 < hi
         AlgorithmConfig(off_policy="mis", mis_low=1.0)
     with pytest.raises(ValidationError, match="greater than 1"):
-        AlgorithmConfig(off_policy="mis", mis_high=0.9)
-    with pytest.raises(ValidationError, match="expected one of: decoupled, mis, none, seq_is, "
-                       "tis"):
+        AlgorithmConfig(off_policy="mis_mask", mis_high=0.9)
+    with pytest.raises(ValidationError, match="expected one of: decoupled, decoupled_tis, mis, "
+                       "mis_mask, none, seq_is, tis"):
         AlgorithmConfig(off_policy="icepop")
     with pytest.raises(ConfigError) as e:
         load_config("configs/calculator.yaml", ["rl.algorithm.tis_c=2.0"])
@@ -644,7 +692,8 @@ def test_off_policy_config_resolves_validates_and_replaces_tis_c():
     with pytest.raises(ConfigError, match="got None; it was replaced by off_policy: tis"):
         AlgorithmConfig(tis_c=None)  # a config saved before the change
     with pytest.raises(ConfigError, match="config field rl.algorithm.off_policy: got 'icepop'; "
-                       "expected one of: decoupled, mis, none, seq_is, tis"):
+                       "expected one of: decoupled, decoupled_tis, mis, mis_mask, none, "
+                       "seq_is, tis"):
         load_config("configs/calculator.yaml", ["rl.algorithm.off_policy=icepop"])
 
 

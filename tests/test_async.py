@@ -19,10 +19,11 @@ from hypothesis import strategies as st
 
 from tiller.config import load_config
 from tiller.controller import ledger_unaccounted, rl
+from tiller.engine.updates import WeightUpdate
 from tiller.errors import ConfigError, RunError
 from tiller.observe.traces import connect
-from tiller.rollout.manager import RolloutManager, WindDown
-from tiller.rollout.weight_sync import WeightUpdate
+from tiller.rollout.manager import RolloutManager
+from tiller.rollout.protocol import WindDown
 from tiller.run import Run
 from tiller.seeds import derive_seed
 from tiller.train.shaping import train_reward

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from tiller.engine.api import Generation
 from tiller.rollout.agent_loop import EpisodeLimits, run_episode
 from tiller.rollout.chat import ChatFormat, end_of_turn_token
-from tiller.rollout.engine import Generation
 from tiller.rollout.trajectory import Status
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,13 +3,8 @@ import time
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from tiller.rollout.chat import (
-    CHAT_TEMPLATE,
-    TOOL_CALL_CLOSE,
-    TOOL_CALL_OPEN,
-    ParsedTurn,
-    parse_tool_calls,
-)
+from tiller.envs.actions import ParsedTurn
+from tiller.rollout.chat import CHAT_TEMPLATE, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_tool_calls
 from tiller.tools.registry import ToolCall
 
 

@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from tiller.config import ConfigError, load_config
+from tiller.config import AlgorithmConfig, Config, ConfigError, RLConfig, load_config
 
 CONFIG = "configs/calculator.yaml"
 
@@ -77,6 +77,9 @@ def run_cli(*args):
          "no Hugging Face model at '/no/such/model'"),
         (["env.name=chess"], "unknown env 'chess'; choose one of: "),
         (["rl.algorithm.advantage=magic"], "rl.algorithm.advantage: got 'magic'"),
+        (["rl.mode=async", "rl.algorithm.off_policy=none"],
+         "rl.algorithm.off_policy: got 'none' with rl.mode async, max_staleness 4, whose "
+         "samples are stale"),
     ],
 )
 def test_cli_errors_are_one_line_not_tracebacks(tmp_path, args, message):
@@ -104,3 +107,76 @@ def test_plugin_combinations_that_would_do_nothing_are_refused(overrides, messag
     with pytest.raises(ConfigError) as e:
         load_config(None, ["model.build={}", *overrides])
     assert str(e.value).startswith(message), str(e.value)
+
+
+# ---- issue 19: stale samples get an off-policy correction by default -------------------------
+
+@pytest.mark.parametrize("mode", [["rl.mode=async"], ["rl.mode=one_step_off"],
+                                  ["rl.mode=async", "rl.max_staleness=1"]])
+def test_stale_modes_default_to_a_correction_and_refuse_none(mode):
+    cfg = load_config(CONFIG, mode)
+    a = cfg.rl.algorithm  # IcePop's band, docs/async.md
+    assert (a.off_policy, a.mis_low, a.mis_high, a.is_cap) == ("mis", 0.5, 5.0, None)
+    assert Config.model_validate(cfg.model_dump()) == cfg  # saved resolved, loads back
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIG, [*mode, "rl.algorithm.off_policy=none"])
+    assert str(e.value).startswith("config field rl.algorithm.off_policy: got 'none' with "
+                                   "rl.mode ")
+    assert str(e.value).endswith("or set rl.algorithm.allow_uncorrected_off_policy: true to "
+                                 "train them as on-policy") and "\n" not in str(e.value)
+    ack = load_config(CONFIG, [*mode, "rl.algorithm.off_policy=none",
+                               "rl.algorithm.allow_uncorrected_off_policy=true"])
+    assert ack.rl.algorithm.off_policy == "none"
+    # a correction the user chose stays, with its own defaults
+    tis = load_config(CONFIG, [*mode, "rl.algorithm.off_policy=tis"]).rl.algorithm
+    assert (tis.off_policy, tis.is_cap) == ("tis", 2.0)
+    # an unset correction's knob is read by the default one
+    assert load_config(CONFIG, [*mode, "rl.algorithm.mis_high=3"]).rl.algorithm.mis_high == 3.0
+
+
+def test_on_policy_modes_keep_no_correction_and_refuse_the_acknowledgement():
+    assert load_config(CONFIG).rl.algorithm.off_policy == "none"  # sync stays as it was
+    on_policy = load_config(CONFIG, ["rl.mode=async", "rl.max_staleness=0"])
+    assert on_policy.rl.algorithm.off_policy == "none"  # async at staleness 0 is sync
+    for more in ([], ["rl.mode=async", "rl.max_staleness=0"]):
+        with pytest.raises(ConfigError, match=r"config field rl.algorithm."
+                           r"allow_uncorrected_off_policy: got True; it only applies where "
+                           r"samples can be stale"):
+            load_config(CONFIG, [*more, "rl.algorithm.allow_uncorrected_off_policy=true"])
+    with pytest.raises(ConfigError, match=r"allow_uncorrected_off_policy: got True; the "
+                       r"algorithm ignores it: used only with off_policy: none"):
+        load_config(CONFIG, ["rl.mode=async", "rl.algorithm.off_policy=tis",
+                             "rl.algorithm.allow_uncorrected_off_policy=true"])
+    # built from an AlgorithmConfig instance (the Python API) it resolves the same way
+    rl = RLConfig(mode="one_step_off", algorithm=AlgorithmConfig(eps_high=0.3))
+    assert (rl.algorithm.off_policy, rl.algorithm.eps_high) == ("mis", 0.3)
+    assert RLConfig(algorithm=AlgorithmConfig(eps_high=0.3)).algorithm.off_policy == "none"
+
+
+def test_sampling_logprobs_needs_truncation():
+    assert load_config(CONFIG).sampling.logprobs == "sampled"
+    cfg = load_config(CONFIG, ["sampling.top_p=0.9", "sampling.logprobs=untruncated"])
+    assert cfg.sampling.logprobs == "untruncated" and cfg.sampling.truncates
+    with pytest.raises(ConfigError, match=r"config field sampling.logprobs: got 'untruncated'; "
+                       r"it only matters with sampling.top_k > 0 or sampling.top_p < 1"):
+        load_config(CONFIG, ["sampling.logprobs=untruncated"])
+    with pytest.raises(ConfigError, match=r"sampling.logprobs: got 'raw'; .*'sampled' or "
+                       r"'untruncated'"):
+        load_config(CONFIG, ["sampling.top_k=5", "sampling.logprobs=raw"])
+
+
+def test_a_correction_blind_to_truncation_is_one_warning(caplog):
+    from tiller.run import warn_blind_correction
+
+    blind = load_config(CONFIG, ["sampling.top_k=5", "sampling.logprobs=untruncated",
+                                 "rl.mode=async"])
+    with caplog.at_level("WARNING", logger="tiller.run"):
+        warn_blind_correction(blind)
+        warn_blind_correction(load_config(CONFIG, ["sampling.top_k=5", "rl.mode=async"]))
+        warn_blind_correction(load_config(CONFIG, ["sampling.top_k=5",
+                                                   "sampling.logprobs=untruncated"]))
+    [record] = caplog.records  # sampled logprobs, or no correction (sync): nothing to say
+    assert record.getMessage().startswith("sampling.logprobs is untruncated with top_k 5 / "
+                                          "top_p 1: off_policy mis cannot see the "
+                                          "truncation")
+    assert "\n" not in record.getMessage()

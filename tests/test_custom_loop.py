@@ -6,11 +6,12 @@ from pathlib import Path
 import pytest
 from custom_loop import run_episode as custom_episode
 
+from tiller.engine.api import SamplingParams
+from tiller.engine.embedded import EmbeddedEngine
 from tiller.envs import ENVS
 from tiller.envs.verifiers import Reward
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits, ExpertActor, run_episode
 from tiller.rollout.chat import stop_token_ids
-from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.rollout.trajectory import Status, TrajectoryBuilder
 
 Calc = ENVS["calculator"]

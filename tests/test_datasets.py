@@ -16,12 +16,13 @@ from typer.testing import CliRunner
 
 from tiller.cli import app
 from tiller.config import Config
+from tiller.envs.actions import ParsedTurn
 from tiller.envs.base import Task
 from tiller.envs.dataset import DatasetEnv
 from tiller.envs.rewards import RewardEntry, combine
 from tiller.envs.rows import read_rows
 from tiller.errors import ConfigError
-from tiller.rollout.chat import ChatFormat, ParsedTurn
+from tiller.rollout.chat import ChatFormat
 from tiller.run import check_sft_source
 from tiller.train.conversations import assistant_text, conversation_trajectory
 

@@ -8,10 +8,11 @@ import time
 import pytest
 import torch
 
+from tiller.engine.api import SamplingParams
+from tiller.engine.embedded import EmbeddedEngine
+from tiller.engine.updates import WeightSyncError, WeightUpdate
 from tiller.envs.verifiers import Reward
-from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.rollout.trajectory import Status, Trajectory
-from tiller.rollout.weight_sync import WeightSyncError, WeightUpdate
 from tiller.train.batch import Batch, token_logprobs
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17]]

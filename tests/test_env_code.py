@@ -13,13 +13,13 @@ from helpers import RL_MOVES, TINY_ENV_RUN, TextActor, check_short_run
 from tiller.config import load_config
 from tiller.controller import train
 from tiller.envs import ENVS
+from tiller.envs.actions import ParsedTurn
 from tiller.envs.code import CodeEnv, make_tasks
 from tiller.models import train_tokenizer
-from tiller.observe.evaluation import is_success
 from tiller.rollout.agent_loop import EpisodeLimits, run_episode
-from tiller.rollout.chat import ParsedTurn
 from tiller.rollout.collect import collect_expert
-from tiller.tools import sandbox
+from tiller.rollout.trajectory import is_success
+from tiller.tools import launch
 from tiller.tools.registry import ToolCall
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed")
@@ -113,7 +113,7 @@ def test_run_python_tool_and_sandbox_failure(monkeypatch):
 
     # a real bwrap failure: the python it binds into the sandbox does not exist
     missing = "/nonexistent-python-dir"
-    monkeypatch.setattr(sandbox, "_python_binds", lambda: [(missing, missing)])
+    monkeypatch.setattr(launch, "_python_binds", lambda: [(missing, missing)])
     failed = asyncio.run(call("print(1)"))
     assert failed.outcome.value == "env_error" and "bwrap" in failed.content
     reward = _verify(task, f"```python\n{task.answer}```", env)

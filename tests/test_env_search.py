@@ -15,12 +15,12 @@ from helpers import RL_MOVES, TINY_ENV_RUN, TextActor, check_short_run
 from tiller.config import load_config
 from tiller.controller import train
 from tiller.envs import ENVS
+from tiller.envs.actions import ParsedTurn
 from tiller.envs.search import SearchEnv, make_tasks, search_passages, world
 from tiller.models import train_tokenizer
-from tiller.observe.evaluation import is_success
 from tiller.rollout.agent_loop import EpisodeLimits, run_episode
-from tiller.rollout.chat import ParsedTurn
 from tiller.rollout.collect import collect_expert
+from tiller.rollout.trajectory import is_success
 
 pytest.importorskip("bm25s")
 CONFIG = Path(__file__).parents[1] / "configs" / "search.yaml"

@@ -30,6 +30,9 @@ from real_vocab import (
 )
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen3Config
 
+from tiller.engine.api import Generation, SamplingParams
+from tiller.engine.embedded import EmbeddedEngine
+from tiller.envs.actions import ParsedTurn
 from tiller.envs.base import Env, StepResult, Task
 from tiller.envs.verifiers import Reward
 from tiller.errors import ConfigError
@@ -39,8 +42,7 @@ from tiller.rollout.agent_loop import (
     check_rollout_setup,
     run_episode,
 )
-from tiller.rollout.chat import FAMILIES, ChatFormat, ParsedTurn, stop_token_ids
-from tiller.rollout.engine import EmbeddedEngine, Generation, SamplingParams
+from tiller.rollout.chat import FAMILIES, ChatFormat, stop_token_ids
 from tiller.rollout.trajectory import Status
 from tiller.tools.registry import ToolCall, ToolOutcome, ToolResult
 from tiller.train.batch import Batch, token_logprobs

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from tiller.config import load_config
+from tiller.engine.api import SamplingParams
+from tiller.engine.embedded import EmbeddedEngine
 from tiller.envs import ENVS
 from tiller.errors import ConfigError
 from tiller.gateway.program import ProgramEpisode, load_program
@@ -24,7 +26,6 @@ from tiller.models import load_model, load_tokenizer
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits, run_episode
 from tiller.rollout.chat import ChatFormat, stop_token_ids
 from tiller.rollout.collect import collect_expert
-from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.rollout.trajectory import Status
 from tiller.train.batch import Batch
 

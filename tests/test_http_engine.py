@@ -6,6 +6,7 @@ out, and short training runs with `engine.backend: http`."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import signal
@@ -27,15 +28,16 @@ from helpers import rl_rows
 
 from tiller.config import load_config
 from tiller.controller import ledger_unaccounted, rl
+from tiller.engine.api import SamplingParams
+from tiller.engine.embedded import EmbeddedEngine
+from tiller.engine.http import HttpEngine, connect
+from tiller.engine.updates import WeightUpdate
 from tiller.envs import ENVS
 from tiller.errors import ConfigError, RunError
 from tiller.models import load_model
 from tiller.rollout.agent_loop import EngineActor, run_episode
 from tiller.rollout.chat import stop_token_ids
 from tiller.rollout.collect import collect
-from tiller.rollout.engine import EmbeddedEngine, SamplingParams
-from tiller.rollout.http_engine import HttpEngine, connect
-from tiller.rollout.weight_sync import WeightUpdate
 from tiller.run import Run
 
 START_TIMEOUT_S = 180.0  # importing torch and transformers on a loaded 2-core box is slow
@@ -244,7 +246,7 @@ def test_a_server_killed_mid_collection_is_retried_on_the_other(
         return trajs
 
     try:
-        with caplog.at_level(logging.WARNING, "tiller.rollout.http_engine"):
+        with caplog.at_level(logging.WARNING, "tiller.engine.http"):
             trajs = asyncio.run(main())
         stats = http.stats()
         # the next weight push finds server 0 still dead: skipped, counted, server 1 updated
@@ -515,6 +517,33 @@ def test_tokens_the_server_did_not_sample_are_a_loud_error(params, tmp_path):
                                                r"output_ids at position 1 \(3 vs 3 tokens\)"):
                 asyncio.run(http.generate([1], params, 0))
             assert (http.stats()["failed_requests"], http.stats()["retries"]) == (1, 0)
+        finally:
+            http.close()
+
+
+def test_truncated_logprobs_must_be_of_the_kind_the_trainer_recomputes(params, tmp_path):
+    answer = {"output_ids": [4, 2], "meta_info": {
+        "finish_reason": {"type": "stop"}, "weight_version": 0,
+        "output_token_logprobs": [[-0.5, 4, None], [-0.1, 2, None]]}}
+    top_p = dataclasses.replace(params, top_p=0.5)
+    with recorders(1, {"/generate": answer}) as srvs:  # a server that does not say which
+        http = engine_for([url(srvs[0])], tmp_path)
+        try:
+            with pytest.raises(RunError, match=r"reports untruncated logprobs \(meta_info."
+                               r"logprob_kind\) under top_k 0 / top_p 0.5, but sampling."
+                               r"logprobs is sampled: set sampling.logprobs: untruncated"):
+                asyncio.run(http.generate([1], top_p, 0))
+            assert http.stats()["failed_requests"] == 1
+            untruncated = dataclasses.replace(top_p, logprobs="untruncated")
+            assert asyncio.run(http.generate([1], untruncated, 0)).logprobs == [-0.5, -0.1]
+            assert asyncio.run(http.generate([1], params, 0)).token_ids == [4, 2]  # no top-p
+        finally:
+            http.close()
+    answer["meta_info"]["logprob_kind"] = "sampled"  # as tiller serve says
+    with recorders(1, {"/generate": answer}) as srvs:
+        http = engine_for([url(srvs[0])], tmp_path)
+        try:
+            assert asyncio.run(http.generate([1], top_p, 0)).token_ids == [4, 2]
         finally:
             http.close()
 

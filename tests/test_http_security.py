@@ -7,6 +7,7 @@ sockets, the tiny model."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import re
@@ -26,6 +27,10 @@ import torch
 from fastapi.testclient import TestClient
 from helpers import free_port, serve_process
 
+from tiller.engine.api import SamplingParams
+from tiller.engine.embedded import EmbeddedEngine
+from tiller.engine.kv_cache import PrefixCache
+from tiller.engine.updates import WeightUpdate
 from tiller.errors import ConfigError
 from tiller.gateway.server import Gateway
 from tiller.models import load_model
@@ -34,9 +39,6 @@ from tiller.observe.viewer.app import create_app as create_viewer
 from tiller.observe.viewer.app import viewer_server
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits
 from tiller.rollout.chat import stop_token_ids
-from tiller.rollout.engine import EmbeddedEngine, SamplingParams
-from tiller.rollout.kv_cache import PrefixCache
-from tiller.rollout.weight_sync import WeightUpdate
 from tiller.serve.app import create_app
 from tiller.serve.guard import Hosts, host_name
 from tiller.serve.listen import ConnectionLimits, GuardedH11
@@ -251,16 +253,23 @@ def health_while(url: str, body: bytes) -> tuple[httpx.Response, list[float]]:
                                  headers={"content-type": "application/json"}))
 
     thread = threading.Thread(target=post)
-    thread.start()
-    latencies = []
-    with httpx.Client(base_url=url, timeout=120) as http:
-        http.get("/health")  # connected before the big request lands
-        while thread.is_alive():
-            t0 = time.perf_counter()
-            assert http.get("/health").status_code == 200
-            latencies.append(time.perf_counter() - t0)
-            time.sleep(0.05)
-    thread.join()
+    # this (pytest) process holds models and fixtures: a full collection of its own heap
+    # would stall the measuring client, not the server, for most of a second
+    gc.collect()
+    gc.disable()
+    try:
+        thread.start()
+        latencies = []
+        with httpx.Client(base_url=url, timeout=120) as http:
+            http.get("/health")  # connected before the big request lands
+            while thread.is_alive():
+                t0 = time.perf_counter()
+                assert http.get("/health").status_code == 200
+                latencies.append(time.perf_counter() - t0)
+                time.sleep(0.05)
+        thread.join()
+    finally:
+        gc.enable()
     return answer[0], latencies
 
 
@@ -283,7 +292,9 @@ def test_health_answers_while_a_huge_chat_request_is_in_flight(long_context_dir)
             answer, latencies = health_while(live["url"], body)
             assert answer.status_code == 400 and says in answer.json()["error"]["message"]
             assert max(latencies) < 0.5, (says, max(latencies), len(latencies))
-            assert len(latencies) >= 3, latencies  # it was in flight while /health was asked
+            # it was in flight while /health was asked (the message count is now refused in
+            # a fraction of a second: one answer then shows the loop was free)
+            assert latencies, says
 
 
 # ---- 5: slowloris -------------------------------------------------------------------------

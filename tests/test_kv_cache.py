@@ -4,7 +4,7 @@ import random
 
 import torch
 
-from tiller.rollout.kv_cache import PrefixCache
+from tiller.engine.kv_cache import PrefixCache
 
 
 def kv_of(tokens, layers=2):

@@ -6,12 +6,12 @@ import json
 import pytest
 
 from tiller.config import ConfigError, load_config
+from tiller.engine.api import Generation
 from tiller.envs import ENVS
 from tiller.envs.verifiers import Reward
 from tiller.rollout.agent_loop import EpisodeLimits, run_episode
 from tiller.rollout.chat import ChatFormat
 from tiller.rollout.collect import run_one
-from tiller.rollout.engine import Generation
 from tiller.rollout.memory import (
     TRUNCATED_MARK,
     MemoryPolicy,

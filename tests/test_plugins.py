@@ -94,7 +94,7 @@ def test_config_tools_join_the_env_tools_behind_the_run_stack(plugin_path, calc_
         assert [s["function"]["name"] for s in env.tool_schemas()] == ["add", "multiply"]
         multiply = env.tool_schemas()[1]["function"]
         assert multiply["return"] == {"type": "integer", "description": "The product a * b."}
-        from tiller.rollout.chat import ParsedTurn
+        from tiller.envs.actions import ParsedTurn
         from tiller.tools.registry import ToolCall
 
         step = asyncio.run(env.step(ParsedTurn(content="", tool_calls=[

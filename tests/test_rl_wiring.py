@@ -9,13 +9,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from tiller.buffer import DataBuffer, Group
 from tiller.cli import app
 from tiller.config import AlgorithmConfig, ConfigError, RLConfig, load_config
 from tiller.controller import rl
 from tiller.envs.verifiers import Reward
 from tiller.models import resolve_device
 from tiller.observe.evaluation import success_summary
+from tiller.rollout.buffer import DataBuffer, Group
 from tiller.rollout.trajectory import Status, Trajectory
 from tiller.run import Run
 from tiller.train.batch import Batch

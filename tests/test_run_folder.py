@@ -25,10 +25,10 @@ from typer.testing import CliRunner
 import tiller
 from tiller.cli import app
 from tiller.config import load_config
+from tiller.engine.delta import DeltaUpdate, TensorDelta
+from tiller.engine.http import HttpEngine
+from tiller.engine.updates import WeightUpdate
 from tiller.errors import ConfigError
-from tiller.rollout.delta import DeltaUpdate, TensorDelta
-from tiller.rollout.http_engine import HttpEngine
-from tiller.rollout.weight_sync import WeightUpdate
 from tiller.tools.replay import ReplayStore
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from tiller.rollout.sampling import sample, uniform
+from tiller.engine.sampling import kept_set, sample, truncated_logprobs, uniform
 
 
 def rows(n, **over):
@@ -56,8 +56,6 @@ def test_top_k_and_top_p_keep_the_hand_computed_sets():
     freq = torch.bincount(tokens, minlength=3).double() / n
     assert freq[0] == 0 and abs(float(freq[1]) - 0.5 / 0.8) < 0.012
     # top_p 0.6: mass before rank 1 is 0.5 < 0.6 (kept), before rank 2 it is 0.8 (dropped)
-    # logprobs stay those of the untruncated distribution (what the trainer recomputes)
-    assert torch.allclose(logp, torch.log(torch.tensor([0.2, 0.5, 0.3]))[tokens], atol=1e-6)
     tokens, _ = draw(logits, top_p=torch.full((n,), 0.6))
     assert set(tokens.tolist()) == {1, 2}
 
@@ -113,3 +111,55 @@ def test_zero_probability_tokens_are_never_drawn_across_blocks():
     assert torch.allclose(freq[[0, 255, 256, 511, 699]],
                           torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25], dtype=torch.float64),
                           atol=0.01)
+
+
+# p = [0.1, 0.5, 0.15, 0.25]. top_k 2 keeps {1, 3} (mass 0.75): the sampled distribution is
+# 2/3, 1/3. top_p 0.5 keeps {1} (the mass before rank 2 is 0.5, not below 0.5): logprob 0.
+P = torch.tensor([[0.1, 0.5, 0.15, 0.25]])
+TOP_K_2 = {1: math.log(2 / 3), 3: math.log(1 / 3)}  # -0.405465, -1.098612
+UNTRUNCATED = {1: math.log(0.5), 3: math.log(0.25)}  # today's convention: -0.693147, -1.386294
+
+
+def test_the_logprob_is_of_the_distribution_sampled_from():
+    n = 400
+    logits = torch.log(P).repeat(n, 1)
+    tokens, logp = draw(logits, top_k=torch.full((n,), 2, dtype=torch.long),
+                        seeds=torch.arange(n))
+    assert set(tokens.tolist()) == {1, 3}
+    assert torch.allclose(logp, torch.tensor([TOP_K_2[t] for t in tokens.tolist()]), atol=1e-6)
+    tokens, logp = draw(logits, top_p=torch.full((n,), 0.5), seeds=torch.arange(n))
+    assert set(tokens.tolist()) == {1} and torch.allclose(logp, torch.zeros(n), atol=1e-6)
+    # T = 0.5: p^2 renormalised is [0.01, 0.25, 0.0225, 0.0625] / 0.345; top_k 2 keeps
+    # 0.25 / 0.3125 = 0.8 and 0.0625 / 0.3125 = 0.2
+    tokens, logp = draw(logits, top_k=torch.full((n,), 2, dtype=torch.long),
+                        temperature=torch.full((n,), 0.5), seeds=torch.arange(n))
+    hand = {1: math.log(0.8), 3: math.log(0.2)}
+    assert set(tokens.tolist()) == {1, 3}
+    assert torch.allclose(logp, torch.tensor([hand[t] for t in tokens.tolist()]), atol=1e-6)
+
+
+def test_untruncated_rows_keep_the_logprob_before_truncation():
+    logits = torch.log(P).repeat(200, 1)
+    untruncated = torch.arange(200) % 2 == 0  # every other row: today's convention
+    r = rows(200, top_k=torch.full((200,), 2, dtype=torch.long))
+    tokens, logp = sample(logits, r["temperature"], r["top_k"], r["top_p"], r["seeds"],
+                          r["steps"], max_top_k=2, untruncated=untruncated)
+    hand = torch.tensor([(UNTRUNCATED if u else TOP_K_2)[t]
+                         for t, u in zip(tokens.tolist(), untruncated.tolist(), strict=True)])
+    assert set(tokens.tolist()) == {1, 3} and torch.allclose(logp, hand, atol=1e-6)
+    # the tokens do not depend on what is reported
+    assert torch.equal(tokens, draw(logits, top_k=r["top_k"])[0])
+
+
+def test_kept_set_and_truncated_logprobs_hand_computed():
+    logp = torch.log(P).repeat(3, 1)
+    keep = kept_set(logp.exp(), torch.tensor([2, 0, 0]), torch.tensor([1.0, 0.5, 1.0]),
+                    max_top_k=2, any_top_p=True)
+    assert keep.tolist() == [[False, True, False, True], [False, True, False, False],
+                             [True, True, True, True]]
+    got = truncated_logprobs(logp, torch.tensor([3, 1, 2]), keep)
+    assert torch.allclose(got, torch.tensor([math.log(1 / 3), 0.0, math.log(0.15)]), atol=1e-6)
+    # a token outside the kept set (another policy's): renormalised over K + {y}, finite:
+    # top_p 0.5 keeps {1}; token 3 gets log(0.25 / (0.5 + 0.25)) = log(1/3)
+    out = truncated_logprobs(logp[1:2], torch.tensor([3]), keep[1:2])
+    assert torch.allclose(out, torch.tensor([math.log(1 / 3)]), atol=1e-6)

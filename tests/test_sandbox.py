@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from tiller.config import ConfigError
+from tiller.tools import launch
 from tiller.tools import sandbox as sb
 from tiller.tools.sandbox import Sandbox, SandboxLimits, SandboxOutcome
 
@@ -490,11 +491,11 @@ def test_memory_outside_the_address_space_is_denied() -> None:
 REAPER = """\
 import ctypes, glob, json, os, resource, signal, sys
 resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
-from tiller.tools import sandbox as sb
+from tiller.tools import launch, sandbox as sb
 ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
 report = {}
 for name, (code, wall, info_max) in json.loads(sys.argv[1]).items():
-    sb._INFO_MAX_BYTES = info_max
+    launch._INFO_MAX_BYTES = info_max
     r = sb.Sandbox(sb.SandboxLimits(wall_seconds=wall), backend='bwrap').run_python(code)
     left = [int(p) for f in glob.glob('/proc/self/task/*/children') for p in open(f).read().split()]
     seen = []
@@ -557,7 +558,7 @@ def test_no_process_of_the_sandbox_survives_the_call() -> None:
 @needs_bwrap
 def test_bwrap_setup_failure_is_sandbox_error(monkeypatch) -> None:
     missing = f"/nonexistent-{secrets.token_hex(4)}"
-    monkeypatch.setattr(sb, "_python_binds", lambda: [(missing, missing)])
+    monkeypatch.setattr(launch, "_python_binds", lambda: [(missing, missing)])
     r = Sandbox(LIMITS, backend="bwrap").run_python("print('never runs')")
     assert r.outcome is SandboxOutcome.SANDBOX_ERROR, r
     assert "bwrap:" in r.stderr and r.stdout == ""
@@ -567,7 +568,7 @@ def test_bwrap_setup_failure_is_sandbox_error(monkeypatch) -> None:
 def test_unreadable_info_fd_is_sandbox_error_and_still_kills(monkeypatch) -> None:
     """A partial `--info-fd` read (here: cut to 5 bytes) is the infrastructure's failure, not
     the policy's, and the sandbox is still killed (through the process group)."""
-    monkeypatch.setattr(sb, "_INFO_MAX_BYTES", 5)
+    monkeypatch.setattr(launch, "_INFO_MAX_BYTES", 5)
     token = _sleep_token()
     code = (f"import subprocess, time\nsubprocess.Popen(['sleep', {token!r}])\n"
             "time.sleep(9)  # bounded\n")
@@ -862,7 +863,7 @@ def test_a_failed_probe_is_retried_counted_and_then_refused(monkeypatch, fresh_p
                                                             caplog) -> None:
     """A single failed bwrap test run used to switch the whole process to the unsandboxed
     fallback. Now it is retried; only PROBE_ATTEMPTS failures in a row refuse."""
-    real_binds, broken_runs = sb._python_binds, [1]  # the first probe's bwrap fails to start
+    real_binds, broken_runs = launch._python_binds, [1]  # the first probe's bwrap fails to start
 
     def flaky_binds():
         if broken_runs:
@@ -871,7 +872,7 @@ def test_a_failed_probe_is_retried_counted_and_then_refused(monkeypatch, fresh_p
             return [(missing, missing)]
         return real_binds()
 
-    monkeypatch.setattr(sb, "_python_binds", flaky_binds)
+    monkeypatch.setattr(launch, "_python_binds", flaky_binds)
     assert Sandbox(LIMITS).backend == "bwrap"  # the retry worked
     assert sb.probe_failures() == 1 and "probe 1/3" in caplog.text
 

@@ -25,13 +25,13 @@ import uvicorn
 from fastapi.testclient import TestClient
 from helpers import free_port, serve_process
 
+from tiller.engine.embedded import EmbeddedEngine
+from tiller.engine.updates import WeightUpdate
 from tiller.envs import ENVS
 from tiller.models import load_model, load_tokenizer
 from tiller.rollout.agent_loop import EpisodeLimits
 from tiller.rollout.chat import ChatFormat, stop_token_ids
 from tiller.rollout.collect import collect_expert
-from tiller.rollout.engine import EmbeddedEngine
-from tiller.rollout.weight_sync import WeightUpdate
 from tiller.serve.app import create_app
 from tiller.serve.guard import META_MAX_BYTES, is_loopback
 from tiller.serve.server import ServeSettings
@@ -171,6 +171,7 @@ def test_generate_round_trips_ids_and_logprobs(http, tool_model_dir):
     assert meta["prompt_tokens"] == len(prompt) and meta["completion_tokens"] == len(ids) > 0
     assert [t for _, t, _ in meta["output_token_logprobs"]] == ids
     assert meta["finish_reason"]["type"] in ("stop", "length")
+    assert meta["logprob_kind"] == "sampled"  # of the distribution sampled from
     assert out["text"] == tokenizer.decode([t for t in ids if t != 2],
                                            skip_special_tokens=False)
 

@@ -2,9 +2,9 @@
 
 import asyncio
 
-from tiller.buffer import DataBuffer
 from tiller.envs import ENVS
 from tiller.rollout.agent_loop import ExpertActor, run_episode
+from tiller.rollout.buffer import DataBuffer
 from tiller.rollout.trajectory import Status
 from tiller.tools.executor import ExecutorConfig, ToolPolicy
 from tiller.tools.faults import FaultConfig

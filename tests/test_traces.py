@@ -22,6 +22,8 @@ from helpers import TINY_RUN, numbers, traces_of_version
 
 from tiller.config import ConfigError, RLConfig, load_config
 from tiller.controller import train
+from tiller.engine.api import SamplingParams
+from tiller.engine.embedded import EmbeddedEngine
 from tiller.envs.calculator import CalculatorEnv as Calc
 from tiller.envs.verifiers import Reward
 from tiller.errors import RunError, RunFolderError
@@ -29,7 +31,6 @@ from tiller.models import load_model
 from tiller.observe.traces import TraceWriter, connect, decode, query, read_episode
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits, ExpertActor, run_episode
 from tiller.rollout.collect import collect, run_one
-from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.rollout.trajectory import Status, TrajectoryBuilder
 from tiller.run import Run
 from tiller.tools.stack import ToolStack

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from tiller.config import ConfigError, RLConfig
+from tiller.engine.api import SamplingParams
+from tiller.engine.embedded import EmbeddedEngine
+from tiller.engine.updates import WeightSyncError, WeightUpdate
 from tiller.envs.verifiers import Reward
 from tiller.models import load_model
-from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.rollout.trajectory import Status, Trajectory
-from tiller.rollout.weight_sync import WeightSyncError, WeightUpdate
 from tiller.train.algorithms import ADVANTAGES, AGGREGATIONS
 from tiller.train.batch import Batch, token_logprobs
 from tiller.train.critic import Critic
@@ -150,9 +151,12 @@ CORRECTIONS = [
     ({"off_policy": "tis", "is_cap": 5.0}, 2.0, 0.0, 0.0),
     ({"off_policy": "tis", "is_cap": 1.5}, 1.5, 1.0, 0.0),
     ({"off_policy": "decoupled", "is_cap": 5.0}, 2.0, 0.0, 0.0),
+    ({"off_policy": "decoupled", "is_cap": 1.5}, 0.0, 0.0, 1.0),  # 2 > 1.5: filtered out
+    ({"off_policy": "decoupled_tis", "is_cap": 1.5}, 1.5, 1.0, 0.0),  # 2 > 1.5: capped
     ({"off_policy": "seq_is", "is_cap": 5.0}, 5.0, 1.0, 0.0),  # 2^3 per 3-token row, capped
-    ({"off_policy": "mis"}, 1.0, 0.0, 0.0),  # 2 is inside [0.5, 5]: kept, not reweighted
+    ({"off_policy": "mis"}, 2.0, 0.0, 0.0),  # 2 is inside [0.5, 5]: kept with its ratio
     ({"off_policy": "mis", "mis_high": 1.5}, 0.0, 0.0, 1.0),  # 2 > 1.5: every token removed
+    ({"off_policy": "mis_mask"}, 1.0, 0.0, 0.0),  # inside the band: kept, not reweighted
 ]
 
 
@@ -180,7 +184,8 @@ def test_off_policy_weight_multiplies_every_policy_loss(calc_model_dir, loss):
 
 def test_decoupled_recomputes_the_proximal_policy_with_one_optimizer_step(calc_model_dir):
     # sampled by the initial weights (logp0); the trainer's weights have moved since, so the
-    # behaviour weight min(exp(logp_prox - logp0), C) is not 1 on the first (only) pass
+    # behaviour weight min(exp(logp_prox - logp0), C) of decoupled_tis is not 1 on the first
+    # (only) pass; decoupled would zero the capped tokens instead (its weight is hand-tested)
     batch = clip_batch()
     with torch.no_grad():
         logp0, _ = token_logprobs(load_model(calc_model_dir), batch)
@@ -190,7 +195,7 @@ def test_decoupled_recomputes_the_proximal_policy_with_one_optimizer_step(calc_m
         for p in moved.parameters():
             p.add_(0.05 * torch.randn_like(p))
     state = copy.deepcopy(moved.state_dict())
-    alg = {"off_policy": "decoupled", "is_cap": 1.2, "aggregation": "token-mean"}
+    alg = {"off_policy": "decoupled_tis", "is_cap": 1.2, "aggregation": "token-mean"}
     cfg = RLConfig(micro_batch_size=8, max_grad_norm=1e9, algorithm=alg)
     forwards = []
     moved.register_forward_hook(lambda *_: forwards.append(1))
@@ -424,3 +429,112 @@ def test_sft_loss_is_at_temperature_one(calc_model_dir):
     with torch.no_grad():
         logp, _ = token_logprobs(load_model(calc_model_dir), batch, 1.0)
     assert losses[0] == losses[1] == pytest.approx(-float((logp * batch.loss_mask).sum()) / 3)
+
+
+# ---- issue 19: dropout off in the gradient passes ----------------------------------------------
+
+def gpt2_with_dropout(p: float = 0.3):
+    """A GPT-2-style model built here: random weights, dropout p on embeddings, attention and
+    residuals (as GPT-2, OPT and Phi ship)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=2,
+                                      n_head=2, resid_pdrop=p, embd_pdrop=p, attn_pdrop=p))
+
+
+def engine_batch(model):
+    """Two groups of two rows of 8 tokens, with the logprobs an engine (eval mode) reports."""
+    trajs = [make_traj([1, 2, 3, 4], [5 + i, 6 + 2 * i, 7 + i, 8], float(i % 2), task=f"t{i // 2}")
+             for i in range(4)]
+    batch = Batch.collate(trajs, 0)
+    with torch.no_grad():
+        logp, _ = token_logprobs(model.eval(), batch)
+    return rollout_at(batch, logp, 0.0)
+
+
+def pass_logprobs(logits, batch):
+    """The logprobs of the batch's ids from one forward pass's logits."""
+    lp = torch.log_softmax(logits[:, :-1].float(), -1)
+    return lp.gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+
+
+@pytest.mark.parametrize("dropout", ["off", "keep"])
+def test_dropout_off_makes_the_ratio_exactly_1_before_the_update(dropout):
+    model = gpt2_with_dropout()
+    batch = engine_batch(model)
+    logits = []
+    model.register_forward_hook(lambda _m, _i, out: logits.append(out.logits.detach()))
+    trainer = Trainer(model) if dropout == "off" else Trainer(model, dropout="keep")
+    trainer.set_optimizer(lr=1e-2)
+    cfg = RLConfig(micro_batch_size=8, ppo_epochs=2, algorithm={"off_policy": "tis"})
+    trainer.rl_step(batch, cfg, l_max=8)
+    # passes: logp_old's no-grad prepass, epoch 1 (the weights have not moved yet), epoch 2
+    assert len(logits) == 3
+    on = batch.loss_mask[:, 1:] > 0
+    rho = torch.exp(pass_logprobs(logits[1], batch) - pass_logprobs(logits[0], batch))[on]
+    if dropout == "off":
+        assert torch.equal(rho, torch.ones_like(rho))
+    else:  # dropout on in the gradient pass: a ratio off 1 with no update at all
+        assert (rho - 1).abs().max() > 0.05
+    # one optimizer step without a prepass: logp_old is the gradient pass's own logprobs,
+    # which with dropout off are the engine's exactly (no spurious mismatch, TIS weight 1)
+    model = gpt2_with_dropout()
+    batch = engine_batch(model)
+    trainer = Trainer(model) if dropout == "off" else Trainer(model, dropout="keep")
+    trainer.set_optimizer(lr=1e-2)
+    m = trainer.rl_step(batch, RLConfig(micro_batch_size=8, algorithm={"off_policy": "tis"}),
+                        l_max=8)
+    if dropout == "off":
+        assert (m["logp_mismatch_max"], m["is_weight_mean"], m["is_weight_max"]) == (
+            0.0, 1.0, 1.0)
+    else:
+        assert m["logp_mismatch_max"] > 0.05
+
+
+def test_dropout_rates_and_keep_on_a_model_without_dropout(calc_model_dir, tmp_path):
+    from tiller.config import load_config
+    from tiller.models import dropout_rates
+    from tiller.run import Run
+
+    rates = dropout_rates(gpt2_with_dropout(0.3))
+    assert rates["transformer.drop"] == 0.3 and rates["transformer.h.0.attn.attn_dropout"] == 0.3
+    assert set(rates.values()) == {0.3} and len(rates) == 1 + 2 * 3  # embd + (attn, resid x2)
+    assert dropout_rates(load_model(calc_model_dir)) == {}  # the built Qwen3: no dropout
+    cfg = load_config("configs/calculator.yaml", [f"model.path={calc_model_dir}",
+                                                  "model.build=null", "model.dropout=keep",
+                                                  "logging.tensorboard=false"])
+    with pytest.raises(ConfigError, match=r"^config field model.dropout: got 'keep'; this model "
+                                          r"has no dropout"):
+        Run(cfg, tmp_path / "run")
+
+
+# ---- issue 19: the trainer recomputes the truncated distribution the engine sampled ---------
+
+def test_trainer_logprobs_are_of_the_truncated_distribution(model):
+    batch = clip_batch()
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids).logits[:, :-1].float()
+        full, _ = token_logprobs(model, batch, temperature=0.7)
+        trunc, ent = token_logprobs(model, batch, 0.7, with_entropy=True, top_k=3)
+    # by hand: renormalised over the 3 most likely tokens (plus the token itself)
+    logp = torch.log_softmax(logits / 0.7, -1)
+    top = torch.topk(logp, 3, -1).indices
+    keep = torch.zeros_like(logp, dtype=torch.bool).scatter(-1, top, True)
+    ids = batch.input_ids[:, 1:, None]
+    norm = torch.logsumexp(logp.masked_fill(~keep.scatter(-1, ids, True), float("-inf")), -1)
+    hand = logp.gather(-1, ids)[..., 0] - norm
+    assert torch.allclose(trunc[:, 1:], hand, atol=1e-5)
+    assert torch.allclose(full[:, 1:], logp.gather(-1, ids)[..., 0], atol=1e-5)
+    assert (trunc[:, 1:] > full[:, 1:] + 1e-3).any()  # the kept mass is below 1
+    q = torch.softmax(logp.masked_fill(~keep, float("-inf")), -1)  # entropy of the top 3
+    h = -(q * torch.log(q.clamp_min(1e-30))).sum(-1)
+    assert torch.allclose(ent[:, 1:], h, atol=1e-5) and float(ent[:, 1:].max()) <= math.log(3)
+    # the trainer's passes use the sampler's truncation: with the engine's sampled logprobs
+    # the ratio to the behaviour policy is 1 on-policy
+    on_policy = rollout_at(batch, trunc, 0.0)
+    trainer = Trainer(model, temperature=0.7, top_k=3)
+    trainer.set_optimizer(lr=1e-3)
+    m = trainer.rl_step(on_policy, RLConfig(micro_batch_size=8, algorithm={"off_policy": "tis"}),
+                        l_max=8)
+    assert m["logp_mismatch_max"] < 1e-5 and m["is_weight_mean"] == pytest.approx(1.0, abs=1e-5)

@@ -23,6 +23,8 @@ from browser import artifacts_dir, chromium_page
 from helpers import traces_of_version
 
 from tiller.config import RLConfig
+from tiller.engine.api import SamplingParams
+from tiller.engine.embedded import EmbeddedEngine
 from tiller.envs.calculator import CalculatorEnv as Calc
 from tiller.errors import RunFolderError
 from tiller.models import load_model
@@ -30,7 +32,6 @@ from tiller.observe.traces import TraceWriter, connect, query, read_episode
 from tiller.observe.viewer.app import create_app
 from tiller.rollout.agent_loop import EngineActor, run_episode
 from tiller.rollout.collect import collect
-from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.train.batch import Batch
 from tiller.train.trainer import Trainer
 

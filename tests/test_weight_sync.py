@@ -1,6 +1,6 @@
-"""Weight sync (tiller.rollout.sync): delta equals full bit for bit, the index encoding, auto's
-choice by exact byte counts, corrupted syncs caught (checksum and parity), unresponsive engines
-timing out with an error naming what was waited for, and deltas over HTTP through real
+"""Weight sync (tiller.engine.weight_sync): delta equals full bit for bit, the index encoding,
+auto's choice by exact byte counts, corrupted syncs caught (checksum and parity), unresponsive
+engines timing out with an error naming what was waited for, and deltas over HTTP through real
 `tiller serve` subprocesses."""
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import torch
 from test_http_engine import servers
 
 from tiller.config import WeightSyncConfig, load_config
+from tiller.engine.delta import DeltaUpdate, TensorDelta, bits, decode_gaps, encode_gaps
+from tiller.engine.embedded import EmbeddedEngine
+from tiller.engine.http import HttpEngine
+from tiller.engine.updates import WeightSyncError, WeightUpdate, checksum_positions, checksums
+from tiller.engine.weight_sync import WeightSync
 from tiller.errors import ConfigError, RunError
-from tiller.rollout.delta import DeltaUpdate, TensorDelta, bits, decode_gaps, encode_gaps
-from tiller.rollout.engine import EmbeddedEngine
-from tiller.rollout.http_engine import HttpEngine
-from tiller.rollout.sync import WeightSync
-from tiller.rollout.weight_sync import WeightSyncError, WeightUpdate, checksum_positions, checksums
 from tiller.train.trainer import Trainer
 
 
@@ -162,7 +162,7 @@ def test_auto_ships_the_fewer_bytes_by_exact_count(model, dense, caplog):
         after = {k: t.detach().to(torch.bfloat16) for k, t in sync._live().items()}
         want_delta = expected_delta_bytes(before, after, 2)
         full = sum(t.numel() for t in after.values()) * 2
-        with caplog.at_level("INFO", logger="tiller.rollout.sync"):
+        with caplog.at_level("INFO", logger="tiller.engine.weight_sync"):
             m = sync.push()
         assert m["sync/full_bytes"] == full
         assert m["sync/bytes"] == min(want_delta, full)
@@ -323,7 +323,7 @@ def test_engine_weights_corrupted_where_the_checksum_does_not_look_fail_the_pari
 
 # ---------------------------------------------------------------- timeouts
 def test_a_push_to_an_engine_stuck_in_a_forward_times_out_naming_the_update(model, tokenizer):
-    from tiller.rollout.engine import SamplingParams
+    from tiller.engine.api import SamplingParams
 
     engine = engine_of(model)
     entered, release = threading.Event(), threading.Event()

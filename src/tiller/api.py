@@ -63,12 +63,14 @@ def build_config(config: ConfigLike, overrides: dict[str, Any]) -> Config:
     """`config` (a YAML path, a dict or a Config) with `overrides` merged in, validated."""
     from pydantic import ValidationError
 
-    from tiller.config import Config, _first_error, _merge
+    from tiller.config import Config
+    from tiller.config.base import merge
+    from tiller.config.root import first_error
 
     try:
-        return Config.model_validate(_merge(_as_dict(config), overrides))
+        return Config.model_validate(merge(_as_dict(config), overrides))
     except ValidationError as e:
-        raise ConfigError(_first_error(e)) from e
+        raise ConfigError(first_error(e)) from e
 
 
 def train(config: ConfigLike, /, output_dir: str | Path | None = None,

@@ -14,7 +14,7 @@ import sys
 from contextlib import nullcontext
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
@@ -32,7 +32,7 @@ Overrides = Annotated[list[str] | None, typer.Argument(help="overrides: section.
 OutputDir = Annotated[Path | None, typer.Option("--output-dir", "-o", help="run folder")]
 
 
-def _fail(message: str, code: int = 2) -> None:
+def _fail(message: str, code: int = 2) -> NoReturn:
     # escaped: "pip install 'tiller[search]'" is not rich markup
     console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
@@ -64,6 +64,9 @@ def _print_summary(summary: dict) -> None:
                      if k.startswith("success/seed")}
             console.print(f"{key} per seed: " + ", ".join(f"{k} {v:.3f}"
                                                           for k, v in seeds.items()))
+    rt = summary["runtime"]
+    console.print(f"torch threads: {rt['threads']} per compute stream ({rt['source']}; "
+                  "runtime.json)", highlight=False)
     console.print(f"run folder: {summary['run_dir']}")
     if "report" in summary:
         console.print(f"report: {summary['report']}", highlight=False, soft_wrap=True)
@@ -223,6 +226,18 @@ def view(
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def _threads_option(value: str) -> int | str:
+    """`--threads`: validated as runtime.threads is (a whole number >= 1, or auto)."""
+    from pydantic import ValidationError
+
+    from tiller.config import RuntimeConfig
+
+    try:
+        return RuntimeConfig(threads=int(value) if value.lstrip("-").isdigit() else value).threads
+    except ValidationError as e:
+        _fail(f"--threads {value}: {e.errors()[0]['msg']}")
+
+
 @app.command()
 def serve(
     model_path: Annotated[Path, typer.Argument(help="a Hugging Face model folder")],
@@ -253,29 +268,37 @@ def serve(
         "not arrived whole this long after its first byte")] = 10.0,
     max_connections: Annotated[int, typer.Option(
         min=1, help="open connections; one more is answered 503 and closed")] = 512,
+    threads: Annotated[str, typer.Option(
+        help="torch threads: a number, or auto (runtime.threads' rule for one engine)")] = "auto",
 ) -> None:
     """Serve a model over HTTP: SGLang's /generate and OpenAI-compatible chat and completions."""
     keys = tuple(api_key or ())
     _check_serve_options(host, keys, dtype, device, weights_root)
+    thread_setting = _threads_option(threads)
 
     import gc
     import logging
 
     import torch
 
+    from tiller.engine.embedded import EmbeddedEngine
     from tiller.models import load_model, load_tokenizer, resolve_device
     from tiller.rollout.chat import stop_token_ids
-    from tiller.rollout.engine import EmbeddedEngine
+    from tiller.runtime import set_up_threads
     from tiller.serve import listen
     from tiller.serve.app import create_app
     from tiller.serve.guard import Hosts
     from tiller.serve.server import ServeSettings
 
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         torch_device = resolve_device(device)
         tokenizer = load_tokenizer(model_path)
         model = load_model(model_path, getattr(torch, dtype)).to(torch_device)
         stops = stop_token_ids(tokenizer, model.generation_config)
+        # one compute stream: the engine's worker thread
+        set_up_threads(thread_setting, params=sum(p.numel() for p in model.parameters()),
+                       streams=1, field="--threads")
     except (ConfigError, ModelLoadError) as e:
         _fail(str(e))
     engine = EmbeddedEngine(model, tokenizer.pad_token_id, max_batch_size=max_batch_size,
@@ -297,7 +320,6 @@ def serve(
     except ConfigError as e:
         engine.close()
         _fail(str(e))
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # what torch, transformers and the model made is left out of the collector's full passes:
     # a full collection triggered by a large request (it holds the GIL, so every route waits)
     # then walks the request's objects only

@@ -24,7 +24,6 @@ from tiller.config import Config
 from tiller.errors import ConfigError, RunError, require_package
 from tiller.files import write_file
 from tiller.observe.evaluation import (
-    is_success,
     outcome_rows,
     success_by_difficulty,
     success_summary,
@@ -34,8 +33,9 @@ from tiller.observe.health import EnvErrorTrend, JudgeHackingTrend
 from tiller.observe.metrics import progress
 from tiller.rollout.collect import rollout_metrics
 from tiller.rollout.curriculum import make_curriculum
-from tiller.rollout.manager import RolloutManager, Rollouts
-from tiller.rollout.trajectory import Status, Trajectory
+from tiller.rollout.manager import RolloutManager
+from tiller.rollout.protocol import Rollouts
+from tiller.rollout.trajectory import Status, Trajectory, is_success
 from tiller.run import Run, get_env, heldout_disabled, rl_task_reserve
 from tiller.tools.executor import ToolReliabilityError
 from tiller.train.algorithms.kl import kl_beta_at
@@ -159,7 +159,8 @@ def rl(run: Run, after_step: Callable[[int], None] | None = None) -> dict[str, A
     # kl.beta = 0 (or switched off from the start): no reference model exists or runs
     ref = (copy.deepcopy(run.model).to(run.dtype).eval()
            if kl_beta_at(0, alg.kl.beta, alg.kl.off_after) else None)
-    critic = Critic(run.model, alg.critic) if alg.critic is not None else None
+    critic = (Critic(run.model, alg.critic, run.cfg.model.dropout)
+              if alg.critic is not None else None)
     trend = EnvErrorTrend()
     hacking = JudgeHackingTrend(cfg.judge.window, cfg.judge.margin)
     # the manager's reward is the verifier's (plus the gated judge term); the batch's may be
@@ -342,7 +343,8 @@ def train(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:
         require_package("matplotlib", "report", "logging.report=true",
                         instead="set logging.report=false")
     run = Run(cfg, output_dir)
-    summary: dict[str, Any] = {"run_dir": str(run.dir), "seed": cfg.seed}
+    summary: dict[str, Any] = {"run_dir": str(run.dir), "seed": cfg.seed,
+                               "runtime": run.runtime}
     try:
         no_eval = heldout_disabled(cfg, run.env_cls)
         if no_eval:  # said once, here and in the summary: never a silent zero
@@ -399,6 +401,7 @@ def evaluate_checkpoint(cfg: Config, output_dir: str | Path | None = None) -> di
         sets = evaluate_sets(run, "checkpoint")
     finally:
         run.close()
-    summary = {"run_dir": str(run.dir), "model": cfg.model.path, **sets}
+    summary = {"run_dir": str(run.dir), "model": cfg.model.path, "runtime": run.runtime,
+               **sets}
     write_file(run.dir / "summary.json", json.dumps(summary, indent=2))
     return summary

@@ -70,6 +70,18 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrain
     return AutoModelForCausalLM.from_pretrained(_check_path(path), dtype=dtype)
 
 
+def dropout_rates(model: torch.nn.Module) -> dict[str, float]:
+    """The model's non-zero dropout probabilities: each `nn.Dropout` module's p, and the
+    attention dropout a config gives as a number (`attention_dropout`, applied functionally by
+    Qwen, Llama and most HF attentions). Empty: the model has no dropout."""
+    rates = {name: float(m.p) for name, m in model.named_modules()
+             if isinstance(m, torch.nn.Dropout) and m.p > 0}
+    attention = getattr(getattr(model, "config", None), "attention_dropout", 0.0)
+    if isinstance(attention, int | float) and attention > 0:
+        rates["config.attention_dropout"] = float(attention)
+    return rates
+
+
 def train_tokenizer(corpus: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
     """Byte-level BPE with one token per digit, so numbers are copied digit by digit.
 

@@ -5,7 +5,8 @@ The schedule that uses them is `tiller.controller`."""
 from __future__ import annotations
 
 import asyncio
-import copy
+import json
+import logging
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -18,12 +19,21 @@ import torch
 import yaml
 
 from tiller.config import Config
+from tiller.engine.api import SamplingParams
+from tiller.engine.factory import make_engine
+from tiller.engine.weight_sync import WeightSync
 from tiller.envs import Env, Task, ToolEnv
 from tiller.envs.dataset import DatasetEnv, read_conversations
-from tiller.errors import ConfigError, require_package
+from tiller.errors import ConfigError
 from tiller.files import replacing, write_file
 from tiller.gateway.program import ProgramEpisode, load_program
-from tiller.models import build_env_model, load_model, load_tokenizer, resolve_device
+from tiller.models import (
+    build_env_model,
+    dropout_rates,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+)
 from tiller.observe.metrics import MetricsLogger, check_backends
 from tiller.observe.traces import TraceWriter
 from tiller.plugins import check_env_tools, env_label, load_env_class
@@ -36,16 +46,17 @@ from tiller.rollout.agent_loop import (
 from tiller.rollout.chat import stop_token_ids
 from tiller.rollout.collect import check_aborted, collect, collect_expert
 from tiller.rollout.curriculum import check_curriculum
-from tiller.rollout.engine import EmbeddedEngine, SamplingParams
 from tiller.rollout.memory import MemoryPolicy
-from tiller.rollout.sync import WeightSync
 from tiller.rollout.trajectory import Trajectory
+from tiller.runtime import set_up_threads
 from tiller.tools.sandbox import set_unsafe_fallback
 from tiller.tools.stack import ToolStack
 from tiller.train.conversations import conversation_demos
 from tiller.train.judges import ModelJudge, check_judge_model
 from tiller.train.shaping import load_judge, load_key_steps
 from tiller.train.trainer import Trainer
+
+log = logging.getLogger(__name__)
 
 
 def get_env(name: str) -> type[Env]:
@@ -133,6 +144,29 @@ def check_sft_source(cfg: Config, env_cls: type[Env]) -> None:
                           "messages JSONL), or set sft.enabled=false")
 
 
+def compute_streams(cfg: Config) -> int:
+    """A run's torch compute streams that run at once: the embedded engine's worker, a judge
+    model's worker (it scores episodes while others are generated), and the trainer when it
+    trains while episodes are sampled (rl.mode one_step_off or async; in sync it waits for
+    them). At least 1 (the trainer of an HTTP-engine run)."""
+    rollout = int(cfg.engine.backend == "embedded") + int(cfg.rl.judge.model is not None)
+    overlaps = cfg.rl.mode != "sync" and cfg.rl.steps > 0
+    return max(1, rollout + int(overlaps))
+
+
+def warn_blind_correction(cfg: Config) -> None:
+    """One warning when RL trains with top-k / top-p truncation, untruncated logprobs and an
+    off-policy correction: the behaviour logprob it divides by is not the probability the
+    token was drawn with (lower by the log of the kept mass), so its weights stay near 1 on
+    off-policy data."""
+    s, alg = cfg.sampling, cfg.rl.algorithm
+    if cfg.rl.steps and s.truncates and s.logprobs == "untruncated" and alg.off_policy != "none":
+        log.warning("sampling.logprobs is untruncated with top_k %d / top_p %g: off_policy %s "
+                    "cannot see the truncation (its behaviour logprob is not the one tokens "
+                    "were drawn with); use sampling.logprobs: sampled where the engine reports "
+                    "it (tiller's engines do)", s.top_k, s.top_p, alg.off_policy)
+
+
 class Run:
     """Everything one run needs, built from a validated `Config`. Hooks named in the config
     (agent loop or program, key steps) are imported first, so a bad one fails before any work."""
@@ -150,6 +184,7 @@ class Run:
         self.sft_conversations = read_conversations(cfg.data) if cfg.data.sft else []
         check_backends(cfg.logging.tensorboard, cfg.logging.wandb)
         check_task_counts(cfg, self.env_cls)
+        warn_blind_correction(cfg)
         self.episode_fn = load_episode_fn(cfg.agent.loop)
         program = load_program(cfg.agent.program) if cfg.agent.program else None
         self.key_steps = load_key_steps(cfg.rl.algorithm.credit.key_steps)
@@ -214,29 +249,27 @@ class Run:
         # engine's copy (and the reference model) are in model.dtype
         self.dtype = getattr(torch, cfg.model.dtype)
         self.model = load_model(path, torch.float32).to(self.device)
+        # before the engine, the trainer or any episode computes: they share these threads
+        self.runtime = set_up_threads(cfg.runtime.threads, streams=compute_streams(cfg),
+                                      params=sum(p.numel() for p in self.model.parameters()))
+        write_file(self.dir / "runtime.json", json.dumps(self.runtime, indent=2))
         check_rollout_setup(self.tokenizer, self.model.config, self.limits)
         if cfg.rl.judge.model is not None:
             self.judge = ModelJudge(cfg.rl.judge.model, cfg.rl.judge.prompt, device=self.device)
         self.timings["build_s"] = time.perf_counter() - t0
-        self.trainer = Trainer(self.model, temperature=cfg.sampling.temperature or 1.0,
-                               compute_dtype=self.dtype)
-        if cfg.engine.backend == "http":  # the servers get the trainer's weights (version 0)
-            require_package("httpx", "serve", "engine.backend=http")
-            from tiller.rollout.http_engine import connect  # httpx is an optional extra
-
-            e = cfg.engine
-            self.engine = connect(e.urls, weights_dir=e.weights_dir or self.dir / "weights",
-                                  api_key=e.api_key.get_secret_value() if e.api_key else None,
-                                  request_timeout_s=e.request_timeout_s,
-                                  max_retries=e.max_retries,
-                                  vocab_size=self.model.config.vocab_size,
-                                  max_context=self.model.config.max_position_embeddings,
-                                  initial=self.trainer.weight_update(), dtype=cfg.model.dtype)
-        else:
-            self.engine = EmbeddedEngine(copy.deepcopy(self.model).to(self.dtype),
-                                         self.tokenizer.pad_token_id,
-                                         max_batch_size=cfg.engine.max_batch_size,
-                                         cache_bytes=cfg.engine.cache_bytes)
+        if cfg.model.dropout == "keep" and not dropout_rates(self.model):
+            raise ConfigError("config field model.dropout: got 'keep'; this model has no "
+                              "dropout (no dropout module or attention_dropout above 0), so "
+                              "there is nothing to keep: remove it")
+        s = cfg.sampling
+        truncated = s.logprobs == "sampled"  # the trainer recomputes what the engine reports
+        self.trainer = Trainer(self.model, temperature=s.temperature or 1.0,
+                               compute_dtype=self.dtype, top_k=s.top_k if truncated else 0,
+                               top_p=s.top_p if truncated else 1.0, dropout=cfg.model.dropout)
+        # the servers of engine.backend http get the trainer's weights (version 0)
+        self.engine = make_engine(cfg, self.model, self.tokenizer.pad_token_id,
+                                  weights_dir=self.dir / "weights",
+                                  initial=self.trainer.weight_update)
         try:
             self.weight_sync = WeightSync(self.trainer, self.engine, cfg.weight_sync,
                                           self.dtype)
@@ -257,7 +290,7 @@ class Run:
     def sampling(self, temperature: float) -> SamplingParams:
         s = self.cfg.sampling
         return SamplingParams(temperature=temperature, top_p=s.top_p, top_k=s.top_k,
-                              max_new_tokens=s.max_new_tokens,
+                              max_new_tokens=s.max_new_tokens, logprobs=s.logprobs,
                               stop_token_ids=stop_token_ids(self.tokenizer,
                                                             self.model.generation_config,
                                                             self.cfg.model.chat_format))

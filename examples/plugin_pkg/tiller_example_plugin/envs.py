@@ -15,9 +15,9 @@ from dataclasses import replace
 from typing import Any
 
 from tiller.envs import Task, ToolEnv
+from tiller.envs.actions import ParsedTurn
 from tiller.envs.dataset import DatasetEnv
 from tiller.envs.verifiers import Reward, all_of
-from tiller.rollout.chat import ParsedTurn
 from tiller_example_plugin.tools import add
 
 SYSTEM = "Add the two numbers with the add tool. End with: The answer is N."

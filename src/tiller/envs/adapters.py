@@ -23,11 +23,11 @@ from collections.abc import Callable, Iterator
 from functools import cache
 from typing import Any, ClassVar
 
+from tiller.envs.actions import ParsedTurn
 from tiller.envs.base import Env, StepResult, Task, ToolEnv, register_env
 from tiller.envs.splits import draw_split, split_size, stable_id
 from tiller.envs.verifiers import Reward, all_of, extract_tagged
 from tiller.errors import require_package
-from tiller.rollout.chat import ParsedTurn
 from tiller.tools.registry import POLICY_ERRORS
 
 try:  # the game subclasses gymnasium.Env when it is installed; the adapter only duck-types

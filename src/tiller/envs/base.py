@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from tiller.envs.actions import ParsedTurn
 from tiller.envs.verifiers import Reward
-from tiller.rollout.chat import ParsedTurn
 from tiller.tools.registry import Tool, ToolCall, ToolOutcome, ToolRegistry, ToolResult
 
 if TYPE_CHECKING:

@@ -16,10 +16,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from tiller.envs.actions import ParsedTurn
 from tiller.envs.base import Task, ToolEnv, register_env
 from tiller.envs.splits import Patience, check_split, split_of, split_size, stable_id
 from tiller.envs.verifiers import Reward, all_of
-from tiller.rollout.chat import ParsedTurn
 from tiller.tools.registry import ToolError, tool
 
 SYSTEM = (

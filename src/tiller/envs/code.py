@@ -17,10 +17,10 @@ import random
 from dataclasses import replace
 from typing import Any
 
+from tiller.envs.actions import ParsedTurn
 from tiller.envs.base import Task, ToolEnv, register_env
 from tiller.envs.splits import draw_split, split_size, stable_id
 from tiller.envs.verifiers import Reward, all_of, extract_code_block, run_unit_tests
-from tiller.rollout.chat import ParsedTurn
 from tiller.tools.registry import tool
 from tiller.tools.sandbox import Sandbox, SandboxLimits, SandboxOutcome
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from tiller.envs.actions import ParsedTurn, assistant_message
 from tiller.envs.base import StepResult, Task, ToolEnv, register_env
 from tiller.envs.rewards import (
     EXTRACTORS,
@@ -34,7 +35,6 @@ from tiller.envs.rewards import (
 from tiller.envs.rows import Row, column, messages_column, read_rows, row_error
 from tiller.envs.verifiers import Reward
 from tiller.errors import ConfigError
-from tiller.rollout.chat import ParsedTurn, assistant_message
 from tiller.tools.registry import Tool, load_tools
 
 if TYPE_CHECKING:

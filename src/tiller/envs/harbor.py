@@ -37,12 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from tiller.envs.actions import ParsedTurn
 from tiller.envs.base import Task, ToolEnv, register_env
 from tiller.envs.harbor_format import HarborTask, read_tasks
 from tiller.envs.source_config import HarborConfig
 from tiller.envs.verifiers import Reward
 from tiller.errors import ConfigError
-from tiller.rollout.chat import ParsedTurn
 from tiller.tools.registry import ToolError, tool
 from tiller.tools.sandbox import Sandbox, SandboxLimits, SandboxOutcome
 

@@ -47,12 +47,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from tiller.envs.actions import ParsedTurn
 from tiller.envs.base import Env, StepResult, Task, register_env
 from tiller.envs.source_config import OpenEnvConfig
 from tiller.envs.splits import draw_split, stable_id
 from tiller.envs.verifiers import Reward
 from tiller.errors import ConfigError, one_line
-from tiller.rollout.chat import ParsedTurn
 from tiller.tools.registry import ToolCall, ToolError, ToolOutcome, ToolRegistry, ToolResult
 from tiller.tools.schemas import SchemaError, schema_tool
 

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from tiller.envs.actions import ParsedTurn
 from tiller.envs.base import Task, ToolEnv, register_env
 from tiller.envs.splits import draw_split, split_size, stable_id
 from tiller.envs.verifiers import Reward, all_of, extract_answer_is, normalized_match
 from tiller.errors import require_package
-from tiller.rollout.chat import ParsedTurn
 from tiller.tools.registry import ToolError, tool
 
 WORLD_SEED = 0  # one world for every split and seed, so held-out questions ask about it too

@@ -18,10 +18,10 @@ import sqlite3
 import time
 from typing import Any
 
+from tiller.envs.actions import ParsedTurn
 from tiller.envs.base import Task, ToolEnv, register_env
 from tiller.envs.splits import draw_split, split_size, stable_id
 from tiller.envs.verifiers import Reward, all_of, state_matches
-from tiller.rollout.chat import ParsedTurn
 from tiller.tools.registry import ToolError, tool
 
 SYSTEM = ("Change the database as asked: inspect it with query, change it with execute "

@@ -30,9 +30,10 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from tiller.engine.api import Generation
+from tiller.envs.actions import ParsedTurn
 from tiller.rollout.agent_loop import Actor, EpisodeLimits
-from tiller.rollout.chat import ChatFormat, ParsedTurn
-from tiller.rollout.engine import Generation
+from tiller.rollout.chat import ChatFormat
 from tiller.rollout.trajectory import TrajectoryBuilder
 from tiller.seeds import derive_seed
 

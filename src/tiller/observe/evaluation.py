@@ -15,12 +15,8 @@ from typing import Any
 import numpy as np
 
 from tiller.files import write_file
-from tiller.rollout.trajectory import Trajectory
+from tiller.rollout.trajectory import Trajectory, is_success
 from tiller.train.algorithms.passk import pass_at_k
-
-
-def is_success(t: Trajectory) -> bool:
-    return t.reward.value >= 1.0 and not t.reward.env_error
 
 
 def bootstrap_ci(

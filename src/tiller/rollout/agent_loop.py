@@ -20,17 +20,12 @@ from typing import Protocol
 
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from tiller.engine.api import Engine, Generation, SamplingParams
+from tiller.envs.actions import ParsedTurn, assistant_message
 from tiller.envs.base import Env, Task
 from tiller.envs.verifiers import Reward
 from tiller.errors import ConfigError, RunError, import_dotted
-from tiller.rollout.chat import (
-    FAMILIES,
-    ChatFormat,
-    ParsedTurn,
-    assistant_message,
-    end_of_turn_token,
-)
-from tiller.rollout.engine import Engine, Generation, SamplingParams
+from tiller.rollout.chat import FAMILIES, ChatFormat, end_of_turn_token
 from tiller.rollout.memory import MemoryPolicy, drop_oldest, truncate_tool_outputs
 from tiller.rollout.trajectory import Status, Trajectory, TrajectoryBuilder
 from tiller.seeds import derive_seed

@@ -20,12 +20,13 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import TemplateError
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
+from tiller.envs.actions import ParsedTurn
 from tiller.errors import ConfigError
 from tiller.tools.registry import ToolCall
 
@@ -77,15 +78,6 @@ CHAT_TEMPLATE = r"""
 {%- endfor %}
 {%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}
 """
-
-@dataclass(frozen=True)
-class ParsedTurn:
-    """An assistant turn split into free text, well-formed tool calls and parse errors."""
-
-    content: str
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    parse_errors: list[str] = field(default_factory=list)
-    reasoning: str = ""  # the turn's <think> text, for families that reason
 
 
 def _loads(text: str) -> tuple[object, str | None]:
@@ -308,22 +300,6 @@ def detect_family(template: str) -> str:
     """The family whose marker the chat template holds; "hermes" (tiller's own format, and
     Qwen2.5's) when none does."""
     return next((name for name, f in FAMILIES.items() if f.marker in template), "hermes")
-
-
-def tool_calls_as_messages(calls: list[ToolCall]) -> list[dict]:
-    """Tool calls in the OpenAI/HF message shape the chat template renders."""
-    return [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in calls]
-
-
-def assistant_message(turn: ParsedTurn) -> dict[str, Any]:
-    """A parsed assistant turn as the message the chat template renders."""
-    msg: dict[str, Any] = {"role": "assistant", "content": turn.content}
-    if turn.reasoning:  # the field Qwen3's and DeepSeek's templates read, and gpt-oss's
-        msg["reasoning_content"] = msg["thinking"] = turn.reasoning
-    if turn.tool_calls:
-        msg["tool_calls"] = tool_calls_as_messages(turn.tool_calls)
-    return msg
 
 
 _PROBE = "tiller-end-of-turn-probe"

@@ -11,7 +11,6 @@ from typing import Any
 
 from tiller.envs.base import Env, Task
 from tiller.errors import RunError
-from tiller.observe.evaluation import is_success
 from tiller.rollout.agent_loop import (
     Actor,
     EpisodeLimits,
@@ -19,7 +18,7 @@ from tiller.rollout.agent_loop import (
     derive_seed,
     run_episode,
 )
-from tiller.rollout.trajectory import Status, Trajectory
+from tiller.rollout.trajectory import Status, Trajectory, is_success
 
 EpisodeFn = Callable[..., Any]  # the signature of `run_episode`
 

@@ -31,8 +31,7 @@ from dataclasses import replace
 from tiller.config import Config
 from tiller.envs.base import Env, Task
 from tiller.errors import ConfigError
-from tiller.observe.evaluation import is_success
-from tiller.rollout.trajectory import Status, Trajectory
+from tiller.rollout.trajectory import Status, Trajectory, is_success
 
 LEVEL, DRAW = "curriculum_level", "curriculum_draw"  # what a drawn task's metadata gains
 

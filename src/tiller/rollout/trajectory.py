@@ -205,3 +205,8 @@ class TrajectoryBuilder:
             segment_starts=tuple(self._segment_starts),
             split_reasons=tuple(self._split_reasons),
         )
+
+
+def is_success(t: Trajectory) -> bool:
+    """The episode succeeded: full reward (value >= 1) and no environment error."""
+    return t.reward.value >= 1.0 and not t.reward.env_error

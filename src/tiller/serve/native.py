@@ -13,8 +13,8 @@ from typing import Any
 from fastapi import Request
 from safetensors import SafetensorError
 
-from tiller.rollout.delta import DeltaUpdate
-from tiller.rollout.weight_sync import WeightsInconsistent, WeightSyncError, WeightUpdate
+from tiller.engine.delta import DeltaUpdate
+from tiller.engine.updates import WeightsInconsistent, WeightSyncError, WeightUpdate
 from tiller.serve.guard import read_below, resolve_below
 from tiller.serve.protocol import (
     AbortRequest,
@@ -45,6 +45,9 @@ async def generate(server: Server, request: Request) -> dict[str, Any]:
         "completion_tokens": len(g.token_ids), "cached_tokens": g.cached_tokens,
         "weight_version": g.version, "output_token_weight_versions": list(g.versions),
         "seed": seed, "boot_id": server.boot_id,
+        # tiller: which logprob output_token_logprobs holds under top-k / top-p (always the
+        # distribution sampled from, renormalised over the kept set; docs/engine.md)
+        "logprob_kind": params.logprobs,
     }
     if body.return_logprob:
         meta["output_token_logprobs"] = [

@@ -20,8 +20,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from jinja2 import TemplateError
 
-from tiller.rollout.chat import ChatFormat, ParsedTurn
-from tiller.rollout.engine import Generation, SamplingParams
+from tiller.engine.api import Generation, SamplingParams
+from tiller.envs.actions import ParsedTurn
+from tiller.rollout.chat import ChatFormat
 from tiller.serve.protocol import (
     APIError,
     ChatCompletionRequest,

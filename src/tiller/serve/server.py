@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tiller.rollout.engine import Generation, SamplingParams
+from tiller.engine.api import Generation, SamplingParams
 from tiller.serve.guard import Hosts, check_exposure
 from tiller.serve.listen import ConnectionLimits
 from tiller.serve.protocol import APIError

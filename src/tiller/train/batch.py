@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
+from tiller.engine.sampling import kept_set, truncated_logprobs
 from tiller.rollout.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
@@ -123,19 +124,44 @@ class Batch:
 
 
 def token_logprobs(
-    model: nn.Module, batch: Batch, temperature: float = 1.0, with_entropy: bool = False
+    model: nn.Module, batch: Batch, temperature: float = 1.0, with_entropy: bool = False,
+    top_k: int = 0, top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(token_t | tokens_<t) for every position (0 at t = 0), and optionally the entropy
-    H_t = -sum_v p_v log p_v of the distribution that produced token t."""
+    H_t = -sum_v q_v log q_v of the distribution q that produced token t.
+
+    q is softmax(logits / T), truncated like the engine's sampler when top_k > 0 or
+    top_p < 1: renormalised over the set this model's own q keeps (`sampling.kept_set`) plus
+    the token itself (`sampling.truncated_logprobs`), so on-policy the value is exactly the
+    logprob the engine reported with `sampling.logprobs: sampled`."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     logp_all = torch.log_softmax(logits[:, :-1].float() / max(temperature, 1e-8), dim=-1)
-    logp = logp_all.gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    ids = batch.input_ids[:, 1:]
+    if top_k > 0 or top_p < 1:
+        logp, ent = _truncated(logp_all, ids, top_k, top_p, with_entropy)
+    else:
+        logp = logp_all.gather(-1, ids[..., None])[..., 0]
+        ent = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
     pad = logp.new_zeros((logp.size(0), 1))
     logp = torch.cat([pad, logp], dim=1)
+    return logp, None if ent is None else torch.cat([pad, ent], dim=1)
+
+
+def _truncated(logp_all: torch.Tensor, ids: torch.Tensor, top_k: int, top_p: float,
+               with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B, T] logprobs of `ids` (and entropies) under each position's truncated distribution:
+    `token_logprobs` with truncation, on flattened [B*T, V] rows."""
+    rows, vocab = ids.numel(), logp_all.size(-1)
+    flat = logp_all.reshape(rows, vocab)
+    keep = kept_set(flat.detach().exp(), torch.full((rows,), top_k, device=flat.device),
+                    torch.full((rows,), top_p, device=flat.device), max_top_k=top_k,
+                    any_top_p=top_p < 1)
+    logp = truncated_logprobs(flat, ids.reshape(rows), keep).view_as(ids)
     if not with_entropy:
         return logp, None
-    ent = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, torch.cat([pad, ent], dim=1)
+    logq = flat - torch.logsumexp(flat.masked_fill(~keep, float("-inf")), -1, keepdim=True)
+    ent = -torch.where(keep, logq.exp() * logq, torch.zeros_like(logq)).sum(-1)
+    return logp, ent.view_as(ids)
 
 
 def micro_batches(lengths: torch.Tensor, size: int) -> list[torch.Tensor]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
+from typing import Literal
 
 import torch
 from torch import nn
@@ -63,8 +64,10 @@ class Critic:
     """The value model with its optimizer: `values` before the update (no grad), `update`
     after the policy's, on the same mini/micro-batch partition and loss aggregation."""
 
-    def __init__(self, policy: PreTrainedModel, cfg: CriticConfig):
+    def __init__(self, policy: PreTrainedModel, cfg: CriticConfig,
+                 dropout: Literal["keep", "off"] = "off"):
         self.cfg = cfg
+        self.dropout = dropout  # model.dropout: "off" trains in eval mode, as the policy
         self.model = ValueModel(policy).to(policy.device)  # the policy's device
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.value_lr,
                                            betas=(0.9, 0.99))
@@ -94,7 +97,7 @@ class Critic:
         mask = batch.loss_mask
         dev = self.device
         sums: dict[str, float] = defaultdict(float)
-        self.model.train()
+        self.model.train(self.dropout == "keep")
         steps = minibatches(batch, cfg.mini_batches, cfg.micro_batch_size, l_max)
         for _epoch in range(cfg.ppo_epochs):
             for _, micros, totals in steps:

@@ -14,8 +14,7 @@ import torch
 from tiller.config import AlgorithmConfig
 from tiller.envs.base import Task
 from tiller.errors import RunError, import_dotted
-from tiller.observe.evaluation import is_success
-from tiller.rollout.trajectory import Status, Trajectory
+from tiller.rollout.trajectory import Status, Trajectory, is_success
 from tiller.train.algorithms.advantages import overlong_penalty
 from tiller.train.algorithms.credit import apply_key_steps
 from tiller.train.batch import Batch

@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from functools import partial
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 from torch import nn
 
 from tiller.config import AlgorithmConfig, RLConfig
-from tiller.rollout.weight_sync import WeightUpdate
+from tiller.engine.updates import WeightUpdate
 from tiller.train.algorithms import (
     ADVANTAGES,
     AGGREGATIONS,
@@ -129,13 +129,23 @@ class Trainer:
     Devices: the batch and every whole-batch tensor (logp_old, advantages, values) stay on the
     host, where the advantages are computed; each micro-batch moves to the model's device for
     its pass, and its results come back.
+
+    `dropout` (model.dropout): "off" runs the gradient passes (SFT and RL) in eval mode, so they
+    compute the same function as the engine and the no-grad passes (dropout and any other
+    train-only randomness off; gradients flow as usual) and rho = 1 before an update; "keep"
+    runs them in train mode.
     """
 
     def __init__(self, model: nn.Module, temperature: float = 1.0,
-                 compute_dtype: torch.dtype = torch.float32):
+                 compute_dtype: torch.dtype = torch.float32, top_k: int = 0,
+                 top_p: float = 1.0, dropout: Literal["keep", "off"] = "off"):
         self.model = model
         self.temperature = temperature
         self.compute_dtype = compute_dtype
+        # RL's logprobs are of the distribution the engine samples from: truncated like it
+        # (`batch.token_logprobs`); 0 and 1.0 = untruncated (sampling.logprobs: untruncated)
+        self.top_k, self.top_p = top_k, top_p
+        self.dropout = dropout
         self.version = 0
         self.optimizer: torch.optim.Optimizer | None = None
         self.last_rl: RLStepTensors | None = None
@@ -166,18 +176,25 @@ class Trainer:
                       rollout_logprobs=zeros, rewards=torch.zeros(1),
                       group_index=torch.zeros(1, dtype=torch.long))
         try:
-            logp, _ = self._forward(self.model, probe, 1.0)
+            logp, _ = self._forward(self.model, probe, 1.0, truncate=False)
         finally:
             self.model.train(was_training)
         return logp[0, 1:].float().tolist()
 
     def _forward(self, model: nn.Module, mb: Batch, temperature: float,
-                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 with_entropy: bool = False, truncate: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`token_logprobs` of a micro-batch already on the model's device, under bf16
-        autocast when that is the compute dtype (log-softmax stays fp32 either way)."""
+        autocast when that is the compute dtype (log-softmax stays fp32 either way); with the
+        sampler's truncation unless `truncate` is False (SFT, the parity probe)."""
         bf16 = self.compute_dtype == torch.bfloat16
+        top_k, top_p = (self.top_k, self.top_p) if truncate else (0, 1.0)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
-            return token_logprobs(model, mb, temperature, with_entropy)
+            return token_logprobs(model, mb, temperature, with_entropy, top_k, top_p)
+
+    def _train_mode(self) -> None:
+        """The mode of a gradient pass: train (dropout on) only with dropout "keep"."""
+        self.model.train(self.dropout == "keep")
 
     def _step(self, max_grad_norm: float) -> float:
         assert self.optimizer is not None, "call set_optimizer first"
@@ -189,12 +206,13 @@ class Trainer:
 
     def sft_step(self, batch: Batch, micro_batch_size: int, max_grad_norm: float = 1.0) -> dict:
         """Cross-entropy on generated (assistant) tokens only: the mask RL uses."""
-        self.model.train()
+        self._train_mode()
         total = float(batch.loss_mask.sum())
         loss_sum = 0.0
         for idx in micro_batches(batch.attention_mask.sum(-1), micro_batch_size):
             mb = batch.rows(idx).to(self.device)
-            logp, _ = self._forward(self.model, mb, 1.0)  # SFT: the data's likelihood at T = 1
+            # SFT: the data's likelihood at T = 1, untruncated
+            logp, _ = self._forward(self.model, mb, 1.0, truncate=False)
             loss = -(logp * mb.loss_mask).sum() / max(total, 1.0)
             loss.backward()
             loss_sum += float(loss.detach())
@@ -231,9 +249,10 @@ class Trainer:
         the second optimizer step on rho = exp(logp - logp_old) moves away from 1 and the clip
         acts; its gap to the engine's logprobs is the rollout-vs-trainer mismatch metric. With a
         single optimizer step (one mini-batch, one epoch), no KL in the reward and a correction
-        that does not declare `logp_prox` (only `decoupled` does), the weights do not move
-        before the gradient pass, so that pass's own (detached) logprobs are logp_old, the
-        separate no-grad pass is skipped, and rho = 1 exactly.
+        that does not declare `logp_prox` (`decoupled` and `decoupled_tis` do), the weights do
+        not move before the gradient pass, so that pass's own (detached) logprobs are logp_old,
+        the separate no-grad pass is skipped, and rho = 1 exactly (with dropout "off", also
+        before the first update otherwise). Logprobs are of the sampler's truncated distribution.
         The reference model runs only while the KL coefficient (`kl_beta_at(step)`) is above 0.
         Staleness metrics compare `batch.sample_version` with the version at train start.
         """
@@ -247,8 +266,7 @@ class Trainer:
         kl_in_rew = beta > 0 and alg.kl.placement == "reward"
         one_update = cfg.mini_batches == 1 and cfg.ppo_epochs == 1
         # a no-grad prepass fixes logp_old before any update: several updates anchor on it, the
-        # reward penalty needs it first, and a correction that declares the proximal policy
-        # (`decoupled`) always gets it from one
+        # reward penalty needs it first, and a correction declaring the proximal policy gets it
         proximal = "logp_prox" in OFF_POLICY.inputs[alg.off_policy]
         prepass = not one_update or kl_in_rew or proximal
         row_staleness = _row_staleness(self.version, batch.sample_version)
@@ -266,7 +284,7 @@ class Trainer:
         correction = partial(_correction, alg, prepass)
         aggregate = AGGREGATIONS[alg.aggregation]
         sums: dict[str, float] = defaultdict(float)
-        self.model.train()
+        self._train_mode()
         steps = minibatches(batch, cfg.mini_batches, micro, l_max)
         for _epoch in range(cfg.ppo_epochs):
             for _, micros, totals in steps:

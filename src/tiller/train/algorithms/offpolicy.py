@@ -11,7 +11,7 @@ detached; the trainer multiplies each token's policy loss by it (0 removes a tok
 the aggregation's normalizers as they are: a weight, not a mask). `stats` holds float 0/1
 indicator tensors, 0 off-mask: `masked` (the weight was set to 0) and `truncated` (the weight was
 capped at C). An entry that declares the input `logp_prox` gets the proximal policy from a
-no-grad prepass that the trainer always runs for it (see `decoupled`).
+no-grad prepass that the trainer always runs for it (`decoupled`, `decoupled_tis`).
 """
 
 from __future__ import annotations
@@ -49,16 +49,39 @@ def tis(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor,
     return ratio.clamp(max=is_cap), _stats(none, ratio > is_cap, mask)
 
 
+def _in_band(ratio: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    return (ratio >= low) & (ratio <= high)
+
+
 @OFF_POLICY.register("mis", knobs=("mis_low", "mis_high"), inputs=_INPUTS)
 def mis(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor,
         mis_low: float = 0.5, mis_high: float = 5.0) -> tuple[torch.Tensor, Stats]:
-    """Masked importance sampling (IcePop-style): rho = exp(logp_old - logp_rollout),
-    w = 1 where mis_low <= rho <= mis_high, else 0 (the token is removed from the loss and
-    counted in `masked`). Tokens inside the band are not reweighted."""
+    """Masked importance sampling, as published (IcePop; the masked IS of Yao et al. 2025,
+    "Your efficient RL framework secretly brings you off-policy RL training"):
+        rho = exp(logp_old - logp_rollout),   w = M(rho) = rho if mis_low <= rho <= mis_high,
+                                              else 0.
+    Inside the band the token keeps its importance weight (it is not capped); outside it the
+    token leaves the loss (counted in `masked`) instead of being down-weighted. The defaults
+    0.5 / 5.0 are IcePop's [alpha, beta]; mis_low = 0 is the one-sided form w = rho * 1{rho <= C}
+    (C = mis_high)."""
     ratio = torch.exp(logp_old - logp_rollout).detach()
-    out = (ratio < mis_low) | (ratio > mis_high)
-    none = torch.zeros_like(out)
-    return (~out).float(), _stats(out, none, mask)
+    keep = _in_band(ratio, mis_low, mis_high)
+    none = torch.zeros_like(keep)
+    return torch.where(keep, ratio, torch.zeros_like(ratio)), _stats(~keep, none, mask)
+
+
+@OFF_POLICY.register("mis_mask", knobs=("mis_low", "mis_high"), inputs=_INPUTS)
+def mis_mask(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor,
+             mis_low: float = 0.5, mis_high: float = 5.0) -> tuple[torch.Tensor, Stats]:
+    """Token rejection without importance weights (tiller's `mis` before issue 19; verl's
+    token-level rejection sampling without IS weights): rho = exp(logp_old - logp_rollout),
+    w = 1 where mis_low <= rho <= mis_high, else 0 (removed, counted in `masked`). Tokens
+    inside the band are not reweighted, so the estimate stays biased by the mismatch the band
+    lets through; `mis` reweights them."""
+    ratio = torch.exp(logp_old - logp_rollout).detach()
+    keep = _in_band(ratio, mis_low, mis_high)
+    none = torch.zeros_like(keep)
+    return keep.float(), _stats(~keep, none, mask)
 
 
 @OFF_POLICY.register("seq_is", knobs=("is_cap",), inputs=_INPUTS)
@@ -75,18 +98,36 @@ def seq_is(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tenso
     return ratio.clamp(max=is_cap), _stats(none, ratio > is_cap, mask)
 
 
-@OFF_POLICY.register("decoupled", knobs=("is_cap",), inputs=("logp_prox", "logp_behaviour",
-                                                             "mask"))
-def decoupled(logp_prox: torch.Tensor, logp_behaviour: torch.Tensor, mask: torch.Tensor,
-              is_cap: float = 2.0) -> tuple[torch.Tensor, Stats]:
-    """Decoupled PPO: the policy loss is anchored on the proximal policy (its ratio is
-    rho = exp(logp - logp_prox), clipped by the loss), and multiplied by the behaviour weight
-        w = min(exp(logp_prox - logp_behaviour), C),   behaviour = the rollout logprobs.
+_PROXIMAL = ("logp_prox", "logp_behaviour", "mask")
 
-    The weight is `tis`'s (this calls it); what `decoupled` adds is the guarantee behind
-    logp_prox: declaring the input `logp_prox` makes the trainer recompute it with a no-grad
-    prepass at train start in every schedule, including one optimizer step without KL in the
-    reward, where `tis` takes the gradient pass's own detached logprobs instead."""
+
+@OFF_POLICY.register("decoupled", knobs=("is_cap",), inputs=_PROXIMAL)
+def decoupled(logp_prox: torch.Tensor, logp_behaviour: torch.Tensor, mask: torch.Tensor,
+              is_cap: float = 5.0) -> tuple[torch.Tensor, Stats]:
+    """Decoupled PPO as AReaL publishes it (Fu et al. 2025): the policy loss is anchored on the
+    proximal policy (its ratio is exp(logp - logp_prox), clipped by the loss), and multiplied
+    by the behaviour importance weight, with tokens above the cap filtered out:
+        rho = exp(logp_prox - logp_behaviour),   behaviour = the rollout logprobs,
+        w = rho if rho <= C else 0,   C = `is_cap` (default 5.0, AReaL's example configs).
+    A token the proximal policy finds more than C times likelier than the policy that sampled
+    it leaves the loss (counted in `masked`); below the cap it keeps its full weight.
+
+    Declaring the input `logp_prox` makes the trainer recompute it with a no-grad prepass at
+    train start in every schedule, including one optimizer step without KL in the reward."""
+    ratio = torch.exp(logp_prox - logp_behaviour).detach()
+    over = ratio > is_cap
+    none = torch.zeros_like(over)
+    return torch.where(over, torch.zeros_like(ratio), ratio), _stats(over, none, mask)
+
+
+@OFF_POLICY.register("decoupled_tis", knobs=("is_cap",), inputs=_PROXIMAL)
+def decoupled_tis(logp_prox: torch.Tensor, logp_behaviour: torch.Tensor, mask: torch.Tensor,
+                  is_cap: float = 2.0) -> tuple[torch.Tensor, Stats]:
+    """Decoupled PPO with a truncated behaviour weight (tiller's `decoupled` before issue 19):
+    the proximal prepass of `decoupled`, and the weight of `tis`,
+        w = min(exp(logp_prox - logp_behaviour), C),   C = `is_cap` (default 2.0):
+    a token above the cap keeps weight C (counted in `truncated`) where `decoupled` removes
+    it."""
     return tis(logp_prox, logp_behaviour, mask, is_cap=is_cap)
 
 

@@ -22,12 +22,9 @@ weights before the next decode (`_recompute_kv`), so each token is sampled by ex
 version it records: that version's weights computed its logits and every key and value it
 attended to.
 
-Row i of the batch sits in slot i of preallocated per-layer KV buffers, its KV in columns
-[0, length): a decode step writes each row's new key and value in place at its own length, with
-explicit position ids and a 4-D mask the engine builds, so every row sees exactly its own
-sequence. A prefill runs on its own cache (a cached prefix, padding, the new tokens) and its
-real columns are then copied into free slots. Logprobs are those of the sampled tokens under
-softmax(logits / T); see `tiller.rollout.sampling` for how top-k / top-p relate to them.
+The running batch's KV slots and forward passes are in `slots`, the worker thread and
+its safe points in `worker`. Logprobs are those of the sampled tokens under
+softmax(logits / T); see `tiller.engine.sampling` for how top-k / top-p relate to them.
 """
 
 from __future__ import annotations
@@ -36,99 +33,23 @@ import asyncio
 import concurrent.futures
 import inspect
 import logging
-import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from tiller.rollout.delta import DeltaUpdate
-from tiller.rollout.kv_cache import KV, PrefixCache
-from tiller.rollout.sampling import sample
-from tiller.rollout.weight_sync import WeightSyncError, WeightUpdate
+from tiller.engine.api import Generation, InFlight, SamplingParams
+from tiller.engine.delta import DeltaUpdate
+from tiller.engine.kv_cache import KV, PrefixCache
+from tiller.engine.sampling import sample
+from tiller.engine.slots import Prefilled, SlotBatch
+from tiller.engine.updates import WeightSyncError, WeightUpdate
+from tiller.engine.worker import Worker, deliver
 
 logger = logging.getLogger(__name__)
-
-InFlight = Literal["continue", "abort"]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 64
-    stop_token_ids: tuple[int, ...] = ()  # required: see __post_init__
-
-    def __post_init__(self) -> None:
-        # Without a stop token every turn runs to max_new_tokens and the episode is truncated:
-        # a forgotten argument would look like a policy that never stops talking.
-        if not self.stop_token_ids:
-            raise ValueError("SamplingParams.stop_token_ids is empty, so no turn could end: pass "
-                             "tiller.rollout.chat.stop_token_ids(tokenizer, "
-                             "model.generation_config)")
-        def whole(x: object) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
-        bad = [f"{name}={value!r} (expected {rule})" for name, value, ok, rule in (
-            ("temperature", self.temperature, self.temperature >= 0, ">= 0"),
-            ("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]"),
-            ("top_k", self.top_k, whole(self.top_k) and self.top_k >= 0, "an int >= 0, 0 = off"),
-            ("max_new_tokens", self.max_new_tokens,
-             whole(self.max_new_tokens) and self.max_new_tokens >= 1, "an int >= 1"),
-            ("stop_token_ids", self.stop_token_ids,
-             all(whole(t) for t in self.stop_token_ids), "ints"),
-        ) if not ok]
-        if bad:
-            raise ValueError("SamplingParams: " + "; ".join(bad))
-
-
-@dataclass(frozen=True)
-class Generation:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" (a stop token was sampled), "length" or "abort"
-    version: int  # the weight version when the request finished
-    # per token, the version whose weights computed its logits and all the KV it attended to
-    versions: tuple[int, ...] = ()
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV was reused instead of prefilled
-
-
-class Engine(Protocol):
-    """What the agent loop and the trainer need from an engine, in-process or over HTTP."""
-
-    version: int
-
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, seed: int, *,
-                       session_id: str | None = None, request_id: str | None = None
-                       ) -> Generation: ...
-
-    def abort(self, request_id: str, *, timeout_s: float | None = None) -> bool: ...
-
-    def update_weights(self, update: WeightUpdate | DeltaUpdate, *,
-                       in_flight: InFlight = "continue", timeout_s: float | None = None
-                       ) -> int: ...
-
-    def score(self, token_ids: list[int], *, timeout_s: float | None = None) -> list[float]:
-        """log p(token_i | tokens_<i) at temperature 1 for i >= 1, under the engine's own
-        weights (the parity check)."""
-        ...
-
-    def pause(self) -> None: ...
-
-    def resume(self) -> None: ...
-
-    def flush_cache(self) -> int: ...
-
-    def stats(self) -> dict[str, float]: ...
-
-    def close(self) -> None: ...
 
 
 @dataclass(eq=False)
@@ -150,35 +71,18 @@ class _Request:
     kv_len: int = 0  # tokens whose KV is in its slot (the prompt, then each one decoded)
 
 
-@dataclass(frozen=True)
-class _Prefilled:
-    """What a prefill forward gives, per sequence (identical ones share a row's values)."""
-
-    logits: torch.Tensor  # [rows, vocab], of each sequence's last token
-    kv: KV  # per layer, [rows, heads, columns, dim], real columns where `mask` is 1
-    mask: torch.Tensor  # [rows, columns]
-    cached: list[int]  # tokens served by the prefix cache, per sequence
-    ran: int  # tokens run through the model (identical sequences once)
-
-
-@dataclass
-class _Control:
-    apply: Callable[[], object]
-    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-
-
-class EmbeddedEngine:
+class EmbeddedEngine(Worker, SlotBatch):
     """An in-process continuous-batching engine over a Hugging Face causal LM."""
 
     def __init__(self, model: PreTrainedModel, pad_token_id: int, *, max_batch_size: int = 128,
                  cache_bytes: int = 1 << 30, max_prefill_tokens: int = 16384,
                  control_timeout_s: float = 600.0):
+        super().__init__(control_timeout_s)
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
-        self.control_timeout_s = control_timeout_s
         self.max_context = getattr(model.config, "max_position_embeddings", 4096)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.version = 0
@@ -197,12 +101,7 @@ class EmbeddedEngine:
             raise ValueError(f"the embedded engine needs full-attention layers; "
                              f"{type(model).__name__} has sliding-window or other cache "
                              "layers: serve it with SGLang or vLLM (engine.backend: http)")
-        self._cond = threading.Condition()
         self._waiting: deque[_Request] = deque()
-        self._controls: deque[_Control] = deque()
-        self._worker: threading.Thread | None = None
-        self._closed = False
-        self._paused = False
         # the running batch: row i sits in slot i of every layer's KV buffer, its KV in columns
         # [0, kv_len); `_len` holds those lengths (= the next token's position) on the device
         self._rows: list[_Request] = []
@@ -217,11 +116,7 @@ class EmbeddedEngine:
             "decode_steps", "decoded_row_steps", "prefill_calls",
             "aborted", "cancelled", "undelivered", "weight_updates", "recomputed_tokens",
             "failed_batches", "failed_requests")}
-        self.busy_s = 0.0
         self.max_rows = 0
-        # answers for asyncio callers, delivered once per loop per iteration: one wake-up of
-        # each event loop instead of one per finished request
-        self._outbox: dict[asyncio.AbstractEventLoop, list] = {}
         self._bursts: dict[asyncio.AbstractEventLoop, list[_Request]] = {}
 
     # ----- the API (any thread) -----
@@ -290,7 +185,7 @@ class EmbeddedEngine:
         queued = []
         for r in requests:
             if len(r.prompt_ids) >= self.max_context:
-                _deliver([(r.future, Generation([], [], "length", self.version,
+                deliver([(r.future, Generation([], [], "length", self.version,
                                                 prompt_tokens=len(r.prompt_ids)), None)])
             else:
                 queued.append(r)
@@ -301,7 +196,7 @@ class EmbeddedEngine:
                 self._ensure_worker()
                 self._cond.notify()
         if closed:
-            _deliver([(r.future, None, RuntimeError("the engine was closed")) for r in queued])
+            deliver([(r.future, None, RuntimeError("the engine was closed")) for r in queued])
 
     def abort(self, request_id: str, *, timeout_s: float | None = None) -> bool:
         """End the request now (queued or running); its caller gets the partial output with
@@ -384,105 +279,37 @@ class EmbeddedEngine:
 
     def close(self) -> None:
         """Stop the worker; queued and running requests fail with RuntimeError."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-            worker = self._worker
-        if worker is not None and worker is not threading.current_thread():
-            worker.join(timeout=self.control_timeout_s)
-            if worker.is_alive():
-                logger.error("engine: the worker thread did not stop within %gs "
-                             "(control_timeout_s) of close: it is stuck in a forward or a "
-                             "control call; its requests fail now", self.control_timeout_s)
+        self._stop_worker()
         self._fail_all(RuntimeError("the engine was closed"))
 
     # ----- the worker -----
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("the engine was closed")
+    def _has_work(self) -> bool:
+        return bool(self._waiting or self._rows)
 
-    def _ensure_worker(self) -> None:
-        if self._worker is None or not self._worker.is_alive():
-            self._worker = threading.Thread(target=self._loop, name="tiller-engine",
-                                            daemon=True)
-            self._worker.start()
+    def _idle(self) -> None:
+        self._buf = []  # an idle engine holds no KV memory
 
-    def _control(self, fn: Callable[[], object], what: str, timeout_s: float | None = None):
-        timeout = self.control_timeout_s if timeout_s is None else timeout_s
-        op = _Control(fn)
-        with self._cond:
-            self._check_open()
-            self._controls.append(op)
-            self._ensure_worker()
-            self._cond.notify()
-        try:
-            return op.done.result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
-            if op.done.cancel():  # never applied later, behind the caller's back
-                raise TimeoutError(f"embedded engine: {what} was not applied within "
-                                   f"{timeout:g}s (no safe point between decode steps was "
-                                   "reached); it is cancelled") from None
-            # it started just as the wait ran out: give it a moment to finish, never forever
-            # (an operation stuck inside a forward would otherwise hang its caller)
-            try:
-                return op.done.result(timeout=min(timeout, 5.0))
-            except concurrent.futures.TimeoutError:
-                raise TimeoutError(f"embedded engine: {what} started but did not finish within "
-                                   f"{timeout + min(timeout, 5.0):g}s") from None
+    def _iterate(self) -> None:
+        with torch.inference_mode():
+            self._step()
 
-    def _loop(self) -> None:
-        """The worker: iterate while there is work; exit after a second idle (it is restarted
-        by the next call), so an engine nobody closes leaves no thread behind."""
-        while True:
-            with self._cond:
-                while not self._closed and not self._controls and not (
-                        (self._waiting or self._rows) and not self._paused):
-                    if not self._cond.wait(timeout=1.0) and not self._controls and not (
-                            self._waiting or self._rows):
-                        self._worker = None
-                        self._buf = []  # an idle engine holds no KV memory
-                        return
-                if self._closed:
-                    return
-                controls = list(self._controls)
-                self._controls.clear()
-            for op in controls:
-                if not op.done.set_running_or_notify_cancel():
-                    continue  # its caller timed out and cancelled it
-                try:
-                    op.done.set_result(op.apply())
-                except Exception as e:  # the caller gets the error; the engine goes on
-                    op.done.set_exception(e)
-            self._flush_outbox()
-            if self._paused:
-                continue
-            try:
-                t0 = time.perf_counter()
-                with torch.inference_mode():
-                    self._step()
-                self.busy_s += time.perf_counter() - t0
-            except Exception as e:  # hand the failure to every request of the batch
-                logger.exception("engine iteration failed; its %d rows get the error",
-                                 len(self._rows))
-                self.counters["failed_batches"] += 1
-                for r in {id(r): r for r in self._rows + self._admitting}.values():
-                    self._resolve(r, error=e)
-                self._reset_batch()
-            self._flush_outbox()
+    def _fail_iteration(self, error: Exception) -> None:
+        """Hand the failure to every request of the batch."""
+        logger.exception("engine iteration failed; its %d rows get the error", len(self._rows))
+        self.counters["failed_batches"] += 1
+        for r in {id(r): r for r in self._rows + self._admitting}.values():
+            self._resolve(r, error=error)
+        self._reset_batch()
 
     def _fail_all(self, error: BaseException) -> None:
         with self._cond:
             pending = list(self._waiting) + self._rows
             self._waiting.clear()
-            controls = list(self._controls)
-            self._controls.clear()
         for r in pending:
             self._resolve(r, error=error)
         self._flush_outbox()
-        for op in controls:
-            if op.done.set_running_or_notify_cancel():
-                op.done.set_exception(error)
+        self._fail_controls(error)
         self._reset_batch()
 
     def _reset_batch(self) -> None:
@@ -520,7 +347,8 @@ class EmbeddedEngine:
         steps = self._len - p["prompt_len"]  # each row's index of the token it samples
         logits = torch.cat(logits)
         tokens, lps = sample(logits, p["temperature"], p["top_k"], p["top_p"], p["seed"],
-                             steps, max_top_k=self._max_top_k, any_top_p=self._any_top_p)
+                             steps, max_top_k=self._max_top_k, any_top_p=self._any_top_p,
+                             untruncated=p["untruncated"])
         finite = torch.isfinite(logits).all(-1) & torch.isfinite(lps)
         # the one host sync of the iteration: tokens, logprobs and the finite flags together
         packed = torch.stack([tokens.double(), lps.double(), finite.double()]).tolist()
@@ -574,112 +402,7 @@ class EmbeddedEngine:
                 new.append(self._waiting.popleft())
         return new
 
-    # ----- forward passes -----
-
-    def _forward(self, ids: torch.Tensor, allowed: torch.Tensor, pos: torch.Tensor,
-                 cache: DynamicCache, last_only: bool) -> torch.Tensor:
-        """Logits of the last position of each row of `ids` [rows, q], run after `cache`.
-        `allowed` [rows, 1, q, keys] says which keys each query sees. The engine builds this
-        4-D mask itself, so the model uses it as given: HF's own mask builder would read the
-        padding mask back from the device, a second host sync per step."""
-        if self._bool_mask:
-            attention = allowed
-        else:  # eager attention adds the mask to the scores
-            attention = torch.zeros(allowed.shape, dtype=self.model.dtype,
-                                    device=allowed.device).masked_fill_(
-                ~allowed, torch.finfo(self.model.dtype).min)
-        kwargs = {self._cache_arg: cache}
-        if last_only and self._keep_arg:
-            kwargs["logits_to_keep"] = 1
-        out = self.model(input_ids=ids, attention_mask=attention, position_ids=pos,
-                         use_cache=True, **kwargs)
-        return out.logits[:, -1].float()
-
-    def _decode(self) -> torch.Tensor:
-        """One token for every running row: each writes its new KV column in place, at its own
-        length, and attends to its columns [0, length]."""
-        n = len(self._rows)
-        width = max(r.kv_len for r in self._rows) + 1
-        self._ensure_capacity(n, width)
-        cols = torch.arange(width, device=self.device)
-        allowed = (cols[None, :] <= self._len[:, None])[:, None, None, :]
-        cache = _SlotCache(self._buf, n, width, self._len)
-        logits = self._forward(self._last[:, None], allowed, self._len[:, None], cache,
-                               last_only=False)
-        self._len = self._len + 1
-        for r in self._rows:
-            r.kv_len += 1
-        self.counters["decode_steps"] += 1
-        self.counters["decoded_row_steps"] += n
-        return logits
-
-    def _prefill(self, seqs: list[list[int]], looked: list[tuple[int, KV | None]]
-                 ) -> _Prefilled:
-        """Run each token sequence after its cached prefix (`looked`: its length and KV, from
-        the prefix cache; identical ones run once); changes nothing of the running batch."""
-        groups: dict[tuple, int] = {}
-        unique, index = [], []
-        for seq, (c, kv) in zip(seqs, looked, strict=True):
-            key = (tuple(seq), c)  # the same tokens' KV, whichever entry served it
-            if key not in groups:
-                groups[key] = len(unique)
-                unique.append((seq, c, kv))
-            index.append(groups[key])
-        cmax = max(c for _, c, _ in unique)
-        smax = max(len(seq) - c for seq, c, _ in unique)
-        u = len(unique)
-        ids = torch.full((u, smax), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((u, cmax + smax), dtype=torch.long)
-        pos = torch.zeros((u, smax), dtype=torch.long)
-        for j, (seq, c, _) in enumerate(unique):
-            n = len(seq) - c
-            ids[j, smax - n:] = torch.tensor(seq[c:])
-            pos[j, smax - n:] = torch.arange(c, c + n)
-            mask[j, cmax - c:cmax] = 1
-            mask[j, cmax + smax - n:] = 1
-        past: KV = []
-        if cmax:  # each row's cached KV, right-aligned in a [u, heads, cmax, dim] block
-            ref = next(kv for _, _, kv in unique if kv)
-            for layer, (k_ref, _) in enumerate(ref):
-                k = k_ref.new_zeros((u, k_ref.size(1), cmax, k_ref.size(3)))
-                v = torch.zeros_like(k)
-                for j, (_, c, kv) in enumerate(unique):
-                    if kv:
-                        k[j, :, cmax - c:] = kv[layer][0][0]
-                        v[j, :, cmax - c:] = kv[layer][1][0]
-                past.append((k, v))
-        ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
-        width = cmax + smax
-        col = torch.arange(width, device=self.device)
-        query_col = (cmax + torch.arange(smax, device=self.device))[:, None]
-        # causal over real columns; a padding query sees itself (a fully masked row is NaN)
-        allowed = ((mask.bool()[:, None, None, :] & (col <= query_col))
-                   | (col == query_col))
-        cache = DynamicCache(config=self.model.config)
-        for layer, (k, v) in zip(cache.layers, past, strict=False):
-            layer.lazy_initialization(k, v)
-            layer.keys, layer.values = k, v
-        logits = self._forward(ids, allowed, pos, cache, last_only=True)
-        kv = [(layer.keys, layer.values) for layer in cache.layers]
-        sel = torch.tensor(index, device=self.device)
-        if u < len(seqs):  # identical sequences share one prefill
-            logits, mask = logits[sel], mask[sel]
-            kv = [(k[sel], v[sel]) for k, v in kv]
-        return _Prefilled(logits, kv, mask, [unique[j][1] for j in index],
-                          sum(len(seq) - c for seq, c, _ in unique))
-
-    def _write_slots(self, first: int, p: _Prefilled, width: int) -> None:
-        """Copy each prefilled row's real KV columns, in order, into slots first, first + 1,
-        ... (columns [0, width))."""
-        u = p.mask.size(0)
-        # stable sort of "is padding": each row's real columns first, in their order
-        order = torch.argsort((p.mask == 0).to(torch.uint8), dim=1, stable=True)[:, :width]
-        for (keys, values), (k, v) in zip(self._buf, p.kv, strict=True):
-            idx = order[:, None, :, None].expand(u, k.size(1), width, k.size(3))
-            keys[first:first + u, :, :width] = k.gather(2, idx)
-            values[first:first + u, :, :width] = v.gather(2, idx)
-
-    def _admit(self, new: list[_Request], p: _Prefilled) -> torch.Tensor:
+    def _admit(self, new: list[_Request], p: Prefilled) -> torch.Tensor:
         """Put the prefilled requests in the slots after the running rows; returns their
         logits."""
         lengths = [len(r.prompt_ids) for r in new]
@@ -736,63 +459,6 @@ class EmbeddedEngine:
 
     # ----- batch bookkeeping -----
 
-    def _ensure_capacity(self, rows: int, columns: int, like: KV | None = None) -> None:
-        """Grow the KV buffers (doubling, zero-filled: masked columns must be finite) to hold
-        `rows` rows of `columns` columns, keeping the running rows' KV; `like` gives the
-        layers' shapes when there is no buffer yet."""
-        have_rows = self._buf[0][0].size(0) if self._buf else 0
-        have_cols = self._buf[0][0].size(2) if self._buf else 0
-        if rows <= have_rows and columns <= have_cols:
-            return
-        new_rows = have_rows if rows <= have_rows else min(self.max_batch_size,
-                                                            max(rows, 2 * have_rows))
-        new_cols = have_cols if columns <= have_cols else max(
-            columns, min(self.max_context + 1, max(2 * have_cols, 64)))
-        n, width = len(self._rows), max((r.kv_len for r in self._rows), default=0)
-        grown = []
-        for pair in self._buf or like:
-            fresh = tuple(t.new_zeros((new_rows, t.size(1), new_cols, t.size(3))) for t in pair)
-            if self._buf:
-                for f, t in zip(fresh, pair, strict=True):
-                    f[:n, :, :width] = t[:n, :, :width]
-            grown.append(fresh)
-        self._buf = grown
-
-    @torch.inference_mode()  # also called from control ops, which run outside a step
-    def _remove_rows(self, gone: list[int]) -> None:
-        """Rows `gone` leave the batch at once. The last rows move into the freed slots (only
-        their KV is copied), so the running rows stay in slots [0, rows)."""
-        gone_set = set(gone)
-        m = len(self._rows) - len(gone_set)
-        holes = [i for i in sorted(gone_set) if i < m]
-        movers = [i for i in range(m, len(self._rows)) if i not in gone_set]
-        order = list(range(m))
-        if holes:
-            width = max(self._rows[i].kv_len for i in movers)
-            dst = torch.tensor(holes, device=self.device)
-            src = torch.tensor(movers, device=self.device)
-            for keys, values in self._buf:
-                keys[dst, :, :width] = keys[src, :, :width]
-                values[dst, :, :width] = values[src, :, :width]
-            for hole, mover in zip(holes, movers, strict=True):
-                order[hole] = mover
-        sel = torch.tensor(order, dtype=torch.long, device=self.device)
-        self._rows = [self._rows[i] for i in order]
-        self._len, self._last = self._len[sel], self._last[sel]
-        self._set_row_params()
-
-    def _set_row_params(self) -> None:
-        rows, dev = self._rows, self.device
-        self._row_params = {
-            "temperature": torch.tensor([r.params.temperature for r in rows], device=dev),
-            "top_k": torch.tensor([r.params.top_k for r in rows], device=dev),
-            "top_p": torch.tensor([r.params.top_p for r in rows], device=dev),
-            "seed": torch.tensor([r.seed for r in rows], dtype=torch.long, device=dev),
-            "prompt_len": torch.tensor([len(r.prompt_ids) for r in rows], device=dev),
-        }
-        self._max_top_k = max((r.params.top_k for r in rows), default=0)
-        self._any_top_p = any(r.params.top_p < 1.0 for r in rows)
-
     def _finish(self, i: int, reason: str) -> None:
         r = self._rows[i]
         # KV computed by older weights is not kept: the next turn would reuse it
@@ -820,17 +486,7 @@ class EmbeddedEngine:
             except concurrent.futures.InvalidStateError:  # cancelled by its caller meanwhile
                 self.counters["cancelled"] += 1
         else:
-            self._outbox.setdefault(r.loop, []).append((r.future, result, error))
-
-    def _flush_outbox(self) -> None:
-        outbox, self._outbox = self._outbox, {}
-        for loop, items in outbox.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # the caller's event loop has closed: nobody is waiting
-                self.counters["undelivered"] += len(items)
-                logger.warning("engine: %d answers for a closed event loop were dropped",
-                               len(items))
+            self._post(r.loop, (r.future, result, error))
 
     def _abort(self, match: Callable[[_Request], bool], waiting: bool = True) -> int:
         """End the matching requests with finish_reason "abort" (partial output)."""
@@ -852,33 +508,3 @@ class EmbeddedEngine:
         return n + len(hit)
 
 
-def _deliver(items: list) -> None:
-    """On the caller's event loop: answer each still-awaited future."""
-    for future, result, error in items:
-        if not future.done():
-            if error is None:
-                future.set_result(result)
-            else:
-                future.set_exception(error)
-
-
-class _SlotCache(DynamicCache):
-    """The running batch's KV as the model sees it during a decode step: row i's new key and
-    value are written in place at column `lengths[i]` of its slot, and attention reads the
-    first `width` columns of the first `rows` slots (views, no copy)."""
-
-    def __init__(self, buffers: KV, rows: int, width: int, lengths: torch.Tensor):
-        super().__init__()
-        self._buffers, self._width, self._lengths = buffers, width, lengths
-        self._rows = torch.arange(rows, device=lengths.device)
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self._buffers[layer_idx]
-        keys[self._rows, :, self._lengths] = key_states[:, :, 0]
-        values[self._rows, :, self._lengths] = value_states[:, :, 0]
-        n = self._rows.numel()
-        return keys[:n, :, :self._width], values[:n, :, :self._width]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._width - 1

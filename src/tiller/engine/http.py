@@ -51,16 +51,16 @@ from typing import Any, TypeVar
 
 import httpx
 
+from tiller.engine.api import Generation, SamplingParams
+from tiller.engine.delta import DeltaUpdate
+from tiller.engine.updates import WeightUpdate
+from tiller.engine.wire import check_logprob_kind, parse_generation
 from tiller.errors import ConfigError, RunError
 from tiller.files import refuse_links
-from tiller.rollout.delta import DeltaUpdate
-from tiller.rollout.engine import Generation, SamplingParams
-from tiller.rollout.weight_sync import WeightUpdate
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-FINISH_REASONS = ("stop", "length", "abort")
 MAX_SESSIONS = 1 << 16  # sticky sessions remembered (LRU); a forgotten one is just placed again
 HEALTH_TIMEOUT_S = 5.0  # a down server that cannot answer /health within this stays down
 KEEPALIVE_S = 2.0  # idle connections kept this long: under the servers' keep-alive timeout
@@ -242,7 +242,8 @@ class HttpEngine:
             started = self.version  # the oldest weights that can have sampled this answer
             try:
                 answer = await self._post(server, "/generate", body)
-                gen = _generation(server.url, answer, len(prompt_ids), started)
+                gen = parse_generation(server.url, answer, len(prompt_ids), started)
+                check_logprob_kind(server.url, answer, params)
                 self._check_fresh(server, answer, gen)
             except RunError as e:  # a 4xx, a 500 about this request, a malformed answer
                 self.counters["failed_requests"] += 1
@@ -542,42 +543,6 @@ _SKIPPED = object()  # what a control call to a server found down returns
 def _short(text: str, n: int = 200) -> str:
     text = " ".join(text.split())
     return text if len(text) <= n else text[:n] + "..."
-
-
-def _generation(url: str, answer: Any, prompt_tokens: int, started: int) -> Generation:
-    """A `Generation` from a /generate answer, checked: the logprobs' token ids must be the
-    output ids (token in, token out) and the finish reason one we know."""
-    try:
-        ids = [int(t) for t in answer["output_ids"]]
-        meta = answer["meta_info"]
-        pairs = meta["output_token_logprobs"]
-        reason = meta["finish_reason"]["type"]
-        version = int(meta["weight_version"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise RunError(f"server {url}: /generate answer lacks output_ids or meta_info "
-                       f"(output_token_logprobs, finish_reason.type, an integer weight_version)"
-                       f": {type(e).__name__}: {e}; ask with return_logprob") from e
-    logged = [int(p[1]) for p in pairs]
-    if logged != ids:
-        at = next((i for i, (a, b) in enumerate(zip(logged, ids, strict=False)) if a != b),
-                  min(len(logged), len(ids)))
-        raise RunError(f"server {url}: output_token_logprobs' token ids differ from output_ids "
-                       f"at position {at} ({len(logged)} vs {len(ids)} tokens): the server does "
-                       f"not return the tokens it sampled")
-    if reason not in FINISH_REASONS:
-        raise RunError(f"server {url}: finish_reason {reason!r}; expected one of "
-                       f"{', '.join(FINISH_REASONS)}")
-    # per-token versions when the server reports them (tiller serve does); else every token
-    # gets the version the request started under: a turn spanning an update then counts as
-    # staler than it is, never fresher
-    versions = tuple(int(v) for v in meta.get("output_token_weight_versions") or
-                     [min(started, version)] * len(ids))
-    if len(versions) != len(ids):
-        raise RunError(f"server {url}: {len(versions)} output_token_weight_versions for "
-                       f"{len(ids)} output ids")
-    return Generation(ids, [float(p[0]) for p in pairs], reason, version, versions=versions,
-                      prompt_tokens=int(meta.get("prompt_tokens", prompt_tokens)),
-                      cached_tokens=int(meta.get("cached_tokens", 0)))
 
 
 def connect(urls: list[str], *, weights_dir: str | Path, api_key: str | None,

@@ -27,8 +27,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from tiller.engine.updates import StagedUpdate, WeightSyncError, Write, _names
 from tiller.files import replacing, write_file
-from tiller.rollout.weight_sync import StagedUpdate, WeightSyncError, Write, _names
 
 MAX_VARINT_BYTES = 10  # a uint64 needs at most 10 groups of 7 bits
 

@@ -5,12 +5,12 @@ engine echoes its version, then check parity.
   `update_weights` blocks until the engine applied it, and the trainer does not step meanwhile,
   so the engine's one `copy_` (casting to its dtype) is the only pass over the weights.
 - Delta: the sender keeps the last synced copy in the engine's dtype and ships, per tensor, the
-  elements whose bit pattern changed (`tiller.rollout.delta`). Diffing against what the engine
+  elements whose bit pattern changed (`tiller.engine.delta`). Diffing against what the engine
   holds, never against the previous trainer weights, means rounding never accumulates: after N
   deltas the engine equals a full sync bit for bit.
 - auto: per sync, the one with fewer bytes (exact counts); a full sync whenever the engine may
   not hold the base (the first sync, a failed one, an HTTP server that was down).
-- Every update carries checksums (`weight_sync.checksums`) that the receiver verifies.
+- Every update carries checksums (`updates.checksums`) that the receiver verifies.
 - Parity: engine and trainer score a fixed, seeded probe sequence; a mean |logprob difference|
   above `parity_tol` is a `WeightSyncError` naming the version and the server.
 """
@@ -19,27 +19,37 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch import nn
 
 from tiller.config import WeightSyncConfig
+from tiller.engine.delta import DeltaUpdate, TensorDelta, bits, encode_gaps
+from tiller.engine.updates import WeightSyncError, WeightUpdate, checksums
 from tiller.errors import ConfigError, RunError
-from tiller.rollout.delta import DeltaUpdate, TensorDelta, bits, encode_gaps
-from tiller.rollout.weight_sync import WeightSyncError, WeightUpdate, checksums
-from tiller.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
 PROBE_SEED = 1234  # the probe sequence is the same in every run
 
 
-class WeightSync:
-    """Pushes the trainer's weights to `engine` (embedded or HTTP) as configured by `cfg`;
-    `engine_dtype` is the dtype the engine holds its weights in."""
+class Publisher(Protocol):
+    """What the weights come from (the trainer): its live model, the version its weights are
+    at, and its logprobs of the parity probe under those weights."""
 
-    def __init__(self, trainer: Trainer, engine: Any, cfg: WeightSyncConfig,
+    model: nn.Module
+    version: int
+
+    def score(self, token_ids: list[int]) -> list[float]: ...
+
+
+class WeightSync:
+    """Pushes the weights of `trainer` (any `Publisher`) to `engine` (embedded or HTTP) as
+    configured by `cfg`; `engine_dtype` is the dtype the engine holds its weights in."""
+
+    def __init__(self, trainer: Publisher, engine: Any, cfg: WeightSyncConfig,
                  engine_dtype: torch.dtype):
         self.trainer, self.engine, self.cfg, self.dtype = trainer, engine, cfg, engine_dtype
         self.http = hasattr(engine, "servers")

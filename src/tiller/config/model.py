@@ -1,0 +1,69 @@
+"""The policy model (a checkpoint or a tiny one built here, its dtype, device and chat
+format) and the CPU threads of the process that runs it."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from tiller.config.base import Section
+
+
+class BuildConfig(Section):
+    """A tiny Qwen3 with random weights and a BPE tokenizer trained on the env's text."""
+
+    vocab_size: int = Field(1024, ge=300, le=65536)
+    hidden_size: int = Field(128, ge=16, le=4096)
+    num_layers: int = Field(2, ge=1, le=64)
+    num_heads: int = Field(4, ge=1, le=64)
+    corpus_tasks: int = Field(400, ge=10, description="expert episodes the tokenizer trains on")
+
+
+class ModelConfig(Section):
+    path: str | None = Field(None, description="local Hugging Face checkpoint to load")
+    build: BuildConfig | None = Field(None, description="build a tiny model instead")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="engine weights and trainer compute (bf16 autocast); the "
+        "trainer's master weights and optimizer stay float32")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where the policy, engine, reference and critic run; auto = cuda "
+        "when available, else cpu")
+    dropout: Literal["off", "keep"] = Field(
+        "off", description="off: every gradient pass (SFT, RL, the critic) runs the model in "
+        "eval mode, without dropout, so the policy trained is the one the engine samples and "
+        "the ratio is 1 before an update; keep: dropout stays on in those passes (train mode). "
+        "keep on a model without dropout is an error")
+    chat_format: Literal["auto", "hermes", "qwen3", "qwen3.5", "llama3", "harmony"] = Field(
+        "auto", description="the family whose tool-call and reasoning parser reads generated "
+        "turns (rendering is always the tokenizer's own chat template); auto = detect from "
+        "the template, hermes when nothing matches (docs/formats.md)")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if (self.path is None) == (self.build is None):
+            raise ValueError("set exactly one of model.path (load) or model.build (create)")
+        return self
+
+
+class RuntimeConfig(Section):
+    """How this process uses the machine's CPUs (tiller.runtime; README, "CPU threads")."""
+
+    threads: int | Literal["auto"] = Field(
+        "auto", description="torch's intra-op and inter-op threads in this process, and "
+        "OMP/MKL/OpenBLAS/Rayon threads for the processes it starts; set once when the model "
+        "is loaded, recorded in runtime.json. auto: OMP_NUM_THREADS when the environment sets "
+        "it, else the cores no other process is using (usable cores minus the 1-minute load "
+        "average, rounded) shared among the torch compute streams that run at once (the "
+        "embedded engine, a judge model, and the trainer outside rl.mode sync), and 1 for a "
+        "model under 250,000 parameters")
+
+    @field_validator("threads", mode="before")
+    @classmethod
+    def _threads(cls, value: Any) -> int | str:
+        whole = isinstance(value, int) and not isinstance(value, bool)
+        if value == "auto" or (whole and value >= 1):
+            return value
+        raise PydanticCustomError("threads", "expected auto or a whole number of threads, at "
+                                  "least 1")

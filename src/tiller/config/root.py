@@ -1,0 +1,204 @@
+"""The root of the run configuration, `Config`, and `load_config`: one YAML file validated
+into typed models.
+
+Every knob lives in this package with its default, one module per box. A bad field fails
+with one message naming the field, the value and what was expected; `key=value` overrides
+from the command line go through the same validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from tiller.config.base import Section
+from tiller.config.data import DataConfig, RewardConfig
+from tiller.config.engine import EngineConfig, SamplingConfig, WeightSyncConfig
+from tiller.config.env import AgentConfig, EnvConfig
+from tiller.config.eval import EvalConfig
+from tiller.config.model import ModelConfig, RuntimeConfig
+from tiller.config.observe import LoggingConfig, ObserveConfig
+from tiller.config.rl import RLConfig
+from tiller.config.rollout import RolloutConfig
+from tiller.config.sft import SFTConfig
+from tiller.errors import ConfigError
+
+
+class Config(Section):
+    name: str = "run"
+    seed: int = 0
+    output_dir: str | None = None
+    model: ModelConfig
+    env: EnvConfig = EnvConfig()
+    agent: AgentConfig = AgentConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    sft: SFTConfig = SFTConfig()
+    rl: RLConfig = RLConfig()
+    eval: EvalConfig = EvalConfig()
+    logging: LoggingConfig = LoggingConfig()
+    engine: EngineConfig = EngineConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
+    observe: ObserveConfig = ObserveConfig()
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig,
+                                   description="CPU threads of this process and its children")
+    data: DataConfig = Field(default_factory=DataConfig,
+                             description="data files: env dataset's rows, SFT conversations")
+    rewards: list[RewardConfig] = Field(default_factory=list,
+                                        description="env dataset: the reward entries")
+
+    @property
+    def l_max(self) -> int:
+        """Max generated tokens per episode: rl.algorithm.l_max, or the episode's budget (the
+        token budget bounds each sequence, so with drop_oldest memory only the turns do)."""
+        budget = self.env.max_turns * self.sampling.max_new_tokens
+        if self.agent.memory != "drop_oldest":
+            budget = min(budget, self.env.max_episode_tokens)
+        return self.rl.algorithm.l_max or budget
+
+    @property
+    def l_cache(self) -> int:
+        """DAPO's soft-overlong buffer: overlong.l_cache, or 20% of l_max (4096 of 20480)."""
+        return self.rl.algorithm.overlong.l_cache or max(1, round(0.2 * self.l_max))
+
+    @model_validator(mode="after")
+    def _rollout_fits_rl(self) -> Config:
+        inflight = self.rollout.max_inflight
+        if inflight is not None and self.rl.mode != "async":
+            raise ConfigError(f"config field rollout.max_inflight: got {inflight}; it only "
+                              f"applies with rl.mode: async (rl.mode is {self.rl.mode})")
+        if self.rollout.partial != "continue" and self.rl.mode == "sync":
+            raise ConfigError(f"config field rollout.partial: got {self.rollout.partial}; in "
+                              "rl.mode: sync no episode runs while weights change (use "
+                              "one_step_off or async)")
+        if inflight is not None and inflight < self.rl.group_size:
+            raise ConfigError(f"config field rollout.max_inflight: got {inflight}; expected at "
+                              f"least rl.group_size = {self.rl.group_size} (a group starts "
+                              f"whole)")
+        return self
+
+    @model_validator(mode="after")
+    def _memory_fits(self) -> Config:
+        if (self.agent.memory == "drop_oldest"
+                and self.sampling.max_new_tokens >= self.env.max_episode_tokens):
+            raise ConfigError(f"config field agent.memory: drop_oldest needs room for a turn "
+                              f"after the kept context: sampling.max_new_tokens "
+                              f"({self.sampling.max_new_tokens}) must be below "
+                              f"env.max_episode_tokens ({self.env.max_episode_tokens})")
+        return self
+
+    @model_validator(mode="after")
+    def _curriculum_fits_env(self) -> Config:
+        c = self.rl.curriculum
+        for name in ("min_level", "start"):
+            level = getattr(c, name)
+            if level is not None and level > self.env.difficulty:
+                raise ConfigError(f"config field rl.curriculum.{name}: got {level}; expected "
+                                  f"at most env.difficulty = {self.env.difficulty} (the "
+                                  f"target, the highest level)")
+        lowest = c.min_level or 1
+        if c.enabled and c.mode == "difficulty" and lowest == self.env.difficulty:
+            raise ConfigError(f"config field rl.curriculum.mode: got 'difficulty' with a single "
+                              f"level (rl.curriculum.min_level {lowest} = env.difficulty), so "
+                              f"there is nothing to adapt: expected rl.curriculum.min_level "
+                              f"below env.difficulty, or rl.curriculum.mode: filter")
+        return self
+
+    @model_validator(mode="after")
+    def _overlong_fits(self) -> Config:
+        if self.rl.algorithm.overlong.mode == "soft" and self.l_cache >= self.l_max:
+            raise ConfigError(f"config field rl.algorithm.overlong.l_cache: got {self.l_cache}; "
+                              f"expected less than l_max = {self.l_max}")
+        return self
+
+
+    @model_validator(mode="after")
+    def _source_fits_env(self) -> Config:
+        for name in ("openenv", "harbor"):  # each source's section (a plug-in may subclass)
+            if getattr(self.env, name) is not None and self.env.name != name \
+                    and ":" not in self.env.name:
+                raise ConfigError(f"config field env.{name}: only used with env.name: {name} "
+                                  f"(env.name is {self.env.name})")
+        return self
+
+    @model_validator(mode="after")
+    def _data_fits_env(self) -> Config:
+        data = self.data
+        # a plug-in env given data is a subclass of the dataset env (checked once it is
+        # imported, by the run): it takes data.* and rewards as the dataset env does
+        plugin = ":" in self.env.name and (data.train is not None or bool(self.rewards))
+        dataset = self.env.name == "dataset" or plugin
+        if dataset and data.train is None:
+            raise ConfigError("config field data.train: env.name is dataset, so name the file "
+                              "of train prompts (JSONL, Parquet or a datasets folder)")
+        if dataset and not self.rewards:
+            raise ConfigError("config field rewards: env.name is dataset, so list at least one "
+                              "reward entry (a verifier by name or a function by dotted path)")
+        if dataset and self.env.tools.functions:
+            raise ConfigError(f"config field env.tools.functions: got "
+                              f"{self.env.tools.functions}; the dataset env's tools are per row: "
+                              "list them in data.tools (every row) or the rows' tools column")
+        if dataset and self.agent.program is not None:
+            raise ConfigError(f"config field agent.program: got {self.agent.program!r}; the "
+                              "dataset env's reward functions score the conversation its own "
+                              "loop records, which an agent program does not give it")
+        if not dataset:
+            for name in ("train", "eval", "messages_column", "metadata_columns", "tools",
+                         "system"):
+                if getattr(data, name):
+                    raise ConfigError(f"config field data.{name}: only used with env.name: "
+                                      f"dataset (env.name is {self.env.name})")
+            if self.rewards:
+                raise ConfigError("config field rewards: only used with env.name: dataset (env "
+                                  f"{self.env.name} scores episodes with its own verifier)")
+        if data.sft is not None:
+            for name in ("tasks", "imperfect_fraction", "difficulty"):
+                if getattr(self.sft, name) != SFTConfig.model_fields[name].default:
+                    raise ConfigError(f"config field sft.{name}: used only for scripted-expert "
+                                      "demonstrations; data.sft gives the conversations")
+        return self
+
+
+def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for key in parents:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted}: {key!r} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def first_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "config"
+    more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
+    got = f" got {err['input']!r};" if "input" in err and not isinstance(err["input"], dict) else ""
+    return f"config field {where}:{got} {err['msg']}{more}"
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read YAML, apply `a.b=value` overrides (values parsed as YAML), validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        _set(data, key.strip(), yaml.safe_load(raw))
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(first_error(e)) from e
