@@ -12,7 +12,7 @@ from that model with `runtime.threads` set, its environment stripped of the thre
 seconds (os.wait4) and the torch thread count its runtime.json reports. "idle" runs alone (the
 machine as it is: say what else ran); "loaded" runs beside `--busy` processes that spin a
 Python loop, started by this benchmark `--settle` seconds before the first loaded measurement
-(so the 1-minute load average has seen them) and stopped after the last.
+(so the 1-minute load average the auto rule reads has seen them) and stopped after the last.
 Ratios are against "before": torch's own default thread count (what every run used before
 runtime.threads, measured in a child process here) on the idle machine, and on the same load.
 Writes OUT/threads.json and OUT/threads.md (printed).

@@ -51,7 +51,7 @@ def test_quick_run_measures_each_setting_under_each_load(tmp_path):
         if r["setting"] == "auto":  # the rule, not the OMP_NUM_THREADS=1 of this test's env
             rule = r["rule"]
             assert r["torch_threads"] == r["threads"] == default_threads(
-                rule["usable_cores"], rule["parameters"], rule["streams"])
+                rule["usable_cores"], rule["load_1min"], rule["parameters"], rule["streams"])
         else:  # the knob changed torch's count in the measured process
             assert r["torch_threads"] == r["threads"] == int(r["setting"])
             assert r["rule"] is None

@@ -21,6 +21,10 @@
 4. The engine comes from engine/: a name a module of tiller.engine defines is imported from
    tiller.engine, never through another box that imported it (so serve/, gateway/ and train/
    get the engine from engine/, never from rollout/).
+5. Sizes: no function (methods and nested functions included, from `def` to its last line) over
+   `MAX_FUNCTION_LINES`, no module over `MAX_MODULE_LINES`. `SIZE_ALLOWANCES` names today's
+   offenders with their sizes: one may shrink but not grow, and leaves the list once it fits
+   (the test fails on a stale entry), until the list is empty (issue 20).
 """
 
 from __future__ import annotations
@@ -65,6 +69,19 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("tiller.train", "tiller.api"):
         "the package tiller.train is callable and runs tiller.api.train (issue 20: the two "
         "public Trainers)",
+}
+
+MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 600
+# today's offenders (module, or module.qualified.function) -> their size in lines; issue 20
+# shrinks this to empty
+SIZE_ALLOWANCES: dict[str, int] = {
+    "tiller.cli.serve": 86,
+    "tiller.controller.rl": 143,
+    "tiller.engine.http.HttpEngine.update_weights": 93,
+    "tiller.rollout.agent_loop.run_episode": 82,
+    "tiller.rollout.agent_loop._turns": 106,
+    "tiller.train.trainer.Trainer.rl_step": 115,
 }
 
 
@@ -209,6 +226,40 @@ def engine_reexports(modules: dict[str, str]) -> list[str]:
     return bad
 
 
+def oversized(modules: dict[str, str], max_function: int = MAX_FUNCTION_LINES,
+              max_module: int = MAX_MODULE_LINES) -> dict[str, int]:
+    """Name -> lines of every module over `max_module` lines and every function over
+    `max_function` (methods and nested functions too, named by their qualified path, from the
+    `def` line to the last; decorators not counted)."""
+    found: dict[str, int] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = prefix
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                name = f"{prefix}.{child.name}"
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = child.end_lineno - child.lineno + 1
+                if lines > max_function:
+                    found[name] = max(lines, found.get(name, 0))
+            visit(child, name)
+
+    for module, text in modules.items():
+        if (lines := len(text.splitlines())) > max_module:
+            found[module] = lines
+        visit(ast.parse(text), module)
+    return found
+
+
+def size_problems(found: dict[str, int], allowances: dict[str, int]) -> list[str]:
+    """Offenders not allowed or grown past their allowance, and allowances no longer needed."""
+    problems = [f"{name}: {lines} lines (allowed: {allowances[name]})" if name in allowances
+                else f"{name}: {lines} lines" for name, lines in sorted(found.items())
+                if lines > allowances.get(name, 0)]
+    return problems + [f"{name} fits now: remove it from SIZE_ALLOWANCES"
+                       for name in sorted(allowances) if name not in found]
+
+
 def test_no_import_cycles():
     graph = import_graph()
     assert len(graph) > 40 and "tiller.controller" in graph["tiller.cli"]
@@ -292,3 +343,24 @@ def test_the_reexport_checker_finds_the_engine_through_rollout():
     assert engine_reexports(modules) == [
         "tiller.gateway.session imports Generation from tiller.rollout.agent_loop, not from "
         "tiller.engine"]
+
+
+def test_no_function_over_80_lines_and_no_module_over_600():
+    found = oversized(sources())
+    assert size_problems(found, SIZE_ALLOWANCES) == []
+
+
+def test_the_size_checker_finds_long_functions_and_modules():
+    def body(indent: int) -> str:  # five statements
+        return "".join(f"{' ' * indent}x{i} = {i}\n" for i in range(5))
+
+    modules = {"tiller.a": "class C:\n    def m(self):\n" + body(8)  # m: 6 lines
+                           + "def f():\n" + body(4) + "    def g():\n" + body(8),  # f: 12, g: 6
+               "tiller.b": "x = 1\n" * 20}  # tiller.a: 19 lines
+    found = oversized(modules, max_function=5, max_module=19)
+    assert found == {"tiller.a.C.m": 6, "tiller.a.f": 12, "tiller.a.f.g": 6, "tiller.b": 20}
+    assert oversized(modules, max_function=12, max_module=20) == {}
+    assert size_problems(found, {**found, "tiller.a.f": 11, "tiller.gone": 90}) == [
+        "tiller.a.f: 12 lines (allowed: 11)",
+        "tiller.gone fits now: remove it from SIZE_ALLOWANCES"]
+    assert size_problems({"tiller.a.f": 12}, {}) == ["tiller.a.f: 12 lines"]

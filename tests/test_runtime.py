@@ -39,18 +39,22 @@ def restore_threads(monkeypatch):
             os.environ[var] = value
 
 
-@pytest.mark.parametrize(("cores", "params", "streams", "expected"), [
-    (2, DEMO, 1, 2),                  # a 2-core machine: both cores
-    (2, DEMO, 2, 1),                  # engine and trainer at once share the 2 cores
-    (16, DEMO, 2, 8),
-    (16, DEMO, 3, 5),                 # 16 // 3
-    (1, DEMO, 2, 1),                  # at least 1
-    (16, TINY_PARAMS - 1, 1, 1),      # a tiny model: 1 whatever the cores
-    (16, TINY_PARAMS, 1, 16),
-    (1, 10**9, 1, 1),
+@pytest.mark.parametrize(("cores", "load", "params", "streams", "expected"), [
+    (2, 0.0, DEMO, 1, 2),       # idle 2-core machine: both cores
+    (2, 0.4, DEMO, 1, 2),       # floor(2 - 0.4 + 0.5) = floor(2.1) = 2
+    (2, 0.5, DEMO, 1, 2),       # floor(2.0) = 2: a half rounds up
+    (2, 0.6, DEMO, 1, 1),       # floor(1.9) = 1
+    (2, 2.0, DEMO, 1, 1),       # two busy processes beside it (issue 19): 1
+    (2, 7.3, DEMO, 1, 1),       # free is at least 1
+    (2, 0.0, DEMO, 2, 1),       # engine and trainer at once share the 2 cores
+    (16, 3.2, DEMO, 2, 6),      # free = floor(13.3) = 13, 13 // 2 = 6
+    (16, 0.0, DEMO, 3, 5),      # 16 // 3
+    (16, 0.0, TINY_PARAMS - 1, 1, 1),  # a tiny model: 1 whatever the cores
+    (16, 0.0, TINY_PARAMS, 1, 16),
+    (1, 0.0, 10**9, 1, 1),
 ])
-def test_default_rule_hand_computed(cores, params, streams, expected):
-    assert default_threads(cores, params, streams) == expected
+def test_default_rule_hand_computed(cores, load, params, streams, expected):
+    assert default_threads(cores, load, params, streams) == expected
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [
@@ -79,7 +83,7 @@ def test_auto_takes_the_users_omp_num_threads_not_its_own(monkeypatch):
     monkeypatch.setattr(runtime, "_written", None)
     chosen = choose_threads("auto", params=DEMO, streams=1)
     assert chosen.source == "auto" and chosen.threads == default_threads(
-        runtime.usable_cores(), DEMO, 1)
+        runtime.usable_cores(), chosen.rule["load_1min"], DEMO, 1)
 
 
 def test_bad_omp_num_threads_is_one_line(monkeypatch):

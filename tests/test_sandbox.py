@@ -286,7 +286,8 @@ def test_memory_limit_applies_to_every_process() -> None:
         "                chunks.append(bytearray(b'\\x01') * (16 << 20)); got += 16\n"
         "        except MemoryError:\n"
         "            pass\n"
-        "        print('child', got); os._exit(0)\n"
+        "        os.write(1, f'child {got}\\n'.encode())  # one write: lines never interleave\n"
+        "        os._exit(0)\n"
         "for _ in range(4):\n"
         "    os.wait()\n"
     )

@@ -35,20 +35,20 @@ _written: str | None = None  # the OMP_NUM_THREADS this module put in os.environ
 _before: str | None = None  # OMP_NUM_THREADS as the environment had it until then
 
 
-def default_threads(cores: int, params: int, streams: int) -> int:
+def default_threads(cores: int, load: float, params: int, streams: int) -> int:
     """The threads of each torch compute stream when nothing is set:
 
-        threads = max(1, cores // streams)     # the streams that run at once share the cores
-        threads = 1 when params < TINY_PARAMS  # too little work per op to split
+        free    = max(1, floor(cores - load + 1/2))   # cores no other process is using
+        threads = max(1, free // streams)             # the streams that run at once share them
+        threads = 1 when params < TINY_PARAMS         # too little work per op to split
 
-    `cores`: the CPUs this process may use; `streams`: this process's torch streams running at
-    once (`tiller.run.compute_streams`). Other processes' load is deliberately not an input:
-    the thread count changes how torch splits its reductions, so the same command would
-    compute other floats on a busier machine. `set_up_threads` warns instead when the load
-    leaves fewer cores than chosen."""
+    `cores`: the CPUs this process may use; `load`: the 1-minute load average (runnable
+    processes, whoever they belong to); `streams`: this process's torch streams running at
+    once (`tiller.run.compute_streams`)."""
     if params < TINY_PARAMS:
         return 1
-    return max(1, cores // max(1, streams))
+    free = max(1, math.floor(cores - load + 0.5))
+    return max(1, free // max(1, streams))
 
 
 def _cgroup_cpus() -> float | None:
@@ -102,9 +102,10 @@ def choose_threads(setting: int | str, *, params: int, streams: int,
     inherited = _inherited_threads()
     if inherited is not None:
         return ThreadChoice(inherited, "OMP_NUM_THREADS")
-    cores = usable_cores()
-    return ThreadChoice(default_threads(cores, params, streams), "auto",
-                        {"usable_cores": cores, "streams": streams, "parameters": params})
+    cores, load = usable_cores(), os.getloadavg()[0]
+    return ThreadChoice(default_threads(cores, load, params, streams), "auto",
+                        {"usable_cores": cores, "load_1min": load, "streams": streams,
+                         "parameters": params})
 
 
 def thread_env(threads: int) -> dict[str, str]:
@@ -145,19 +146,13 @@ def set_up_threads(setting: int | str, *, params: int, streams: int,
     why = choice.source
     if choice.rule is not None:
         r = choice.rule
-        why = (f"auto: {r['usable_cores']} usable cores, {r['streams']} compute stream(s), "
-               f"{r['parameters']:,} parameters")
+        why = (f"auto: {r['usable_cores']} usable cores, 1-min load {r['load_1min']:.2f}, "
+               f"{r['streams']} compute stream(s), {r['parameters']:,} parameters")
     log.info("tiller threads: %d torch thread(s) per compute stream (%s); child processes get "
              "OMP_NUM_THREADS=%d", choice.threads, why, choice.threads)
-    cores, load = usable_cores(), os.getloadavg()[0]
-    record["load_1min"] = load
+    cores = usable_cores()
     if choice.rule is None and choice.threads * streams > cores:  # asked for, not the rule
         log.warning("%s: %d thread(s) x %d compute stream(s) is more than the %d cores this "
                     "process may use: the threads will wait for each other", choice.source,
                     choice.threads, streams, cores)
-    elif choice.threads > 1 and choice.threads * streams + load > cores + 0.5:
-        log.warning("%d torch thread(s) x %d compute stream(s) on %d cores while other "
-                    "processes keep the 1-minute load at %.1f: oversubscribed threads cost more "
-                    "than they give (benchmarks/threads.py); set %s=1 on a shared machine",
-                    choice.threads, streams, cores, load, field)
     return record
