@@ -29,10 +29,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from tiller.algorithms.presets import PRESETS
 from tiller.config import load_config
 from tiller.controller import evaluate, rl, sft
 from tiller.run import Run
-from tiller.train.presets import PRESETS
 
 # a tiny model and SFT: enough to prove every preset runs, not to compare them
 QUICK = ["model.build.hidden_size=64", "model.build.vocab_size=600",

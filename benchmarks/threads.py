@@ -1,5 +1,5 @@
 """CPU threads on the demo's SFT phase: idle and loaded, each with 1 and 2 torch threads and
-with `runtime.threads: auto` (issue 19, "CPU threads"; README, "CPU threads").
+with `runtime.threads: auto` (issue 19, "CPU threads"; docs/running.md, "CPU threads").
 
     .venv/bin/python benchmarks/threads.py            # the demo's SFT: 80 steps, sft.tasks=640
     .venv/bin/python benchmarks/threads.py --quick    # a tiny model, 2 steps (tests/)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from tiller.algorithms import ADVANTAGES, AGGREGATIONS, POLICY_LOSSES
 from tiller.config import BuildConfig
 from tiller.engine.api import SamplingParams
 from tiller.engine.embedded import EmbeddedEngine
@@ -28,7 +29,6 @@ from tiller.rollout.agent_loop import EngineActor, EpisodeLimits, run_episode
 from tiller.rollout.chat import stop_token_ids
 from tiller.rollout.collect import collect, collect_expert
 from tiller.rollout.trajectory import is_success
-from tiller.train.algorithms import ADVANTAGES, AGGREGATIONS, POLICY_LOSSES
 from tiller.train.batch import Batch, token_logprobs
 
 

@@ -38,14 +38,15 @@ def limits():
 @pytest.fixture(scope="session")
 def calc_sft_dir(calc_model_dir, tmp_path_factory):
     """The tiny calculator model after a one-step SFT, saved like `train` saves it: the common
-    starting point of the RL tests (model.path=<this>, sft.enabled=false)."""
+    starting point of the RL tests (helpers.tiny_rl)."""
+    from helpers import saved_model
+
     from tiller.config import load_config
     from tiller.controller import sft
     from tiller.run import Run
 
-    cfg = load_config("configs/calculator.yaml", [
-        f"model.path={calc_model_dir}", "model.build=null", "sft.tasks=32", "sft.epochs=1",
-        "logging.progress=false", "logging.tensorboard=false"])
+    cfg = load_config("configs/calculator.yaml", [*saved_model(calc_model_dir), "sft.tasks=32",
+                                                  "sft.epochs=1"])
     run = Run(cfg, tmp_path_factory.mktemp("sft_run"))
     sft(run)
     path = run.save("sft")

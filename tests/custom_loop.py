@@ -1,4 +1,4 @@
-"""A custom agent loop in about 20 lines, as README's "Your own agent loop" shows it.
+"""A custom agent loop in about 20 lines, as docs/plugins.md's "Your own agent loop" shows it.
 
 Name it in a config as `agent.loop: custom_loop:run_episode` (with this folder importable).
 It has no token budget and lets exceptions propagate; tiller's own loop adds both.

@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 
 from tiller.config import Config
 from tiller.engine.api import Generation
-from tiller.envs import ENVS
 from tiller.models import load_tokenizer
+from tiller.plugins import load_env_class
 from tiller.rollout.agent_loop import EpisodeLimits, run_episode
 from tiller.rollout.collect import collect_expert
 from tiller.rollout.trajectory import is_success
@@ -37,6 +37,8 @@ def load_benchmark(name: str):
     return module
 
 
+# Logging that writes only metrics.jsonl and the log: no progress bar, no TensorBoard files.
+QUIET = ["logging.progress=false", "logging.tensorboard=false"]
 # A whole pipeline (build, SFT, RL, eval) in seconds: for tests that check it runs, not learns.
 TINY_RUN = [
     "model.build.hidden_size=64", "model.build.vocab_size=600", "model.build.corpus_tasks=60",
@@ -50,9 +52,25 @@ TINY_ENV_RUN = [
     "model.build.hidden_size=64", "model.build.num_layers=1", "model.build.num_heads=2",
     "model.build.vocab_size=500", "model.build.corpus_tasks=40", "sft.tasks=40",
     "sft.epochs=1", "sft.batch_size=8", "rl.steps=2", "rl.tasks_per_step=2",
-    "rl.group_size=2", "eval.tasks=8", "sampling.max_new_tokens=64",
-    "logging.progress=false", "logging.tensorboard=false", "logging.report=false",
+    "rl.group_size=2", "eval.tasks=8", "sampling.max_new_tokens=64", *QUIET,
+    "logging.report=false",
 ]
+
+
+def saved_model(path: Path | str) -> list[str]:
+    """Overrides that load the model saved at `path` (`calc_model_dir`, `calc_sft_dir`)
+    instead of building one, with QUIET logging."""
+    return [f"model.path={path}", "model.build=null", *QUIET]
+
+
+def tiny_rl(path: Path | str, *more: str) -> list[str]:
+    """Overrides for a tiny RL run from the model saved at `path` (`calc_sft_dir`, say): no
+    SFT, 1 step of 2 tasks x 4 samples, 8 held-out tasks, QUIET logging. `more` comes last,
+    and a later key=value wins over an earlier one."""
+    return [*saved_model(path), "sft.enabled=false", "rl.steps=1", "rl.tasks_per_step=2",
+            "rl.group_size=4", "eval.tasks=8", *more]
+
+
 # A tiny policy never succeeds, so GRPO's advantages are all 0 and RL would leave the weights
 # as they are; an entropy bonus gives every trainable token a gradient, so a short run shows
 # whether RL trained on the env's episodes at all.
@@ -120,7 +138,7 @@ def check_short_run(cfg: Config, summary: dict[str, Any], random_actor: Callable
     tokenizer and episode limits, the scripted expert succeeds and `random_actor(tokenizer)`
     does not (so env and verifier tell them apart under the run's settings), and the RL steps
     changed the weights. Returns (expert, random) success rates."""
-    env_cls = ENVS[cfg.env.name]
+    env_cls = load_env_class(cfg.env.name)  # registered, installed or a dotted path
     tok = load_tokenizer(summary["checkpoint"])
     limits = EpisodeLimits(cfg.env.max_turns, cfg.env.max_episode_tokens)
     tasks = env_cls.make_tasks("heldout", cfg.eval.tasks, cfg.seed, cfg.env.difficulty)
@@ -166,6 +184,21 @@ def traces_of_version(path: Path, version: int) -> Path:
     with closing(sqlite3.connect(path)) as con, con:
         con.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(version),))
     return path
+
+
+def cli(*args: str | Path, env: dict[str, str | None] | None = None) -> tuple[int, str]:
+    """`tiller ARGS` run in this process (typer's CliRunner): its exit status and what it
+    printed, stdout and stderr together. `env` sets environment variables for the call (None
+    removes one). An exception the CLI lets escape is raised here: the traceback a user would
+    see fails the test."""
+    from typer.testing import CliRunner
+
+    from tiller.cli import app
+
+    result = CliRunner().invoke(app, [str(a) for a in args], env=env)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.output
 
 
 def free_port() -> int:

@@ -11,7 +11,7 @@ import string
 from pathlib import Path
 
 import pytest
-from helpers import RL_MOVES, TextActor, check_short_run
+from helpers import RL_MOVES, TINY_ENV_RUN, TextActor, check_short_run
 
 from tiller.config import ConfigError, load_config
 from tiller.controller import train
@@ -222,14 +222,11 @@ def test_gym_env_rejecting_an_action_is_the_policys_fault_not_an_env_error():
     assert traj.reward.checks["invalid_actions"] == 1.0 and is_success(traj)
 
 
+@pytest.mark.slow
 def test_guess_number_short_training_run(tmp_path):
     cfg = load_config(CALCULATOR, [
-        "env.name=guess_number", "env.max_turns=8", "model.build.hidden_size=64",
-        "model.build.num_layers=1", "model.build.num_heads=2", "model.build.vocab_size=400",
-        "model.build.corpus_tasks=40", "sft.tasks=40", "sft.epochs=1", "sft.batch_size=8",
-        "rl.steps=2", "rl.tasks_per_step=2", "rl.group_size=2", "eval.tasks=8",
-        "sampling.max_new_tokens=8", "logging.progress=false", "logging.tensorboard=false",
-        *RL_MOVES, f"output_dir={tmp_path}",
-    ])  # fmt: skip
+        *TINY_ENV_RUN, "env.name=guess_number", "env.max_turns=8", "model.build.vocab_size=400",
+        "sampling.max_new_tokens=8", "logging.report=true",  # the report of a user's run too
+        *RL_MOVES, f"output_dir={tmp_path}"])
     summary = train(cfg)
     check_short_run(cfg, summary, TextActor)

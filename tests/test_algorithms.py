@@ -11,36 +11,36 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from tiller.config import AlgorithmConfig, ConfigError, RLConfig, load_config
-from tiller.train.algorithms import (
+from tiller.algorithms import (
     ADVANTAGES,
     AGGREGATIONS,
     KL_ESTIMATORS,
     OFF_POLICY,
     POLICY_LOSSES,
 )
-from tiller.train.algorithms.advantages import (
+from tiller.algorithms.advantages import (
     gae_advantages,
     last_token_rewards,
     overlong_penalty,
     value_loss,
     whiten,
 )
-from tiller.train.algorithms.credit import (
+from tiller.algorithms.credit import (
     apply_key_steps,
     broadcast_turns,
     turn_advantages,
     turn_returns,
 )
-from tiller.train.algorithms.kl import kl_beta_at, kl_in_reward
-from tiller.train.algorithms.losses import entropy_bonus
-from tiller.train.algorithms.offpolicy import (
+from tiller.algorithms.kl import kl_beta_at, kl_in_reward
+from tiller.algorithms.losses import entropy_bonus
+from tiller.algorithms.offpolicy import (
     correction_stats,
     mismatch_stats,
     staleness,
     staleness_stats,
 )
-from tiller.train.algorithms.passk import mean_pass_at_k, pass_at_k
+from tiller.algorithms.passk import mean_pass_at_k, pass_at_k
+from tiller.config import AlgorithmConfig, ConfigError, RLConfig, load_config
 from tiller.train.batch import Batch, minibatches
 from tiller.train.trainer import Trainer, compute_advantages
 

@@ -23,6 +23,7 @@ TINY = {"build": {"vocab_size": 400, "hidden_size": 64, "num_layers": 1, "num_he
                   "corpus_tasks": 10}}
 
 
+@pytest.mark.integration
 def test_import_tiller_is_fast_and_imports_no_torch():
     code = "import sys, tiller; assert callable(tiller.Trainer.__init__); " \
            "print('torch' in sys.modules, 'transformers' in sys.modules)"
@@ -60,6 +61,8 @@ def test_trainer_names_importable_callables_and_holds_the_others(tmp_path, monke
         tiller.Trainer(model=TINY, data="x.jsonl", reward=3)
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_trainer_trains_on_a_parquet_file_with_an_in_process_reward(tmp_path):
     rows = [{"prompt": f"What is {a} + 1?", "answer": a + 1} for a in range(8)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
@@ -99,8 +102,9 @@ def test_trainer_trains_on_a_parquet_file_with_an_in_process_reward(tmp_path):
     assert "replay from the CLI needs an importable" in out.stdout
 
 
+@pytest.mark.slow
 def test_tiller_train_runs_the_readme_example(tmp_path, monkeypatch):
-    """The README's command, through the API with two overrides that keep it short."""
+    """docs/datasets.md's command, through the API with two overrides that keep it short."""
     monkeypatch.chdir(ROOT)
     monkeypatch.syspath_prepend(str(EXAMPLE))
     summary = tiller.train(EXAMPLE / "config.yaml", output_dir=tmp_path / "run",

@@ -13,14 +13,15 @@ from contextlib import closing
 import pytest
 import slow_loop
 import torch
-from helpers import RL_MOVES, rl_rows
+from helpers import RL_MOVES, rl_rows, tiny_rl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tiller.config import load_config
-from tiller.controller import ledger_unaccounted, rl
+from tiller.controller import rl
 from tiller.engine.updates import WeightUpdate
 from tiller.errors import ConfigError, RunError
+from tiller.observe.steps import ledger_unaccounted
 from tiller.observe.traces import connect
 from tiller.rollout.manager import RolloutManager
 from tiller.rollout.protocol import WindDown
@@ -32,10 +33,7 @@ CONFIG = "configs/calculator.yaml"
 
 
 def config(model_dir, *more):
-    return load_config(CONFIG, [
-        f"model.path={model_dir}", "model.build=null", "sft.enabled=false", "rl.steps=3",
-        "rl.tasks_per_step=2", "rl.group_size=2", "eval.tasks=8", "logging.progress=false",
-        "logging.tensorboard=false", *more])
+    return load_config(CONFIG, tiny_rl(model_dir, "rl.steps=3", "rl.group_size=2", *more))
 
 
 def slow_episodes(monkeypatch, prob, seconds, pattern=None):
@@ -75,6 +73,7 @@ def coin_reward(t, *_):
     return float(derive_seed(t.task_id, t.sample_index) % 2)
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(k=st.integers(0, 2), seed=st.integers(0, 10_000), slow_s=st.floats(0.05, 0.5),
@@ -137,6 +136,7 @@ def manager_for(run, reward=None):
                           version=run.trainer.version)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shutdown_s, buckets", [
     (30.0, {"dropped/in_flight_at_end": 4}),
     # the group's 3 fast episodes ended before it was cancelled: counted, not lost
@@ -163,6 +163,7 @@ def test_the_ledger_accounts_for_episodes_in_flight_at_the_end(calc_sft_dir, tmp
     assert {k: v for k, v in ledger.items() if k.endswith("_at_end")} == buckets
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, stop, shutdown_s, slow_s", [
     ("async", False, 30.0, 4.0),  # a run that finishes never samples past its last step
     # stopped after step 1, which trained 2 of the 6 groups started (the throttle allows 3
@@ -237,6 +238,7 @@ def test_a_group_being_judged_at_the_end_of_rl_is_counted_as_in_flight(calc_sft_
     assert at_end == ledger["dropped/in_flight_at_end"] + ledger["dropped/unused_at_end"]
 
 
+@pytest.mark.slow
 def test_the_wind_down_against_a_stuck_engine_ends_within_its_allowance(calc_sft_dir, tmp_path,
                                                                        caplog):
     """The engine hangs inside a forward (a stuck accelerator) with every episode waiting on

@@ -31,6 +31,8 @@ def test_steps_to_threshold_and_intervals_hand_computed():
     assert bench.uniform_gained({**flat, "threshold": 0.1})
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_quick_run_fills_the_table(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(

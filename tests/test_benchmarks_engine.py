@@ -33,6 +33,8 @@ def load_bench():
 bench = load_bench()
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_quick_run_fills_every_table(calc_sft_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.run(

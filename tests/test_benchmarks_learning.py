@@ -13,6 +13,8 @@ import yaml
 from helpers import load_benchmark
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_quick_run_writes_the_table_pairs_the_controls_and_resumes(tmp_path, capsys):
     bench = load_benchmark("learning")
     argv = ["--env", "calculator", "--quick", "--seeds", "0", "--jobs", "2",
@@ -61,6 +63,8 @@ def test_quick_run_writes_the_table_pairs_the_controls_and_resumes(tmp_path, cap
         bench.main([*argv, "--set", "rl.lr=1e-5"])
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_a_failing_run_stops_the_benchmark_naming_it_and_its_log(tmp_path):
     bench = load_benchmark("learning")
     with pytest.raises(RuntimeError, match=r"^seed 0 main: tiller train exited 2 \(log: "

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from helpers import load_benchmark
 
 
+@pytest.mark.slow
 def test_quick_run_prints_the_table_and_resumes(calc_sft_dir, tmp_path, capsys):
     bench = load_benchmark("reward_control")
     argv = ["--quick", "--sft", str(calc_sft_dir), "--seeds", "0", "1", "--out", str(tmp_path)]

@@ -35,6 +35,8 @@ def test_ratios_and_table_hand_computed():
     assert lines[4] == "| loaded | 1 | 1 | 78.1 | 10.0 | 0.50 | 2.68x | 0.65x |"
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_quick_run_measures_each_setting_under_each_load(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "benchmarks/threads.py", "--quick", "--out",

@@ -1,5 +1,6 @@
 import time
 
+import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
@@ -169,6 +170,7 @@ def _parse_never_raises(text):
         assert turn == ParsedTurn(text.split("<|im_end|>", 1)[0].strip())
 
 
+@pytest.mark.slow
 def test_parser_never_raises_on_10k_fuzzed_inputs():
     _parse_never_raises()
     assert len(_fuzzed) >= 10_000

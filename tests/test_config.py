@@ -1,9 +1,14 @@
-import subprocess
-import sys
-
 import pytest
+from helpers import cli
 
-from tiller.config import AlgorithmConfig, Config, ConfigError, RLConfig, load_config
+from tiller.config import (
+    AlgorithmConfig,
+    Config,
+    ConfigError,
+    OneStepOffRLConfig,
+    RLConfig,
+    load_config,
+)
 
 CONFIG = "configs/calculator.yaml"
 
@@ -47,8 +52,8 @@ def test_the_engine_api_key_stays_out_of_every_dump():
 
 @pytest.mark.parametrize("field", ["max_batch_size=64", "cache_bytes=0"])
 def test_embedded_engine_fields_with_the_http_backend_are_errors(field):
-    with pytest.raises(ConfigError, match=rf"engine.{field.split('=')[0]}: only used with "
-                                          r"engine.backend: embedded"):
+    with pytest.raises(ConfigError, match=rf"engine.{field.split('=')[0]}: got \d+; it only "
+                       r"applies with engine.backend: embedded \(engine.backend is http\)"):
         load_config(CONFIG, [*HTTP, f"engine.{field}"])
     load_config(CONFIG, [*HTTP, "engine.max_batch_size=128"])  # the default: nothing to ignore
 
@@ -62,11 +67,6 @@ def test_unreadable_configs(tmp_path):
         load_config(tmp_path / "missing.yaml")
     with pytest.raises(ConfigError, match="section.key=value"):
         load_config(CONFIG, ["rl.steps"])
-
-
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "tiller", *args], capture_output=True,
-                          text=True, timeout=120)
 
 
 @pytest.mark.parametrize(
@@ -83,9 +83,8 @@ def run_cli(*args):
     ],
 )
 def test_cli_errors_are_one_line_not_tracebacks(tmp_path, args, message):
-    proc = run_cli("train", CONFIG, *args, "--output-dir", str(tmp_path / "run"))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2
+    code, out = cli("train", CONFIG, *args, "--output-dir", tmp_path / "run")
+    assert code == 2
     assert "Traceback" not in out
     lines = [line for line in out.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
@@ -148,7 +147,7 @@ def test_on_policy_modes_keep_no_correction_and_refuse_the_acknowledgement():
         load_config(CONFIG, ["rl.mode=async", "rl.algorithm.off_policy=tis",
                              "rl.algorithm.allow_uncorrected_off_policy=true"])
     # built from an AlgorithmConfig instance (the Python API) it resolves the same way
-    rl = RLConfig(mode="one_step_off", algorithm=AlgorithmConfig(eps_high=0.3))
+    rl = OneStepOffRLConfig(algorithm=AlgorithmConfig(eps_high=0.3))
     assert (rl.algorithm.off_policy, rl.algorithm.eps_high) == ("mis", 0.3)
     assert RLConfig(algorithm=AlgorithmConfig(eps_high=0.3)).algorithm.off_policy == "none"
 
@@ -166,7 +165,7 @@ def test_sampling_logprobs_needs_truncation():
 
 
 def test_a_correction_blind_to_truncation_is_one_warning(caplog):
-    from tiller.run import warn_blind_correction
+    from tiller.preflight import warn_blind_correction
 
     blind = load_config(CONFIG, ["sampling.top_k=5", "sampling.logprobs=untruncated",
                                  "rl.mode=async"])

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from helpers import TINY_RUN
+from helpers import TINY_RUN, saved_model, tiny_rl
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from typer.testing import CliRunner
 
@@ -26,10 +26,7 @@ CONFIG = "configs/calculator.yaml"
 
 
 def from_sft(sft_dir, *more):
-    return load_config(CONFIG, [
-        f"model.path={sft_dir}", "model.build=null", "sft.enabled=false", "rl.steps=1",
-        "rl.tasks_per_step=2", "rl.group_size=4", "eval.tasks=8", "logging.progress=false",
-        "logging.tensorboard=false", *more])
+    return load_config(CONFIG, tiny_rl(sft_dir, *more))
 
 
 def break_engine(run: Run) -> None:
@@ -111,6 +108,7 @@ def test_unimportable_agent_loop_is_one_line(tmp_path):
     assert "\n" not in result.output.strip()
 
 
+@pytest.mark.slow
 def test_metrics_share_one_monotonic_global_step(tmp_path):
     summary = train(load_config(CONFIG, TINY_RUN), tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -159,9 +157,8 @@ def test_sft_difficulty_draws_the_demonstrations_at_that_difficulty(
     from tiller.controller import sft
 
     cfg = load_config(CONFIG, [
-        f"model.path={calc_model_dir}", "model.build=null", "env.difficulty=3", "sft.tasks=48",
-        "sft.imperfect_fraction=0", "sft.epochs=1", "logging.progress=false",
-        "logging.tensorboard=false",
+        *saved_model(calc_model_dir), "env.difficulty=3", "sft.tasks=48",
+        "sft.imperfect_fraction=0", "sft.epochs=1",
         *([f"sft.difficulty={sft_difficulty}"] if sft_difficulty else [])])
     run = Run(cfg, tmp_path)
     try:
@@ -184,6 +181,7 @@ def test_sft_tasks_beyond_the_sft_difficulty_task_space_name_sft_difficulty(tmp_
     assert "at sft.difficulty=1" in result.output, result.output
 
 
+@pytest.mark.slow
 def test_a_failing_trace_close_fails_the_run_but_keeps_its_summary(tmp_path, monkeypatch):
     from tiller.observe.traces import TraceWriter
 

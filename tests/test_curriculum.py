@@ -5,12 +5,14 @@ line, and real tiny RL runs (sync and async) log the curriculum's metrics."""
 import json
 
 import pytest
+from helpers import tiny_rl
 
 from tiller.config import ConfigError, load_config
 from tiller.controller import rl
 from tiller.envs import ENVS
 from tiller.envs.dataset import DatasetEnv
 from tiller.envs.verifiers import Reward
+from tiller.preflight import check_task_counts
 from tiller.rollout.curriculum import (
     DRAW,
     LEVEL,
@@ -21,7 +23,7 @@ from tiller.rollout.curriculum import (
     make_curriculum,
 )
 from tiller.rollout.trajectory import Status, Trajectory
-from tiller.run import Run, check_task_counts
+from tiller.run import Run
 
 CONFIG = "configs/calculator.yaml"
 CALC = ENVS["calculator"]
@@ -144,8 +146,8 @@ def test_filter_skips_tasks_outside_the_band_counts_them_and_redraws_them():
     ("rl.curriculum.band=[0.7, 0.3]", "rl.curriculum.band: got [0.7, 0.3]; expected [low, "
      "high] with 0 <= low < high <= 1"),
     ("rl.curriculum.band=[0.3, 1.5]", "rl.curriculum.band: got [0.3, 1.5]"),
-    ("rl.curriculum.pool=10", "rl.curriculum.pool: got 10; it is not used with "
-     "rl.curriculum.mode: difficulty"),
+    ("rl.curriculum.pool=10", "rl.curriculum.pool: got 10; it only applies with "
+     "rl.curriculum.mode: filter (rl.curriculum.mode is difficulty)"),
     ("rl.curriculum.start=5", "rl.curriculum.start: got 5; expected at most env.difficulty = 2"),
     ("rl.curriculum.mode=sometimes", "rl.curriculum.mode: got 'sometimes'"),
     ("rl.curriculum.min_groups=9", "rl.curriculum.min_groups: got 9; expected at most "
@@ -184,10 +186,8 @@ def test_a_difficulty_curriculum_on_an_env_without_difficulty_is_one_line():
 
 # ------------------------------------------------------------------ real runs
 def tiny(sft_dir, *more):
-    return load_config(CONFIG, [
-        f"model.path={sft_dir}", "model.build=null", "sft.enabled=false", "rl.steps=3",
-        "rl.tasks_per_step=2", "rl.group_size=4", "eval.tasks=8", "logging.progress=false",
-        "logging.tensorboard=false", "rl.curriculum.enabled=true", *more])
+    return load_config(CONFIG, tiny_rl(sft_dir, "rl.steps=3", "rl.curriculum.enabled=true",
+                                       *more))
 
 
 def rl_rows(run_dir):

@@ -74,7 +74,7 @@ def test_custom_loop_writes_the_default_loops_tokens_for_the_engine(model, token
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/architecture.md"])
+@pytest.mark.parametrize("doc", ["docs/plugins.md", "docs/architecture.md"])
 def test_the_docs_show_exactly_the_tested_loop(doc):
     text = Path(doc).read_text()
     shown = text[text.index("```python\nasync def run_episode") + len("```python\n"):]

@@ -22,8 +22,8 @@ from tiller.envs.dataset import DatasetEnv
 from tiller.envs.rewards import RewardEntry, combine
 from tiller.envs.rows import read_rows
 from tiller.errors import ConfigError
+from tiller.preflight import check_sft_source
 from tiller.rollout.chat import ChatFormat
-from tiller.run import check_sft_source
 from tiller.train.conversations import assistant_text, conversation_trajectory
 
 ROWS = [{"prompt": "What is 2 + 3?", "answer": 5, "level": "easy"},
@@ -294,6 +294,7 @@ def test_sft_conversation_mask_is_exactly_the_assistant_tokens(tokenizer, user_p
     assert traj.prompt_len == len(chat.prompt_ids(messages[:2]))
 
 
+@pytest.mark.slow
 def test_tiller_train_on_a_user_jsonl_with_dotted_path_rewards(tmp_path, user_pkg):
     """`tiller train` end to end: a tiny model built on the dataset's text, SFT from a
     conversations file, RL with the user's reward functions, held-out eval on data.eval."""
@@ -467,7 +468,7 @@ def test_data_for_a_plugin_env_that_is_not_a_dataset_env_is_one_line(tmp_path, m
     cfg = Config.model_validate({
         "model": {"build": {}}, "env": {"name": "tiller_example_plugin.envs:PairSumEnv"},
         "data": {"train": str(train)}, "rewards": [{"verifier": "exact_match"}]})
-    from tiller.run import check_env_data, get_env
+    from tiller.preflight import check_env_data, get_env
 
     with pytest.raises(ConfigError, match="config field data.train: env tiller_example_plugin"
                                           ".envs:PairSumEnv is not the dataset env"):

@@ -2,11 +2,14 @@
 
 import json
 
+import pytest
 from helpers import TINY_RUN, numbers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiller.config import load_config
 from tiller.controller import train
+
+pytestmark = pytest.mark.slow  # whole pipelines: 16 s and 347 s each, measured alone
 
 
 def test_same_seed_reproduces_the_same_numbers(tmp_path):

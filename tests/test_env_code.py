@@ -52,6 +52,7 @@ def test_splits_are_disjoint_and_seeded():
     assert all(len(t.metadata["tests"]) == 8 for t in again)
 
 
+@pytest.mark.slow
 def test_expert_passes_hidden_tests(tok):
     tasks = make_tasks("heldout", 50, seed=0, difficulty=3)
     trajs = collect_expert(ENVS["code"], tasks, tok, guess=0.0, limits=LIMITS, seed=0)
@@ -120,6 +121,7 @@ def test_run_python_tool_and_sandbox_failure(monkeypatch):
     assert reward.env_error and reward.value == 0.0
 
 
+@pytest.mark.slow
 def test_short_training_run(tmp_path):
     cfg = load_config(CONFIG, [*TINY_ENV_RUN, *RL_MOVES, f"output_dir={tmp_path}"])
     summary = train(cfg)

@@ -109,6 +109,7 @@ def test_ood_templates_are_heldout_problems_in_new_words():
         "heldout", 2)
 
 
+@pytest.mark.slow
 def test_eval_sets_and_seeds_write_every_outcome(tmp_path):
     cfg = load_config(CONFIG, [*TINY_RUN, "rl.steps=0", SETS, "eval.seeds=[0, 1]",
                                "eval.samples_per_task=2", "eval.pass_k=2"])
@@ -140,7 +141,7 @@ def test_eval_set_errors_are_one_line():
         load_config(CONFIG, ["eval.sets=[{name: a}, {name: a}]"])
     with pytest.raises(ConfigError, match=r"eval.seeds: got \[1, 1\]; each seed once"):
         load_config(CONFIG, ["eval.seeds=[1, 1]"])
-    from tiller.run import check_task_counts
+    from tiller.preflight import check_task_counts
 
     cfg = load_config("configs/sql.yaml", ["eval.sets=[{name: x, split: ood_templates}]"])
     with pytest.raises(ConfigError, match=r"eval.sets \(x\).split: got 'ood_templates'; env "
@@ -174,6 +175,7 @@ def test_env_state_is_reset_between_episodes_on_sql():
 # ---------------------------------------------------------------- the commands
 
 
+@pytest.mark.slow
 def test_eval_run_dir_and_compare(tmp_path):
     runner = CliRunner()
     run = tmp_path / "run"

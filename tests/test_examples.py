@@ -7,9 +7,12 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLE = Path(__file__).parents[1] / "examples" / "grpo_minimal.py"
 
 
+@pytest.mark.slow
 def test_grpo_minimal_runs_on_tiny_settings(tmp_path):
     spec = importlib.util.spec_from_file_location("grpo_minimal", EXAMPLE)
     example = importlib.util.module_from_spec(spec)

@@ -21,6 +21,7 @@ def rows(run_dir, phase=None):
     return [r for r in map(json.loads, lines) if phase is None or r["phase"] == phase]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config, tool, extra", [
     ("configs/calculator.yaml", "calculate", []),
     ("configs/search.yaml", "search", ["sft.tasks=64", "env.difficulty=2"]),
@@ -52,6 +53,7 @@ def test_gate_refuses_unreliable_tools(tmp_path):
         train(cfg, tmp_path)
 
 
+@pytest.mark.slow
 def test_recorded_run_replays_with_dead_tools(tmp_path):
     db = tmp_path / "tools.sqlite"
     record = [*TINY_RUN, f"env.tools.replay={{path: {db}, mode: record}}",

@@ -216,6 +216,7 @@ def check_exact(tok, chat, actor, traj):
     assert generated == [t for out in actor.outputs for t in out]  # the mask: exactly these
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_scripted_tool_episode_is_exact_and_parsed(fmt):
     tok, chat, actor, env, traj = scripted_episode(fmt)
@@ -339,6 +340,7 @@ class EchoEnv(LookupEnv):
                                             "content": f"result {len(self.actions)}"}], done)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt, arch", [("qwen3", "qwen3"), ("qwen3.6", "qwen3"),
                                        ("llama3.2", "llama")])
 def test_engine_sampled_episodes_are_exact_and_logprobs_match_the_trainer(fmt, arch):

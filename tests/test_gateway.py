@@ -124,6 +124,7 @@ def _assert_exact(traj, calls):
     assert list(traj.loss_mask) == mask
 
 
+@pytest.mark.integration
 def test_example_agent_tokens_are_the_engines_and_match_the_agent_loop(gateway, engine, task):
     """The openai-SDK example runs unmodified through the gateway: one exact sequence whose
     every generated token is the engine's, each later prompt is the stream so far plus the
@@ -149,6 +150,7 @@ def test_example_agent_tokens_are_the_engines_and_match_the_agent_loop(gateway, 
     assert own.reward == traj.reward
 
 
+@pytest.mark.integration
 def test_history_rewrite_splits_into_exact_segments(gateway, engine, task):
     """The compacting agent rewrites its history after each tool round: every later call
     starts a new exact sequence, counted with reason history_rewritten, and each trains as
@@ -185,6 +187,7 @@ class GatedActor:
 MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
 
 
+@pytest.mark.integration
 def test_misuse_gets_a_4xx_with_a_clear_message_and_is_counted(gateway, engine):
     """No key, an unknown key, an ended session, a malformed body, an unknown field, a wrong
     model, n > 1, an unknown route, a second call while one is in flight, a call past the turn
@@ -273,6 +276,7 @@ async def wrong_signature(url):
     return None
 
 
+@pytest.mark.integration
 def test_failing_programs_are_aborted_episodes_with_the_reason(gateway, engine):
     """A program that raises, hangs past its timeout (its call in flight is cancelled and
     counted), returns no reward (agent.reward=program) or makes no call is an aborted
@@ -335,12 +339,14 @@ def test_agent_program_config_errors_are_one_line():
         load_program("test_gateway:wrong_signature")
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_rl_through_the_gateway_trains_exactly_the_sampled_tokens(agent_model_dir, tmp_path,
                                                                   monkeypatch):
     """`tiller train` with agent.program (in-process, as the CLI runs it): two GRPO steps on
     the example agent's episodes, and every generated turn of every trained row is one engine
     answer, after exactly the context the engine was given, with the engine's logprobs."""
-    from helpers import RL_MOVES
+    from helpers import RL_MOVES, tiny_rl
 
     from tiller.controller import train
     from tiller.train.trainer import Trainer
@@ -362,11 +368,9 @@ def test_rl_through_the_gateway_trains_exactly_the_sampled_tokens(agent_model_di
 
     monkeypatch.setattr(EmbeddedEngine, "generate", recording_generate)
     monkeypatch.setattr(Trainer, "rl_step", recording_step)
-    cfg = load_config("configs/calculator.yaml", [
-        f"model.path={agent_model_dir}", "model.build=null", "sft.enabled=false",
-        "rl.steps=2", "rl.tasks_per_step=2", "rl.group_size=2", "eval.tasks=2",
-        "env.tools.gate.enabled=false", "logging.progress=false", "logging.tensorboard=false",
-        "agent.program=openai_agent.agent:main", *RL_MOVES])
+    cfg = load_config("configs/calculator.yaml", tiny_rl(
+        agent_model_dir, "rl.steps=2", "rl.group_size=2", "eval.tasks=2",
+        "env.tools.gate.enabled=false", "agent.program=openai_agent.agent:main", *RL_MOVES))
     summary = train(cfg, tmp_path / "run")
     assert summary["rl"]["ledger"]["trained"] == 8
     assert len(batches) == 2
@@ -382,6 +386,7 @@ def test_rl_through_the_gateway_trains_exactly_the_sampled_tokens(agent_model_di
             assert torch.equal(batch.loss_mask[r], expected)
 
 
+@pytest.mark.integration
 def test_expert_demonstrations_run_through_the_program(gateway, engine, task):
     """With agent.program, SFT's scripted expert plays the model behind the gateway: its
     demonstrations are the program's conversations, token for token those of tiller's loop."""
@@ -393,6 +398,7 @@ def test_expert_demonstrations_run_through_the_program(gateway, engine, task):
     assert traj.token_ids == own.token_ids and traj.loss_mask == own.loss_mask
 
 
+@pytest.mark.integration
 def test_streamed_call_is_recorded_like_any_other(gateway, engine):
     """stream=true answers the finished turn as Server-Sent Events; the turn is recorded, and
     return_token_ids shows the exact prompt and ids the trajectory keeps."""

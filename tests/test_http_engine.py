@@ -24,10 +24,10 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import rl_rows
+from helpers import rl_rows, tiny_rl
 
 from tiller.config import load_config
-from tiller.controller import ledger_unaccounted, rl
+from tiller.controller import rl
 from tiller.engine.api import SamplingParams
 from tiller.engine.embedded import EmbeddedEngine
 from tiller.engine.http import HttpEngine, connect
@@ -35,6 +35,7 @@ from tiller.engine.updates import WeightUpdate
 from tiller.envs import ENVS
 from tiller.errors import ConfigError, RunError
 from tiller.models import load_model
+from tiller.observe.steps import ledger_unaccounted
 from tiller.rollout.agent_loop import EngineActor, run_episode
 from tiller.rollout.chat import stop_token_ids
 from tiller.rollout.collect import collect
@@ -173,6 +174,8 @@ async def wait_until(condition, what: str, timeout: float = 60.0) -> None:
 
 
 # ---------------------------------------------------------------- generation and routing
+@pytest.mark.slow
+@pytest.mark.integration
 def test_generate_round_trips_token_ids_and_logprobs(two_servers, model, tokenizer, params,
                                                      tmp_path):
     """The server samples what the embedded engine samples with the same weights and seed."""
@@ -190,6 +193,8 @@ def test_generate_round_trips_token_ids_and_logprobs(two_servers, model, tokeniz
     assert got.versions == (0,) * len(got.token_ids) and got.prompt_tokens == len(prompt)
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_sessions_stick_and_new_ones_go_to_the_least_loaded(two_servers, params, tmp_path):
     http = engine_for(two_servers.urls, tmp_path)
     a, b = http.servers
@@ -220,6 +225,8 @@ def test_sessions_stick_and_new_ones_go_to_the_least_loaded(two_servers, params,
         http.close()
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_a_server_killed_mid_collection_is_retried_on_the_other(
         own_servers, model, tokenizer, params, limits, tmp_path, caplog):
     env_cls = ENVS["calculator"]
@@ -269,6 +276,7 @@ def test_a_server_killed_mid_collection_is_retried_on_the_other(
     assert len(retried) == stats["retries"] and a.url in retried[0].message
 
 
+@pytest.mark.integration
 def test_every_server_down_is_one_line_naming_each(params, model, tmp_path):
     urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]  # nothing listens there
     http = engine_for(urls, tmp_path, max_retries=2)
@@ -296,6 +304,8 @@ def perturbed(model, version: int) -> WeightUpdate:
     return update
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_weight_push_reaches_every_server_with_its_version(two_servers, model, tokenizer,
                                                            params, tmp_path):
     http = engine_for(two_servers, tmp_path)
@@ -319,6 +329,8 @@ def test_weight_push_reaches_every_server_with_its_version(two_servers, model, t
         http.close()
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_a_restarted_server_is_dropped_until_the_next_push_rejoins_it(two_servers, model,
                                                                       tokenizer, params,
                                                                       tmp_path):
@@ -353,6 +365,8 @@ def test_a_restarted_server_is_dropped_until_the_next_push_rejoins_it(two_server
         http.close()
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_a_server_echoing_another_version_is_a_loud_error(two_servers, model, tmp_path):
     """One real server and one that claims to have loaded another version."""
     liar = {"/update_weights_from_disk": {"success": True, "weight_version": 5}}
@@ -371,6 +385,8 @@ def test_a_server_echoing_another_version_is_a_loud_error(two_servers, model, tm
     assert server_version(urls[0]) == 4  # the honest one took it
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_start_up_checks_the_model_and_pushes_the_initial_weights(two_servers, model,
                                                                   tmp_path):
     pushed = engine_for(two_servers, tmp_path)
@@ -457,6 +473,7 @@ def url(srv: ThreadingHTTPServer) -> str:
     return f"http://127.0.0.1:{srv.server_address[1]}"
 
 
+@pytest.mark.integration
 def test_control_calls_fan_out_to_every_server_with_the_key(tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"  # skipped (marked down, counted), not a failure
     with recorders(2, {"/flush_cache": {"entries_dropped": 3}}) as srvs:
@@ -478,6 +495,7 @@ def test_control_calls_fan_out_to_every_server_with_the_key(tmp_path):
         assert srv.post_types == ["application/json"] * 3
 
 
+@pytest.mark.integration
 def test_abort_goes_to_the_server_running_the_request(params, tmp_path):
     partial = {"output_ids": [4, 9], "meta_info": {
         "finish_reason": {"type": "abort"}, "output_token_logprobs": [[-0.5, 4, None],
@@ -506,6 +524,7 @@ def test_abort_goes_to_the_server_running_the_request(params, tmp_path):
     assert sent["sampling_params"]["seed"] == 0
 
 
+@pytest.mark.integration
 def test_tokens_the_server_did_not_sample_are_a_loud_error(params, tmp_path):
     lying = {"output_ids": [4, 9, 2], "meta_info": {
         "finish_reason": {"type": "stop"}, "weight_version": 0,
@@ -521,6 +540,7 @@ def test_tokens_the_server_did_not_sample_are_a_loud_error(params, tmp_path):
             http.close()
 
 
+@pytest.mark.integration
 def test_truncated_logprobs_must_be_of_the_kind_the_trainer_recomputes(params, tmp_path):
     answer = {"output_ids": [4, 2], "meta_info": {
         "finish_reason": {"type": "stop"}, "weight_version": 0,
@@ -548,6 +568,7 @@ def test_truncated_logprobs_must_be_of_the_kind_the_trainer_recomputes(params, t
             http.close()
 
 
+@pytest.mark.integration
 def test_abort_of_nothing_is_false_and_seeds_are_masked_to_63_bits(params, tmp_path):
     partial = {"output_ids": [], "meta_info": {
         "finish_reason": {"type": "abort"}, "output_token_logprobs": [], "weight_version": 0}}
@@ -574,6 +595,8 @@ GENERATED = {"output_ids": [4], "meta_info": {
     "weight_version": 0}}
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_a_500_of_a_healthy_server_fails_only_that_request(params, tmp_path):
     """tiller serve's 500 "the engine failed" is about the request: no retry, no server down;
     a 503 (or a 500 whose server no longer answers /health) is a dead server: retried."""
@@ -609,10 +632,8 @@ CONFIG = "configs/calculator.yaml"
 
 
 def rl_config(sft_dir: Path, *more: str):
-    return load_config(CONFIG, [
-        f"model.path={sft_dir}", "model.build=null", "model.dtype=float32", "sft.enabled=false",
-        "rl.steps=3", "rl.tasks_per_step=4", "rl.group_size=4", "eval.tasks=8",
-        "logging.progress=false", "logging.tensorboard=false", *more])
+    return load_config(CONFIG, tiny_rl(sft_dir, "model.dtype=float32", "rl.steps=3",
+                                       "rl.tasks_per_step=4", *more))
 
 
 def http_config(sft_dir: Path, servers: Servers, name: str):
@@ -634,6 +655,8 @@ def record_pushes(run: Run, servers: Servers) -> list[tuple[int, list[int]]]:
     return pushes
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_a_training_run_over_two_servers_learns_like_the_embedded_run(two_servers, calc_sft_dir,
                                                                       tmp_path):
     """Servers started from the untrained model get the run's (SFT) weights at start-up and
@@ -658,6 +681,8 @@ def test_a_training_run_over_two_servers_learns_like_the_embedded_run(two_server
     assert [r["reward_mean"] for r in rows] == pytest.approx([r["reward_mean"] for r in ref])
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_an_async_run_over_two_servers_pushes_every_version_and_counts_every_episode(
         two_servers, calc_sft_dir, tmp_path):
     """rl.mode: async against `tiller serve` processes: the servers take each version while
@@ -683,6 +708,8 @@ def test_an_async_run_over_two_servers_pushes_every_version_and_counts_every_epi
     assert out["staleness_max"] <= 1 and "dropped/aborted" not in ledger
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_a_server_killed_mid_run_is_retried_and_every_episode_counted(own_servers,
                                                                       calc_sft_dir, tmp_path):
     run = Run(http_config(calc_sft_dir, own_servers, tmp_path.name), tmp_path)
@@ -722,6 +749,8 @@ def test_a_server_killed_mid_run_is_retried_and_every_episode_counted(own_server
     assert server_version(own_servers.urls[1]) == run.trainer.version
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_pause_abort_and_resume_on_real_servers(two_servers, params, tmp_path):
     """A request queued on a paused server is aborted there and comes back empty, "abort"."""
     http = engine_for(two_servers, tmp_path)
@@ -749,6 +778,7 @@ def test_pause_abort_and_resume_on_real_servers(two_servers, params, tmp_path):
     assert after.finish_reason in ("stop", "length") and len(after.token_ids) > 0
 
 
+@pytest.mark.integration
 def test_the_servers_context_bounds_a_turn(params, tmp_path):
     """As in the embedded engine: max_new_tokens is cut to what fits, and a prompt that fills
     the context comes back empty ("length") without a request."""
@@ -766,21 +796,4 @@ def test_the_servers_context_bounds_a_turn(params, tmp_path):
     assert (full.token_ids, full.finish_reason, full.prompt_tokens) == ([], "length", 10)
     assert [(p, b["sampling_params"]["max_new_tokens"]) for p, b, _ in srvs[0].calls] == [
         ("/generate", 1)]  # 12 asked, 1 fits
-
-
-def test_run_close_closes_every_part_when_the_engine_fails(tmp_path):
-    """A run whose engine cannot close (here: none to close) still closes its metrics file and
-    tool stack and resets the sandbox policy, then raises the engine's error."""
-    from tiller.observe.metrics import MetricsLogger
-    from tiller.tools import sandbox
-    from tiller.tools.stack import ToolsConfig, ToolStack
-
-    run = Run.__new__(Run)  # only the parts close() touches
-    run.engine = None
-    run.logger = MetricsLogger(tmp_path, tensorboard=False)
-    run.tools = ToolStack(ToolsConfig(), tmp_path)
-    sandbox.set_unsafe_fallback(True)
-    with pytest.raises(AttributeError, match="close"):
-        run.close()
-    assert run.logger._file.closed and sandbox._fallback_allowed is False
 

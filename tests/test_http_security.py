@@ -9,12 +9,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import os
 import re
 import shutil
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +22,7 @@ import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from helpers import free_port, serve_process
+from helpers import cli, free_port, serve_process
 
 from tiller.engine.api import SamplingParams
 from tiller.engine.embedded import EmbeddedEngine
@@ -84,6 +81,8 @@ def served(calc_model_dir, tmp_path_factory):
         yield live
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_serve_refuses_cross_site_posts(served):
     """A web page may POST text/plain, form and multipart bodies (or none) to any server
     without a CORS preflight: none of them changes the weights or pauses generation."""
@@ -107,6 +106,8 @@ def test_serve_refuses_cross_site_posts(served):
         assert r.status_code == 200
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("host, status", [
     ("evil.example:{port}", 421), ("localhost.evil.example", 421), ("10.0.0.1", 421),
     ("127.0.0.1.nip.io:{port}", 421), ("[::1", 421),
@@ -126,6 +127,8 @@ def test_serve_answers_only_its_own_host_names(served, host, status):
                             f"Connection: close\r\n\r\n{body}") == status
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_serve_needs_exactly_one_host_header(served):
     port = served["port"]
     assert raw_status(port, "GET /get_model_info HTTP/1.0\r\n\r\n") == 400
@@ -150,6 +153,7 @@ def uvicorn_thread(server) -> Iterator[None]:
         assert not thread.is_alive()
 
 
+@pytest.mark.integration
 def test_viewer_refuses_rebound_hosts_and_posts(tmp_path):
     """A rebound page cannot read the traces; tiller view shares serve's guard and limits."""
     TraceWriter(tmp_path / "traces.sqlite").close()
@@ -176,6 +180,7 @@ def actor(model, tokenizer):
     engine.close()
 
 
+@pytest.mark.integration
 def test_gateway_refuses_cross_site_rebound_and_oversized_calls(actor, tokenizer):
     """The gateway: a text/plain POST 415, a rebound Host 421, a conversation that cannot fit
     the episode's token budget 400 before it is rendered (too many messages, or too many
@@ -273,6 +278,8 @@ def health_while(url: str, body: bytes) -> tuple[httpx.Response, list[float]]:
     return answer[0], latencies
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_health_answers_while_a_huge_chat_request_is_in_flight(long_context_dir):
     """Issue 19's attack: megabytes of tool-call arguments, and a quarter of a million empty
     messages, held every route (/health included) for seconds while the chat template was
@@ -318,6 +325,8 @@ def closed_within(s: socket.socket, seconds: float) -> bytes:
     return data
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_slowloris_connections_are_timed_out_capped_and_logged_once(calc_model_dir):
     """Connections that never finish their headers are closed after --read-timeout-s; past
     --max-connections a connection is answered 503 at once; a normal client is served
@@ -396,16 +405,13 @@ def test_short_api_keys_are_refused(tmp_path):
         ServeSettings("m", (2,), api_keys=("x" * 15,))
     with pytest.raises(ConfigError, match="given twice"):
         ServeSettings("m", (2,), api_keys=(KEY_A, KEY_A))
-    env = {k: v for k, v in os.environ.items() if k != "TILLER_API_KEY"}
-    for args, extra, says in [
-        (["--api-key", "hunter2"], {}, "api key 1 has 7 characters; use at least 16"),
-        ([], {"TILLER_API_KEY": f"{KEY_A} hunter2"}, "api key 2 has 7 characters"),
-        (["--api-key", "has space inside the key"], {}, "whitespace"),
+    for args, key, says in [
+        (["--api-key", "hunter2"], None, "api key 1 has 7 characters; use at least 16"),
+        ([], f"{KEY_A} hunter2", "api key 2 has 7 characters"),
+        (["--api-key", "has space inside the key"], None, "whitespace"),
     ]:
-        out = subprocess.run([sys.executable, "-m", "tiller", "serve",
-                              str(tmp_path / "no_model"), *args], env={**env, **extra},
-                             capture_output=True, text=True, timeout=120)
-        lines = (out.stdout + out.stderr).strip().splitlines()
-        assert out.returncode == 2 and len(lines) == 1 and says in lines[0], lines
+        code, out = cli("serve", tmp_path / "no_model", *args, env={"TILLER_API_KEY": key})
+        lines = out.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and says in lines[0], lines
         assert lines[0].startswith("error: ")
     assert Path(tmp_path / "no_model").exists() is False

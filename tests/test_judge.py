@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from helpers import trained_episodes
+from helpers import tiny_rl, trained_episodes
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiller.config import ConfigError, load_config
@@ -214,12 +214,12 @@ def test_model_judge_config_errors_are_one_line(calc_model_dir, tmp_path):
         load_config(CONFIG, [*base, judge, "rl.judge.prompt='Is {question} right?'"])
     with pytest.raises(ConfigError, match=r"^config field rl.judge.prompt: KeyError: 'x'"):
         load_config(CONFIG, [*base, judge, "rl.judge.prompt='{answer} {x}'"])
-    with pytest.raises(ConfigError, match=r"^config field rl.judge.prompt: it only applies with "
-                       "rl.judge.model"):
+    with pytest.raises(ConfigError, match=r"^config field rl.judge.prompt: got .*; it only "
+                       "applies with rl.judge.model$"):
         load_config(CONFIG, [*base, "rl.judge.prompt='{answer}?'"])
     for knob in ("weight=0.3", "window=5", "margin=0.1"):
         with pytest.raises(ConfigError, match=rf"^config field rl.judge.{knob.split('=')[0]}: "
-                           "got .*; it only applies with a judge"):
+                           r"got .*; it only applies with rl.judge.fn or rl.judge.model$"):
             load_config(CONFIG, [*base, f"rl.judge.{knob}"])
     with pytest.raises(ConfigError, match=r"^config field rl.judge.model: got .* "
                        "rl.reward_control: random"):
@@ -260,14 +260,12 @@ def test_a_real_run_trains_on_the_judge_only_where_the_verifier_says_success(
     # policy's (they fail): every group has both, and the judge (a real model, or one that
     # scores the failures highest) scores them all
     weight = 0.5
-    cfg = load_config(CONFIG, [
-        f"model.path={calc_sft_dir}", "model.build=null", "sft.enabled=false", "rl.steps=2",
-        "rl.tasks_per_step=2", "rl.group_size=4", "eval.tasks=8", "logging.progress=false",
-        "logging.tensorboard=false",
+    cfg = load_config(CONFIG, tiny_rl(
+        calc_sft_dir, "rl.steps=2",
         f"rl.judge.model={calc_model_dir}" if judge == "model"
         else "rl.judge.fn=half_expert_loop:tempting_judge",
         f"rl.judge.weight={weight}", "rl.judge.window=1",
-        "agent.loop=half_expert_loop:run_episode"])
+        "agent.loop=half_expert_loop:run_episode"))
     run = Run(cfg, tmp_path)
     rl(run)
     run.close()

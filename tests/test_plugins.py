@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_RUN
+from helpers import QUIET, TINY_RUN, saved_model, tiny_rl
 from typer.testing import CliRunner
 
 from tiller.cli import app
@@ -24,11 +24,12 @@ from tiller.envs.verifiers import Reward
 from tiller.errors import ConfigError
 from tiller.observe.evaluation import success_summary
 from tiller.plugins import check_env_tools, load_env_class
+from tiller.preflight import heldout_disabled
 from tiller.rollout.agent_loop import EngineActor
 from tiller.rollout.collect import collect, draws
 from tiller.rollout.manager import RolloutManager
 from tiller.rollout.trajectory import Status, Trajectory
-from tiller.run import Run, heldout_disabled
+from tiller.run import Run
 from tiller.tools.registry import ToolRegistry, load_tools
 from tiller.train.batch import Batch
 from tiller.train.trainer import compute_advantages
@@ -57,6 +58,8 @@ def one_line_error(match: str, fn, *args):
 # ---------------------------------------------------------------- tiller train, from outside
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_tiller_train_with_a_dotted_path_env_from_a_package_outside_tiller(tmp_path):
     """The acceptance run: the real CLI in a fresh process, the env (and an extra tool) named
     by dotted path from examples/plugin_pkg, nothing of it imported by tiller."""
@@ -65,7 +68,7 @@ def test_tiller_train_with_a_dotted_path_env_from_a_package_outside_tiller(tmp_p
         [sys.executable, "-m", "tiller", "train", str(PKG / "pair_sum.yaml"), "-o", str(tmp_path),
          "env.tools=[tiller_example_plugin.tools:multiply]", "model.build.corpus_tasks=40",
          "sft.tasks=64", "sft.epochs=1", "rl.steps=2", "rl.tasks_per_step=4",
-         "rl.group_size=4", "logging.progress=false", "logging.tensorboard=false"],
+         "rl.group_size=4", *QUIET],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "held-out evaluation disabled: env pair_sum has no heldout split" in proc.stdout
@@ -84,10 +87,9 @@ def test_tiller_train_with_a_dotted_path_env_from_a_package_outside_tiller(tmp_p
 
 def test_config_tools_join_the_env_tools_behind_the_run_stack(plugin_path, calc_model_dir,
                                                               tmp_path):
-    cfg = load_config(CONFIG, [f"model.path={calc_model_dir}", "model.build=null",
-                               f"env.name={PAIR_SUM}", "eval.enabled=false",
-                               "env.tools=[tiller_example_plugin.tools:multiply]",
-                               "logging.progress=false", "logging.tensorboard=false"])
+    cfg = load_config(CONFIG, [*saved_model(calc_model_dir), f"env.name={PAIR_SUM}",
+                               "eval.enabled=false",
+                               "env.tools=[tiller_example_plugin.tools:multiply]"])
     run = Run(cfg, tmp_path)
     try:
         env = run.make_env("test", "pair-1-2", 0)
@@ -226,6 +228,8 @@ def test_installed_packages_register_envs_under_the_tiller_envs_entry_point(
     assert "pair_sum_installed" in message and "calculator" in message
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_the_example_package_installs_with_its_entry_point(tmp_path, monkeypatch):
     """pip installs examples/plugin_pkg (offline, into a folder): env.name=pair_sum finds it."""
     target = tmp_path / "site"
@@ -277,9 +281,7 @@ def test_evaluation_counts_a_repeated_task_as_two_units():
 
 
 def test_collect_gives_each_draw_of_a_task_its_own_seeds(calc_sft_dir, tmp_path):
-    run = Run(load_config(CONFIG, [f"model.path={calc_sft_dir}", "model.build=null",
-                                   "logging.progress=false", "logging.tensorboard=false"]),
-              tmp_path)
+    run = Run(load_config(CONFIG, saved_model(calc_sft_dir)), tmp_path)
     try:
         a, b = run.tasks("train", 2, 0)
         trajs = asyncio.run(collect(
@@ -296,10 +298,8 @@ def test_collect_gives_each_draw_of_a_task_its_own_seeds(calc_sft_dir, tmp_path)
 
 
 def test_the_rollout_manager_keeps_repeated_tasks_in_separate_groups(calc_sft_dir, tmp_path):
-    cfg = load_config(CONFIG, [f"model.path={calc_sft_dir}", "model.build=null",
-                               "sft.enabled=false", "rl.steps=1", "rl.tasks_per_step=3",
-                               "rl.group_size=2", "logging.progress=false",
-                               "logging.tensorboard=false"])
+    cfg = load_config(CONFIG, [*saved_model(calc_sft_dir), "sft.enabled=false", "rl.steps=1",
+                               "rl.tasks_per_step=3", "rl.group_size=2"])
     run = Run(cfg, tmp_path)
     a, b = run.tasks("train", 2, 0)
     manager = RolloutManager(cfg, run.engine, run.sampling(1.0), iter([a, a, b]),
@@ -322,11 +322,10 @@ def test_the_rollout_manager_keeps_repeated_tasks_in_separate_groups(calc_sft_di
 
 
 def test_eval_disabled_skips_heldout_and_says_so(calc_sft_dir, tmp_path, caplog):
-    cfg = load_config(CONFIG, [
-        f"model.path={calc_sft_dir}", "model.build=null", "sft.enabled=false", "rl.steps=1",
-        "rl.tasks_per_step=2", "rl.group_size=2", "eval.enabled=false",
+    cfg = load_config(CONFIG, tiny_rl(
+        calc_sft_dir, "rl.group_size=2", "eval.enabled=false",
         # no task count is checked against a split the run does not draw from
-        "eval.tasks=100000000", "logging.progress=false", "logging.tensorboard=false"])
+        "eval.tasks=100000000"))
     with caplog.at_level("WARNING"):
         summary = train(cfg, tmp_path)
     assert "held-out evaluation is off: eval.enabled is false" in caplog.text
@@ -371,11 +370,9 @@ def test_optimizer_and_advantage_knobs_default_to_todays_values():
 def test_optimizer_knobs_reach_adamw(calc_sft_dir, tmp_path):
     from tiller.controller import rl
 
-    cfg = load_config(CONFIG, [f"model.path={calc_sft_dir}", "model.build=null",
-                               "sft.enabled=false", "rl.steps=1", "rl.tasks_per_step=1",
-                               "rl.group_size=2", "rl.adam_betas=[0.8, 0.95]",
-                               "rl.adam_eps=1e-5", "logging.progress=false",
-                               "logging.tensorboard=false"])
+    cfg = load_config(CONFIG, [*saved_model(calc_sft_dir), "sft.enabled=false", "rl.steps=1",
+                               "rl.tasks_per_step=1", "rl.group_size=2",
+                               "rl.adam_betas=[0.8, 0.95]", "rl.adam_eps=1e-5"])
     run = Run(cfg, tmp_path)
     try:
         rl(run)

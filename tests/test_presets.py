@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 import yaml
-from helpers import rl_rows
+from helpers import rl_rows, tiny_rl
 from typer.testing import CliRunner
 
+from tiller.algorithms.presets import PRESETS
 from tiller.cli import app
 from tiller.config import Config, ConfigError, RLConfig, load_config
 from tiller.controller import rl, train
@@ -18,7 +19,6 @@ from tiller.rollout.trajectory import Status, Trajectory
 from tiller.run import Run
 from tiller.train.batch import Batch, token_logprobs
 from tiller.train.critic import Critic
-from tiller.train.presets import PRESETS
 from tiller.train.shaping import train_reward
 from tiller.train.trainer import Trainer
 
@@ -164,11 +164,10 @@ def test_preset_update_moves_rewarded_up_and_unrewarded_down(name, ppo_epochs, m
 
 
 def tiny(sft_dir):
-    return [f"model.path={sft_dir}", "model.build=null", "sft.enabled=false", "rl.steps=2",
-            "rl.tasks_per_step=2", "rl.group_size=4", "eval.tasks=8", "logging.progress=false",
-            "logging.tensorboard=false"]
+    return tiny_rl(sft_dir, "rl.steps=2")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_trains_the_tiny_pipeline(name, calc_sft_dir, tmp_path, monkeypatch):
     # The one-step-SFT model never succeeds, so every group would be flat. A synthetic reward

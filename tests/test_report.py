@@ -6,14 +6,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from browser import artifacts_dir, chromium_page
+from helpers import TINY_RUN, cli
 
 from tiller.errors import RunFolderError
 from tiller.observe.report import SECTIONS, load_run, render_report, write_report
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_train_writes_a_report_that_renders_in_chromium(tiny_run, tmp_path):
     run_dir, summary = tiny_run
     report = run_dir / "report.html"
@@ -34,6 +38,7 @@ def test_train_writes_a_report_that_renders_in_chromium(tiny_run, tmp_path):
         page.screenshot(path=str(artifacts_dir() / "report.png"), full_page=True)
 
 
+@pytest.mark.slow
 def test_report_tables_hold_the_summary_numbers(tiny_run):
     run_dir, summary = tiny_run
     run = load_run(run_dir)
@@ -48,6 +53,7 @@ def test_report_tables_hold_the_summary_numbers(tiny_run):
         assert f"<td>{key}</td><td>{n}</td>" in html
 
 
+@pytest.mark.slow
 def test_unfinished_run_reports_what_it_has(tiny_run, tmp_path):
     """A run that stopped before RL (no summary.json, no RL rows): each RL section says so in
     one line, the eval it logged is plotted."""
@@ -67,18 +73,25 @@ def test_malformed_metrics_line_names_file_and_line(tmp_path):
         load_run(tmp_path)
 
 
+@pytest.mark.integration
 def test_cli_report_on_a_folder_that_is_not_a_run_is_one_line(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "tiller", "report", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
+    """Through the `tiller` console script (pyproject's [project.scripts]) in a fresh process:
+    the suite's one check that the entry point exists, runs the CLI and passes on its exit
+    status. The other CLI tests call the CLI in-process (helpers.cli)."""
+    script = Path(sys.executable).with_name("tiller")
+    assert script.is_file(), f"no console script {script}: install tiller (scripts/setup.sh)"
+    out = subprocess.run([str(script), "report", str(tmp_path)], capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 2
     assert out.stdout.strip().splitlines() == [
         f"error: {tmp_path} is not a run folder: it has no metrics.jsonl"]
 
 
+@pytest.mark.slow
 def test_async_run_plots_staleness(tiny_run, tmp_path):
     """The staleness section plots what an async run logs (the controller's own
     staleness_metrics rows) instead of the sync run's one line."""
-    from tiller.controller import staleness_metrics
+    from tiller.observe.steps import staleness_metrics
 
     run_dir, _ = tiny_run
     rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -94,23 +107,20 @@ def test_async_run_plots_staleness(tiny_run, tmp_path):
     assert staleness.count("<img") == 1 and "sync run" not in staleness
 
 
+@pytest.mark.slow
 def test_without_matplotlib_report_and_train_stop_with_one_line(tiny_run, monkeypatch):
     run_dir, _ = tiny_run
     # None in sys.modules: `import matplotlib` raises ImportError, as when it is not installed
-    hide = "import sys; sys.modules['matplotlib'] = None; from tiller.cli import main; main()"
-    out = subprocess.run([sys.executable, "-c", hide, "report", str(run_dir)],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2
-    assert out.stdout.strip().splitlines() == [
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code, out = cli("report", run_dir)
+    assert code == 2
+    assert out.strip().splitlines() == [
         "error: tiller report needs the 'matplotlib' package, which is not installed: pip "
         "install 'tiller[report]'"]
-    from helpers import TINY_RUN
-
     from tiller.config import load_config
     from tiller.controller import train
     from tiller.errors import ConfigError
 
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ConfigError, match=r"logging.report=true needs the 'matplotlib' package"
                                           r".*or set logging.report=false"):
         train(load_config("configs/calculator.yaml", [*TINY_RUN, "logging.report=true"]),
@@ -118,6 +128,7 @@ def test_without_matplotlib_report_and_train_stop_with_one_line(tiny_run, monkey
     assert not (run_dir / "never").exists()  # stopped before the run folder was made
 
 
+@pytest.mark.slow
 def test_train_prints_the_report_link_last(tiny_run, capsys):
     from tiller.cli import _print_summary
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import rl_rows, trained_episodes
+from helpers import rl_rows, tiny_rl, trained_episodes
 from safetensors.torch import load_file
 
 from tiller.config import ConfigError, load_config
@@ -58,10 +58,8 @@ def test_config_errors_are_one_line():
 def half_expert(calc_sft_dir, *more):
     """A tiny run whose odd samples are the scripted expert's (tests/half_expert_loop.py): the
     verifier pays 1 on half of every group, so the real reward carries a signal to remove."""
-    return load_config(CONFIG, [
-        f"model.path={calc_sft_dir}", "model.build=null", "sft.enabled=false", "rl.steps=2",
-        "rl.tasks_per_step=2", "rl.group_size=4", "eval.tasks=8", "logging.progress=false",
-        "logging.tensorboard=false", "agent.loop=half_expert_loop:run_episode", *more])
+    return load_config(CONFIG, tiny_rl(calc_sft_dir, "rl.steps=2",
+                                       "agent.loop=half_expert_loop:run_episode", *more))
 
 
 def trained(run_dir):
@@ -72,6 +70,7 @@ def trained(run_dir):
     return out
 
 
+@pytest.mark.slow
 def test_constant_under_grpo_trains_on_it_logs_the_real_reward_and_moves_nothing(
         calc_sft_dir, tmp_path):
     cfg = half_expert(calc_sft_dir, "rl.reward_control=constant",
@@ -94,6 +93,7 @@ def test_constant_under_grpo_trains_on_it_logs_the_real_reward_and_moves_nothing
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.slow
 def test_random_control_trains_on_rewards_unlinked_from_success(calc_sft_dir, tmp_path):
     train(half_expert(calc_sft_dir), tmp_path / "real")
     train(half_expert(calc_sft_dir, "rl.reward_control=random"), tmp_path / "rand")

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from helpers import tiny_rl
 from typer.testing import CliRunner
 
 from tiller.cli import app
@@ -127,10 +128,7 @@ def test_ppo_explained_variance_rises_on_a_fixed_batch(model):
 
 # ---------------------------------------------------------------- controller
 def tiny(sft_dir, *more):
-    return load_config(CONFIG, [
-        f"model.path={sft_dir}", "model.build=null", "sft.enabled=false", "rl.steps=1",
-        "rl.tasks_per_step=2", "rl.group_size=4", "eval.tasks=8", "logging.progress=false",
-        "logging.tensorboard=false", *more])
+    return load_config(CONFIG, tiny_rl(sft_dir, *more))
 
 
 def last_rl_row(run_dir):

@@ -3,10 +3,9 @@
 import asyncio
 import copy
 import shutil
-import subprocess
-import sys
 
 import pytest
+from helpers import cli, saved_model
 from transformers import GenerationConfig
 
 from tiller.config import ConfigError, load_config
@@ -46,9 +45,7 @@ def model_dir(calc_model_dir, tmp_path, *, eos=None, template=None, gen_eos=None
 
 
 def run_config(path, *overrides):
-    return load_config(CONFIG, [f"model.path={path}", "model.build=null",
-                                "logging.progress=false", "logging.tensorboard=false",
-                                *overrides])
+    return load_config(CONFIG, [*saved_model(path), *overrides])
 
 
 def test_stop_tokens_are_end_of_turn_and_every_generation_config_eos(tokenizer):
@@ -106,12 +103,9 @@ def test_a_template_that_is_not_prefix_stable_runs_exactly(tokenizer, limits):
 
 
 def test_episode_budget_above_the_context_is_one_cli_line(calc_model_dir, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "tiller", "train", CONFIG, f"model.path={calc_model_dir}",
-         "model.build=null", "env.max_episode_tokens=4096", "--output-dir", str(tmp_path / "r")],
-        capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2 and "Traceback" not in out
+    code, out = cli("train", CONFIG, f"model.path={calc_model_dir}", "model.build=null",
+                    "env.max_episode_tokens=4096", "--output-dir", tmp_path / "r")
+    assert code == 2 and "Traceback" not in out
     lines = [line for line in out.splitlines() if line.strip()]
     assert lines == ["error: config field env.max_episode_tokens: got 4096; expected at most "
                      "the model's context length (max_position_embeddings=2048)"]

@@ -290,6 +290,8 @@ def test_a_data_rows_tools_column_is_refused_as_it_is_read(tmp_path, trusted_mod
     assert trusted_module.exists()  # trusted: the row's tool was imported
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_python_m_tiller_in_a_run_folder_imports_nothing_from_it(tmp_path):
     """`python -m tiller eval .` with the run folder as the current folder: a module file
     there named like anything tiller imports (yaml.py, typing.py, torch.py, ...) is not

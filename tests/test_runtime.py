@@ -13,6 +13,7 @@ import threading
 
 import pytest
 import torch
+from helpers import cli, saved_model
 
 from tiller import runtime
 from tiller.config import load_config
@@ -103,17 +104,15 @@ def test_bad_threads_value_is_one_line(value):
 
 
 def test_serve_refuses_bad_threads_in_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "tiller", "serve", str(tmp_path),
-                           "--threads", "0"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    lines = proc.stdout.strip().splitlines()
+    code, out = cli("serve", tmp_path, "--threads", "0")
+    assert code == 2
+    lines = out.strip().splitlines()
     assert lines == ["error: --threads 0: expected auto or a whole number of threads, at least 1"]
 
 
 def _run(calc_model_dir, tmp_path, threads: str) -> Run:
     cfg = load_config("configs/calculator.yaml", [
-        f"model.path={calc_model_dir}", "model.build=null", "sft.enabled=false",
-        "logging.progress=false", "logging.tensorboard=false", f"runtime.threads={threads}"])
+        *saved_model(calc_model_dir), "sft.enabled=false", f"runtime.threads={threads}"])
     return Run(cfg, tmp_path / f"run-{threads}")
 
 
@@ -125,6 +124,8 @@ def _in_new_thread(fn):
     return out[0]
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_run_applies_its_threads(calc_model_dir, tmp_path):
     for threads in (2, 1):  # each run sets them, whatever the one before did
         run = _run(calc_model_dir, tmp_path, str(threads))

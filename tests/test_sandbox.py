@@ -380,6 +380,7 @@ def test_killing_parent_and_everything_stays_inside(box: Sandbox) -> None:
         sentinel.wait()
 
 
+@pytest.mark.integration
 @needs_bwrap
 def test_host_crash_takes_the_sandbox_down() -> None:
     token = _sleep_token()
@@ -535,6 +536,7 @@ LEFTOVER_PROGRAMS = {
 }
 
 
+@pytest.mark.integration
 @needs_bwrap
 def test_no_process_of_the_sandbox_survives_the_call() -> None:
     """After a normal, a hostile, a timed-out and a killed program, nothing the sandbox started
@@ -642,6 +644,7 @@ def _run_as_nobody(payload: str, stdin: str = "", **limits: Any) -> tuple[str, s
     return outcome, stdout, stderr, left
 
 
+@pytest.mark.integration
 def test_unprivileged_caller_gets_a_user_namespace(as_nobody) -> None:
     """The non-root path: bwrap makes a user namespace, RLIMIT_NPROC counts inside it, and the
     namespace-owned / and /dev are read-only."""
@@ -748,6 +751,7 @@ else:
 """
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the /proc/1/mem payload is x86_64")
 def test_unprivileged_caller_cannot_escape_through_pid_1(as_nobody) -> None:
     """As a non-root caller, the sandbox's code shared a uid with bwrap's pid 1, which had the
@@ -814,6 +818,7 @@ for backend in ('subprocess', 'bwrap'):
 """
 
 
+@pytest.mark.integration
 @needs_bwrap
 def test_fallback_does_not_hide_the_trainers_environment() -> None:
     """What docs/sandbox.md says of the fallback's "cleared environment": the code's own is

@@ -9,12 +9,9 @@ import functools
 import json
 import logging
 import os
-import subprocess
-import sys
 import threading
 import time
 from http.client import HTTPConnection
-from pathlib import Path
 
 import httpx
 import openai
@@ -23,7 +20,7 @@ import torch
 import torch.nn.functional as F
 import uvicorn
 from fastapi.testclient import TestClient
-from helpers import free_port, serve_process
+from helpers import cli, free_port, serve_process
 
 from tiller.engine.embedded import EmbeddedEngine
 from tiller.engine.updates import WeightUpdate
@@ -73,10 +70,6 @@ def tool_model_dir(calc_model_dir, episode, tmp_path_factory):
     return out
 
 
-def _serve_cmd(model_dir: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "tiller", "serve", str(model_dir), *args]
-
-
 @pytest.fixture(scope="module")
 def weights_root(tmp_path_factory):
     return tmp_path_factory.mktemp("weights_root")
@@ -105,6 +98,8 @@ def client(server):
 
 # ---- the openai client ----------------------------------------------------------------------
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_openai_chat_completion_returns_the_parsed_tool_call(server, client, episode):
     resp = client.chat.completions.create(
         model=server["model"], messages=episode["messages"], tools=episode["tools"],
@@ -123,6 +118,8 @@ def test_openai_chat_completion_returns_the_parsed_tool_call(server, client, epi
     assert [m.id for m in client.models.list().data] == [server["model"]]
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_openai_streaming_chat_gives_the_same_call(server, client, episode):
     stream = client.chat.completions.create(
         model=server["model"], messages=episode["messages"], tools=episode["tools"],
@@ -137,6 +134,8 @@ def test_openai_streaming_chat_gives_the_same_call(server, client, episode):
     assert chunks[-1].usage.completion_tokens == len(episode["ids"]) - episode["start"]
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_openai_completions_with_n_logprobs_and_streaming(server, client):
     kwargs = {"model": server["model"], "prompt": "Ben has 45 crates", "max_tokens": 6,
               "temperature": 1.0, "seed": 11, "n": 3, "logprobs": 0}
@@ -158,6 +157,8 @@ def test_openai_completions_with_n_logprobs_and_streaming(server, client):
 
 # ---- /generate ------------------------------------------------------------------------------
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_generate_round_trips_ids_and_logprobs(http, tool_model_dir):
     tokenizer = load_tokenizer(tool_model_dir)
     prompt = tokenizer.encode("Ben has 45 crates with 31 beads in each.")
@@ -187,6 +188,8 @@ def test_generate_round_trips_ids_and_logprobs(http, tool_model_dir):
     assert by_text["output_ids"] == ids  # text is tokenized to the same prompt
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_generate_without_seed_reports_the_one_it_drew(http):
     body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8}}
     first = http.post("/generate", json=body).json()
@@ -279,6 +282,8 @@ BAD = [  # (id, route, body: dict, or bytes sent as they are, expected status, m
 ]
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("route, body, status, part", [b[1:] for b in BAD],
                          ids=[b[0] for b in BAD])
 def test_bad_input_gets_a_4xx(server, http, route, body, status, part):
@@ -292,6 +297,8 @@ def test_bad_input_gets_a_4xx(server, http, route, body, status, part):
     assert http.get("/health").status_code == 200
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_a_chunked_body_over_the_limit_gets_413(http):
     def chunks():
         yield b'{"text": "'
@@ -304,6 +311,8 @@ def test_a_chunked_body_over_the_limit_gets_413(http):
     assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"]
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_unknown_route_and_method_are_json_errors(http):
     assert http.get("/nowhere").json()["error"]["code"] == 404
     assert http.get("/generate").json()["error"]["code"] == 405
@@ -355,6 +364,8 @@ def checkpoints(tool_model_dir, weights_root, tmp_path_factory):
     return outside
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("path, status, part", [
     ("../outside", 403, "outside --weights-root"),
     ("same/../../x", 403, "outside --weights-root"),
@@ -383,6 +394,8 @@ def test_weights_outside_the_root_or_misfit_are_refused(http, checkpoints, path,
     assert after["meta_info"]["weight_version"] == before["meta_info"]["weight_version"]
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_a_fifo_named_safetensors_is_refused_without_hanging(http, weights_root):
     (weights_root / "fifo").mkdir()
     os.mkfifo(weights_root / "fifo" / "x.safetensors")  # opening it would block the load
@@ -390,6 +403,8 @@ def test_a_fifo_named_safetensors_is_refused_without_hanging(http, weights_root)
     assert r.status_code == 400 and "not a regular file" in r.json()["error"]["message"]
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_update_weights_from_disk_echoes_the_version_and_changes_outputs(http, checkpoints):
     before = _greedy(http)
     version = before["meta_info"]["weight_version"]
@@ -409,6 +424,8 @@ def test_update_weights_from_disk_echoes_the_version_and_changes_outputs(http, c
 
 # ---- control routes (the engine's abort, pause/resume, cache) -------------------------------
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_pause_queues_requests_and_abort_returns_them_partial(http, server):
     assert http.post("/pause_generation", json={}).json() == {"success": True}
     answers: dict[str, httpx.Response] = {}
@@ -443,6 +460,8 @@ def test_pause_queues_requests_and_abort_returns_them_partial(http, server):
             or reason == "stop" and b["output_ids"][-1] == 0), b
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_session_reuses_the_kv_and_flush_cache_drops_it(http):
     first = http.post("/generate", json={
         "input_ids": [5, 6, 7, 8], "session_id": "s1",
@@ -461,11 +480,10 @@ def test_session_reuses_the_kv_and_flush_cache_drops_it(http):
 # ---- start-up safety and in-process checks --------------------------------------------------
 
 def test_a_non_loopback_host_without_a_key_is_refused(tool_model_dir):
-    env = {k: v for k, v in os.environ.items() if k != "TILLER_API_KEY"}
-    proc = subprocess.run(_serve_cmd(tool_model_dir, "--host", "0.0.0.0", "--port", "1"),
-                          capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 2
-    out = (proc.stdout + proc.stderr).strip()
+    code, out = cli("serve", tool_model_dir, "--host", "0.0.0.0", "--port", "1",
+                    env={"TILLER_API_KEY": None})
+    assert code == 2
+    out = out.strip()
     assert len(out.splitlines()) == 1 and "--api-key" in out and "Traceback" not in out
 
 
@@ -522,6 +540,7 @@ def test_a_failing_engine_answers_500_json_and_logs(model, tokenizer, caplog):
     assert any("the engine failed" in rec.getMessage() for rec in caplog.records)
 
 
+@pytest.mark.integration
 def test_an_unexpected_error_is_a_json_500_and_the_connection_lives_on(model, tokenizer,
                                                                         caplog):
     """A real uvicorn on loopback: the 500 is answered without re-raising, so uvicorn keeps

@@ -352,6 +352,7 @@ def test_reader_and_config_errors(tmp_path):
             load_config("configs/calculator.yaml", [override])
 
 
+@pytest.mark.slow
 def test_a_run_traces_every_episode_and_trains_the_same_with_traces_off(tmp_path):
     on = train(load_config("configs/calculator.yaml", [*RUN, "observe.traces.sample_rate=0.5"]),
                tmp_path / "on")
@@ -385,6 +386,8 @@ def test_a_run_traces_every_episode_and_trains_the_same_with_traces_off(tmp_path
     assert json.loads(steps[-1][1])["trained"] == ledger["trained"]
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_a_killed_run_leaves_a_readable_database(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(Path("src").resolve())}

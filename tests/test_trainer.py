@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from tiller.algorithms import ADVANTAGES, AGGREGATIONS
 from tiller.config import ConfigError, RLConfig
 from tiller.engine.api import SamplingParams
 from tiller.engine.embedded import EmbeddedEngine
@@ -12,7 +13,6 @@ from tiller.engine.updates import WeightSyncError, WeightUpdate
 from tiller.envs.verifiers import Reward
 from tiller.models import load_model
 from tiller.rollout.trajectory import Status, Trajectory
-from tiller.train.algorithms import ADVANTAGES, AGGREGATIONS
 from tiller.train.batch import Batch, token_logprobs
 from tiller.train.critic import Critic
 from tiller.train.trainer import Trainer, compute_advantages

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import uvicorn
 from browser import artifacts_dir, chromium_page
-from helpers import traces_of_version
+from helpers import cli, traces_of_version
 
 from tiller.config import RLConfig
 from tiller.engine.api import SamplingParams
@@ -55,6 +55,8 @@ def flagged(ep: dict, threshold: float) -> int:
                                     strict=True) if m and abs(a - b) > threshold)
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_viewer_in_chromium_marks_exactly_the_loss_mask(tiny_run, tmp_path):
     run_dir, _ = tiny_run
     db = run_dir / "traces.sqlite"
@@ -138,6 +140,7 @@ def synthetic(tmp_path_factory):
         yield run_dir / "traces.sqlite", client
 
 
+@pytest.mark.integration
 def test_pages_cover_every_episode_once(synthetic):
     db, client = synthetic
     seen = []
@@ -152,6 +155,7 @@ def test_pages_cover_every_episode_once(synthetic):
                                                               worst["episodes"])
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("params, keep", [
     ({"status": "env_error"}, lambda e: e["status"] == "env_error"),
     ({"env_error": "true"}, lambda e: e["env_error"] == 1),
@@ -171,6 +175,7 @@ def test_filters_match_the_database(synthetic, params, keep):
     assert [e["id"] for e in page["episodes"]] == expected
 
 
+@pytest.mark.integration
 def test_episode_and_group(synthetic):
     db, client = synthetic
     ep = client.get("/api/episodes/9").json()
@@ -188,6 +193,7 @@ def test_episode_and_group(synthetic):
     assert [m["reward"] for m in group] == sorted((m["reward"] for m in group), reverse=True)
 
 
+@pytest.mark.integration
 def test_a_group_is_one_draw_of_its_task_under_one_tag(calc_model_dir, tokenizer, limits,
                                                        tmp_path):
     """Unit 0 draws task a twice (draws 0 and 1) and b once; unit 1 draws a again (draw 0
@@ -239,6 +245,7 @@ def test_a_group_is_one_draw_of_its_task_under_one_tag(calc_model_dir, tokenizer
                 assert sorted(m["id"] for m in got) == members, episode_id
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("path, code, says", [
     ("/api/episodes?status=bogus", 422, "status"),
     ("/api/episodes?limit=0", 422, "limit"),
@@ -263,14 +270,14 @@ def test_a_folder_without_traces_is_one_line(tmp_path):
     with pytest.raises(RunFolderError, match="holds traces of schema version 1; this tiller "
                                              "reads version 2"):
         create_app(tmp_path / "old")
-    out = subprocess.run([sys.executable, "-m", "tiller", "view", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2
-    assert out.stdout.strip().splitlines() == [
+    code, out = cli("view", tmp_path)
+    assert code == 2
+    assert out.strip().splitlines() == [
         f"error: {tmp_path} has no traces.sqlite (is it a run folder? traces are written "
         f"when observe.traces.enabled=true)"]
 
 
+@pytest.mark.integration
 def test_reads_a_database_while_training_writes_it(tmp_path):
     """The viewer's read-only connections see each batch the (background) writer commits,
     while the writer is still open: a running training can be watched."""
@@ -301,6 +308,7 @@ def test_reads_a_database_while_training_writes_it(tmp_path):
         writer.close()
 
 
+@pytest.mark.integration
 def test_tiller_view_starts_without_importing_torch_or_transformers():
     # `tiller view` is the CLI plus the viewer app: importing torch there cost seconds per start
     code = ("import sys, tiller.cli, tiller.observe.viewer.app; "

@@ -39,6 +39,8 @@ def test_the_sides_prefill_the_same_prompts_of_the_asked_length(vs_trl, calc_mod
     assert tool("2 ^ 3") == "error: expected one operation 'a op b' with op in + - *, got '2 ^ 3'"
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_quick_runs_both_sides_to_a_table(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path)],

@@ -48,13 +48,14 @@ def dotted_name(fn: Callable[..., Any]) -> str:
 
 
 def _as_dict(config: ConfigLike) -> dict[str, Any]:
-    from tiller.config import Config, load_config
+    from tiller.config import Config, HttpEngineConfig, load_config
 
     if isinstance(config, dict):
         return copy.deepcopy(config)
     cfg = config if isinstance(config, Config) else load_config(config)
     data = cfg.model_dump()
-    if cfg.engine.api_key is not None:  # dumps hide the key; the run needs it
+    # dumps hide the key; the run needs it
+    if isinstance(cfg.engine, HttpEngineConfig) and cfg.engine.api_key is not None:
         data["engine"]["api_key"] = cfg.engine.api_key.get_secret_value()
     return data
 

@@ -1,6 +1,6 @@
 """The command line: `tiller train CONFIG [key=value ...]`, `tiller eval RUN_DIR | CONFIG
 --model PATH`, `tiller compare RUN_A RUN_B`, `tiller serve MODEL_PATH [options]`,
-`tiller report RUN_DIR` and `tiller view RUN_DIR`.
+`tiller report RUN_DIR`, `tiller view RUN_DIR` and `tiller config show CONFIG [key=value ...]`.
 
 Errors a user can fix (bad config, missing model, unknown env or algorithm) print one line
 and exit with status 2, never a traceback; a run that started but cannot learn (a broken engine,
@@ -91,6 +91,25 @@ def _run(action: str, config: Path, overrides: list[str] | None, output_dir: Pat
     except RunError as e:  # the run started but cannot learn: one line, exit 1
         _fail(str(e), code=1)
     _print_summary(summary)
+
+
+config_app = typer.Typer(no_args_is_help=True, help="Look at a config as a run resolves it.")
+app.add_typer(config_app, name="config")
+
+
+@config_app.command("show")
+def config_show(config: ConfigArg, overrides: Overrides = None) -> None:
+    """Print CONFIG with the overrides applied and every default filled in, as YAML: what a
+    run resolves it to (and writes to its config.yaml). Every key: docs/config.md."""
+    import yaml
+
+    from tiller.config import load_config
+
+    try:
+        cfg = load_config(config, overrides or [])
+    except ConfigError as e:
+        _fail(str(e))
+    typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), nl=False)
 
 
 @app.command()

@@ -10,6 +10,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -18,130 +19,30 @@ import numpy as np
 import torch
 import yaml
 
-from tiller.config import Config
+from tiller.config import Config, ModelJudgeConfig
 from tiller.engine.api import SamplingParams
 from tiller.engine.factory import make_engine
 from tiller.engine.weight_sync import WeightSync
 from tiller.envs import Env, Task, ToolEnv
-from tiller.envs.dataset import DatasetEnv, read_conversations
-from tiller.errors import ConfigError
 from tiller.files import replacing, write_file
-from tiller.gateway.program import ProgramEpisode, load_program
-from tiller.models import (
-    build_env_model,
-    dropout_rates,
-    load_model,
-    load_tokenizer,
-    resolve_device,
-)
-from tiller.observe.metrics import MetricsLogger, check_backends
+from tiller.gateway.program import ProgramEpisode
+from tiller.models import build_env_model, load_model, load_tokenizer, resolve_device
+from tiller.observe.metrics import MetricsLogger
 from tiller.observe.traces import TraceWriter
-from tiller.plugins import check_env_tools, env_label, load_env_class
-from tiller.rollout.agent_loop import (
-    EngineActor,
-    EpisodeLimits,
-    check_rollout_setup,
-    load_episode_fn,
-)
+from tiller.preflight import check_model, check_run, check_tools, rl_task_count
+from tiller.rollout.agent_loop import EngineActor, EpisodeLimits
 from tiller.rollout.chat import stop_token_ids
 from tiller.rollout.collect import check_aborted, collect, collect_expert
-from tiller.rollout.curriculum import check_curriculum
 from tiller.rollout.memory import MemoryPolicy
 from tiller.rollout.trajectory import Trajectory
 from tiller.runtime import set_up_threads
 from tiller.tools.sandbox import set_unsafe_fallback
 from tiller.tools.stack import ToolStack
 from tiller.train.conversations import conversation_demos
-from tiller.train.judges import ModelJudge, check_judge_model
-from tiller.train.shaping import load_judge, load_key_steps
+from tiller.train.judges import ModelJudge
 from tiller.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
-
-
-def get_env(name: str) -> type[Env]:
-    """The env class of `env.name`: registered, an installed entry point or a dotted path
-    (`tiller.plugins`)."""
-    return load_env_class(name)
-
-
-def check_env_data(cfg: Config, env_cls: type[Env]) -> None:
-    """data.* and rewards go to the dataset env, or to a plug-in env that subclasses it (the
-    config cannot tell before the plug-in is imported)."""
-    given = cfg.data.train is not None or bool(cfg.rewards)
-    if given and not issubclass(env_cls, DatasetEnv):
-        raise ConfigError(f"config field data.train: env {cfg.env.name} is not the dataset env "
-                          "or a subclass of it (tiller.envs.dataset.DatasetEnv), so it cannot "
-                          "take data.* or rewards; its own verifier scores its episodes")
-
-
-def heldout_disabled(cfg: Config, env_cls: type[Env]) -> str | None:
-    """Why the run has no held-out evaluation (eval.enabled false, or an env without a
-    heldout split: not in `Env.splits`, or a `task_space` of 0), or None when it has one."""
-    if not cfg.eval.enabled:
-        return "eval.enabled is false"
-    if "heldout" not in env_cls.splits:
-        return f"env {env_label(env_cls)} has no heldout split (splits: {env_cls.splits})"
-    if env_cls.task_space("heldout", cfg.env.difficulty) == 0:
-        return (f"env {env_label(env_cls)} has no heldout tasks at "
-                f"env.difficulty={cfg.env.difficulty}")
-    return None
-
-
-def rl_task_count(cfg: Config) -> int:
-    """Train tasks RL draws: dynamic sampling may take up to max_rounds times a plain run's."""
-    alg = cfg.rl.algorithm
-    rounds = (alg.dynamic_sampling.max_rounds or 1) if alg.dynamic_sampling.enabled else 1
-    return max(cfg.rl.steps * cfg.rl.tasks_per_step * rounds, 1)
-
-
-def rl_task_reserve(cfg: Config) -> int:
-    """Train tasks RL may draw: `rl_task_count`, twice that in async (the reserve)."""
-    return rl_task_count(cfg) * (2 if cfg.rl.mode == "async" else 1)
-
-
-def check_task_counts(cfg: Config, env_cls: type[Env]) -> None:
-    """Every task list the run will draw fits the env's task space, checked before any work:
-    drawing more distinct tasks than exist would otherwise fail only after the model build."""
-    d = cfg.env.difficulty
-    no_eval = heldout_disabled(cfg, env_cls)
-    wants = [("eval.tasks", "heldout", cfg.eval.tasks)] if cfg.eval.sets is None else []
-    for s in cfg.eval.resolved_sets(d) if cfg.eval.sets is not None else []:
-        if s.split not in env_cls.eval_splits:
-            raise ConfigError(f"config field eval.sets ({s.name}).split: got {s.split!r}; env "
-                              f"{env_cls.name} offers: {', '.join(env_cls.eval_splits)}")
-        space = env_cls.task_space(s.split, s.difficulty)
-        if space is not None and s.tasks > space:
-            raise ConfigError(f"config field eval.sets ({s.name}).tasks: got {s.tasks}; env "
-                              f"{env_cls.name} has only {space} {s.split} tasks at "
-                              f"difficulty {s.difficulty}")
-    if no_eval:
-        wants = []
-    if cfg.model.build is not None:
-        wants.append(("model.build.corpus_tasks", "train", cfg.model.build.corpus_tasks))
-    wants = [(*w, "env.difficulty", d) for w in wants]
-    if cfg.sft.enabled and cfg.data.sft is None:
-        sft_d = cfg.sft.difficulty or d
-        wants.append(("sft.tasks", "train", cfg.sft.tasks,
-                      "sft.difficulty" if cfg.sft.difficulty else "env.difficulty", sft_d))
-    if cfg.rl.steps > 0:
-        wants.append(("rl.steps × rl.tasks_per_step", "train", rl_task_count(cfg),
-                      "env.difficulty", d))
-    for field, split, n, d_field, diff in wants:
-        space = None if env_cls.repeats_tasks else env_cls.task_space(split, diff)
-        if space is not None and n > space:
-            raise ConfigError(f"config field {field}: got {n}; env {env_label(env_cls)} has only "
-                              f"{space} {split} tasks at {d_field}={diff}: ask for at most "
-                              f"{space} or pick an {d_field} with more")
-    check_curriculum(cfg, env_cls, rl_task_reserve(cfg))
-
-
-def check_sft_source(cfg: Config, env_cls: type[Env]) -> None:
-    """SFT needs demonstrations: the env's scripted expert or the conversations of data.sft."""
-    if cfg.sft.enabled and cfg.data.sft is None and not env_cls.has_expert:
-        raise ConfigError(f"config field sft.enabled: env {cfg.env.name} has no scripted "
-                          "expert to demonstrate; give SFT conversations in data.sft (a "
-                          "messages JSONL), or set sft.enabled=false")
 
 
 def compute_streams(cfg: Config) -> int:
@@ -149,52 +50,56 @@ def compute_streams(cfg: Config) -> int:
     model's worker (it scores episodes while others are generated), and the trainer when it
     trains while episodes are sampled (rl.mode one_step_off or async; in sync it waits for
     them). At least 1 (the trainer of an HTTP-engine run)."""
-    rollout = int(cfg.engine.backend == "embedded") + int(cfg.rl.judge.model is not None)
+    rollout = (int(cfg.engine.backend == "embedded")
+               + int(isinstance(cfg.rl.judge, ModelJudgeConfig)))
     overlaps = cfg.rl.mode != "sync" and cfg.rl.steps > 0
     return max(1, rollout + int(overlaps))
 
 
-def warn_blind_correction(cfg: Config) -> None:
-    """One warning when RL trains with top-k / top-p truncation, untruncated logprobs and an
-    off-policy correction: the behaviour logprob it divides by is not the probability the
-    token was drawn with (lower by the log of the kept mass), so its weights stay near 1 on
-    off-policy data."""
-    s, alg = cfg.sampling, cfg.rl.algorithm
-    if cfg.rl.steps and s.truncates and s.logprobs == "untruncated" and alg.off_policy != "none":
-        log.warning("sampling.logprobs is untruncated with top_k %d / top_p %g: off_policy %s "
-                    "cannot see the truncation (its behaviour logprob is not the one tokens "
-                    "were drawn with); use sampling.logprobs: sampled where the engine reports "
-                    "it (tiller's engines do)", s.top_k, s.top_p, alg.off_policy)
+def make_run_dir(cfg: Config, output_dir: str | Path | None) -> Path:
+    """The run folder (`output_dir`, output_dir or runs/<name>-<time>), holding the config."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path(output_dir or cfg.output_dir or Path("runs") / f"{cfg.name}-{stamp}")
+    out.mkdir(parents=True, exist_ok=True)
+    write_file(out / "config.yaml", yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+    return out
+
+
+def closes(stack: ExitStack, what: str, close: Callable[[], Any]) -> None:
+    """Register `close` on `stack`. A failure of it is logged, then raised with the error
+    already on its way (the run's, or an earlier close's) as its context, as a `finally`
+    block raises: when several fail each is in the log, and the last one raised carries the
+    others."""
+
+    def exit_(exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        try:
+            close()
+        except BaseException as e:
+            log.error("closing the run's %s failed: %s: %s", what, type(e).__name__, e)
+            if e.__context__ is None and e is not exc:
+                e.__context__ = exc
+            raise
+        return False  # the error on its way, if any, goes on
+
+    stack.push(exit_)
 
 
 class Run:
-    """Everything one run needs, built from a validated `Config`. Hooks named in the config
-    (agent loop or program, key steps) are imported first, so a bad one fails before any work."""
+    """Everything one run needs, built from a validated `Config` once `preflight.check_run`
+    passed (hooks named in the config are imported there, so a bad one fails before any
+    work). Each part that needs closing is registered as it is opened; `close` closes them in
+    reverse order, each even when one before it failed, as does a start that fails."""
 
     gateway: Any = None  # agent.program's gateway, started once the models are built
     traces: TraceWriter | None = None  # traces.sqlite's writer (observe.traces)
 
     def __init__(self, cfg: Config, output_dir: str | Path | None = None):
         self.cfg = cfg
-        env_cls = get_env(cfg.env.name)
-        check_env_data(cfg, env_cls)
-        self.env_cls = env_cls.configure(cfg)  # a dataset env reads its rows
-        check_sft_source(cfg, self.env_cls)
-        # every row checked now, before any work
-        self.sft_conversations = read_conversations(cfg.data) if cfg.data.sft else []
-        check_backends(cfg.logging.tensorboard, cfg.logging.wandb)
-        check_task_counts(cfg, self.env_cls)
-        warn_blind_correction(cfg)
-        self.episode_fn = load_episode_fn(cfg.agent.loop)
-        program = load_program(cfg.agent.program) if cfg.agent.program else None
-        self.key_steps = load_key_steps(cfg.rl.algorithm.credit.key_steps)
-        self.judge = load_judge(cfg.rl.judge.fn)  # rl.judge.model loads with the models
-        if cfg.rl.judge.model is not None:
-            check_judge_model(cfg.rl.judge.model)
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        self.dir = Path(output_dir or cfg.output_dir or Path("runs") / f"{cfg.name}-{stamp}")
-        self.dir.mkdir(parents=True, exist_ok=True)
-        write_file(self.dir / "config.yaml", yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+        checked = check_run(cfg)
+        self.env_cls, self.sft_conversations = checked.env_cls, checked.sft_conversations
+        self.episode_fn, self.key_steps = checked.episode_fn, checked.key_steps
+        self.judge = checked.judge  # rl.judge.model loads with the models
+        self.dir = make_run_dir(cfg, output_dir)
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
@@ -203,43 +108,48 @@ class Run:
             reserve_tokens=cfg.sampling.max_new_tokens),
             chat_format=cfg.model.chat_format, history=cfg.agent.history)
         self.timings: dict[str, float] = {}
+        with ExitStack() as stack:  # nothing of a run that did not start outlives it
+            self._open(stack, checked.program)
+            self._closing = stack.pop_all()
+
+    def _open(self, stack: ExitStack, program: Callable[..., Any] | None) -> None:
+        """The tool stack, the models, the metrics logger, the trace writer and the gateway,
+        in this order, each registered on `stack` as it opens."""
+        cfg = self.cfg
         # Before any work: a bad replay path stops the run here, and the sandbox policy holds
         # from the first env on (a code env without bwrap refuses unless it is allowed).
         self.tools = ToolStack(cfg.env.tools, self.dir)
+        closes(stack, "tool stack", self.tools.close)
         set_unsafe_fallback(cfg.env.tools.sandbox.allow_unsafe_fallback)
-        try:
-            check_env_tools(self.env_cls, self.tools.functions)
-            check_env_tools(self.env_cls, self.tools.mcp_tools, "env.tools.mcp")
-            self.env_cls.start(self.dir)  # an env server (openenv), checked before any work
-            self._build_models()
-        except BaseException:  # nothing of a run that did not start outlives it
-            self.env_cls.stop()
-            self.tools.close()
-            set_unsafe_fallback(False)
-            raise
+        closes(stack, "sandbox policy", lambda: set_unsafe_fallback(False))  # ends with the run
+        check_tools(self.env_cls, self.tools)
+        # an env server (openenv), checked before any work; stopped before the tools' servers
+        closes(stack, "env server", self.env_cls.stop)
+        self.env_cls.start(self.dir)
+        self._build_models(stack)
+        self.logger = MetricsLogger(self.dir, cfg.logging.tensorboard, cfg.logging.wandb,
+                                    cfg.logging.wandb_project, cfg.model_dump())
+        closes(stack, "metrics logger", self.logger.close)
         t = cfg.observe.traces
-        try:  # e.g. an older tiller's traces.sqlite in this folder: what started is closed
-            self.traces = TraceWriter(self.dir / "traces.sqlite", t.sample_rate, t.max_mb,
-                                      cfg.seed, t.queue_size, t.close_timeout_s
-                                      ) if t.enabled else None
-        except BaseException:
-            self.close()
-            raise
+        if t.enabled:  # e.g. an older tiller's traces.sqlite in this folder fails here
+            traces = self.traces = TraceWriter(self.dir / "traces.sqlite", t.sample_rate,
+                                               t.max_mb, cfg.seed, t.queue_size,
+                                               t.close_timeout_s)
+            # drained before the logger closes, so its final counts are logged
+            closes(stack, "trace writer", lambda: self.log("traces", traces.close()))
         if program is not None:
             from tiller.gateway.server import Gateway  # FastAPI and uvicorn: the serve extra
 
-            try:
-                self.gateway = Gateway().start()
-            except BaseException:
-                self.close()
-                raise
+            self.gateway = Gateway().start()
+            closes(stack, "agent gateway", self.gateway.close)
             self.episode_fn = ProgramEpisode(self.gateway, program, cfg.agent.program_timeout_s,
                                              cfg.agent.reward)
 
-    def _build_models(self) -> None:
+    def _build_models(self, stack: ExitStack) -> None:
+        """The model and tokenizer, the trainer and the engine, its first weights checked."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        self.device = resolve_device(cfg.model.device)
+        device = resolve_device(cfg.model.device)
         path = Path(cfg.model.path) if cfg.model.path is not None else build_env_model(
             self.env_cls, self.dir / "base_model", cfg.model.build, seed=cfg.seed,
             difficulty=cfg.env.difficulty, max_turns=cfg.env.max_turns,
@@ -247,40 +157,30 @@ class Run:
         self.tokenizer = load_tokenizer(path)
         # fp32 master weights for the optimizer whatever model.dtype is (see Trainer); the
         # engine's copy (and the reference model) are in model.dtype
-        self.dtype = getattr(torch, cfg.model.dtype)
-        self.model = load_model(path, torch.float32).to(self.device)
+        dtype = getattr(torch, cfg.model.dtype)
+        self.model = load_model(path, torch.float32).to(device)
         # before the engine, the trainer or any episode computes: they share these threads
         self.runtime = set_up_threads(cfg.runtime.threads, streams=compute_streams(cfg),
                                       params=sum(p.numel() for p in self.model.parameters()))
         write_file(self.dir / "runtime.json", json.dumps(self.runtime, indent=2))
-        check_rollout_setup(self.tokenizer, self.model.config, self.limits)
-        if cfg.rl.judge.model is not None:
-            self.judge = ModelJudge(cfg.rl.judge.model, cfg.rl.judge.prompt, device=self.device)
+        check_model(cfg, self.tokenizer, self.model, self.limits)
+        if isinstance(cfg.rl.judge, ModelJudgeConfig):
+            self.judge = ModelJudge(cfg.rl.judge.model, cfg.rl.judge.prompt, device=device)
         self.timings["build_s"] = time.perf_counter() - t0
-        if cfg.model.dropout == "keep" and not dropout_rates(self.model):
-            raise ConfigError("config field model.dropout: got 'keep'; this model has no "
-                              "dropout (no dropout module or attention_dropout above 0), so "
-                              "there is nothing to keep: remove it")
         s = cfg.sampling
         truncated = s.logprobs == "sampled"  # the trainer recomputes what the engine reports
         self.trainer = Trainer(self.model, temperature=s.temperature or 1.0,
-                               compute_dtype=self.dtype, top_k=s.top_k if truncated else 0,
+                               compute_dtype=dtype, top_k=s.top_k if truncated else 0,
                                top_p=s.top_p if truncated else 1.0, dropout=cfg.model.dropout)
         # the servers of engine.backend http get the trainer's weights (version 0)
         self.engine = make_engine(cfg, self.model, self.tokenizer.pad_token_id,
                                   weights_dir=self.dir / "weights",
                                   initial=self.trainer.weight_update)
-        try:
-            self.weight_sync = WeightSync(self.trainer, self.engine, cfg.weight_sync,
-                                          self.dtype)
-            # the engine's first weights (a copy, or the servers' start-up push) are checked
-            # like every later sync's
-            self.weight_sync.check_parity(self.trainer.version)
-            self.logger = MetricsLogger(self.dir, cfg.logging.tensorboard, cfg.logging.wandb,
-                                        cfg.logging.wandb_project, cfg.model_dump())
-        except BaseException:
-            self.engine.close()
-            raise
+        closes(stack, "engine", self.engine.close)
+        self.weight_sync = WeightSync(self.trainer, self.engine, cfg.weight_sync, dtype)
+        # the engine's first weights (a copy, or the servers' start-up push) are checked like
+        # every later sync's
+        self.weight_sync.check_parity(self.trainer.version)
 
     def log(self, phase: str, metrics: dict[str, Any], phase_step: int | None = None) -> None:
         """Metrics at the global step: the trainer's weight version (optimizer steps so far),
@@ -354,22 +254,8 @@ class Run:
         return out
 
     def close(self) -> None:
-        try:  # each closes even when the one before it failed
-            self.engine.close()
-        finally:
-            try:  # drained before the logger closes, so its final counts are logged
-                if self.traces is not None:
-                    self.log("traces", self.traces.close())
-            finally:
-                try:
-                    self.logger.close()
-                finally:
-                    try:
-                        try:  # the env's server, then the tools' (MCP) servers
-                            self.env_cls.stop()
-                        finally:
-                            self.tools.close()
-                    finally:
-                        set_unsafe_fallback(False)  # the run's sandbox policy ends with it
-                        if self.gateway is not None:
-                            self.gateway.close()
+        """Close every part the run opened, in reverse order: the gateway, the trace writer
+        (its last counts logged), the metrics logger, the engine, the sandbox policy, the tool
+        stack. Each closes even when one before it failed; each failure is logged and raised
+        (`closes`)."""
+        self._closing.close()

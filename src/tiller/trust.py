@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tiller.config import DEFAULT_LOOP, Config
+from tiller.config import DEFAULT_LOOP, Config, FnJudgeConfig, HttpEngineConfig
 from tiller.envs import ENVS
 from tiller.errors import ConfigError, refusing_imports
 from tiller.plugins import env_entry_points
@@ -53,7 +53,7 @@ def run_config_requests(cfg: Config) -> list[tuple[str, Any, str]]:
             ("agent.loop", cfg.agent.loop if cfg.agent.loop != DEFAULT_LOOP else None),
             ("agent.program", cfg.agent.program),
             ("rl.algorithm.credit.key_steps", cfg.rl.algorithm.credit.key_steps),
-            ("rl.judge.fn", cfg.rl.judge.fn),
+            ("rl.judge.fn", cfg.rl.judge.fn if isinstance(cfg.rl.judge, FnJudgeConfig) else None),
             ("data.tools", cfg.data.tools),
             ("rewards", [r.function for r in cfg.rewards if r.function is not None]),
         ) if value]
@@ -70,11 +70,12 @@ def run_config_requests(cfg: Config) -> list[tuple[str, Any, str]]:
     replay = cfg.env.tools.replay
     if replay is not None and _outside(replay.path):
         found.append(("env.tools.replay.path", replay.path, "writes outside the output folder"))
-    if cfg.engine.weights_dir is not None:
-        found.append(("engine.weights_dir", cfg.engine.weights_dir,
-                      "writes outside the output folder"))
-    if cfg.engine.urls:
-        found.append(("engine.urls", cfg.engine.urls, "sends the checkpoint, the prompts and "
+    engine = cfg.engine
+    if isinstance(engine, HttpEngineConfig):
+        if engine.weights_dir is not None:
+            found.append(("engine.weights_dir", engine.weights_dir,
+                          "writes outside the output folder"))
+        found.append(("engine.urls", engine.urls, "sends the checkpoint, the prompts and "
                       "TILLER_API_KEY to those servers"))
     return found
 

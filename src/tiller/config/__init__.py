@@ -1,6 +1,9 @@
 """The run configuration: one YAML file validated into typed models, one module per box
-(`model`, `env`, `engine`, `sft`, `rl` with `algorithm`, `rollout`, `eval`, `observe`,
-`data`), the root `Config` and `load_config` in `root`. Everything is importable from here."""
+(`model`, `env`, `engine`, `sft`, `rl` with `algorithm`, `curriculum` and `judge`, `rollout`,
+`eval`, `observe`, `data`), the root `Config` and `load_config` in `root`. A section whose
+keys depend on a choice (engine.backend, rl.mode, rl.curriculum.mode, rl.judge) has one type
+per variant (`base.Variant`): `XConfig` is what the variants share, `AnyXConfig` the field
+type. Everything is importable from here."""
 
 from tiller.config.algorithm import (
     AlgorithmConfig,
@@ -10,18 +13,40 @@ from tiller.config.algorithm import (
     KLConfig,
     OverlongConfig,
 )
+from tiller.config.curriculum import (
+    AnyCurriculumConfig,
+    CurriculumConfig,
+    DifficultyCurriculumConfig,
+    FilterCurriculumConfig,
+)
 from tiller.config.data import DataConfig, RewardConfig
-from tiller.config.engine import EngineConfig, SamplingConfig, WeightSyncConfig
+from tiller.config.engine import (
+    AnyEngineConfig,
+    EmbeddedEngineConfig,
+    EngineConfig,
+    HttpEngineConfig,
+    SamplingConfig,
+    WeightSyncConfig,
+)
 from tiller.config.env import DEFAULT_LOOP, AgentConfig, EnvConfig
 from tiller.config.eval import EvalConfig, EvalSetConfig
+from tiller.config.judge import (
+    JUDGE_PROMPT,
+    AnyJudgeConfig,
+    FnJudgeConfig,
+    JudgeConfig,
+    ModelJudgeConfig,
+    NoJudgeConfig,
+)
 from tiller.config.model import BuildConfig, ModelConfig, RuntimeConfig
 from tiller.config.observe import LoggingConfig, ObserveConfig, TracesConfig
 from tiller.config.rl import (
-    JUDGE_PROMPT,
     STALE_OFF_POLICY,
-    CurriculumConfig,
-    JudgeConfig,
+    AnyRLConfig,
+    AsyncRLConfig,
+    OneStepOffRLConfig,
     RLConfig,
+    SyncRLConfig,
 )
 from tiller.config.rollout import RolloutConfig
 from tiller.config.root import Config, load_config
@@ -30,9 +55,13 @@ from tiller.errors import ConfigError
 
 __all__ = [
     "DEFAULT_LOOP", "JUDGE_PROMPT", "STALE_OFF_POLICY", "AgentConfig", "AlgorithmConfig",
-    "BuildConfig", "Config", "ConfigError", "CreditConfig", "CriticConfig", "CurriculumConfig",
-    "DataConfig", "DynamicSamplingConfig", "EngineConfig", "EnvConfig", "EvalConfig",
-    "EvalSetConfig", "JudgeConfig", "KLConfig", "LoggingConfig", "ModelConfig", "ObserveConfig",
-    "OverlongConfig", "RLConfig", "RewardConfig", "RolloutConfig", "RuntimeConfig",
-    "SFTConfig", "SamplingConfig", "TracesConfig", "WeightSyncConfig", "load_config",
+    "AnyCurriculumConfig", "AnyEngineConfig", "AnyJudgeConfig", "AnyRLConfig", "AsyncRLConfig",
+    "BuildConfig", "Config",
+    "ConfigError", "CreditConfig", "CriticConfig", "CurriculumConfig", "DataConfig",
+    "DifficultyCurriculumConfig", "DynamicSamplingConfig", "EmbeddedEngineConfig",
+    "EngineConfig", "EnvConfig", "EvalConfig", "EvalSetConfig", "FilterCurriculumConfig",
+    "FnJudgeConfig", "HttpEngineConfig", "JudgeConfig", "KLConfig", "LoggingConfig",
+    "ModelConfig", "ModelJudgeConfig", "NoJudgeConfig", "ObserveConfig", "OneStepOffRLConfig",
+    "OverlongConfig", "RLConfig", "RewardConfig", "RolloutConfig", "RuntimeConfig", "SFTConfig",
+    "SamplingConfig", "SyncRLConfig", "TracesConfig", "WeightSyncConfig", "load_config",
 ]

@@ -1,16 +1,98 @@
-"""The base of every config section, and helpers the sections share."""
+"""The base of every config section, the variants of a section whose keys depend on a choice,
+and helpers the sections share."""
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Discriminator, Tag, model_validator
 from pydantic_core import PydanticCustomError
+
+from tiller.errors import ConfigError
 
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class Variant(Section):
+    """One variant of a section whose keys depend on a choice (`engine.backend`, `rl.mode`,
+    `rl.curriculum.mode`, `rl.judge`): each variant is its own type holding only its own keys,
+    and `variants` joins a family of them into the section's field type.
+
+    A key of another variant of the family is a ConfigError naming the key, its value and the
+    choice it applies with. Such a key left empty (null, []) or at that variant's default says
+    nothing and is dropped: configs saved before the split hold every key of the section."""
+
+    where: ClassVar[str] = ""  # the section's dotted path, e.g. "engine"
+    chosen_by: ClassVar[str] = ""  # how a user chooses this variant, e.g. "engine.backend: http"
+    family: ClassVar[tuple[type[Variant], ...]] = ()
+
+    @classmethod
+    def now(cls) -> str:
+        """What the config chose, said after an error (empty where the key names it)."""
+        return f" ({cls.chosen_by.replace(': ', ' is ')})" if ": " in cls.chosen_by else ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keys_of_other_variants(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        kept = {}
+        for key, value in data.items():
+            owners = [] if key in cls.model_fields else [
+                v for v in cls.family if key in v.model_fields]
+            if not owners:  # its own key, or one no variant has (an extra-field error)
+                kept[key] = value
+            elif not _says_nothing(value, key, owners):
+                raise ConfigError(f"config field {cls.where}.{key}: got {value!r}; it only "
+                                  f"applies with {' or '.join(v.chosen_by for v in owners)}"
+                                  f"{cls.now()}")
+        return kept
+
+
+def _says_nothing(value: Any, key: str, owners: list[type[Variant]]) -> bool:
+    return value is None or value == [] or any(
+        value == v.model_fields[key].get_default(call_default_factory=True) for v in owners)
+
+
+# every variant's tag: where a validation error's location holds one, it names the variant, not
+# a key (`first_error` leaves it out)
+TAGS: set[str] = set()
+
+
+def variants(where: str, pick: Callable[[dict[str, Any]], type[Variant]],
+             family: dict[str, type[Variant]]) -> Any:
+    """The field type of section `where` with one type per variant: `family` maps how each is
+    chosen ("engine.backend: http") to its type, `pick` chooses the type of a mapping."""
+    for chosen_by, variant in family.items():
+        variant.where, variant.chosen_by = where, chosen_by
+        variant.family = tuple(family.values())
+        TAGS.add(chosen_by)
+
+    def tag(value: Any) -> str | None:
+        variant = pick(value) if isinstance(value, dict) else type(value)
+        return variant.chosen_by if variant in family.values() else None
+
+    options = tuple(Annotated[v, Tag(chosen_by)] for chosen_by, v in family.items())
+    return Annotated[Union[options], Discriminator(tag)]  # noqa: UP007 - a runtime tuple
+
+
+def tagged(where: str, key: str, *family: type[Variant]) -> Any:
+    """`variants` chosen by the value of `key` (a Literal field of each type, its default the
+    value that chooses it); a mapping without `key` is the first type."""
+    values = {v.model_fields[key].default: v for v in family}
+
+    def pick(data: dict[str, Any]) -> type[Variant]:
+        value = data.get(key, family[0].model_fields[key].default)
+        if value not in values:
+            raise ConfigError(f"config field {where}.{key}: got {value!r}; expected one of: "
+                              f"{', '.join(values)}")
+        return values[value]
+
+    return variants(where, pick, {f"{where}.{key}: {value}": v for value, v in values.items()})
 
 
 def registered(name: str, registry: Any) -> str:

@@ -7,15 +7,21 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, field_serializer, model_validator
 
-from tiller.config.base import Section
+from tiller.config.base import Section, Variant, tagged
 from tiller.errors import ConfigError
 
 
 class SamplingConfig(Section):
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    max_new_tokens: int = Field(48, ge=1)
+    """How the engine samples each assistant turn: in RL, and in evaluation with
+    eval.temperature in place of temperature."""
+
+    temperature: float = Field(1.0, ge=0.0, description="softmax temperature: tokens are drawn "
+                               "from softmax(logits / T); 0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling: draw from the "
+                         "most likely tokens whose probability adds up to top_p; 1 = off")
+    top_k: int = Field(0, ge=0, description="draw from the k most likely tokens; 0 = off")
+    max_new_tokens: int = Field(48, ge=1, description="tokens one assistant turn may generate; "
+                                "a turn cut there ends the episode (truncated)")
     logprobs: Literal["sampled", "untruncated"] = Field(
         "sampled", description="with top_k or top_p on, the logprob the engine records per "
         "token and the trainer recomputes: sampled = of the distribution the token was drawn "
@@ -37,54 +43,66 @@ class SamplingConfig(Section):
         return self.top_k > 0 or self.top_p < 1
 
 
-class EngineConfig(Section):
-    """Where rollouts are generated: the embedded engine in this process, or `tiller serve`
-    (or SGLang) servers over HTTP, which get the trainer's weights after every step."""
+BACKEND = ("what generates rollouts: embedded = a continuous-batching engine in this process, on "
+           "a copy of the policy; http = the servers in engine.urls (`tiller serve` or SGLang, "
+           "through SGLang's /generate contract), which get the trainer's weights after every "
+           "optimizer step")
 
-    backend: Literal["embedded", "http"] = Field(
-        "embedded", description="embedded: a continuous-batching engine in this process; "
-        "http: the servers in engine.urls, through SGLang's /generate contract")
-    urls: list[str] = Field(
-        default_factory=list, description="http: base URLs of the servers (e.g. "
-        "http://127.0.0.1:30000); episodes stick to one, new episodes go to the least loaded")
-    api_key: SecretStr | None = Field(
-        None, description="http: bearer token the servers were started with (--api-key); "
-        "default: the TILLER_API_KEY environment variable, if set (recommended: a key in the "
-        "config file is kept out of dumps, config.yaml and wandb, but lives in the file)")
-    weights_dir: str | None = Field(
-        None, description="http: folder the trainer writes each weight version to, which "
-        "must be below every server's --weights-root; default <run dir>/weights")
-    request_timeout_s: float = Field(
-        300.0, gt=0, description="http: seconds one generate or control request may take")
-    max_retries: int = Field(
-        2, ge=0, description="http: times a request that failed on a dead or unreachable "
-        "server is retried on another (each counted and logged)")
-    max_batch_size: int = Field(128, ge=1, description="embedded: rows decoded at once")
+
+class EngineConfig(Variant):
+    """Where rollouts are generated: the embedded engine in this process
+    (`EmbeddedEngineConfig`) or engine servers over HTTP (`HttpEngineConfig`)."""
+
+
+class EmbeddedEngineConfig(EngineConfig):
+    """The engine in this process (engine/embedded.py), on a copy of the policy in model.dtype."""
+
+    backend: Literal["embedded"] = Field("embedded", description=BACKEND)
+    max_batch_size: int = Field(
+        128, ge=1, description="rows (turns being generated) decoded together, one forward per "
+        "token step; more rows use more KV memory; requests beyond it wait")
     cache_bytes: int = Field(
-        1 << 30, ge=0, description="embedded: byte budget of the KV kept between turns and "
-        "for shared prefixes (LRU); 0 turns reuse off, so every turn re-prefills")
+        1 << 30, ge=0, description="bytes of KV kept between turns and for shared prefixes "
+        "(LRU); 0 turns reuse off, so every turn re-prefills its whole context")
+
+
+class HttpEngineConfig(EngineConfig):
+    """Engine servers over HTTP (engine/http.py): episodes stick to one server, new episodes go
+    to the least loaded, and every server gets each new weight version from a folder."""
+
+    backend: Literal["http"] = Field("http", description=BACKEND)
+    urls: list[str] = Field(
+        default_factory=list, description="base URLs of the servers (e.g. "
+        "http://127.0.0.1:30000), at least one; episodes stick to one, new episodes go to the "
+        "least loaded")
+    api_key: SecretStr | None = Field(
+        None, description="bearer token the servers were started with (--api-key); default: "
+        "the TILLER_API_KEY environment variable, if set (recommended: a key in the config "
+        "file is kept out of dumps, config.yaml and wandb, but lives in the file)")
+    weights_dir: str | None = Field(
+        None, description="folder the trainer writes each weight version to, which must be "
+        "below every server's --weights-root; default <run dir>/weights")
+    request_timeout_s: float = Field(
+        300.0, gt=0, description="seconds one generate or control request may take before it "
+        "fails (and is retried on another server, up to max_retries)")
+    max_retries: int = Field(
+        2, ge=0, description="times a request that failed on a dead or unreachable server is "
+        "retried on another (each counted and logged)")
 
     @field_serializer("api_key")
     def _hide_key(self, key: SecretStr | None) -> str | None:
         return None if key is None else "**********"  # dumps never carry the key
 
     @model_validator(mode="after")
-    def _backend_fields(self) -> EngineConfig:
-        if self.backend == "http" and not self.urls:
+    def _has_servers(self) -> HttpEngineConfig:
+        if not self.urls:
             raise ConfigError("config field engine.urls: engine.backend is http, so list at "
                               "least one server URL (start one with `tiller serve MODEL`)")
-        if self.backend == "http":
-            for name in ("max_batch_size", "cache_bytes"):
-                if getattr(self, name) != type(self).model_fields[name].default:
-                    raise ConfigError(f"config field engine.{name}: only used with "
-                                      "engine.backend: embedded (set the servers' own limits "
-                                      "with tiller serve's options)")
-        if self.backend == "embedded":
-            for name in ("urls", "api_key", "weights_dir"):
-                if getattr(self, name):
-                    raise ConfigError(f"config field engine.{name}: only used with "
-                                      "engine.backend: http")
         return self
+
+
+# the type of `engine`: chosen by engine.backend (default embedded)
+AnyEngineConfig = tagged("engine", "backend", EmbeddedEngineConfig, HttpEngineConfig)
 
 
 class WeightSyncConfig(Section):

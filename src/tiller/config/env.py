@@ -14,12 +14,26 @@ from tiller.tools.stack import ToolsConfig
 
 
 class EnvConfig(Section):
-    name: str = "calculator"
-    difficulty: int = Field(2, ge=1, le=10)
-    max_turns: int = Field(6, ge=1)
-    max_episode_tokens: int = Field(512, ge=16)
+    """The environment: where tasks come from and what an episode may do
+    (docs/environments.md)."""
+
+    name: str = Field("calculator", description="the env: a registered name (calculator, "
+                      "code, search, sql, dataset, ...), an installed plug-in's entry point, or "
+                      "a dotted path package.module:Class")
+    difficulty: int = Field(2, ge=1, le=10, description="the level train and held-out tasks "
+                            "are made at; with a difficulty curriculum, the highest level "
+                            "(the target)")
+    max_turns: int = Field(6, ge=1, description="assistant turns per episode; an episode not "
+                           "done after them is truncated")
+    max_episode_tokens: int = Field(
+        512, ge=16, description="tokens of one exact sequence (prompt, generated and "
+        "observation tokens); generation past it is cut and the episode truncated "
+        "(agent.memory drop_oldest starts a new sequence instead); at most the model's "
+        "context")
     tools: ToolsConfig = Field(default_factory=ToolsConfig,
-                               description="executor, fault injection, record/replay, gate")
+                               description="extra tool functions and the stack every call goes "
+                               "through: executor, fault injection, record/replay, gate, "
+                               "sandbox; MCP servers")
     openenv: OpenEnvConfig | None = Field(None, description="env openenv: the OpenEnv server "
                                           "(url or command) and how the policy acts on it")
     harbor: HarborConfig | None = Field(None, description="env harbor: the folder of Harbor "
@@ -30,7 +44,9 @@ DEFAULT_LOOP = "tiller.rollout.agent_loop:run_episode"
 
 
 class AgentConfig(Section):
-    loop: str = Field(DEFAULT_LOOP, description="dotted path of the loop")
+    loop: str = Field(DEFAULT_LOOP, description="dotted path of the episode function, "
+                      "`async def run_episode(env, task, actor, tokenizer, *, seed, limits, "
+                      "sample_index)` (docs/architecture.md)")
     memory: Literal["full", "drop_oldest", "truncate_tool_output"] = Field(
         "full", description="what a long episode keeps in context (docs/environments.md, "
         "'Memory'): full: everything, truncated at env.max_episode_tokens; drop_oldest: when "

@@ -21,13 +21,17 @@ class EvalSetConfig(Section):
 
 
 class EvalConfig(Section):
+    """What every evaluation (after SFT, after RL, `tiller eval`) runs (docs/evaluation.md)."""
+
     enabled: bool = Field(
         True, description="evaluation after SFT and after RL; false skips it (logged, and "
         "summary.json says \"heldout\": \"disabled\"), as does an env without a heldout "
         "split")
     tasks: int = Field(256, ge=1, description="tasks of the default heldout set, and of every "
                        "set in eval.sets that does not give its own")
-    temperature: float = Field(1.0, ge=0.0, description="1.0 = pass@1 of the sampling policy")
+    temperature: float = Field(1.0, ge=0.0, description="sampling temperature of evaluation "
+                               "episodes: 1.0 = success of the sampling policy (pass@1), 0 = "
+                               "greedy")
     samples_per_task: int = Field(1, ge=1, description="n samples per task (n >= pass_k)")
     pass_k: int = Field(1, ge=1, description="also report unbiased pass@k when k > 1")
     sets: list[EvalSetConfig] | None = Field(

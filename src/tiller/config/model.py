@@ -14,10 +14,11 @@ from tiller.config.base import Section
 class BuildConfig(Section):
     """A tiny Qwen3 with random weights and a BPE tokenizer trained on the env's text."""
 
-    vocab_size: int = Field(1024, ge=300, le=65536)
-    hidden_size: int = Field(128, ge=16, le=4096)
-    num_layers: int = Field(2, ge=1, le=64)
-    num_heads: int = Field(4, ge=1, le=64)
+    vocab_size: int = Field(1024, ge=300, le=65536, description="tokens of the BPE tokenizer "
+                            "trained on the env's text (rows of the embedding)")
+    hidden_size: int = Field(128, ge=16, le=4096, description="width of the hidden states")
+    num_layers: int = Field(2, ge=1, le=64, description="transformer layers")
+    num_heads: int = Field(4, ge=1, le=64, description="attention heads per layer")
     corpus_tasks: int = Field(400, ge=10, description="expert episodes the tokenizer trains on")
 
 
@@ -48,7 +49,7 @@ class ModelConfig(Section):
 
 
 class RuntimeConfig(Section):
-    """How this process uses the machine's CPUs (tiller.runtime; README, "CPU threads")."""
+    """How this process uses the machine's CPUs (tiller.runtime; docs/running.md, "CPU threads")."""
 
     threads: int | Literal["auto"] = Field(
         "auto", description="torch's intra-op and inter-op threads in this process, and "

@@ -8,10 +8,14 @@ from tiller.config.base import Section
 
 
 class LoggingConfig(Section):
-    tensorboard: bool = True
-    wandb: bool = False
-    wandb_project: str = "tiller"
-    progress: bool = True
+    """Where metrics go (metrics.jsonl in the run folder always), and what the terminal shows."""
+
+    tensorboard: bool = Field(True, description="write TensorBoard event files in the run "
+                              "folder; needs tensorboard")
+    wandb: bool = Field(False, description="log metrics and the config to Weights & Biases; "
+                        "needs wandb and a login")
+    wandb_project: str = Field("tiller", description="the W&B project runs are logged to")
+    progress: bool = Field(True, description="progress bars on the terminal")
     report: bool = Field(True, description="write RUN_DIR/report.html (plots of the run) when "
                          "`train` ends, also after an error; needs tiller[report] (matplotlib)")
 
@@ -38,5 +42,7 @@ class TracesConfig(Section):
 
 
 class ObserveConfig(Section):
+    """What the run records beyond metrics."""
+
     traces: TracesConfig = Field(default_factory=TracesConfig,
                                  description="token-level traces (traces.sqlite)")

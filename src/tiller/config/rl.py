@@ -8,141 +8,37 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from tiller.config.algorithm import AlgorithmConfig
-from tiller.config.base import Section
+from tiller.config.base import Variant, tagged
+from tiller.config.curriculum import AnyCurriculumConfig, DifficultyCurriculumConfig
+from tiller.config.judge import AnyJudgeConfig, JudgeConfig, NoJudgeConfig
 from tiller.errors import ConfigError
-
-
-class CurriculumConfig(Section):
-    """Which train tasks RL draws, kept in a success band (docs/curriculum.md): `difficulty`
-    moves the env.difficulty the tasks are made at toward the level whose running success
-    estimate is inside the band; `filter` draws tasks from a fixed pool at env.difficulty
-    and skips those whose own estimate is outside it. Held-out eval stays at env.difficulty."""
-
-    enabled: bool = Field(False, description="draw RL tasks through the curriculum")
-    mode: Literal["difficulty", "filter"] = Field(
-        "difficulty", description="difficulty: adapt the level tasks are made at; filter: "
-        "skip pool tasks whose success estimate is outside the band")
-    band: tuple[float, float] = Field(
-        (0.3, 0.7), description="[low, high] success rate a task (or level) should have: "
-        "above high it is too easy, below low too hard, to teach much")
-    window: int = Field(8, ge=1, description="the running estimate is the mean success over "
-                        "the last `window` finished groups of the level (or task)")
-    min_groups: int = Field(
-        2, ge=1, description="difficulty: groups finished at the current level since it was "
-        "entered before it may move again; filter: groups of a task before it may be skipped")
-    min_level: int | None = Field(
-        None, ge=1, le=10, description="difficulty only: the lowest level (default 1); the "
-        "highest is env.difficulty, the target")
-    start: int | None = Field(None, ge=1, le=10, description="difficulty only: the level the "
-                              "run starts at (default min_level)")
-    pool: int | None = Field(None, ge=1, description="filter only: train tasks in the pool, "
-                             "made at env.difficulty and drawn round-robin (default 64)")
-    max_skips: int | None = Field(
-        None, ge=1, description="filter only: draws in a row a task may be skipped before it "
-        "is drawn anyway, to re-estimate it under the current policy (default 4)")
-
-    @model_validator(mode="after")
-    def _valid(self) -> CurriculumConfig:
-        low, high = self.band
-        if not 0.0 <= low < high <= 1.0:
-            raise ConfigError(f"config field rl.curriculum.band: got {list(self.band)}; "
-                              "expected [low, high] with 0 <= low < high <= 1")
-        if self.min_groups > self.window:  # an estimate never holds more than `window`
-            raise ConfigError(f"config field rl.curriculum.min_groups: got {self.min_groups}; "
-                              f"expected at most rl.curriculum.window = {self.window}")
-        other = {"difficulty": ("pool", "max_skips"), "filter": ("min_level", "start")}
-        for name in other[self.mode]:
-            if getattr(self, name) is not None:
-                raise ConfigError(f"config field rl.curriculum.{name}: got "
-                                  f"{getattr(self, name)!r}; it is not used with "
-                                  f"rl.curriculum.mode: {self.mode}")
-        if self.start is not None and self.start < (self.min_level or 1):
-            raise ConfigError(f"config field rl.curriculum.start: got {self.start}; expected "
-                              f"at least rl.curriculum.min_level = {self.min_level or 1}")
-        return self
-
-
-JUDGE_PROMPT = ("Question: {question}\nProposed answer: {answer}\nIs the proposed answer "
-                "correct? Answer yes or no.\nAnswer:")
-
-
-class JudgeConfig(Section):
-    """An optional judge score as a shaping term, paid only where the verifier says success
-    (docs/algorithms.md, "Judge shaping"): a judge can be gamed, so it never pays for a wrong
-    answer, and a detector warns when its score rises while success does not."""
-
-    fn: str | None = Field(
-        None, description="dotted path of fn(task, trajectory) -> float in [0, 1], e.g. "
-        "tiller.train.judges:grounded_answer; null: no judge (or rl.judge.model)")
-    model: str | None = Field(
-        None, description="local path of a Hugging Face causal LM and tokenizer that judges "
-        "instead of fn (tiller.train.judges.ModelJudge): the score is P(yes) / (P(yes) + "
-        "P(no)) of its continuation after `prompt`; a frozen copy, e.g. the policy's start "
-        "checkpoint for self-reflection")
-    prompt: str = Field(
-        JUDGE_PROMPT, description="rl.judge.model's prompt: {question} (the task's prompt) and "
-        "{answer} (the episode's final assistant text) are filled in; the judge then scores "
-        "the continuations ' yes' and ' no'")
-    weight: float = Field(0.1, ge=0.0, description="reward = verifier + weight * judge on "
-                          "successful episodes; the verifier's value elsewhere")
-    window: int = Field(3, ge=1, description="hacking detector: RL steps per window; the last "
-                        "window is compared with the one before it")
-    margin: float = Field(0.05, ge=0.0, description="hacking detector: a judge-mean rise above "
-                          "this while success rose by no more than this is suspected hacking")
-
-    @model_validator(mode="after")
-    def _valid(self) -> JudgeConfig:
-        if self.fn is not None and self.model is not None:
-            raise ConfigError(f"config field rl.judge.model: got {self.model!r} with rl.judge.fn "
-                              f"{self.fn!r}; a run has one judge (unset one of them)")
-        if self.model is None and self.prompt != JUDGE_PROMPT:
-            raise ConfigError("config field rl.judge.prompt: it only applies with "
-                              "rl.judge.model (the model judge); set one or unset the prompt")
-        if not self.enabled:
-            for name in ("weight", "window", "margin"):
-                if getattr(self, name) != type(self).model_fields[name].default:
-                    raise ConfigError(f"config field rl.judge.{name}: got "
-                                      f"{getattr(self, name)!r}; it only applies with a judge "
-                                      "(rl.judge.fn or rl.judge.model)")
-        try:
-            filled = self.prompt.format(question="", answer="")
-        except (KeyError, IndexError, ValueError) as e:
-            raise ConfigError(f"config field rl.judge.prompt: {type(e).__name__}: {e}; only "
-                              "{question} and {answer} are filled in (double other braces)"
-                              ) from e
-        if "{answer}" not in self.prompt or filled == self.prompt:
-            raise ConfigError("config field rl.judge.prompt: it must contain {answer}, the "
-                              "episode's final text the judge scores")
-        return self
-
-    @property
-    def enabled(self) -> bool:
-        return self.fn is not None or self.model is not None
-
 
 # The off-policy correction where samples can be stale (rl.mode one_step_off, or async with
 # max_staleness > 0) and rl.algorithm.off_policy is unset; docs/async.md says why.
 STALE_OFF_POLICY = "mis"
 
 
-def _can_be_stale(mode: Any, max_staleness: Any) -> bool:
-    """Whether samples can be older than the trainer's weights (RLConfig.staleness_bound > 0),
-    from the raw values before validation."""
-    return mode == "one_step_off" or (mode == "async" and max_staleness != 0)
+class RLConfig(Variant):
+    """RL's knobs every schedule shares, and what the trainer reads (`Trainer.rl_step`). The
+    schedule, rl.mode, is the variant: `SyncRLConfig`, `OneStepOffRLConfig`, `AsyncRLConfig`.
+    Built alone (the trainer's own tests) it has no schedule: its samples are on-policy."""
 
-
-class RLConfig(Section):
-    steps: int = Field(30, ge=0)
-    tasks_per_step: int = Field(16, ge=1)
-    group_size: int = Field(8, ge=1)
-    lr: float = Field(5e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
+    steps: int = Field(30, ge=0, description="RL steps: each trains on tasks_per_step groups "
+                       "with mini_batches * ppo_epochs optimizer steps; 0 skips RL")
+    tasks_per_step: int = Field(16, ge=1, description="tasks (groups) trained on per RL step")
+    group_size: int = Field(8, ge=1, description="episodes sampled per task (G); group "
+                            "baselines (grpo, rloo, ...) compare a task's episodes")
+    lr: float = Field(5e-4, gt=0, description="AdamW's learning rate for RL (constant)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay for RL")
+    max_grad_norm: float = Field(1.0, gt=0, description="the gradient's global L2 norm is "
+                                 "clipped to this before each optimizer step")
     mini_batches: int = Field(1, ge=1, description="optimizer steps per pass over the batch")
     ppo_epochs: int = Field(
         1, ge=1, description="passes over each rollout batch (logp_old fixed before the first); "
         "with mini_batches 1 and ppo_epochs 1 the ratio is 1 and clipping never acts")
-    micro_batch_size: int = Field(32, ge=1)
+    micro_batch_size: int = Field(32, ge=1, description="rows per forward/backward pass "
+                                  "(gradients accumulate over a mini-batch): memory, not the "
+                                  "result")
     adam_betas: tuple[float, float] = Field(
         (0.9, 0.99), description="AdamW's (beta1, beta2) for RL, each in [0, 1)")
     adam_eps: float = Field(1e-8, gt=0, description="AdamW's epsilon for RL (added to the "
@@ -161,19 +57,10 @@ class RLConfig(Section):
         0.1, ge=0.0, le=1.0,
         description="fail the run when more than this share of a step's (or an eval's) "
                     "episodes aborted (engine or loop failure), naming the first error")
-    mode: Literal["sync", "one_step_off", "async"] = Field(
-        "sync",
-        description="sync: sample a step's groups, then train on them; one_step_off: sample "
-                    "step k+1 while step k trains (data one step stale); async: keep episodes "
-                    "running continuously and train on the first tasks_per_step groups that "
-                    "finish, within rl.max_staleness (docs/async.md)")
-    max_staleness: int | None = Field(
-        None, ge=0,
-        description="async only (default 4): the most weight versions a trained token may lag "
-                    "the trainer (trainer version - the oldest version that sampled the "
-                    "trajectory). The producer does not start episodes that would exceed it; "
-                    "groups that still do are filtered (ledger filtered/stale)")
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    algorithm: AlgorithmConfig = Field(
+        default_factory=AlgorithmConfig, description="advantage estimator, policy loss, "
+        "aggregation, KL, off-policy correction and their knobs, from a preset or by name "
+        "(docs/algorithms.md)")
     reward_control: Literal["none", "random", "constant"] = Field(
         "none",
         description="the spurious-reward control (docs/evaluation.md): none trains on the "
@@ -187,10 +74,12 @@ class RLConfig(Section):
                     "trains on; under a group baseline (grpo, rloo, ...) every advantage is 0, "
                     "unless rl.algorithm.overlong.mode is soft: its length penalty is still "
                     "added per trajectory, so the advantages vary with length")
-    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig,
-                                         description="which train tasks RL draws")
-    judge: JudgeConfig = Field(default_factory=JudgeConfig,
-                               description="judge shaping, gated behind the verifier")
+    curriculum: AnyCurriculumConfig = Field(
+        default_factory=DifficultyCurriculumConfig, description="which train tasks RL draws "
+        "(off by default)")
+    judge: AnyJudgeConfig = Field(
+        default_factory=NoJudgeConfig, description="judge shaping, gated behind the verifier "
+        "(none by default)")
 
     @property
     def updates_per_step(self) -> int:
@@ -199,10 +88,14 @@ class RLConfig(Section):
 
     @property
     def staleness_bound(self) -> int:
-        """The most versions a trained token may lag: 0 in sync, one step in one_step_off."""
-        if self.mode == "async":
-            return 4 if self.max_staleness is None else self.max_staleness
-        return self.updates_per_step if self.mode == "one_step_off" else 0
+        """The most weight versions a trained token may lag the trainer: 0 on-policy (sync)."""
+        return 0
+
+    @classmethod
+    def _can_be_stale(cls, data: dict[str, Any]) -> bool:
+        """Whether samples can be older than the trainer's weights (`staleness_bound` > 0),
+        from the raw values before validation."""
+        return False
 
     @property
     def lag_steps(self) -> int:
@@ -221,8 +114,7 @@ class RLConfig(Section):
     def _stale_default_correction(cls, data: Any) -> Any:
         """Where samples can be stale, an rl.algorithm.off_policy left unset is
         STALE_OFF_POLICY (sync keeps none: its samples are on-policy)."""
-        if not isinstance(data, dict) or not _can_be_stale(data.get("mode", "sync"),
-                                                           data.get("max_staleness")):
+        if not isinstance(data, dict) or not cls._can_be_stale(data):
             return data
         alg = data.get("algorithm")
         if isinstance(alg, AlgorithmConfig) and "off_policy" not in alg.model_fields_set:
@@ -237,10 +129,8 @@ class RLConfig(Section):
     def _stale_samples_corrected(self) -> RLConfig:
         allow = self.algorithm.allow_uncorrected_off_policy
         if self.staleness_bound > 0 and self.algorithm.off_policy == "none" and not allow:
-            where = "one_step_off" if self.mode == "one_step_off" else (
-                f"async, max_staleness {self.staleness_bound}")
             raise ConfigError(f"config field rl.algorithm.off_policy: got 'none' with rl.mode "
-                              f"{where}, whose samples are stale: use a correction "
+                              f"{self._schedule()}, whose samples are stale: use a correction "
                               f"({STALE_OFF_POLICY}, the default here; or tis, decoupled, "
                               "seq_is), or set rl.algorithm.allow_uncorrected_off_policy: true "
                               "to train them as on-policy")
@@ -248,7 +138,7 @@ class RLConfig(Section):
             raise ConfigError(f"config field rl.algorithm.allow_uncorrected_off_policy: got "
                               f"{allow}; it only applies where samples can be stale (rl.mode "
                               "one_step_off, or async with max_staleness > 0), and here they "
-                              f"cannot (rl.mode {self.mode})")
+                              f"cannot{self.now()}")
         return self
 
     @model_validator(mode="after")
@@ -257,17 +147,14 @@ class RLConfig(Section):
         if self.mini_batches > rows:
             raise ConfigError(f"config field rl.mini_batches: got {self.mini_batches}; expected "
                               f"at most rl.tasks_per_step * rl.group_size = {rows}")
-        if self.max_staleness is not None and self.mode != "async":
-            raise ConfigError(f"config field rl.max_staleness: got {self.max_staleness}; it "
-                              f"only applies with rl.mode: async (rl.mode is {self.mode})")
         if self.reward_control_value is not None and self.reward_control != "constant":
             raise ConfigError(f"config field rl.reward_control_value: got "
                               f"{self.reward_control_value}; it only applies with "
                               f"rl.reward_control: constant (it is {self.reward_control})")
-        if self.reward_control != "none" and self.judge.enabled:
-            field = "fn" if self.judge.fn is not None else "model"
-            raise ConfigError(f"config field rl.judge.{field}: got "
-                              f"{getattr(self.judge, field)!r}; the judge "
+        if self.reward_control != "none" and isinstance(self.judge, JudgeConfig):
+            field = type(self.judge).chosen_by
+            raise ConfigError(f"config field {field}: got "
+                              f"{getattr(self.judge, field.rsplit('.', 1)[1])!r}; the judge "
                               f"term is paid on the verifier's success, which would carry the "
                               f"signal rl.reward_control: {self.reward_control} removes (unset "
                               "one of them)")
@@ -276,3 +163,61 @@ class RLConfig(Section):
             raise ConfigError(f"config field rl.max_idle_steps: got {self.max_idle_steps}; it "
                               "only applies with rl.algorithm.dynamic_sampling.enabled: true")
         return self
+
+    def _schedule(self) -> str:
+        """The schedule in words, for messages."""
+        return type(self).chosen_by.removeprefix("rl.mode: ")
+
+
+MODE = ("sync: sample a step's groups, then train on them; one_step_off: sample step k+1 while "
+        "step k trains (data one step stale); async: keep episodes running continuously and "
+        "train on the first tasks_per_step groups that finish, within rl.max_staleness "
+        "(docs/async.md)")
+
+
+class SyncRLConfig(RLConfig):
+    """Sample a step's groups with the current weights, then train on them: on-policy."""
+
+    mode: Literal["sync"] = Field("sync", description=MODE)
+
+
+class OneStepOffRLConfig(RLConfig):
+    """Sample step k+1 while step k trains: every sample is one step (updates_per_step weight
+    versions) stale."""
+
+    mode: Literal["one_step_off"] = Field("one_step_off", description=MODE)
+
+    @property
+    def staleness_bound(self) -> int:
+        return self.updates_per_step
+
+    @classmethod
+    def _can_be_stale(cls, data: dict[str, Any]) -> bool:
+        return True
+
+
+class AsyncRLConfig(RLConfig):
+    """Keep episodes running and train on the first groups that finish, within a staleness
+    bound (docs/async.md)."""
+
+    mode: Literal["async"] = Field("async", description=MODE)
+    max_staleness: int | None = Field(
+        None, ge=0, description="the most weight versions a trained token may lag the trainer "
+        "(trainer version - the oldest version that sampled the trajectory), default 4; 0 is "
+        "on-policy. The producer does not start episodes that would exceed it; groups that "
+        "still do are filtered (ledger filtered/stale)")
+
+    @property
+    def staleness_bound(self) -> int:
+        return 4 if self.max_staleness is None else self.max_staleness
+
+    @classmethod
+    def _can_be_stale(cls, data: dict[str, Any]) -> bool:
+        return data.get("max_staleness") != 0
+
+    def _schedule(self) -> str:
+        return f"async, max_staleness {self.staleness_bound}"
+
+
+# the type of `rl`: chosen by rl.mode (default sync)
+AnyRLConfig = tagged("rl", "mode", SyncRLConfig, OneStepOffRLConfig, AsyncRLConfig)

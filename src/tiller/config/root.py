@@ -13,41 +13,71 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from tiller.config.base import Section
+from tiller.config.base import TAGS, Section
+from tiller.config.curriculum import DifficultyCurriculumConfig
 from tiller.config.data import DataConfig, RewardConfig
-from tiller.config.engine import EngineConfig, SamplingConfig, WeightSyncConfig
+from tiller.config.engine import (
+    AnyEngineConfig,
+    EmbeddedEngineConfig,
+    SamplingConfig,
+    WeightSyncConfig,
+)
 from tiller.config.env import AgentConfig, EnvConfig
 from tiller.config.eval import EvalConfig
 from tiller.config.model import ModelConfig, RuntimeConfig
 from tiller.config.observe import LoggingConfig, ObserveConfig
-from tiller.config.rl import RLConfig
+from tiller.config.rl import AnyRLConfig, SyncRLConfig
 from tiller.config.rollout import RolloutConfig
 from tiller.config.sft import SFTConfig
 from tiller.errors import ConfigError
 
 
 class Config(Section):
-    name: str = "run"
-    seed: int = 0
-    output_dir: str | None = None
-    model: ModelConfig
-    env: EnvConfig = EnvConfig()
-    agent: AgentConfig = AgentConfig()
-    sampling: SamplingConfig = SamplingConfig()
-    sft: SFTConfig = SFTConfig()
-    rl: RLConfig = RLConfig()
-    eval: EvalConfig = EvalConfig()
-    logging: LoggingConfig = LoggingConfig()
-    engine: EngineConfig = EngineConfig()
-    rollout: RolloutConfig = RolloutConfig()
-    weight_sync: WeightSyncConfig = WeightSyncConfig()
-    observe: ObserveConfig = ObserveConfig()
+    """A run: every section below, each with its defaults (docs/config.md lists every key)."""
+
+    name: str = Field("run", description="the run's name: the default run folder is "
+                      "runs/<name>-<YYYYmmdd-HHMMSS>")
+    seed: int = Field(0, description="seeds task generation, sampling, initialisation and "
+                      "shuffling (Python, NumPy, torch): the same seed repeats a run on the "
+                      "same machine")
+    output_dir: str | None = Field(None, description="the run folder; default "
+                                   "runs/<name>-<YYYYmmdd-HHMMSS> (--output-dir wins over both)")
+    model: ModelConfig = Field(description="the policy: a local checkpoint (model.path) or a "
+                               "tiny model built here (model.build); required")
+    env: EnvConfig = Field(EnvConfig(), description="the environment episodes run in: its "
+                           "tasks, turn and token limits, and tools")
+    agent: AgentConfig = Field(AgentConfig(), description="what acts in the env: tiller's "
+                               "agent loop (or your own) or a black-box program, and what it "
+                               "keeps in context")
+    sampling: SamplingConfig = Field(SamplingConfig(), description="how each turn is sampled: "
+                                     "temperature, truncation, length (evaluation uses "
+                                     "eval.temperature)")
+    sft: SFTConfig = Field(SFTConfig(), description="supervised fine-tuning before RL")
+    rl: AnyRLConfig = Field(SyncRLConfig(), description="reinforcement learning: steps, batch "
+                            "shape, optimizer, algorithm, curriculum, judge; the schedule "
+                            "(rl.mode) chooses the type")
+    eval: EvalConfig = Field(EvalConfig(), description="evaluation after SFT and after RL: the "
+                             "sets, seeds and pass@k")
+    logging: LoggingConfig = Field(LoggingConfig(), description="metrics backends, progress "
+                                   "bars and report.html")
+    engine: AnyEngineConfig = Field(EmbeddedEngineConfig(), description="what generates "
+                                    "rollouts; engine.backend chooses the type")
+    rollout: RolloutConfig = Field(RolloutConfig(), description="how episodes run during RL: "
+                                   "in-flight bound, turns spanning a weight update, timeouts")
+    weight_sync: WeightSyncConfig = Field(WeightSyncConfig(), description="how the trainer's "
+                                          "weights reach the engine after each optimizer "
+                                          "step, and how that is checked")
+    observe: ObserveConfig = Field(ObserveConfig(), description="traces.sqlite: the run's "
+                                   "episodes token by token")
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig,
-                                   description="CPU threads of this process and its children")
+                                   description="CPU threads of this process and the processes "
+                                   "it starts")
     data: DataConfig = Field(default_factory=DataConfig,
-                             description="data files: env dataset's rows, SFT conversations")
+                             description="your data files: the rows of env.name: dataset, "
+                             "SFT conversations (docs/datasets.md)")
     rewards: list[RewardConfig] = Field(default_factory=list,
-                                        description="env dataset: the reward entries")
+                                        description="env.name: dataset only: the reward "
+                                        "entries, summed (weighted, gated) into the reward")
 
     @property
     def l_max(self) -> int:
@@ -92,6 +122,8 @@ class Config(Section):
     @model_validator(mode="after")
     def _curriculum_fits_env(self) -> Config:
         c = self.rl.curriculum
+        if not isinstance(c, DifficultyCurriculumConfig):
+            return self
         for name in ("min_level", "start"):
             level = getattr(c, name)
             if level is not None and level > self.env.difficulty:
@@ -99,7 +131,7 @@ class Config(Section):
                                   f"at most env.difficulty = {self.env.difficulty} (the "
                                   f"target, the highest level)")
         lowest = c.min_level or 1
-        if c.enabled and c.mode == "difficulty" and lowest == self.env.difficulty:
+        if c.enabled and lowest == self.env.difficulty:
             raise ConfigError(f"config field rl.curriculum.mode: got 'difficulty' with a single "
                               f"level (rl.curriculum.min_level {lowest} = env.difficulty), so "
                               f"there is nothing to adapt: expected rl.curriculum.min_level "
@@ -174,7 +206,7 @@ def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 def first_error(e: ValidationError) -> str:
     err = e.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "config"
+    where = ".".join(str(p) for p in err["loc"] if p not in TAGS) or "config"
     more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
     got = f" got {err['input']!r};" if "input" in err and not isinstance(err["input"], dict) else ""
     return f"config field {where}:{got} {err['msg']}{more}"

@@ -10,6 +10,9 @@ from tiller.config.base import Section
 
 
 class SFTConfig(Section):
+    """Supervised fine-tuning before RL: on the env's scripted-expert demonstrations, or on
+    the conversations of data.sft."""
+
     enabled: bool = Field(True, description="supervised fine-tuning before RL")
     tasks: int = Field(2000, ge=1, description="expert demonstrations (one per train task)")
     imperfect_fraction: float = Field(

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from tiller.algorithms.passk import pass_at_k
 from tiller.files import write_file
 from tiller.rollout.trajectory import Trajectory, is_success
-from tiller.train.algorithms.passk import pass_at_k
 
 
 def bootstrap_ci(

@@ -85,7 +85,8 @@ class ToolPolicy(BaseModel):
 class ExecutorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    default: ToolPolicy = ToolPolicy()
+    default: ToolPolicy = Field(ToolPolicy(), description="the policy of every tool without "
+                                "its own entry in tools")
     tools: dict[str, ToolPolicy] = Field(default_factory=dict, description="per-tool overrides")
     max_concurrency: int | None = Field(None, ge=1, description="calls of all tools at once")
     cache_size: int = Field(10_000, ge=1, description="cached results kept (least recent out)")

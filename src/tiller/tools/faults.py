@@ -51,16 +51,21 @@ class InjectedFault(Exception):
 class FaultConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    timeout_prob: float = Field(0.0, ge=0, le=1)
-    crash_prob: float = Field(0.0, ge=0, le=1)
-    garbage_prob: float = Field(0.0, ge=0, le=1)
+    timeout_prob: float = Field(0.0, ge=0, le=1, description="share of calls that hang for "
+                                "hang_s (the executor's timeout cuts them) and fail with a "
+                                "timeout")
+    crash_prob: float = Field(0.0, ge=0, le=1, description="share of calls that raise: an "
+                              "env_error")
+    garbage_prob: float = Field(0.0, ge=0, le=1, description="share of calls that return a "
+                                "random string as an ok result")
     hang_s: float = Field(60.0, ge=0, description="how long an injected timeout hangs")
     latency_s: float = Field(0.0, ge=0, description="every call that does not fail sleeps this "
                              "long first (a slow service; sleeping costs no CPU)")
     slow_prob: float = Field(0.0, ge=0, le=1, description="share of those calls that sleep "
                              "slow_s instead: a heavy-tailed latency, as agent tools have")
     slow_s: float = Field(0.0, ge=0, description="the latency of a slow call")
-    seed: int = 0
+    seed: int = Field(0, description="seeds which calls fail (drawn per call, so it does not "
+                      "depend on how episodes interleave)")
     tools: list[str] | None = Field(None, description="tools to inject into; None = all")
 
     @model_validator(mode="after")

@@ -35,13 +35,20 @@ from tiller.tools.threads import abandoned_threads
 class ReplayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     path: str = Field(description="SQLite file; relative paths are inside the run folder")
-    mode: Literal["record", "replay", "replay_or_live"] = "record"
+    mode: Literal["record", "replay", "replay_or_live"] = Field(
+        "record", description="record: call the live tools and store every call; replay: "
+        "answer only from the file (a call it lacks is an env_error); replay_or_live: the "
+        "file where it has the call, the live tool (recorded) otherwise")
 
 
 class GateConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    enabled: bool = True
-    threshold: float = Field(0.95, ge=0.0, le=1.0)
+    enabled: bool = Field(True, description="before training, run the scripted expert and "
+                          "check its tool calls (skipped in replay mode and for an env without "
+                          "an expert)")
+    threshold: float = Field(0.95, ge=0.0, le=1.0, description="share of each tool's expert "
+                             "calls that must succeed; below it the run stops before training "
+                             "(unless override)")
     probe_tasks: int = Field(16, ge=1, description="expert episodes the probe runs")
     override: bool = Field(False, description="train anyway below the threshold (logged)")
 
@@ -66,10 +73,15 @@ class ToolsConfig(BaseModel):
         default_factory=list, description="MCP servers whose tools every episode gets, "
         "through this same stack (tiller.tools.mcp; pip install 'tiller[mcp]'): each "
         "{name, command: [argv]} (stdio, started once per run) or {name, url} (streamable HTTP)")
-    executor: ExecutorConfig = ExecutorConfig()
-    faults: FaultConfig | None = None
-    replay: ReplayConfig | None = None
-    gate: GateConfig = GateConfig()
+    executor: ExecutorConfig = Field(ExecutorConfig(), description="timeouts, retries, "
+                                     "caching and concurrency of tool calls")
+    faults: FaultConfig | None = Field(None, description="seeded tool failures and latency "
+                                       "(docs/tools.md); null: none")
+    replay: ReplayConfig | None = Field(None, description="record tool calls to a SQLite file "
+                                        "or replay them from it; null: live tools, nothing "
+                                        "recorded")
+    gate: GateConfig = Field(GateConfig(), description="the tool reliability gate before "
+                             "training")
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig,
                                    description="running model-written code")
 

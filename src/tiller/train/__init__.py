@@ -1,5 +1,5 @@
-"""Training: batches, the trainer (SFT and policy-gradient steps), the PPO critic, presets and
-the algorithm library (`train.algorithms`).
+"""Training: batches, the trainer (SFT and policy-gradient steps), the PPO critic, reward
+shaping and judges; the algorithm library it calls is its own box, `tiller.algorithms`.
 
 This package is also the API's `tiller.train(config_or_path, **overrides)` (tiller.api.train):
 Python sets `tiller.train` to this package whenever a module under it is imported, so a plain

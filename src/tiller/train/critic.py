@@ -26,9 +26,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from tiller.algorithms import AGGREGATIONS
+from tiller.algorithms.advantages import value_loss
 from tiller.config import CriticConfig, RLConfig
-from tiller.train.algorithms import AGGREGATIONS
-from tiller.train.algorithms.advantages import value_loss
 from tiller.train.batch import Batch, minibatches
 
 

@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
+from tiller.algorithms.advantages import overlong_penalty
+from tiller.algorithms.credit import apply_key_steps
 from tiller.config import AlgorithmConfig
 from tiller.envs.base import Task
 from tiller.errors import RunError, import_dotted
 from tiller.rollout.trajectory import Status, Trajectory, is_success
-from tiller.train.algorithms.advantages import overlong_penalty
-from tiller.train.algorithms.credit import apply_key_steps
 from tiller.train.batch import Batch
 
 KeyStepFn = Callable[[Trajectory, Any], Sequence[float]]

@@ -11,20 +11,20 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import torch
 from torch import nn
 
-from tiller.config import AlgorithmConfig, RLConfig
-from tiller.engine.updates import WeightUpdate
-from tiller.train.algorithms import (
+from tiller.algorithms import (
     ADVANTAGES,
     AGGREGATIONS,
     KL_ESTIMATORS,
     OFF_POLICY,
     POLICY_LOSSES,
 )
-from tiller.train.algorithms.advantages import last_token_rewards
-from tiller.train.algorithms.credit import turn_credit, turn_sums
-from tiller.train.algorithms.kl import kl_beta_at, kl_in_reward
-from tiller.train.algorithms.losses import entropy_bonus
-from tiller.train.algorithms.offpolicy import correction_stats, mismatch_stats, staleness_stats
+from tiller.algorithms.advantages import last_token_rewards
+from tiller.algorithms.credit import turn_credit, turn_sums
+from tiller.algorithms.kl import kl_beta_at, kl_in_reward
+from tiller.algorithms.losses import entropy_bonus
+from tiller.algorithms.offpolicy import correction_stats, mismatch_stats, staleness_stats
+from tiller.config import AlgorithmConfig, RLConfig
+from tiller.engine.updates import WeightUpdate
 from tiller.train.batch import Batch, micro_batches, minibatches, token_logprobs
 
 if TYPE_CHECKING:

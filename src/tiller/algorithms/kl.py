@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tiller.train.algorithms.registry import KL_ESTIMATORS
+from tiller.algorithms.registry import KL_ESTIMATORS
 
 
 @KL_ESTIMATORS.register("k1")

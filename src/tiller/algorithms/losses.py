@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from tiller.train.algorithms.registry import POLICY_LOSSES
+from tiller.algorithms.registry import POLICY_LOSSES
 
 
 def _clipped_surrogate(

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 import torch
 
-from tiller.train.algorithms.registry import OFF_POLICY
+from tiller.algorithms.registry import OFF_POLICY
 
 Stats = dict[str, torch.Tensor]
 _INPUTS = ("logp_old", "logp_rollout", "mask")

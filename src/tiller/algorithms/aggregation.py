@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from tiller.train.algorithms.registry import AGGREGATIONS
+from tiller.algorithms.registry import AGGREGATIONS
 
 
 @AGGREGATIONS.register("token-mean")

@@ -12,8 +12,8 @@ where the caller offers a choice of data, the inputs it takes:
 
 The declarations drive two things: callers pass exactly the declared knobs and inputs
 (`knob_values`, `call`), and a knob the chosen entry does not declare is an ignored-knob error in
-the config (`config.AlgorithmConfig`). Functions take no `**_`, so a misspelled keyword is a
-TypeError, not a silent no-op.
+the config (`resolve`, which `config.AlgorithmConfig` calls). Functions take no `**_`, so a
+misspelled keyword is a TypeError, not a silent no-op.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tiller.train.algorithms.registry import ADVANTAGES
+from tiller.algorithms.registry import ADVANTAGES
 
 
 def _group_stats(rewards: torch.Tensor, group_index: torch.Tensor):

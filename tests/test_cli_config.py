@@ -1,0 +1,49 @@
+"""`tiller config show CONFIG [key=value ...]`, run in-process: the resolved config with every
+default, as YAML that loads back to the same Config."""
+
+from pathlib import Path
+
+import yaml
+from typer.testing import CliRunner
+
+from tiller.cli import app
+from tiller.config import Config, load_config
+
+CONFIG = str(Path(__file__).parent.parent / "configs" / "calculator.yaml")
+
+
+def show(*args: str):
+    return CliRunner().invoke(app, ["config", "show", *args])
+
+
+def test_config_show_prints_the_resolved_config_with_defaults():
+    result = show(CONFIG, "rl.steps=3", "rl.algorithm.preset=dapo", "rl.mode=async")
+    assert result.exit_code == 0, result.output
+    shown = yaml.safe_load(result.output)
+    cfg = load_config(CONFIG, ["rl.steps=3", "rl.algorithm.preset=dapo", "rl.mode=async"])
+    assert Config.model_validate(shown) == cfg
+    assert shown["rl"]["steps"] == 3 and shown["rl"]["mode"] == "async"
+    # defaults the file does not write, and what the preset resolved to (the file names
+    # policy_loss, so the clip range is the loss's own, not dapo's 0.28)
+    assert shown["weight_sync"]["parity_tol"] == 0.05 and shown["rl"]["max_staleness"] is None
+    alg = shown["rl"]["algorithm"]
+    assert (alg["eps_high"], alg["dynamic_sampling"]["max_rounds"], alg["overlong"]["mode"],
+            alg["off_policy"]) == (0.2, 3, "soft", "mis")
+    assert "max_batch_size" in shown["engine"] and "urls" not in shown["engine"]
+
+
+def test_config_show_keeps_the_api_key_out():
+    result = show(CONFIG, "engine.backend=http", "engine.urls=[http://127.0.0.1:1]",
+                  "engine.api_key=a-secret-key-of-20-chars")
+    assert result.exit_code == 0, result.output
+    assert yaml.safe_load(result.output)["engine"]["api_key"] == "**********"
+    assert "a-secret-key" not in result.output
+
+
+def test_config_show_errors_are_one_line():
+    result = show(CONFIG, "engine.backend=http", "engine.urls=[http://127.0.0.1:1]",
+                  "engine.cache_bytes=0")
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "error: config field engine.cache_bytes: got 0; it only applies with engine.backend: "
+        "embedded (engine.backend is http)"]

@@ -1,0 +1,123 @@
+"""One type per variant (config/base.py `Variant`): engine.backend, rl.mode, rl.curriculum.mode
+and rl.judge choose a type holding only their own keys; a key of another variant is one line
+naming the key, its value and the choice it applies with; every config file we ship loads."""
+
+from pathlib import Path
+
+import pytest
+
+from tiller.config import (
+    AsyncRLConfig,
+    Config,
+    ConfigError,
+    DifficultyCurriculumConfig,
+    EmbeddedEngineConfig,
+    FilterCurriculumConfig,
+    FnJudgeConfig,
+    HttpEngineConfig,
+    ModelJudgeConfig,
+    NoJudgeConfig,
+    OneStepOffRLConfig,
+    SyncRLConfig,
+    load_config,
+)
+
+ROOT = Path(__file__).parent.parent
+CONFIG = ROOT / "configs" / "calculator.yaml"
+HTTP = ["engine.backend=http", 'engine.urls=["http://127.0.0.1:30000"]']
+
+
+@pytest.mark.parametrize("path", sorted(p.relative_to(ROOT).as_posix() for p in [
+    *ROOT.glob("configs/**/*.yaml"), *ROOT.glob("examples/**/*.yaml")]))
+def test_every_shipped_config_loads_and_round_trips(path):
+    cfg = load_config(ROOT / path)
+    assert Config.model_validate(cfg.model_dump()) == cfg
+
+
+def test_shipped_configs_are_found():
+    assert len(list(ROOT.glob("configs/**/*.yaml"))) >= 8
+    assert len(list(ROOT.glob("examples/**/*.yaml"))) >= 2
+
+
+@pytest.mark.parametrize("overrides, section, variant", [
+    ([], "engine", EmbeddedEngineConfig),
+    (HTTP, "engine", HttpEngineConfig),
+    ([], "rl", SyncRLConfig),
+    (["rl.mode=one_step_off"], "rl", OneStepOffRLConfig),
+    (["rl.mode=async", "rl.max_staleness=2"], "rl", AsyncRLConfig),
+    ([], "rl.curriculum", DifficultyCurriculumConfig),
+    (["rl.curriculum.mode=filter", "rl.curriculum.pool=8"], "rl.curriculum",
+     FilterCurriculumConfig),
+    ([], "rl.judge", NoJudgeConfig),
+    (["rl.judge.fn=tiller.train.judges:grounded_answer"], "rl.judge", FnJudgeConfig),
+    (["rl.judge.model=/m", "rl.judge.weight=0.2"], "rl.judge", ModelJudgeConfig),
+])
+def test_the_choice_picks_the_type_and_it_round_trips(overrides, section, variant):
+    cfg = load_config(CONFIG, overrides)
+    node = cfg
+    for key in section.split("."):
+        node = getattr(node, key)
+    assert type(node) is variant
+    assert Config.model_validate(cfg.model_dump()) == cfg
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([*HTTP, "engine.cache_bytes=0"], "config field engine.cache_bytes: got 0; it only applies "
+     "with engine.backend: embedded (engine.backend is http)"),
+    # before the split the embedded engine silently ignored these two
+    (["engine.request_timeout_s=5"], "config field engine.request_timeout_s: got 5; it only "
+     "applies with engine.backend: http (engine.backend is embedded)"),
+    (["engine.max_retries=0"], "config field engine.max_retries: got 0; it only applies with "
+     "engine.backend: http (engine.backend is embedded)"),
+    (["rl.mode=one_step_off", "rl.max_staleness=1"], "config field rl.max_staleness: got 1; it "
+     "only applies with rl.mode: async (rl.mode is one_step_off)"),
+    (["rl.curriculum.mode=filter", "rl.curriculum.min_level=1"], "config field "
+     "rl.curriculum.min_level: got 1; it only applies with rl.curriculum.mode: difficulty "
+     "(rl.curriculum.mode is filter)"),
+    (["rl.judge.fn=tiller.train.judges:grounded_answer", "rl.judge.prompt='{answer}'"],
+     "config field rl.judge.prompt: got '{answer}'; it only applies with rl.judge.model"),
+    (["rl.judge.margin=0.2"], "config field rl.judge.margin: got 0.2; it only applies with "
+     "rl.judge.fn or rl.judge.model"),
+    (["engine.backend=vllm"], "config field engine.backend: got 'vllm'; expected one of: "
+     "embedded, http"),
+    (["rl.mode=later"], "config field rl.mode: got 'later'; expected one of: sync, "
+     "one_step_off, async"),
+])
+def test_a_key_of_another_variant_is_one_line_naming_it(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIG, overrides)
+    assert str(e.value) == message
+
+
+def test_errors_inside_a_variant_name_the_key_not_the_variant():
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIG, [*HTTP, "engine.max_retries=-1"])
+    assert str(e.value).startswith("config field engine.max_retries: got -1; ")
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIG, ["rl.curriculum.mode=filter", "rl.curriculum.pool=0"])
+    assert str(e.value).startswith("config field rl.curriculum.pool: got 0; ")
+
+
+def test_configs_saved_before_the_split_still_load():
+    """A run folder's config.yaml from before the split holds every key of each section, the
+    other variants' at their defaults (or null): they say nothing, and are dropped."""
+    saved = load_config(CONFIG).model_dump()
+    saved["engine"].update(urls=[], api_key=None, weights_dir=None, request_timeout_s=300.0,
+                           max_retries=2)
+    saved["rl"].update(max_staleness=None)
+    saved["rl"]["curriculum"].update(pool=None, max_skips=None)
+    saved["rl"]["judge"] = {"fn": None, "model": None, "prompt": ModelJudgeConfig.model_fields[
+        "prompt"].default, "weight": 0.1, "window": 3, "margin": 0.05}
+    assert Config.model_validate(saved) == load_config(CONFIG)
+    http = load_config(CONFIG, HTTP).model_dump()
+    http["engine"].update(max_batch_size=128, cache_bytes=1 << 30)
+    assert Config.model_validate(http) == load_config(CONFIG, HTTP)
+
+
+def test_the_python_api_takes_variant_instances():
+    cfg = load_config(CONFIG)
+    cfg.engine = HttpEngineConfig(urls=["http://127.0.0.1:1"])  # validated on assignment
+    assert type(cfg.engine) is HttpEngineConfig
+    assert Config.model_validate(cfg.model_dump()).engine.urls == ["http://127.0.0.1:1"]
+    assert AsyncRLConfig(max_staleness=3).algorithm.off_policy == "mis"  # stale: corrected
+    assert SyncRLConfig().algorithm.off_policy == "none"
