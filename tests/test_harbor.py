@@ -66,7 +66,7 @@ def test_the_expert_solves_every_example_task_and_a_random_policy_none(tmp_path,
         [(_, result)] = t.tool_results
         assert result.content == "[exit 0]"
     assert next(t for t in experts if t.task_id.endswith("sqlite-query")).reward.checks == {
-        "reward": 1.0, "answered": 1.0}  # reward.json: named rewards, `reward` trained on
+        "reward": 1.0, "answered": 1.0, "tests_broken": 0.0}  # reward.json: named rewards
 
     def args(rng: random.Random, junk: str) -> dict:  # plausible commands and junk
         return {"command": rng.choice([*RANDOM_COMMANDS, junk])}
@@ -99,18 +99,82 @@ def test_the_workdir_carries_between_commands_and_nothing_else_does(tmp_path, to
 
 
 def test_a_command_that_times_out_or_breaks_its_runner_is_the_policys(tmp_path, tokenizer):
-    cls = harbor(tmp_path, command_timeout_s=1)
+    cls = harbor(tmp_path, command_timeout_s=1, output_chars=200)
     traj = play(cls, tokenizer, [
         shell("echo hello harbor > greeting.txt; sleep 30"),  # timed out: its write stays
         shell("echo broken > greeting.txt; kill -9 $PPID"),  # its runner killed: discarded
-        shell("yes | head -c 100000"),  # long output: its start and end
+        shell("seq 1 30000"),  # long output: its start and its end, what was cut said
         "Done."])
     timed_out, broken, long = (r for _, r in traj.tool_results)
     assert (timed_out.outcome.value, timed_out.content) == ("ok", "[timed out after 1s]")
     assert broken.outcome.value == "tool_error"
     assert broken.content == "the command broke the shell: killed (exit -9)"
-    assert long.content.startswith("y\ny\n") and "[... 98000 more bytes]" in long.content
+    output = "".join(f"{i}\n" for i in range(1, 30001)).encode()
+    cut = len(output) - 200  # output_chars=200: the first 100 and the last 100 bytes kept
+    assert long.content == (f"{output[:100].decode()}\n[... {cut} bytes of output cut ...]\n"
+                            f"{output[-100:].decode().rstrip()}\n[exit 0]")
+    assert long.content.endswith("29999\n30000\n[exit 0]")
     assert traj.env_errors == 0 and traj.reward.value == 1.0  # the timed-out write was kept
+
+
+def test_links_and_fifos_the_policy_makes_carry_over_and_grading_still_works(tmp_path,
+                                                                              tokenizer):
+    """An absolute symlink, one pointing out of the workdir, a FIFO and a hard link are
+    carried from command to command (each unpacked inside the sandbox, nothing outside the
+    workdir), and the tests grade the final workdir as usual."""
+    cls = harbor(tmp_path)
+    traj = play(cls, tokenizer, [
+        shell("ln -s /usr/bin/env e && ln -s ../../etc/hostname up && ln -s /tmp t && "
+              "mkfifo pipe && ln notes.txt hard && echo made"),
+        shell("./e echo linked; readlink up t; test -p pipe && echo fifo; cat hard"),
+        shell("echo hello harbor > greeting.txt"),
+        "Done."])
+    made, seen, wrote = (r for _, r in traj.tool_results)
+    assert [r.outcome.value for r in (made, seen, wrote)] == ["ok", "ok", "ok"]
+    assert seen.content.splitlines() == [
+        "linked", "../../etc/hostname", "/tmp", "fifo",
+        "The greeting goes in greeting.txt, next to this file.", "[exit 0]"]
+    assert traj.status.value == "completed" and traj.env_errors == 0
+    assert traj.reward.value == 1.0
+
+
+def test_a_workdir_that_cannot_be_kept_is_the_commands_tool_error(tmp_path, tokenizer):
+    """Past workspace_mb (or unreadable to its runner), the command's changes are discarded
+    and the policy is told so, as a tool_error; the workdir stays as the command before left
+    it."""
+    cls = harbor(tmp_path, workspace_mb=1)
+    traj = play(cls, tokenizer, [
+        shell("echo hello harbor > greeting.txt"),
+        shell("rm greeting.txt; for i in 1 2 3; do head -c 600000 /dev/zero > big$i; done; "
+              "echo grew"),
+        shell("ls"),
+        "Done."])
+    wrote, grew, listed = (r for _, r in traj.tool_results)
+    assert grew.outcome.value == "tool_error"
+    assert grew.content.startswith("grew\n[exit 0]\n[the workdir could not be kept (it grew "
+                                   "past env.harbor.workspace_mb=1: ")
+    assert grew.content.endswith("): the command's changes are discarded]")
+    assert listed.content == "greeting.txt\nnotes.txt\n[exit 0]"
+    assert traj.env_errors == 0 and traj.reward.value == 1.0
+
+
+def test_tests_the_policy_broke_give_reward_0_not_env_error(tmp_path, tokenizer, caplog):
+    """The rule: when the tests write no (usable) reward after the policy changed the workdir,
+    and they do on the task's untouched workdir, the policy broke them: reward 0, counted
+    (`tests_broken`) and logged. Here an endless loop in calc.py makes test.sh time out."""
+    folder = copy_task(tmp_path, "fix-bug")
+    edit(folder / "task.toml", "[verifier]\ntimeout_sec = 3.0\n", append=False)
+    cls = harbor(tmp_path, tasks=folder.parent)
+    traj = play(cls, tokenizer, [shell("printf 'while True:\\n    pass\\n' > calc.py"),
+                                 "Done."], name="fix-bug")
+    assert traj.status.value == "completed" and traj.env_errors == 0
+    assert traj.reward.value == 0.0 and traj.reward.checks == {"tests_broken": 1.0}
+    assert "harbor task fix-bug: the tests gave no reward after the policy's commands" in \
+        caplog.text
+    fixed = play(cls, tokenizer, [shell(cls.source.task("fix-bug").solve), "Done."],
+                 name="fix-bug")
+    assert fixed.reward.value == 1.0 and fixed.reward.checks == {"reward": 1.0,
+                                                                 "tests_broken": 0.0}
 
 
 @pytest.mark.parametrize("report,rewards", [
@@ -152,9 +216,9 @@ def test_a_reward_json_without_the_trained_key_is_an_env_error(tmp_path, tokeniz
     (folder / "tests" / "test.sh").write_text(
         '#!/bin/bash\necho \'{"a": 1, "b": 0}\' > /logs/verifier/reward.json\n')
     traj = play(harbor(tmp_path, tasks=folder.parent), tokenizer, ["Done."])
-    assert traj.status.value == "env_error" and traj.reward.checks == {"a": 1.0, "b": 0.0}
-    assert "reward.json has no 'reward' (env.harbor.reward_key) among a, b" in \
-        traj.info["error"]
+    assert traj.status.value == "env_error"
+    assert traj.info["error"] == ("env.verify: harbor task write-file: reward.json has no "
+                                  "'reward' (env.harbor.reward_key) among a, b")
     traj = play(harbor(tmp_path, tasks=folder.parent, reward_key="b"), tokenizer, ["Done."])
     assert traj.status.value == "completed" and traj.reward.value == 0.0
 

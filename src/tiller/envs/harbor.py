@@ -6,21 +6,31 @@ the command with bash in the task's workdir (e.g. /app) inside tiller's bubblewr
 the task's Dockerfile copies (`tiller.envs.harbor_format` reads the folder and refuses, in one
 line, a task that needs Docker) and its state carries from one command to the next: each call
 starts a fresh sandbox, unpacks the workdir, runs the command, and packs the workdir again
-(also after a timeout, as a terminal keeps what a killed command wrote). Only the workdir
-persists: files written elsewhere and background processes end with their command, and a
-command that breaks its runner (kills it, or grows the workdir past `workspace_mb`) leaves
-the workdir as it was.
+(also after a timeout, as a terminal keeps what a killed command wrote). Links and FIFOs the
+command made carry over too: unpacking happens inside the sandbox, where nothing may land
+outside the workdir, and a packed workdir is kept only once it has unpacked there. Only the
+workdir persists: files written elsewhere and background processes end with their command. A
+command that breaks its runner (kills it), or leaves a workdir that cannot be kept (past
+`workspace_mb`, unreadable), is the policy's tool_error, and the workdir stays as it was.
 
 When the episode ends (a plain answer, or the turn limit), the task's tests grade the final
 workdir as Harbor runs them: tests/ at /tests, test.sh run from the workdir with its output in
 /logs/verifier/test-stdout.txt, and the reward read as Harbor's verifier reads it:
 /logs/verifier/reward.json (an object of finite numbers; `reward_key` is the one trained on)
-before /logs/verifier/reward.txt (one finite number). A test run that writes no reward file, or
-an unreadable one, is an env_error (Harbor errors the trial), as is a sandbox that fails to
-start; a command that fails, times out or breaks its runner is the policy's doing and is shown
-to it. The shell tool goes through the run's tool stack (timeouts, retries, faults, metrics);
-record/replay and the cache are refused: the tests grade the state the commands left, which a
-replayed or cached answer does not reproduce.
+before /logs/verifier/reward.txt (one finite number). Whose fault a missing reward is (none
+written, an unreadable one, the test runner broken or timed out):
+
+- the policy's, when its commands changed the workdir and the tests do give a reward on the
+  task's untouched workdir (a control run, once per task): reward 0, the check
+  `tests_broken` = 1 (0 in every graded episode, so `check/tests_broken` is the rate), and a
+  warning in the log;
+- the environment's (env_error) when the tests give none on the untouched workdir either, or
+  no command changed it, or the sandbox did not start: the grading itself is broken.
+
+A command that fails, times out or breaks its runner is the policy's doing and is shown to it.
+The shell tool goes through the run's tool stack (timeouts, retries, faults, metrics);
+record/replay and the cache are refused: the tests grade the
+state the commands left, which a replayed or cached answer does not reproduce.
 
 The scripted expert runs the task's solution/solve.sh through the shell tool, then answers.
 """
@@ -30,6 +40,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import math
 import random
 import tarfile
@@ -49,7 +60,10 @@ from tiller.tools.sandbox import Sandbox, SandboxLimits, SandboxOutcome
 if TYPE_CHECKING:
     from tiller.config import Config
 
+logger = logging.getLogger(__name__)
+
 MAX_REWARD_BYTES = 65536  # of reward.txt / reward.json the runner sends back
+TESTS_BROKEN = "tests_broken"  # the check saying whether the policy broke the tests (0 or 1)
 
 
 @dataclass(frozen=True)
@@ -66,13 +80,18 @@ class HarborSource:
 # It makes itself non-dumpable first, so the command (same uid) cannot reach into it or its
 # stdout; the command runs in its own session, killed with whatever it left running.
 _RUNNER = r'''
-import base64, ctypes, io, json, os, shutil, signal, subprocess, sys, tarfile, threading
+import base64, ctypes, io, json, os, shutil, signal, subprocess, sys, tarfile, tempfile, threading
 ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
 spec = json.loads(sys.stdin.read())
 os.close(0)
-work = spec["workdir"]  # a tmpfs of its own, like /tests and /logs
-with tarfile.open("state.tar") as tar:
-    tar.extractall(work, filter="data")
+work, keep = spec["workdir"], spec["keep"]  # the workdir: a tmpfs of its own, like /tests
+
+def unpack(data, dest):  # links and FIFOs carry over; nothing may land outside dest
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(dest, filter="tar")
+
+with open("state.tar", "rb") as f:
+    unpack(f.read(), work)
 os.remove("state.tar")
 if os.path.isdir("tests"):  # into the mount, whose own mode is not ours to change
     for name in os.listdir("tests"):
@@ -82,15 +101,18 @@ if os.path.isdir("tests"):  # into the mount, whose own mode is not ours to chan
         os.makedirs("/logs/" + d)
 env = {**os.environ, **spec["env"], "PWD": work}
 
-def run(argv, timeout, log=None):
+def run(argv, timeout, log=None):  # the output's first and last `keep` bytes are kept
     out = open(log, "wb") if log else subprocess.PIPE
     proc = subprocess.Popen(argv, cwd=work, stdin=subprocess.DEVNULL, stdout=out,
                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    kept, total = bytearray(), [0]
+    head, tail, total = bytearray(), bytearray(), [0]
     def pump():
         for chunk in iter(lambda: proc.stdout.read1(65536), b""):
             total[0] += len(chunk)
-            kept.extend(chunk[:max(spec["keep"] - len(kept), 0)])
+            room = max(keep - len(head), 0)
+            head.extend(chunk[:room])
+            tail.extend(chunk[room:])
+            del tail[:max(len(tail) - keep, 0)]
     reader = None if log else threading.Thread(target=pump, daemon=True)
     if reader: reader.start()
     try:
@@ -107,10 +129,12 @@ def run(argv, timeout, log=None):
     if log:
         out.close()
         with open(log, "rb") as f:
-            f.seek(max(os.path.getsize(log) - spec["keep"], 0))
-            kept, total[0] = f.read(), os.path.getsize(log)
-    return {"exit": proc.returncode, "timed_out": timed_out, "output_bytes": total[0],
-            "output": bytes(kept).decode("utf-8", "replace")}
+            f.seek(max(os.path.getsize(log) - keep, 0))
+            tail[:], total[0] = f.read(), os.path.getsize(log)
+    return {"exit": proc.returncode, "timed_out": timed_out,
+            "cut": total[0] - len(head) - len(tail),
+            "head": bytes(head).decode("utf-8", "replace"),
+            "tail": bytes(tail).decode("utf-8", "replace")}
 
 def read(path):
     if not os.path.isfile(path):
@@ -118,17 +142,22 @@ def read(path):
     with open(path, "rb") as f:
         return f.read(spec["reward_bytes"]).decode("utf-8", "replace")
 
+def pack():  # the workdir for the next command, kept only if it unpacks as that one will
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        tar.add(work, arcname=".")
+    state = buf.getvalue()
+    if len(state) > spec["max_state"]:
+        return None, (f"it grew past env.harbor.workspace_mb={spec['max_state'] >> 20}: "
+                      f"{len(state) / 2**20:.1f} MB packed")
+    unpack(state, tempfile.mkdtemp())
+    return base64.b64encode(state).decode(), None
+
 if spec["mode"] == "shell":
     report = run(["bash", "-c", spec["command"]], spec["timeout"])
-    buf = io.BytesIO()
     try:
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            tar.add(work, arcname=".")
-        state = buf.getvalue()
-        report["state"] = (base64.b64encode(state).decode() if len(state) <= spec["max_state"]
-                           else None)
-        report["state_error"] = None if report["state"] else f"{len(state) >> 20} MB"
-    except OSError as e:
+        report["state"], report["state_error"] = pack()
+    except (OSError, tarfile.TarError) as e:
         report["state"], report["state_error"] = None, f"{type(e).__name__}: {e}"
 else:
     os.chmod("/tests/test.sh", 0o755)
@@ -179,16 +208,15 @@ def harbor_rewards(report: dict[str, Any]) -> dict[str, float]:
     raise ValueError("the tests wrote neither /logs/verifier/reward.json nor reward.txt")
 
 
-def shown(report: dict[str, Any], keep: int, timeout: float) -> str:
-    """What the policy reads of a command: its output (start and end when it is long) and
-    how it ended."""
-    text = report["output"]
-    if report["output_bytes"] > len(text.encode()):
-        text += f"\n[... {report['output_bytes'] - len(text.encode())} more bytes]"
+def shown(report: dict[str, Any], timeout: float) -> str:
+    """What the policy reads of a command: its output (its start and end when it is long,
+    with how much was cut between them) and how it ended."""
+    text = report["head"]
+    if report["cut"]:
+        text += f"\n[... {report['cut']} bytes of output cut ...]\n"
+    text += report["tail"]
     end = (f"[timed out after {timeout:g}s]" if report["timed_out"]
            else f"[exit {report['exit']}]")
-    if report.get("state_error"):
-        end += f" [the workdir could not be kept ({report['state_error']}): changes discarded]"
     return f"{text.rstrip()}\n{end}".lstrip()
 
 
@@ -200,10 +228,12 @@ class HarborEnv(ToolEnv):
     has_difficulty: ClassVar[bool] = False  # a task is a task at every env.difficulty
     settings: ClassVar[HarborConfig]
     source: ClassVar[HarborSource]
+    controls: ClassVar[dict[str, str | None]]  # per task: why its initial workdir gets no reward
 
     def __init__(self, wrap: Any = None):
         self.harbor: HarborTask | None = None
-        self.state = b""
+        self.state = b""  # the workdir, packed
+        self.changed = False  # whether a command of this episode changed it
         s = self.settings
         self.keep = s.output_chars // 2
 
@@ -241,7 +271,7 @@ class HarborEnv(ToolEnv):
         if twice:
             raise ConfigError(f"config field env.harbor: task name(s) {', '.join(twice)} "
                               "appear twice (train and eval tasks must differ)")
-        return type("HarborEnv[tasks]", (cls,), {"settings": s,
+        return type("HarborEnv[tasks]", (cls,), {"settings": s, "controls": {},
                                                  "source": HarborSource(train, heldout)})
 
     @classmethod
@@ -306,11 +336,11 @@ class HarborEnv(ToolEnv):
 
     async def reset(self, task: Task, seed: int) -> list[dict[str, Any]]:
         self.harbor = self.source.task(task.metadata["harbor"])
-        self.state = pack(self.harbor.files)
+        self.state, self.changed = pack(self.harbor.files), False
         return await super().reset(task, seed)
 
-    async def _run(self, verify: bool, spec: dict[str, Any],
-                   files: dict[str, str | bytes]) -> dict[str, Any] | str:
+    async def _run(self, verify: bool, spec: dict[str, Any], files: dict[str, str | bytes],
+                   state: bytes) -> dict[str, Any] | str:
         """The runner's report, or why there is none (the runner broke: the command's doing,
         as the sandbox started). A sandbox that did not start raises OSError (env_error)."""
         assert self.harbor is not None
@@ -319,7 +349,7 @@ class HarborEnv(ToolEnv):
                 "reward_bytes": MAX_REWARD_BYTES, "max_state": s.workspace_mb << 20}
         box = self._sandbox(self.harbor, verify)
         r = await box.arun_python(_RUNNER, stdin=json.dumps(spec),
-                                  files={"state.tar": self.state, **files})
+                                  files={"state.tar": state, **files})
         if r.outcome is SandboxOutcome.SANDBOX_ERROR:
             raise OSError(f"the sandbox did not start: {r.stderr.strip()[-300:]}")
         try:
@@ -335,35 +365,68 @@ class HarborEnv(ToolEnv):
         assert self.harbor is not None
         report = await self._run(False, {"mode": "shell", "command": command,
                                          "timeout": self.settings.command_timeout_s,
-                                         "env": self.harbor.env}, {})
+                                         "env": self.harbor.env}, {}, self.state)
         if isinstance(report, str):
             raise ToolError(f"the command broke the shell: {report}")
-        if report.get("state"):
-            self.state = base64.b64decode(report["state"])
-        return shown(report, self.keep, self.settings.command_timeout_s)
+        text = shown(report, self.settings.command_timeout_s)
+        if report["state_error"]:  # the policy's doing, shown to it; the workdir stays
+            raise ToolError(f"{text}\n[the workdir could not be kept ({report['state_error']}"
+                            "): the command's changes are discarded]")
+        self.state, self.changed = base64.b64decode(report["state"]), True
+        return text
 
     async def verify(self, final: ParsedTurn | None) -> Reward:
-        """The task's tests on the final workdir; Harbor's reward files, read as it reads
-        them. No reward (or an unreadable one) is an env_error, with what went wrong."""
+        """The task's tests on the final workdir, their reward files read as Harbor reads
+        them. No usable reward is the policy's fault when its commands changed the workdir
+        and the tests do give one on the task's untouched workdir (reward 0, `tests_broken`,
+        logged); otherwise, or when the sandbox does not start, it is an env_error."""
+        assert self.harbor is not None
+        t = self.harbor
+        try:
+            graded = await self._grade(self.state)
+            if isinstance(graded, Reward):
+                return graded
+            control = await self._control() if self.changed else None
+        except OSError as e:  # the sandbox did not start
+            return Reward(0.0, {}, env_error=True, error=f"harbor task {t.name}: {e}")
+        if not self.changed or control is not None:  # the grading itself fails
+            also = f"; on the task's initial workdir too: {control}" if control else ""
+            return Reward(0.0, {}, env_error=True, error=f"harbor task {t.name}: {graded}{also}")
+        logger.warning("harbor task %s: the tests gave no reward after the policy's commands "
+                       "(%s), while they do on the task's initial workdir: the policy broke "
+                       "them, reward 0", t.name, graded)
+        return Reward(0.0, {TESTS_BROKEN: 1.0})
+
+    async def _grade(self, state: bytes) -> Reward | str:
+        """The tests' reward on the workdir `state`, or why there is none. OSError: the sandbox
+        did not start."""
         assert self.harbor is not None
         t = self.harbor
         tests = {f"tests/{name}": data for name, data in t.tests.items()}
+        report = await self._run(True, {"mode": "verify", "timeout": t.verifier_timeout_s,
+                                        "env": {**t.env, **t.verifier_env}}, tests, state)
+        if isinstance(report, str):
+            return f"the test runner broke: {report}"
         try:
-            report = await self._run(True, {"mode": "verify", "timeout": t.verifier_timeout_s,
-                                            "env": {**t.env, **t.verifier_env}}, tests)
-            if isinstance(report, str):
-                raise ValueError(f"the test runner broke: {report}")
             rewards = harbor_rewards(report)
-        except (OSError, ValueError) as e:
-            tail = ""
-            if isinstance(e, ValueError) and isinstance(report, dict):
-                tail = f"; test.sh exit {report['exit']}, output ends: " \
-                       f"{' '.join(report['output'].split())[-200:]!r}"
-            return Reward(0.0, {}, env_error=True, error=f"harbor task {t.name}: {e}{tail}")
+        except ValueError as e:
+            ended = (f"timed out after {t.verifier_timeout_s:g}s" if report["timed_out"]
+                     else f"exit {report['exit']}")
+            return (f"{e}; test.sh {ended}, output ends: "
+                    f"{' '.join(report['tail'].split())[-200:]!r}")
         key = self.settings.reward_key
         if key not in rewards and len(rewards) != 1:
-            return Reward(0.0, rewards, env_error=True, error=(
-                f"harbor task {t.name}: reward.json has no {key!r} (env.harbor.reward_key) "
-                f"among {', '.join(rewards)}"))
+            return (f"reward.json has no {key!r} (env.harbor.reward_key) among "
+                    f"{', '.join(rewards)}")
         value = rewards[key] if key in rewards else next(iter(rewards.values()))
-        return Reward(value, rewards)
+        return Reward(value, {**rewards, TESTS_BROKEN: 0.0})
+
+    async def _control(self) -> str | None:
+        """Why the tests give no usable reward on the task's untouched workdir (None: they
+        do). Run once per task and run, when an episode first needs it."""
+        assert self.harbor is not None
+        name = self.harbor.name
+        if name not in self.controls:
+            graded = await self._grade(pack(self.harbor.files))
+            self.controls[name] = None if isinstance(graded, Reward) else graded
+        return self.controls[name]
