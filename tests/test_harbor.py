@@ -277,6 +277,37 @@ def test_harbor_config_errors_are_one_line(tmp_path, overrides, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("executor,timeout", [
+    ({}, None),  # unset: off, the sandbox's own deadline bounds each command
+    ({"default": {"retries": 1}}, None),
+    ({"tools": {"shell": {"retries": 2}}}, None),
+    ({"tools": {"shell": {"timeout_s": 61}}}, 61.0),
+    ({"default": {"timeout_s": 100}}, 100.0),
+])
+def test_the_shell_tools_executor_timeout_is_derived_or_above_the_sandboxs(executor, timeout):
+    cfg = load_config(EXAMPLE, [f"env.tools.executor={json.dumps(executor)}",
+                                "env.harbor.command_timeout_s=30"])
+    HarborEnv.configure(cfg)
+    policy = cfg.env.tools.executor.policy("shell")
+    assert policy.timeout_s == timeout
+    assert policy.retries == executor.get("default", executor.get("tools", {}).get(
+        "shell", {})).get("retries", 0)  # the rest of the user's policy is kept
+
+
+@pytest.mark.parametrize("executor", [{"default": {"timeout_s": 30}},
+                                      {"tools": {"shell": {"timeout_s": 60}}}])
+def test_a_shell_timeout_the_sandbox_would_outlive_is_one_line(tmp_path, executor):
+    cfg = load_config(EXAMPLE, [f"env.tools.executor={json.dumps(executor)}",
+                                "env.harbor.command_timeout_s=30"])
+    with pytest.raises(ConfigError) as e:
+        Run(cfg, tmp_path / "run")
+    assert str(e.value).startswith(
+        "config field env.tools.executor: the shell tool's timeout_s is ")
+    assert ("env harbor needs more than env.harbor.command_timeout_s + 30 s = 60 s (the "
+            "sandbox's own deadline for a command) or none") in str(e.value)
+    assert "\n" not in str(e.value) and not (tmp_path / "run").exists()
+
+
 def test_mounts_need_bubblewrap_and_stay_out_of_the_sandbox_own_paths():
     with pytest.raises(ConfigError, match=r"^this sandbox needs bubblewrap: the paths /app "):
         Sandbox(backend="subprocess", mounts=["/app"])

@@ -28,9 +28,11 @@ written, an unreadable one, the test runner broken or timed out):
   no command changed it, or the sandbox did not start: the grading itself is broken.
 
 A command that fails, times out or breaks its runner is the policy's doing and is shown to it.
-The shell tool goes through the run's tool stack (timeouts, retries, faults, metrics);
-record/replay and the cache are refused: the tests grade the
-state the commands left, which a replayed or cached answer does not reproduce.
+The shell tool goes through the run's tool stack (retries, faults, metrics; its executor
+timeout is off unless the config sets one, which must then exceed the sandbox's own deadline,
+`command_timeout_s` + 30 s: `shell_timeout`); record/replay and the cache are refused: the
+tests grade the state the commands left, which a replayed or cached answer does not
+reproduce.
 
 The scripted expert runs the task's solution/solve.sh through the shell tool, then answers.
 """
@@ -54,6 +56,7 @@ from tiller.envs.harbor_format import HarborTask, read_tasks
 from tiller.envs.source_config import HarborConfig
 from tiller.envs.verifiers import Reward
 from tiller.errors import ConfigError
+from tiller.tools.executor import ExecutorConfig, ToolPolicy
 from tiller.tools.registry import ToolError, tool
 from tiller.tools.sandbox import Sandbox, SandboxLimits, SandboxOutcome
 
@@ -63,6 +66,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_REWARD_BYTES = 65536  # of reward.txt / reward.json the runner sends back
+RUNNER_SLACK_S = 30.0  # past a command's (or the tests') timeout, for the runner to finish
 TESTS_BROKEN = "tests_broken"  # the check saying whether the policy broke the tests (0 or 1)
 
 
@@ -220,6 +224,31 @@ def shown(report: dict[str, Any], timeout: float) -> str:
     return f"{text.rstrip()}\n{end}".lstrip()
 
 
+def shell_timeout(executor: ExecutorConfig, command_timeout_s: float) -> None:
+    """The shell tool's executor timeout may not fire before the sandbox's own deadline for a
+    command (`command_timeout_s` + RUNNER_SLACK_S: the runner kills the command, then packs
+    the workdir): a late answer would be an env_error, its sandbox left running. One the
+    config sets must exceed that deadline; unset, it is turned off here (the config written
+    to the run folder shows it), as the sandbox's deadline bounds every command, and the
+    executor's would also count the wait for a free sandbox slot."""
+    shell = executor.tools.get("shell")
+    if not ("timeout_s" in executor.default.model_fields_set
+            or (shell is not None and "timeout_s" in shell.model_fields_set)):
+        executor.tools["shell"] = (shell or ToolPolicy()).model_copy(update={"timeout_s": None})
+        logger.info("env harbor: the shell tool has no executor timeout (unset in the config); "
+                    "the sandbox's deadline, command_timeout_s + %g s, bounds each command",
+                    RUNNER_SLACK_S)
+        return
+    timeout, deadline = executor.policy("shell").timeout_s, command_timeout_s + RUNNER_SLACK_S
+    if timeout is not None and timeout <= deadline:
+        raise ConfigError(
+            f"config field env.tools.executor: the shell tool's timeout_s is {timeout:g} s; env "
+            f"harbor needs more than env.harbor.command_timeout_s + {RUNNER_SLACK_S:g} s = "
+            f"{deadline:g} s (the sandbox's own deadline for a command) or none: set "
+            f"env.tools.executor.tools={{shell: {{timeout_s: {deadline + 30:g}}}}}, or leave it "
+            "unset")
+
+
 @register_env
 class HarborEnv(ToolEnv):
     """The tasks of `env.harbor`, one sandboxed workdir per episode; configured per run."""
@@ -264,6 +293,7 @@ class HarborEnv(ToolEnv):
         if tools.executor.policy("shell").cache:
             raise ConfigError("config field env.tools.executor: a cached shell answer would "
                               "skip the command's effect on the workdir; do not cache 'shell'")
+        shell_timeout(tools.executor, s.command_timeout_s)
         train = read_tasks(s.tasks, "config field env.harbor.tasks")
         heldout = read_tasks(s.eval, "config field env.harbor.eval") if s.eval else []
         names = [t.name for t in [*train, *heldout]]
@@ -286,7 +316,7 @@ class HarborEnv(ToolEnv):
         timeout = task.verifier_timeout_s if verify else s.command_timeout_s
         mounts = [task.workdir, "/tests", "/logs"] if verify else [task.workdir]
         limits = SandboxLimits(  # tmpfs: the workdir, or /tmp's packed copy of it and tests
-            cpu_seconds=timeout, wall_seconds=timeout + 30, memory_mb=s.memory_mb,
+            cpu_seconds=timeout, wall_seconds=timeout + RUNNER_SLACK_S, memory_mb=s.memory_mb,
             max_file_mb=s.workspace_mb, tmpfs_mb=2 * s.workspace_mb + 64,
             max_output_bytes=2 * s.workspace_mb * (1 << 20) + 2 * s.output_chars + (1 << 20))
         try:
