@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,7 @@ from helpers import TextActor, rl_rows
 from tiller.config import load_config
 from tiller.controller import train
 from tiller.envs.harbor import HarborEnv, harbor_rewards
+from tiller.envs.harbor_format import read_tasks
 from tiller.errors import ConfigError
 from tiller.observe.evaluation import is_success
 from tiller.rollout.agent_loop import EpisodeLimits, run_episode
@@ -227,6 +231,21 @@ def edit(path: Path, text: str, append: bool = True) -> None:
     path.write_text((path.read_text() if append and path.exists() else "") + text)
 
 
+def relink(path: Path, target: str) -> None:
+    """`path` (a file or a folder) replaced by a symbolic link to `target`."""
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
+    path.symlink_to(target)
+
+
+def sparse(path: Path, size: int) -> None:
+    with path.open("wb") as f:
+        f.truncate(size)
+
+
+# a folder holding the interpreter's (bound into the sandbox from the host): not a workdir
+INTERPRETER_PARENT = str(Path(sys.prefix).resolve().parent)
+
+
 @pytest.mark.parametrize("change,message", [
     (lambda f: (f / "tests" / "test.sh").unlink(),
      "is missing its tests: tests/test.sh (Harbor grades a task by running it)"),
@@ -248,6 +267,36 @@ def edit(path: Path, text: str, append: bool = True) -> None:
     (lambda f: (f / "steps").mkdir(), "has several steps (steps/)"),
     (lambda f: edit(f / "task.toml", "[verifier\n", append=False),
      "has a task.toml that is not valid TOML"),
+    # links read the host's files, a FIFO would hang the reading: refused, named
+    (lambda f: relink(f / "instruction.md", "/etc/hostname"),
+     "holds a symbolic link, instruction.md: tiller reads only regular files and folders of "
+     "a task folder"),
+    (lambda f: relink(f / "environment" / "notes.txt", "/etc/hostname"),
+     "holds a symbolic link, environment/notes.txt"),
+    (lambda f: relink(f / "tests", "/etc"), "holds a symbolic link, tests"),
+    (lambda f: os.mkfifo(f / "environment" / "pipe") or edit(
+        f / "environment" / "Dockerfile", "COPY pipe /app/pipe\n"),
+     "holds environment/pipe, which is not a regular file or a folder (a FIFO, socket or "
+     "device)"),
+    (lambda f: sparse(f / "environment" / "big", 70 << 20) or edit(
+        f / "environment" / "Dockerfile", "COPY big /app/big\n"),
+     "holds 70 MB of files; tiller reads at most 64 MB of a task folder"),
+    (lambda f: edit(f / "instruction.md", "x" * (300 << 10)),
+     "has an instruction.md of 300 KB; tiller takes at most 256 KB as a prompt"),
+    # workdirs the sandbox cannot provide: one shared check, before any work
+    (lambda f: edit(f / "task.toml", '[environment]\nworkdir = "/bin"\n', append=False),
+     "has the workdir '/bin', which tiller's sandbox cannot provide: it is /bin or lies "
+     "under it, a path the sandbox provides itself"),
+    (lambda f: edit(f / "environment" / "Dockerfile", "WORKDIR /lib/x\n"),
+     "has the workdir '/lib/x', which tiller's sandbox cannot provide: it is /lib or lies "
+     "under it"),
+    (lambda f: edit(f / "task.toml", '[environment]\nworkdir = "/tests"\n', append=False),
+     "has the workdir '/tests', which tiller's sandbox cannot provide: it is /tests or lies "
+     "under it"),
+    (lambda f: edit(f / "task.toml", f'[environment]\nworkdir = "{INTERPRETER_PARENT}"\n',
+                    append=False),
+     f"has the workdir '{INTERPRETER_PARENT}', which tiller's sandbox cannot provide: it "
+     "holds the Python interpreter's "),
 ])
 def test_a_task_tiller_cannot_run_is_one_line_naming_it_before_any_work(tmp_path, change,
                                                                           message):
@@ -260,6 +309,50 @@ def test_a_task_tiller_cannot_run_is_one_line_naming_it_before_any_work(tmp_path
                                    f"({folder}) ")
     assert message in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "run").exists()  # refused while the config was read
+
+
+def test_a_workdir_docker_would_normalise_is_normalised(tmp_path):
+    folder = copy_task(tmp_path)
+    edit(folder / "environment" / "Dockerfile", "FROM ubuntu:24.04\nWORKDIR /app/../home\n"
+         "COPY notes.txt notes.txt\n", append=False)
+    [task] = read_tasks(str(folder), "config field env.harbor.tasks")
+    assert (task.workdir, list(task.files)) == ("/home", ["notes.txt"])
+
+
+def test_a_workdir_whose_sandbox_does_not_run_fails_at_start_in_one_line(tmp_path):
+    folder = copy_task(tmp_path)
+    workdir = "/" + "w" * 300  # past NAME_MAX: bubblewrap cannot make it
+    edit(folder / "environment" / "Dockerfile", f"FROM ubuntu:24.04\nWORKDIR {workdir}\n"
+         "COPY notes.txt notes.txt\n", append=False)
+    with pytest.raises(ConfigError) as e:
+        Run(load_config(EXAMPLE, [f"env.harbor.tasks={folder.parent}"]), tmp_path / "run")
+    assert str(e.value).startswith(f"config field env.harbor: harbor task 'write-file': the "
+                                   f"sandbox does not run with its workdir '{workdir}': ")
+    assert "\n" not in str(e.value)
+
+
+def test_task_toml_needs_tomllib_or_tomli_and_says_so(tmp_path, monkeypatch):
+    import tomli
+
+    monkeypatch.setitem(sys.modules, "tomllib", None)  # Python 3.10: no tomllib
+    assert read_tasks(str(TASKS), "w")[0].name == "fix-bug"  # tomli, when it is installed
+    monkeypatch.setitem(sys.modules, "tomli", None)
+    with pytest.raises(ConfigError) as e:
+        read_tasks(str(TASKS), "config field env.harbor.tasks")
+    assert str(e.value) == ("config field env.harbor.tasks: reading task.toml needs tomllib "
+                            "(Python 3.11+) or, on Python 3.10, the tomli package: pip install "
+                            "tomli")
+    assert tomli  # installed here
+
+
+def test_a_python_without_tarfile_filters_is_one_line(monkeypatch):
+    import tarfile
+
+    monkeypatch.delattr(tarfile, "tar_filter")  # Python 3.10 before 3.10.12
+    with pytest.raises(ConfigError, match=r"^env.name=harbor needs tarfile's extraction "
+                                          r"filters \(Python 3.10.12\+, 3.11.4\+ or 3.12\+\); "
+                                          r"this is Python 3\.\d+\.\d+$"):
+        HarborEnv.configure(load_config(EXAMPLE))
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -311,8 +404,14 @@ def test_a_shell_timeout_the_sandbox_would_outlive_is_one_line(tmp_path, executo
 def test_mounts_need_bubblewrap_and_stay_out_of_the_sandbox_own_paths():
     with pytest.raises(ConfigError, match=r"^this sandbox needs bubblewrap: the paths /app "):
         Sandbox(backend="subprocess", mounts=["/app"])
-    for path in ("/usr/local/app", "/", "app", "/app/../usr"):
-        with pytest.raises(ValueError, match="expected an absolute path outside /usr"):
+    for path, why in [("/usr/local/app", "it is /usr or lies under it, a path the sandbox "
+                                         "provides itself"),
+                      ("/", "expected an absolute, normalised path other than /"),
+                      ("app", "expected an absolute, normalised path other than /"),
+                      ("/app/../usr", "expected an absolute, normalised path other than /"),
+                      ("/inbox/x", "it is /inbox or lies under it"),
+                      (INTERPRETER_PARENT, "it holds the Python interpreter's ")]:
+        with pytest.raises(ValueError, match=re.escape(f"mounts: got {path!r}; {why}")):
             Sandbox(mounts=[path])
 
 

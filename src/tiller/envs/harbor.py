@@ -45,6 +45,7 @@ import json
 import logging
 import math
 import random
+import sys
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -294,6 +295,10 @@ class HarborEnv(ToolEnv):
             raise ConfigError("config field env.tools.executor: a cached shell answer would "
                               "skip the command's effect on the workdir; do not cache 'shell'")
         shell_timeout(tools.executor, s.command_timeout_s)
+        if not hasattr(tarfile, "tar_filter"):  # the runner's unpacking needs it
+            raise ConfigError("env.name=harbor needs tarfile's extraction filters (Python "
+                              "3.10.12+, 3.11.4+ or 3.12+); this is Python "
+                              f"{sys.version.split()[0]}")
         train = read_tasks(s.tasks, "config field env.harbor.tasks")
         heldout = read_tasks(s.eval, "config field env.harbor.eval") if s.eval else []
         names = [t.name for t in [*train, *heldout]]
@@ -306,9 +311,18 @@ class HarborEnv(ToolEnv):
 
     @classmethod
     def start(cls, run_dir: Path) -> None:
-        """The sandbox must work (bubblewrap: the tasks' absolute paths exist only there)."""
+        """One tiny sandboxed run per distinct workdir, with the mounts the tests get: the
+        sandbox must work (bubblewrap: the tasks' absolute paths exist only there), and a
+        workdir it cannot make fails here, in one line, rather than in every episode."""
+        first: dict[str, HarborTask] = {}
         for task in [*cls.source.train, *cls.source.heldout]:
-            cls._sandbox(task, verify=True)
+            first.setdefault(task.workdir, task)
+        for workdir, task in first.items():
+            r = cls._sandbox(task, verify=True).run_python("pass")
+            if not r.ok:
+                raise ConfigError(f"config field env.harbor: harbor task {task.name!r}: the "
+                                  f"sandbox does not run with its workdir {workdir!r}: "
+                                  f"{r.outcome.value} {' '.join(r.stderr.split())[-300:]}")
 
     @classmethod
     def _sandbox(cls, task: HarborTask, verify: bool) -> Sandbox:

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import platform
+import posixpath
 import selectors
 import shutil
 import signal
@@ -275,6 +276,28 @@ def _python_binds() -> list[tuple[str, str]]:
 
 def under(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def mount_problem(path: str, provided: Sequence[str] = ()) -> str | None:
+    """Why `path` cannot get a writable tmpfs of its own in the sandbox (`bwrap_argv`'s
+    `mounts`), or None when it can: it must be an absolute, normalised path that neither is,
+    lies under nor holds a path the sandbox provides itself (RESERVED, and `provided`, e.g. a
+    Harbor verifier's /tests), nor one of the interpreter's folders bound in from the host
+    (a mount there would hide the interpreter, or cannot be made inside its read-only bind).
+    The one check for every caller, so a path that passes it also runs."""
+    if not path.startswith("/") or path == "/" or "\0" in path \
+            or posixpath.normpath(path) != path:
+        return "expected an absolute, normalised path other than /"
+    for p in (*RESERVED, *provided):
+        if under(path, p) or under(p, path):
+            how = "is {p} or lies under it" if under(path, p) else "holds {p}"
+            return f"it {how.format(p=p)}, a path the sandbox provides itself"
+    for _, p in _python_binds():
+        if under(path, p) or under(p, path):
+            how = "is the Python interpreter's {p} or lies under it" if under(path, p) \
+                else "holds the Python interpreter's {p}"
+            return f"it {how.format(p=p)}, bound in from the host"
+    return None
 
 
 def bwrap_argv(tmpfs_mb: int, inbox: str, python: str, bpf_fd: int | None,

@@ -96,12 +96,11 @@ from tiller.errors import ConfigError
 from tiller.tools.launch import (
     INBOX,
     LAUNCHER,
-    RESERVED,
     bwrap_argv,
+    mount_problem,
     sandbox_env,
     seccomp_program,
     supervise,
-    under,
 )
 from tiller.tools.threads import run_in_thread
 
@@ -161,10 +160,9 @@ class Sandbox:
             raise ValueError(f"backend must be auto, bwrap or subprocess, not {backend!r}")
         self.mounts = list(mounts)
         for path in self.mounts:
-            if not path.startswith("/") or ".." in PurePosixPath(path).parts or path == "/" \
-                    or any(under(path, d) or under(d, path) for d in RESERVED):
-                raise ValueError(f"mounts: got {path!r}; expected an absolute path outside "
-                                 f"{', '.join(RESERVED)}")
+            problem = mount_problem(path)
+            if problem is not None:
+                raise ValueError(f"mounts: got {path!r}; {problem}")
         if not sys.executable:
             raise RuntimeError("sys.executable is unknown: no interpreter to run the code with")
         self.limits = limits
