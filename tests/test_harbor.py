@@ -22,12 +22,14 @@ from tiller.config import load_config
 from tiller.controller import train
 from tiller.envs.harbor import HarborEnv, harbor_rewards
 from tiller.envs.harbor_format import read_tasks
+from tiller.envs.verifiers import Reward
 from tiller.errors import ConfigError
 from tiller.observe.evaluation import is_success
 from tiller.rollout.agent_loop import EpisodeLimits, run_episode
 from tiller.rollout.collect import collect_expert
 from tiller.run import Run
 from tiller.tools.sandbox import Sandbox
+from tiller.tools.stack import ToolStack
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -57,9 +59,30 @@ def play(cls, tokenizer, turns, name="write-file"):
 
 RANDOM_COMMANDS = ["ls", "cat notes.txt", "pwd", "echo hello > greeting.txt", "python3 calc.py",
                    "sqlite3 shop.db .tables", "echo 0 > answer.txt", "rm -f calc.py"]
+ENDLESS_LOOP = "printf 'while True:\\n    pass\\n' > calc.py"  # test.sh then times out
+HOSTILE_COMMANDS = ["ln -s /usr/bin/python3 py", "mkfifo pipe", ENDLESS_LOOP,
+                    "sleep 5"]  # past command_timeout_s=2
 
 
-def test_the_expert_solves_every_example_task_and_a_random_policy_none(tmp_path, tokenizer):
+def quick_tasks(tmp_path: Path) -> Path:
+    """The example tasks with a 5 s verifier timeout (a broken test run ends sooner)."""
+    folder = tmp_path / "quick"
+    shutil.copytree(TASKS, folder)
+    for toml in folder.glob("*/task.toml"):
+        toml.write_text(toml.read_text().replace("timeout_sec = 60.0", "timeout_sec = 5.0", 1))
+    return folder
+
+
+def stacked(cls: type[HarborEnv], tmp_path: Path, *overrides: str) -> ToolStack:
+    """The run's tool stack for `cls`'s config: executor (its derived shell timeout), faults,
+    metrics, as a run builds it."""
+    cfg = load_config(EXAMPLE, [f"env.harbor={json.dumps(cls.settings.model_dump())}",
+                                *overrides])
+    HarborEnv.configure(cfg)
+    return ToolStack(cfg.env.tools, tmp_path)
+
+
+def test_the_expert_solves_every_example_task(tmp_path, tokenizer):
     cls = harbor(tmp_path)
     tasks = cls.make_tasks("train", 3, seed=0)
     assert sorted(t.metadata["harbor"] for t in tasks) == ["fix-bug", "sqlite-query",
@@ -72,18 +95,87 @@ def test_the_expert_solves_every_example_task_and_a_random_policy_none(tmp_path,
     assert next(t for t in experts if t.task_id.endswith("sqlite-query")).reward.checks == {
         "reward": 1.0, "answered": 1.0, "tests_broken": 0.0}  # reward.json: named rewards
 
-    def args(rng: random.Random, junk: str) -> dict:  # plausible commands and junk
-        return {"command": rng.choice([*RANDOM_COMMANDS, junk])}
+
+
+def test_a_random_policy_with_hostile_commands_scores_none_and_is_never_env_error(tmp_path,
+                                                                                  tokenizer):
+    """Plausible commands, junk, and hostile ones (links, a FIFO, an endless loop written into
+    the code, a sleep past the command timeout) through the run's tool stack under its default
+    executor settings: nothing the policy does is an env_error, and it scores near 0."""
+    cls = harbor(tmp_path, tasks=quick_tasks(tmp_path), command_timeout_s=2)
+    stack = stacked(cls, tmp_path)
+    tasks = cls.make_tasks("train", 3, seed=0)
+
+    def args(rng: random.Random, junk: str) -> dict:  # hostile half the time, else plausible
+        pool = HOSTILE_COMMANDS if rng.random() < 0.5 else [*RANDOM_COMMANDS, junk]
+        return {"command": rng.choice(pool)}
 
     async def randoms():
         return await asyncio.gather(*(
-            run_episode(cls(), t, TextActor(tokenizer, tools=["shell"], make_args=args),
-                        tokenizer, seed=i, limits=LIMITS) for i, t in enumerate(tasks * 10)))
+            run_episode(cls(wrap=stack.wrapper(f"ep{i}")), t,
+                        TextActor(tokenizer, tools=["shell"], make_args=args), tokenizer,
+                        seed=i, limits=LIMITS) for i, t in enumerate(tasks * 10)))
 
-    rand = asyncio.run(randoms())
-    assert sum(t.tool_calls for t in rand) >= 10  # the random policy did run commands
-    assert all(t.env_errors == 0 for t in rand)
+    try:
+        rand = asyncio.run(randoms())
+    finally:
+        stack.close()
+    commands = [r.call.arguments.get("command") for t in rand for _, r in t.tool_results]
+    assert len(commands) >= 10  # the random policy did run commands, hostile ones among them
+    assert set(HOSTILE_COMMANDS) <= set(commands), set(commands)
+    assert all(t.env_errors == 0 for t in rand), [t.info for t in rand if t.env_errors]
     assert sum(map(is_success, rand)) / len(rand) <= 0.05
+    # the endless loop in calc.py: its tests time out, the policy's fault (reward 0)
+    broke = [t for t in rand if t.reward.checks.get("tests_broken")]
+    assert broke and all(t.task_id.endswith("fix-bug") and t.reward == Reward(
+        0.0, {"tests_broken": 1.0}) and ENDLESS_LOOP in [r.call.arguments["command"] for _, r in
+                                                         t.tool_results if r.outcome.value == "ok"]
+                         for t in broke)
+
+
+def test_hostile_commands_are_the_policys_doing(tmp_path, tokenizer):
+    """Each hostile command's outcome, through the run's tool stack: links and a FIFO carry
+    over, a sleep past command_timeout_s is the policy's timed-out command (not the
+    executor's env_error), and an endless loop in the code makes the tests time out: reward
+    0, tests_broken, never an env_error."""
+    cls = harbor(tmp_path, tasks=quick_tasks(tmp_path), command_timeout_s=2)
+    stack = stacked(cls, tmp_path)
+    task = next(t for t in cls.make_tasks("train", 3, 0) if t.metadata["harbor"] == "fix-bug")
+    try:
+        traj = asyncio.run(run_episode(
+            cls(wrap=stack.wrapper("ep")), task,
+            TextActor(tokenizer, [shell(c) for c in HOSTILE_COMMANDS] + ["Done."]), tokenizer,
+            seed=0, limits=EpisodeLimits(max_turns=6, max_episode_tokens=4096)))
+        stats = stack.stats()
+    finally:
+        stack.close()
+    assert [(r.outcome.value, r.content) for _, r in traj.tool_results] == [
+        ("ok", "[exit 0]"), ("ok", "[exit 0]"), ("ok", "[exit 0]"),
+        ("ok", "[timed out after 2s]")]
+    assert traj.status.value == "completed" and traj.env_errors == 0
+    assert traj.reward.value == 0.0 and traj.reward.checks == {"tests_broken": 1.0}
+    assert stats["tool_timeouts/shell"] == 0.0 and stats["ok_rate/shell"] == 1.0
+
+
+@pytest.mark.slow
+def test_a_sleep_past_the_default_command_timeout_is_the_policys(tmp_path, tokenizer):
+    """Under every default timeout (command_timeout_s 30, the executor's untouched), a command
+    that outlives the command timeout is killed by the sandbox and shown to the policy; the
+    executor does not fire first (an env_error, its sandbox left running)."""
+    cls = harbor(tmp_path)
+    assert cls.settings.command_timeout_s == 30
+    stack = stacked(cls, tmp_path)
+    task = next(t for t in cls.make_tasks("train", 3, 0) if t.metadata["harbor"] == "write-file")
+    try:
+        traj = asyncio.run(run_episode(
+            cls(wrap=stack.wrapper("ep")), task,
+            TextActor(tokenizer, [shell("echo hello harbor > greeting.txt; sleep 40"),
+                                  "Done."]), tokenizer, seed=0, limits=LIMITS))
+    finally:
+        stack.close()
+    [(_, result)] = traj.tool_results
+    assert (result.outcome.value, result.content) == ("ok", "[timed out after 30s]")
+    assert traj.env_errors == 0 and traj.reward.value == 1.0
 
 
 def test_the_workdir_carries_between_commands_and_nothing_else_does(tmp_path, tokenizer):
@@ -160,6 +252,17 @@ def test_a_workdir_that_cannot_be_kept_is_the_commands_tool_error(tmp_path, toke
     assert grew.content.endswith("): the command's changes are discarded]")
     assert listed.content == "greeting.txt\nnotes.txt\n[exit 0]"
     assert traj.env_errors == 0 and traj.reward.value == 1.0
+
+
+def test_memory_mb_bounds_a_commands_address_space(tmp_path, tokenizer):
+    cls = harbor(tmp_path, memory_mb=200)
+    alloc = "python3 -c 'bytearray({} << 20); print(\"got {} MB\")'"
+    traj = play(cls, tokenizer, [shell(alloc.format(32, 32)),
+                                 shell(alloc.format(400, 400) + " 2>&1 | tail -1"), "Done."])
+    small, big = (r.content for _, r in traj.tool_results)
+    assert small == "got 32 MB\n[exit 0]"
+    assert big == "MemoryError\n[exit 0]"  # (the pipe's exit status: tail's)
+    assert traj.env_errors == 0
 
 
 def test_tests_the_policy_broke_give_reward_0_not_env_error(tmp_path, tokenizer, caplog):
