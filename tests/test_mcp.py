@@ -256,6 +256,50 @@ def test_a_server_killed_mid_episode_is_env_error_and_is_restarted(tmp_path, tok
         stack.close()
 
 
+def test_a_server_past_max_restarts_is_down_and_its_calls_are_env_errors(tmp_path):
+    pid_file = tmp_path / "server.pid"
+    stack = ToolStack(ToolsConfig.model_validate({"mcp": [stdio(pid_file, max_restarts=0)]}),
+                      tmp_path)
+    try:
+        invoke = stack.wrapper("ep")(ToolRegistry([]))
+        calc = ToolCall("calculate", {"expression": "2 + 3"})
+        assert asyncio.run(invoke(calc)).content == "5"
+        pid = int(pid_file.read_text())
+        os.kill(pid, signal.SIGKILL)
+        assert gone(pid)
+        deadline = time.monotonic() + 20
+        while "is down" not in (result := asyncio.run(invoke(calc))).content:
+            assert result.outcome is ToolOutcome.ENV_ERROR  # the call that found it dead
+            assert time.monotonic() < deadline, result.content
+            time.sleep(0.1)
+        assert result.outcome is ToolOutcome.ENV_ERROR
+        assert result.content == (
+            "calculate failed: McpConnectionError: MCP server calc is down (its connection "
+            "closed) after 0 restarts (config field env.tools.mcp[0] (calc).max_restarts)")
+        again = asyncio.run(invoke(calc))
+        assert (again.outcome, again.content) == (ToolOutcome.ENV_ERROR, result.content)
+        assert stack.stats()["mcp_restarts/calc"] == 0.0
+        assert int(pid_file.read_text()) == pid  # never restarted
+    finally:
+        stack.close()
+
+
+def test_a_servers_cwd_is_where_its_command_starts(tmp_path):
+    """A relative script path resolves against `cwd` (the server would not start elsewhere)."""
+    entry = {"name": "calc", "command": [sys.executable, SERVER.name], "cwd": str(SERVER.parent)}
+    stack = ToolStack(ToolsConfig.model_validate({"mcp": [entry]}), tmp_path)
+    try:
+        invoke = stack.wrapper("ep")(ToolRegistry([]))
+        result = asyncio.run(invoke(ToolCall("calculate", {"expression": "6 * 7"})))
+        assert (result.outcome, result.content) == (ToolOutcome.OK, "42")
+    finally:
+        stack.close()
+    with pytest.raises(ConfigError, match=r"env.tools.mcp\[0\] \(calc\): command .* did not "
+                                          r"start: .*can't open file"):
+        ToolStack(ToolsConfig.model_validate({"mcp": [{**entry, "cwd": str(tmp_path)}]}),
+                  tmp_path)
+
+
 def test_a_slow_tool_times_out_as_env_error_and_the_server_keeps_serving(tmp_path):
     cfg = ToolsConfig.model_validate({"mcp": [stdio()],
                                       "executor": {"tools": {"slow": {"timeout_s": 0.5}}}})
@@ -277,6 +321,26 @@ def test_a_slow_tool_times_out_as_env_error_and_the_server_keeps_serving(tmp_pat
         stats = stack.stats()
         assert stats["tool_timeouts/slow"] == 1.0 and stats["env_error_rate/slow"] == 1.0
         assert stats["mcp_restarts/calc"] == 0.0  # a timeout is not a dead server
+    finally:
+        stack.close()
+
+
+def test_an_answer_over_max_result_chars_keeps_its_start_and_end_and_is_counted(tmp_path):
+    cfg = ToolsConfig.model_validate({"mcp": [stdio(max_result_chars=1000)]})
+    stack = ToolStack(cfg, tmp_path)
+    try:
+        invoke = stack.wrapper("ep")(ToolRegistry([]))
+
+        async def calls():
+            return [await invoke(ToolCall("big", {"chars": n})) for n in (1000, 5000)]
+
+        fits, over = asyncio.run(calls())
+        assert (fits.outcome, fits.content) == (ToolOutcome.OK, "<" + "x" * 998 + ">")
+        assert over.outcome is ToolOutcome.OK  # the tool answered: the policy reads its ends
+        assert over.content == ("<" + "x" * 499 + "\n[... 4000 characters of the answer cut: "
+                                "env.tools.mcp[0] (calc).max_result_chars=1000 ...]\n"
+                                + "x" * 499 + ">")
+        assert stack.stats()["mcp_truncated/calc"] == 1.0
     finally:
         stack.close()
 
@@ -419,7 +483,7 @@ def test_mcp_tools_join_any_tool_env_and_a_name_clash_is_one_line(tmp_path):
     try:
         sql = ENVS["sql"](wrap=stack.wrapper("ep"))  # its own tools, then the server's
         assert list(sql.registry.tools) == ["query", "execute", "calculate", "lookup", "slow",
-                                            "pid"]
+                                            "big", "pid"]
         with pytest.raises(ConfigError, match=r"^config field env.tools.mcp: tool name\(s\) "
                                               r"calculate are already tools of env calculator"):
             check_env_tools(ENVS["calculator"], stack.mcp_tools, "env.tools.mcp")

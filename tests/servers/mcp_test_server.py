@@ -24,6 +24,12 @@ def slow(seconds: float) -> str:
 
 
 @mcp.tool
+def big(chars: int) -> str:
+    """An answer of `chars` characters: '<', x's, '>'."""
+    return "<" + "x" * (chars - 2) + ">"
+
+
+@mcp.tool
 def pid() -> int:
     """The server's process id."""
     return os.getpid()

@@ -21,6 +21,12 @@ concurrency limits, counters) and the replay store. Whose fault a failure is:
 - a closed connection (the server died), a transport failure, a server that is down, any other
   protocol error, the executor's timeout: `env_error`, the environment's.
 
+An answer longer than the server's `max_result_chars` (64k characters by default) reaches the
+policy cut to its start and end around a marker saying how much was cut and which knob cut it,
+and is counted (`mcp_truncated/<server>`): the tool did answer, so it stays `ok` (or a
+`tool_error` if the server flagged it as one). The cap bounds the prompt and the traces, not
+the client's memory: the SDK reads each whole JSON-RPC message before tiller sees it.
+
 The servers live on an event loop of their own, in a thread (`McpHub`): a run starts a fresh
 `asyncio.run` per phase, and an MCP session must outlive them. A call made on a phase's loop is
 handed to the hub's loop and awaited there; the executor's timeout cancels it on both sides.
@@ -86,6 +92,10 @@ class McpServerConfig(BaseModel):
                                    "each restart")
     max_restarts: int = Field(5, ge=0, description="restarts (reconnects for a url) after its "
                               "connection closes, per run; after that its calls are env_errors")
+    max_result_chars: int = Field(
+        65536, ge=100, description="characters of one answer the policy reads; a longer one "
+        "keeps its start and end around a marker saying what was cut, and is counted "
+        "(mcp_truncated/<name>). The SDK has read the whole answer into memory by then")
 
     @model_validator(mode="after")
     def _one_source(self) -> McpServerConfig:
@@ -106,6 +116,16 @@ def innermost(e: BaseException) -> BaseException:
     while isinstance(e, _Group) and e.exceptions:
         e = e.exceptions[0]
     return e
+
+
+def capped(text: str, limit: int, field: str) -> str | None:
+    """`text` cut to its first and last `limit // 2` characters around a marker saying what
+    was cut, or None when it fits."""
+    if len(text) <= limit:
+        return None
+    half = limit // 2
+    return (f"{text[:half]}\n[... {len(text) - 2 * half} characters of the answer cut: "
+            f"{field}.max_result_chars={limit} ...]\n{text[-half:]}")
 
 
 def result_text(result: Any) -> str:
@@ -398,6 +418,7 @@ class McpTools:
             raise ConfigError(f"config field env.tools.mcp: server name(s) {', '.join(twice)} "
                               "appear twice; give each server its own name")
         self.replay = store is not None and store.mode == "replay"
+        self.truncated = {c.name: 0 for c in configs}  # answers cut to max_result_chars
         self.hub = None if self.replay else McpHub(configs, run_dir / "mcp")
         try:
             listings = {c.name: self._listing(c, i, store) for i, c in enumerate(configs)}
@@ -435,24 +456,31 @@ class McpTools:
                                       f"{owner[name]!r}; tool names must be unique")
                 try:
                     tools[name] = schema_tool(name, spec["description"], spec["input_schema"],
-                                              self._caller(c.name, name),
+                                              self._caller(c, i, name),
                                               env_errors=(Exception,))
                 except SchemaError as e:
                     raise ConfigError(f"config field env.tools.mcp[{i}] ({c.name}): {e}") from e
                 owner[name] = c.name
         return list(tools.values())
 
-    def _caller(self, server: str, tool: str) -> Any:
-        """The tool function: the server's answer as text, or a ToolError when the server
-        says the call failed. Every other exception is an env_error (`env_errors`)."""
+    def _caller(self, cfg: McpServerConfig, index: int, tool: str) -> Any:
+        """The tool function: the server's answer as text (at most `max_result_chars`, a
+        longer one cut and counted), or a ToolError when the server says the call failed.
+        Every other exception is an env_error (`env_errors`)."""
+        server, field = cfg.name, f"env.tools.mcp[{index}] ({cfg.name})"
 
         async def call(**arguments: Any) -> str:
             if self.hub is None:  # replay serves every call; reaching here is a bug
                 raise RuntimeError(f"MCP server {server} is not running (replay mode)")
             result = await self.hub.call(server, tool, arguments)
+            text = result_text(result)
+            cut = capped(text, cfg.max_result_chars, field)
+            if cut is not None:
+                self.truncated[server] += 1
+                text = cut
             if result.is_error:
-                raise ToolError(result_text(result))
-            return result_text(result)
+                raise ToolError(text)
+            return text
 
         call.__name__ = tool
         return call

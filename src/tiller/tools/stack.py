@@ -149,6 +149,7 @@ class ToolStack:
             totals["replay_misses"] = self.store.misses
         if self.mcp is not None:
             totals.update({f"mcp_restarts/{n}": k for n, k in self.mcp.restarts().items()})
+            totals.update({f"mcp_truncated/{n}": k for n, k in self.mcp.truncated.items()})
         for name, total in totals.items():
             out[name] = float(total - self._window_start.get(name, 0))
             if reset:
