@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TextActor, free_port, numbers, rl_rows
+from helpers import TextActor, alive, free_port, gone, numbers, processes_with, rl_rows
 from safetensors.torch import load_file
 
 from tiller.config import load_config
@@ -49,22 +49,6 @@ def importable(monkeypatch):
 def stdio(pid_file: Path | None = None, name: str = "calc", **extra) -> dict:
     env = {"MCP_PID_FILE": str(pid_file)} if pid_file else {}
     return {"name": name, "command": [sys.executable, str(SERVER)], "env": env, **extra}
-
-
-def alive(pid: int) -> bool:
-    """Whether `pid` is a running (not zombie) process."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
-
-
-def gone(pid: int, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not alive(pid)
 
 
 def example(*overrides: str) -> list[str]:
@@ -361,19 +345,6 @@ def test_per_tool_concurrency_limits_apply_to_mcp_calls(tmp_path):
         assert stats["tool_peak_concurrency/slow"] == 2.0 and stats["ok_rate/slow"] == 1.0
     finally:
         stack.close()
-
-
-def processes_with(marker: str) -> list[int]:
-    """Running (not zombie) processes whose command line holds `marker`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes() \
-                    and alive(int(entry.name)):
-                found.append(int(entry.name))
-        except OSError:  # exited meanwhile
-            pass
-    return found
 
 
 def test_a_server_that_fails_to_start_stops_the_others_at_once(tmp_path):

@@ -10,6 +10,7 @@ import asyncio
 import http.server
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TextActor, free_port, rl_rows
+from helpers import TextActor, free_port, gone, processes_with, rl_rows
 from openenv_loop import Bisector
 from safetensors.torch import load_file
 
@@ -80,6 +81,13 @@ def configured(tmp_path: Path, **openenv) -> type[OpenEnvEnv]:
     cls = OpenEnvEnv.configure(cfg)
     cls.start(tmp_path)
     return cls
+
+
+def secret(task) -> int:
+    """The number guess_env picks for `task` (its reset seed)."""
+    import random
+
+    return random.Random(task.metadata["seed"]).randint(1, 16)
 
 
 def call(guess) -> str:
@@ -170,6 +178,48 @@ def test_an_episode_maps_reset_step_observations_reward_and_done(tmp_path, token
     assert again.messages == messages
     schema = cls().tool_schemas()[0]["function"]
     assert schema["name"] == "step" and set(schema["parameters"]["properties"]) == {"guess"}
+
+
+def test_tool_name_and_reset_kwargs_reach_the_policy_and_the_server(tmp_path, tokenizer,
+                                                                     test_server):
+    url, _ = test_server
+    cls = configured(tmp_path, url=url, tool_name="guess_number", observation_field="message",
+                     reset_kwargs={"greeting": "Welcome."})
+    assert [s["function"]["name"] for s in cls().tool_schemas()] == ["guess_number"]
+    task = cls.make_tasks("train", 1, seed=0)[0]
+    wrong = 2 if secret(task) == 1 else 1
+    turns = [call(wrong).replace('"step"', '"guess_number"'), call(wrong), "I stop."]
+    traj = asyncio.run(run_episode(cls(), task, TextActor(tokenizer, turns), tokenizer, seed=0,
+                                   limits=LIMITS))
+    assert traj.messages[0]["content"].startswith("Welcome. I picked a whole number")
+    named, step = (r for _, r in traj.tool_results)
+    assert (named.outcome, named.content) == (ToolOutcome.OK, "No: higher.")
+    assert (step.outcome.value, step.content) == (
+        "tool_error", "unknown tool 'step'; available: guess_number")
+    assert traj.reward.checks["steps"] == 1.0 and traj.env_errors == 0
+
+
+def test_text_field_sends_the_plain_text_as_the_action(tmp_path, tokenizer):
+    port = free_port()
+    proc = start_server(TEST_SERVER, port, {"OPENENV_TEXT_ACTION": "1"})
+    try:
+        cls = configured(tmp_path, url=f"http://127.0.0.1:{port}", text_field="text",
+                         observation_field="message")
+        assert cls().tool_schemas() == []
+        task = cls.make_tasks("train", 1, seed=0)[0]
+        wrong = 2 if secret(task) == 1 else 1
+        turns = [f"My guess is {wrong}.", call(4), f"Then {secret(task)}!"]
+        traj = asyncio.run(run_episode(cls(), task, TextActor(tokenizer, turns), tokenizer,
+                                       seed=0, limits=EpisodeLimits(3, 2048)))
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    replies = [m["content"] for m in traj.messages if m["role"] == "user"][1:]
+    assert replies == ["No: higher.",  # the plain text went as {"text": ...}: a step
+                       "error: this environment has no tools; reply with plain text"]
+    assert traj.reward.value == 1.0  # "Then <secret>!": the second step, done (not rendered)
+    assert traj.reward.checks["steps"] == 2.0 and traj.reward.checks["done"] == 1.0
+    assert traj.env_errors == 0 and traj.status.value == "completed"
 
 
 @pytest.mark.parametrize("guess,outcome,content", [
@@ -300,8 +350,50 @@ def test_a_server_that_does_not_start_or_answer_is_one_line(tmp_path, openenv, m
     (["env.tools.replay={path: t.sqlite}"], "config field env.tools.replay: env openenv's "
                                             "steps go to the server's session"),
     (["env.name=calculator"], "config field env.openenv: only used with env.name: openenv"),
+    (["env.tools.executor={default: {timeout_s: 5}}"],
+     "config field env.tools.executor: env openenv's steps go to the server's session, not "
+     "through the tool stack, so env.tools.executor would do nothing; remove it"),
+    (["env.tools.gate.threshold=0.5"],
+     "config field env.tools.gate: env openenv's steps go to the server's session, not "
+     "through the tool stack, so env.tools.gate would do nothing; remove it"),
 ])
 def test_openenv_config_errors_are_one_line(tmp_path, overrides, message):
     with pytest.raises(ConfigError) as e:
         Run(load_config(EXAMPLE, overrides), tmp_path / "run")
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_killed_tiller_train_leaves_no_openenv_server(tmp_path, sig):
+    """`tiller train` on the example, signalled once its server is up and the model is being
+    built: SIGTERM closes the run as Ctrl-C does (the server stopped, exit 128 + 15); SIGKILL
+    gives it no chance, and the server dies with it (PR_SET_PDEATHSIG)."""
+    script = tmp_path / "guess_env.py"  # its path marks the server's command line
+    shutil.copy(GUESS, script)
+    out, log = tmp_path / "run", (tmp_path / "train.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tiller", "train", str(EXAMPLE),
+         f"env.openenv.command=[{sys.executable}, {script}, --port, '{{port}}']",
+         "rl.steps=400", "logging.report=false", "-o", str(out)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, stdout=log,
+        stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "base_model").exists():  # past start(): the server answered
+            assert proc.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the run did not start its server"
+            time.sleep(0.2)
+        servers = processes_with(str(script))
+        assert servers
+        proc.send_signal(sig)
+        proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+    output = (tmp_path / "train.log").read_text()
+    assert proc.returncode == (128 + signal.SIGTERM if sig == signal.SIGTERM else -sig), \
+        output[-2000:]
+    assert all(gone(pid, 20) for pid in servers), f"{sig.name} left the OpenEnv server running"

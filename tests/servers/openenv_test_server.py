@@ -2,18 +2,22 @@
 of 13 makes the environment raise, 14 makes it hang for 3 s, 15 is an action the server's own
 validator rejects (it passes the JSON schema), 11 one whose validator raises a plain ValueError
 (which openenv-core 0.3 cannot serialize: it ends the session); each session's close is
-appended to $OPENENV_CLOSE_LOG. `python openenv_test_server.py --port PORT`."""
+appended to $OPENENV_CLOSE_LOG; a reset's `greeting` field opens its first message. With
+$OPENENV_TEXT_ACTION set the action is {"text": str} (the first number in it is the guess).
+`python openenv_test_server.py --port PORT`."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from pathlib import Path
 
 import uvicorn
-from pydantic import field_validator
+from openenv.core.env_server import Action
+from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "openenv"))
@@ -31,8 +35,21 @@ class TestAction(GuessAction):
         return v
 
 
+class TextAction(Action):
+    text: str = Field(..., description="your guess, in words and digits")
+
+
 class TestEnv(GuessEnv):
+    def reset(self, seed=None, episode_id=None, greeting=None, **kwargs):
+        observation = super().reset(seed, episode_id, **kwargs)
+        if greeting:
+            observation.message = f"{greeting} {observation.message}"
+        return observation
+
     def step(self, action, timeout_s=None, **kwargs):
+        if isinstance(action, TextAction):
+            digits = re.search(r"\d+", action.text)
+            action = GuessAction(guess=min(max(int(digits.group()) if digits else 1, 1), 16))
         if action.guess == 13:
             raise RuntimeError("the environment broke on 13")
         if action.guess == 14:
@@ -49,5 +66,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args()
-    uvicorn.run(make_app(TestEnv, TestAction), host="127.0.0.1", port=args.port,
+    action = TextAction if os.environ.get("OPENENV_TEXT_ACTION") else TestAction
+    uvicorn.run(make_app(TestEnv, action), host="127.0.0.1", port=args.port,
                 log_level="warning")

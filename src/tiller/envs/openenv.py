@@ -5,9 +5,10 @@ OpenEnv (openenv-core) serves an environment over HTTP and a WebSocket: `POST /r
 them), while each `/ws` connection is one session with its own environment instance. tiller
 speaks that WebSocket protocol itself, with `websockets` and `httpx`, rather than through
 openenv-core's client: openenv-core imports gradio and its web UI whenever its client is
-imported (18 s of imports on this machine, and gradio, pandas and openai as dependencies of
-every training run); the protocol is four JSON messages, and tests/test_openenv.py holds
-tiller's side of it to a real openenv-core server (examples/openenv/guess_env.py).
+imported (23 times as long as websockets and httpx: docs/results.md, "Environments from the
+ecosystem"; and gradio, pandas and openai as dependencies of every training run); the protocol
+is four JSON messages, and tests/test_openenv.py holds tiller's side of it to a real
+openenv-core server (examples/openenv/guess_env.py).
 
     client -> {"type": "reset", "data": {"seed": s, ...}} | {"type": "step", "data": {action}}
               | {"type": "close"}
@@ -15,7 +16,9 @@ tiller's side of it to a real openenv-core server (examples/openenv/guess_env.py
               | {"type": "error", "data": {"message": ..., "code": ...}}
 
 A config names the server by `url`, or by a `command` that tiller starts for the run (its
-`{port}` replaced by a free loopback port) and stops at the end. Before any work tiller checks
+`{port}` replaced by a free loopback port) and stops at the end (its process group; on Linux
+the server also dies with tiller, PR_SET_PDEATHSIG, and `tiller train` takes SIGTERM as
+Ctrl-C, so the run still stops it). Before any work tiller checks
 it: `/health` and `/schema` answer JSON, the action schema is one tiller can render, and a
 probe episode's reset answers an observation; anything else is one line.
 
@@ -30,19 +33,24 @@ server says `done`, when the policy answers without a tool call (tool mode), or 
 Whose fault: an action the server rejects (`VALIDATION_ERROR`) is the policy's (`tool_error`);
 a server error (`EXECUTION_ERROR` and every other code), an answer that is not the protocol, a
 closed connection or a timeout is the environment's (`env_error`: the episode is kept out of
-the loss). The session is closed at the end of every episode.
+the loss). The session is closed at the end of every episode. Steps do not go through the
+tool stack, so `env.tools` settings that would do nothing (replay, faults, an executor or a
+gate other than the defaults) are refused in one line.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -53,8 +61,10 @@ from tiller.envs.source_config import OpenEnvConfig
 from tiller.envs.splits import draw_split, stable_id
 from tiller.envs.verifiers import Reward
 from tiller.errors import ConfigError, one_line
+from tiller.tools.executor import ExecutorConfig
 from tiller.tools.registry import ToolCall, ToolError, ToolOutcome, ToolRegistry, ToolResult
 from tiller.tools.schemas import SchemaError, schema_tool
+from tiller.tools.stack import GateConfig
 
 if TYPE_CHECKING:
     from tiller.config import Config
@@ -81,7 +91,10 @@ class Server:
             argv = [a.replace("{port}", str(port)) for a in cfg.command]
             with self.log.open("ab") as log:
                 try:
-                    self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                    if shutil.which(argv[0]) is None:  # said here: the wrapper would exec it
+                        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
+                    self.proc = subprocess.Popen(dying_with_this_process(argv), stdout=log,
+                                                 stderr=subprocess.STDOUT,
                                                  stdin=subprocess.DEVNULL,
                                                  start_new_session=True)
                 except OSError as e:
@@ -137,6 +150,26 @@ class Server:
                 break
             except subprocess.TimeoutExpired:
                 logger.warning("the OpenEnv server (pid %d) outlived %s", self.proc.pid, sig.name)
+
+
+# Execs argv[2:] with PR_SET_PDEATHSIG set to SIGKILL: the server dies with the thread that
+# started it (in a run, the main thread), also when tiller itself is killed and cannot stop it.
+# It exits instead when that parent is already gone (the race before prctl).
+_DIE_WITH_PARENT = """\
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("tiller exited before its OpenEnv server started")
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def dying_with_this_process(argv: list[str]) -> list[str]:
+    """`argv` run through `_DIE_WITH_PARENT` (Linux; elsewhere `argv` itself): a prctl in the
+    child without `preexec_fn`, which is not safe in a process with threads."""
+    if sys.platform != "linux":
+        return argv
+    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
 
 
 def _free_port() -> int:
@@ -240,7 +273,8 @@ class OpenEnvEnv(Env):
     """Episodes on the OpenEnv server `env.openenv` names; configured per run."""
 
     name: ClassVar[str] = "openenv"
-    requires: ClassVar[dict[str, str]] = {"websockets": "openenv", "httpx": "openenv"}
+    requires: ClassVar[dict[str, str]] = {"websockets": "openenv", "httpx": "openenv",
+                                          "jsonschema": "openenv"}
     has_expert: ClassVar[bool] = False
     has_difficulty: ClassVar[bool] = False
     settings: ClassVar[OpenEnvConfig]
@@ -265,8 +299,11 @@ class OpenEnvEnv(Env):
             raise ConfigError("config field env.openenv: env.name is openenv, so name the "
                               "server: {url: http://...} or {command: [..., '{port}']}")
         tools = cfg.env.tools
-        for field, value in (("replay", tools.replay), ("faults", tools.faults)):
-            if value is not None:
+        for field, value, default in (("replay", tools.replay, None),
+                                      ("faults", tools.faults, None),
+                                      ("executor", tools.executor, ExecutorConfig()),
+                                      ("gate", tools.gate, GateConfig())):
+            if value != default:  # (a run folder's config.yaml holds the defaults: fine)
                 raise ConfigError(f"config field env.tools.{field}: env openenv's steps go to "
                                   "the server's session, not through the tool stack, so "
                                   f"env.tools.{field} would do nothing; remove it")

@@ -32,7 +32,7 @@ class SchemaError(ValueError):
 def check_schema(name: str, schema: Any) -> Any:
     """The `jsonschema` validator of a tool's input schema, or `SchemaError` naming the tool
     and what is wrong."""
-    import jsonschema  # the mcp and openenv extras install it (the mcp SDK depends on it)
+    import jsonschema  # the openenv extra lists it; the mcp extra's SDK depends on it
 
     if not isinstance(schema, dict):
         raise SchemaError(f"tool {name!r}: its input schema is a {type(schema).__name__}, not "
