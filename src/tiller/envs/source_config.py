@@ -56,14 +56,15 @@ class HarborConfig(BaseModel):
                              "held-out split, the run skips the held-out evaluations")
     command_timeout_s: float = Field(30.0, gt=0, description="per shell command (wall and "
                                      "CPU seconds); a command past it is killed and the "
-                                     "policy sees it timed out")
+                                     "policy sees it timed out. The shell tool's executor "
+                                     "timeout, if set, must exceed this + 30 s")
     output_chars: int = Field(4000, ge=100, description="of a command's output shown to the "
                               "policy (its start and end)")
     memory_mb: int = Field(1024, ge=64, description="address space of a command and of the "
                            "tests (RLIMIT_AS)")
     workspace_mb: int = Field(32, ge=1, le=1024, description="size of the workdir carried "
-                              "between commands; a command that grows it past this has its "
-                              "changes discarded")
+                              "between commands (packed); a command that grows it past this "
+                              "is the policy's tool_error, its changes discarded")
     reward_key: str = Field("reward", description="the entry of reward.json trained on (a "
                             "file with one entry needs no key)")
     system: str | None = Field(SYSTEM, description="system prompt of every episode")
