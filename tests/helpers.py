@@ -10,6 +10,7 @@ import random
 import sqlite3
 import string
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from pathlib import Path
@@ -256,3 +257,32 @@ def serve_process(model_dir: Path, *args: str, timeout_s: float = 180.0
             proc.wait(timeout=10)
         reader.join(timeout=10)
     assert "Traceback" not in "".join(log), "".join(log)[-3000:]
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` is a running (not zombie) process."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def gone(pid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not alive(pid)
+
+
+def processes_with(marker: str) -> list[int]:
+    """Running (not zombie) processes whose command line holds `marker`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes() \
+                    and alive(int(entry.name)):
+                found.append(int(entry.name))
+        except OSError:  # exited meanwhile
+            pass
+    return found

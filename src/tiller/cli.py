@@ -5,16 +5,21 @@
 Errors a user can fix (bad config, missing model, unknown env or algorithm) print one line
 and exit with status 2, never a traceback; a run that started but cannot learn (a broken engine,
 a step with nothing to train) prints one line naming the cause and exits with status 1.
+SIGTERM during `train` or `eval` is taken as Ctrl-C: the run closes what it opened (env and
+MCP servers, files) on its way out, and the command exits with status 143 (128 + 15); a
+second SIGTERM ends it at once.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -78,6 +83,25 @@ def _print_summary(summary: dict) -> None:
         console.print(f"report: {summary['report']}", highlight=False, soft_wrap=True)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C would be, so everything that closes on Ctrl-C closes."""
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Within: SIGTERM raises `Terminated` in the main thread (once; a second one kills)."""
+
+    def handler(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _run(action: str, config: Path, overrides: list[str] | None, output_dir: Path | None,
          run_folder: bool = False) -> None:
     """`controller.<action>` on the config; `run_folder`: the config is a run folder's, read
@@ -90,8 +114,12 @@ def _run(action: str, config: Path, overrides: list[str] | None, output_dir: Pat
 
     try:
         cfg = load_config(config, overrides or [])
-        with untrusted_run_config(cfg, config, overrides or []) if run_folder else nullcontext():
+        with _sigterm_as_interrupt(), (untrusted_run_config(cfg, config, overrides or [])
+                                       if run_folder else nullcontext()):
             summary = getattr(controller, action)(cfg, output_dir)
+    except Terminated:  # the run has closed: exit as a process killed by SIGTERM reports it
+        console.print("terminated (SIGTERM): the run closed what it opened")
+        raise SystemExit(128 + signal.SIGTERM) from None
     except (ConfigError, ModelLoadError) as e:
         _fail(str(e))
     except RunError as e:  # the run started but cannot learn: one line, exit 1

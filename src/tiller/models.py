@@ -8,8 +8,9 @@ supplies, then saves both with `save_pretrained`, so the result is an ordinary H
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -152,10 +153,12 @@ def build_tiny_model(
 
 
 def build_env_model(env_cls: type[Env], out: Path, build: BuildConfig, *, seed: int,
-                    difficulty: int, max_turns: int, root: str | Path | None = None) -> Path:
+                    difficulty: int, max_turns: int, tools: Sequence[dict[str, Any]] = (),
+                    root: str | Path | None = None) -> Path:
     """A tiny model whose tokenizer learned from the env's expert episodes (or the text of
-    `env_cls.tokenizer_corpus`, for an env without an expert), saved to `out` below `root`
-    (`build_tiny_model`).
+    `env_cls.tokenizer_corpus`, for an env without an expert), and from each task's prompt
+    rendered with the run's extra `tools` (the schemas of env.tools.functions and MCP tools),
+    saved to `out` below `root` (`build_tiny_model`).
 
     The episodes are rendered through the real loop with a byte-level tokenizer (the BPE
     alphabet with no merges yet); a share of them guess, so answers without tools are covered.
@@ -167,6 +170,10 @@ def build_env_model(env_cls: type[Env], out: Path, build: BuildConfig, *, seed: 
         trajs = collect_expert(env_cls, tasks, bootstrap, guess=0.3,
                                limits=EpisodeLimits(max_turns, 1 << 16), seed=seed)
         corpus = [bootstrap.decode(t.token_ids) for t in trajs]
+    if tools:  # schemas the policy reads in every prompt
+        corpus = [*corpus, *(bootstrap.apply_chat_template(
+            [{"role": "user", "content": t.prompt}], tools=list(tools), tokenize=False)
+            for t in tasks)]
     return build_tiny_model(out, corpus, vocab_size=build.vocab_size,
                             hidden_size=build.hidden_size, num_layers=build.num_layers,
                             num_heads=build.num_heads, seed=seed, root=root)

@@ -86,12 +86,14 @@ def env_label(cls: type[Env]) -> str:
     return getattr(cls, "name", None) or f"{cls.__module__}:{cls.__qualname__}"
 
 
-def check_env_tools(cls: type[Env], tools: Sequence[Tool]) -> None:
-    """`env.tools.functions` join a `ToolEnv`'s own tools; any other env cannot take them,
-    and a name the env's own tools already use is a clash, not an override."""
+def check_env_tools(cls: type[Env], tools: Sequence[Tool],
+                    field: str = "env.tools.functions") -> None:
+    """`env.tools.functions` (or the MCP tools, `field`) join a `ToolEnv`'s own tools; any
+    other env cannot take them, and a name the env's own tools already use is a clash, not an
+    override."""
     if not tools:
         return
-    field = "config field env.tools.functions"
+    field = f"config field {field}"
     if not issubclass(cls, ToolEnv):
         raise ConfigError(f"{field}: env {env_label(cls)} is not a ToolEnv (its actions are "
                           "not tool calls), so it cannot take tools; remove them")

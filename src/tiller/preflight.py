@@ -6,8 +6,9 @@
    list against the env's task space (and the curriculum's levels), then the code the config
    names (agent loop or program, key steps, judge function, judge model folder). An off-policy
    correction that cannot see top-k/top-p truncation is warned about.
-2. `check_tools(env_cls, tools)`, once the tool stack is open (a bad replay path and the
-   sandbox policy are the stack's own checks): the env's tools against the stack's.
+2. `check_tools(env_cls, tools)`, once the tool stack is open (a bad replay path, the
+   sandbox policy and the MCP servers' start are the stack's own checks): the env's tools
+   against the stack's; then the env's own server (`Env.start`: openenv), before any work.
 3. `check_model(cfg, tokenizer, model, limits)`, once the model is loaded: the chat template
    round trip and the context (`check_rollout_setup`), and model.dropout.
 4. The engine's first weights, checked like every later sync's (`WeightSync.check_parity`).
@@ -20,7 +21,7 @@ options are made where those are opened.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,7 @@ from tiller.observe.metrics import check_backends
 from tiller.plugins import check_env_tools, env_label, load_env_class
 from tiller.rollout.agent_loop import EpisodeLimits, check_rollout_setup, load_episode_fn
 from tiller.rollout.curriculum import check_curriculum
-from tiller.tools.registry import Tool
+from tiller.tools.stack import ToolStack
 from tiller.train.judges import check_judge_model
 from tiller.train.shaping import JudgeFn, KeyStepFn, load_judge, load_key_steps
 
@@ -75,9 +76,11 @@ def check_run(cfg: Config) -> Checked:
     return Checked(env_cls, conversations, episode_fn, program, key_steps, judge_fn)
 
 
-def check_tools(env_cls: type[Env], tools: Sequence[Tool]) -> None:
-    """The env's tools against the tool stack's (`plugins.check_env_tools`)."""
-    check_env_tools(env_cls, tools)
+def check_tools(env_cls: type[Env], tools: ToolStack) -> None:
+    """The env's tools against the tool stack's functions and its MCP servers' tools
+    (`plugins.check_env_tools`)."""
+    check_env_tools(env_cls, tools.functions)
+    check_env_tools(env_cls, tools.mcp_tools, "env.tools.mcp")
 
 
 def check_model(cfg: Config, tokenizer: Any, model: Any, limits: EpisodeLimits) -> None:

@@ -123,7 +123,10 @@ class Run:
         closes(stack, "tool stack", self.tools.close)
         set_unsafe_fallback(cfg.env.tools.sandbox.allow_unsafe_fallback)
         closes(stack, "sandbox policy", lambda: set_unsafe_fallback(False))  # ends with the run
-        check_tools(self.env_cls, self.tools.functions)
+        check_tools(self.env_cls, self.tools)
+        # an env server (openenv), checked before any work; stopped before the tools' servers
+        closes(stack, "env server", self.env_cls.stop)
+        self.env_cls.start(self.dir)
         self._build_models(stack)
         self.logger = MetricsLogger(self.dir, cfg.logging.tensorboard, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.model_dump())
@@ -150,7 +153,8 @@ class Run:
         device = resolve_device(cfg.model.device)
         path = Path(cfg.model.path) if cfg.model.path is not None else build_env_model(
             self.env_cls, self.dir / "base_model", cfg.model.build, seed=cfg.seed,
-            difficulty=cfg.env.difficulty, max_turns=cfg.env.max_turns, root=self.dir)
+            difficulty=cfg.env.difficulty, max_turns=cfg.env.max_turns,
+            tools=[t.schema for t in self.tools.extra], root=self.dir)
         self.tokenizer = load_tokenizer(path)
         # fp32 master weights for the optimizer whatever model.dtype is (see PolicyTrainer); the
         # engine's copy (and the reference model) are in model.dtype

@@ -10,6 +10,7 @@ line naming the field, each setting below unless the user passes `--trust-run-co
   `rl.algorithm.credit.key_steps`, `rl.judge.fn`, `data.tools`, `rewards[].function`; a
   dotted path met later (a data row's tools column) is refused when it is read;
 - model-written code run unsandboxed: `env.tools.sandbox.allow_unsafe_fallback`;
+- commands started and servers the policy's calls go to: `env.tools.mcp`, `env.openenv`;
 - files written outside the command's output folder: `env.tools.replay.path` (absolute or
   with `..`) and `engine.weights_dir`;
 - the checkpoint, the prompts and the TILLER_API_KEY sent to other machines: `engine.urls`.
@@ -56,6 +57,13 @@ def run_config_requests(cfg: Config) -> list[tuple[str, Any, str]]:
             ("data.tools", cfg.data.tools),
             ("rewards", [r.function for r in cfg.rewards if r.function is not None]),
         ) if value]
+    if cfg.env.tools.mcp:
+        found.append(("env.tools.mcp", [s.command or s.url for s in cfg.env.tools.mcp],
+                      "starts those commands and sends the policy's tool calls to those "
+                      "servers"))
+    if cfg.env.openenv is not None:
+        found.append(("env.openenv", cfg.env.openenv.command or cfg.env.openenv.url,
+                      "starts that command or sends the policy's actions to that server"))
     if cfg.env.tools.sandbox.allow_unsafe_fallback:
         found.append(("env.tools.sandbox.allow_unsafe_fallback", True,
                       "runs model-written code unsandboxed when bubblewrap does not work"))

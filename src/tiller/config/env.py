@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from tiller.config.base import Section
+from tiller.envs.source_config import HarborConfig, OpenEnvConfig
 from tiller.errors import ConfigError
 from tiller.tools.stack import ToolsConfig
 
@@ -32,7 +33,11 @@ class EnvConfig(Section):
     tools: ToolsConfig = Field(default_factory=ToolsConfig,
                                description="extra tool functions and the stack every call goes "
                                "through: executor, fault injection, record/replay, gate, "
-                               "sandbox")
+                               "sandbox; MCP servers")
+    openenv: OpenEnvConfig | None = Field(None, description="env openenv: the OpenEnv server "
+                                          "(url or command) and how the policy acts on it")
+    harbor: HarborConfig | None = Field(None, description="env harbor: the folder of Harbor "
+                                        "tasks and the sandbox they run in")
 
 
 DEFAULT_LOOP = "tiller.rollout.agent_loop:run_episode"

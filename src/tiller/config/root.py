@@ -147,6 +147,15 @@ class Config(Section):
 
 
     @model_validator(mode="after")
+    def _source_fits_env(self) -> Config:
+        for name in ("openenv", "harbor"):  # each source's section (a plug-in may subclass)
+            if getattr(self.env, name) is not None and self.env.name != name \
+                    and ":" not in self.env.name:
+                raise ConfigError(f"config field env.{name}: only used with env.name: {name} "
+                                  f"(env.name is {self.env.name})")
+        return self
+
+    @model_validator(mode="after")
     def _data_fits_env(self) -> Config:
         data = self.data
         # a plug-in env given data is a subclass of the dataset env (checked once it is

@@ -10,6 +10,7 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from tiller.envs.actions import ParsedTurn
@@ -54,6 +55,18 @@ class Env(ABC):
         """The env class a run uses, given its config: this one, or a subclass holding what
         the config names (the dataset env's rows). Runs once at start-up, before any work."""
         return cls
+
+    @classmethod
+    def start(cls, run_dir: Path) -> None:
+        """Start what the episodes need outside tiller (e.g. an env server), once per run,
+        after `configure` and before any work; one that is not usable is a ConfigError. The
+        run calls `stop` when it ends, also when it fails or is interrupted."""
+        return None
+
+    @classmethod
+    def stop(cls) -> None:
+        """Stop what `start` started; safe to call twice, or when it started nothing."""
+        return None
 
     @classmethod
     def tokenizer_corpus(cls, tasks: list[Task], tokenizer: Any) -> list[str] | None:

@@ -88,9 +88,10 @@ class DatasetSource:
 
 
 def load_tasks(data: DataConfig, path: str, field_name: str, split: str,
-               entries: list[RewardEntry]) -> list[Task]:
+               entries: list[RewardEntry], run_tools: bool = False) -> list[Task]:
     """Every row of `path` as a Task, each checked now: the prompt (or messages) column, the
-    answer where a library verifier needs one, the metadata columns, the tools."""
+    answer where a library verifier needs one, the metadata columns, the tools. With
+    `run_tools` (MCP tools: `env.tools.mcp`) every row is a multi-turn tool episode."""
     tasks = []
     prompt_col = data.messages_column or data.prompt_column
     for row in read_rows(path, field_name):
@@ -132,7 +133,8 @@ def load_tasks(data: DataConfig, path: str, field_name: str, split: str,
             id=f"{Path(path).name}:{n}", prompt=text, answer=answer, split=split,
             system=data.system if not data.messages_column else None,
             metadata={"prompt": prompt, "columns": columns, "tools": tools,
-                      "conversational": bool(data.messages_column or tools)}))
+                      "conversational": bool(data.messages_column or tools or run_tools),
+                      "multi_turn": bool(tools or run_tools)}))
     return tasks
 
 
@@ -175,8 +177,9 @@ class DatasetEnv(ToolEnv):
         data = cfg.data
         assert data.train is not None  # Config requires it with env.name dataset
         entries = resolve_entries(cfg.rewards)
-        train = load_tasks(data, data.train, "data.train", "train", entries)
-        heldout = (load_tasks(data, data.eval, "data.eval", "heldout", entries)
+        mcp = bool(cfg.env.tools.mcp)  # the servers' tools reach every row's episode
+        train = load_tasks(data, data.train, "data.train", "train", entries, mcp)
+        heldout = (load_tasks(data, data.eval, "data.eval", "heldout", entries, mcp)
                    if data.eval else [])
         sft = read_conversations(data) if data.sft else []
         source = DatasetSource(train, heldout, entries, sft)
@@ -245,7 +248,7 @@ class DatasetEnv(ToolEnv):
     async def step(self, action: ParsedTurn) -> StepResult:
         assert self.task is not None
         self.added.append(assistant_message(action))
-        if not self.task.metadata["tools"]:
+        if not self.task.metadata["multi_turn"]:
             return StepResult(messages=[], done=True)  # single-turn: the first answer is final
         result = await super().step(action)
         self.added.extend(result.messages)

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import platform
+import posixpath
 import selectors
 import shutil
 import signal
@@ -18,6 +19,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -28,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 INBOX = "/inbox"  # where the code and files are bound (read-only) inside bwrap
 _WORKDIR = "/tmp"  # the writable tmpfs: cwd and HOME of the sandboxed program
+RESERVED = ("/usr", "/etc", "/proc", "/dev", "/tmp", "/bin", "/sbin", "/lib", "/lib32",
+            "/lib64", INBOX)  # what a sandbox's `mounts` may not shadow
 _NOBODY = 65534  # the uid inside a user namespace (non-root callers)
 _ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime")
 _INFO_MAX_BYTES = 4096  # bwrap's --info-fd JSON is a few bytes
@@ -264,20 +268,43 @@ def _python_binds() -> list[tuple[str, str]]:
     }  # fmt: skip
     binds: list[tuple[str, str]] = []
     for dest in sorted(os.path.abspath(p) for p in wanted):  # parents sort before children
-        if _under(dest, "/usr") or any(_under(dest, d) for _, d in binds):
+        if under(dest, "/usr") or any(under(dest, d) for _, d in binds):
             continue  # already visible
         binds.append((os.path.realpath(dest), dest))
     return binds
 
 
-def _under(path: str, parent: str) -> bool:
+def under(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
+def mount_problem(path: str, provided: Sequence[str] = ()) -> str | None:
+    """Why `path` cannot get a writable tmpfs of its own in the sandbox (`bwrap_argv`'s
+    `mounts`), or None when it can: it must be an absolute, normalised path that neither is,
+    lies under nor holds a path the sandbox provides itself (RESERVED, and `provided`, e.g. a
+    Harbor verifier's /tests), nor one of the interpreter's folders bound in from the host
+    (a mount there would hide the interpreter, or cannot be made inside its read-only bind).
+    The one check for every caller, so a path that passes it also runs."""
+    if not path.startswith("/") or path == "/" or "\0" in path \
+            or posixpath.normpath(path) != path:
+        return "expected an absolute, normalised path other than /"
+    for p in (*RESERVED, *provided):
+        if under(path, p) or under(p, path):
+            how = "is {p} or lies under it" if under(path, p) else "holds {p}"
+            return f"it {how.format(p=p)}, a path the sandbox provides itself"
+    for _, p in _python_binds():
+        if under(path, p) or under(p, path):
+            how = "is the Python interpreter's {p} or lies under it" if under(path, p) \
+                else "holds the Python interpreter's {p}"
+            return f"it {how.format(p=p)}, bound in from the host"
+    return None
+
+
 def bwrap_argv(tmpfs_mb: int, inbox: str, python: str, bpf_fd: int | None,
-               info_fd: int) -> list[str]:
+               info_fd: int, mounts: Sequence[str] = ()) -> list[str]:
     """bwrap's command line up to `--`: namespaces, the read-only filesystem with the
-    interpreter bound in, a `tmpfs_mb` MiB writable /tmp, the inputs at INBOX, the filter."""
+    interpreter bound in, a `tmpfs_mb` MiB writable /tmp and one at each of `mounts`, the
+    inputs at INBOX, the filter."""
     bwrap = shutil.which("bwrap") or "bwrap"  # a full path: bwrap itself runs with an empty env
     argv = [bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--as-pid-1"]
     argv += ["--unshare-net"]
@@ -308,6 +335,12 @@ def bwrap_argv(tmpfs_mb: int, inbox: str, python: str, bpf_fd: int | None,
                 argv += ["--perms", "0755", "--dir", str(parent)]
                 made.add(str(parent))
         argv += ["--ro-bind", src, dest]
+    for path in mounts:  # writable, size-capped, under the root made read-only below
+        for parent in reversed(PurePosixPath(path).parents[:-1]):
+            if str(parent) not in made:
+                argv += ["--perms", "0755", "--dir", str(parent)]
+                made.add(str(parent))
+        argv += ["--size", str(tmpfs_mb << 20), "--perms", "1777", "--tmpfs", path]
     argv += ["--ro-bind", inbox, INBOX]
     argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", _WORKDIR]
     if bpf_fd is not None:

@@ -46,6 +46,8 @@ CREATE TABLE IF NOT EXISTS calls (
     PRIMARY KEY (key, tool, arguments, occurrence)
 )
 """
+# what a replay needs besides the calls, e.g. an MCP server's tool listing (tiller.tools.mcp)
+_META = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
 
 
 class ReplayStore:
@@ -72,6 +74,7 @@ class ReplayStore:
         self._conn.execute("PRAGMA synchronous=NORMAL")
         self._conn.execute("PRAGMA busy_timeout=5000")
         self._conn.execute(_SCHEMA)
+        self._conn.execute(_META)
 
     def wrap(self, target: ToolRegistry | Invoke, key: str = "") -> Invoke:
         """An invoke callable for one episode. Wrap outside the executor (`store.wrap(
@@ -115,6 +118,16 @@ class ReplayStore:
                 "INSERT OR REPLACE INTO calls VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (*where, result.outcome.value, result.content, result.latency_s, time.time()),
             )
+
+    def put_meta(self, key: str, value: str) -> None:
+        """Record `value` under `key` (overwriting), for a later replay to read."""
+        with self._lock:
+            self._conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+
+    def get_meta(self, key: str) -> str | None:
+        with self._lock:
+            row = self._conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else row[0]
 
     def __len__(self) -> int:
         with self._lock:

@@ -84,6 +84,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path, PurePosixPath
@@ -92,7 +93,15 @@ from typing import IO
 # Only stdlib-only tiller modules: the sandbox also runs under a bare system Python (the
 # unprivileged-user test executes this file with /usr/bin/python3 and tiller's src on the path).
 from tiller.errors import ConfigError
-from tiller.tools.launch import INBOX, LAUNCHER, bwrap_argv, sandbox_env, seccomp_program, supervise
+from tiller.tools.launch import (
+    INBOX,
+    LAUNCHER,
+    bwrap_argv,
+    mount_problem,
+    sandbox_env,
+    seccomp_program,
+    supervise,
+)
 from tiller.tools.threads import run_in_thread
 
 logger = logging.getLogger(__name__)
@@ -141,12 +150,19 @@ class SandboxResult:
 class Sandbox:
     """Runs Python source under `limits`; `backend` is "auto" (bwrap if it works, else refuse
     unless `allow_unsafe_fallback`), "bwrap" or "subprocess" (the unsandboxed fallback).
-    `allow_unsafe_fallback=None` uses the process's setting (`set_unsafe_fallback`)."""
+    `allow_unsafe_fallback=None` uses the process's setting (`set_unsafe_fallback`).
+    `mounts` are absolute paths that get a writable tmpfs of their own (`tmpfs_mb` each), e.g.
+    a Harbor task's /app, /tests and /logs (bwrap only)."""
 
     def __init__(self, limits: SandboxLimits = SandboxLimits(), backend: str = "auto",
-                 allow_unsafe_fallback: bool | None = None) -> None:
+                 allow_unsafe_fallback: bool | None = None, mounts: Sequence[str] = ()) -> None:
         if backend not in ("auto", "bwrap", "subprocess"):
             raise ValueError(f"backend must be auto, bwrap or subprocess, not {backend!r}")
+        self.mounts = list(mounts)
+        for path in self.mounts:
+            problem = mount_problem(path)
+            if problem is not None:
+                raise ValueError(f"mounts: got {path!r}; {problem}")
         if not sys.executable:
             raise RuntimeError("sys.executable is unknown: no interpreter to run the code with")
         self.limits = limits
@@ -155,6 +171,10 @@ class Sandbox:
         if backend == "auto":
             problem = bwrap_problem()
             backend = "subprocess" if problem else "bwrap"
+            if problem and self.mounts:  # no fallback can give them: refused, not warned
+                raise ConfigError(f"cannot sandbox: {problem}; the paths "
+                                  f"{', '.join(self.mounts)} exist only inside bubblewrap "
+                                  "(apt-get install bubblewrap)")
             if allow_unsafe_fallback is None:
                 allow_unsafe_fallback = _fallback_allowed
             if problem and not allow_unsafe_fallback:
@@ -166,6 +186,9 @@ class Sandbox:
             if problem:
                 _warn_fallback(problem)
         elif backend == "subprocess":
+            if self.mounts:
+                raise ConfigError("this sandbox needs bubblewrap: the paths "
+                                  f"{', '.join(self.mounts)} exist only inside it")
             _warn_fallback("backend='subprocess' was requested")
         self.backend = backend
 
@@ -228,7 +251,8 @@ class Sandbox:
             bpf_fd = bpf_file.fileno() if seccomp_program() else None
             if bpf_fd is not None:
                 pass_fds.append(bpf_fd)
-            prefix = bwrap_argv(self.limits.tmpfs_mb, inbox, python, bpf_fd, info_w)
+            prefix = bwrap_argv(self.limits.tmpfs_mb, inbox, python, bpf_fd, info_w,
+                                self.mounts)
             env, cwd = {}, "/"
         else:
             cfg["parent_pid"] = os.getpid()

@@ -20,7 +20,15 @@ from tiller.errors import ConfigError
 from tiller.files import folder_below
 from tiller.tools.executor import ExecutorConfig, Invoke, ProbeReport, ToolExecutor
 from tiller.tools.faults import FaultConfig, FaultInjector
-from tiller.tools.registry import ToolCall, ToolOutcome, ToolRegistry, ToolResult, load_tools
+from tiller.tools.mcp import McpServerConfig, McpTools
+from tiller.tools.registry import (
+    Tool,
+    ToolCall,
+    ToolOutcome,
+    ToolRegistry,
+    ToolResult,
+    load_tools,
+)
 from tiller.tools.replay import ReplayStore
 from tiller.tools.threads import abandoned_threads
 
@@ -62,6 +70,10 @@ class ToolsConfig(BaseModel):
         default_factory=list, description="dotted paths (package.module:name) of tool "
         "functions (typed, Google-style docstring) or @tool objects, added to the env's own "
         "tools in every episode; only a ToolEnv takes them")
+    mcp: list[McpServerConfig] = Field(
+        default_factory=list, description="MCP servers whose tools every episode gets, "
+        "through this same stack (tiller.tools.mcp; pip install 'tiller[mcp]'): each "
+        "{name, command: [argv]} (stdio, started once per run) or {name, url} (streamable HTTP)")
     executor: ExecutorConfig = Field(ExecutorConfig(), description="timeouts, retries, "
                                      "caching and concurrency of tool calls")
     faults: FaultConfig | None = Field(None, description="seeded tool failures and latency "
@@ -91,6 +103,16 @@ class ToolStack:
                 path = folder_below(run_dir, (run_dir / path).parent, make=False) / path.name
             self.store = ReplayStore(_replay_path(path, cfg.replay.mode), cfg.replay.mode)
         self.functions = load_tools(cfg.functions)  # before any work: a bad path is one line
+        self.mcp = None
+        if cfg.mcp:  # started (or, replaying, read from the file) now: a bad server is one line
+            try:
+                self.mcp = McpTools(cfg.mcp, run_dir, self.store)
+                _check_unique(self.functions, self.mcp.tools)
+            except BaseException:
+                self.close()
+                raise
+        self.mcp_tools = self.mcp.tools if self.mcp else []
+        self.extra = [*self.functions, *self.mcp_tools]  # every episode's registry gets them
         self.executor = ToolExecutor(config=cfg.executor)
         self.first_error: dict[str, str] = {}
         # totals of the counters outside the executor; abandoned threads are process-wide, so
@@ -103,7 +125,7 @@ class ToolStack:
         the run's `env.tools.functions` first, so they go through the same stack."""
 
         def wrap(registry: ToolRegistry) -> Invoke:
-            registry.extend(self.functions)  # the env's own tools and `env.tools.functions`
+            registry.extend(self.extra)  # the env's own, `env.tools.functions`, MCP tools
             target = registry if self.injector is None else self.injector.wrap(registry, key)
             invoke = self.executor.bind(target, episode=key)
             if self.store is not None:  # (an empty store is falsy: it has a __len__)
@@ -127,6 +149,9 @@ class ToolStack:
         totals = {"tool_abandoned_threads": abandoned_threads()}
         if self.store is not None:
             totals["replay_misses"] = self.store.misses
+        if self.mcp is not None:
+            totals.update({f"mcp_restarts/{n}": k for n, k in self.mcp.restarts().items()})
+            totals.update({f"mcp_truncated/{n}": k for n, k in self.mcp.truncated.items()})
         for name, total in totals.items():
             out[name] = float(total - self._window_start.get(name, 0))
             if reset:
@@ -144,8 +169,19 @@ class ToolStack:
         return report
 
     def close(self) -> None:
-        if self.store is not None:
-            self.store.close()
+        try:
+            if self.mcp is not None:
+                self.mcp.close()  # every server stopped
+        finally:
+            if self.store is not None:
+                self.store.close()
+
+
+def _check_unique(functions: list[Tool], mcp: list[Tool]) -> None:
+    clash = sorted({t.name for t in functions} & {t.name for t in mcp})
+    if clash:
+        raise ConfigError(f"config field env.tools.mcp: tool name(s) {', '.join(clash)} are "
+                          "also env.tools.functions; tool names must be unique")
 
 
 def _replay_path(path: Path, mode: str) -> Path:

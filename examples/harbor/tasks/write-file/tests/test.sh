@@ -1,0 +1,7 @@
+#!/bin/bash
+# Harbor runs this from the workdir after the agent: it writes /logs/verifier/reward.txt.
+if [ "$(cat /app/greeting.txt 2>/dev/null)" = "hello harbor" ]; then
+  echo 1 > /logs/verifier/reward.txt
+else
+  echo 0 > /logs/verifier/reward.txt
+fi
