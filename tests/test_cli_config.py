@@ -7,6 +7,7 @@ import yaml
 from helpers import cli
 
 from tiller.config import Config, load_config
+from tiller.run import Run
 
 CONFIG = str(Path(__file__).parent.parent / "configs" / "calculator.yaml")
 
@@ -46,3 +47,16 @@ def test_config_show_errors_are_one_line():
     assert out.strip().splitlines() == [
         "error: config field engine.cache_bytes: got 0; it only applies with engine.backend: "
         "embedded (engine.backend is http)"]
+
+
+def test_config_show_prints_the_config_yaml_a_run_writes(calc_sft_dir, tmp_path):
+    """One dump (config.dump_config) for both, byte for byte."""
+    overrides = [f"model.path={calc_sft_dir}", "model.build=null", "rl.mode=async",
+                 "rl.algorithm.preset=dapo", "eval.sets=[{name: a}, {name: b, tasks: 5}]",
+                 "logging.tensorboard=false"]
+    code, shown = show(CONFIG, *overrides)
+    assert code == 0, shown
+    run = Run(load_config(CONFIG, overrides), tmp_path)
+    run.close()
+    assert (tmp_path / "config.yaml").read_text() == shown
+    assert "max_staleness: null" in shown and "- name: b\n    split: heldout\n    tasks: 5" in shown

@@ -17,9 +17,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
 
-from tiller.config import Config, ModelJudgeConfig
+from tiller.config import Config, ModelJudgeConfig, dump_config
 from tiller.engine.api import SamplingParams
 from tiller.engine.factory import make_engine
 from tiller.engine.weight_sync import WeightSync
@@ -61,7 +60,7 @@ def make_run_dir(cfg: Config, output_dir: str | Path | None) -> Path:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(output_dir or cfg.output_dir or Path("runs") / f"{cfg.name}-{stamp}")
     out.mkdir(parents=True, exist_ok=True)
-    write_file(out / "config.yaml", yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+    write_file(out / "config.yaml", dump_config(cfg))
     return out
 
 
