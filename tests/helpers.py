@@ -189,17 +189,42 @@ def traces_of_version(path: Path, version: int) -> Path:
 
 def cli(*args: str | Path, env: dict[str, str | None] | None = None) -> tuple[int, str]:
     """`tiller ARGS` run in this process (typer's CliRunner): its exit status and what it
-    printed, stdout and stderr together. `env` sets environment variables for the call (None
+    printed, stdout and stderr together, log records included as a user's terminal shows
+    them (`fresh_process_logging`). `env` sets environment variables for the call (None
     removes one). An exception the CLI lets escape is raised here: the traceback a user would
     see fails the test."""
     from typer.testing import CliRunner
 
     from tiller.cli import app
 
-    result = CliRunner().invoke(app, [str(a) for a in args], env=env)
+    with fresh_process_logging():
+        result = CliRunner().invoke(app, [str(a) for a in args], env=env)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
     return result.exit_code, result.output
+
+
+@contextmanager
+def fresh_process_logging() -> Iterator[None]:
+    """Logging as a fresh `tiller` process has it, for the block: no handler on the root
+    logger (pytest's are set aside, so a test's caplog sees nothing meanwhile) and its level
+    WARNING. A record then reaches what a user sees as it would there: through logging's
+    last-resort handler (WARNING and up, the bare message) onto sys.stderr, which CliRunner
+    captures, or through the handler a command installs itself (`tiller serve`'s
+    basicConfig); those are removed and closed at the end, pytest's put back."""
+    import logging
+
+    root = logging.getLogger()
+    saved, level = root.handlers[:], root.level
+    root.handlers.clear()
+    root.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for handler in root.handlers:
+            handler.close()
+        root.handlers[:] = saved
+        root.setLevel(level)
 
 
 def free_port() -> int:

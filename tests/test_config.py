@@ -90,6 +90,19 @@ def test_cli_errors_are_one_line_not_tracebacks(tmp_path, args, message):
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
 
 
+def test_the_cli_output_holds_the_warnings_a_user_sees(tmp_path):
+    """`cli` shows what reaches the terminal: a warning logged before the error is a line of
+    its own (as `python -m tiller train ...` prints it), so it breaks a one-line assertion."""
+    code, out = cli("train", CONFIG, "sampling.top_k=5", "sampling.logprobs=untruncated",
+                    "rl.algorithm.off_policy=tis", "agent.loop=nonexistent_mod_xyz:fn",
+                    "--output-dir", tmp_path / "run")
+    lines = sorted(line for line in out.splitlines() if line.strip())
+    assert code == 2 and len(lines) == 2, lines
+    assert lines[0].startswith("error: config field agent.loop: got 'nonexistent_mod_xyz:fn'")
+    assert lines[1].startswith("sampling.logprobs is untruncated with top_k 5 / top_p 1: "
+                               "off_policy tis cannot see the truncation")
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["env.name=dataset", "data.train=t.jsonl", "rewards=[{verifier: exact_match}]",
       "env.tools=[pkg.mod:tool]"],

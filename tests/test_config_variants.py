@@ -10,14 +10,18 @@ from tiller.config import (
     AsyncRLConfig,
     Config,
     ConfigError,
+    CurriculumConfig,
     DifficultyCurriculumConfig,
     EmbeddedEngineConfig,
+    EngineConfig,
     FilterCurriculumConfig,
     FnJudgeConfig,
     HttpEngineConfig,
+    JudgeConfig,
     ModelJudgeConfig,
     NoJudgeConfig,
     OneStepOffRLConfig,
+    RLConfig,
     SyncRLConfig,
     load_config,
 )
@@ -112,6 +116,30 @@ def test_configs_saved_before_the_split_still_load():
     http = load_config(CONFIG, HTTP).model_dump()
     http["engine"].update(max_batch_size=128, cache_bytes=1 << 30)
     assert Config.model_validate(http) == load_config(CONFIG, HTTP)
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: RLConfig(mode="async"),
+     "RLConfig has no field mode; use AsyncRLConfig(...), or load a YAML"),
+    (lambda: EngineConfig(backend="http"),
+     "EngineConfig has no field backend; use HttpEngineConfig(...), or load a YAML"),
+    (lambda: CurriculumConfig(mode="filter"),
+     "CurriculumConfig has no field mode; use FilterCurriculumConfig(...), or load a YAML"),
+    (lambda: RLConfig(steps=3, max_staleness=2),  # a key only one variant has
+     "RLConfig has no field max_staleness; use AsyncRLConfig(...), or load a YAML"),
+    (lambda: EngineConfig(urls=["http://127.0.0.1:1"]),
+     "EngineConfig has no field urls; use HttpEngineConfig(...), or load a YAML"),
+    (lambda: JudgeConfig(model="m"),
+     "JudgeConfig has no field model; use ModelJudgeConfig(...), or load a YAML"),
+    (lambda: RLConfig(mode="later"),  # no variant is chosen by it: every one that has the key
+     "RLConfig has no field mode; use SyncRLConfig(...) or OneStepOffRLConfig(...) or "
+     "AsyncRLConfig(...), or load a YAML"),
+])
+def test_a_base_given_a_variants_key_names_the_variant_class(build, message):
+    with pytest.raises(ConfigError) as e:
+        build()
+    assert str(e.value) == message
+    assert RLConfig(steps=3).steps == 3  # the keys every variant has stay the base's
 
 
 def test_the_python_api_takes_variant_instances():

@@ -8,11 +8,9 @@ import logging
 
 import pytest
 import torch
-from helpers import TINY_RUN, saved_model, tiny_rl
+from helpers import TINY_RUN, cli, saved_model, tiny_rl
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from typer.testing import CliRunner
 
-from tiller.cli import app
 from tiller.config import load_config
 from tiller.controller import rl, train
 from tiller.envs.verifiers import Reward
@@ -89,23 +87,20 @@ def test_the_aborted_threshold_is_a_strict_share_and_names_the_first_error():
 @pytest.mark.parametrize("schedule", ["cosine", "constant"])
 def test_sft_without_completed_demos_is_one_line(tmp_path, schedule):
     # every demo needs a tool call and an answer: with one turn none completes
-    result = CliRunner().invoke(app, [
-        "train", CONFIG, *TINY_RUN, "env.max_turns=1", "sft.imperfect_fraction=0",
-        f"sft.lr_schedule={schedule}", "-o", str(tmp_path)])
-    assert result.exit_code == 1, result.output
-    line = result.output.strip()
+    code, out = cli("train", CONFIG, *TINY_RUN, "env.max_turns=1", "sft.imperfect_fraction=0",
+                    f"sft.lr_schedule={schedule}", "-o", tmp_path)
+    assert code == 1, out
+    line = out.strip()
     assert line.startswith("error: sft: no expert demonstration completed") and "\n" not in line
-    assert result.exception is None or isinstance(result.exception, SystemExit)
 
 
 def test_unimportable_agent_loop_is_one_line(tmp_path):
-    result = CliRunner().invoke(app, ["train", CONFIG, *TINY_RUN, "agent.loop=no.such:loop",
-                                      "-o", str(tmp_path)])
-    assert result.exit_code == 2
-    assert result.output.strip().startswith(
+    code, out = cli("train", CONFIG, *TINY_RUN, "agent.loop=no.such:loop", "-o", tmp_path)
+    assert code == 2
+    assert out.strip().startswith(
         "error: config field agent.loop: got 'no.such:loop'; cannot import it: "
         "ModuleNotFoundError")
-    assert "\n" not in result.output.strip()
+    assert "\n" not in out.strip()
 
 
 @pytest.mark.slow
@@ -173,12 +168,11 @@ def test_sft_difficulty_draws_the_demonstrations_at_that_difficulty(
 
 
 def test_sft_tasks_beyond_the_sft_difficulty_task_space_name_sft_difficulty(tmp_path):
-    result = CliRunner().invoke(app, ["train", CONFIG, *TINY_RUN, "env.difficulty=3",
-                                      "sft.difficulty=1", "sft.tasks=100000", "-o",
-                                      str(tmp_path)])
-    assert result.exit_code == 2, result.output
-    assert "config field sft.tasks: got 100000" in result.output
-    assert "at sft.difficulty=1" in result.output, result.output
+    code, out = cli("train", CONFIG, *TINY_RUN, "env.difficulty=3", "sft.difficulty=1",
+                    "sft.tasks=100000", "-o", tmp_path)
+    assert code == 2 and len(out.strip().splitlines()) == 1, out
+    assert "config field sft.tasks: got 100000" in out
+    assert "at sft.difficulty=1" in out, out
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import rl_rows
+from helpers import cli, rl_rows
 from typer.testing import CliRunner
 
 from tiller.cli import app
@@ -57,6 +57,9 @@ def broken(prompts, completions, **kwargs):
 
 def wrong_length(prompts, completions, **kwargs):
     return [1.0, 1.0]
+
+def judge(prompts, completions, **kwargs):
+    return [1.0 for _ in completions]
 
 def add(a: int, b: int) -> int:
     """Add two numbers.
@@ -181,6 +184,38 @@ def test_data_and_rewards_config_errors_name_the_field(data, words):
         load_config(None, [f"{k}={json.dumps(v)}" for k, v in {"model": {"build": {}},
                                                                **data}.items()])
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("judge", [None, {"fn": "tiller.train.judges:grounded_answer"}])
+@pytest.mark.parametrize("rewards, index", [
+    ([{"function": "user_rewards:judge"}], 0),  # the function's own name
+    ([{"verifier": "exact_match"}, {"function": "user_rewards:length", "name": "judge"}], 1),
+    ([{"verifier": "exact_match", "name": "judge"}], 0),
+])
+def test_a_reward_entry_named_judge_is_refused(tmp_path, user_pkg, rewards, index, judge):
+    """`judge` is the check rl.judge's score is recorded and paid under: a reward entry of
+    that name would be paid as the judge with a judge, and shown as one without."""
+    cfg = dataset_config(write_jsonl(tmp_path / "t.jsonl", ROWS), rewards)
+    if judge is not None:
+        cfg = Config.model_validate({**cfg.model_dump(), "rl": {"judge": judge}})
+    with pytest.raises(ConfigError) as e:
+        DatasetEnv.configure(cfg)
+    assert str(e.value) == (f"config field rewards[{index}]: named 'judge', a name reserved "
+                            "for rl.judge's score; give the entry another `name`")
+
+
+def test_a_reward_function_named_judge_is_one_cli_line(tmp_path, user_pkg):
+    config = tmp_path / "run.yaml"
+    config.write_text(textwrap.dedent(f"""\
+        model: {{build: {{}}}}
+        env: {{name: dataset}}
+        data: {{train: {write_jsonl(tmp_path / "t.jsonl", ROWS)}}}
+        rewards: [{{function: "user_rewards:judge"}}]
+    """))
+    code, out = cli("train", config, "-o", tmp_path / "run")
+    assert code == 2 and out.strip().splitlines() == [
+        "error: config field rewards[0]: named 'judge', a name reserved for rl.judge's score; "
+        "give the entry another `name`"], out
 
 
 def test_sft_without_expert_or_conversations_is_a_config_error_only_when_enabled(tmp_path):

@@ -87,3 +87,52 @@ def test_every_page_opens_with_who_it_is_for(page):
     lines = page.read_text().splitlines()
     assert lines[0].startswith("# ") and lines[1] == "" and lines[2].startswith("> For "), \
         lines[:3]
+
+
+# `path.py` or `path.py:Name` / `path.py:Class.method`, relative to src/tiller (tests/... to
+# the repository)
+CODE_REF = re.compile(r"`((?:[\w]+/)*\w+\.py)(?::([\w.]+))?`")
+# what "Where new parts go" proposes to add (named, not there yet), and its notation's example
+PROPOSED = {"rollout/ray.py", "checkpoints.py", "file.py"}
+
+
+def defines(path: Path, dotted: str) -> bool:
+    """`path` defines `dotted` at module level (a function, class or assignment), or a method
+    of a class it defines (`Class.method`)."""
+    import ast
+
+    scope: list[ast.stmt] = ast.parse(path.read_text()).body
+    for part in dotted.split("."):
+        found = None
+        for node in scope:
+            names = ([node.name] if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef
+                                               | ast.ClassDef)
+                     else [t.id for t in getattr(node, "targets", [getattr(node, "target", None)])
+                           if isinstance(t, ast.Name)])
+            if part in names:
+                found = node
+        if found is None:
+            return False
+        scope = getattr(found, "body", [])
+    return True
+
+
+def test_where_new_parts_go_names_what_exists():
+    """Every file and name docs/architecture.md's "Where new parts go" points a newcomer to
+    exists (except the modules it proposes)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Where new parts go", 1)[1].split("\n## ", 1)[0]
+    refs = CODE_REF.findall(section)
+    assert len(refs) >= 20, refs
+    missing = []
+    for path, name in refs:
+        file = ROOT / path if path.startswith("tests/") else ROOT / "src" / "tiller" / path
+        if path in PROPOSED:
+            continue
+        if not file.is_file():
+            missing.append(path)
+        elif name and not defines(file, name):
+            missing.append(f"{path}:{name}")
+    assert not missing, missing
+    assert defines(ROOT / "src/tiller/run.py", "Run.save")  # the checker sees methods
+    assert not defines(ROOT / "src/tiller/run.py", "Run.nope")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import TINY_RUN
+from helpers import TINY_RUN, cli
 from typer.testing import CliRunner
 
 from tiller.cli import app
@@ -211,19 +211,19 @@ def test_eval_run_dir_and_compare(tmp_path):
 
 
 def test_eval_errors_are_one_line(tmp_path):
-    runner = CliRunner()
+    def line(*args) -> str:
+        code, out = cli(*args)
+        assert code == 2 and len(out.strip().splitlines()) == 1, out
+        return out
+
     (tmp_path / "run").mkdir()
-    r = runner.invoke(app, ["eval", str(tmp_path / "run")])
-    assert r.exit_code == 2 and "has no config.yaml" in r.output
+    assert "has no config.yaml" in line("eval", tmp_path / "run")
     (tmp_path / "run/config.yaml").write_text(Path(CONFIG).read_text())
     (tmp_path / "run/checkpoints/sft").mkdir(parents=True)
-    r = runner.invoke(app, ["eval", str(tmp_path / "run")])
-    assert r.exit_code == 2 and "has no checkpoints/final" in r.output and "['sft']" in r.output
-    r = runner.invoke(app, ["eval", CONFIG, "--model", str(tmp_path / "missing")])
-    assert r.exit_code == 2 and "is not a model folder" in r.output
-    r = runner.invoke(app, ["compare", str(tmp_path / "run"), str(tmp_path / "run")])
-    assert r.exit_code == 2 and "has no evaluations" in r.output
-    assert len(r.output.strip().splitlines()) == 1
+    out = line("eval", tmp_path / "run")
+    assert "has no checkpoints/final" in out and "['sft']" in out
+    assert "is not a model folder" in line("eval", CONFIG, "--model", tmp_path / "missing")
+    assert "has no evaluations" in line("compare", tmp_path / "run", tmp_path / "run")
 
 
 def test_a_set_without_tasks_has_eval_tasks():

@@ -7,11 +7,9 @@ import json
 import pytest
 import torch
 import yaml
-from helpers import rl_rows, tiny_rl
-from typer.testing import CliRunner
+from helpers import cli, rl_rows, tiny_rl
 
 from tiller.algorithms.presets import PRESETS
-from tiller.cli import app
 from tiller.config import Config, ConfigError, RLConfig, load_config
 from tiller.controller import rl, train
 from tiller.envs.verifiers import Reward
@@ -119,10 +117,10 @@ def test_bad_algorithm_fields_name_the_field(override, words):
 
 
 def test_ignored_knob_is_one_line_on_the_cli(tmp_path):
-    result = CliRunner().invoke(app, ["train", CONFIG, preset("gspo", clip_ratio_c=3),
-                                      "--output-dir", str(tmp_path / "run")])
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert result.exit_code == 2 and len(lines) == 1
+    code, out = cli("train", CONFIG, preset("gspo", clip_ratio_c=3), "--output-dir",
+                    tmp_path / "run")
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1
     assert lines[0].startswith("error: config field rl.algorithm.clip_ratio_c")
 
 

@@ -7,10 +7,8 @@ import math
 
 import pytest
 import torch
-from helpers import tiny_rl
-from typer.testing import CliRunner
+from helpers import cli, tiny_rl
 
-from tiller.cli import app
 from tiller.config import AlgorithmConfig, ConfigError, RLConfig, load_config
 from tiller.controller import rl
 from tiller.envs.verifiers import Reward
@@ -235,10 +233,9 @@ def test_bf16_run_keeps_fp32_master_weights(calc_model_dir, tmp_path):
 def test_cuda_without_cuda_is_one_config_error_line(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == torch.device("cpu")
-    result = CliRunner().invoke(app, ["train", CONFIG, "model.device=cuda",
-                                      "--output-dir", str(tmp_path / "run")])
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert result.exit_code == 2 and lines == [
+    code, out = cli("train", CONFIG, "model.device=cuda", "--output-dir", tmp_path / "run")
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert code == 2 and lines == [
         "error: config field model.device: got 'cuda'; CUDA is not available on this machine "
         "(use model.device=cpu or auto)"]
 

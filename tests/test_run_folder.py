@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import TINY_RUN
+from helpers import TINY_RUN, cli
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -122,10 +122,9 @@ def test_files_written_in_place_refuse_a_planted_link(calc_sft_dir, tmp_path, na
     out.mkdir()
     target = victim(tmp_path)
     (out / name).symlink_to(target)
-    r = CliRunner().invoke(app, ["eval", CONFIG, "--model", str(calc_sft_dir), "-o", str(out),
-                                 *EVAL, *overrides])
-    assert r.exit_code == 2, r.output
-    assert one_line(r.output) == (f"error: {out / name} is a symbolic link (to {str(target)!r}); "
+    code, printed = cli("eval", CONFIG, "--model", calc_sft_dir, "-o", out, *EVAL, *overrides)
+    assert code == 2, printed
+    assert one_line(printed) == (f"error: {out / name} is a symbolic link (to {str(target)!r}); "
                                   "tiller does not write through links: remove it, or write "
                                   "to another folder")
     assert target.read_text() == "ssh-ed25519 AAAA-the-users-own-key user@host\n"
@@ -277,9 +276,9 @@ def test_eval_of_a_run_folder_refuses_its_code_unless_trusted(calc_sft_dir, tmp_
                                                              trusted_module, monkeypatch):
     run = run_folder(tmp_path, calc_sft_dir, agent__loop="hostile_loop:run_episode")
     monkeypatch.chdir(run)
-    r = CliRunner().invoke(app, ["eval", str(run)])
-    assert r.exit_code == 2, r.output
-    assert one_line(r.output) == (
+    code, out = cli("eval", run)
+    assert code == 2, out
+    assert one_line(out) == (
         f"error: config field agent.loop: got 'hostile_loop:run_episode', which names code to "
         f"import; {run / 'config.yaml'} is a run folder's config, read as data: it may not "
         "ask for that; pass --trust-run-config if you trust whoever wrote it")
@@ -326,9 +325,9 @@ def test_eval_of_a_run_folder_refuses_its_code_unless_trusted(calc_sft_dir, tmp_
 def test_each_setting_a_run_folder_may_not_hold_is_one_line(tmp_path, trusted_module,
                                                             settings, field):
     run = run_folder(tmp_path, **settings)
-    r = CliRunner().invoke(app, ["eval", str(run)])
-    assert r.exit_code == 2, r.output
-    line = one_line(r.output)
+    code, out = cli("eval", run)
+    assert code == 2, out
+    line = one_line(out)
     assert line.startswith(f"error: config field {field}: got ") and line.endswith(
         "pass --trust-run-config if you trust whoever wrote it"), line
     assert not trusted_module.exists()
@@ -340,9 +339,9 @@ def test_a_data_rows_tools_column_is_refused_as_it_is_read(tmp_path, trusted_mod
                                 "tools": ["hostile_loop:run_episode"]}) + "\n")
     run = run_folder(tmp_path, env__name="dataset", data__train=str(rows),
                      data__eval=str(rows), rewards=[{"verifier": "exact_match"}])
-    r = CliRunner().invoke(app, ["eval", str(run)])
-    assert r.exit_code == 2, r.output
-    assert one_line(r.output) == (
+    code, out = cli("eval", run)
+    assert code == 2, out
+    assert one_line(out) == (
         f"error: {rows} row 1, column 'tools': got 'hostile_loop:run_episode'; it names code "
         f"to import; {run / 'config.yaml'} is a run folder's config, read as data: it may not "
         "ask for that; pass --trust-run-config if you trust whoever wrote it")

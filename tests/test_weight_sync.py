@@ -385,6 +385,7 @@ def test_a_push_to_a_server_that_never_answers_times_out_naming_it(model, tmp_pa
 
 # ---------------------------------------------------------------- over HTTP
 @pytest.mark.slow
+@pytest.mark.integration  # a live `tiller serve` (test_http_engine.servers)
 def test_deltas_over_http_reach_tiller_serve_and_another_base_is_refused(model, calc_model_dir,
                                                                         tmp_path):
     with servers(calc_model_dir, 1, tmp_path / "root") as s:
@@ -424,6 +425,7 @@ def test_deltas_over_http_reach_tiller_serve_and_another_base_is_refused(model, 
 
 
 @pytest.mark.slow
+@pytest.mark.integration  # a live `tiller serve` (test_http_engine.servers)
 def test_tiller_serve_refuses_a_malformed_update_whole(model, calc_model_dir, tmp_path):
     """Through a live `tiller serve` (float32): a delta whose first tensor is fine and whose
     second has a position past its end, and a full checkpoint with every tensor new but one of

@@ -135,15 +135,13 @@ app.add_typer(config_app, name="config")
 def config_show(config: ConfigArg, overrides: Overrides = None) -> None:
     """Print CONFIG with the overrides applied and every default filled in, as YAML: what a
     run resolves it to (and writes to its config.yaml). Every key: docs/config.md."""
-    import yaml
-
-    from tiller.config import load_config
+    from tiller.config import dump_config, load_config
 
     try:
         cfg = load_config(config, overrides or [])
     except ConfigError as e:
         _fail(str(e))
-    typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), nl=False)
+    typer.echo(dump_config(cfg), nl=False)
 
 
 @app.command()

@@ -17,9 +17,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
 
-from tiller.config import Config, ModelJudgeConfig
+from tiller.config import Config, ModelJudgeConfig, dump_config
 from tiller.engine.api import SamplingParams
 from tiller.engine.factory import make_engine
 from tiller.engine.weight_sync import WeightSync
@@ -61,8 +60,7 @@ def make_run_dir(cfg: Config, output_dir: str | Path | None) -> Path:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(output_dir or cfg.output_dir or Path("runs") / f"{cfg.name}-{stamp}")
     out.mkdir(parents=True, exist_ok=True)
-    write_file(out / "config.yaml", yaml.safe_dump(cfg.model_dump(), sort_keys=False),
-               root=out)
+    write_file(out / "config.yaml", dump_config(cfg), root=out)
     return out
 
 
@@ -114,8 +112,10 @@ class Run:
             self._closing = stack.pop_all()
 
     def _open(self, stack: ExitStack, program: Callable[..., Any] | None) -> None:
-        """The tool stack, the models, the metrics logger, the trace writer and the gateway,
-        in this order, each registered on `stack` as it opens."""
+        """The tool stack, the models and trainer, the metrics logger, the trace writer, the
+        engine and the gateway, in this order, each registered on `stack` as it opens: what
+        makes episodes (the engine, the gateway's calls into it) closes before the sinks they
+        are written to (traces, metrics)."""
         cfg = self.cfg
         # Before any work: a bad replay path stops the run here, and the sandbox policy holds
         # from the first env on (a code env without bwrap refuses unless it is allowed).
@@ -127,7 +127,7 @@ class Run:
         # an env server (openenv), checked before any work; stopped before the tools' servers
         closes(stack, "env server", self.env_cls.stop)
         self.env_cls.start(self.dir)
-        self._build_models(stack)
+        self._build_models()
         self.logger = MetricsLogger(self.dir, cfg.logging.tensorboard, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.model_dump())
         closes(stack, "metrics logger", self.logger.close)
@@ -138,6 +138,7 @@ class Run:
                                                t.close_timeout_s)
             # drained before the logger closes, so its final counts are logged
             closes(stack, "trace writer", lambda: self.log("traces", traces.close()))
+        self._start_engine(stack)
         if program is not None:
             from tiller.gateway.server import Gateway  # FastAPI and uvicorn: the serve extra
 
@@ -146,8 +147,8 @@ class Run:
             self.episode_fn = ProgramEpisode(self.gateway, program, cfg.agent.program_timeout_s,
                                              cfg.agent.reward)
 
-    def _build_models(self, stack: ExitStack) -> None:
-        """The model and tokenizer, the trainer and the engine, its first weights checked."""
+    def _build_models(self) -> None:
+        """The model and tokenizer, the judge's model and the trainer."""
         cfg = self.cfg
         t0 = time.perf_counter()
         device = resolve_device(cfg.model.device)
@@ -174,11 +175,16 @@ class Run:
                                      compute_dtype=dtype, top_k=s.top_k if truncated else 0,
                                      top_p=s.top_p if truncated else 1.0,
                                      dropout=cfg.model.dropout)
+
+    def _start_engine(self, stack: ExitStack) -> None:
+        """The engine, registered on `stack`, and its first weights checked."""
+        cfg = self.cfg
         # the servers of engine.backend http get the trainer's weights (version 0)
         self.engine = make_engine(cfg, self.model, self.tokenizer.pad_token_id, run_dir=self.dir,
                                   initial=self.trainer.weight_update)
         closes(stack, "engine", self.engine.close)
-        self.weight_sync = WeightSync(self.trainer, self.engine, cfg.weight_sync, dtype)
+        self.weight_sync = WeightSync(self.trainer, self.engine, cfg.weight_sync,
+                                      getattr(torch, cfg.model.dtype))
         # the engine's first weights (a copy, or the servers' start-up push) are checked like
         # every later sync's
         self.weight_sync.check_parity(self.trainer.version)
@@ -255,8 +261,8 @@ class Run:
         return out
 
     def close(self) -> None:
-        """Close every part the run opened, in reverse order: the gateway, the trace writer
-        (its last counts logged), the metrics logger, the engine, the sandbox policy, the tool
-        stack. Each closes even when one before it failed; each failure is logged and raised
-        (`closes`)."""
+        """Close every part the run opened, in reverse order: the gateway, the engine, the
+        trace writer (its last counts logged), the metrics logger, the sandbox policy, the
+        tool stack. Nothing makes episodes once the sinks close. Each closes even when one
+        before it failed; each failure is logged and raised (`closes`)."""
         self._closing.close()

@@ -49,7 +49,7 @@ from tiller.config.rl import (
     SyncRLConfig,
 )
 from tiller.config.rollout import RolloutConfig
-from tiller.config.root import Config, load_config
+from tiller.config.root import Config, dump_config, load_config
 from tiller.config.sft import SFTConfig
 from tiller.errors import ConfigError
 
@@ -63,5 +63,6 @@ __all__ = [
     "FnJudgeConfig", "HttpEngineConfig", "JudgeConfig", "KLConfig", "LoggingConfig",
     "ModelConfig", "ModelJudgeConfig", "NoJudgeConfig", "ObserveConfig", "OneStepOffRLConfig",
     "OverlongConfig", "RLConfig", "RewardConfig", "RolloutConfig", "RuntimeConfig", "SFTConfig",
-    "SamplingConfig", "SyncRLConfig", "TracesConfig", "WeightSyncConfig", "load_config",
+    "SamplingConfig", "SyncRLConfig", "TracesConfig", "WeightSyncConfig", "dump_config",
+    "load_config",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Annotated, Any, ClassVar, Union
+from typing import Annotated, Any, ClassVar, Literal, Union, get_origin
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Tag, model_validator
 from pydantic_core import PydanticCustomError
@@ -24,7 +24,11 @@ class Variant(Section):
 
     A key of another variant of the family is a ConfigError naming the key, its value and the
     choice it applies with. Such a key left empty (null, []) or at that variant's default says
-    nothing and is dropped: configs saved before the split hold every key of the section."""
+    nothing and is dropped: configs saved before the split hold every key of the section.
+
+    The base a family shares (`RLConfig`, `EngineConfig`, ...) holds only the keys every
+    variant has: given a variant's key in Python, it is a ConfigError naming the variant
+    class to build instead."""
 
     where: ClassVar[str] = ""  # the section's dotted path, e.g. "engine"
     chosen_by: ClassVar[str] = ""  # how a user chooses this variant, e.g. "engine.backend: http"
@@ -40,6 +44,9 @@ class Variant(Section):
     def _keys_of_other_variants(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        if cls not in cls.family:  # the family's base, built by hand
+            _refuse_variant_keys(cls, data)
+            return data
         kept = {}
         for key, value in data.items():
             owners = [] if key in cls.model_fields else [
@@ -51,6 +58,25 @@ class Variant(Section):
                                   f"applies with {' or '.join(v.chosen_by for v in owners)}"
                                   f"{cls.now()}")
         return kept
+
+
+def _refuse_variant_keys(base: type[Variant], data: dict[str, Any]) -> None:
+    """A key of `data` that only variants below `base` have: a ConfigError naming the variant
+    to build (the one the key's value chooses, for the key that chooses a variant)."""
+    below, stack = [], list(base.__subclasses__())
+    while stack:
+        sub = stack.pop(0)
+        below += [sub] if sub in sub.family else []
+        stack += sub.__subclasses__()
+    for key, value in data.items():
+        owners = [v for v in below if key in v.model_fields and key not in base.model_fields]
+        if not owners:
+            continue
+        chosen = [v for v in owners if get_origin(v.model_fields[key].annotation) is Literal
+                  and v.model_fields[key].default == value]
+        names = [f"{v.__name__}(...)" for v in chosen or owners]
+        raise ConfigError(f"{base.__name__} has no field {key}; use "
+                          f"{' or '.join(names)}, or load a YAML")
 
 
 def _says_nothing(value: Any, key: str, owners: list[type[Variant]]) -> bool:

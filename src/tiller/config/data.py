@@ -49,7 +49,8 @@ class RewardConfig(Section):
     function: str | None = Field(None, description="dotted path of fn(prompts, completions, "
                                  "**columns) -> list[float | None] (TRL's reward_funcs)")
     name: str | None = Field(None, description="the check's name in Reward.checks and the "
-                             "logs (default: the verifier's or the function's name)")
+                             "logs (default: the verifier's or the function's name); not "
+                             "judge, which is rl.judge's score's")
     weight: float = Field(1.0, description="the entry's value counts weight * value")
     gate: bool = Field(False, description="a necessary condition: the total is 0 unless this "
                        "entry's value is at least 1")

@@ -171,7 +171,13 @@ def render() -> str:
         "resolves it.", "",
         "A section whose keys depend on a choice (`engine.backend`, `rl.mode`, "
         "`rl.curriculum.mode`, `rl.judge`) has one type per variant: its keys are listed once "
-        "for every variant, then per variant. A key of another variant is an error naming it.",
+        "for every variant, then per variant. A key of another variant is an error naming "
+        "the key, its value and the choice it applies with, unless its value says nothing: "
+        "null, an empty list, or that key's default in a variant that has it. Such a key is "
+        "dropped, so a run's config.yaml saved before a section was split into variants "
+        "(it holds every key of the section) still loads. For example, with "
+        "`engine.backend: http`, `engine.max_batch_size: 128` (the embedded default) is "
+        "dropped and `engine.max_batch_size: 64` is an error.",
         "", f"Generated from the config models by `{COMMAND}`; do not edit it by hand (a test "
         "checks that it is current).", ""]
     for table in sections():

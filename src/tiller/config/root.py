@@ -212,6 +212,12 @@ def first_error(e: ValidationError) -> str:
     return f"config field {where}:{got} {err['msg']}{more}"
 
 
+def dump_config(cfg: Config) -> str:
+    """`cfg` as YAML, every key with its value or default in the models' order (api_key
+    masked): what a run writes to its config.yaml and `tiller config show` prints."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read YAML, apply `a.b=value` overrides (values parsed as YAML), validate."""
     data: dict[str, Any] = {}

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiller.envs.verifiers import (
+    JUDGE,
     Reward,
     exact_match,
     extract_answer_is,
@@ -91,7 +92,8 @@ class RewardEntry:
 
 def resolve_entries(entries: Sequence[Any]) -> list[RewardEntry]:
     """`RewardConfig`s -> `RewardEntry`s; each function imported now (a bad dotted path is one
-    line at start-up)."""
+    line at start-up). An entry named `judge` (by `name` or its function's name) is refused:
+    the name is rl.judge's, whose score a run records and pays under it."""
     out = []
     for i, e in enumerate(entries):
         if e.function is not None:
@@ -102,6 +104,10 @@ def resolve_entries(entries: Sequence[Any]) -> list[RewardEntry]:
             out.append(RewardEntry(e.name or e.verifier, e.weight, e.gate, verifier=e.verifier,
                                    extract=e.extract or "tagged"))
     names = [e.name for e in out]
+    if JUDGE in names:
+        i = names.index(JUDGE)
+        raise ConfigError(f"config field rewards[{i}]: named {JUDGE!r}, a name reserved for "
+                          "rl.judge's score; give the entry another `name`")
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
         raise ConfigError(f"config field rewards: two entries are named {dup!r}; give each a "

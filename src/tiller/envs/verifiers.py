@@ -31,6 +31,10 @@ from typing import Any
 from tiller.errors import require_package
 from tiller.tools.sandbox import Sandbox, SandboxLimits, SandboxOutcome
 
+# the check a judge's score (rl.judge) is recorded under, beside the verifier's checks; no
+# reward entry may take the name
+JUDGE = "judge"
+
 
 @dataclass(frozen=True)
 class Reward:

@@ -15,13 +15,13 @@ from tiller.algorithms.advantages import overlong_penalty
 from tiller.algorithms.credit import apply_key_steps
 from tiller.config import AlgorithmConfig
 from tiller.envs.base import Task
+from tiller.envs.verifiers import JUDGE
 from tiller.errors import RunError, import_dotted
 from tiller.rollout.trajectory import Status, Trajectory, is_success
 from tiller.train.batch import Batch
 
 KeyStepFn = Callable[[Trajectory, Any], Sequence[float]]
 JudgeFn = Callable[[Task, Trajectory], float]
-JUDGE = "judge"  # the check a judge's score is recorded under, beside the verifier's checks
 
 
 def load_key_steps(path: str | None) -> KeyStepFn | None:
