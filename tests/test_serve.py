@@ -31,7 +31,7 @@ from tiller.rollout.agent_loop import EpisodeLimits
 from tiller.rollout.chat import ChatFormat, stop_token_ids
 from tiller.rollout.collect import collect_expert
 from tiller.serve.app import create_app
-from tiller.serve.guard import META_MAX_BYTES, is_loopback
+from tiller.serve.guard import META_MAX_BYTES, is_loopback, open_below
 from tiller.serve.openai_routes import json_values, parse_chat
 from tiller.serve.protocol import APIError
 from tiller.serve.server import MAX_JSON_VALUES, ServeSettings
@@ -325,6 +325,28 @@ def test_the_json_value_bound_is_fixed_whatever_the_context():
     with pytest.raises(APIError, match="over 9 JSON values"):  # a smaller bound, given
         parse_chat(body(2), 1_000_000, "--max-prompt-tokens", 9, "--max-json-values")
     assert parse_chat(body(1), 1_000_000, "--max-prompt-tokens", 9, "--max-json-values")
+
+
+def test_open_below_never_climbs_out_of_the_root_nor_opens_hard_links(tmp_path):
+    """open_below checked `root in real.parents` by spelling: root/a/../../x passed it, and the
+    walk opened a, .., .. and x: the file outside the root. A hard link in the root to a file
+    elsewhere (any file the server's user can read) is refused too; a plain file opens."""
+    root, outside = tmp_path / "root", tmp_path / "x"
+    (root / "a").mkdir(parents=True)
+    outside.write_bytes(b"secret")
+    with pytest.raises(APIError) as climbed:
+        open_below(root, root / "a" / ".." / ".." / "x")
+    assert climbed.value.status == 403 and "outside --weights-root" in climbed.value.message
+    (root / "a" / "linked.safetensors").hardlink_to(outside)
+    with pytest.raises(APIError) as linked:
+        open_below(root, root / "a" / "linked.safetensors")
+    assert linked.value.status == 400
+    assert linked.value.message == ("linked.safetensors has 2 hard links; a weight file must "
+                                    "have one")
+    (root / "a" / "w.safetensors").write_bytes(b"weights")
+    fd = open_below(root, root / "a" / "w.safetensors")
+    with os.fdopen(fd, "rb") as f:
+        assert f.read() == b"weights"
 
 
 @pytest.mark.slow
