@@ -15,8 +15,9 @@ Each measurement runs in a fresh process, after a warm-up call on 8 rows:
             at once. It includes the [rows, V] float32 gradient both methods must
             return (the `grad MiB` column).
 Logits: N(0, 1) * --scale per entry (default 5: at top_p 0.9 over 49,152 tokens a row keeps a
-median of ~46, a peaked distribution); `kept` is the median kept-set size over the first 64 rows.
-Tokens are uniform (mostly outside the kept set, as stale samples can be).
+median of 35, a peaked distribution; smaller scales are flatter and keep more); `kept` is the
+median kept-set size over the first 64 rows. Tokens are uniform (mostly outside the kept set,
+as stale samples can be).
 
     PYTHONPATH=src .venv/bin/python benchmarks/truncation.py                  # ~2 minutes
     PYTHONPATH=src .venv/bin/python benchmarks/truncation.py --rows 1024 4096

@@ -10,7 +10,15 @@ import stat
 import pytest
 
 from tiller.errors import ConfigError
-from tiller.files import folder_below, open_append, refuse_sqlite_links, replacing, write_file
+from tiller.files import (
+    REMOVE_FAILURES,
+    folder_below,
+    open_append,
+    refuse_sqlite_links,
+    remove_tree,
+    replacing,
+    write_file,
+)
 
 
 def plant(tmp_path, name):
@@ -157,3 +165,37 @@ def test_the_root_itself_may_be_a_link_and_missing_folders_are_made(tmp_path):
     assert folder_below(tmp_path / "runs", tmp_path / "runs" / "a" / ".." / "c", make=False
                         ) == tmp_path / "runs" / "c"
     assert not (tmp_path / "runs" / "c").exists()  # make=False makes nothing
+
+
+def test_remove_tree_logs_and_counts_what_it_cannot_remove(tmp_path, caplog):
+    """files.replacing and the HTTP backend's weight folders used rmtree(ignore_errors=True):
+    a folder left behind was silent. Now each failure is a warning with its path and error,
+    counted (REMOVE_FAILURES, and the number returned). A missing folder is such a failure
+    (an unremovable entry cannot be made as root; the non-root case is the next test)."""
+    tree = tmp_path / "v1"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "sub" / "model.safetensors").write_bytes(b"w")
+    before = REMOVE_FAILURES["entries"]
+    assert remove_tree(tree) == 0 and not tree.exists()
+    with caplog.at_level("WARNING", logger="tiller.files"):
+        assert remove_tree(tmp_path / "gone") == 1
+    assert REMOVE_FAILURES["entries"] == before + 1
+    [record] = caplog.records
+    assert record.getMessage().startswith(f"could not remove {tmp_path / 'gone'}: "
+                                          "FileNotFoundError: ")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root removes entries of read-only folders")
+def test_remove_tree_goes_on_past_an_unremovable_entry(tmp_path, caplog):
+    tree = tmp_path / "v1"
+    (tree / "locked").mkdir(parents=True)
+    (tree / "locked" / "model.safetensors").write_bytes(b"w")
+    (tree / "other.json").write_text("{}")
+    (tree / "locked").chmod(0o500)
+    try:
+        with caplog.at_level("WARNING", logger="tiller.files"):
+            assert remove_tree(tree) >= 1
+        assert not (tree / "other.json").exists()
+        assert str(tree / "locked" / "model.safetensors") in caplog.text
+    finally:
+        (tree / "locked").chmod(0o700)

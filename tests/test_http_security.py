@@ -300,7 +300,7 @@ def test_health_answers_while_a_huge_chat_request_is_in_flight(long_context_dir)
         {"role": "tool", "content": "1"}]
     many_calls = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
         {"type": "function", "function": {"name": "", "arguments": "{}"}}] * 120_000}]
-    too_many = "JSON values (messages, content parts, tool calls, tools and their fields)"
+    too_many = "JSON values, the limit of --max-json-values"
     cases = [(calls, "tokens, over the limit of 131071"),
              ([{"role": "user"}] * 250_000, "the conversation has 250000 messages, over the "
                                             "limit of 131071"),

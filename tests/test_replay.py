@@ -178,6 +178,28 @@ def test_bad_replay_path_is_one_line_config_error_before_any_work(tmp_path, wher
     assert not (tmp_path / "run" / "base_model").exists()  # refused before building the model
 
 
+def test_a_relative_replay_path_may_leave_the_run_folder(tmp_path):
+    """`../shared/tools.sqlite` (relative to the run folder, leaving it) crashed the stack
+    with a ValueError traceback from folder_below; it is the user's own path, used as
+    written (docs/evaluation.md lists it among the files written outside the run folder), and
+    one whose folder is missing is the one-line ConfigError."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "shared").mkdir()
+    tools = ToolsConfig(replay={"path": "../shared/tools.sqlite", "mode": "record"})
+    stack = ToolStack(tools, tmp_path / "run")
+    try:
+        asyncio.run(stack.wrapper("ep")(LIVE)(SEQUENCE[0]))
+    finally:
+        stack.close()
+    assert stack.store is not None and stack.store.path == tmp_path / "shared" / "tools.sqlite"
+    assert (tmp_path / "shared" / "tools.sqlite").is_file()
+    assert not (tmp_path / "run" / "shared").exists()
+    missing = ToolsConfig(replay={"path": "../nowhere/tools.sqlite", "mode": "record"})
+    with pytest.raises(ConfigError, match=r"^config field env.tools.replay.path: got "
+                                          rf"'{tmp_path}/nowhere/tools.sqlite'; the folder"):
+        ToolStack(missing, tmp_path / "run")
+
+
 def test_replay_misses_are_in_the_stack_stats_per_window(tmp_path):
     """Misses reach the per-step tool metrics (`replay_misses`), counted since the last reset."""
     db = tmp_path / "calls.sqlite"

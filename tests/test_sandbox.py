@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import platform
+import pwd
 import secrets
 import shutil
 import signal
@@ -672,11 +673,14 @@ def _run_unprivileged(python: list[str], payload: str, stdin: str = "", **limits
 
 @pytest.mark.integration
 def test_an_unprivileged_caller_is_found_as_root_and_as_another_user() -> None:
-    """Neither case skips: a non-root test is its own unprivileged caller, root becomes
-    nobody."""
-    assert unprivileged_python(1000) == [sys.executable]
-    if os.geteuid() == 0:
-        assert unprivileged_python(0)[1:4] == ["-u", "nobody", "--"]
+    """Neither case skips: the command found runs a Python >= 3.10 as a user other than root:
+    this test's own user when it is not root, nobody when it is."""
+    expected = pwd.getpwnam("nobody").pw_uid if os.geteuid() == 0 else os.geteuid()
+    probe = "import os, sys; print(os.geteuid(), sys.version_info >= (3, 10))"
+    ran = subprocess.run([*unprivileged_python(os.geteuid()), "-c", probe], capture_output=True,
+                         text=True, timeout=30, env=CALLER_ENV, cwd="/")
+    assert ran.returncode == 0, ran.stderr[-500:]
+    assert ran.stdout.split() == [str(expected), "True"] and expected != 0
 
 
 @pytest.mark.integration

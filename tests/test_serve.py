@@ -31,8 +31,10 @@ from tiller.rollout.agent_loop import EpisodeLimits
 from tiller.rollout.chat import ChatFormat, stop_token_ids
 from tiller.rollout.collect import collect_expert
 from tiller.serve.app import create_app
-from tiller.serve.guard import META_MAX_BYTES, is_loopback
-from tiller.serve.server import ServeSettings
+from tiller.serve.guard import META_MAX_BYTES, is_loopback, open_below
+from tiller.serve.openai_routes import json_values, parse_chat
+from tiller.serve.protocol import APIError
+from tiller.serve.server import MAX_JSON_VALUES, ServeSettings
 
 MAX_PROMPT, MAX_BODY, MAX_N = 512, 65536, 4
 
@@ -296,6 +298,55 @@ def test_bad_input_gets_a_4xx(server, http, route, body, status, part):
     error = r.json()["error"]
     assert part in error["message"] and error["code"] == status and error["type"]
     assert http.get("/health").status_code == 200
+
+
+def test_the_json_value_bound_is_fixed_whatever_the_context():
+    """A chat request's JSON values are bounded by --max-json-values, not by the context: with
+    a 1M-token context the old bound (tokens + 64) let a million values through to pydantic,
+    which validates them holding the GIL (0.2-0.35 s at 131,072). Each empty content part is 3
+    values; the rest of this request is 6."""
+    def body(parts: int) -> bytes:
+        return json.dumps({"model": "m", "messages": [
+            {"role": "user", "content": [{"type": "text", "text": ""}] * parts}]}).encode()
+
+    at_cap = (MAX_JSON_VALUES - 6) // 3
+    assert 6 + 3 * at_cap == MAX_JSON_VALUES == ServeSettings("m", ()).max_json_values
+    assert json_values(json.loads(body(at_cap)), MAX_JSON_VALUES) == MAX_JSON_VALUES
+    assert json_values(json.loads(body(at_cap + 1)), MAX_JSON_VALUES) == MAX_JSON_VALUES + 1
+    accepted = parse_chat(body(at_cap), 1_000_000, "--max-prompt-tokens", MAX_JSON_VALUES,
+                          "--max-json-values")
+    assert len(accepted.messages[0].content) == at_cap
+    with pytest.raises(APIError) as refused:
+        parse_chat(body(at_cap + 1), 1_000_000, "--max-prompt-tokens", MAX_JSON_VALUES,
+                   "--max-json-values")
+    assert refused.value.status == 400
+    assert refused.value.message.startswith(
+        f"the request has over {MAX_JSON_VALUES} JSON values, the limit of --max-json-values")
+    with pytest.raises(APIError, match="over 9 JSON values"):  # a smaller bound, given
+        parse_chat(body(2), 1_000_000, "--max-prompt-tokens", 9, "--max-json-values")
+    assert parse_chat(body(1), 1_000_000, "--max-prompt-tokens", 9, "--max-json-values")
+
+
+def test_open_below_never_climbs_out_of_the_root_nor_opens_hard_links(tmp_path):
+    """open_below checked `root in real.parents` by spelling: root/a/../../x passed it, and the
+    walk opened a, .., .. and x: the file outside the root. A hard link in the root to a file
+    elsewhere (any file the server's user can read) is refused too; a plain file opens."""
+    root, outside = tmp_path / "root", tmp_path / "x"
+    (root / "a").mkdir(parents=True)
+    outside.write_bytes(b"secret")
+    with pytest.raises(APIError) as climbed:
+        open_below(root, root / "a" / ".." / ".." / "x")
+    assert climbed.value.status == 403 and "outside --weights-root" in climbed.value.message
+    (root / "a" / "linked.safetensors").hardlink_to(outside)
+    with pytest.raises(APIError) as linked:
+        open_below(root, root / "a" / "linked.safetensors")
+    assert linked.value.status == 400
+    assert linked.value.message == ("linked.safetensors has 2 hard links; a weight file must "
+                                    "have one")
+    (root / "a" / "w.safetensors").write_bytes(b"weights")
+    fd = open_below(root, root / "a" / "w.safetensors")
+    with os.fdopen(fd, "rb") as f:
+        assert f.read() == b"weights"
 
 
 @pytest.mark.slow

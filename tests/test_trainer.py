@@ -1,6 +1,7 @@
 import asyncio
 import copy
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -510,6 +511,47 @@ def test_dropout_rates_and_keep_on_a_model_without_dropout(calc_model_dir, tmp_p
 
 
 # ---- issue 19: the trainer recomputes the truncated distribution the engine sampled ---------
+
+class MaskedVocab(torch.nn.Module):
+    """Logits from an embedding, with the vocabulary entries in `masked` at -inf (a model that
+    masks part of its vocabulary)."""
+
+    def __init__(self, vocab: int, masked: list[int]):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, vocab)
+        torch.nn.init.normal_(self.embed.weight, generator=torch.Generator().manual_seed(6))
+        self.register_buffer("mask", torch.zeros(vocab).index_fill_(0, torch.tensor(masked),
+                                                                     float("-inf")))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+                ) -> SimpleNamespace:
+        return SimpleNamespace(logits=self.embed(input_ids) + self.mask)
+
+
+@pytest.mark.parametrize("top_k", [0, 12])  # untruncated; top_k above the 9 finite logits
+def test_entropy_of_masked_logits_is_finite_with_finite_gradients(top_k):
+    """-inf logits (a masked vocabulary) made the entropy and its gradient NaN (0 * -inf),
+    untruncated and with top_k reaching them; with 0 log 0 := 0 both equal the entropy of the
+    finite logits alone."""
+    vocab, masked = 12, [1, 4, 10]
+    finite = [v for v in range(vocab) if v not in masked]
+    model = MaskedVocab(vocab, masked)
+    ids = torch.tensor([[0, 2, 3, 5, 6], [7, 8, 9, 11, 0]])
+    batch = SimpleNamespace(input_ids=ids, attention_mask=torch.ones_like(ids))
+    _, ent = token_logprobs(model, batch, 0.7, with_entropy=True, top_k=top_k)
+    ent.sum().backward()
+    grad = model.embed.weight.grad
+    ref = copy.deepcopy(model)
+    ref.embed.weight.grad = None
+    logits = ref.embed(ids[:, :-1])[..., finite] / 0.7  # the finite logits alone
+    q = torch.softmax(logits, -1)
+    ref_ent = -(q * torch.log_softmax(logits, -1)).sum(-1)
+    ref_ent.sum().backward()
+    assert torch.isfinite(ent).all() and torch.isfinite(grad).all()
+    assert torch.allclose(ent[:, 1:], ref_ent, atol=1e-6) and float(ent[:, 1:].detach().min()) > 0.1
+    assert torch.allclose(grad, ref.embed.weight.grad, atol=1e-6)
+    assert float(grad.abs().sum()) > 0.1
+
 
 def test_trainer_logprobs_are_of_the_truncated_distribution(model):
     batch = clip_batch()

@@ -106,6 +106,33 @@ def test_values_and_gradients_equal_plain_autograd(chunk_elements, with_entropy,
     assert float(grad.abs().sum()) > 1.0  # not vacuous
 
 
+@pytest.mark.parametrize("top_k, top_p", [(8, 1.0), (10, 1.0), (9, 0.999999)])  # last: K stops
+def test_minus_inf_logits_in_the_kept_set_give_finite_entropy_and_gradients(top_k, top_p):
+    """A masked vocabulary (-inf logits) with top_k at or above the finite count keeps the
+    -inf entries in K: q log q was 0 * -inf = NaN in the entropy and its gradient. With
+    0 log 0 := 0 both equal plain autograd over the 6 finite entries alone."""
+    n, vocab, finite = 5, 10, torch.tensor([0, 2, 3, 5, 6, 9])
+    z = torch.full((n, vocab), float("-inf"), dtype=torch.float64)
+    z[:, finite] = torch.randn(n, finite.numel(), generator=torch.Generator().manual_seed(5),
+                               dtype=torch.float64)
+    logp = torch.log_softmax(z, -1)
+    ids = finite[torch.arange(n) % finite.numel()]
+    w = torch.linspace(-1.0, 1.0, n, dtype=torch.float64)
+    leaf = logp.clone().requires_grad_()
+    out, ent = truncated_token_logprobs(leaf, ids, top_k, top_p, True)
+    grad, = torch.autograd.grad((w * out + ent).sum(), leaf)
+    ref_leaf = logp[:, finite].clone().requires_grad_()  # the kept set: every finite entry
+    logq = ref_leaf - torch.logsumexp(ref_leaf, -1, keepdim=True)
+    ref_ent = -(logq.exp() * logq).sum(-1)
+    ref_out = logq.gather(-1, torch.searchsorted(finite, ids)[:, None])[:, 0]
+    ref_grad, = torch.autograd.grad((w * ref_out + ref_ent).sum(), ref_leaf)
+    assert torch.isfinite(ent).all() and torch.isfinite(grad).all()
+    assert torch.allclose(ent, ref_ent, rtol=0, atol=1e-12) and float(ent.detach().min()) > 0.1
+    assert torch.allclose(out, ref_out, rtol=0, atol=1e-12)
+    assert torch.allclose(grad[:, finite], ref_grad, rtol=0, atol=1e-12)
+    assert grad[:, [1, 4, 7, 8]].eq(0).all()
+
+
 def test_gradcheck_against_finite_differences():
     logp, ids = rows_and_tokens(6, 9)
     logp = logp[:3].clone().requires_grad_()  # the untied rows: a step of 1e-6 keeps K

@@ -312,6 +312,9 @@ def serve(
     max_n: Annotated[int, typer.Option(min=1, help="choices per request")] = 8,
     max_prompt_tokens: Annotated[int | None, typer.Option(
         min=1, help="longest prompt (default: the model's context)")] = None,
+    max_json_values: Annotated[int, typer.Option(
+        min=1, help="JSON values in a chat request (400 above; validating each holds the "
+        "server)")] = 32768 + 64,
     request_timeout_s: Annotated[float, typer.Option(
         min=0.001, help="504 for a generation not done by then")] = 600.0,
     read_timeout_s: Annotated[float, typer.Option(
@@ -346,7 +349,7 @@ def serve(
             hosts=Hosts(host, tuple(allowed_host or ()), " (--allowed-host NAME adds one)"),
             weights_root=weights_root.resolve() if weights_root else None,
             max_body_bytes=max_body_bytes, max_n=max_n, max_prompt_tokens=max_prompt_tokens,
-            request_timeout_s=request_timeout_s,
+            max_json_values=max_json_values, request_timeout_s=request_timeout_s,
             connections=listen.ConnectionLimits(read_timeout_s=read_timeout_s, keep_alive_s=75,
                                                 max_connections=max_connections))
         server, guard = listen.server(create_app(engine, tokenizer, settings),

@@ -18,15 +18,22 @@ keep run folders where only you can write (docs/security.md).
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
+import sys
 import tempfile
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
 from tiller.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+# entries `remove_tree` could not remove, in this process ("entries"), each logged
+REMOVE_FAILURES: Counter[str] = Counter()
 
 
 def folder_below(root: str | Path, folder: str | Path, *, make: bool = True) -> Path:
@@ -67,7 +74,27 @@ def replacing(path: str | Path, *, root: str | Path) -> Iterator[Path]:
                 os.replace(path, private / f"{path.name}.old")
         os.replace(new, path)
     finally:
-        shutil.rmtree(private, ignore_errors=True)
+        remove_tree(private)
+
+
+def remove_tree(path: str | Path) -> int:
+    """Remove the folder `path` and everything in it, going on past what cannot be removed:
+    each such entry is logged (a warning with its path and the error) and counted in
+    REMOVE_FAILURES. The number of failures (0: all removed)."""
+    failures = 0
+
+    def failed(_func: object, where: str, error: object) -> None:
+        nonlocal failures
+        error = error[1] if isinstance(error, tuple) else error  # onerror's exc_info
+        failures += 1
+        REMOVE_FAILURES["entries"] += 1
+        logger.warning("could not remove %s: %s: %s", where, type(error).__name__, error)
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=failed)
+    else:
+        shutil.rmtree(path, onerror=failed)
+    return failures
 
 
 def write_file(path: str | Path, data: str | bytes, *, root: str | Path) -> Path:

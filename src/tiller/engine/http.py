@@ -40,7 +40,6 @@ import asyncio
 import concurrent.futures
 import logging
 import os
-import shutil
 import threading
 import uuid
 from collections import OrderedDict
@@ -57,7 +56,7 @@ from tiller.engine.delta import DeltaUpdate
 from tiller.engine.updates import WeightUpdate
 from tiller.engine.wire import check_logprob_kind, parse_generation
 from tiller.errors import ConfigError, RunError
-from tiller.files import folder_below
+from tiller.files import folder_below, remove_tree
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -428,12 +427,12 @@ class HttpEngine:
                 raise self._all_down()
         except BaseException:
             if fresh:  # no server holds it as the trainer's current weights
-                shutil.rmtree(folder, ignore_errors=True)
+                self.counters["weight_removal_failures"] += remove_tree(folder)
             raise
         self.counters["weight_pushes"] += 1
         for old in self._written:
-            if old != folder:
-                shutil.rmtree(old, ignore_errors=True)
+            if old != folder:  # each entry left behind is logged and counted
+                self.counters["weight_removal_failures"] += remove_tree(old)
         self._written = [folder]
         self.version = update.version
         return update.version

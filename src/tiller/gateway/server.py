@@ -48,6 +48,7 @@ from tiller.serve.openai_routes import (
     template_message,
 )
 from tiller.serve.protocol import APIError, ChatCompletionRequest, ChatMessage
+from tiller.serve.server import MAX_JSON_VALUES
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +65,10 @@ class Gateway:
     `open`/`close_session` bracket each episode; `close()` stops the server."""
 
     def __init__(self, *, model: str = MODEL, max_body_bytes: int = 4 << 20,
-                 start_timeout_s: float = 30.0, limits: ConnectionLimits = LIMITS):
+                 max_json_values: int = MAX_JSON_VALUES, start_timeout_s: float = 30.0,
+                 limits: ConnectionLimits = LIMITS):
         self.model = model
+        self.max_json_values = max_json_values  # a call's JSON values (400 above)
         self.start_timeout_s = start_timeout_s
         self.limits = limits
         self.sessions: dict[str, Session] = {}
@@ -224,7 +227,8 @@ class Gateway:
                 ) -> tuple[ChatCompletionRequest, list[dict[str, Any]], list[dict] | None]:
         """The call's body, messages and tools (template form), checked and bounded by the
         episode's token budget before anything is rendered (in a worker thread)."""
-        body = parse_chat(raw, session.limits.max_episode_tokens, "env.max_episode_tokens")
+        body = parse_chat(raw, session.limits.max_episode_tokens, "env.max_episode_tokens",
+                          self.max_json_values, "the gateway's max_json_values")
         check_model_and_stop(body, self.model)
         if body.n != 1:
             raise APIError(400, f"n={body.n}: a session samples one choice per call (the "

@@ -61,7 +61,8 @@ def create_app(engine: Any, tokenizer: Any, settings: ServeSettings) -> FastAPI:
                 "weight_version": engine.version, "dtype": s.dtype, "device": s.device,
                 "vocab_size": server.vocab_size, "stop_token_ids": list(s.stop_token_ids),
                 "max_batch_size": engine.max_batch_size, "max_n": s.max_n,
-                "max_body_bytes": s.max_body_bytes, "weights_root": s.weights_root is not None,
+                "max_body_bytes": s.max_body_bytes, "max_json_values": s.max_json_values,
+                "weights_root": s.weights_root is not None,
                 "boot_id": server.boot_id}
 
     @app.post("/generate")

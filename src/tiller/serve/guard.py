@@ -71,8 +71,10 @@ def open_below(root: Path, real: Path) -> int:
     opened one folder at a time from `root` without following a link at any step (and
     without blocking on a FIFO): a link swapped in anywhere below `root` after `real` was
     checked fails the open instead of redirecting it. APIError 403 when `real` is not inside
-    `root`; 400 when it cannot be opened so or is not a regular file."""
-    if root not in real.parents:
+    `root` (a `..` or `.` among its parts included: it must be its own normal form, so the
+    walk never climbs); 400 when it cannot be opened so, is not a regular file, or has other
+    hard links (one in `root` could name any file of the server's user elsewhere)."""
+    if root not in real.parents or str(real) != os.path.normpath(real):
         raise APIError(403, f"{real.name} links outside --weights-root {str(root)!r}")
     *folders, name = real.relative_to(root).parts
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -88,9 +90,11 @@ def open_below(root: Path, real: Path) -> int:
                             f"{type(e).__name__}: {e}"[:300]) from e
     finally:
         os.close(at)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
         os.close(fd)
-        raise APIError(400, f"{name} is not a regular file")
+        raise APIError(400, f"{name} is not a regular file" if not stat.S_ISREG(st.st_mode)
+                       else f"{name} has {st.st_nlink} hard links; a weight file must have one")
     return fd
 
 

@@ -229,7 +229,6 @@ def render_error(e: Exception) -> APIError:
 
 
 TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError)
-REQUEST_FIELDS = 64  # JSON values allowed beside one per token: the request's own fields
 
 
 def json_values(data: Any, most: int) -> int:
@@ -246,16 +245,18 @@ def json_values(data: Any, most: int) -> int:
     return n
 
 
-def parse_chat(raw: bytes, max_tokens: int, limit: str) -> ChatCompletionRequest:
-    """A chat completion body, refused (400) when it cannot fit `max_tokens` (named `limit`).
+def parse_chat(raw: bytes, max_tokens: int, limit: str, max_values: int,
+               values_limit: str) -> ChatCompletionRequest:
+    """A chat completion body, refused (400) when it cannot fit `max_tokens` (named `limit`)
+    or holds over `max_values` JSON values (named `values_limit`).
 
     Before validation (pydantic holds the GIL while it validates, in a worker thread too:
     every route waits), from a plain `json.loads`: for more messages than tokens (each renders
-    to at least one), and for more JSON values than tokens plus REQUEST_FIELDS (validation
-    walks every one: 320,000 empty content parts in one message, or 120,000 tool calls, held
-    the server for most of a second). Before rendering: for more characters than
-    CHARS_PER_TOKEN per token in what the template renders (contents, names, tool-call names
-    and arguments, tool schemas)."""
+    to at least one), and for more JSON values than `max_values` (validation walks every one:
+    320,000 empty content parts in one message, or 120,000 tool calls, held the server for
+    most of a second; the bound is fixed, not the context, which may be a million tokens).
+    Before rendering: for more characters than CHARS_PER_TOKEN per token in what the template
+    renders (contents, names, tool-call names and arguments, tool schemas)."""
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError):  # parse_body says what is wrong with it
@@ -264,12 +265,11 @@ def parse_chat(raw: bytes, max_tokens: int, limit: str) -> ChatCompletionRequest
     if isinstance(messages, list) and len(messages) > max_tokens:
         raise APIError(400, f"the conversation has {len(messages)} messages, over the limit "
                             f"of {max_tokens} (each renders to at least one token of {limit})")
-    most = max_tokens + REQUEST_FIELDS
-    if json_values(data, most) > most:
-        raise APIError(400, f"the request has over {most} JSON values (messages, content "
-                            f"parts, tool calls, tools and their fields), more than the "
-                            f"{max_tokens} tokens of {limit} plus {REQUEST_FIELDS} for the "
-                            "request's own fields")
+    if json_values(data, max_values) > max_values:
+        raise APIError(400, f"the request has over {max_values} JSON values, the limit of "
+                            f"{values_limit} (objects, arrays and scalars: messages, content "
+                            "parts, tool calls, tools and their fields; an empty content part "
+                            "is 3)")
     body: ChatCompletionRequest = parse_body(raw, ChatCompletionRequest)
     chars = sum(len(json.dumps(t.model_dump(exclude_none=True, by_alias=True)))
                 for t in body.tools or [])
@@ -286,7 +286,8 @@ def _chat_inputs(server: Server, raw: bytes
     """/v1/chat/completions' body, chat format, rendered prompt and new tokens, checked and
     bounded before rendering (in a worker thread: rendering and tokenizing megabytes takes
     seconds)."""
-    body = parse_chat(raw, server.max_prompt_tokens, "--max-prompt-tokens")
+    body = parse_chat(raw, server.max_prompt_tokens, "--max-prompt-tokens",
+                      server.settings.max_json_values, "--max-json-values")
     _check_common(server, body)
     messages, tools = chat_inputs(body)
     try:

@@ -10,6 +10,7 @@ reliability gate's report.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -35,7 +36,9 @@ from tiller.tools.threads import abandoned_threads
 
 class ReplayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    path: str = Field(description="SQLite file; relative paths are inside the run folder")
+    path: str = Field(description="SQLite file; a relative path is relative to the run "
+                      "folder (a link among its folders there is refused); one that leaves "
+                      "it (absolute, or with ..) is used as written")
     mode: Literal["record", "replay", "replay_or_live"] = Field(
         "record", description="record: call the live tools and store every call; replay: "
         "answer only from the file (a call it lacks is an env_error); replay_or_live: the "
@@ -98,9 +101,7 @@ class ToolStack:
         self.injector = FaultInjector(cfg.faults) if cfg.faults else None
         self.store = None
         if cfg.replay is not None:
-            path = Path(cfg.replay.path)
-            if not path.is_absolute():  # in the run folder: no folder on the way is a link
-                path = folder_below(run_dir, (run_dir / path).parent, make=False) / path.name
+            path = _replay_location(Path(cfg.replay.path), run_dir)
             self.store = ReplayStore(_replay_path(path, cfg.replay.mode), cfg.replay.mode)
         self.functions = load_tools(cfg.functions)  # before any work: a bad path is one line
         self.mcp = None
@@ -182,6 +183,17 @@ def _check_unique(functions: list[Tool], mcp: list[Tool]) -> None:
     if clash:
         raise ConfigError(f"config field env.tools.mcp: tool name(s) {', '.join(clash)} are "
                           "also env.tools.functions; tool names must be unique")
+
+
+def _replay_location(path: Path, run_dir: Path) -> Path:
+    """Where a replay path points: a relative one is relative to the run folder. Inside the
+    run folder, no folder on the way below it may be a link (`folder_below`); a path the user
+    wrote to leave it (absolute, or with `..`) is theirs to choose and is used as written."""
+    if path.is_absolute():
+        return path
+    full = Path(os.path.abspath(run_dir / path))
+    inside = Path(os.path.abspath(run_dir)) in full.parents
+    return folder_below(run_dir, full.parent, make=False) / full.name if inside else full
 
 
 def _replay_path(path: Path, mode: str) -> Path:

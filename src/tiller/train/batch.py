@@ -145,10 +145,18 @@ def token_logprobs(
         logp, ent = logp.view_as(ids), None if ent is None else ent.view_as(ids)
     else:
         logp = logp_all.gather(-1, ids[..., None])[..., 0]
-        ent = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+        ent = entropy(logp_all) if with_entropy else None
     pad = logp.new_zeros((logp.size(0), 1))
     logp = torch.cat([pad, logp], dim=1)
     return logp, None if ent is None else torch.cat([pad, ent], dim=1)
+
+
+def entropy(logp: torch.Tensor) -> torch.Tensor:
+    """H = -sum_v p_v log p_v over the last dimension of log-probabilities `logp`, with
+    0 log 0 := 0: a -inf log-probability (a masked vocabulary entry) adds nothing to H or to
+    its gradient (0 * -inf would be NaN in both)."""
+    p = logp.exp()
+    return -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)
 
 
 def micro_batches(lengths: torch.Tensor, size: int) -> list[torch.Tensor]:

@@ -12,7 +12,7 @@ with s the top-k-kept p sorted decreasingly, S its cumulative sum and P = sum_v 
 Then
 
     logp_K(y) = logp_y - logsumexp_{v in K + {y}} logp_v
-    H_K       = -sum_{v in K} q_v log q_v,  q = softmax of logp over K.
+    H_K       = -sum_{v in K} q_v log q_v,  q = softmax of logp over K  (0 log 0 := 0).
 
 The rank boundary m_p is found from `torch.topk` of a growing k (256, x4, ...) until some rank
 below k reaches the bound; only rows whose nucleus is longer than the largest prefix tried
@@ -29,7 +29,8 @@ and a few numbers per row, and works through the rows CHUNK_ELEMENTS at a time i
 passes. Gradients (K is fixed, not differentiated through):
 
     d logp_K(y) / d logp_v = 1{v = y} - softmax_{K + {y}}(logp)_v
-    d H_K / d logp_v       = -q_v (log q_v + H_K)   for v in K, 0 elsewhere.
+    d H_K / d logp_v       = -q_v (log q_v + H_K)   for v in K with q_v > 0, 0 elsewhere
+                                                    (a -inf logit in K when top_k reaches it).
 """
 
 from __future__ import annotations
@@ -135,9 +136,10 @@ class _Truncated(torch.autograd.Function):
             norm_y[b] = torch.where(keep.gather(-1, y)[:, 0], norm_k[b],
                                     torch.logaddexp(norm_k[b], lp_y))
             out[b] = lp_y - norm_y[b]
-            if with_entropy:
+            if with_entropy:  # q log q := 0 where q = 0 (a -inf logit kept by top_k)
                 logq = lp - norm_k[b, None]
-                ent[b] = -(logq.exp() * logq).masked_fill_(drop, 0.0).sum(-1)
+                q = logq.exp()
+                ent[b] = -(q * logq).masked_fill_(drop | (q == 0), 0.0).sum(-1)
         ctx.save_for_backward(logp, ids, cut, m, norm_y, norm_k, ent)
         ctx.rows, ctx.with_entropy = rows, with_entropy
         return out, ent
@@ -156,6 +158,8 @@ class _Truncated(torch.autograd.Function):
             g.mul_(-g_out[b, None]).scatter_add_(-1, y, g_out[b, None])  # from 1{v = y}
             if ctx.with_entropy and g_ent is not None:
                 logq = lp - norm_k[b, None]
-                h = (logq + ent[b, None]).mul_(logq.exp_()).mul_(g_ent[b, None])
-                g.sub_(h.masked_fill_(drop, 0.0))
+                h = logq + ent[b, None]
+                q = logq.exp_()  # 0 where logq = -inf: that term is 0, not 0 * -inf
+                h.mul_(q).mul_(g_ent[b, None]).masked_fill_(drop | (q == 0), 0.0)
+                g.sub_(h)
         return grad, None, None, None, None, None
