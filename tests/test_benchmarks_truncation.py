@@ -26,6 +26,7 @@ def test_table_hand_computed():
     assert lines[3] == "| 1024 x 49152 | top_p 0.9 | 35 | new | 2.00 | 336 | 192 | 0.25x | 0.20x |"
 
 
+@pytest.mark.slow
 def test_quick_run_measures_both_methods_on_the_same_numbers(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     out = tmp_path / "rows.json"

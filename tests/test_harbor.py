@@ -97,6 +97,7 @@ def test_the_expert_solves_every_example_task(tmp_path, tokenizer):
 
 
 
+@pytest.mark.slow
 def test_a_random_policy_with_hostile_commands_scores_none_and_is_never_env_error(tmp_path,
                                                                                   tokenizer):
     """Plausible commands, junk, and hostile ones (links, a FIFO, an endless loop written into
@@ -133,6 +134,7 @@ def test_a_random_policy_with_hostile_commands_scores_none_and_is_never_env_erro
                          for t in broke)
 
 
+@pytest.mark.slow
 def test_hostile_commands_are_the_policys_doing(tmp_path, tokenizer):
     """Each hostile command's outcome, through the run's tool stack: links and a FIFO carry
     over, a sleep past command_timeout_s is the policy's timed-out command (not the
@@ -265,6 +267,7 @@ def test_memory_mb_bounds_a_commands_address_space(tmp_path, tokenizer):
     assert traj.env_errors == 0
 
 
+@pytest.mark.slow
 def test_tests_the_policy_broke_give_reward_0_not_env_error(tmp_path, tokenizer, caplog):
     """The rule: when the tests write no (usable) reward after the policy changed the workdir,
     and they do on the task's untouched workdir, the policy broke them: reward 0, counted
@@ -518,6 +521,7 @@ def test_mounts_need_bubblewrap_and_stay_out_of_the_sandbox_own_paths():
             Sandbox(mounts=[path])
 
 
+@pytest.mark.slow
 def test_a_tiny_run_trains_on_the_harbor_examples(tmp_path):
     """examples/harbor/config.yaml, tiny: a model built on the expert's episodes, the tool
     gate (the expert's shell calls all succeed), SFT on the expert, 2 RL steps."""

@@ -187,6 +187,7 @@ def wait_pid_change(pid_file: Path, old: int, timeout_s: float = 60.0) -> int:
     return int(pid_file.read_text())
 
 
+@pytest.mark.slow
 def test_a_server_killed_mid_episode_is_env_error_and_is_restarted(tmp_path, tokenizer):
     """Turn 1's call answers; the server is killed; turn 2's call is an env_error (so the
     episode is), the server is restarted (counted), the next episode's calls answer; with
@@ -284,6 +285,7 @@ def test_a_servers_cwd_is_where_its_command_starts(tmp_path):
                   tmp_path)
 
 
+@pytest.mark.slow
 def test_a_slow_tool_times_out_as_env_error_and_the_server_keeps_serving(tmp_path):
     cfg = ToolsConfig.model_validate({"mcp": [stdio()],
                                       "executor": {"tools": {"slow": {"timeout_s": 0.5}}}})
@@ -434,6 +436,7 @@ def test_result_text_renders_every_content_block():
      "config field env.tools.mcp: server name(s) calc appear twice"),
 ], ids=["command-missing", "command-exits", "command-silent", "url-silent", "bad-schema",
         "tool-clash", "name-twice"])
+@pytest.mark.slow
 def test_a_bad_server_is_one_line_before_any_work(tmp_path, entries, message):
     port = free_port()  # nothing listens there
     for e in entries:
@@ -470,6 +473,7 @@ def test_mcp_tools_on_an_env_that_takes_no_tools_are_one_line(tmp_path):
         Run(cfg, tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_stops_its_server(tmp_path):
     """Ctrl-C in the middle of RL: the run closes, and the server process is gone."""
     pid_file = tmp_path / "server.pid"

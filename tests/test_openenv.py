@@ -106,6 +106,7 @@ def wait_closed(log: Path, n: int, timeout_s: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_the_openenv_example_trains_a_few_steps(tmp_path, monkeypatch):
     """examples/openenv/config.yaml end to end: tiller starts guess_env.py, builds a tiny
     model on its openings, trains 3 RL steps (odd samples play bisection, so rewards vary),
@@ -135,6 +136,7 @@ def test_the_openenv_example_trains_a_few_steps(tmp_path, monkeypatch):
     assert "Traceback" not in (tmp_path / "run" / "openenv.log").read_text()
 
 
+@pytest.mark.slow
 def test_a_run_that_fails_after_starting_the_server_stops_it(tmp_path, monkeypatch):
     servers = []
     start = OpenEnvEnv.start.__func__
@@ -152,6 +154,7 @@ def test_a_run_that_fails_after_starting_the_server_stops_it(tmp_path, monkeypat
     assert len(servers) == 1 and servers[0].proc.poll() is not None, "server left running"
 
 
+@pytest.mark.slow
 def test_an_episode_maps_reset_step_observations_reward_and_done(tmp_path, tokenizer,
                                                                  test_server):
     url, log = test_server
@@ -199,6 +202,7 @@ def test_tool_name_and_reset_kwargs_reach_the_policy_and_the_server(tmp_path, to
     assert traj.reward.checks["steps"] == 1.0 and traj.env_errors == 0
 
 
+@pytest.mark.slow
 def test_text_field_sends_the_plain_text_as_the_action(tmp_path, tokenizer):
     port = free_port()
     proc = start_server(TEST_SERVER, port, {"OPENENV_TEXT_ACTION": "1"})
@@ -251,6 +255,7 @@ def test_whose_fault_a_failed_step_is(tmp_path, tokenizer, test_server, guess, o
     wait_closed(log, before + 1)  # closed after a failure too (a timed-out one by the server)
 
 
+@pytest.mark.slow
 def test_a_server_killed_mid_episode_is_an_env_error(tmp_path, tokenizer):
     port = free_port()
     proc = start_server(GUESS, port)
