@@ -108,7 +108,7 @@ class HttpEngine:
         self.counters = dict.fromkeys(
             ("requests", "retries", "failed_requests", "session_moves", "servers_marked_down",
              "stale_answers", "weight_pushes", "push_skipped_down", "servers_rejoined",
-             "control_skipped_down"), 0)
+             "control_skipped_down", "weight_removal_failures"), 0)
         self._sessions: OrderedDict[str, Server] = OrderedDict()
         self._rids: dict[str, Server] = {}  # request id -> the server it is running on
         self._written: list[Path] = []  # weight folders this engine wrote (only these are removed)
