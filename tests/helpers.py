@@ -311,3 +311,15 @@ def processes_with(marker: str) -> list[int]:
         except OSError:  # exited meanwhile
             pass
     return found
+
+
+def scripted_generation(tokenizer: Any, policy: Any, text: str) -> Generation:
+    """`text` as one ended turn, stamped with the policy's engine version as if sampled (so RL
+    trains on it): the scripted half of the test loops (mcp_loop.py, openenv_loop.py)."""
+    from tiller.rollout.chat import end_of_turn_token
+
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids.append(tokenizer.convert_tokens_to_ids(end_of_turn_token(tokenizer)))
+    version = getattr(getattr(policy, "engine", None), "version", 0)
+    return Generation(ids, [0.0] * len(ids), "stop", version=version,
+                      versions=(version,) * len(ids))

@@ -11,9 +11,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from tiller.engine.api import Generation
+from helpers import scripted_generation
+
 from tiller.rollout.agent_loop import run_episode as tiller_episode
-from tiller.rollout.chat import end_of_turn_token
 
 
 def scripted_turn(messages: list[dict[str, Any]]) -> str:
@@ -35,11 +35,7 @@ class ScriptedAgent:
     policy: Any  # the run's actor: its engine's version stamps the scripted tokens
 
     async def act(self, prompt_ids, messages, seed, session_id=None):
-        ids = self.tokenizer.encode(scripted_turn(messages), add_special_tokens=False)
-        ids.append(self.tokenizer.convert_tokens_to_ids(end_of_turn_token(self.tokenizer)))
-        version = self.policy.engine.version
-        return Generation(ids, [0.0] * len(ids), "stop", version=version,
-                          versions=(version,) * len(ids))
+        return scripted_generation(self.tokenizer, self.policy, scripted_turn(messages))
 
 
 async def run_episode(env, task, actor, tokenizer, *, seed, limits, sample_index=0):

@@ -9,9 +9,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tiller.engine.api import Generation
+from helpers import scripted_generation
+
 from tiller.rollout.agent_loop import run_episode as tiller_episode
-from tiller.rollout.chat import end_of_turn_token
 
 
 @dataclass
@@ -35,11 +35,7 @@ class Bisector:
         return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
 
     async def act(self, prompt_ids, messages, seed, session_id=None):
-        ids = self.tokenizer.encode(self.turn(messages), add_special_tokens=False)
-        ids.append(self.tokenizer.convert_tokens_to_ids(end_of_turn_token(self.tokenizer)))
-        version = getattr(getattr(self.policy, "engine", None), "version", 0)
-        return Generation(ids, [0.0] * len(ids), "stop", version=version,
-                          versions=(version,) * len(ids))
+        return scripted_generation(self.tokenizer, self.policy, self.turn(messages))
 
 
 async def run_episode(env, task, actor, tokenizer, *, seed, limits, sample_index=0):
