@@ -7,7 +7,7 @@ import copy
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from tiller.algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, OFF_POLICY, POLICY_LOSSES
 from tiller.algorithms.presets import PRESETS
@@ -87,6 +87,11 @@ class CriticConfig(Section):
     whiten: bool = Field(True, description="whiten GAE advantages over the batch's tokens")
 
 
+# the fields of rl.algorithm named after a registry entry, and the registry each is checked in
+REGISTRIES = {"advantage": ADVANTAGES, "policy_loss": POLICY_LOSSES,
+              "aggregation": AGGREGATIONS, "off_policy": OFF_POLICY}
+
+
 class AlgorithmConfig(Section):
     """Every estimator and loss of ALGORITHMS.md, chosen by name (see docs/algorithms.md).
 
@@ -154,25 +159,10 @@ class AlgorithmConfig(Section):
     critic: CriticConfig | None = Field(None, description="the value model of advantage gae "
                                         "(filled in for it; refused with other estimators)")
 
-    @field_validator("advantage")
+    @field_validator(*REGISTRIES)
     @classmethod
-    def _known_advantage(cls, name: str) -> str:
-        return registered(name, ADVANTAGES)
-
-    @field_validator("policy_loss")
-    @classmethod
-    def _known_loss(cls, name: str) -> str:
-        return registered(name, POLICY_LOSSES)
-
-    @field_validator("aggregation")
-    @classmethod
-    def _known_aggregation(cls, name: str) -> str:
-        return registered(name, AGGREGATIONS)
-
-    @field_validator("off_policy")
-    @classmethod
-    def _known_off_policy(cls, name: str) -> str:
-        return registered(name, OFF_POLICY)
+    def _registered(cls, name: str, info: ValidationInfo) -> str:
+        return registered(name, REGISTRIES[info.field_name])
 
     @model_validator(mode="wrap")
     @classmethod
