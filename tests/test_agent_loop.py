@@ -15,7 +15,8 @@ from tiller.rollout.agent_loop import EngineActor, EpisodeLimits, ExpertActor, r
 from tiller.rollout.chat import CHAT_TEMPLATE
 from tiller.rollout.trajectory import Status
 from tiller.tools.registry import ToolOutcome, ToolResult
-from tiller.train.batch import Batch, token_logprobs
+from tiller.train.batch import Batch
+from tiller.train.logprobs import token_logprobs
 
 Calc = ENVS["calculator"]
 

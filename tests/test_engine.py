@@ -13,7 +13,8 @@ from tiller.engine.embedded import EmbeddedEngine
 from tiller.engine.updates import WeightSyncError, WeightUpdate
 from tiller.envs.verifiers import Reward
 from tiller.rollout.trajectory import Status, Trajectory
-from tiller.train.batch import Batch, token_logprobs
+from tiller.train.batch import Batch
+from tiller.train.logprobs import token_logprobs
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17]]
 

@@ -45,7 +45,8 @@ from tiller.rollout.agent_loop import (
 from tiller.rollout.chat import FAMILIES, ChatFormat, stop_token_ids
 from tiller.rollout.trajectory import Status
 from tiller.tools.registry import ToolCall, ToolOutcome, ToolResult
-from tiller.train.batch import Batch, token_logprobs
+from tiller.train.batch import Batch
+from tiller.train.logprobs import token_logprobs
 
 TOOLS = [{"type": "function", "function": {
     "name": "lookup", "description": "Look a key up.",

@@ -15,8 +15,9 @@ from tiller.controller import rl, train
 from tiller.envs.verifiers import Reward
 from tiller.rollout.trajectory import Status, Trajectory
 from tiller.run import Run
-from tiller.train.batch import Batch, token_logprobs
+from tiller.train.batch import Batch
 from tiller.train.critic import Critic
+from tiller.train.logprobs import token_logprobs
 from tiller.train.shaping import train_reward
 from tiller.train.trainer import PolicyTrainer
 

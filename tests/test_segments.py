@@ -8,7 +8,8 @@ import torch
 from tiller.config import RLConfig
 from tiller.envs.verifiers import Reward
 from tiller.rollout.trajectory import Status, TrajectoryBuilder
-from tiller.train.batch import Batch, token_logprobs
+from tiller.train.batch import Batch
+from tiller.train.logprobs import token_logprobs
 from tiller.train.shaping import rl_batch
 from tiller.train.trainer import PolicyTrainer, compute_advantages
 

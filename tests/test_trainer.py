@@ -14,8 +14,9 @@ from tiller.engine.updates import WeightSyncError, WeightUpdate
 from tiller.envs.verifiers import Reward
 from tiller.models import load_model
 from tiller.rollout.trajectory import Status, Trajectory
-from tiller.train.batch import Batch, token_logprobs
+from tiller.train.batch import Batch
 from tiller.train.critic import Critic
+from tiller.train.logprobs import token_logprobs
 from tiller.train.trainer import PolicyTrainer, compute_advantages
 
 
@@ -199,7 +200,7 @@ def test_decoupled_recomputes_the_proximal_policy_with_one_optimizer_step(calc_m
     alg = {"off_policy": "decoupled_tis", "is_cap": 1.2, "aggregation": "token-mean"}
     cfg = RLConfig(micro_batch_size=8, max_grad_norm=1e9, algorithm=alg)
     forwards = []
-    moved.register_forward_hook(lambda *_: forwards.append(1))
+    moved.model.register_forward_hook(lambda *_: forwards.append(1))  # the transformer
     trainer = PolicyTrainer(moved)
     trainer.optimizer = torch.optim.SGD(moved.parameters(), lr=1.0)
     m = trainer.rl_step(rollout_at(batch, logp0, 0.0), cfg, l_max=8)
@@ -465,7 +466,9 @@ def test_dropout_off_makes_the_ratio_exactly_1_before_the_update(dropout):
     model = gpt2_with_dropout()
     batch = engine_batch(model)
     logits = []
-    model.register_forward_hook(lambda _m, _i, out: logits.append(out.logits.detach()))
+    # each pass's logits, from the transformer's output with the weights of that moment
+    model.transformer.register_forward_hook(
+        lambda _m, _i, out: logits.append(model.lm_head(out.last_hidden_state).detach()))
     trainer = PolicyTrainer(model) if dropout == "off" else PolicyTrainer(model, dropout="keep")
     trainer.set_optimizer(lr=1e-2)
     cfg = RLConfig(micro_batch_size=8, ppo_epochs=2, algorithm={"off_policy": "tis"})
@@ -514,7 +517,11 @@ def test_dropout_rates_and_keep_on_a_model_without_dropout(calc_model_dir, tmp_p
 
 class MaskedVocab(torch.nn.Module):
     """Logits from an embedding, with the vocabulary entries in `masked` at -inf (a model that
-    masks part of its vocabulary)."""
+    masks part of its vocabulary), shaped like a causal LM: the transformer (`base_model`,
+    here the model itself) returns the embedding as its last hidden state and the output
+    layer adds the mask."""
+
+    config = SimpleNamespace()
 
     def __init__(self, vocab: int, masked: list[int]):
         super().__init__()
@@ -523,9 +530,15 @@ class MaskedVocab(torch.nn.Module):
         self.register_buffer("mask", torch.zeros(vocab).index_fill_(0, torch.tensor(masked),
                                                                      float("-inf")))
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
-                ) -> SimpleNamespace:
-        return SimpleNamespace(logits=self.embed(input_ids) + self.mask)
+    @property
+    def base_model(self) -> torch.nn.Module:
+        return self
+
+    def get_output_embeddings(self):
+        return lambda hidden: hidden + self.mask
+
+    def forward(self, input_ids: torch.Tensor, **_) -> SimpleNamespace:
+        return SimpleNamespace(last_hidden_state=self.embed(input_ids))
 
 
 @pytest.mark.parametrize("top_k", [0, 12])  # untruncated; top_k above the 9 finite logits

@@ -174,7 +174,7 @@ class Run:
         self.trainer = PolicyTrainer(self.model, temperature=s.temperature or 1.0,
                                      compute_dtype=dtype, top_k=s.top_k if truncated else 0,
                                      top_p=s.top_p if truncated else 1.0,
-                                     dropout=cfg.model.dropout)
+                                     dropout=cfg.model.dropout, train=cfg.train)
 
     def _start_engine(self, stack: ExitStack) -> None:
         """The engine, registered on `stack`, and its first weights checked."""

@@ -51,6 +51,7 @@ from tiller.config.rl import (
 from tiller.config.rollout import RolloutConfig
 from tiller.config.root import Config, dump_config, load_config
 from tiller.config.sft import SFTConfig
+from tiller.config.train import TrainConfig
 from tiller.errors import ConfigError
 
 __all__ = [
@@ -63,6 +64,6 @@ __all__ = [
     "FnJudgeConfig", "HttpEngineConfig", "JudgeConfig", "KLConfig", "LoggingConfig",
     "ModelConfig", "ModelJudgeConfig", "NoJudgeConfig", "ObserveConfig", "OneStepOffRLConfig",
     "OverlongConfig", "RLConfig", "RewardConfig", "RolloutConfig", "RuntimeConfig", "SFTConfig",
-    "SamplingConfig", "SyncRLConfig", "TracesConfig", "WeightSyncConfig", "dump_config",
-    "load_config",
+    "SamplingConfig", "SyncRLConfig", "TracesConfig", "TrainConfig", "WeightSyncConfig",
+    "dump_config", "load_config",
 ]

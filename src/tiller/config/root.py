@@ -29,6 +29,7 @@ from tiller.config.observe import LoggingConfig, ObserveConfig
 from tiller.config.rl import AnyRLConfig, SyncRLConfig
 from tiller.config.rollout import RolloutConfig
 from tiller.config.sft import SFTConfig
+from tiller.config.train import TrainConfig
 from tiller.errors import ConfigError
 
 
@@ -53,6 +54,8 @@ class Config(Section):
                                      "temperature, truncation, length (evaluation uses "
                                      "eval.temperature)")
     sft: SFTConfig = Field(SFTConfig(), description="supervised fine-tuning before RL")
+    train: TrainConfig = Field(TrainConfig(), description="memory and speed of the trainer's "
+                               "passes: packing, token budget, chunked logprobs, checkpointing")
     rl: AnyRLConfig = Field(SyncRLConfig(), description="reinforcement learning: steps, batch "
                             "shape, optimizer, algorithm, curriculum, judge; the schedule "
                             "(rl.mode) chooses the type")

@@ -1,9 +1,6 @@
-"""Batches: trajectories right-padded into tensors, the policy's log-probabilities on exactly
-those ids, and the partition of a batch into optimizer steps and micro-batches.
-
-Position t of `logp` is the policy's log-probability of token t given tokens < t, so it lines up
-with `loss_mask` and the engine's `rollout_logprobs` index for index. SFT and RL share that
-alignment and the same mask.
+"""Batches: trajectories right-padded into tensors, and the partition of a batch into
+optimizer steps and micro-batches (the policy's log-probabilities on them: `train.logprobs`).
+SFT and RL share the same alignment and the same mask.
 """
 
 from __future__ import annotations
@@ -13,10 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
-from torch import nn
 
 from tiller.rollout.trajectory import Trajectory
-from tiller.train.truncation import truncated_token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -123,57 +118,39 @@ class Batch:
         return Batch(**moved)
 
 
-def token_logprobs(
-    model: nn.Module, batch: Batch, temperature: float = 1.0, with_entropy: bool = False,
-    top_k: int = 0, top_p: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log pi(token_t | tokens_<t) for every position (0 at t = 0), and optionally the entropy
-    H_t = -sum_v q_v log q_v of the distribution q that produced token t.
-
-    q is softmax(logits / T), truncated like the engine's sampler when top_k > 0 or
-    top_p < 1: renormalised over the set this model's own q keeps (`sampling.kept_set`) plus
-    the token itself (`sampling.truncated_logprobs`), so on-policy the value is exactly the
-    logprob the engine reported with `sampling.logprobs: sampled`; computed in chunks of rows
-    without sorting whole rows (`train/truncation.py`)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logp_all = torch.log_softmax(logits[:, :-1].float() / max(temperature, 1e-8), dim=-1)
-    ids = batch.input_ids[:, 1:]
-    if top_k > 0 or top_p < 1:
-        rows, vocab = ids.numel(), logp_all.size(-1)
-        logp, ent = truncated_token_logprobs(logp_all.reshape(rows, vocab), ids.reshape(rows),
-                                             top_k, top_p, with_entropy)
-        logp, ent = logp.view_as(ids), None if ent is None else ent.view_as(ids)
-    else:
-        logp = logp_all.gather(-1, ids[..., None])[..., 0]
-        ent = entropy(logp_all) if with_entropy else None
-    pad = logp.new_zeros((logp.size(0), 1))
-    logp = torch.cat([pad, logp], dim=1)
-    return logp, None if ent is None else torch.cat([pad, ent], dim=1)
-
-
-def entropy(logp: torch.Tensor) -> torch.Tensor:
-    """H = -sum_v p_v log p_v over the last dimension of log-probabilities `logp`, with
-    0 log 0 := 0: a -inf log-probability (a masked vocabulary entry) adds nothing to H or to
-    its gradient (0 * -inf would be NaN in both)."""
-    p = logp.exp()
-    return -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)
-
-
-def micro_batches(lengths: torch.Tensor, size: int) -> list[torch.Tensor]:
-    """Row indices in chunks of `size`, grouped by length so little compute goes to padding.
+def micro_batches(lengths: torch.Tensor, size: int, max_tokens: int | None = None,
+                  packed: bool = False) -> list[torch.Tensor]:
+    """Row indices in chunks of at most `size` rows, grouped by length so little compute goes
+    to padding; with `max_tokens`, a chunk also closes before its tokens would exceed it
+    (packed: the sum of its lengths; padded: rows x its longest, as the rows come shortest
+    first); a row longer than `max_tokens` runs alone.
 
     Losses are normalized by whole-batch counts, so how rows are chunked never changes the
     gradient.
     """
     order = torch.argsort(lengths, stable=True)
-    return [order[i : i + size] for i in range(0, len(order), size)]
+    if max_tokens is None:
+        return [order[i : i + size] for i in range(0, len(order), size)]
+    out: list[list[int]] = [[]]
+    used = 0
+    for row in order.tolist():
+        n = int(lengths[row])
+        cost = used + n if packed else n * (len(out[-1]) + 1)
+        if out[-1] and (len(out[-1]) == size or cost > max_tokens):
+            out.append([])
+            cost = n
+        out[-1].append(row)
+        used = cost
+    return [torch.tensor(rows, dtype=torch.long) for rows in out if rows]
 
 
 def minibatches(
-    batch: Batch, mini_batches: int, micro_batch_size: int, l_max: int = 0
+    batch: Batch, mini_batches: int, micro_batch_size: int, l_max: int = 0,
+    max_tokens: int | None = None, packed: bool = False,
 ) -> list[tuple[torch.Tensor, list[torch.Tensor], dict[str, float]]]:
     """The rows of each optimizer step (strided, so each step sees every group), their
-    micro-batches, and the step's normalizers for the aggregation: every micro-batch divides by
+    micro-batches (`micro_batches`, by rows and optionally a token budget), and the step's
+    normalizers for the aggregation: every micro-batch divides by
     its optimizer batch's totals, so accumulation equals one big batch in every mode. The
     policy and the critic walk the same partition. A batch with fewer rows than `mini_batches`
     (filtering and dropped episodes shrink it) gets one step per row: never an empty step (an
@@ -187,7 +164,8 @@ def minibatches(
     for i in range(mini_batches):
         mini = torch.arange(n)[i::mini_batches]
         lengths = batch.attention_mask[mini].sum(-1)
-        micros = [mini[idx] for idx in micro_batches(lengths, micro_batch_size)]
+        micros = [mini[idx] for idx in micro_batches(lengths, micro_batch_size, max_tokens,
+                                                     packed)]
         mask = batch.loss_mask[mini]
         # the empty-row rule: a row with no loss token is not a sequence of the seq-mean modes
         totals = {"total_tokens": float(mask.sum()), "total_seqs": int((mask.sum(-1) > 0).sum()),

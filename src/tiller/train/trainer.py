@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from tiller.algorithms import (
     ADVANTAGES,
@@ -23,9 +24,10 @@ from tiller.algorithms.credit import turn_credit, turn_sums
 from tiller.algorithms.kl import kl_beta_at, kl_in_reward
 from tiller.algorithms.losses import entropy_bonus
 from tiller.algorithms.offpolicy import correction_stats, mismatch_stats, staleness_stats
-from tiller.config import AlgorithmConfig, RLConfig
+from tiller.config import AlgorithmConfig, RLConfig, TrainConfig
 from tiller.engine.updates import WeightUpdate
-from tiller.train.batch import Batch, micro_batches, minibatches, token_logprobs
+from tiller.train.batch import Batch, micro_batches, minibatches
+from tiller.train.logprobs import PassShape, token_logprobs
 
 if TYPE_CHECKING:
     from tiller.train.critic import Critic
@@ -150,12 +152,20 @@ class PolicyTrainer:
     compute the same function as the engine and the no-grad passes (dropout and any other
     train-only randomness off; gradients flow as usual) and rho = 1 before an update; "keep"
     runs them in train mode.
+
+    `train` (`TrainConfig`) lays out the passes: packed or padded, micro-batches by rows and
+    tokens, logprobs in chunks, activation checkpointing; none of it changes a loss.
     """
 
     def __init__(self, model: nn.Module, temperature: float = 1.0,
                  compute_dtype: torch.dtype = torch.float32, top_k: int = 0,
-                 top_p: float = 1.0, dropout: Literal["keep", "off"] = "off"):
+                 top_p: float = 1.0, dropout: Literal["keep", "off"] = "off",
+                 train: TrainConfig | None = None):
         self.model = model
+        self.train = train or TrainConfig()
+        self.shape = PassShape(self.train.packing, self.train.logprob_chunk_tokens)
+        if self.train.activation_checkpointing:
+            model.activation_checkpointing_enable({"use_reentrant": False})
         self.temperature = temperature
         self.compute_dtype = compute_dtype
         # RL's logprobs are of the distribution the engine samples from: truncated like it
@@ -206,11 +216,23 @@ class PolicyTrainer:
         bf16 = self.compute_dtype == torch.bfloat16
         top_k, top_p = (self.top_k, self.top_p) if truncate else (0, 1.0)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
-            return token_logprobs(model, mb, temperature, with_entropy, top_k, top_p)
+            return token_logprobs(model, mb, temperature, with_entropy, top_k, top_p,
+                                  self.shape)
 
     def _train_mode(self) -> None:
-        """The mode of a gradient pass: train (dropout on) only with dropout "keep"."""
+        """The mode of a gradient pass: train (dropout on) only with dropout "keep". With
+        activation checkpointing, the transformer layers themselves are flagged as training
+        (transformers checkpoints a layer only then) while their submodules keep the mode, so
+        dropout stays off under "off"."""
         self.model.train(self.dropout == "keep")
+        if self.train.activation_checkpointing:
+            for module in self.model.modules():
+                if isinstance(module, GradientCheckpointingLayer):
+                    module.training = True
+
+    def _micros(self, lengths: torch.Tensor, size: int) -> list[torch.Tensor]:
+        """A whole batch's micro-batches: at most `size` rows and `train.micro_batch_tokens`."""
+        return micro_batches(lengths, size, self.train.micro_batch_tokens, self.train.packing)
 
     def _step(self, max_grad_norm: float) -> float:
         assert self.optimizer is not None, "call set_optimizer first"
@@ -225,7 +247,7 @@ class PolicyTrainer:
         self._train_mode()
         total = float(batch.loss_mask.sum())
         loss_sum = 0.0
-        for idx in micro_batches(batch.attention_mask.sum(-1), micro_batch_size):
+        for idx in self._micros(batch.attention_mask.sum(-1), micro_batch_size):
             mb = batch.rows(idx).to(self.device)
             # SFT: the data's likelihood at T = 1, untruncated
             logp, _ = self._forward(self.model, mb, 1.0, truncate=False)
@@ -238,7 +260,7 @@ class PolicyTrainer:
     def _logprobs(self, model: nn.Module, batch: Batch, micro_batch_size: int) -> torch.Tensor:
         model.eval()
         out = torch.zeros_like(batch.loss_mask)
-        for idx in micro_batches(batch.attention_mask.sum(-1), micro_batch_size):
+        for idx in self._micros(batch.attention_mask.sum(-1), micro_batch_size):
             mb = batch.rows(idx).to(self.device)
             out[idx, : mb.input_ids.size(1)] = self._forward(model, mb, self.temperature)[0].to(
                 out.device)
@@ -314,7 +336,8 @@ class PolicyTrainer:
         the number of optimizer steps."""
         sums: dict[str, float] = defaultdict(float)
         self._train_mode()
-        steps = minibatches(batch, cfg.mini_batches, cfg.micro_batch_size, l_max)
+        steps = minibatches(batch, cfg.mini_batches, cfg.micro_batch_size, l_max,
+                            self.train.micro_batch_tokens, self.train.packing)
         for _epoch in range(cfg.ppo_epochs):
             for _, micros, totals in steps:
                 for rows in micros:

@@ -1,0 +1,127 @@
+"""The policy's log-probabilities (and entropies) on exactly a batch's ids, in bounded memory.
+
+Position t of `logp` is log pi(token_t | tokens_<t), so it lines up with `loss_mask` and the
+engine's `rollout_logprobs` index for index (0 at t = 0 and off each row's length).
+
+Memory, for T tokens and a vocabulary of V:
+- the transformer runs once over the micro-batch, padded ([B, L_max]) or packed (one row of
+  sum_i L_i tokens, `TrainConfig.packing`): position ids restart at 0 on each sequence and,
+  with no 2D attention mask and no KV cache (`use_cache=False`: with a cache transformers
+  skips the check), its mask builder (`find_packed_sequence_indices`) keeps attention within
+  each sequence (eager and sdpa, tested), so no padding token is computed;
+- the output layer, the log-softmax, the gather and the entropy run over the T - B predicting
+  positions `chunk_tokens` at a time, each chunk under activation checkpointing: the backward
+  pass recomputes one chunk's [chunk, V] logits at a time, so the full [T, V] fp32 matrix
+  never exists (it is 4 T V bytes: 805 MB for 8 x 512 tokens and V = 49,152, times the copies
+  autograd keeps).
+Both are exact rearrangements of the same arithmetic; only float rounding differs
+(tests/test_trainer_memory.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tiller.train.batch import Batch
+from tiller.train.truncation import truncated_token_logprobs
+
+
+@dataclass(frozen=True)
+class PassShape:
+    """How a pass lays out its tokens (`TrainConfig`): packed or padded, and the positions
+    per chunk of the output layer."""
+
+    packing: bool = False
+    chunk_tokens: int = 256
+
+
+def trunk_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The transformer that returns last hidden states and the output layer of a Hugging Face
+    causal LM (or a peft model around one: its LoRA layers live inside the same modules)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for key in ("final_logit_softcapping", "logit_scale"):
+        if getattr(inner.config, key, None):
+            raise ValueError(f"{type(inner).__name__} post-processes its logits ({key}); the "
+                             "chunked output layer supports plain linear heads only")
+    return inner.base_model, inner.get_output_embeddings()
+
+
+def hidden_states(trunk: nn.Module, batch: Batch, packing: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden [N, H], rows, cols, flat [P] each): the trunk's last hidden states flattened,
+    and for each predicting position (rows, cols), which predicts token cols + 1 of its row
+    (every position but the last of each right-padded row), its index in `hidden`."""
+    attn = batch.attention_mask
+    rows, cols = attn[:, 1:].nonzero(as_tuple=True)
+    if packing:
+        keep = attn.bool()
+        positions = (attn.cumsum(-1) - 1)[keep][None]
+        hidden = trunk(input_ids=batch.input_ids[keep][None],
+                       position_ids=positions, use_cache=False).last_hidden_state[0]
+        lengths = attn.sum(-1)
+        starts = lengths.cumsum(0) - lengths
+        return hidden, rows, cols, starts[rows] + cols
+    hidden = trunk(input_ids=batch.input_ids, attention_mask=attn,
+                   use_cache=False).last_hidden_state
+    return hidden.flatten(0, 1), rows, cols, rows * attn.size(1) + cols
+
+
+def _chunk(head: nn.Module, h: torch.Tensor, ids: torch.Tensor, temperature: float,
+           with_entropy: bool, top_k: int, top_p: float
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logp of `ids`, entropy or None) for one chunk of hidden states `h` [C, H]:
+    log softmax(head(h) / T), truncated like the sampler when top_k > 0 or top_p < 1."""
+    logp_all = torch.log_softmax(head(h).float() / max(temperature, 1e-8), dim=-1)
+    if top_k > 0 or top_p < 1:
+        return truncated_token_logprobs(logp_all, ids, top_k, top_p, with_entropy)
+    logp = logp_all.gather(-1, ids[:, None])[:, 0]
+    return logp, entropy(logp_all) if with_entropy else None
+
+
+def token_logprobs(
+    model: nn.Module, batch: Batch, temperature: float = 1.0, with_entropy: bool = False,
+    top_k: int = 0, top_p: float = 1.0, shape: PassShape = PassShape(),
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(token_t | tokens_<t) [B, T] for every position (0 at t = 0 and off each row's
+    length), and optionally the entropy H_t = -sum_v q_v log q_v of the distribution q that
+    produced token t.
+
+    q is softmax(logits / T), truncated like the engine's sampler when top_k > 0 or
+    top_p < 1: renormalised over the set this model's own q keeps (`sampling.kept_set`) plus
+    the token itself (`sampling.truncated_logprobs`), so on-policy the value is exactly the
+    logprob the engine reported with `sampling.logprobs: sampled` (`train/truncation.py`).
+    Packed or padded and in chunks of `shape.chunk_tokens` positions (the module docstring)."""
+    trunk, head = trunk_and_head(model)
+    hidden, rows, cols, flat = hidden_states(trunk, batch, shape.packing)
+    ids = batch.input_ids[rows, cols + 1]
+    grad = torch.is_grad_enabled() and hidden.requires_grad
+    logps, ents = [], []
+    for s in range(0, len(ids), shape.chunk_tokens):
+        args = (head, hidden[flat[s : s + shape.chunk_tokens]], ids[s : s + shape.chunk_tokens],
+                temperature, with_entropy, top_k, top_p)
+        lp, ent = checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args)
+        logps.append(lp)
+        ents.append(ent)
+    size = batch.input_ids.shape
+    at = (rows, cols + 1)
+    logp = hidden.new_zeros(size, dtype=torch.float32).index_put(at, _cat(logps, hidden))
+    if not with_entropy:
+        return logp, None
+    return logp, hidden.new_zeros(size, dtype=torch.float32).index_put(at, _cat(ents, hidden))
+
+
+def _cat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The chunks' values in order (an empty float32 tensor when there are none)."""
+    return torch.cat(parts) if parts else like.new_zeros(0, dtype=torch.float32)
+
+
+def entropy(logp: torch.Tensor) -> torch.Tensor:
+    """H = -sum_v p_v log p_v over the last dimension of log-probabilities `logp`, with
+    0 log 0 := 0: a -inf log-probability (a masked vocabulary entry) adds nothing to H or to
+    its gradient (0 * -inf would be NaN in both)."""
+    p = logp.exp()
+    return -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)

@@ -1,0 +1,167 @@
+"""The trainer's memory layout (`TrainConfig`, `train/logprobs.py`): packed passes equal padded
+ones, chunked logprobs equal the full log-softmax, checkpointing leaves gradients unchanged,
+micro-batches respect their token budget. All on a tiny random Llama, fp32."""
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tiller.config import TrainConfig
+from tiller.train.batch import Batch, micro_batches
+from tiller.train.logprobs import PassShape, _chunk, token_logprobs
+from tiller.train.trainer import PolicyTrainer
+
+VOCAB = 97
+
+
+def tiny_llama(attn: str = "sdpa") -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      tie_word_embeddings=True, attn_implementation=attn)
+    return LlamaForCausalLM(cfg).float()
+
+
+def ragged_batch(lengths: tuple[int, ...] = (7, 3, 11, 5)) -> Batch:
+    gen = torch.Generator().manual_seed(1)
+    width = max(lengths)
+    ids = torch.zeros((len(lengths), width), dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = torch.randint(1, VOCAB, (n,), generator=gen)
+        attn[i, :n] = 1
+    mask = attn.float()
+    mask[:, 0] = 0
+    return Batch(ids, attn, mask, torch.zeros(mask.shape), torch.zeros(len(lengths)),
+                 torch.zeros(len(lengths), dtype=torch.long))
+
+
+def full_logprobs(model: LlamaForCausalLM, batch: Batch, temperature: float = 1.0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unchunked, padded reference: the whole [B, T, V] log-softmax at once."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logp_all = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    logp = logp_all.gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    pad = logp.new_zeros((logp.size(0), 1))
+    keep = batch.attention_mask.float()
+    return torch.cat([pad, logp], 1) * keep, torch.cat([pad, ent], 1) * keep
+
+
+def test_chunk_hand_computed() -> None:
+    # logits (0, ln 2, 0): q = (1/4, 1/2, 1/4), log q(1) = -ln 2, H = 1.5 ln 2
+    head = torch.nn.Linear(1, 3, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[0.0], [math.log(2)], [0.0]]))
+    logp, ent = _chunk(head, torch.ones(1, 1), torch.tensor([1]), 1.0, True, 0, 1.0)
+    assert logp.item() == pytest.approx(-math.log(2), abs=1e-7)
+    assert ent.item() == pytest.approx(1.5 * math.log(2), abs=1e-7)
+    # at T = 0.5 the logits double: q = (1/6, 4/6, 1/6)
+    logp, _ = _chunk(head, torch.ones(1, 1), torch.tensor([0]), 0.5, False, 0, 1.0)
+    assert logp.item() == pytest.approx(math.log(1 / 6), abs=1e-6)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+def test_chunked_and_packed_equal_full(packing: bool, chunk: int) -> None:
+    model = tiny_llama()
+    batch = ragged_batch()
+    ref_logp, ref_ent = full_logprobs(model, batch, temperature=0.7)
+    (ref_logp * batch.loss_mask).sum().backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logp, ent = token_logprobs(model, batch, 0.7, with_entropy=True,
+                               shape=PassShape(packing=packing, chunk_tokens=chunk))
+    (logp * batch.loss_mask).sum().backward()
+    assert torch.allclose(logp, ref_logp, atol=1e-5, rtol=0)
+    assert torch.allclose(ent, ref_ent, atol=1e-5, rtol=0)
+    assert logp[1, 3:].abs().sum() == 0  # nothing off a row's length
+    for p, g in zip(model.parameters(), ref_grads, strict=True):
+        assert torch.allclose(p.grad, g, atol=1e-5, rtol=1e-4)
+
+
+def test_packing_eager_attention_equals_padded() -> None:
+    model = tiny_llama("eager")
+    batch = ragged_batch()
+    with torch.no_grad():
+        padded, _ = token_logprobs(model, batch, shape=PassShape(packing=False))
+        packed, _ = token_logprobs(model, batch, shape=PassShape(packing=True))
+    assert torch.allclose(packed, padded, atol=1e-5, rtol=0)
+    assert packed.abs().sum() > 0
+
+
+def test_packing_is_not_attention_across_sequences() -> None:
+    """A packed row whose position ids did not restart would let a sequence see the previous
+    one: the second sequence's logprobs then differ from its own pass."""
+    model = tiny_llama()
+    batch = ragged_batch((6, 6))
+    with torch.no_grad():
+        packed, _ = token_logprobs(model, batch, shape=PassShape(packing=True))
+        alone = [token_logprobs(model, batch.rows(torch.tensor([i])))[0] for i in (0, 1)]
+        hidden = model.model(input_ids=batch.input_ids.reshape(1, -1)).last_hidden_state
+        joined = torch.log_softmax(model.lm_head(hidden[0, 5:-1]), -1)
+    assert torch.allclose(packed[1], alone[1][0], atol=1e-5)
+    crossed = joined.gather(-1, batch.input_ids[1, :, None])[1:, 0]
+    assert not torch.allclose(crossed, packed[1, 1:], atol=1e-3)
+
+
+def test_activation_checkpointing_same_grads() -> None:
+    batch = ragged_batch()
+    grads, kept = [], []
+
+    def count_bytes(t: torch.Tensor) -> torch.Tensor:
+        kept[-1] += t.numel() * t.element_size()
+        return t
+    for on in (False, True):
+        kept.append(0)
+        model = tiny_llama()
+        trainer = PolicyTrainer(model, train=TrainConfig(activation_checkpointing=on))
+        trainer._train_mode()
+        assert model.model.layers[0].training is on  # the flag transformers checks
+        assert model.model.layers[0].self_attn.training is False  # dropout stays off
+        with torch.autograd.graph.saved_tensors_hooks(count_bytes, lambda t: t):
+            logp, _ = trainer._forward(model, batch, 1.0)
+        (logp * batch.loss_mask).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+    assert kept[1] < kept[0] / 2  # autograd keeps only each layer's input
+
+
+def test_chunking_saves_less_for_backward() -> None:
+    """The bytes autograd keeps for the backward pass: the full log-softmax keeps [T, V]
+    float32 matrices, the chunked one only the hidden states and per-token values."""
+    model = tiny_llama()
+    batch = ragged_batch((40, 40, 40, 40))
+
+    def saved_bytes(fn) -> int:
+        total = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            if t.dim() >= 2 and t.size(-1) == VOCAB and t.dtype == torch.float32:
+                total += t.numel() * t.element_size()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+        return total
+
+    full = saved_bytes(lambda: full_logprobs(model, batch))
+    chunked = saved_bytes(lambda: token_logprobs(model, batch, shape=PassShape(chunk_tokens=8)))
+    assert full >= 156 * VOCAB * 4  # at least one [tokens, V] fp32 matrix
+    assert chunked < full / 10
+
+
+def test_micro_batches_token_budget() -> None:
+    lengths = torch.tensor([5, 100, 7, 30, 9])
+    # padded: rows x longest, shortest first: [5, 7, 9] = 27 <= 30, then 30, then 100 alone
+    padded = micro_batches(lengths, 8, max_tokens=30)
+    assert [t.tolist() for t in padded] == [[0, 2, 4], [3], [1]]
+    # packed: sums: 5 + 7 + 9 = 21 <= 30, 30, 100
+    packed = micro_batches(lengths, 8, max_tokens=40, packed=True)
+    assert [t.tolist() for t in packed] == [[0, 2, 4], [3], [1]]
+    assert [t.tolist() for t in micro_batches(lengths, 2, max_tokens=1000, packed=True)] == \
+        [[0, 2], [4, 3], [1]]
+    assert [t.tolist() for t in micro_batches(lengths, 2)] == [[0, 2], [4, 3], [1]]
