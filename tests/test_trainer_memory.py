@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tiller.config import TrainConfig
+from tiller.config import CriticConfig, RLConfig, TrainConfig
 from tiller.train.batch import Batch, micro_batches
+from tiller.train.critic import Critic
 from tiller.train.logprobs import PassShape, _chunk, token_logprobs
 from tiller.train.trainer import PolicyTrainer
 
@@ -165,3 +166,25 @@ def test_micro_batches_token_budget() -> None:
     assert [t.tolist() for t in micro_batches(lengths, 2, max_tokens=1000, packed=True)] == \
         [[0, 2], [4, 3], [1]]
     assert [t.tolist() for t in micro_batches(lengths, 2)] == [[0, 2], [4, 3], [1]]
+
+
+def test_critic_packed_and_checkpointed_equal_padded() -> None:
+    """The critic's values and value-loss gradients: the same packed, checkpointed and with a
+    token budget as padded (head made non-zero so the values carry the trunk's output)."""
+    batch = ragged_batch()
+    returns = torch.linspace(-1, 1, batch.loss_mask.numel()).view_as(batch.loss_mask)
+    out = []
+    for train in (TrainConfig(), TrainConfig(packing=True, activation_checkpointing=True,
+                                             micro_batch_tokens=12)):
+        critic = Critic(tiny_llama(), CriticConfig(), train=train)
+        torch.nn.init.normal_(critic.model.head.weight, generator=torch.Generator().manual_seed(3))
+        values = critic.values(batch, micro_batch_size=8)
+        cfg = RLConfig(micro_batch_size=8, max_grad_norm=1e9, algorithm={"advantage": "gae"})
+        critic.optimizer = torch.optim.SGD(critic.model.parameters(), lr=0.1)
+        critic.update(batch, returns, values, cfg, l_max=16)
+        out.append((values, [p.detach().clone() for p in critic.model.parameters()]))
+    (v0, w0), (v1, w1) = out
+    assert torch.allclose(v0, v1, atol=1e-5) and v0[:, 1:].abs().sum() > 0
+    assert v0[1, 3:].abs().sum() == 0  # nothing off a row's length
+    for a, b in zip(w0, w1, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)

@@ -220,7 +220,7 @@ class Learner:
         # kl.beta = 0 (or switched off from the start): no reference model exists or runs
         self.ref = (copy.deepcopy(trainer.model).to(trainer.compute_dtype).eval()
                     if kl_beta_at(0, kl.beta, kl.off_after) else None)
-        self.critic = (Critic(trainer.model, self.alg.critic, cfg.model.dropout)
+        self.critic = (Critic(trainer.model, self.alg.critic, cfg.model.dropout, cfg.train)
                        if self.alg.critic is not None else None)
         self.control = RewardControl(rl_cfg.reward_control, rl_cfg.reward_control_value,
                                      cfg.seed)

@@ -28,8 +28,9 @@ from transformers import PreTrainedModel
 
 from tiller.algorithms import AGGREGATIONS
 from tiller.algorithms.advantages import value_loss
-from tiller.config import CriticConfig, RLConfig
+from tiller.config import CriticConfig, RLConfig, TrainConfig
 from tiller.train.batch import Batch, minibatches
+from tiller.train.logprobs import flag_checkpointed_layers, hidden_states
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
@@ -54,10 +55,12 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        v = self.head(hidden.float())[..., 0]
-        return torch.cat([v.new_zeros((v.size(0), 1)), v[:, :-1]], dim=1)
+    def forward(self, batch: Batch, packing: bool = False) -> torch.Tensor:
+        """[B, T]: V(s_t) at t from the hidden state at t - 1 (0 at t = 0 and off each row's
+        length), the transformer run packed or padded like the policy's (`train.logprobs`)."""
+        hidden, rows, cols, flat = hidden_states(self.backbone, batch, packing)
+        v = self.head(hidden[flat].float())[:, 0]
+        return v.new_zeros(batch.input_ids.shape).index_put((rows, cols + 1), v)
 
 
 class Critic:
@@ -65,10 +68,13 @@ class Critic:
     after the policy's, on the same mini/micro-batch partition and loss aggregation."""
 
     def __init__(self, policy: PreTrainedModel, cfg: CriticConfig,
-                 dropout: Literal["keep", "off"] = "off"):
+                 dropout: Literal["keep", "off"] = "off", train: TrainConfig | None = None):
         self.cfg = cfg
         self.dropout = dropout  # model.dropout: "off" trains in eval mode, as the policy
+        self.train = train or TrainConfig()  # packing, token budget, checkpointing: as the policy
         self.model = ValueModel(policy).to(policy.device)  # the policy's device
+        if self.train.activation_checkpointing:
+            self.model.backbone.activation_checkpointing_enable({"use_reentrant": False})
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.value_lr,
                                            betas=(0.9, 0.99))
 
@@ -76,14 +82,20 @@ class Critic:
     def device(self) -> torch.device:
         return self.model.head.weight.device
 
+    def _minibatches(self, batch: Batch, mini: int, micro: int, l_max: int = 0
+                     ) -> list[tuple[torch.Tensor, list[torch.Tensor], dict[str, float]]]:
+        """The policy's partition (`minibatches`) with the policy's token budget."""
+        return minibatches(batch, mini, micro, l_max, self.train.micro_batch_tokens,
+                           self.train.packing)
+
     @torch.no_grad()
     def values(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
         self.model.eval()
         out = torch.zeros_like(batch.loss_mask)
-        for _, micros, _ in minibatches(batch, 1, micro_batch_size):
+        for _, micros, _ in self._minibatches(batch, 1, micro_batch_size):
             for rows in micros:
                 mb = batch.rows(rows).to(self.device)
-                v = self.model(mb.input_ids, mb.attention_mask)
+                v = self.model(mb, self.train.packing)
                 out[rows, : mb.input_ids.size(1)] = v.to(out.device)
         return out
 
@@ -98,13 +110,15 @@ class Critic:
         dev = self.device
         sums: dict[str, float] = defaultdict(float)
         self.model.train(self.dropout == "keep")
-        steps = minibatches(batch, cfg.mini_batches, cfg.micro_batch_size, l_max)
+        if self.train.activation_checkpointing:
+            flag_checkpointed_layers(self.model)
+        steps = self._minibatches(batch, cfg.mini_batches, cfg.micro_batch_size, l_max)
         for _epoch in range(cfg.ppo_epochs):
             for _, micros, totals in steps:
                 for rows in micros:
                     mb = batch.rows(rows).to(dev)
                     width = mb.input_ids.size(1)
-                    v = self.model(mb.input_ids, mb.attention_mask)
+                    v = self.model(mb, self.train.packing)
                     loss_tok, stats = value_loss(v, old_values[rows, :width].to(dev),
                                                  returns[rows, :width].to(dev), mb.loss_mask,
                                                  self.cfg.value_clip)

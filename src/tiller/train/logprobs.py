@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from tiller.train.batch import Batch
 from tiller.train.truncation import truncated_token_logprobs
@@ -48,6 +49,15 @@ def trunk_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
             raise ValueError(f"{type(inner).__name__} post-processes its logits ({key}); the "
                              "chunked output layer supports plain linear heads only")
     return inner.base_model, inner.get_output_embeddings()
+
+
+def flag_checkpointed_layers(model: nn.Module) -> None:
+    """Mark a model's transformer layers (not their submodules) as training: transformers
+    checkpoints a layer only in training mode, and the gradient passes under `model.dropout:
+    off` run in eval mode; the submodules keep their mode, so dropout stays off."""
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer):
+            module.training = True
 
 
 def hidden_states(trunk: nn.Module, batch: Batch, packing: bool
@@ -98,12 +108,13 @@ def token_logprobs(
     trunk, head = trunk_and_head(model)
     hidden, rows, cols, flat = hidden_states(trunk, batch, shape.packing)
     ids = batch.input_ids[rows, cols + 1]
-    grad = torch.is_grad_enabled() and hidden.requires_grad
+    # one chunk: nothing to save by recomputing it
+    recompute = torch.is_grad_enabled() and hidden.requires_grad and len(ids) > shape.chunk_tokens
     logps, ents = [], []
     for s in range(0, len(ids), shape.chunk_tokens):
         args = (head, hidden[flat[s : s + shape.chunk_tokens]], ids[s : s + shape.chunk_tokens],
                 temperature, with_entropy, top_k, top_p)
-        lp, ent = checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args)
+        lp, ent = checkpoint(_chunk, *args, use_reentrant=False) if recompute else _chunk(*args)
         logps.append(lp)
         ents.append(ent)
     size = batch.input_ids.shape

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 from torch import nn
-from transformers.modeling_layers import GradientCheckpointingLayer
 
 from tiller.algorithms import (
     ADVANTAGES,
@@ -27,7 +26,7 @@ from tiller.algorithms.offpolicy import correction_stats, mismatch_stats, stalen
 from tiller.config import AlgorithmConfig, RLConfig, TrainConfig
 from tiller.engine.updates import WeightUpdate
 from tiller.train.batch import Batch, micro_batches, minibatches
-from tiller.train.logprobs import PassShape, token_logprobs
+from tiller.train.logprobs import PassShape, flag_checkpointed_layers, token_logprobs
 
 if TYPE_CHECKING:
     from tiller.train.critic import Critic
@@ -220,15 +219,11 @@ class PolicyTrainer:
                                   self.shape)
 
     def _train_mode(self) -> None:
-        """The mode of a gradient pass: train (dropout on) only with dropout "keep". With
-        activation checkpointing, the transformer layers themselves are flagged as training
-        (transformers checkpoints a layer only then) while their submodules keep the mode, so
-        dropout stays off under "off"."""
+        """The mode of a gradient pass: train (dropout on) only with dropout "keep"; with
+        activation checkpointing, the layers flagged (`flag_checkpointed_layers`)."""
         self.model.train(self.dropout == "keep")
         if self.train.activation_checkpointing:
-            for module in self.model.modules():
-                if isinstance(module, GradientCheckpointingLayer):
-                    module.training = True
+            flag_checkpointed_layers(self.model)
 
     def _micros(self, lengths: torch.Tensor, size: int) -> list[torch.Tensor]:
         """A whole batch's micro-batches: at most `size` rows and `train.micro_batch_tokens`."""
