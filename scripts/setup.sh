@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up .venv for tiller on a fresh machine: torch 2.13.0 (CPU) first, so nothing pulls a
-# CUDA build, then tiller with the dev extras under constraints.txt. Safe to re-run.
+# CUDA build, then tiller with the dev extras under constraints.txt (they include the models
+# extra: gguf, which `tiller models fetch` converts with). Safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

