@@ -23,7 +23,10 @@ class BuildConfig(Section):
 
 
 class ModelConfig(Section):
-    path: str | None = Field(None, description="local Hugging Face checkpoint to load")
+    path: str | None = Field(None, description="local Hugging Face checkpoint to load: a "
+                             "folder, or the name of a model `tiller models fetch` installed "
+                             "(smollm2-135m-instruct; looked up in $TILLER_MODELS_DIR, else "
+                             "~/.cache/tiller/models) when no such folder exists")
     build: BuildConfig | None = Field(None, description="build a tiny model instead")
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="engine weights and trainer compute (bf16 autocast); the "
