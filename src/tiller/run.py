@@ -38,7 +38,9 @@ from tiller.runtime import set_up_threads
 from tiller.tools.sandbox import set_unsafe_fallback
 from tiller.tools.stack import ToolStack
 from tiller.train.conversations import conversation_demos
+from tiller.train.distributed import Leader, TrainerOptions
 from tiller.train.judges import ModelJudge
+from tiller.train.ranks import start_ranks
 from tiller.train.trainer import PolicyTrainer
 
 log = logging.getLogger(__name__)
@@ -128,6 +130,8 @@ class Run:
         closes(stack, "env server", self.env_cls.stop)
         self.env_cls.start(self.dir)
         self._build_models()
+        if isinstance(self.trainer, Leader):
+            closes(stack, "trainer ranks", self.trainer.close)
         self.logger = MetricsLogger(self.dir, cfg.logging.tensorboard, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.model_dump())
         closes(stack, "metrics logger", self.logger.close)
@@ -171,10 +175,13 @@ class Run:
         self.timings["build_s"] = time.perf_counter() - t0
         s = cfg.sampling
         truncated = s.logprobs == "sampled"  # the trainer recomputes what the engine reports
-        self.trainer = PolicyTrainer(self.model, temperature=s.temperature or 1.0,
-                                     compute_dtype=dtype, top_k=s.top_k if truncated else 0,
-                                     top_p=s.top_p if truncated else 1.0,
-                                     dropout=cfg.model.dropout)
+        options = TrainerOptions(temperature=s.temperature or 1.0, compute_dtype=dtype,
+                                 top_k=s.top_k if truncated else 0,
+                                 top_p=s.top_p if truncated else 1.0, dropout=cfg.model.dropout)
+        # train.world_size > 1: the ranks shard a copy; self.model gets its weights each step
+        self.trainer = (start_ranks(self.model, cfg.train.world_size, options,
+                                    cfg.cluster.backend, cfg.train.rank_timeout_s)
+                        if cfg.train.world_size > 1 else PolicyTrainer(self.model, **vars(options)))
 
     def _start_engine(self, stack: ExitStack) -> None:
         """The engine, registered on `stack`, and its first weights checked."""
@@ -183,7 +190,7 @@ class Run:
         self.engine = make_engine(cfg, self.model, self.tokenizer.pad_token_id, run_dir=self.dir,
                                   initial=self.trainer.weight_update)
         closes(stack, "engine", self.engine.close)
-        self.weight_sync = WeightSync(self.trainer, self.engine, cfg.weight_sync,
+        self.weight_sync = WeightSync(self.trainer.publisher, self.engine, cfg.weight_sync,
                                       getattr(torch, cfg.model.dtype))
         # the engine's first weights (a copy, or the servers' start-up push) are checked like
         # every later sync's

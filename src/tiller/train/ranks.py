@@ -1,0 +1,154 @@
+"""Where the trainer's other ranks run: spawned processes (`cluster.backend: local`) or Ray
+actors (`ray`), each a `Follower` that runs rank 0's steps on its shard (`train.distributed`).
+`start_ranks` starts them and joins the process group; `Leader.close` stops them."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from tiller.errors import RunError
+from tiller.train.distributed import Leader, Rank, RankTrainer, TrainerOptions
+
+log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 30.0  # a rank told to stop that has not exited by then is killed
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Follower:
+    """Rank `rank` (> 0): joins the process group and runs each step rank 0 sends."""
+
+    def __init__(self, rank: int, world: int, init_method: str, model: nn.Module,
+                 options: TrainerOptions, threads: int, timeout_s: float):
+        torch.set_num_threads(threads)
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+        self.trainer = RankTrainer(model, rank, world, options)
+
+    def run(self, name: str, args: tuple, lrs: list[float]) -> None:
+        self.trainer.run(name, args, lrs)
+
+    def close(self) -> None:
+        dist.destroy_process_group()
+
+
+def _follow(conn: Connection, *args: Any) -> None:
+    """A spawned rank's main: steps from `conn` until rank 0 says stop (None) or is gone."""
+    follower = Follower(*args)
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:  # rank 0 is gone: nothing left to follow
+                break
+            if msg is None:
+                break
+            try:
+                follower.run(*msg)
+            except Exception as e:
+                conn.send(f"{type(e).__name__}: {e}")
+                raise
+            conn.send(None)
+    finally:
+        follower.close()
+
+
+class ProcessRank:
+    """A rank in a spawned process, its steps over a pipe."""
+
+    def __init__(self, rank: int, args: tuple):
+        self.rank, self.name = rank, ""
+        ctx = mp.get_context("spawn")
+        self.conn, theirs = ctx.Pipe()
+        self.proc = ctx.Process(target=_follow, args=(theirs, rank, *args), daemon=True,
+                                name=f"tiller-trainer-rank{rank}")
+        self.proc.start()
+        theirs.close()
+
+    def send(self, name: str, args: tuple, lrs: list[float]) -> None:
+        self.name = name
+        try:
+            self.conn.send((name, args, lrs))
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise RunError(f"trainer rank {self.rank} died ({self.died()}) before "
+                           f"{name}") from e
+
+    def wait(self, timeout_s: float) -> None:
+        if not self.conn.poll(timeout_s):
+            how = self.died()
+            raise RunError(f"trainer rank {self.rank} died ({how}) during {self.name}" if how
+                           else f"trainer rank {self.rank} did not finish {self.name} within "
+                           f"train.rank_timeout_s={timeout_s}")
+        try:
+            error = self.conn.recv()
+        except EOFError as e:
+            raise RunError(f"trainer rank {self.rank} died ({self.died()}) during "
+                           f"{self.name}") from e
+        if error is not None:
+            raise RunError(f"trainer rank {self.rank} failed during {self.name}: {error}")
+
+    def died(self) -> str | None:
+        self.proc.join(0.5)  # a rank whose pipe just closed is exiting
+        return None if self.proc.is_alive() else f"exit code {self.proc.exitcode}"
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(None)
+            except (BrokenPipeError, ConnectionResetError):
+                log.warning("trainer rank %d: its pipe closed before stop", self.rank)
+            self.proc.join(STOP_TIMEOUT_S)
+        if self.proc.is_alive():
+            log.error("trainer rank %d did not stop within %.0f s: killed", self.rank,
+                      STOP_TIMEOUT_S)
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+
+
+def start_ranks(full: nn.Module, world: int, options: TrainerOptions, backend: str,
+                timeout_s: float) -> Leader:
+    """Rank 0 (this process) and `world - 1` other ranks (`backend` local: spawned
+    processes; ray: Ray actors on the connected cluster), in one gloo process group."""
+    if dist.is_initialized():
+        raise RunError("train.world_size > 1: this process already has a torch.distributed "
+                       "process group (another run's trainer ranks, still open)")
+    host = "127.0.0.1"
+    if backend == "ray":
+        import ray
+
+        host = ray.util.get_node_ip_address()
+    init_method = f"tcp://{host}:{free_port()}"
+    args = (world, init_method, full, options, torch.get_num_threads(), timeout_s)
+    ranks: list[Rank] = []
+    try:
+        for r in range(1, world):
+            if backend == "ray":
+                from tiller.train.ray_ranks import RayRank
+
+                ranks.append(RayRank(r, args))
+            else:
+                ranks.append(ProcessRank(r, args))
+        dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+        return Leader(full, world, options, ranks, timeout_s)
+    except BaseException:
+        for r in ranks:
+            r.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
