@@ -31,8 +31,10 @@ from tiller.observe.traces import TraceWriter
 from tiller.preflight import check_model, check_run, check_tools, rl_task_count
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits
 from tiller.rollout.chat import stop_token_ids
+from tiller.rollout.cluster import RayCluster, check_cluster
 from tiller.rollout.collect import check_aborted, collect, collect_expert
 from tiller.rollout.memory import MemoryPolicy
+from tiller.rollout.ray_rollouts import RayWorkers
 from tiller.rollout.trajectory import Trajectory
 from tiller.runtime import set_up_threads
 from tiller.tools.sandbox import set_unsafe_fallback
@@ -97,6 +99,7 @@ class Run:
     def __init__(self, cfg: Config, output_dir: str | Path | None = None):
         self.cfg = cfg
         checked = check_run(cfg)
+        check_cluster(cfg)  # Ray installed, its address answers, CPUs for every actor
         self.env_cls, self.sft_conversations = checked.env_cls, checked.sft_conversations
         self.episode_fn, self.key_steps = checked.episode_fn, checked.key_steps
         self.judge = checked.judge  # rl.judge.model loads with the models
@@ -119,6 +122,9 @@ class Run:
         makes episodes (the engine, the gateway's calls into it) closes before the sinks they
         are written to (traces, metrics)."""
         cfg = self.cfg
+        if cfg.cluster.backend == "ray":  # stopped last, after every actor
+            self.cluster = RayCluster(cfg, self.dir).start()
+            closes(stack, "Ray cluster", self.cluster.close)
         # Before any work: a bad replay path stops the run here, and the sandbox policy holds
         # from the first env on (a code env without bwrap refuses unless it is allowed).
         self.tools = ToolStack(cfg.env.tools, self.dir)
@@ -186,9 +192,13 @@ class Run:
     def _start_engine(self, stack: ExitStack) -> None:
         """The engine, registered on `stack`, and its first weights checked."""
         cfg = self.cfg
-        # the servers of engine.backend http get the trainer's weights (version 0)
-        self.engine = make_engine(cfg, self.model, self.tokenizer.pad_token_id, run_dir=self.dir,
-                                  initial=self.trainer.weight_update)
+        # the servers of engine.backend http get the trainer's weights (version 0); with Ray
+        # the rollout workers' engines are copies of them
+        self.engine = (RayWorkers(cfg, self.model, self.tokenizer, self.env_cls,
+                                  self.episode_fn, self.limits, self.dir)
+                       if cfg.cluster.backend == "ray" else
+                       make_engine(cfg, self.model, self.tokenizer.pad_token_id,
+                                   run_dir=self.dir, initial=self.trainer.weight_update))
         closes(stack, "engine", self.engine.close)
         self.weight_sync = WeightSync(self.trainer.publisher, self.engine, cfg.weight_sync,
                                       getattr(torch, cfg.model.dtype))

@@ -37,3 +37,8 @@ class ClusterConfig(Section):
                                  "CPUs the local Ray instance may use (default: os.cpu_count())")
     object_store_mb: int = Field(256, ge=64, description="with backend ray and no address: the "
                                  "local Ray instance's object store, MiB")
+    rollout_workers: int = Field(1, ge=1, description="with backend ray: Ray actors that run the "
+                                 "episodes, one CPU each: each holds an embedded engine (a copy "
+                                 "of the weights every sync updates) and runs agent loops, envs "
+                                 "and tools; an episode whose worker dies is retried on another "
+                                 "(ledger/retried)")

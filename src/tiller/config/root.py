@@ -125,6 +125,33 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _cluster_fits(self) -> Config:
+        c = self.cluster
+        if c.backend == "local":
+            for name in ("address", "num_cpus"):
+                if getattr(c, name) is not None:
+                    raise ConfigError(f"config field cluster.{name}: got {getattr(c, name)!r}; "
+                                      f"it only applies with cluster.backend: ray")
+            if c.rollout_workers != 1:
+                raise ConfigError(f"config field cluster.rollout_workers: got "
+                                  f"{c.rollout_workers}; it only applies with cluster.backend: "
+                                  f"ray")
+            return self
+        if self.engine.backend != "embedded":
+            raise ConfigError(f"config field cluster.backend: got 'ray' with engine.backend "
+                              f"{self.engine.backend}; the Ray rollout workers hold embedded "
+                              f"engines (use engine.backend: embedded)")
+        if self.agent.program is not None:
+            raise ConfigError("config field cluster.backend: got 'ray' with agent.program; an "
+                              "agent program's gateway runs in the run's process only (use "
+                              "cluster.backend: local)")
+        if c.address is not None and c.num_cpus is not None:
+            raise ConfigError(f"config field cluster.num_cpus: got {c.num_cpus}; it sizes a "
+                              f"local Ray instance, and cluster.address connects to a running "
+                              f"cluster")
+        return self
+
+    @model_validator(mode="after")
     def _memory_fits(self) -> Config:
         if (self.agent.memory == "drop_oldest"
                 and self.sampling.max_new_tokens >= self.env.max_episode_tokens):

@@ -120,6 +120,57 @@ class ProcessRank:
         self.conn.close()
 
 
+class RayRank:
+    """Rank `rank` in a Ray actor; its steps are actor calls."""
+
+    def __init__(self, rank: int, args: tuple):
+        import ray
+
+        self._ray, self.rank, self.name = ray, rank, ""
+        self.actor = ray.remote(num_cpus=1, max_restarts=0)(Follower).remote(rank, *args)
+        self.pending: Any = None
+
+    def send(self, name: str, args: tuple, lrs: list[float]) -> None:
+        self.name = name
+        self.pending = self.actor.run.remote(name, args, lrs)
+
+    def wait(self, timeout_s: float) -> None:
+        ray = self._ray
+        try:
+            ray.get(self.pending, timeout=timeout_s)
+        except ray.exceptions.RayActorError as e:
+            raise RunError(f"trainer rank {self.rank} died (Ray actor: {type(e).__name__}) "
+                           f"during {self.name}") from e
+        except ray.exceptions.GetTimeoutError as e:
+            raise RunError(f"trainer rank {self.rank} did not finish {self.name} within "
+                           f"train.rank_timeout_s={timeout_s}") from e
+        except ray.exceptions.RayTaskError as e:
+            raise RunError(f"trainer rank {self.rank} failed during {self.name}: "
+                           f"{str(e.cause) if e.cause else e}") from e
+
+    def died(self) -> str | None:
+        ray = self._ray
+        if self.pending is None:
+            return None
+        try:
+            ray.get(self.pending, timeout=0.5)
+        except ray.exceptions.RayActorError as e:
+            return f"Ray actor: {type(e).__name__}"
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayTaskError):
+            return None
+        return None
+
+    def stop(self) -> None:
+        ray = self._ray
+        try:
+            ray.get(self.actor.close.remote(), timeout=STOP_TIMEOUT_S)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
+                ray.exceptions.RayTaskError) as e:
+            log.warning("trainer rank %d did not close cleanly (%s); killed", self.rank,
+                        type(e).__name__)
+        ray.kill(self.actor)
+
+
 def start_ranks(full: nn.Module, world: int, options: TrainerOptions, backend: str,
                 timeout_s: float) -> Leader:
     """Rank 0 (this process) and `world - 1` other ranks (`backend` local: spawned
@@ -138,8 +189,6 @@ def start_ranks(full: nn.Module, world: int, options: TrainerOptions, backend: s
     try:
         for r in range(1, world):
             if backend == "ray":
-                from tiller.train.ray_ranks import RayRank
-
                 ranks.append(RayRank(r, args))
             else:
                 ranks.append(ProcessRank(r, args))
