@@ -70,7 +70,7 @@ def run_variant(args: argparse.Namespace, backend: str, workers: int, ranks: int
     rl = summary["rl"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
     steps = [r for r in rows if r["phase"] == "rl" and "train_s" in r]
-    per_ktok = [1000 * r["train_s"] / (r["episode_tokens_mean"] * r["groups_kept"]
+    per_ktok = [1e6 * r["train_s"] / (r["episode_tokens_mean"] * r["groups_kept"]
                                        * summary_group_size(out)) for r in steps]
     return {"s_per_step": rl["wall_s"] / args.steps, "samples_per_s": rl["samples_per_s"],
             "trainer_busy": rl["trainer_busy_frac"],
@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         overhead = f"{r['s_per_step'] / base['s_per_step'] - 1:+.1%}" if base else "-"
         r["overhead"] = (r["s_per_step"] / base["s_per_step"] - 1) if base else None
         print(f"{name:<11} {r['s_per_step']:7.2f} {r['samples_per_s']:9.1f} "
-              f"{r['trainer_busy']:5.2f} {r['train_ms_per_ktok']:8.3f} {r['start_s']:7.1f} "
+              f"{r['trainer_busy']:5.2f} {r['train_ms_per_ktok']:8.1f} {r['start_s']:7.1f} "
               f"{overhead:>8}")
     work.mkdir(parents=True, exist_ok=True)
     (work / "scaling.json").write_text(json.dumps(
