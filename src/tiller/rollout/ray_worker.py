@@ -59,6 +59,14 @@ class RolloutWorker:
         actor = RolloutActor(self.engine, params, self.requests, resume=resume)
         return await run_one(task, k, actor, tag=tag, draw=draw, **self.episode)
 
+    async def run_episodes(self, episodes: list[tuple[Task, int, tuple, int]],
+                           params: SamplingParams, resume: bool
+                           ) -> list[Trajectory | BaseException]:
+        """Several episodes at once (their first turns reach the engine as one burst): each
+        one's trajectory, or the error it raised."""
+        return await asyncio.gather(*(self.run_episode(*e, params, resume) for e in episodes),
+                                    return_exceptions=True)
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams, seed: int,
                        **kwargs: Any) -> Generation:
         return await self.engine.generate(prompt_ids, params, seed, **kwargs)
