@@ -119,3 +119,29 @@ def test_the_demo_learns_under_ray_like_local(tmp_path, no_ray_left):
     want, got = local["heldout_after_rl"], ray["heldout_after_rl"]
     assert want["ci_low"] <= got["success"] <= want["ci_high"]
     assert got["success"] >= ray["heldout_after_sft"]["success"] + 0.15  # it learned
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_trainer_rank_actor_that_dies_fails_the_step_naming_it(calc_model_dir, tokenizer,
+                                                                 no_ray_left):
+    import ray
+    from test_distributed import batch_of
+
+    from tiller.errors import RunError
+    from tiller.models import load_model
+    from tiller.train.distributed import TrainerOptions
+    from tiller.train.ranks import start_ranks
+
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20,
+             log_to_driver=False, configure_logging=False)
+    leader = start_ranks(load_model(calc_model_dir), 2, TrainerOptions(), "ray", 60.0)
+    try:
+        leader.set_optimizer(1e-3)
+        ray.kill(leader.ranks[0].actor)
+        with pytest.raises(RunError, match=r"^trainer rank 1 died \(Ray actor: \w+\) during "
+                                           r"sft_step$"):
+            leader.sft_step(batch_of(tokenizer), 2)
+    finally:
+        leader.close()
