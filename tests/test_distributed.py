@@ -98,7 +98,8 @@ def test_two_ranks_equal_one_rank_on_an_sft_step(group, tokenizer):
     batch = batch_of(tokenizer)
     single = one_rank(group)
     for t in (single, group):
-        t.set_optimizer(1e-3)
+        t.set_optimizer(1e-2)
+        t.optimizer.param_groups[0]["lr"] = 1e-3  # an LR schedule's: rank 0's goes to rank 1
     want = single.sft_step(batch, micro_batch_size=2)
     got = group.sft_step(batch, 2)
     assert got["sft_loss"] == pytest.approx(want["sft_loss"], rel=1e-5)
@@ -127,6 +128,30 @@ def test_two_ranks_equal_one_rank_on_an_rl_step(group, tokenizer, aggregation):
     after = flat(group.publisher.model)
     assert (after - before).abs().max() > 1e-4  # the weights moved
     assert torch.allclose(after, flat(single.model), atol=ATOL)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mini_batches", [1, 6])
+def test_two_ranks_equal_one_rank_without_prepass_or_rows(group, tokenizer, mini_batches):
+    """mini_batches 1: one update, so the gradient pass fills logp_old, each rank its rows;
+    6: one row per optimizer step, so rank 1 has no row and runs its empty pass."""
+    batch = batch_of(tokenizer)
+    cfg = RLConfig(micro_batch_size=2, mini_batches=mini_batches, max_grad_norm=0.5,
+                   algorithm={"advantage": "dr_grpo", "aggregation": "token-mean"})
+    single = one_rank(group)
+    for t in (single, group):
+        t.set_optimizer(1e-3)
+    want = single.rl_step(batch, cfg, l_max=8)
+    got = group.rl_step(batch, cfg, 8)
+    assert got["optimizer_steps"] == want["optimizer_steps"] == mini_batches
+    for key in ("loss", "grad_norm", "entropy", "logp_mismatch_mean", "advantage_abs_mean"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    # on the loss mask (past a row's end the values depend on its micro-batch's width)
+    gap = (group.last_rl.logp_old - single.last_rl.logp_old) * batch.loss_mask
+    assert gap.abs().max() < 1e-5
+    assert torch.allclose(flat(group.publisher.model), flat(single.model), atol=ATOL)
 
 
 @pytest.mark.slow
