@@ -54,19 +54,19 @@ class RayWorkers:
         remote = ray.remote(num_cpus=1, max_restarts=0, max_concurrency=1000)(RolloutWorker)
         shared = ray.put(model)
         self.workers = [remote.options(
-            name=None, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.group, placement_group_bundle_index=i)).remote(
             i, cfg, shared, tokenizer, env_cls, episode_fn, limits, run_dir) for i in range(n)]
         self.live = list(range(n))
         self.retried = 0
         self.version = 0
-        self._ray = ray
+        self.ray = ray  # the module, imported only with cluster.backend ray
         self._wait_all("start", [w.stats.remote() for w in self.workers], READY_TIMEOUT_S)
 
     def _wait_all(self, what: str, refs: list, timeout_s: float | None) -> list:
         try:
-            return self._ray.get(refs, timeout=timeout_s)
-        except self._ray.exceptions.GetTimeoutError as e:
+            return self.ray.get(refs, timeout=timeout_s)
+        except self.ray.exceptions.GetTimeoutError as e:
             raise RunError(f"ray: the rollout workers' {what} did not finish within "
                            f"{timeout_s:g}s") from e
 
@@ -102,17 +102,17 @@ class RayWorkers:
     def update_weights(self, update: Any, *, in_flight: str = "continue",
                        timeout_s: float | None = None) -> int:
         """Every live worker's engine to `update`; the version they all echo."""
-        shared = self._ray.put(update)
+        shared = self.ray.put(update)
         live = list(self.live)
         refs = [self.workers[i].update_weights.remote(shared, in_flight, timeout_s)
                 for i in live]
         echoed = set()
         for i, ref in zip(live, refs, strict=True):
             try:
-                echoed.add(self._ray.get(ref, timeout=timeout_s))
-            except self._ray.exceptions.RayActorError as e:
+                echoed.add(self.ray.get(ref, timeout=timeout_s))
+            except self.ray.exceptions.RayActorError as e:
                 self.dead(i, e)
-            except self._ray.exceptions.GetTimeoutError as e:
+            except self.ray.exceptions.GetTimeoutError as e:
                 raise RunError(f"ray: rollout worker {i}'s weight update v{update.version} did "
                                f"not finish within {timeout_s}s") from e
         if len(echoed) != 1:
@@ -146,11 +146,11 @@ class RayWorkers:
         """Close every live worker's engine and tools, then end the actors and their group."""
         try:
             refs = [self.workers[i].close.remote() for i in self.live]
-            self._ray.get(refs, timeout=CLOSE_TIMEOUT_S)
+            self.ray.get(refs, timeout=CLOSE_TIMEOUT_S)
         finally:
             for w in self.workers:
-                self._ray.kill(w)
-            self._ray.util.remove_placement_group(self.group)
+                self.ray.kill(w)
+            self.ray.util.remove_placement_group(self.group)
 
 
 class RayRollouts(RolloutManager):
@@ -173,7 +173,7 @@ class RayRollouts(RolloutManager):
             i = self.workers.pick(key)
             try:
                 return await self._on_worker(i, (task, k, tag, draw))
-            except self.workers._ray.exceptions.RayActorError as e:
+            except self.workers.ray.exceptions.RayActorError as e:
                 with self._cond:
                     self.workers.dead(i, e)
                     self.ledger["retried"] += 1
@@ -223,7 +223,7 @@ class RayRollouts(RolloutManager):
                 self.cfg.rollout.shutdown_timeout_s) for i in live]
             for i, ref in zip(live, refs, strict=True):
                 try:
-                    self.workers._ray.get(ref, timeout=self.cfg.rollout.shutdown_timeout_s)
-                except self.workers._ray.exceptions.RayActorError as e:
+                    self.workers.ray.get(ref, timeout=self.cfg.rollout.shutdown_timeout_s)
+                except self.workers.ray.exceptions.RayActorError as e:
                     self.workers.dead(i, e)
         return super().close()
