@@ -58,6 +58,17 @@ def test_more_actors_than_cpus_stops_the_run(tmp_path):
                           "trainer rank(s) beyond rank 0 need 3 CPUs; the Ray cluster has 2")
 
 
+def test_more_ranks_than_cpus_stops_a_local_run(tmp_path):
+    out = tmp_path / "run"
+    ranks = (os.cpu_count() or 1) + 1
+    with pytest.raises(ConfigError) as e:
+        train(load_config("configs/calculator.yaml", [*TINY_RUN, f"train.world_size={ranks}"]),
+              out)
+    assert str(e.value) == (f"config field train.world_size: got {ranks}; this machine has "
+                            f"{ranks - 1} CPUs (os.cpu_count()), one per rank")
+    assert not out.exists()
+
+
 def test_a_missing_ray_install_stops_the_run(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # how Python marks a package not importable
     msg = one_line_before_any_work(tmp_path)

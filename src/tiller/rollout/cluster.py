@@ -28,10 +28,15 @@ def ray_cpus_needed(cfg: Config) -> int:
 
 
 def check_cluster(cfg: Config) -> None:
-    """Before any work: Ray installed, an address that answers, and without an address a local
-    instance with CPUs for every actor (with one, `RayCluster.start` checks its CPUs)."""
+    """Before any work: a CPU for every trainer rank (local); Ray installed, an address that
+    answers, and without an address a local instance with CPUs for every actor (with one,
+    `RayCluster.start` checks its CPUs)."""
     c = cfg.cluster
     if c.backend != "ray":
+        cpus = os.cpu_count() or 1
+        if cfg.train.world_size > cpus:  # each rank a process with at least one core
+            raise ConfigError(f"config field train.world_size: got {cfg.train.world_size}; "
+                              f"this machine has {cpus} CPUs (os.cpu_count()), one per rank")
         return
     if importlib.util.find_spec("ray") is None:
         raise ConfigError("cluster.backend=ray needs Ray: pip install -c constraints.txt "
