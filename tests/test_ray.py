@@ -156,3 +156,37 @@ def test_a_trainer_rank_actor_that_dies_fails_the_step_naming_it(calc_model_dir,
             leader.sft_step(batch_of(tokenizer), 2)
     finally:
         leader.close()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_trainer_rank_actor_that_fails_ends_rank_0s_wait(calc_model_dir, tokenizer,
+                                                           no_ray_left):
+    """The actor stays alive after its step raised; it leaves the process group, so rank 0's
+    collective ends at once, not at train.rank_timeout_s (120 s)."""
+    import time
+
+    import ray
+    from test_distributed import batch_of
+
+    from tiller.errors import RunError
+    from tiller.models import load_model
+    from tiller.train.distributed import TrainerOptions
+    from tiller.train.ranks import RayRank, start_ranks
+
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20,
+             log_to_driver=False, configure_logging=False)
+    leader = start_ranks(load_model(calc_model_dir), 2, TrainerOptions(), "ray", 120.0)
+    try:
+        leader.set_optimizer(1e-3)
+        rank = leader.ranks[0]
+        rank.send = lambda name, args, lrs: RayRank.send(rank, name, (None, *args[1:]), lrs)
+        t0 = time.monotonic()
+        with pytest.raises(RunError) as e:
+            leader.sft_step(batch_of(tokenizer), 2)
+        assert time.monotonic() - t0 < 30
+        assert str(e.value) == ("trainer rank 1 failed (AttributeError: 'NoneType' object has "
+                                "no attribute 'loss_mask') during sft_step")
+    finally:
+        leader.close()

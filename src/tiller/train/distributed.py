@@ -169,8 +169,9 @@ class Rank(Protocol):
         """The last call's end; raises `RunError` naming the rank when it failed or died."""
         ...
 
-    def died(self) -> str | None:
-        """How the rank ended (e.g. "exit code -9"), or None while it runs."""
+    def ended(self) -> str | None:
+        """How the rank's last call ended badly ("died (exit code -9)", "failed (ValueError:
+        ...)"), or None while it runs or when it succeeded."""
         ...
 
     def stop(self) -> None: ...
@@ -191,10 +192,10 @@ class Leader(RankTrainer):
             r.send(name, args, lrs)
         try:
             out = self.run(name, args, lrs)
-        except Exception as e:  # a collective that failed: a rank that died says which
+        except Exception as e:  # a collective that failed: a rank that died or failed says which
             for r in self.ranks:
-                if (how := r.died()) is not None:
-                    raise RunError(f"trainer rank {r.rank} died ({how}) during {name}") from e
+                if (how := r.ended()) is not None:
+                    raise RunError(f"trainer rank {r.rank} {how} during {name}") from e
             raise
         for r in self.ranks:
             r.wait(self.timeout_s)

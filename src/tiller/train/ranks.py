@@ -5,7 +5,9 @@ actors (`ray`), each a `Follower` that runs rank 0's steps on its shard (`train.
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import threading
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
@@ -21,6 +23,7 @@ from tiller.train.distributed import Leader, Rank, RankTrainer, TrainerOptions
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 30.0  # a rank told to stop that has not exited by then is killed
+EXIT_AFTER_ERROR_S = 1.0  # a rank whose step raised exits this long after answering
 
 
 def free_port() -> int:
@@ -40,10 +43,18 @@ class Follower:
         self.trainer = RankTrainer(model, rank, world, options)
 
     def run(self, name: str, args: tuple, lrs: list[float]) -> None:
-        self.trainer.run(name, args, lrs)
+        try:
+            self.trainer.run(name, args, lrs)
+        except BaseException:
+            # the other ranks may be waiting in a collective this rank will not join: this
+            # process exits once its error is answered, and its closed connections end their
+            # wait now, not at train.rank_timeout_s (leaving the process group does not)
+            threading.Timer(EXIT_AFTER_ERROR_S, os._exit, args=(1,)).start()
+            raise
 
     def close(self) -> None:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _follow(conn: Connection, *args: Any) -> None:
@@ -72,6 +83,7 @@ class ProcessRank:
 
     def __init__(self, rank: int, args: tuple):
         self.rank, self.name = rank, ""
+        self.answer: str | None | bool = False  # the last call's: False (none yet), None (ok)
         ctx = mp.get_context("spawn")
         self.conn, theirs = ctx.Pipe()
         self.proc = ctx.Process(target=_follow, args=(theirs, rank, *args), daemon=True,
@@ -80,30 +92,36 @@ class ProcessRank:
         theirs.close()
 
     def send(self, name: str, args: tuple, lrs: list[float]) -> None:
-        self.name = name
+        self.name, self.answer = name, False
         try:
             self.conn.send((name, args, lrs))
         except (BrokenPipeError, ConnectionResetError) as e:
-            raise RunError(f"trainer rank {self.rank} died ({self.died()}) before "
-                           f"{name}") from e
+            raise RunError(f"trainer rank {self.rank} {self.ended()} before {name}") from e
+
+    def _answered(self, timeout_s: float) -> bool:
+        """Whether the last call answered within `timeout_s` (kept in `answer`)."""
+        if self.answer is False and self.conn.poll(timeout_s):
+            try:
+                self.answer = self.conn.recv()
+            except EOFError:  # the pipe closed: the rank is gone
+                return False
+        return self.answer is not False
 
     def wait(self, timeout_s: float) -> None:
-        if not self.conn.poll(timeout_s):
-            how = self.died()
-            raise RunError(f"trainer rank {self.rank} died ({how}) during {self.name}" if how
+        if not self._answered(timeout_s):
+            how = self.ended()
+            raise RunError(f"trainer rank {self.rank} {how} during {self.name}" if how
                            else f"trainer rank {self.rank} did not finish {self.name} within "
                            f"train.rank_timeout_s={timeout_s}")
-        try:
-            error = self.conn.recv()
-        except EOFError as e:
-            raise RunError(f"trainer rank {self.rank} died ({self.died()}) during "
-                           f"{self.name}") from e
-        if error is not None:
-            raise RunError(f"trainer rank {self.rank} failed during {self.name}: {error}")
+        if self.answer is not None:
+            raise RunError(f"trainer rank {self.rank} failed ({self.answer}) during "
+                           f"{self.name}")
 
-    def died(self) -> str | None:
+    def ended(self) -> str | None:
+        if self._answered(0.5) and self.answer is not None:
+            return f"failed ({self.answer})"
         self.proc.join(0.5)  # a rank whose pipe just closed is exiting
-        return None if self.proc.is_alive() else f"exit code {self.proc.exitcode}"
+        return None if self.proc.is_alive() else f"died (exit code {self.proc.exitcode})"
 
     def stop(self) -> None:
         if self.proc.is_alive():
@@ -138,25 +156,28 @@ class RayRank:
         ray = self._ray
         try:
             ray.get(self.pending, timeout=timeout_s)
-        except ray.exceptions.RayActorError as e:
-            raise RunError(f"trainer rank {self.rank} died (Ray actor: {type(e).__name__}) "
-                           f"during {self.name}") from e
         except ray.exceptions.GetTimeoutError as e:
             raise RunError(f"trainer rank {self.rank} did not finish {self.name} within "
                            f"train.rank_timeout_s={timeout_s}") from e
-        except ray.exceptions.RayTaskError as e:
-            raise RunError(f"trainer rank {self.rank} failed during {self.name}: "
-                           f"{str(e.cause) if e.cause else e}") from e
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            raise RunError(f"trainer rank {self.rank} {self._how(e)} during "
+                           f"{self.name}") from e
 
-    def died(self) -> str | None:
+    def _how(self, e: Exception) -> str:
+        if isinstance(e, self._ray.exceptions.RayActorError):
+            return f"died (Ray actor: {type(e).__name__})"
+        cause = getattr(e, "cause", None) or e
+        return f"failed ({type(cause).__name__}: {cause})"
+
+    def ended(self) -> str | None:
         ray = self._ray
         if self.pending is None:
             return None
         try:
             ray.get(self.pending, timeout=0.5)
-        except ray.exceptions.RayActorError as e:
-            return f"Ray actor: {type(e).__name__}"
-        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayTaskError):
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            return self._how(e)
+        except ray.exceptions.GetTimeoutError:
             return None
         return None
 
