@@ -39,6 +39,7 @@ from tiller.rollout.collect import rollout_metrics
 from tiller.rollout.curriculum import Curriculum, make_curriculum
 from tiller.rollout.manager import RolloutManager
 from tiller.rollout.protocol import Rollouts, Taken
+from tiller.rollout.ray_rollouts import RayRollouts
 from tiller.rollout.trajectory import Status, Trajectory, is_success
 from tiller.run import Run
 from tiller.tools.executor import ToolReliabilityError
@@ -296,8 +297,10 @@ def judge_weight(cfg: Config) -> float:
 def rl_rollouts(run: Run, reward: Callable[[Trajectory], float],
                 curriculum: Curriculum | None) -> RolloutManager:
     """RL's rollout manager: the curriculum's tasks (or `run.rl_tasks()`), each episode's
-    reward the manager's `reward` (plus rl.judge.fn's score when there is one)."""
-    return RolloutManager(
+    reward the manager's `reward` (plus rl.judge.fn's score when there is one); with
+    cluster.backend ray its episodes run in the rollout workers."""
+    manager = RayRollouts if run.cfg.cluster.backend == "ray" else RolloutManager
+    return manager(
         run.cfg, run.engine, run.sampling(run.cfg.sampling.temperature),
         curriculum if curriculum is not None else run.rl_tasks(), episode_fn=run.episode_fn,
         make_env=run.make_env, tokenizer=run.tokenizer, limits=run.limits, reward=reward,

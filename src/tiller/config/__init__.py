@@ -13,6 +13,7 @@ from tiller.config.algorithm import (
     KLConfig,
     OverlongConfig,
 )
+from tiller.config.cluster import ClusterConfig, TrainConfig
 from tiller.config.curriculum import (
     AnyCurriculumConfig,
     CurriculumConfig,
@@ -56,13 +57,14 @@ from tiller.errors import ConfigError
 __all__ = [
     "DEFAULT_LOOP", "JUDGE_PROMPT", "STALE_OFF_POLICY", "AgentConfig", "AlgorithmConfig",
     "AnyCurriculumConfig", "AnyEngineConfig", "AnyJudgeConfig", "AnyRLConfig", "AsyncRLConfig",
-    "BuildConfig", "Config",
+    "BuildConfig", "ClusterConfig", "Config",
     "ConfigError", "CreditConfig", "CriticConfig", "CurriculumConfig", "DataConfig",
     "DifficultyCurriculumConfig", "DynamicSamplingConfig", "EmbeddedEngineConfig",
     "EngineConfig", "EnvConfig", "EvalConfig", "EvalSetConfig", "FilterCurriculumConfig",
     "FnJudgeConfig", "HttpEngineConfig", "JudgeConfig", "KLConfig", "LoggingConfig",
     "ModelConfig", "ModelJudgeConfig", "NoJudgeConfig", "ObserveConfig", "OneStepOffRLConfig",
     "OverlongConfig", "RLConfig", "RewardConfig", "RolloutConfig", "RuntimeConfig", "SFTConfig",
-    "SamplingConfig", "SyncRLConfig", "TracesConfig", "WeightSyncConfig", "dump_config",
+    "SamplingConfig", "SyncRLConfig", "TracesConfig", "TrainConfig", "WeightSyncConfig",
+    "dump_config",
     "load_config",
 ]

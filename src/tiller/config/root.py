@@ -14,6 +14,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from tiller.config.base import TAGS, Section
+from tiller.config.cluster import ClusterConfig, TrainConfig
 from tiller.config.curriculum import DifficultyCurriculumConfig
 from tiller.config.data import DataConfig, RewardConfig
 from tiller.config.engine import (
@@ -53,6 +54,10 @@ class Config(Section):
                                      "temperature, truncation, length (evaluation uses "
                                      "eval.temperature)")
     sft: SFTConfig = Field(SFTConfig(), description="supervised fine-tuning before RL")
+    train: TrainConfig = Field(TrainConfig(), description="the trainer group: its ranks over "
+                               "torch.distributed")
+    cluster: ClusterConfig = Field(ClusterConfig(), description="where the run's parts run: "
+                                   "local processes or a Ray cluster")
     rl: AnyRLConfig = Field(SyncRLConfig(), description="reinforcement learning: steps, batch "
                             "shape, optimizer, algorithm, curriculum, judge; the schedule "
                             "(rl.mode) chooses the type")
@@ -107,6 +112,43 @@ class Config(Section):
             raise ConfigError(f"config field rollout.max_inflight: got {inflight}; expected at "
                               f"least rl.group_size = {self.rl.group_size} (a group starts "
                               f"whole)")
+        return self
+
+    @model_validator(mode="after")
+    def _ranks_fit(self) -> Config:
+        alg = self.rl.algorithm
+        if self.train.world_size > 1 and (alg.kl.beta > 0 or alg.critic is not None):
+            what = "rl.algorithm.kl.beta > 0" if alg.kl.beta > 0 else "rl.algorithm.critic"
+            raise ConfigError(f"config field train.world_size: got {self.train.world_size}; "
+                              f"{what} trains on one rank only (its reference model or critic "
+                              f"is not sharded yet): set train.world_size=1")
+        return self
+
+    @model_validator(mode="after")
+    def _cluster_fits(self) -> Config:
+        c = self.cluster
+        if c.backend == "local":
+            for name in ("address", "num_cpus"):
+                if getattr(c, name) is not None:
+                    raise ConfigError(f"config field cluster.{name}: got {getattr(c, name)!r}; "
+                                      f"it only applies with cluster.backend: ray")
+            if c.rollout_workers != 1:
+                raise ConfigError(f"config field cluster.rollout_workers: got "
+                                  f"{c.rollout_workers}; it only applies with cluster.backend: "
+                                  f"ray")
+            return self
+        if self.engine.backend != "embedded":
+            raise ConfigError(f"config field cluster.backend: got 'ray' with engine.backend "
+                              f"{self.engine.backend}; the Ray rollout workers hold embedded "
+                              f"engines (use engine.backend: embedded)")
+        if self.agent.program is not None:
+            raise ConfigError("config field cluster.backend: got 'ray' with agent.program; an "
+                              "agent program's gateway runs in the run's process only (use "
+                              "cluster.backend: local)")
+        if c.address is not None and c.num_cpus is not None:
+            raise ConfigError(f"config field cluster.num_cpus: got {c.num_cpus}; it sizes a "
+                              f"local Ray instance, and cluster.address connects to a running "
+                              f"cluster")
         return self
 
     @model_validator(mode="after")

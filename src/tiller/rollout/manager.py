@@ -452,7 +452,7 @@ class RolloutManager:
     async def _one(self, task: Task, k: int, tag: tuple, draw: int,
                    finished: list[Trajectory]) -> Trajectory:
         try:
-            traj = await run_one(task, k, self.actor, tag=tag, draw=draw, **self._episode)
+            traj = await self._run_episode(task, k, tag, draw)
         except asyncio.CancelledError:
             with self._cond:
                 self.ledger["dropped/cancelled_at_end"] += 1
@@ -468,6 +468,11 @@ class RolloutManager:
             self._episode_ended()
             finished.append(traj)
         return traj
+
+    async def _run_episode(self, task: Task, k: int, tag: tuple, draw: int) -> Trajectory:
+        """Episode k of the group (`run_one`) here; `ray_rollouts.RayRollouts` runs it in a
+        rollout worker."""
+        return await run_one(task, k, self.actor, tag=tag, draw=draw, **self._episode)
 
     def _episode_ended(self) -> None:
         self._inflight -= 1

@@ -1,0 +1,44 @@
+"""Where a run's parts run: the trainer's ranks (`train`) and the cluster backend (`cluster`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from tiller.config.base import Section
+
+
+class TrainConfig(Section):
+    """The trainer group: how many ranks train the policy over torch.distributed."""
+
+    world_size: int = Field(1, ge=1, description="trainer ranks: 1 trains in the run's own "
+                            "process; N > 1 shards the policy over N ranks with FSDP2 "
+                            "(torch.distributed.fsdp.fully_shard, gloo on CPU), "
+                            "each optimizer batch split across them by tokens with global loss "
+                            "normalizers and global gradient clipping (docs/scaling.md)")
+    rank_timeout_s: float = Field(600.0, gt=0, description="the longest any collective between "
+                                  "trainer ranks may wait (a rank that died fails the run "
+                                  "naming it)")
+
+
+class ClusterConfig(Section):
+    """Where the run's parts run: in this machine's processes, or on a Ray cluster."""
+
+    backend: Literal["local", "ray"] = Field("local", description="local: the rollout side in "
+                                             "the run's process and extra trainer ranks as "
+                                             "spawned processes; ray: the rollout workers and "
+                                             "trainer ranks as Ray actors (the ray extra)")
+    address: str | None = Field(None, description="with backend ray: an existing cluster's "
+                                "address (`ray start --head` prints it, e.g. 10.0.0.1:6379); "
+                                "none: a local Ray instance is started for the run and stopped "
+                                "with it")
+    num_cpus: int | None = Field(None, ge=1, description="with backend ray and no address: the "
+                                 "CPUs the local Ray instance may use (default: os.cpu_count())")
+    object_store_mb: int = Field(256, ge=64, description="with backend ray and no address: the "
+                                 "local Ray instance's object store, MiB")
+    rollout_workers: int = Field(1, ge=1, description="with backend ray: Ray actors that run the "
+                                 "episodes, one CPU each: each holds an embedded engine (a copy "
+                                 "of the weights every sync updates) and runs agent loops, envs "
+                                 "and tools; an episode whose worker dies is retried on another "
+                                 "(ledger/retried)")
