@@ -26,6 +26,7 @@ from tiller.config.engine import (
     EngineConfig,
     HttpEngineConfig,
     SamplingConfig,
+    VllmEngineConfig,
     WeightSyncConfig,
 )
 from tiller.config.env import DEFAULT_LOOP, AgentConfig, EnvConfig
@@ -63,6 +64,7 @@ __all__ = [
     "FnJudgeConfig", "HttpEngineConfig", "JudgeConfig", "KLConfig", "LoggingConfig",
     "ModelConfig", "ModelJudgeConfig", "NoJudgeConfig", "ObserveConfig", "OneStepOffRLConfig",
     "OverlongConfig", "RLConfig", "RewardConfig", "RolloutConfig", "RuntimeConfig", "SFTConfig",
-    "SamplingConfig", "SyncRLConfig", "TracesConfig", "WeightSyncConfig", "dump_config",
+    "SamplingConfig", "SyncRLConfig", "TracesConfig", "VllmEngineConfig", "WeightSyncConfig",
+    "dump_config",
     "load_config",
 ]

@@ -45,8 +45,9 @@ class SamplingConfig(Section):
 
 BACKEND = ("what generates rollouts: embedded = a continuous-batching engine in this process, on "
            "a copy of the policy; http = the servers in engine.urls (`tiller serve` or SGLang, "
-           "through SGLang's /generate contract), which get the trainer's weights after every "
-           "optimizer step")
+           "through SGLang's /generate contract); vllm = vLLM servers, started by tiller "
+           "(engine.servers) or attached (engine.urls); http and vllm servers get the trainer's "
+           "weights after every optimizer step")
 
 
 class EngineConfig(Variant):
@@ -101,8 +102,42 @@ class HttpEngineConfig(EngineConfig):
         return self
 
 
+class VllmEngineConfig(EngineConfig):
+    """vLLM servers (engine/vllm.py): started by tiller from their own Python environment
+    (`bash scripts/setup.sh` builds .venv-vllm) and stopped at the end of the run, or attached
+    by URL; routed like engine.backend http; full weight updates from disk after each step."""
+
+    backend: Literal["vllm"] = Field("vllm", description=BACKEND)
+    urls: list[str] = Field(
+        default_factory=list, description="base URLs of running vLLM servers to attach to "
+        "(started with VLLM_SERVER_DEV_MODE=1, --served-model-name tiller, --logprobs-mode "
+        "processed_logprobs and the run's model); empty = tiller starts engine.servers")
+    servers: int = Field(1, ge=1, description="vLLM servers tiller starts when engine.urls is "
+                         "empty, each on a free loopback port, its log in <run dir>/servers/")
+    python: str | None = Field(
+        None, description="the Python of the vLLM environment managed servers run from; "
+        "default .venv-vllm/bin/python in the tiller checkout (scripts/setup.sh builds it)")
+    startup_timeout_s: float = Field(
+        300.0, gt=0, description="seconds managed servers may take to answer /health and a "
+        "one-token generate before the run fails naming the server and its log")
+    kv_cache_bytes: int = Field(
+        256 << 20, ge=1 << 20, description="bytes of KV cache each managed server allocates "
+        "(--kv-cache-memory-bytes)")
+    threads: int = Field(1, ge=1, description="OMP threads of each managed server")
+    extra_args: list[str] = Field(
+        default_factory=list, description="more arguments for each managed server's "
+        "`python -m vllm.entrypoints.openai.api_server` (e.g. [--device, cuda])")
+    request_timeout_s: float = Field(
+        300.0, gt=0, description="seconds one generate or control request may take before it "
+        "fails (and is retried on another server, up to max_retries)")
+    max_retries: int = Field(
+        2, ge=0, description="times a request that failed on a dead or unreachable server is "
+        "retried on another (each counted and logged)")
+
+
 # the type of `engine`: chosen by engine.backend (default embedded)
-AnyEngineConfig = tagged("engine", "backend", EmbeddedEngineConfig, HttpEngineConfig)
+AnyEngineConfig = tagged("engine", "backend", EmbeddedEngineConfig, HttpEngineConfig,
+                         VllmEngineConfig)
 
 
 class WeightSyncConfig(Section):

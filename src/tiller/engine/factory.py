@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -17,12 +18,20 @@ from tiller.errors import require_package
 
 
 def make_engine(cfg: Config, model: PreTrainedModel, pad_token_id: int, *, run_dir: Path,
-                initial: Callable[[], WeightUpdate]) -> Engine:
+                initial: Callable[[], WeightUpdate], tokenizer: Any = None) -> Engine:
     """The engine of `cfg.engine.backend` over the trainer's `model`: `embedded` holds a copy in
     `cfg.model.dtype`; `http` connects to `cfg.engine.urls`, checks the servers against the
     model and pushes them `initial()` (weight versions go through `cfg.engine.weights_dir`,
-    else `run_dir`/weights, whose folders below the run folder are never links)."""
+    else `run_dir`/weights, whose folders below the run folder are never links); `vllm`
+    starts or attaches to vLLM servers (`engine.vllm.connect_vllm`, which saves `model` and
+    `tokenizer` for the servers it starts)."""
     e = cfg.engine
+    if e.backend == "vllm":
+        require_package("httpx", "serve", "engine.backend=vllm")
+        from tiller.engine.vllm import connect_vllm  # httpx is an optional extra
+
+        return connect_vllm(e, model, tokenizer, run_dir=run_dir, initial=initial(),
+                            dtype=cfg.model.dtype)
     if e.backend == "http":
         require_package("httpx", "serve", "engine.backend=http")
         from tiller.engine.http import connect  # httpx is an optional extra

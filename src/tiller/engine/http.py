@@ -222,17 +222,7 @@ class HttpEngine:
             if len(prompt_ids) >= self.max_context:
                 return Generation([], [], "length", self.version, prompt_tokens=len(prompt_ids))
             max_new = min(max_new, self.max_context - len(prompt_ids))
-        body = {
-            "input_ids": prompt_ids,
-            "sampling_params": {
-                "temperature": params.temperature, "top_p": params.top_p,
-                "top_k": params.top_k, "max_new_tokens": max_new,
-                "stop_token_ids": list(params.stop_token_ids),
-                "seed": seed & (2**63 - 1)},  # as the embedded engine: 63 bits
-            "return_logprob": True,
-            "rid": rid,
-            "session_id": session_id,
-        }
+        path, body = self._request(prompt_ids, params, max_new, seed, rid, session_id)
         self.counters["requests"] += 1
         for attempt in range(self.max_retries + 1):
             try:
@@ -244,10 +234,8 @@ class HttpEngine:
             server.inflight += 1
             started = self.version  # the oldest weights that can have sampled this answer
             try:
-                answer = await self._post(server, "/generate", body)
-                gen = parse_generation(server.url, answer, len(prompt_ids), started)
-                check_logprob_kind(server.url, answer, params)
-                self._check_fresh(server, answer, gen)
+                answer = await self._post(server, path, body)
+                gen = self._parse(server, answer, len(prompt_ids), started, params)
             except RunError as e:  # a 4xx, a 500 about this request, a malformed answer
                 self.counters["failed_requests"] += 1
                 logger.warning("engine request %s failed on %s, not retried: %s", rid,
@@ -273,6 +261,30 @@ class HttpEngine:
             server.completed += 1
             return gen
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _request(self, prompt_ids: list[int], params: SamplingParams, max_new: int, seed: int,
+                 rid: str, session_id: str | None) -> tuple[str, dict[str, Any]]:
+        """The path and JSON body of a generate request (SGLang's /generate)."""
+        return "/generate", {
+            "input_ids": prompt_ids,
+            "sampling_params": {
+                "temperature": params.temperature, "top_p": params.top_p,
+                "top_k": params.top_k, "max_new_tokens": max_new,
+                "stop_token_ids": list(params.stop_token_ids),
+                "seed": seed & (2**63 - 1)},  # as the embedded engine: 63 bits
+            "return_logprob": True,
+            "rid": rid,
+            "session_id": session_id,
+        }
+
+    def _parse(self, server: Server, answer: Any, prompt_tokens: int, started: int,
+               params: SamplingParams) -> Generation:
+        """The checked `Generation` of a generate answer (`wire.parse_generation`), from the
+        weights pushed to `server` (`_check_fresh`)."""
+        gen = parse_generation(server.url, answer, prompt_tokens, started)
+        check_logprob_kind(server.url, answer, params)
+        self._check_fresh(server, answer, gen)
+        return gen
 
     def _check_fresh(self, server: Server, answer: dict, gen: Generation) -> None:
         """ServerDown when the answer was sampled from weights other than those pushed to
@@ -415,7 +427,7 @@ class HttpEngine:
         # through, and removed with what it points to
         folder = folder_below(self.root, self.weights_dir / f"v{update.version}").resolve()
         fresh = folder not in self._written  # a failed push removes only a folder it wrote
-        update.save(folder)
+        self._save(update, folder)
         body = {"model_path": str(folder), "weight_version": update.version,
                 "abort_all_requests": in_flight == "abort"}
         push = partial(self._push, update=update, body=body, timeout_s=timeout_s)
@@ -436,6 +448,10 @@ class HttpEngine:
         self._written = [folder]
         self.version = update.version
         return update.version
+
+    def _save(self, update: WeightUpdate | DeltaUpdate, folder: Path) -> None:
+        """Write `update` where the servers load it from (`WeightUpdate.save`)."""
+        update.save(folder)
 
     async def _push(self, server: Server, *, update: WeightUpdate | DeltaUpdate, body: dict,
                     timeout_s: float | None) -> bool:
