@@ -35,7 +35,7 @@ from transformers import PreTrainedModel
 from tiller.config import VllmEngineConfig
 from tiller.engine.api import Generation, SamplingParams
 from tiller.engine.delta import DeltaUpdate
-from tiller.engine.http import HttpEngine, Server, ServerDown, _short
+from tiller.engine.http import _SKIPPED, HttpEngine, Server, ServerDown, _short
 from tiller.engine.servers import ManagedServers, ServerSpec, last_line
 from tiller.engine.updates import WeightSyncError, WeightUpdate
 from tiller.errors import ConfigError, RunError
@@ -187,17 +187,16 @@ class VllmEngine(HttpEngine):
             self.counters["servers_rejoined"] += 1
         return True
 
-    def score(self, token_ids: list[int], *, timeout_s: float | None = None) -> list[float]:
-        """log p(token_i | tokens_<i) for i >= 1 at temperature 1, from the first up server's
-        `prompt_logprobs`."""
-        server = next((s for s in self.servers if not s.down), None)
-        if server is None:
-            raise self._all_down()
+    async def _score_on(self, server: Server, *, token_ids: list[int],
+                        timeout_s: float | None) -> list[float] | object:
+        """log p(token_i | tokens_<i) for i >= 1 at temperature 1 from `server`'s
+        `prompt_logprobs` (`HttpEngine.score_servers` calls it on every up server)."""
         body = {"model": SERVED_NAME, "prompt": token_ids, "max_tokens": 1, "temperature": 1.0,
                 "prompt_logprobs": 0, "seed": 0}
-        answer = self._call(self._post(server, "/v1/completions", body, timeout=timeout_s),
-                            f"scoring the parity probe on {server.url}",
-                            None if timeout_s is None else timeout_s + 10.0)
+        answer = await self._control(server, "/v1/completions", body, timeout=timeout_s,
+                                     doing="scoring the parity probe: ")
+        if answer is _SKIPPED:
+            return _SKIPPED
         try:
             rows = answer["choices"][0]["prompt_logprobs"]
             return [float(rows[i][str(t)]["logprob"]) for i, t in enumerate(token_ids) if i]
