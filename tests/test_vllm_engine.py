@@ -94,9 +94,19 @@ def test_a_stop_token_ends_the_turn_and_is_returned(served) -> None:
 
 def test_abort_returns_the_partial_turn(served) -> None:
     engine, _, _ = served
-    threading.Timer(1.5, lambda: engine.abort("long-one")).start()
+    aborted: list[bool] = []
+
+    def abort_when_running() -> None:
+        deadline = time.monotonic() + 30
+        while "long-one" not in engine._rids and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # a few tokens in (about 300 tokens/s here)
+        aborted.append(engine.abort("long-one"))
+
+    threading.Thread(target=abort_when_running).start()
     start = time.monotonic()
     out = gen(engine, [9, 9, 9], 1, max_new_tokens=500, rid="long-one")
+    assert aborted == [True]
     assert out.finish_reason == "abort", out.finish_reason
     assert len(out.token_ids) < 500 and time.monotonic() - start < 30
     assert engine.abort("not-running") is False

@@ -78,6 +78,9 @@ def run_config_requests(cfg: Config) -> list[tuple[str, Any, str]]:
         found.append(("engine.urls", engine.urls, "sends the checkpoint, the prompts and "
                       "TILLER_API_KEY to those servers"))
     if isinstance(engine, VllmEngineConfig):
+        if engine.weights_dir is not None:
+            found.append(("engine.weights_dir", engine.weights_dir,
+                          "writes outside the output folder"))
         if engine.urls:
             found.append(("engine.urls", engine.urls, "sends the prompts to those servers"))
         elif engine.python is not None or engine.extra_args:

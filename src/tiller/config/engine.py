@@ -124,6 +124,10 @@ class VllmEngineConfig(EngineConfig):
         256 << 20, ge=1 << 20, description="bytes of KV cache each managed server allocates "
         "(--kv-cache-memory-bytes)")
     threads: int = Field(1, ge=1, description="OMP threads of each managed server")
+    weights_dir: str | None = Field(
+        None, description="folder each weight version is written to for the servers to load "
+        "(readable by every server); default <run dir>/weights. A folder on tmpfs (e.g. "
+        "/dev/shm/NAME) skips the disk (docs/engines.md has the measured times)")
     extra_args: list[str] = Field(
         default_factory=list, description="more arguments for each managed server's "
         "`python -m vllm.entrypoints.openai.api_server` (e.g. [--device, cuda])")

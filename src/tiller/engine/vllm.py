@@ -25,10 +25,10 @@ as staler than it is, never fresher). These endpoints need `VLLM_SERVER_DEV_MODE
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
@@ -146,14 +146,22 @@ class VllmEngine(HttpEngine):
         problems += [f"{n}: shape {tuple(t.shape)}, served {self.shapes[n]}"
                      for n, t in update.tensors.items()
                      if n in self.shapes and tuple(t.shape) != self.shapes[n]]
+        # one pass, no mask: a NaN or inf makes the sum one (so does a sum past the dtype's
+        # range, which no servable weights have): 4 ms on 25M fp32 values; isfinite().all(): 50 ms
         problems += [f"{n}: not finite" for n, t in update.tensors.items()
-                     if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+                     if t.is_floating_point() and not math.isfinite(float(t.sum()))]
         if problems:
             raise WeightSyncError(f"weight update v{update.version} does not fit the vLLM "
                                   f"servers' model (not sent): {'; '.join(problems[:8])}")
         folder.mkdir(parents=True, exist_ok=True)
         # each name its own storage: safetensors refuses shared ones, and vLLM must get lm_head
-        tensors = {n: t.detach().contiguous().clone() for n, t in update.tensors.items()}
+        # (tied to the embedding) as a tensor of its own; only the second name is copied
+        seen: set[int] = set()
+        tensors = {}
+        for n, t in update.tensors.items():
+            t = t.detach().contiguous()
+            tensors[n] = t.clone() if t.data_ptr() in seen else t
+            seen.add(t.data_ptr())
         save_file(tensors, str(folder / "model.safetensors"))
 
     async def _push(self, server: Server, *, update: WeightUpdate | DeltaUpdate, body: dict,
@@ -273,7 +281,8 @@ def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, 
             log_dir=run_dir / "servers", startup_timeout_s=cfg.startup_timeout_s)
         urls = managed.start()
     try:
-        engine = VllmEngine(urls, weights_dir=run_dir / "weights", root=run_dir, shapes=shapes,
+        engine = VllmEngine(urls, weights_dir=cfg.weights_dir or run_dir / "weights",
+                            root=None if cfg.weights_dir else run_dir, shapes=shapes,
                             managed=managed, request_timeout_s=cfg.request_timeout_s,
                             max_retries=cfg.max_retries)
     except BaseException:
