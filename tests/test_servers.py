@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -110,3 +112,21 @@ def test_free_port_is_bindable() -> None:
     port = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_ctrl_c_during_start_up_stops_every_server(tmp_path: Path) -> None:
+    managed = ManagedServers([spec("ok"), spec("slow", "--delay", "30")], log_dir=tmp_path,
+                             startup_timeout_s=60)
+    pids: list[int] = []
+
+    def interrupt() -> None:  # once both run: what Ctrl-C sends
+        while len(managed.running) < 2:
+            time.sleep(0.01)
+        pids.extend(r.proc.pid for r in managed.running)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt).start()
+    with pytest.raises(KeyboardInterrupt):
+        managed.start()
+    assert len(pids) == 2 and not any(alive(p) for p in pids)
+    assert managed.running == []

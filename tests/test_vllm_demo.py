@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from helpers import TINY_RUN
@@ -43,3 +44,17 @@ def test_the_demo_trains_through_vllm(tmp_path, mode):
     assert ledger["started"] > 0 and ledger_unaccounted(ledger) == 0, ledger
     assert (tmp_path / "servers" / "vllm-0.log").is_file()
     assert not (tmp_path / "servers" / "vllm-0.tmp").exists()  # stopped, cleaned
+    assert not served_from(tmp_path / "vllm-model")  # no vLLM process is left
+
+
+def served_from(model_dir) -> list[int]:
+    """Pids of live processes whose command line names `model_dir`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(model_dir) in (proc / "cmdline").read_bytes().decode(
+                    errors="replace").replace("\0", " "):
+                found.append(int(proc.name))
+        except OSError:
+            continue  # it exited meanwhile
+    return found
