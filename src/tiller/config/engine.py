@@ -94,11 +94,20 @@ class HttpEngineConfig(EngineConfig):
     def _hide_key(self, key: SecretStr | None) -> str | None:
         return None if key is None else "**********"  # dumps never carry the key
 
+    servers: int = Field(
+        0, ge=0, description="`tiller serve` processes tiller starts itself (the embedded "
+        "engine in processes of its own, on loopback ports, logs in <run dir>/servers/) when "
+        "engine.urls is empty; 0 = attach to engine.urls")
+    startup_timeout_s: float = Field(
+        120.0, gt=0, description="seconds the servers of engine.servers may take to answer "
+        "/health before the run fails naming the server and its log")
+
     @model_validator(mode="after")
     def _has_servers(self) -> HttpEngineConfig:
-        if not self.urls:
+        if bool(self.urls) == bool(self.servers):
             raise ConfigError("config field engine.urls: engine.backend is http, so list at "
-                              "least one server URL (start one with `tiller serve MODEL`)")
+                              "least one server URL (start one with `tiller serve MODEL`) or "
+                              "set engine.servers to have tiller start them; not both")
         return self
 
 

@@ -53,8 +53,9 @@ import httpx
 
 from tiller.engine.api import Generation, SamplingParams
 from tiller.engine.delta import DeltaUpdate
+from tiller.engine.servers import ManagedServers
 from tiller.engine.updates import WeightUpdate
-from tiller.engine.wire import check_logprob_kind, parse_generation
+from tiller.engine.wire import check_logprob_kind, parse_generation, short
 from tiller.errors import ConfigError, RunError
 from tiller.files import folder_below, remove_tree
 
@@ -94,7 +95,8 @@ class HttpEngine:
 
     def __init__(self, urls: list[str], *, weights_dir: str | Path, api_key: str | None = None,
                  request_timeout_s: float = 300.0, max_retries: int = 2,
-                 root: str | Path | None = None):
+                 root: str | Path | None = None, managed: ManagedServers | None = None):
+        self.managed = managed  # the servers tiller started, stopped at close
         if not urls:
             raise ConfigError("config field engine.urls: list at least one server URL")
         self.servers = [Server(u.rstrip("/")) for u in urls]
@@ -157,18 +159,18 @@ class HttpEngine:
         except httpx.TransportError as e:  # connect/read errors
             raise ServerDown(f"{type(e).__name__}: {e}".rstrip(": ")) from e
         if r.status_code in DOWN_STATUSES:
-            raise ServerDown(f"HTTP {r.status_code}: {_short(r.text)}")
+            raise ServerDown(f"HTTP {r.status_code}: {short(r.text)}")
         if r.status_code == 500 and path != "/health":
             try:  # the request broke something, or the server is breaking down?
                 await self._post(server, "/health", timeout=HEALTH_TIMEOUT_S)
             except (ServerDown, RunError) as e:
-                raise ServerDown(f"HTTP 500: {_short(r.text)}; then /health: {e}") from e
+                raise ServerDown(f"HTTP 500: {short(r.text)}; then /health: {e}") from e
         if r.status_code == 404 and missing_ok:
             return None
         if r.status_code >= 400:
             hint = " (set engine.api_key or TILLER_API_KEY)" if r.status_code == 401 else ""
             raise RunError(f"server {server.url}: {path} answered HTTP {r.status_code}: "
-                           f"{_short(r.text)}{hint}")
+                           f"{short(r.text)}{hint}")
         try:
             return r.json()
         except ValueError:
@@ -395,7 +397,7 @@ class HttpEngine:
                               f"N`") from e
         if not isinstance(info, dict):
             raise ConfigError(f"config field engine.urls: server {server.url} answered "
-                              f"/get_model_info with {_short(str(info))}, not a JSON object")
+                              f"/get_model_info with {short(str(info))}, not a JSON object")
         if dtype is not None and "dtype" in info and info["dtype"] != dtype:
             raise ConfigError(f"config field model.dtype: {dtype}, but server {server.url} "
                               f"serves dtype {info['dtype']}: set model.dtype: "
@@ -475,7 +477,7 @@ class HttpEngine:
         if not (isinstance(answer, dict) and answer.get("success") is True
                 and echoed == update.version):
             raise RunError(f"weight push v{update.version}: server {server.url} answered "
-                           f"{_short(str(answer))} (expected success and weight_version "
+                           f"{short(str(answer))} (expected success and weight_version "
                            f"{update.version}): it does not hold the trainer's weights")
         server.previous, server.version = server.version, update.version
         server.boot_id = answer.get("boot_id")
@@ -524,7 +526,7 @@ class HttpEngine:
         if (not isinstance(answer, dict) or answer.get("weight_version") != server.version
                 or not isinstance(answer.get("logprobs"), list)
                 or len(answer["logprobs"]) != len(token_ids) - 1):
-            raise RunError(f"server {server.url}: /score answered {_short(str(answer))}; "
+            raise RunError(f"server {server.url}: /score answered {short(str(answer))}; "
                            f"expected {len(token_ids) - 1} logprobs from weight version "
                            f"{server.version}")
         return [float(x) for x in answer["logprobs"]]
@@ -534,7 +536,15 @@ class HttpEngine:
         return next(iter(self.score_servers(token_ids, timeout_s=timeout_s).values()))
 
     def close(self) -> None:
-        """Close the connections and stop the loop thread; requests still waiting fail."""
+        """Close the connections and stop the loop thread, then the managed servers; requests
+        still waiting fail."""
+        try:
+            self._close_client()
+        finally:
+            if self.managed is not None:
+                self.managed.close()
+
+    def _close_client(self) -> None:
         if self._loop.is_closed():
             return
         try:
@@ -561,22 +571,24 @@ async def _each(servers: list[Server], act: Callable[[Server], Awaitable[T]]) ->
     return list(results)
 
 
-def _short(text: str, n: int = 200) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= n else text[:n] + "..."
-
-
 def connect(urls: list[str], *, weights_dir: str | Path, api_key: str | None,
             request_timeout_s: float, max_retries: int, vocab_size: int, max_context: int,
             initial: WeightUpdate, dtype: str | None = None,
-            root: str | Path | None = None) -> HttpEngine:
+            root: str | Path | None = None, managed: ManagedServers | None = None
+            ) -> HttpEngine:
     """An `HttpEngine` whose servers were checked against the trainer's model and hold its
     weights (`initial`): a server started from another checkpoint would otherwise sample
-    another policy. `api_key` None: the TILLER_API_KEY environment variable, if set."""
-    engine = HttpEngine(urls, weights_dir=weights_dir,
-                        api_key=api_key or os.environ.get("TILLER_API_KEY"),
-                        request_timeout_s=request_timeout_s, max_retries=max_retries,
-                        root=root)
+    another policy. `api_key` None: the TILLER_API_KEY environment variable, if set. `managed`:
+    the servers tiller started at `urls`, stopped with the engine (also when this fails)."""
+    try:
+        engine = HttpEngine(urls, weights_dir=weights_dir,
+                            api_key=api_key or os.environ.get("TILLER_API_KEY"),
+                            request_timeout_s=request_timeout_s, max_retries=max_retries,
+                            root=root, managed=managed)
+    except BaseException:
+        if managed is not None:
+            managed.close()
+        raise
     try:
         engine.check_servers(vocab_size, max_context, dtype)
         engine.update_weights(initial)

@@ -24,6 +24,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -58,6 +59,17 @@ class _Running:
     tmp: Path
     proc: subprocess.Popen[bytes]
     log_file: IO[bytes]
+
+
+def tiller_serve_specs(model_dir: Path, count: int, *, weights_root: Path, dtype: str,
+                       threads: int | str) -> list[ServerSpec]:
+    """`count` `tiller serve` processes of the model in `model_dir` (this Python, this tiller),
+    loading weight versions from below `weights_root`, on the CPU with `threads` threads
+    (a number or auto, `tiller serve --threads`)."""
+    argv = [sys.executable, "-m", "tiller", "serve", str(model_dir), "--port", "{port}",
+            "--weights-root", str(weights_root), "--dtype", dtype, "--device", "cpu",
+            "--threads", str(threads)]
+    return [ServerSpec(f"serve-{i}", argv) for i in range(count)]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

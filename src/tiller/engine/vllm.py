@@ -35,9 +35,10 @@ from transformers import PreTrainedModel
 from tiller.config import VllmEngineConfig
 from tiller.engine.api import Generation, SamplingParams
 from tiller.engine.delta import DeltaUpdate
-from tiller.engine.http import _SKIPPED, HttpEngine, Server, ServerDown, _short
+from tiller.engine.http import _SKIPPED, HttpEngine, Server, ServerDown
 from tiller.engine.servers import ManagedServers, ServerSpec, last_line
 from tiller.engine.updates import WeightSyncError, WeightUpdate
+from tiller.engine.wire import short
 from tiller.errors import ConfigError, RunError
 
 logger = logging.getLogger(__name__)
@@ -56,11 +57,9 @@ class VllmEngine(HttpEngine):
     default_sync_mode = "full"
 
     def __init__(self, urls: list[str], *, weights_dir: str | Path,
-                 shapes: dict[str, tuple[int, ...]], managed: ManagedServers | None = None,
-                 **kwargs: Any):
+                 shapes: dict[str, tuple[int, ...]], **kwargs: Any):
         super().__init__(urls, weights_dir=weights_dir, **kwargs)
         self.shapes = shapes
-        self.managed = managed
 
     # ------------------------------------------------------------------ generate
     def _request(self, prompt_ids: list[int], params: SamplingParams, max_new: int, seed: int,
@@ -128,7 +127,7 @@ class VllmEngine(HttpEngine):
             got = models.get(SERVED_NAME, {}).get("max_model_len")
             if got != max_context:
                 raise RunError(f"vLLM server {server.url}: /v1/models lists "
-                               f"{_short(str(info))}; expected model {SERVED_NAME!r} with "
+                               f"{short(str(info))}; expected model {SERVED_NAME!r} with "
                                f"max_model_len {max_context} (start it with "
                                f"--served-model-name {SERVED_NAME} --max-model-len "
                                f"{max_context})")
@@ -179,7 +178,7 @@ class VllmEngine(HttpEngine):
                 if path.startswith("/reset") and not (isinstance(answer, dict)
                                                       and answer.get("success") is True):
                     raise RunError(f"weight push v{update.version}: server {server.url} "
-                                   f"answered {path} with {_short(str(answer))}: its cache "
+                                   f"answered {path} with {short(str(answer))}: its cache "
                                    "may hold KV of the old weights")
         except ServerDown as e:
             self._mark_down(server, f"weight update v{update.version}: {e}")
@@ -210,14 +209,7 @@ class VllmEngine(HttpEngine):
             return [float(rows[i][str(t)]["logprob"]) for i, t in enumerate(token_ids) if i]
         except (KeyError, TypeError, IndexError, ValueError) as e:
             raise RunError(f"vLLM server {server.url}: prompt_logprobs answer "
-                           f"{_short(str(answer))}: {type(e).__name__}: {e}") from e
-
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            if self.managed is not None:
-                self.managed.close()
+                           f"{short(str(answer))}: {type(e).__name__}: {e}") from e
 
 
 def server_specs(python: str, model_dir: Path, count: int, *, max_context: int, dtype: str,
@@ -247,7 +239,7 @@ def probe(engine: VllmEngine, token_id: int, timeout_s: float) -> None:
             log = logs.get(server.url)
             where = f"; log {log}: {last_line(log)}" if log else ""
             raise RunError(f"vLLM server {server.url} cannot run the model (a one-token "
-                           f"generate failed: {_short(str(e), 150)}){where}") from e
+                           f"generate failed: {short(str(e), 150)}){where}") from e
 
 
 def default_python() -> Path:
