@@ -5,6 +5,11 @@ partial rollouts. Needs .venv-vllm (`bash scripts/setup.sh`)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -58,3 +63,28 @@ def served_from(model_dir) -> list[int]:
         except OSError:
             continue  # it exited meanwhile
     return found
+
+
+def test_ctrl_c_of_a_vllm_run_stops_its_servers(tmp_path):
+    """`tiller train ... engine.backend=vllm` interrupted once its server runs: the run ends
+    and no vLLM process of it is left."""
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": "src", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "tiller", "train", "configs/calculator.yaml",
+                             "-o", str(out), *TINY_RUN, *VLLM, "rl.steps=50"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "weights").is_dir() and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            time.sleep(0.5)
+        assert served_from(out / "vllm-model")  # its server runs
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0
+    assert not served_from(out / "vllm-model")

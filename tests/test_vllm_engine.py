@@ -223,3 +223,17 @@ def test_a_server_killed_mid_run_fails_the_request_without_a_hang(tmp_path: Path
 
 def test_default_python_is_the_checkouts_vllm_env() -> None:
     assert default_python() == Path(__file__).resolve().parents[1] / ".venv-vllm/bin/python"
+
+
+def test_attached_mode_uses_running_servers_and_leaves_them_running(served) -> None:
+    engine, model, run = served
+    urls = [s.url for s in engine.servers]
+    attached = connect_vllm(cfg(urls=urls), model, None, run_dir=run.parent / "attached",
+                            initial=WeightUpdate(engine.version, model.state_dict()),
+                            dtype="float32")
+    try:
+        assert attached.managed is None
+        ours = gen(attached, [5, 6, 7], 3, max_new_tokens=6)
+    finally:
+        attached.close()
+    assert ours.token_ids == gen(engine, [5, 6, 7], 3, max_new_tokens=6).token_ids  # still up
