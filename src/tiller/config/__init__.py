@@ -27,6 +27,7 @@ from tiller.config.engine import (
     EngineConfig,
     HttpEngineConfig,
     SamplingConfig,
+    VllmEngineConfig,
     WeightSyncConfig,
 )
 from tiller.config.env import DEFAULT_LOOP, AgentConfig, EnvConfig
@@ -64,7 +65,8 @@ __all__ = [
     "FnJudgeConfig", "HttpEngineConfig", "JudgeConfig", "KLConfig", "LoggingConfig",
     "ModelConfig", "ModelJudgeConfig", "NoJudgeConfig", "ObserveConfig", "OneStepOffRLConfig",
     "OverlongConfig", "RLConfig", "RewardConfig", "RolloutConfig", "RuntimeConfig", "SFTConfig",
-    "SamplingConfig", "SyncRLConfig", "TracesConfig", "TrainConfig", "WeightSyncConfig",
+    "SamplingConfig", "SyncRLConfig", "TracesConfig", "TrainConfig", "VllmEngineConfig",
+    "WeightSyncConfig",
     "dump_config",
     "load_config",
 ]

@@ -53,8 +53,9 @@ import httpx
 
 from tiller.engine.api import Generation, SamplingParams
 from tiller.engine.delta import DeltaUpdate
+from tiller.engine.servers import ManagedServers
 from tiller.engine.updates import WeightUpdate
-from tiller.engine.wire import check_logprob_kind, parse_generation
+from tiller.engine.wire import check_logprob_kind, parse_generation, short
 from tiller.errors import ConfigError, RunError
 from tiller.files import folder_below, remove_tree
 
@@ -94,7 +95,8 @@ class HttpEngine:
 
     def __init__(self, urls: list[str], *, weights_dir: str | Path, api_key: str | None = None,
                  request_timeout_s: float = 300.0, max_retries: int = 2,
-                 root: str | Path | None = None):
+                 root: str | Path | None = None, managed: ManagedServers | None = None):
+        self.managed = managed  # the servers tiller started, stopped at close
         if not urls:
             raise ConfigError("config field engine.urls: list at least one server URL")
         self.servers = [Server(u.rstrip("/")) for u in urls]
@@ -157,18 +159,18 @@ class HttpEngine:
         except httpx.TransportError as e:  # connect/read errors
             raise ServerDown(f"{type(e).__name__}: {e}".rstrip(": ")) from e
         if r.status_code in DOWN_STATUSES:
-            raise ServerDown(f"HTTP {r.status_code}: {_short(r.text)}")
+            raise ServerDown(f"HTTP {r.status_code}: {short(r.text)}")
         if r.status_code == 500 and path != "/health":
             try:  # the request broke something, or the server is breaking down?
                 await self._post(server, "/health", timeout=HEALTH_TIMEOUT_S)
             except (ServerDown, RunError) as e:
-                raise ServerDown(f"HTTP 500: {_short(r.text)}; then /health: {e}") from e
+                raise ServerDown(f"HTTP 500: {short(r.text)}; then /health: {e}") from e
         if r.status_code == 404 and missing_ok:
             return None
         if r.status_code >= 400:
             hint = " (set engine.api_key or TILLER_API_KEY)" if r.status_code == 401 else ""
             raise RunError(f"server {server.url}: {path} answered HTTP {r.status_code}: "
-                           f"{_short(r.text)}{hint}")
+                           f"{short(r.text)}{hint}")
         try:
             return r.json()
         except ValueError:
@@ -222,17 +224,7 @@ class HttpEngine:
             if len(prompt_ids) >= self.max_context:
                 return Generation([], [], "length", self.version, prompt_tokens=len(prompt_ids))
             max_new = min(max_new, self.max_context - len(prompt_ids))
-        body = {
-            "input_ids": prompt_ids,
-            "sampling_params": {
-                "temperature": params.temperature, "top_p": params.top_p,
-                "top_k": params.top_k, "max_new_tokens": max_new,
-                "stop_token_ids": list(params.stop_token_ids),
-                "seed": seed & (2**63 - 1)},  # as the embedded engine: 63 bits
-            "return_logprob": True,
-            "rid": rid,
-            "session_id": session_id,
-        }
+        path, body = self._request(prompt_ids, params, max_new, seed, rid, session_id)
         self.counters["requests"] += 1
         for attempt in range(self.max_retries + 1):
             try:
@@ -244,10 +236,8 @@ class HttpEngine:
             server.inflight += 1
             started = self.version  # the oldest weights that can have sampled this answer
             try:
-                answer = await self._post(server, "/generate", body)
-                gen = parse_generation(server.url, answer, len(prompt_ids), started)
-                check_logprob_kind(server.url, answer, params)
-                self._check_fresh(server, answer, gen)
+                answer = await self._post(server, path, body)
+                gen = self._parse(server, answer, len(prompt_ids), started, params)
             except RunError as e:  # a 4xx, a 500 about this request, a malformed answer
                 self.counters["failed_requests"] += 1
                 logger.warning("engine request %s failed on %s, not retried: %s", rid,
@@ -273,6 +263,30 @@ class HttpEngine:
             server.completed += 1
             return gen
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _request(self, prompt_ids: list[int], params: SamplingParams, max_new: int, seed: int,
+                 rid: str, session_id: str | None) -> tuple[str, dict[str, Any]]:
+        """The path and JSON body of a generate request (SGLang's /generate)."""
+        return "/generate", {
+            "input_ids": prompt_ids,
+            "sampling_params": {
+                "temperature": params.temperature, "top_p": params.top_p,
+                "top_k": params.top_k, "max_new_tokens": max_new,
+                "stop_token_ids": list(params.stop_token_ids),
+                "seed": seed & (2**63 - 1)},  # as the embedded engine: 63 bits
+            "return_logprob": True,
+            "rid": rid,
+            "session_id": session_id,
+        }
+
+    def _parse(self, server: Server, answer: Any, prompt_tokens: int, started: int,
+               params: SamplingParams) -> Generation:
+        """The checked `Generation` of a generate answer (`wire.parse_generation`), from the
+        weights pushed to `server` (`_check_fresh`)."""
+        gen = parse_generation(server.url, answer, prompt_tokens, started)
+        check_logprob_kind(server.url, answer, params)
+        self._check_fresh(server, answer, gen)
+        return gen
 
     def _check_fresh(self, server: Server, answer: dict, gen: Generation) -> None:
         """ServerDown when the answer was sampled from weights other than those pushed to
@@ -383,7 +397,7 @@ class HttpEngine:
                               f"N`") from e
         if not isinstance(info, dict):
             raise ConfigError(f"config field engine.urls: server {server.url} answered "
-                              f"/get_model_info with {_short(str(info))}, not a JSON object")
+                              f"/get_model_info with {short(str(info))}, not a JSON object")
         if dtype is not None and "dtype" in info and info["dtype"] != dtype:
             raise ConfigError(f"config field model.dtype: {dtype}, but server {server.url} "
                               f"serves dtype {info['dtype']}: set model.dtype: "
@@ -415,7 +429,7 @@ class HttpEngine:
         # through, and removed with what it points to
         folder = folder_below(self.root, self.weights_dir / f"v{update.version}").resolve()
         fresh = folder not in self._written  # a failed push removes only a folder it wrote
-        update.save(folder)
+        self._save(update, folder)
         body = {"model_path": str(folder), "weight_version": update.version,
                 "abort_all_requests": in_flight == "abort"}
         push = partial(self._push, update=update, body=body, timeout_s=timeout_s)
@@ -436,6 +450,10 @@ class HttpEngine:
         self._written = [folder]
         self.version = update.version
         return update.version
+
+    def _save(self, update: WeightUpdate | DeltaUpdate, folder: Path) -> None:
+        """Write `update` where the servers load it from (`WeightUpdate.save`)."""
+        update.save(folder)
 
     async def _push(self, server: Server, *, update: WeightUpdate | DeltaUpdate, body: dict,
                     timeout_s: float | None) -> bool:
@@ -459,7 +477,7 @@ class HttpEngine:
         if not (isinstance(answer, dict) and answer.get("success") is True
                 and echoed == update.version):
             raise RunError(f"weight push v{update.version}: server {server.url} answered "
-                           f"{_short(str(answer))} (expected success and weight_version "
+                           f"{short(str(answer))} (expected success and weight_version "
                            f"{update.version}): it does not hold the trainer's weights")
         server.previous, server.version = server.version, update.version
         server.boot_id = answer.get("boot_id")
@@ -508,7 +526,7 @@ class HttpEngine:
         if (not isinstance(answer, dict) or answer.get("weight_version") != server.version
                 or not isinstance(answer.get("logprobs"), list)
                 or len(answer["logprobs"]) != len(token_ids) - 1):
-            raise RunError(f"server {server.url}: /score answered {_short(str(answer))}; "
+            raise RunError(f"server {server.url}: /score answered {short(str(answer))}; "
                            f"expected {len(token_ids) - 1} logprobs from weight version "
                            f"{server.version}")
         return [float(x) for x in answer["logprobs"]]
@@ -518,7 +536,15 @@ class HttpEngine:
         return next(iter(self.score_servers(token_ids, timeout_s=timeout_s).values()))
 
     def close(self) -> None:
-        """Close the connections and stop the loop thread; requests still waiting fail."""
+        """Close the connections and stop the loop thread, then the managed servers; requests
+        still waiting fail."""
+        try:
+            self._close_client()
+        finally:
+            if self.managed is not None:
+                self.managed.close()
+
+    def _close_client(self) -> None:
         if self._loop.is_closed():
             return
         try:
@@ -545,22 +571,24 @@ async def _each(servers: list[Server], act: Callable[[Server], Awaitable[T]]) ->
     return list(results)
 
 
-def _short(text: str, n: int = 200) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= n else text[:n] + "..."
-
-
 def connect(urls: list[str], *, weights_dir: str | Path, api_key: str | None,
             request_timeout_s: float, max_retries: int, vocab_size: int, max_context: int,
             initial: WeightUpdate, dtype: str | None = None,
-            root: str | Path | None = None) -> HttpEngine:
+            root: str | Path | None = None, managed: ManagedServers | None = None
+            ) -> HttpEngine:
     """An `HttpEngine` whose servers were checked against the trainer's model and hold its
     weights (`initial`): a server started from another checkpoint would otherwise sample
-    another policy. `api_key` None: the TILLER_API_KEY environment variable, if set."""
-    engine = HttpEngine(urls, weights_dir=weights_dir,
-                        api_key=api_key or os.environ.get("TILLER_API_KEY"),
-                        request_timeout_s=request_timeout_s, max_retries=max_retries,
-                        root=root)
+    another policy. `api_key` None: the TILLER_API_KEY environment variable, if set. `managed`:
+    the servers tiller started at `urls`, stopped with the engine (also when this fails)."""
+    try:
+        engine = HttpEngine(urls, weights_dir=weights_dir,
+                            api_key=api_key or os.environ.get("TILLER_API_KEY"),
+                            request_timeout_s=request_timeout_s, max_retries=max_retries,
+                            root=root, managed=managed)
+    except BaseException:
+        if managed is not None:
+            managed.close()
+        raise
     try:
         engine.check_servers(vocab_size, max_context, dtype)
         engine.update_weights(initial)

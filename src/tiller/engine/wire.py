@@ -12,6 +12,12 @@ from tiller.errors import RunError
 FINISH_REASONS = ("stop", "length", "abort")
 
 
+def short(text: str, n: int = 200) -> str:
+    """`text` on one line (whitespace runs made one space), cut to `n` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[:n] + "..."
+
+
 def check_logprob_kind(url: str, answer: Any, params: SamplingParams) -> None:
     """With top-k / top-p on, the logprobs must be the kind the trainer recomputes
     (`params.logprobs`, from sampling.logprobs): tiller serve reports `meta_info.logprob_kind`
