@@ -103,9 +103,11 @@ def test_abort_returns_the_partial_turn(served) -> None:
         time.sleep(0.1)  # a few tokens in (about 300 tokens/s here)
         aborted.append(engine.abort("long-one"))
 
-    threading.Thread(target=abort_when_running).start()
+    aborter = threading.Thread(target=abort_when_running)
+    aborter.start()
     start = time.monotonic()
     out = gen(engine, [9, 9, 9], 1, max_new_tokens=500, rid="long-one")
+    aborter.join(timeout=30)  # the abort's answer may arrive just after the request's
     assert aborted == [True]
     assert out.finish_reason == "abort", out.finish_reason
     assert len(out.token_ids) < 500 and time.monotonic() - start < 30
