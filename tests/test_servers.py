@@ -45,13 +45,15 @@ def test_start_two_servers_then_close_leaves_no_process(tmp_path: Path) -> None:
         assert all(u.startswith("http://127.0.0.1:") for u in urls)
         pids = [r.proc.pid for r in m.running] + [int(child.read_text())]
         assert all(alive(p) for p in pids)
-        assert (tmp_path / "servers" / "a.tmp").is_dir()
+        tmp = m.running[0].tmp
+        assert tmp.is_dir() and tmp.name.startswith("tiller-a-")
+        assert len(str(tmp / "0123456789abcdef0123456789abcdef0123")) < 107  # a ZMQ socket fits
     # the grandchild ignores SIGTERM: only the group's SIGKILL ends it
     deadline = time.monotonic() + 5
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(p) for p in pids)
-    assert not (tmp_path / "servers" / "a.tmp").exists()
+    assert not tmp.exists()
     assert "starting" in (tmp_path / "servers" / "a.log").read_text()
 
 

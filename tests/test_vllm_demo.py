@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -35,6 +36,7 @@ def rows(run_dir, phase):
                                    "rollout.partial=continue"]])
 def test_the_demo_trains_through_vllm(tmp_path, mode):
     cfg = load_config("configs/calculator.yaml", [*TINY_RUN, *VLLM, *mode])
+    before = set(Path(tempfile.gettempdir()).glob("tiller-vllm-0-*"))
     summary = train(cfg, tmp_path)
     rl = rows(tmp_path, "rl")
     assert len(rl) == cfg.rl.steps and summary["heldout_after_rl"]["tasks"] == 16
@@ -48,7 +50,7 @@ def test_the_demo_trains_through_vllm(tmp_path, mode):
                       if k.startswith("ledger/")})
     assert ledger["started"] > 0 and ledger_unaccounted(ledger) == 0, ledger
     assert (tmp_path / "servers" / "vllm-0.log").is_file()
-    assert not (tmp_path / "servers" / "vllm-0.tmp").exists()  # stopped, cleaned
+    assert set(Path(tempfile.gettempdir()).glob("tiller-vllm-0-*")) <= before  # cleaned
     assert not served_from(tmp_path / "vllm-model")  # no vLLM process is left
 
 

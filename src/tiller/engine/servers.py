@@ -3,7 +3,8 @@
 Each server runs in its own process group (its session), so stopping it reaches every process it
 spawned (vLLM's engine core, its workers): SIGTERM to the group, a grace period, then SIGKILL to
 the group, and the leader is reaped. Its stdout and stderr go to `<log_dir>/<name>.log`; its
-temporary files (TMPDIR) go to `<log_dir>/<name>.tmp`, removed when it stops.
+temporary files (TMPDIR) go to a fresh `tiller-<name>-*` folder in the system temp folder (short:
+vLLM puts its ZMQ sockets there, and a socket path is at most 107 bytes), removed when it stops.
 
 Start-up waits for `GET <url><health_path>` to answer 200, at most `startup_timeout_s` for all
 servers together; a server that exits meanwhile is reported at once, not at the timeout. Either
@@ -25,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -125,8 +127,7 @@ class ManagedServers:
     def _spawn(self, spec: ServerSpec) -> _Running:
         port = free_port(self.host)
         log = self.log_dir / f"{spec.name}.log"
-        tmp = self.log_dir / f"{spec.name}.tmp"
-        tmp.mkdir(exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"tiller-{spec.name}-"))
         argv = [a.replace("{port}", str(port)) for a in spec.argv]
         log_file = open(log, "ab")  # noqa: SIM115 - closed in _stop
         log_file.write(f"$ {' '.join(argv)}\n".encode())
@@ -137,6 +138,7 @@ class ManagedServers:
                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         except OSError as e:
             log_file.close()
+            shutil.rmtree(tmp, ignore_errors=True)
             raise RunError(f"server {spec.name}: could not start {argv[0]!r} ({e}); log "
                            f"{log}") from e
         logger.info("started server %s (pid %d) on port %d; log %s", spec.name, proc.pid, port,
