@@ -169,6 +169,11 @@ class Rank(Protocol):
         """The last call's end; raises `RunError` naming the rank when it failed or died."""
         ...
 
+    def died_starting(self) -> str | None:
+        """How the rank died before joining the process group ("exit code 1", "Ray actor:
+        ..."), or None while it lives."""
+        ...
+
     def ended(self) -> str | None:
         """How the rank's last call ended badly ("died (exit code -9)", "failed (ValueError:
         ...)"), or None while it runs or when it succeeded."""
