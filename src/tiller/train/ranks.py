@@ -234,14 +234,16 @@ def await_joined(store: dist.Store, ranks: list[Rank], timeout_s: float) -> None
 
 
 def start_ranks(full: nn.Module, world: int, options: TrainerOptions, backend: str,
-                timeout_s: float) -> Leader:
+                timeout_s: float, remote: bool = False) -> Leader:
     """Rank 0 (this process) and `world - 1` other ranks (`backend` local: spawned
-    processes; ray: Ray actors on the connected cluster), in one gloo process group."""
+    processes; ray: Ray actors on the connected cluster), in one gloo process group. Its
+    rendezvous listens on 127.0.0.1 unless `remote` (a Ray cluster at `cluster.address`,
+    whose actors may be on other nodes: this node's IP)."""
     if dist.is_initialized():
         raise RunError("train.world_size > 1: this process already has a torch.distributed "
                        "process group (another run's trainer ranks, still open)")
-    host = "127.0.0.1"
-    if backend == "ray":
+    host = "127.0.0.1"  # the ranks on this machine: spawned, or a local Ray instance's actors
+    if remote:
         import ray
 
         host = ray.util.get_node_ip_address()
