@@ -36,8 +36,9 @@ class ClusterConfig(Section):
                                 "with it")
     num_cpus: int | None = Field(None, ge=1, description="with backend ray and no address: the "
                                  "CPUs the local Ray instance may use (default: os.cpu_count())")
-    object_store_mb: int = Field(256, ge=64, description="with backend ray and no address: the "
-                                 "local Ray instance's object store, MiB (refused when not "
+    object_store_mb: int = Field(256, ge=75, description="with backend ray and no address: the "
+                                 "local Ray instance's object store, MiB (Ray's minimum: 75; "
+                                 "refused when not "
                                  "the default otherwise: it would have no effect)")
     rollout_workers: int = Field(1, ge=1, description="with backend ray: Ray actors that run the "
                                  "episodes, one CPU each: each holds an embedded engine (a copy "
