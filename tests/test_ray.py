@@ -233,3 +233,26 @@ def test_a_trainer_rank_actor_that_fails_ends_rank_0s_wait(calc_model_dir, token
     finally:
         leader.close()
         ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_trainer_rank_actor_that_dies_during_start_fails_it_at_once(no_ray_left):
+    import time
+
+    import ray
+    from test_rank_failures import DiesWhenLoaded
+
+    from tiller.train.distributed import TrainerOptions
+    from tiller.train.ranks import start_ranks
+
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20,
+             log_to_driver=False, configure_logging=False)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RunError, match=r"^trainer rank 1 died during start: Ray actor: "):
+            start_ranks(DiesWhenLoaded(2, 2), 2, TrainerOptions(), "ray", 120.0)
+        assert time.monotonic() - t0 < 60
+    finally:
+        ray.shutdown()

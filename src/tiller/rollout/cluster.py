@@ -67,8 +67,15 @@ def check_address(cfg: Config) -> None:
     what other jobs leave); connected only for this check."""
     import ray
 
-    ray.init(address=cfg.cluster.address, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+    try:
+        ray.init(address=cfg.cluster.address, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    except (ConnectionError, RuntimeError) as e:  # e.g. its token authentication refused us
+        raise ConfigError(f"config field cluster.address: got {cfg.cluster.address!r}; Ray "
+                          f"could not connect ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); with token "
+                          f"authentication, this machine needs the cluster's token "
+                          f"(RAY_AUTH_TOKEN)") from e
     try:
         cpus = ray.available_resources().get("CPU", 0.0)
     finally:
