@@ -105,10 +105,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name:<11} {r['s_per_step']:7.2f} {r['samples_per_s']:9.1f} "
               f"{r['trainer_busy']:5.2f} {r['train_ms_per_ktok']:8.1f} {r['start_s']:7.1f} "
               f"{overhead:>8}")
+    met = goals(results)
+    for goal, ok in met.items():
+        print(f"goal {goal}: {'met' if ok else 'NOT met' if ok is False else 'not measured'}")
     work.mkdir(parents=True, exist_ok=True)
     (work / "scaling.json").write_text(json.dumps(
-        {"args": vars(args), "results": results}, indent=2))
+        {"args": vars(args), "results": results, "goals": met}, indent=2))
     return 0
+
+
+def goals(results: dict[str, dict[str, Any]]) -> dict[str, bool | None]:
+    """The issue's two goals, each met (True), not (False) or not measured (None, a variant
+    missing):
+
+      ray overhead <= 10%:       s_per_step(ray-1w) / s_per_step(local) - 1 <= 0.10
+      2 ranks <= 1.3x per token: train_ms_per_ktok(local-2r) / train_ms_per_ktok(local) <= 1.3
+    """
+    def ratio(name: str, base: str, key: str) -> float | None:
+        if name not in results or base not in results:
+            return None
+        return results[name][key] / results[base][key]
+
+    overhead = ratio("ray-1w", "local", "s_per_step")
+    per_token = ratio("local-2r", "local", "train_ms_per_ktok")
+    return {"ray overhead <= 10% of step time": None if overhead is None else overhead <= 1.1,
+            "2-rank train time per token <= 1.3x 1-rank": None if per_token is None
+            else per_token <= 1.3}
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@ once (the failed rank leaves the process group), not at train.rank_timeout_s, an
 fails in one line naming the rank and its error. (Its own group: one per process, and
 tests/test_distributed.py's lives for its whole module.)"""
 
+import os
 import time
 
 import pytest
+import torch
 from test_distributed import batch_of
 
 from tiller.errors import RunError
@@ -37,3 +39,23 @@ def test_a_rank_that_fails_ends_rank_0s_wait_and_names_itself(calc_model_dir, to
                                 "no attribute 'loss_mask') during sft_step")
     finally:
         leader.close()
+
+
+class DiesWhenLoaded(torch.nn.Linear):
+    """A model whose copy kills the process that loads it (a rank dying during start)."""
+
+    def __reduce__(self):
+        return os._exit, (3,)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_a_rank_that_dies_during_start_fails_it_at_once_naming_it():
+    """Rank 0 waits for the others to reach the process group watching that they live: the
+    start fails in one line when rank 1 dies, not after train.rank_timeout_s."""
+    t0 = time.monotonic()
+    with pytest.raises(RunError) as e:
+        start_ranks(DiesWhenLoaded(2, 2), 2, TrainerOptions(), "local", 60.0)
+    assert time.monotonic() - t0 < 20
+    assert str(e.value) == "trainer rank 1 died during start: exit code 3"

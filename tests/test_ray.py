@@ -13,6 +13,7 @@ from helpers import TINY_RUN
 
 from tiller.config import ConfigError, load_config
 from tiller.controller import train
+from tiller.errors import RunError
 from tiller.observe.steps import ledger_unaccounted
 from tiller.train.ranks import free_port
 
@@ -28,12 +29,32 @@ def ray_processes() -> list[str]:
 
 @pytest.fixture()
 def no_ray_left():
-    """Ray shut down after the test whatever happened, and none of its processes left."""
+    """After the test, whatever happened: this process not connected to Ray and none of its
+    processes left (checked before the shutdown that cleans up after a failed check)."""
     yield
     import ray
 
-    ray.shutdown()
-    assert not ray_processes()
+    try:
+        assert not ray.is_initialized(), "the test left Ray connected"
+        assert not ray_processes(), "the test left Ray processes"
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("error", [RunError("a tool failed to start"), KeyboardInterrupt()])
+def test_a_run_that_fails_after_ray_started_stops_it(tmp_path, monkeypatch, no_ray_left,
+                                                     error):
+    """An error (or Ctrl-C) right after the local Ray instance started: Ray is stopped."""
+    def fail(*args):
+        raise error
+
+    monkeypatch.setattr("tiller.run.check_tools", fail)
+    with pytest.raises(type(error)):
+        train(load_config("configs/calculator.yaml", [*TINY_RUN, "cluster.backend=ray"]),
+              tmp_path / "run")
 
 
 def one_line_before_any_work(tmp_path, *overrides):
@@ -79,6 +100,28 @@ def test_ray_knobs_refused_with_the_local_backend():
     with pytest.raises(ConfigError, match="cluster.rollout_workers: got 2; it only applies "
                                           "with cluster.backend: ray"):
         load_config("configs/calculator.yaml", [*TINY_RUN, "cluster.rollout_workers=2"])
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["train.world_size=2", "model.device=cuda"], "config field train.world_size: got 2 with "
+     "model.device cuda; trainer ranks use gloo, so they run on CPU only (NCCL is not built): "
+     "set model.device=cpu"),
+    (["train.rank_timeout_s=60"], "config field train.rank_timeout_s: got 60.0; it only "
+     "applies with train.world_size > 1"),
+    (["cluster.object_store_mb=512"], "config field cluster.object_store_mb: got 512; it sizes "
+     "a local Ray instance (cluster.backend: ray without cluster.address)"),
+    (["cluster.backend=ray", "cluster.address=10.0.0.1:6379", "cluster.object_store_mb=512"],
+     "config field cluster.object_store_mb: got 512; it sizes a local Ray instance "
+     "(cluster.backend: ray without cluster.address)"),
+    (["cluster.backend=ray", "env.tools.replay={path: calls.sqlite, mode: record}"],
+     "config field env.tools.replay: got mode record; under cluster.backend: ray each rollout "
+     "worker has its own tool stack, so one replay file is not shared (use cluster.backend: "
+     "local)"),
+])
+def test_knobs_without_effect_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/calculator.yaml", [*TINY_RUN, *overrides])
+    assert str(e.value) == message
 
 
 @pytest.mark.slow
@@ -140,7 +183,6 @@ def test_a_trainer_rank_actor_that_dies_fails_the_step_naming_it(calc_model_dir,
     import ray
     from test_distributed import batch_of
 
-    from tiller.errors import RunError
     from tiller.models import load_model
     from tiller.train.distributed import TrainerOptions
     from tiller.train.ranks import start_ranks
@@ -156,6 +198,7 @@ def test_a_trainer_rank_actor_that_dies_fails_the_step_naming_it(calc_model_dir,
             leader.sft_step(batch_of(tokenizer), 2)
     finally:
         leader.close()
+        ray.shutdown()
 
 
 @pytest.mark.slow
@@ -170,7 +213,6 @@ def test_a_trainer_rank_actor_that_fails_ends_rank_0s_wait(calc_model_dir, token
     import ray
     from test_distributed import batch_of
 
-    from tiller.errors import RunError
     from tiller.models import load_model
     from tiller.train.distributed import TrainerOptions
     from tiller.train.ranks import RayRank, start_ranks
@@ -190,3 +232,27 @@ def test_a_trainer_rank_actor_that_fails_ends_rank_0s_wait(calc_model_dir, token
                                 "no attribute 'loss_mask') during sft_step")
     finally:
         leader.close()
+        ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_trainer_rank_actor_that_dies_during_start_fails_it_at_once(no_ray_left):
+    import time
+
+    import ray
+    from test_rank_failures import DiesWhenLoaded
+
+    from tiller.train.distributed import TrainerOptions
+    from tiller.train.ranks import start_ranks
+
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20,
+             log_to_driver=False, configure_logging=False)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RunError, match=r"^trainer rank 1 died during start: Ray actor: "):
+            start_ranks(DiesWhenLoaded(2, 2), 2, TrainerOptions(), "ray", 120.0)
+        assert time.monotonic() - t0 < 60
+    finally:
+        ray.shutdown()

@@ -186,7 +186,8 @@ class Run:
                                  top_p=s.top_p if truncated else 1.0, dropout=cfg.model.dropout)
         # train.world_size > 1: the ranks shard a copy; self.model gets its weights each step
         self.trainer = (start_ranks(self.model, cfg.train.world_size, options,
-                                    cfg.cluster.backend, cfg.train.rank_timeout_s)
+                                    cfg.cluster.backend, cfg.train.rank_timeout_s,
+                                    remote=cfg.cluster.address is not None)
                         if cfg.train.world_size > 1 else PolicyTrainer(self.model, **vars(options)))
 
     def _start_engine(self, stack: ExitStack) -> None:

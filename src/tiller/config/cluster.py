@@ -14,12 +14,13 @@ class TrainConfig(Section):
 
     world_size: int = Field(1, ge=1, description="trainer ranks: 1 trains in the run's own "
                             "process; N > 1 shards the policy over N ranks with FSDP2 "
-                            "(torch.distributed.fsdp.fully_shard, gloo on CPU), "
+                            "(torch.distributed.fsdp.fully_shard, gloo: CPU only, "
+                            "model.device cpu; NCCL is not built), "
                             "each optimizer batch split across them by tokens with global loss "
                             "normalizers and global gradient clipping (docs/scaling.md)")
     rank_timeout_s: float = Field(600.0, gt=0, description="the longest any collective between "
                                   "trainer ranks may wait (a rank that died fails the run "
-                                  "naming it)")
+                                  "naming it); only with train.world_size > 1")
 
 
 class ClusterConfig(Section):
@@ -35,10 +36,16 @@ class ClusterConfig(Section):
                                 "with it")
     num_cpus: int | None = Field(None, ge=1, description="with backend ray and no address: the "
                                  "CPUs the local Ray instance may use (default: os.cpu_count())")
-    object_store_mb: int = Field(256, ge=64, description="with backend ray and no address: the "
-                                 "local Ray instance's object store, MiB")
+    object_store_mb: int = Field(256, ge=75, description="with backend ray and no address: the "
+                                 "local Ray instance's object store, MiB (Ray's minimum: 75; "
+                                 "refused when not "
+                                 "the default otherwise: it would have no effect)")
     rollout_workers: int = Field(1, ge=1, description="with backend ray: Ray actors that run the "
                                  "episodes, one CPU each: each holds an embedded engine (a copy "
                                  "of the weights every sync updates) and runs agent loops, envs "
-                                 "and tools; an episode whose worker dies is retried on another "
-                                 "(ledger/retried)")
+                                 "and tools (its own tool stack: tool concurrency limits and "
+                                 "caches are per worker); its "
+                                 "torch uses 1 thread, the CPU it reserves, whatever "
+                                 "runtime.threads says (that sets the run's own process); an "
+                                 "episode whose worker dies is retried on another "
+                                 "(ledger/retried), at most twice")

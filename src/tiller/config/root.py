@@ -117,6 +117,14 @@ class Config(Section):
     @model_validator(mode="after")
     def _ranks_fit(self) -> Config:
         alg = self.rl.algorithm
+        if self.train.world_size > 1 and self.model.device == "cuda":  # auto: check_cluster
+            raise ConfigError(gloo_only(self.train.world_size, "cuda"))
+        # not the default (a dumped config holds every field: it must load again)
+        if self.train.world_size == 1 and self.train.rank_timeout_s != TrainConfig.model_fields[
+                "rank_timeout_s"].default:
+            raise ConfigError(f"config field train.rank_timeout_s: got "
+                              f"{self.train.rank_timeout_s}; it only applies with "
+                              f"train.world_size > 1")
         if self.train.world_size > 1 and (alg.kl.beta > 0 or alg.critic is not None):
             what = "rl.algorithm.kl.beta > 0" if alg.kl.beta > 0 else "rl.algorithm.critic"
             raise ConfigError(f"config field train.world_size: got {self.train.world_size}; "
@@ -127,6 +135,11 @@ class Config(Section):
     @model_validator(mode="after")
     def _cluster_fits(self) -> Config:
         c = self.cluster
+        store_set = c.object_store_mb != ClusterConfig.model_fields["object_store_mb"].default
+        if store_set and (c.backend == "local" or c.address is not None):
+            raise ConfigError(f"config field cluster.object_store_mb: got {c.object_store_mb}; "
+                              f"it sizes a local Ray instance (cluster.backend: ray without "
+                              f"cluster.address)")
         if c.backend == "local":
             for name in ("address", "num_cpus"):
                 if getattr(c, name) is not None:
@@ -145,6 +158,11 @@ class Config(Section):
             raise ConfigError("config field cluster.backend: got 'ray' with agent.program; an "
                               "agent program's gateway runs in the run's process only (use "
                               "cluster.backend: local)")
+        replay = self.env.tools.replay
+        if replay is not None:
+            raise ConfigError(f"config field env.tools.replay: got mode {replay.mode}; under "
+                              f"cluster.backend: ray each rollout worker has its own tool stack, "
+                              f"so one replay file is not shared (use cluster.backend: local)")
         if c.address is not None and c.num_cpus is not None:
             raise ConfigError(f"config field cluster.num_cpus: got {c.num_cpus}; it sizes a "
                               f"local Ray instance, and cluster.address connects to a running "
@@ -233,6 +251,12 @@ class Config(Section):
                     raise ConfigError(f"config field sft.{name}: used only for scripted-expert "
                                       "demonstrations; data.sft gives the conversations")
         return self
+
+
+def gloo_only(world_size: int, device: str) -> str:
+    return (f"config field train.world_size: got {world_size} with model.device {device}; "
+            f"trainer ranks use gloo, so they run on CPU only (NCCL is not built): set "
+            f"model.device=cpu")
 
 
 def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:

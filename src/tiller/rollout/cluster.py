@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from tiller.config import Config
+from tiller.config.root import gloo_only
 from tiller.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -28,10 +29,15 @@ def ray_cpus_needed(cfg: Config) -> int:
 
 
 def check_cluster(cfg: Config) -> None:
-    """Before any work: a CPU for every trainer rank (local); Ray installed, an address that
-    answers, and without an address a local instance with CPUs for every actor (with one,
-    `RayCluster.start` checks its CPUs)."""
+    """Before any work: trainer ranks on CPU (gloo), a CPU for every trainer rank (local); Ray
+    installed, and CPUs for every actor: at an address that answers, its free CPUs (a short
+    connection, `check_address`); else the local instance's."""
     c = cfg.cluster
+    if cfg.train.world_size > 1 and cfg.model.device == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            raise ConfigError(gloo_only(cfg.train.world_size, "auto (cuda here)"))
     if c.backend != "ray":
         cpus = os.cpu_count() or 1
         if cfg.train.world_size > cpus:  # each rank a process with at least one core
@@ -49,10 +55,33 @@ def check_cluster(cfg: Config) -> None:
             raise ConfigError(f"config field cluster.address: got {c.address!r}; no Ray cluster "
                               f"answers there ({type(e).__name__}: {e}); start one with "
                               f"`ray start --head` or leave cluster.address unset") from e
+        check_address(cfg)
         return
     cpus = c.num_cpus or os.cpu_count() or 1
     if ray_cpus_needed(cfg) > cpus:
         raise ConfigError(_too_many(cfg, cpus, "cluster.num_cpus"))
+
+
+def check_address(cfg: Config) -> None:
+    """The cluster at `cluster.address` has a free CPU for every actor (`available_resources`:
+    what other jobs leave); connected only for this check."""
+    import ray
+
+    try:
+        ray.init(address=cfg.cluster.address, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    except (ConnectionError, RuntimeError) as e:  # e.g. its token authentication refused us
+        raise ConfigError(f"config field cluster.address: got {cfg.cluster.address!r}; Ray "
+                          f"could not connect ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); with token "
+                          f"authentication, this machine needs the cluster's token "
+                          f"(RAY_AUTH_TOKEN)") from e
+    try:
+        cpus = ray.available_resources().get("CPU", 0.0)
+    finally:
+        ray.shutdown()
+    if ray_cpus_needed(cfg) > cpus:
+        raise ConfigError(_too_many(cfg, cpus, f"free at {cfg.cluster.address}"))
 
 
 def _too_many(cfg: Config, cpus: float, knob: str) -> str:
@@ -75,11 +104,7 @@ class RayCluster:
         t0 = time.perf_counter()
         if c.address is not None:
             ray.init(address=c.address, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
-            cpus = ray.cluster_resources().get("CPU", 0.0)
-            if ray_cpus_needed(self.cfg) > cpus:
-                ray.shutdown()
-                raise ConfigError(_too_many(self.cfg, cpus, f"at {c.address}"))
+                     configure_logging=False)  # its CPUs checked before any work
         else:
             # a short folder: Ray's sockets live below it (a run folder's path may be too long)
             self.temp_dir = tempfile.mkdtemp(prefix="tiller-ray-")

@@ -458,9 +458,9 @@ class RolloutManager:
                 self.ledger["dropped/cancelled_at_end"] += 1
                 self._episode_ended()
             raise
-        except BaseException:
+        except BaseException as e:  # why, when the error says (ray_rollouts.WorkerDied)
             with self._cond:
-                self.ledger["dropped/run_error"] += 1
+                self.ledger[f"dropped/{getattr(e, 'ledger_reason', 'run_error')}"] += 1
                 self._episode_ended()
             raise
         with self._cond:

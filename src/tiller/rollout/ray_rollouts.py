@@ -5,16 +5,20 @@ probe on all), and `RayRollouts`, the `Rollouts` whose episodes run in the worke
 `RayRollouts` is `RolloutManager` with one thing moved: where an episode runs. The schedule,
 the buffer, the ledger, rewards, the judge and the curriculum stay in the run's process, so
 they behave as in process. An episode whose worker dies (its engine with it) is retried from
-its start on another live worker under the same seed (ledger `retried`); when no worker is
-left the run stops with one line. The workers are placed with a placement group, one CPU
+its start on another live worker under the same seed (ledger `retried`), at most
+`MAX_EPISODE_RETRIES` times: then it is dropped (ledger `dropped/worker_died`) and the run stops
+naming it; when no worker is left the run stops with one line. Every call to the workers has a
+bounded wait whose error names the worker. The workers are placed with a placement group, one CPU
 each (PACK: on as few nodes as fit)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import zlib
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,15 @@ log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 300.0  # the workers' start (model copy, engine thread)
 CLOSE_TIMEOUT_S = 30.0
+CALL_TIMEOUT_S = 600.0  # a call to a worker given no timeout (generate, abort, weight update)
+MAX_EPISODE_RETRIES = 2  # an episode (or eval generation) whose worker died, run again at most
+
+
+class WorkerDied(RunError):
+    """An episode whose workers died `MAX_EPISODE_RETRIES` + 1 times: dropped, and the run
+    stops (ledger `dropped/worker_died`)."""
+
+    ledger_reason = "worker_died"
 
 
 class RayWorkers:
@@ -60,15 +73,27 @@ class RayWorkers:
         self.live = list(range(n))
         self.retried = 0
         self.version = 0
+        self.unanswered = 0  # calls at the end (stop, close) a worker did not answer in time
         self.ray = ray  # the module, imported only with cluster.backend ray
-        self._wait_all("start", [w.stats.remote() for w in self.workers], READY_TIMEOUT_S)
+        self.wait_all("start", lambda w: w.stats.remote(), READY_TIMEOUT_S)
 
-    def _wait_all(self, what: str, refs: list, timeout_s: float | None) -> list:
-        try:
-            return self.ray.get(refs, timeout=timeout_s)
-        except self.ray.exceptions.GetTimeoutError as e:
-            raise RunError(f"ray: the rollout workers' {what} did not finish within "
-                           f"{timeout_s:g}s") from e
+    def wait_all(self, what: str, call: Callable[[Any], Any], timeout_s: float | None
+                 ) -> dict[int, Any]:
+        """`call(worker)` on every live worker, within `timeout_s` in all (None:
+        `CALL_TIMEOUT_S`): each answer by worker. A worker that died is marked dead (`dead`);
+        one that does not answer in time fails the run naming it."""
+        timeout_s = CALL_TIMEOUT_S if timeout_s is None else timeout_s
+        refs = {i: call(self.workers[i]) for i in list(self.live)}
+        deadline, out = time.monotonic() + timeout_s, {}
+        for i, ref in refs.items():
+            try:
+                out[i] = self.ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            except self.ray.exceptions.RayActorError as e:
+                self.dead(i, e)
+            except self.ray.exceptions.GetTimeoutError as e:
+                raise RunError(f"ray: rollout worker {i}'s {what} did not finish within "
+                               f"{timeout_s:g}s") from e
+        return out
 
     def dead(self, i: int, error: BaseException) -> None:
         """Worker i died: no more work goes to it."""
@@ -90,31 +115,39 @@ class RayWorkers:
     async def generate(self, prompt_ids: list[int], params: SamplingParams, seed: int, *,
                        session_id: str | None = None, request_id: str | None = None,
                        cache_scope: str | None = None) -> Generation:
-        i = self.pick(session_id or request_id or str(seed))
-        return await self.workers[i].generate.remote(
-            prompt_ids, params, seed, session_id=session_id, request_id=request_id,
-            cache_scope=cache_scope)
+        """On one live worker within `CALL_TIMEOUT_S`; when it dies, again on another (at most
+        `MAX_EPISODE_RETRIES` times, counted in `retried`)."""
+        for attempt in range(MAX_EPISODE_RETRIES + 1):
+            i = self.pick(session_id or request_id or str(seed))
+            ref = self.workers[i].generate.remote(
+                prompt_ids, params, seed, session_id=session_id, request_id=request_id,
+                cache_scope=cache_scope)
+            try:
+                return await asyncio.wait_for(ref, CALL_TIMEOUT_S)
+            except TimeoutError as e:
+                raise RunError(f"ray: rollout worker {i}'s generation did not finish within "
+                               f"{CALL_TIMEOUT_S:g}s") from e
+            except self.ray.exceptions.RayActorError as e:
+                self.dead(i, e)
+                if attempt < MAX_EPISODE_RETRIES:
+                    self.retried += 1
+                    log.warning("ray: a generation retried on another worker (worker %d died)",
+                                i)
+        raise WorkerDied(f"ray: a generation's worker died {MAX_EPISODE_RETRIES + 1} times")
 
     def abort(self, request_id: str, *, timeout_s: float | None = None) -> bool:
-        refs = [self.workers[i].abort.remote(request_id, timeout_s) for i in self.live]
-        return any(self._wait_all(f"abort of {request_id}", refs, timeout_s))
+        return any(self.wait_all(f"abort of {request_id}",
+                                 lambda w: w.abort.remote(request_id, timeout_s),
+                                 timeout_s).values())
 
     def update_weights(self, update: Any, *, in_flight: str = "continue",
                        timeout_s: float | None = None) -> int:
         """Every live worker's engine to `update`; the version they all echo."""
         shared = self.ray.put(update)
-        live = list(self.live)
-        refs = [self.workers[i].update_weights.remote(shared, in_flight, timeout_s)
-                for i in live]
-        echoed = set()
-        for i, ref in zip(live, refs, strict=True):
-            try:
-                echoed.add(self.ray.get(ref, timeout=timeout_s))
-            except self.ray.exceptions.RayActorError as e:
-                self.dead(i, e)
-            except self.ray.exceptions.GetTimeoutError as e:
-                raise RunError(f"ray: rollout worker {i}'s weight update v{update.version} did "
-                               f"not finish within {timeout_s}s") from e
+        echoed = set(self.wait_all(f"weight update v{update.version}",
+                                   lambda w: w.update_weights.remote(shared, in_flight,
+                                                                     timeout_s),
+                                   timeout_s).values())
         if len(echoed) != 1:
             raise RunError(f"ray: the rollout workers echoed versions {sorted(echoed)} for "
                            f"weight update v{update.version}")
@@ -124,29 +157,40 @@ class RayWorkers:
     def score_servers(self, token_ids: list[int], *, timeout_s: float | None = None
                       ) -> dict[str, list[float]]:
         """The parity probe on every live worker's engine."""
-        live = list(self.live)
-        got = self._wait_all("parity probe", [self.workers[i].score.remote(token_ids, timeout_s)
-                                              for i in live], timeout_s)
-        return {f"rollout worker {i}": scores for i, scores in zip(live, got, strict=True)}
+        got = self.wait_all("parity probe", lambda w: w.score.remote(token_ids, timeout_s),
+                            timeout_s)
+        return {f"rollout worker {i}": scores for i, scores in got.items()}
 
     def score(self, token_ids: list[int], *, timeout_s: float | None = None) -> list[float]:
         return next(iter(self.score_servers(token_ids, timeout_s=timeout_s).values()))
 
     def stats(self) -> dict[str, float]:
         """The live workers' engine counters summed (version: the oldest)."""
-        per = self._wait_all("stats", [self.workers[i].stats.remote() for i in self.live],
-                             CLOSE_TIMEOUT_S)
+        per = list(self.wait_all("stats", lambda w: w.stats.remote(), CLOSE_TIMEOUT_S).values())
         out: Counter[str] = Counter()
         for s in per:
             out.update({k: v for k, v in s.items() if k != "version"})
         return {**out, "version": min(s["version"] for s in per), "retried": self.retried,
-                "workers_live": float(len(self.live))}
+                "workers_live": float(len(self.live)), "unanswered": float(self.unanswered)}
+
+    def at_end(self, what: str, call: Callable[[Any], Any], timeout_s: float) -> None:
+        """`call(worker)` on every live worker at the end of RL or of the run: a worker that
+        died is marked dead, one that does not answer in time is logged and counted
+        (`unanswered`), and the rest still get the call."""
+        for i in list(self.live):
+            try:
+                self.ray.get(call(self.workers[i]), timeout=timeout_s)
+            except self.ray.exceptions.RayActorError as e:
+                self.dead(i, e)
+            except self.ray.exceptions.GetTimeoutError:
+                self.unanswered += 1
+                log.error("ray: rollout worker %d did not answer its %s within %gs (%d "
+                          "unanswered)", i, what, timeout_s, self.unanswered)
 
     def close(self) -> None:
         """Close every live worker's engine and tools, then end the actors and their group."""
         try:
-            refs = [self.workers[i].close.remote() for i in self.live]
-            self.ray.get(refs, timeout=CLOSE_TIMEOUT_S)
+            self.at_end("close", lambda w: w.close.remote(), CLOSE_TIMEOUT_S)
         finally:
             for w in self.workers:
                 self.ray.kill(w)
@@ -162,24 +206,27 @@ class RayRollouts(RolloutManager):
         self.resume = cfg.rollout.partial == "abort_resume"
         self._outbox: dict[int, list[tuple[tuple, asyncio.Future]]] = {}  # `_on_worker`
         self._deliveries: set[asyncio.Task] = set()
-        workers._wait_all("start of RL", [workers.workers[i].start_episodes.remote()
-                                          for i in workers.live], CLOSE_TIMEOUT_S)
+        workers.wait_all("start of RL", lambda w: w.start_episodes.remote(), CLOSE_TIMEOUT_S)
         super().__init__(cfg, workers, params, *args, **kwargs)  # type: ignore[arg-type]
 
     async def _run_episode(self, task: Task, k: int, tag: tuple, draw: int) -> Trajectory:
         """On the worker of its group; when that worker dies, from the start on another."""
         key = f"{tag}/{task.id}/{draw}"
-        while True:
+        for attempt in range(MAX_EPISODE_RETRIES + 1):
             i = self.workers.pick(key)
             try:
                 return await self._on_worker(i, (task, k, tag, draw))
             except self.workers.ray.exceptions.RayActorError as e:
                 with self._cond:
                     self.workers.dead(i, e)
+                    if attempt == MAX_EPISODE_RETRIES:
+                        break
                     self.ledger["retried"] += 1
                     self.workers.retried += 1
                 log.warning("rl: episode %d of %s retried on another worker (worker %d died)",
                             k, task.id, i)
+        raise WorkerDied(f"ray: episode {k} of {task.id}: its worker died "
+                         f"{MAX_EPISODE_RETRIES + 1} times (MAX_EPISODE_RETRIES)")
 
     def _on_worker(self, i: int, episode: tuple[Task, int, tuple, int]) -> asyncio.Future:
         """The episode's trajectory from worker i. The episodes started in one turn of the
@@ -200,7 +247,7 @@ class RayRollouts(RolloutManager):
         async def deliver() -> None:
             try:
                 results = await ref
-            except BaseException as e:  # the worker died: every episode of the call is retried
+            except Exception as e:  # the worker died: every episode of the call is retried
                 results = [e] * len(batch)
             for (_, future), result in zip(batch, results, strict=True):
                 if future.done():  # cancelled: the end of RL
@@ -217,13 +264,11 @@ class RayRollouts(RolloutManager):
     def close(self) -> Counter[str]:
         """Tell every worker to stop its episodes (their live requests aborted), then close as
         in process."""
-        if not self._loop.is_closed():
-            live = list(self.workers.live)
-            refs = [self.workers.workers[i].stop_episodes.remote(
-                self.cfg.rollout.shutdown_timeout_s) for i in live]
-            for i, ref in zip(live, refs, strict=True):
-                try:
-                    self.workers.ray.get(ref, timeout=self.cfg.rollout.shutdown_timeout_s)
-                except self.workers.ray.exceptions.RayActorError as e:
-                    self.workers.dead(i, e)
-        return super().close()
+        wait = self.cfg.rollout.shutdown_timeout_s
+        try:
+            if not self._loop.is_closed():
+                self.workers.at_end("stop of episodes",
+                                    lambda w: w.stop_episodes.remote(wait), wait)
+        finally:
+            counted = super().close()
+        return counted

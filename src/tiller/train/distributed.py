@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -110,7 +111,9 @@ class RankTrainer(PolicyTrainer):
 
     def run(self, name: str, args: tuple, lrs: list[float]) -> Any:
         """One step of `STEPS` on this rank, at the leader's learning rates (its LR
-        schedule), then the full weights gathered into `full` (rank 0 keeps them)."""
+        schedule), then the full weights gathered into `full` (rank 0 keeps them); a step's
+        metrics gain the gather's seconds and bytes (`train/gather_s`, `train/gather_bytes`:
+        weight sync computes its delta on this gathered copy, not per shard)."""
         if name not in STEPS:
             raise ValueError(f"not a trainer step: {name!r}")
         if name == "set_optimizer":
@@ -120,16 +123,22 @@ class RankTrainer(PolicyTrainer):
             group["lr"] = lr
         self.owned.clear()
         out = getattr(PolicyTrainer, name)(self, *args)
-        self.gather()
+        t0 = time.perf_counter()
+        gathered = self.gather()
+        if isinstance(out, dict):
+            out.update({"train/gather_s": time.perf_counter() - t0,
+                        "train/gather_bytes": float(gathered)})
         return out
 
-    def gather(self) -> None:
-        """The full weights into `full` on rank 0 (a collective: every rank calls it)."""
+    def gather(self) -> int:
+        """The full weights into `full` on rank 0 (a collective: every rank calls it); the
+        bytes gathered there."""
         state = get_model_state_dict(self.model, options=StateDictOptions(
             full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
             self.full.load_state_dict(state)
         self.view.version = self.version
+        return sum(t.numel() * t.element_size() for t in state.values()) if self.rank == 0 else 0
 
     def _share(self, rows: torch.Tensor, lengths: torch.Tensor, size: int
                ) -> list[torch.Tensor]:
@@ -167,6 +176,11 @@ class Rank(Protocol):
 
     def wait(self, timeout_s: float) -> None:
         """The last call's end; raises `RunError` naming the rank when it failed or died."""
+        ...
+
+    def died_starting(self) -> str | None:
+        """How the rank died before joining the process group ("exit code 1", "Ray actor:
+        ..."), or None while it lives."""
         ...
 
     def ended(self) -> str | None:

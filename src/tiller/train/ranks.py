@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
@@ -23,6 +24,7 @@ from tiller.train.distributed import Leader, Rank, RankTrainer, TrainerOptions
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 30.0  # a rank told to stop that has not exited by then is killed
+JOIN_POLL_S = 0.2  # how often rank 0 checks, during start, that the other ranks still live
 EXIT_AFTER_ERROR_S = 1.0  # a rank whose step raised exits this long after answering
 
 
@@ -32,14 +34,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def joined_key(rank: int) -> str:
+    return f"tiller/joined/{rank}"
+
+
 class Follower:
     """Rank `rank` (> 0): joins the process group and runs each step rank 0 sends."""
 
-    def __init__(self, rank: int, world: int, init_method: str, model: nn.Module,
+    def __init__(self, rank: int, world: int, host: str, port: int, model: nn.Module,
                  options: TrainerOptions, threads: int, timeout_s: float):
         torch.set_num_threads(threads)
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+        store.set(joined_key(rank), "1")  # rank 0 waits for this, watching that this rank lives
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=timeout)
         self.trainer = RankTrainer(model, rank, world, options)
 
     def run(self, name: str, args: tuple, lrs: list[float]) -> None:
@@ -123,6 +132,9 @@ class ProcessRank:
         self.proc.join(0.5)  # a rank whose pipe just closed is exiting
         return None if self.proc.is_alive() else f"died (exit code {self.proc.exitcode})"
 
+    def died_starting(self) -> str | None:
+        return None if self.proc.is_alive() else f"exit code {self.proc.exitcode}"
+
     def stop(self) -> None:
         if self.proc.is_alive():
             try:
@@ -146,6 +158,7 @@ class RayRank:
 
         self._ray, self.rank, self.name = ray, rank, ""
         self.actor = ray.remote(num_cpus=1, max_restarts=0)(Follower).remote(rank, *args)
+        self.ready = self.actor.__ray_ready__.remote()  # ends when __init__ ends (or fails)
         self.pending: Any = None
 
     def send(self, name: str, args: tuple, lrs: list[float]) -> None:
@@ -181,6 +194,17 @@ class RayRank:
             return None
         return None
 
+    def died_starting(self) -> str | None:
+        ray = self._ray
+        done, _ = ray.wait([self.ready], timeout=0)
+        if not done:
+            return None
+        try:
+            ray.get(self.ready, timeout=0)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            return f"Ray actor: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return None
+
     def stop(self) -> None:
         ray = self._ray
         try:
@@ -192,20 +216,41 @@ class RayRank:
         ray.kill(self.actor)
 
 
+def await_joined(store: dist.Store, ranks: list[Rank], timeout_s: float) -> None:
+    """Until every other rank has reached the process group (its key in `store`): a rank that
+    dies before fails the start at once, naming it, not after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for r in ranks:
+            if (how := r.died_starting()) is not None:
+                raise RunError(f"trainer rank {r.rank} died during start: {how}")
+        waiting = [r.rank for r in ranks if not store.check([joined_key(r.rank)])]
+        if not waiting:
+            return
+        if time.monotonic() > deadline:
+            raise RunError(f"trainer rank(s) {waiting} did not join the process group within "
+                           f"train.rank_timeout_s={timeout_s:g}")
+        time.sleep(JOIN_POLL_S)
+
+
 def start_ranks(full: nn.Module, world: int, options: TrainerOptions, backend: str,
-                timeout_s: float) -> Leader:
+                timeout_s: float, remote: bool = False) -> Leader:
     """Rank 0 (this process) and `world - 1` other ranks (`backend` local: spawned
-    processes; ray: Ray actors on the connected cluster), in one gloo process group."""
+    processes; ray: Ray actors on the connected cluster), in one gloo process group. Its
+    rendezvous listens on 127.0.0.1 unless `remote` (a Ray cluster at `cluster.address`,
+    whose actors may be on other nodes: this node's IP)."""
     if dist.is_initialized():
         raise RunError("train.world_size > 1: this process already has a torch.distributed "
                        "process group (another run's trainer ranks, still open)")
-    host = "127.0.0.1"
-    if backend == "ray":
+    host = "127.0.0.1"  # the ranks on this machine: spawned, or a local Ray instance's actors
+    if remote:
         import ray
 
         host = ray.util.get_node_ip_address()
-    init_method = f"tcp://{host}:{free_port()}"
-    args = (world, init_method, full, options, torch.get_num_threads(), timeout_s)
+    port, timeout = free_port(), timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world, is_master=True, wait_for_workers=False,
+                          timeout=timeout)
+    args = (world, host, port, full, options, torch.get_num_threads(), timeout_s)
     ranks: list[Rank] = []
     try:
         for r in range(1, world):
@@ -213,8 +258,8 @@ def start_ranks(full: nn.Module, world: int, options: TrainerOptions, backend: s
                 ranks.append(RayRank(r, args))
             else:
                 ranks.append(ProcessRank(r, args))
-        dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        await_joined(store, ranks, timeout_s)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=timeout)
         return Leader(full, world, options, ranks, timeout_s)
     except BaseException:
         for r in ranks:
