@@ -177,13 +177,14 @@ def build_tiny_model(
     hidden_size: int = 128,
     num_layers: int = 2,
     num_heads: int = 4,
+    head_dim: int | None = None,
     max_positions: int = 2048,
     seed: int = 0,
     root: str | Path | None = None,
 ) -> Path:
     """Train a tokenizer on `corpus`, initialize a small Qwen3 from `seed`, save both to
     `out_dir`, written below `root` (a run folder: no link among the folders between them;
-    default `out_dir`'s parent, taken as it is)."""
+    default `out_dir`'s parent, taken as it is). `head_dim` None = hidden_size // num_heads."""
     out = Path(out_dir)
     tokenizer = train_tokenizer(corpus, vocab_size)
     config = Qwen3Config(
@@ -193,7 +194,7 @@ def build_tiny_model(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=max(1, num_heads // 2),
-        head_dim=hidden_size // num_heads,
+        head_dim=hidden_size // num_heads if head_dim is None else head_dim,
         max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         bos_token_id=None,
@@ -232,4 +233,5 @@ def build_env_model(env_cls: type[Env], out: Path, build: BuildConfig, *, seed: 
             for t in tasks)]
     return build_tiny_model(out, corpus, vocab_size=build.vocab_size,
                             hidden_size=build.hidden_size, num_layers=build.num_layers,
-                            num_heads=build.num_heads, seed=seed, root=root)
+                            num_heads=build.num_heads, head_dim=build.head_dim, seed=seed,
+                            root=root)
