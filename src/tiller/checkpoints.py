@@ -350,12 +350,17 @@ def save_rl(run: Any, learner: Any, rollouts: RolloutManager, record: StepRecord
         run.model.save_pretrained(new / "model", safe_serialization=True,
                                   max_shard_size="1000GB")
         run.tokenizer.save_pretrained(new / "model")
-        torch.save(learner_tensors(learner), new / "trainer.pt")
+        saved = learner_tensors(learner)
+        torch.save(saved, new / "trainer.pt")
         py, tensors = rng_state()
         torch.save(tensors, new / "rng.pt")
+        manager = manager_state(rollouts, step)
+        holds = ["model", *saved, f"rng ({', '.join(['python', 'numpy', *tensors])})",
+                 f"task stream ({manager['pulled']} drawn, {len(manager['open_tasks'])} "
+                 f"open groups)", "ledger", "step counters", "metrics position"]
         return {"step": step, "trainer_version": run.trainer.version,
-                "engine_version": run.engine.version, "rng": py,
-                "manager": manager_state(rollouts, step), "recorder": record.state(),
+                "engine_version": run.engine.version, "rng": py, "holds": holds,
+                "manager": manager, "recorder": record.state(),
                 "metrics_bytes": run.logger.path.stat().st_size, "summary": summary,
                 "config": run.cfg.model_dump(mode="json")}
 
@@ -388,3 +393,27 @@ def restore_rl(ckpt: Checkpoint, learner: Any, record: StepRecorder) -> int:
     record.load_state(ckpt.state["recorder"])
     set_rng_state(ckpt.state["rng"], load_tensors(ckpt.path / "rng.pt"))
     return ckpt.step
+
+
+def describe(run_dir: Path) -> list[dict[str, Any]]:
+    """Each checkpoint folder of `run_dir`, oldest first: its step, size and what it holds,
+    and whether it is complete (its marker there and of this format); files are not hashed
+    here (`verify` does that on resume)."""
+    rows = []
+    folder = checkpoint_dir(run_dir)
+    for path in sorted(folder.iterdir()) if folder.is_dir() else ():
+        m = FOLDER.match(path.name)
+        if m is None or not path.is_dir():
+            continue
+        size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+        row = {"name": path.name, "step": int(m.group(1)), "bytes": size, "holds": []}
+        try:
+            ckpt = _read_marker(path, row["step"]) if (path / MARKER).is_file() else None
+        except ConfigError as e:
+            row["status"] = str(e)
+        else:
+            row["status"] = "complete" if ckpt is not None else f"incomplete (no {MARKER})"
+        if (path / "state.json").is_file() and row["status"] == "complete":
+            row["holds"] = json.loads((path / "state.json").read_text()).get("holds", [])
+        rows.append(row)
+    return rows

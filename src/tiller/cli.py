@@ -188,6 +188,8 @@ def train(
         return
     if output_dir is not None:
         _fail("tiller train: --resume RUN_DIR writes to RUN_DIR; leave out --output-dir")
+    if config is not None and "=" in config.name and not config.exists():  # an override
+        config, overrides = None, [str(config), *(overrides or [])]
     if config is None:  # the run folder's own config, read as data
         if not (resume / "config.yaml").is_file():
             _fail(f"--resume {str(resume)!r}: not a run folder (no config.yaml)")
@@ -318,6 +320,24 @@ def view(
     from tiller.serve import listen
 
     listen.run(server, guard)
+
+
+@app.command()
+def checkpoints(run_dir: RunDirArg) -> None:
+    """List RUN_DIR's resumable checkpoints: step, size, whether complete, what each holds."""
+    from rich.table import Table
+
+    from tiller.checkpoints import describe
+
+    rows = describe(run_dir)
+    if not rows:
+        _fail(f"{run_dir}: no resumable checkpoints (a run writes them with "
+              f"checkpoint.every > 0)")
+    table = Table("checkpoint", "RL step", "MiB", "status", "holds")
+    for r in rows:
+        table.add_row(r["name"], str(r["step"]), f"{r['bytes'] / 2**20:.1f}", r["status"],
+                      ", ".join(r["holds"]))
+    console.print(table)
 
 
 DTYPES = ("float32", "bfloat16", "float16")
