@@ -24,6 +24,8 @@ from tiller.checkpoints import MARKER, PAUSE_ENV, complete_checkpoints
 from tiller.config import load_config
 from tiller.controller import train
 from tiller.errors import ConfigError
+from tiller.plugins import load_env_class
+from tiller.preflight import rl_task_count
 
 ROOT = Path(__file__).resolve().parents[1]
 # a tiny calculator run: SFT, 4 RL steps (a checkpoint after each) and the final eval
@@ -128,6 +130,34 @@ def test_sync_run_killed_at_seeded_moments_resumes_bit_identically(tmp_path):
     assert summary["heldout_after_rl"]["success"] == ref_summary["heldout_after_rl"]["success"]
     assert ({k: v for k, v in summary["heldout_after_sft"].items() if k != "time_s"}
             == {k: v for k, v in ref_summary["heldout_after_sft"].items() if k != "time_s"})
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_async_run_killed_and_resumed_draws_every_task_once(tmp_path):
+    run = tmp_path / "run"
+    over = [*RUN, "rl.mode=async", "rl.steps=8"]
+    proc = tiller("train", "configs/calculator.yaml", *over, "-o", str(run))
+    assert kill_when(proc, lambda: rl_rows(run) >= 1, random.Random(6).uniform(0.0, 0.5))
+    killed_at = json.loads((complete_checkpoints(run)[0].path / "state.json").read_text())
+    finish(tiller("train", "--resume", str(run)))
+    last = max(complete_checkpoints(run), key=lambda c: c.step)
+    state = json.loads((last.path / "state.json").read_text())["manager"]
+    # resumed with groups still open, and drawn from the stream past the checkpoint's position
+    assert last.step == 8 and killed_at["step"] < 8 and killed_at["manager"]["open_tasks"]
+    assert state["pulled"] > killed_at["manager"]["pulled"]
+    # the stream the run draws from (run.rl_tasks: the tasks, then async's reserve)
+    cfg = load_config("configs/calculator.yaml", over)
+    env, n = load_env_class(cfg.env.name), rl_task_count(cfg)
+    stream = [t.id for seed in (3, 5)
+              for t in env.make_tasks("train", n, cfg.seed + seed, cfg.env.difficulty)]
+    drawn = state["draw_ids"] + [t["id"] for t in state["open_tasks"]]
+    # every task up to the stream's position drawn exactly once: none skipped, none repeated
+    assert sorted(drawn) == sorted(stream[: state["pulled"]])
+    assert state["pulled"] >= 8 * 4  # at least the 8 steps' groups
+    summary = json.loads((run / "summary.json").read_text())
+    assert "ledger_unaccounted" not in summary["rl"] and summary["rl"]["ledger"]["trained"]
 
 
 @pytest.fixture(scope="module")

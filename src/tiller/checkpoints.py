@@ -100,8 +100,10 @@ def write_checkpoint(run_dir: Path, step: int, keep: int,
         _fsync_tree(new)
     _fsync(out.parent)
     removed = [c.path.name for c in complete_checkpoints(run_dir)[keep:]]
-    for name in removed:
-        remove_tree(checkpoint_dir(run_dir) / name)
+    for name in removed:  # renamed first: a kill while it is removed leaves no half folder
+        gone = checkpoint_dir(run_dir) / f".{name}.removing.tmp"
+        os.replace(checkpoint_dir(run_dir) / name, gone)
+        remove_tree(gone)
     log.info("checkpoint %s written in %.2fs%s", out, time.perf_counter() - t0,
              f"; removed {', '.join(removed)}" if removed else "")
     return out
