@@ -178,6 +178,9 @@ def train(
     overrides: Overrides = None, output_dir: OutputDir = None,
     resume: Annotated[Path | None, typer.Option(
         help="RUN_DIR: go on from its newest complete checkpoint (docs/resume.md)")] = None,
+    trust_run_config: Annotated[bool, typer.Option(
+        "--trust-run-config", help="with --resume and no CONFIG: RUN_DIR's config.yaml may "
+        "import code (dotted paths) and name servers")] = False,
 ) -> None:
     """Build or load the model, then SFT, RL and held-out evaluation, as the config says.
     With --resume RUN_DIR, a killed run goes on from its newest complete checkpoint."""
@@ -193,7 +196,8 @@ def train(
     if config is None:  # the run folder's own config, read as data
         if not (resume / "config.yaml").is_file():
             _fail(f"--resume {str(resume)!r}: not a run folder (no config.yaml)")
-        _run("train", resume / "config.yaml", overrides, None, run_folder=True, resume=resume)
+        _run("train", resume / "config.yaml", overrides, None, run_folder=not trust_run_config,
+             resume=resume)
     else:
         _run("train", config, overrides, None, resume=resume)
 
