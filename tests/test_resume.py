@@ -9,6 +9,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_RUN, cli, numbers
+from helpers import TINY_RUN, cli, numbers, tiny_rl
 from safetensors.torch import load_file
 
 from tiller.checkpoints import MARKER, PAUSE_ENV, complete_checkpoints
@@ -189,8 +190,6 @@ def refused(run: Path, overrides: list[str], match: str) -> str:
 
 @pytest.mark.slow
 def test_bad_resumes_stop_in_one_line_and_lose_nothing(two_steps, tmp_path):
-    import shutil
-
     run = tmp_path / "run"
     shutil.copytree(two_steps, run)
     refused(run, ["rl.group_size=2"], "config field rl.group_size changed (4 -> 2)")
@@ -219,8 +218,6 @@ def test_bad_resumes_stop_in_one_line_and_lose_nothing(two_steps, tmp_path):
 
 @pytest.mark.slow
 def test_safe_change_resumes_and_checkpoints_are_listed(two_steps, tmp_path, caplog):
-    import shutil
-
     run = tmp_path / "run"
     shutil.copytree(two_steps, run)
     shutil.rmtree(run / "checkpoints" / "step-000002")
@@ -236,3 +233,34 @@ def test_safe_change_resumes_and_checkpoints_are_listed(two_steps, tmp_path, cap
     rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["phase_step"] for r in rows if r["phase"] == "rl"] == [1, 2]  # step 2 redone
     assert (run / "metrics.discarded.jsonl").is_file()  # the killed run's rows, kept aside
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_resume_after_the_engine_server_died_repushes_the_checkpoint(calc_sft_dir, tmp_path):
+    """engine.backend http: the `tiller serve` process died and came back with its start-up
+    weights (version 0); the resumed run pushes it the checkpoint's weights and version, and
+    checks parity, before its first rollout, and ends as the run never stopped did."""
+    from test_http_engine import server_version, servers
+
+    run = tmp_path / "run"
+    with servers(calc_sft_dir, 1, tmp_path / "servers") as s:
+        cfg = load_config("configs/calculator.yaml", tiny_rl(
+            calc_sft_dir, "model.dtype=float32", "rl.steps=2", "rl.tasks_per_step=4",
+            "engine.backend=http", f"engine.urls={json.dumps(s.urls)}",
+            f"engine.weights_dir={s.root / 'weights'}", "checkpoint.every=1",
+            "checkpoint.keep=5"))
+        train(cfg, run)
+        whole = weights(run)
+        rows = comparable(run)
+        assert server_version(s.urls[0]) == 2
+        shutil.rmtree(run / "checkpoints" / "step-000002")  # as if killed in step 2
+        s.restart(0)  # the server died; it comes back holding its model folder's weights
+        assert server_version(s.urls[0]) == 0
+        summary = train(cfg, resume=run)
+        assert summary["resumed_from"] == "step-000001"
+        assert server_version(s.urls[0]) == 2
+    resumed = weights(run)
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    assert comparable(run) == rows
