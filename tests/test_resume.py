@@ -136,9 +136,10 @@ def test_sync_run_killed_at_seeded_moments_resumes_bit_identically(tmp_path):
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(600)
-def test_async_run_killed_and_resumed_draws_every_task_once(tmp_path):
+@pytest.mark.parametrize("mode", ["async", "one_step_off"])
+def test_run_killed_with_open_groups_draws_every_task_once(tmp_path, mode):
     run = tmp_path / "run"
-    over = [*RUN, "rl.mode=async", "rl.steps=8"]
+    over = [*RUN, f"rl.mode={mode}", "rl.steps=8"]
     proc = tiller("train", "configs/calculator.yaml", *over, "-o", str(run))
     assert kill_when(proc, lambda: rl_rows(run) >= 1, random.Random(6).uniform(0.0, 0.5))
     killed_at = json.loads((complete_checkpoints(run)[0].path / "state.json").read_text())
@@ -151,7 +152,7 @@ def test_async_run_killed_and_resumed_draws_every_task_once(tmp_path):
     # the stream the run draws from (run.rl_tasks: the tasks, then async's reserve)
     cfg = load_config("configs/calculator.yaml", over)
     env, n = load_env_class(cfg.env.name), rl_task_count(cfg)
-    stream = [t.id for seed in (3, 5)
+    stream = [t.id for seed in ((3, 5) if mode == "async" else (3,))
               for t in env.make_tasks("train", n, cfg.seed + seed, cfg.env.difficulty)]
     drawn = state["draw_ids"] + [t["id"] for t in state["open_tasks"]]
     # every task up to the stream's position drawn exactly once: none skipped, none repeated
@@ -264,3 +265,15 @@ def test_resume_after_the_engine_server_died_repushes_the_checkpoint(calc_sft_di
     resumed = weights(run)
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
     assert comparable(run) == rows
+
+
+@pytest.mark.parametrize("setting, field", [
+    ("rl.curriculum.enabled=true", "rl.curriculum"),
+    ("train.world_size=2", "train.world_size > 1"),
+])
+def test_checkpoints_of_state_they_cannot_hold_are_refused_before_any_work(
+        tmp_path, setting, field):
+    cfg = load_config("configs/calculator.yaml", [*RUN, setting])
+    with pytest.raises(ConfigError, match=re.escape(f"do not yet hold the state of {field}")):
+        train(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

@@ -41,7 +41,10 @@ def manager_state(m: Any, steps_trained: int) -> dict[str, Any]:
             "draw_ids": [t for i, t in enumerate(m.draw_ids) if i not in regenerated],
             "open_tasks": [dataclasses.asdict(task) for _, (_, task, _) in open_],
             "ledger": {k: v for k, v in ledger.items() if v},
-            "next_unit": m._next_unit + full, "steps_trained": steps_trained,
+            # ordered modes relaunch the open groups (whole units, in draw order) into the
+            # units they were drawn for, from the first one not trained
+            "next_unit": steps_trained if m.mode != "async" else m._next_unit + full,
+            "steps_trained": steps_trained,
             "slots": m._slots - len(open_),
             "max_ahead": m.max_ahead,
             "draws": [[list(tag), task_id, n] for (tag, task_id), n in m._draws.items()],
