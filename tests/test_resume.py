@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_RUN, cli, numbers, tiny_rl
+from helpers import RL_MOVES, TINY_RUN, cli, numbers, tiny_rl
 from safetensors.torch import load_file
 
 from tiller.checkpoints import MARKER, PAUSE_ENV, complete_checkpoints
@@ -277,3 +277,24 @@ def test_checkpoints_of_state_they_cannot_hold_are_refused_before_any_work(
     with pytest.raises(ConfigError, match=re.escape(f"do not yet hold the state of {field}")):
         train(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", [["rl.algorithm.preset=ppo", "rl.algorithm.advantage=gae"],
+                                       ["rl.algorithm.kl.beta=0.05", *RL_MOVES]])
+def test_critic_and_reference_model_resume_bit_identically(tmp_path, algorithm):
+    """The critic's weights and optimizer (ppo), the reference model (kl.beta > 0) come back
+    from trainer.pt: a resume from step 1 of 3 ends where the whole run did."""
+    over = [*RUN, "rl.steps=3", "checkpoint.keep=5", *algorithm]
+    whole = tmp_path / "whole"
+    train(load_config("configs/calculator.yaml", over), whole)
+    run = tmp_path / "run"
+    shutil.copytree(whole, run)
+    for step in (2, 3):
+        shutil.rmtree(run / "checkpoints" / f"step-00000{step}")
+    saved = torch.load(run / "checkpoints" / "step-000001" / "trainer.pt", weights_only=True)
+    assert "ref" in saved and ("critic" in saved) == ("ppo" in algorithm[0])  # ppo: KL too
+    train(load_config("configs/calculator.yaml", over), resume=run)
+    a, b = weights(whole), weights(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert comparable(run) == comparable(whole)
