@@ -11,9 +11,11 @@ import random
 import re
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -226,6 +228,7 @@ def test_safe_change_resumes_and_checkpoints_are_listed(two_steps, tmp_path, cap
     assert code == 0 and "step-000001" in out and "complete" in out, out
     assert "optimizer" in out and "1 open" not in out  # sync: no open groups
     caplog.set_level("INFO")
+    traced = trace_counts(two_steps)
     summary = train(load_config(run / "config.yaml", ["logging.tensorboard=false",
                                                       "eval.tasks=4"]), resume=run)
     assert "config changed (safe): eval.tasks: 8 -> 4" in caplog.text
@@ -234,6 +237,19 @@ def test_safe_change_resumes_and_checkpoints_are_listed(two_steps, tmp_path, cap
     rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["phase_step"] for r in rows if r["phase"] == "rl"] == [1, 2]  # step 2 redone
     assert (run / "metrics.discarded.jsonl").is_file()  # the killed run's rows, kept aside
+    # traces append: step 2's episodes and ledger row once (the cut-off ones deleted), the
+    # evaluation after RL once, of its 4 tasks now
+    got = trace_counts(run)
+    assert ("eval_rl", None, 4) in got and ("eval_rl", None, 8) in traced
+    assert [r for r in got if r[0] != "eval_rl"] == [r for r in traced if r[0] != "eval_rl"]
+
+
+def trace_counts(run: Path) -> list[tuple]:
+    with closing(sqlite3.connect(run / "traces.sqlite")) as con:
+        return (con.execute("SELECT phase, rl_step, count(*) FROM episodes GROUP BY phase, "
+                            "rl_step ORDER BY phase, rl_step").fetchall()
+                + con.execute("SELECT rl_step, global_step FROM steps ORDER BY rl_step")
+                .fetchall())
 
 
 @pytest.mark.slow
