@@ -92,8 +92,8 @@ def write_checkpoint(run_dir: Path, step: int, keep: int,
         pause = float(os.environ.get(PAUSE_ENV, "0") or 0)
         if pause:
             time.sleep(pause)
-        files = {p.name if p.parent == new else str(p.relative_to(new)): _describe(p)
-                 for p in sorted(new.rglob("*")) if p.is_file()}
+        files = {str(p.relative_to(new)): _describe(p) for p in sorted(new.rglob("*"))
+                 if p.is_file()}
         marker = {"format": FORMAT_VERSION, "tiller": TILLER_VERSION, "step": step,
                   "time": time.time(), "files": files}
         (new / MARKER).write_text(json.dumps(marker, indent=1))
