@@ -77,11 +77,12 @@ def rl_rows(run: Path) -> int:
 
 
 def writing_checkpoint(run: Path, after: int):
-    """Whether a checkpoint past step `after` is being written (its temporary folder)."""
+    """Whether a checkpoint past step `after` is being written: a temporary folder of one
+    that was not there when asked (not one an earlier kill left)."""
     folder = run / "checkpoints"
-    return lambda: folder.is_dir() and any(
-        int(p.name.split(".")[1].removeprefix("step-")) > after
-        for p in folder.glob(".step-*.tmp"))
+    old = set(folder.glob(".step-*.tmp"))
+    return lambda: any(int(p.name.split(".")[1].removeprefix("step-")) > after
+                       for p in set(folder.glob(".step-*.tmp")) - old)
 
 
 def weights(run: Path) -> dict[str, torch.Tensor]:
@@ -100,18 +101,20 @@ def comparable(run: Path) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(900)
-def test_sync_run_killed_at_seeded_moments_resumes_bit_identically(tmp_path):
+@pytest.mark.parametrize("seed", [24, 5])
+def test_sync_run_killed_at_seeded_moments_resumes_bit_identically(tmp_path, seed):
     ref, run = tmp_path / "ref", tmp_path / "run"
     finish(tiller("train", "configs/calculator.yaml", *RUN, "-o", str(ref)))
-    rng = random.Random(24)
+    rng = random.Random(seed)  # where each kill lands
     # 1: while step 2 samples or trains (a seeded moment after step 1's row)
     proc = tiller("train", "configs/calculator.yaml", *RUN, "-o", str(run))
     assert kill_when(proc, lambda: rl_rows(run) >= 1, rng.uniform(0.0, 0.6))
     kills = 1
     # 2: while a checkpoint is half written (each write pauses 3 s before its marker)
-    proc = tiller("train", "--resume", str(run), pause_s=3.0)
     done = max((c.step for c in complete_checkpoints(run)), default=0)
-    assert kill_when(proc, writing_checkpoint(run, done), rng.uniform(0.5, 2.0))
+    writing = writing_checkpoint(run, done)
+    proc = tiller("train", "--resume", str(run), pause_s=3.0)
+    assert kill_when(proc, writing, rng.uniform(0.5, 2.0))
     kills += 1
     # the half-written one is not a checkpoint; the one before is intact
     assert [c.step for c in complete_checkpoints(run)][0] == done
