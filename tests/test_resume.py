@@ -317,3 +317,18 @@ def test_critic_and_reference_model_resume_bit_identically(tmp_path, algorithm):
     a, b = weights(whole), weights(run)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert comparable(run) == comparable(whole)
+
+
+@pytest.mark.slow
+def test_more_steps_on_resume_continue_the_same_run(two_steps, tmp_path):
+    """rl.steps raised on resume (a safe change): the finished 2-step run, resumed from its
+    last checkpoint with rl.steps=3, ends as a 3-step run does."""
+    whole = tmp_path / "whole"
+    train(load_config("configs/calculator.yaml", [*RUN, "rl.steps=3"]), whole)
+    run = tmp_path / "run"
+    shutil.copytree(two_steps, run)
+    train(load_config(run / "config.yaml", ["rl.steps=3"]), resume=run)
+    a, b = weights(whole), weights(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rl = [[r for r in comparable(d) if r["phase"] == "rl"] for d in (whole, run)]
+    assert rl[0] == rl[1] and len(rl[0]) == 3
