@@ -10,8 +10,8 @@
    `TIERS`, so the allowed imports are a DAG. From the bottom:
 
        errors < files, runtime, seeds < algorithms, tools < envs < plugins < config < engine
-       < rollout < models, serve < train, fetch < observe, gateway < preflight < run, trust
-       < controller < api, cli < __main__, tiller
+       < rollout < models, serve < train, fetch < observe, gateway < preflight < checkpoints
+       < run, trust < controller < api, cli < __main__, tiller
 
    So envs and tools never import engine, rollout or train; the algorithm library (registries,
    presets and their resolution) imports only errors, so config validates against it; the
@@ -42,7 +42,8 @@ TIERS: list[tuple[str, ...]] = [
     ("errors",), ("files", "runtime", "seeds"), ("algorithms", "tools"), ("envs",), ("plugins",),
     ("config",),
     ("engine",), ("rollout",), ("models", "serve"), ("train", "fetch"), ("observe", "gateway"),
-    ("preflight",), ("run", "trust"), ("controller",), ("api", "cli"), ("__main__", "tiller"),
+    ("preflight",), ("checkpoints",), ("run", "trust"), ("controller",), ("api", "cli"),
+    ("__main__", "tiller"),
 ]
 # what each box and each shared top-level module may import; the wiring and entry points
 # (not listed) may import anything in a lower tier

@@ -104,9 +104,9 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 def _run(action: str, config: Path, overrides: list[str] | None, output_dir: Path | None,
-         run_folder: bool = False) -> None:
-    """`controller.<action>` on the config; `run_folder`: the config is a run folder's, read
-    as data (`tiller.trust`: checked first, and no dotted path imported)."""
+         run_folder: bool = False, **options: Any) -> None:
+    """`controller.<action>` on the config (and `options`); `run_folder`: the config is a run
+    folder's, read as data (`tiller.trust`: checked first, and no dotted path imported)."""
     # the config and the controller import torch and transformers: only once a command that
     # needs them runs, so --help and `tiller view` start fast
     from tiller import controller
@@ -117,7 +117,7 @@ def _run(action: str, config: Path, overrides: list[str] | None, output_dir: Pat
         cfg = load_config(config, overrides or [])
         with _sigterm_as_interrupt(), (untrusted_run_config(cfg, config, overrides or [])
                                        if run_folder else nullcontext()):
-            summary = getattr(controller, action)(cfg, output_dir)
+            summary = getattr(controller, action)(cfg, output_dir, **options)
     except Terminated:  # the run has closed: exit as a process killed by SIGTERM reports it
         console.print("terminated (SIGTERM): the run closed what it opened")
         raise SystemExit(128 + signal.SIGTERM) from None
@@ -172,9 +172,34 @@ def models_fetch(
 
 
 @app.command()
-def train(config: ConfigArg, overrides: Overrides = None, output_dir: OutputDir = None) -> None:
-    """Build or load the model, then SFT, RL and held-out evaluation, as the config says."""
-    _run("train", config, overrides, output_dir)
+def train(
+    config: Annotated[Path | None, typer.Argument(
+        help="YAML config file (with --resume: default RUN_DIR/config.yaml)")] = None,
+    overrides: Overrides = None, output_dir: OutputDir = None,
+    resume: Annotated[Path | None, typer.Option(
+        help="RUN_DIR: go on from its newest complete checkpoint (docs/resume.md)")] = None,
+    trust_run_config: Annotated[bool, typer.Option(
+        "--trust-run-config", help="with --resume and no CONFIG: RUN_DIR's config.yaml may "
+        "import code (dotted paths) and name servers")] = False,
+) -> None:
+    """Build or load the model, then SFT, RL and held-out evaluation, as the config says.
+    With --resume RUN_DIR, a killed run goes on from its newest complete checkpoint."""
+    if resume is None:
+        if config is None:
+            _fail("tiller train: give a CONFIG (or --resume RUN_DIR)")
+        _run("train", config, overrides, output_dir)
+        return
+    if output_dir is not None:
+        _fail("tiller train: --resume RUN_DIR writes to RUN_DIR; leave out --output-dir")
+    if config is not None and "=" in config.name and not config.exists():  # an override
+        config, overrides = None, [str(config), *(overrides or [])]
+    if config is None:  # the run folder's own config, read as data
+        if not (resume / "config.yaml").is_file():
+            _fail(f"--resume {str(resume)!r}: not a run folder (no config.yaml)")
+        _run("train", resume / "config.yaml", overrides, None, run_folder=not trust_run_config,
+             resume=resume)
+    else:
+        _run("train", config, overrides, None, resume=resume)
 
 
 @app.command("eval")
@@ -299,6 +324,24 @@ def view(
     from tiller.serve import listen
 
     listen.run(server, guard)
+
+
+@app.command()
+def checkpoints(run_dir: RunDirArg) -> None:
+    """List RUN_DIR's resumable checkpoints: step, size, whether complete, what each holds."""
+    from rich.table import Table
+
+    from tiller.checkpoints import describe
+
+    rows = describe(run_dir)
+    if not rows:
+        _fail(f"{run_dir}: no resumable checkpoints (a run writes them with "
+              f"checkpoint.every > 0)")
+    table = Table("checkpoint", "RL step", "MiB", "status", "holds")
+    for r in rows:
+        table.add_row(r["name"], str(r["step"]), f"{r['bytes'] / 2**20:.1f}", r["status"],
+                      ", ".join(r["holds"]))
+    console.print(table)
 
 
 DTYPES = ("float32", "bfloat16", "float16")

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tiller.checkpoints import Checkpoint, load_weights
 from tiller.config import Config, ModelJudgeConfig, dump_config
 from tiller.engine.api import SamplingParams
 from tiller.engine.factory import make_engine
@@ -96,8 +97,11 @@ class Run:
     gateway: Any = None  # agent.program's gateway, started once the models are built
     traces: TraceWriter | None = None  # traces.sqlite's writer (observe.traces)
 
-    def __init__(self, cfg: Config, output_dir: str | Path | None = None):
-        self.cfg = cfg
+    def __init__(self, cfg: Config, output_dir: str | Path | None = None,
+                 resume: Checkpoint | None = None):
+        """With `resume` (a checkpoint of this run folder) the policy starts from its weights
+        and version, and the engine gets them (checked) before any episode."""
+        self.cfg, self.resume = cfg, resume
         checked = check_run(cfg)
         check_cluster(cfg)  # Ray installed, its address answers, CPUs for every actor
         self.env_cls, self.sft_conversations = checked.env_cls, checked.sft_conversations
@@ -171,6 +175,8 @@ class Run:
         # engine's copy (and the reference model) are in model.dtype
         dtype = getattr(torch, cfg.model.dtype)
         self.model = load_model(path, torch.float32).to(device)
+        if self.resume is not None:
+            load_weights(self.model, self.resume)
         # before the engine, the trainer or any episode computes: they share these threads
         self.runtime = set_up_threads(cfg.runtime.threads, streams=compute_streams(cfg),
                                       params=sum(p.numel() for p in self.model.parameters()))
@@ -189,6 +195,8 @@ class Run:
                                     cfg.cluster.backend, cfg.train.rank_timeout_s,
                                     remote=cfg.cluster.address is not None)
                         if cfg.train.world_size > 1 else PolicyTrainer(self.model, **vars(options)))
+        if self.resume is not None:
+            self.trainer.version = self.resume.state["trainer_version"]
 
     def _start_engine(self, stack: ExitStack) -> None:
         """The engine, registered on `stack`, and its first weights checked."""
@@ -207,6 +215,8 @@ class Run:
         # the engine's first weights (a copy, or the servers' start-up push) are checked like
         # every later sync's
         self.weight_sync.check_parity(self.trainer.version)
+        if self.resume is not None:  # every engine gets the checkpoint's weights and version
+            self.push_weights()
 
     def log(self, phase: str, metrics: dict[str, Any], phase_step: int | None = None) -> None:
         """Metrics at the global step: the trainer's weight version (optimizer steps so far),

@@ -13,6 +13,7 @@ from tiller.config.algorithm import (
     KLConfig,
     OverlongConfig,
 )
+from tiller.config.checkpoint import CheckpointConfig
 from tiller.config.cluster import ClusterConfig, TrainConfig
 from tiller.config.curriculum import (
     AnyCurriculumConfig,
@@ -58,7 +59,7 @@ from tiller.errors import ConfigError
 __all__ = [
     "DEFAULT_LOOP", "JUDGE_PROMPT", "STALE_OFF_POLICY", "AgentConfig", "AlgorithmConfig",
     "AnyCurriculumConfig", "AnyEngineConfig", "AnyJudgeConfig", "AnyRLConfig", "AsyncRLConfig",
-    "BuildConfig", "ClusterConfig", "Config",
+    "BuildConfig", "CheckpointConfig", "ClusterConfig", "Config",
     "ConfigError", "CreditConfig", "CriticConfig", "CurriculumConfig", "DataConfig",
     "DifficultyCurriculumConfig", "DynamicSamplingConfig", "EmbeddedEngineConfig",
     "EngineConfig", "EnvConfig", "EvalConfig", "EvalSetConfig", "FilterCurriculumConfig",

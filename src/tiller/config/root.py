@@ -14,6 +14,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from tiller.config.base import TAGS, Section
+from tiller.config.checkpoint import CheckpointConfig
 from tiller.config.cluster import ClusterConfig, TrainConfig
 from tiller.config.curriculum import DifficultyCurriculumConfig
 from tiller.config.data import DataConfig, RewardConfig
@@ -74,6 +75,9 @@ class Config(Section):
                                           "step, and how that is checked")
     observe: ObserveConfig = Field(ObserveConfig(), description="traces.sqlite: the run's "
                                    "episodes token by token")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig,
+                                         description="resumable checkpoints during RL "
+                                         "(docs/resume.md)")
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig,
                                    description="CPU threads of this process and the processes "
                                    "it starts")
