@@ -152,7 +152,7 @@ def start(backend: str, model: Any, tok: Any, path: Path, run_dir: Path) -> Any:
                        max_context=model.config.max_position_embeddings, initial=initial,
                        dtype="float32", root=run_dir, managed=managed)
     if backend == "vllm":
-        return connect_vllm(VllmEngineConfig(kv_cache_bytes=256 << 20, startup_timeout_s=600),
+        return connect_vllm(VllmEngineConfig(kv_cache_bytes=512 << 20, startup_timeout_s=600),
                             model, tok, run_dir=run_dir, initial=initial, dtype="float32")
     return None
 
@@ -253,7 +253,7 @@ def rl_steps(backend: str, args: argparse.Namespace) -> dict[str, Any]:
             "train_s": mean("train_s"), "sync_s": mean("sync_s"), "step_s": mean("step_s")}
 
 
-def tables(rows: list[dict], sync: dict, rl: list[dict]) -> str:
+def tables(rows: list[dict], sync: dict) -> str:
     hf = {r["model"]: r for r in rows if r["backend"] == "hf"}
 
     def vs(r: dict, key: str) -> str:
@@ -273,11 +273,14 @@ def tables(rows: list[dict], sync: dict, rl: list[dict]) -> str:
                 "|---|---|---|---|---|"]
         out += [f"| {m} | {s['save_s']:.3f} | {s['push_s']:.3f} | {s['write_s']:.3f} | "
                 f"{s['ratio']:.2f}x |" for m, s in sync.items()]
-    if rl:
-        out += ["", "| backend | RL steps | rollout s/step | train s/step | sync s/step | "
-                "step s |", "|---|---|---|---|---|---|"]
-        out += [f"| {r['backend']} | {r['steps']} | {r['rollout_s']:.2f} | {r['train_s']:.2f} | "
-                f"{r['sync_s']:.2f} | {r['step_s']:.2f} |" for r in rl]
+    return "\n".join(out)
+
+
+def rl_table(rl: list[dict]) -> str:
+    out = ["| backend | RL steps | rollout s/step | train s/step | sync s/step | step s |",
+           "|---|---|---|---|---|---|"]
+    out += [f"| {r['backend']} | {r['steps']} | {r['rollout_s']:.2f} | {r['train_s']:.2f} | "
+            f"{r['sync_s']:.2f} | {r['step_s']:.2f} |" for r in rl]
     return "\n".join(out)
 
 
@@ -286,8 +289,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     sync: dict[str, dict] = {}
     rows = [cell(m, b, args, sync) for m in args.models for b in args.backends]
+    print(tables(rows, sync), flush=True)  # before the RL section, which takes longest
     rl = [rl_steps(b, args) for b in args.backends if b in RL_BACKENDS] if args.rl_steps else []
-    print(tables(rows, sync, rl))
+    if rl:
+        print("\n" + rl_table(rl))
     result = {"rows": rows, "sync": sync, "rl": rl}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
