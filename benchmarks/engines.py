@@ -216,8 +216,7 @@ def cell(name: str, backend: str, args: argparse.Namespace, sync: dict) -> dict[
     row: dict[str, Any] = {"model": name, "params_m": bench.millions(model), "backend": backend,
                            "start_s": time.perf_counter() - t0}
     try:
-        if engine is not None:
-            single(backend, engine, model, tok, args)  # warm-up (compiles, first allocations)
+        single(backend, engine, model, tok, args)  # warm-up (first allocations), every side
         row["single_tok_s"] = single(backend, engine, model, tok, args)
         clock = ClientClock(engine) if isinstance(engine, HttpEngine) else None
         row["multi_tok_s"], row["turns"] = multi(engine, model, tok, args)
