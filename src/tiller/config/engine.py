@@ -44,9 +44,9 @@ class SamplingConfig(Section):
 
 
 BACKEND = ("what generates rollouts: embedded = a continuous-batching engine in this process, on "
-           "a copy of the policy; http = the servers in engine.urls (`tiller serve` or SGLang, "
-           "through SGLang's /generate contract), which get the trainer's weights after every "
-           "optimizer step")
+           "a copy of the policy; http = the `tiller serve` servers in engine.urls; sglang = the "
+           "SGLang servers in engine.urls, spoken to in SGLang's own API (docs/engines.md); "
+           "servers get the trainer's weights after every optimizer step")
 
 
 class EngineConfig(Variant):
@@ -101,8 +101,25 @@ class HttpEngineConfig(EngineConfig):
         return self
 
 
+class SglangEngineConfig(HttpEngineConfig):
+    """SGLang servers (engine/sglang.py) behind the same router as `tiller serve`: full weight
+    pushes from disk (no deltas), logprobs untruncated, seeds applied only by a server started
+    with --enable-deterministic-inference."""
+
+    backend: Literal["sglang"] = Field("sglang", description=BACKEND)
+
+    @model_validator(mode="after")
+    def _has_servers(self) -> SglangEngineConfig:
+        if not self.urls:
+            raise ConfigError("config field engine.urls: engine.backend is sglang, so list at "
+                              "least one SGLang server URL (python -m sglang.launch_server "
+                              "--model-path MODEL --port N)")
+        return self
+
+
 # the type of `engine`: chosen by engine.backend (default embedded)
-AnyEngineConfig = tagged("engine", "backend", EmbeddedEngineConfig, HttpEngineConfig)
+AnyEngineConfig = tagged("engine", "backend", EmbeddedEngineConfig, HttpEngineConfig,
+                         SglangEngineConfig)
 
 
 class WeightSyncConfig(Section):
