@@ -461,10 +461,11 @@ class HttpEngine:
             info = await self._post(server, self.dialect.model_info_path, timeout=timeout_s)
             echoed = info.get("weight_version") if isinstance(info, dict) else None
         if not (done and self.dialect.pushed_version(echoed) == update.version):
+            read = (f", then {self.dialect.model_info_path} weight_version {echoed!r}"
+                    if done and self.dialect.reads_back_version else "")
             raise RunError(f"weight push v{update.version}: server {server.url} answered "
-                           f"{_short(str(answer))}, weight version {echoed!r} (expected success "
-                           f"and weight version {update.version}): it does not hold the "
-                           f"trainer's weights")
+                           f"{_short(str(answer))}{read} (expected success and weight_version "
+                           f"{update.version}): it does not hold the trainer's weights")
         server.previous, server.version = server.version, update.version
         server.boot_id = answer.get("boot_id")
         if server.down:
