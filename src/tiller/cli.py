@@ -396,7 +396,8 @@ def serve(
     threads: Annotated[str, typer.Option(
         help="torch threads: a number, or auto (runtime.threads' rule for one engine)")] = "auto",
 ) -> None:
-    """Serve a model over HTTP: SGLang's /generate and OpenAI-compatible chat and completions."""
+    """Serve a model over HTTP: an SGLang-style /generate (tiller's dialect) and OpenAI-compatible
+    chat and completions."""
     keys = tuple(api_key or ())
     _check_serve_options(host, keys, dtype, device, weights_root)
     thread_setting = _threads_option(threads)

@@ -44,10 +44,11 @@ class SamplingConfig(Section):
 
 
 BACKEND = ("what generates rollouts: embedded = a continuous-batching engine in this process, on "
-           "a copy of the policy; http = the servers in engine.urls (`tiller serve` or SGLang, "
-           "through SGLang's /generate contract); vllm = vLLM servers, started by tiller "
-           "(engine.servers) or attached (engine.urls); http and vllm servers get the trainer's "
-           "weights after every optimizer step")
+           "a copy of the policy; http = the `tiller serve` servers in engine.urls (or started "
+           "by tiller: engine.servers); vllm = vLLM servers, started by tiller (engine.servers) "
+           "or attached (engine.urls); sglang = the SGLang servers in engine.urls, spoken to in "
+           "SGLang's own API (docs/engines.md); servers get the trainer's weights after every "
+           "optimizer step")
 
 
 class EngineConfig(Variant):
@@ -146,11 +147,29 @@ class VllmEngineConfig(EngineConfig):
     max_retries: int = Field(
         2, ge=0, description="times a request that failed on a dead or unreachable server is "
         "retried on another (each counted and logged)")
+class SglangEngineConfig(HttpEngineConfig):
+    """SGLang servers (engine/sglang.py) behind the same router as `tiller serve`: full weight
+    pushes from disk (no deltas), logprobs untruncated, seeds applied only by a server started
+    with --enable-deterministic-inference."""
+
+    backend: Literal["sglang"] = Field("sglang", description=BACKEND)
+
+    @model_validator(mode="after")
+    def _has_servers(self) -> SglangEngineConfig:
+        if self.servers:
+            raise ConfigError(f"config field engine.servers: got {self.servers}; it starts "
+                              "`tiller serve` processes (engine.backend: http); SGLang servers "
+                              "are attached by engine.urls")
+        if not self.urls:
+            raise ConfigError("config field engine.urls: engine.backend is sglang, so list at "
+                              "least one SGLang server URL (python -m sglang.launch_server "
+                              "--model-path MODEL --port N)")
+        return self
 
 
 # the type of `engine`: chosen by engine.backend (default embedded)
 AnyEngineConfig = tagged("engine", "backend", EmbeddedEngineConfig, HttpEngineConfig,
-                         VllmEngineConfig)
+                         VllmEngineConfig, SglangEngineConfig)
 
 
 class WeightSyncConfig(Section):
@@ -161,7 +180,8 @@ class WeightSyncConfig(Section):
         None, description="full: every tensor; delta: only the elements whose engine-dtype "
         "value changed since the last sync (indices + values); auto: per sync, whichever is "
         "fewer bytes (logged as sync/kind). Default: full for the embedded engine (an "
-        "in-memory copy is faster than building a delta), auto for engine.backend http")
+        "in-memory copy is faster than building a delta), vllm and sglang (they load full "
+        "checkpoints only); auto for engine.backend http (tiller serve)")
     parity_tol: float = Field(
         0.05, gt=0, description="after every sync the engine and the trainer score a fixed "
         "probe sequence; a mean |logprob difference| above this is a WeightSyncError")

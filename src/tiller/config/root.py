@@ -174,6 +174,23 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _servers_can_do_it(self) -> Config:
+        """vLLM and SGLang load full checkpoints only; SGLang reports untruncated logprobs."""
+        if self.engine.backend not in ("vllm", "sglang"):
+            return self
+        if self.weight_sync.mode not in (None, "full"):
+            raise ConfigError(f"config field weight_sync.mode: got {self.weight_sync.mode}; "
+                              f"engine.backend {self.engine.backend} loads full checkpoints "
+                              f"only: set full")
+        if self.engine.backend != "sglang":
+            return self
+        if self.sampling.truncates and self.sampling.logprobs != "untruncated":
+            raise ConfigError("config field sampling.logprobs: SGLang reports logprobs of "
+                              "softmax(logits / T) before top-k / top-p: with sampling.top_k "
+                              "or sampling.top_p on, set sampling.logprobs: untruncated")
+        return self
+
+    @model_validator(mode="after")
     def _memory_fits(self) -> Config:
         if (self.agent.memory == "drop_oldest"
                 and self.sampling.max_new_tokens >= self.env.max_episode_tokens):

@@ -21,9 +21,9 @@ from tiller.errors import require_package
 def make_engine(cfg: Config, model: PreTrainedModel, pad_token_id: int, *, run_dir: Path,
                 initial: Callable[[], WeightUpdate], tokenizer: Any = None) -> Engine:
     """The engine of `cfg.engine.backend` over the trainer's `model`: `embedded` holds a copy in
-    `cfg.model.dtype`; `http` connects to `cfg.engine.urls` (or to `cfg.engine.servers`
-    `tiller serve` processes it starts on the saved `model` and `tokenizer`, stopped with the
-    engine), checks the servers against the
+    `cfg.model.dtype`; `http` connects to the `tiller serve` servers at `cfg.engine.urls` (or
+    to `cfg.engine.servers` ones it starts on the saved `model` and `tokenizer`, stopped with the
+    engine), `sglang` to the SGLang servers at `cfg.engine.urls`; both check the servers against the
     model and pushes them `initial()` (weight versions go through `cfg.engine.weights_dir`,
     else `run_dir`/weights, whose folders below the run folder are never links); `vllm`
     starts or attaches to vLLM servers (`engine.vllm.connect_vllm`, which saves `model` and
@@ -35,9 +35,11 @@ def make_engine(cfg: Config, model: PreTrainedModel, pad_token_id: int, *, run_d
 
         return connect_vllm(e, model, tokenizer, run_dir=run_dir, initial=initial(),
                             dtype=cfg.model.dtype)
-    if e.backend == "http":
-        require_package("httpx", "serve", "engine.backend=http")
+    if e.backend in ("http", "sglang"):
+        require_package("httpx", "serve", f"engine.backend={e.backend}")
         from tiller.engine.http import connect  # httpx is an optional extra
+        from tiller.engine.sglang import SglangDialect
+        from tiller.engine.wire import TILLER
 
         # a weights_dir of the config is the user's; the default is in the run folder
         weights_dir = Path(e.weights_dir) if e.weights_dir else run_dir / "weights"
@@ -58,6 +60,7 @@ def make_engine(cfg: Config, model: PreTrainedModel, pad_token_id: int, *, run_d
                        request_timeout_s=e.request_timeout_s, max_retries=e.max_retries,
                        vocab_size=model.config.vocab_size,
                        max_context=model.config.max_position_embeddings,
-                       initial=initial(), dtype=cfg.model.dtype)
+                       initial=initial(), dtype=cfg.model.dtype,
+                       dialect=SglangDialect() if e.backend == "sglang" else TILLER)
     return EmbeddedEngine(copy.deepcopy(model).to(getattr(torch, cfg.model.dtype)), pad_token_id,
                           max_batch_size=e.max_batch_size, cache_bytes=e.cache_bytes)

@@ -38,7 +38,7 @@ from tiller.engine.delta import DeltaUpdate
 from tiller.engine.http import _SKIPPED, HttpEngine, Server, ServerDown
 from tiller.engine.servers import ManagedServers, ServerSpec, last_line
 from tiller.engine.updates import WeightSyncError, WeightUpdate
-from tiller.engine.wire import short
+from tiller.engine.wire import TillerDialect, short
 from tiller.errors import ConfigError, RunError
 
 logger = logging.getLogger(__name__)
@@ -50,15 +50,25 @@ SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"
               "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
+class VllmDialect(TillerDialect):
+    """What the router needs to know of vLLM beyond `VllmEngine`'s own requests and answers:
+    its name in messages, and that it reloads full checkpoints only (the weight sync defaults
+    to full)."""
+
+    name = "vLLM"
+    takes_deltas = False
+
+
+VLLM = VllmDialect()
+
+
 class VllmEngine(HttpEngine):
     """`Engine` over vLLM servers at `urls`; `managed` (when tiller started them) is stopped at
     `close`. `shapes`: the served model's tensors by name (an update must match them)."""
 
-    default_sync_mode = "full"
-
     def __init__(self, urls: list[str], *, weights_dir: str | Path,
                  shapes: dict[str, tuple[int, ...]], **kwargs: Any):
-        super().__init__(urls, weights_dir=weights_dir, **kwargs)
+        super().__init__(urls, weights_dir=weights_dir, dialect=VLLM, **kwargs)
         self.shapes = shapes
 
     # ------------------------------------------------------------------ generate
