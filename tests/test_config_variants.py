@@ -70,9 +70,11 @@ def test_the_choice_picks_the_type_and_it_round_trips(overrides, section, varian
      "with engine.backend: embedded (engine.backend is http)"),
     # before the split the embedded engine silently ignored these two
     (["engine.request_timeout_s=5"], "config field engine.request_timeout_s: got 5; it only "
-     "applies with engine.backend: http (engine.backend is embedded)"),
+     "applies with engine.backend: http or engine.backend: vllm or engine.backend: sglang "
+     "(engine.backend is embedded)"),
     (["engine.max_retries=0"], "config field engine.max_retries: got 0; it only applies with "
-     "engine.backend: http (engine.backend is embedded)"),
+     "engine.backend: http or engine.backend: vllm or engine.backend: sglang (engine.backend is "
+     "embedded)"),
     (["rl.mode=one_step_off", "rl.max_staleness=1"], "config field rl.max_staleness: got 1; it "
      "only applies with rl.mode: async (rl.mode is one_step_off)"),
     (["rl.curriculum.mode=filter", "rl.curriculum.min_level=1"], "config field "
@@ -82,8 +84,11 @@ def test_the_choice_picks_the_type_and_it_round_trips(overrides, section, varian
      "config field rl.judge.prompt: got '{answer}'; it only applies with rl.judge.model"),
     (["rl.judge.margin=0.2"], "config field rl.judge.margin: got 0.2; it only applies with "
      "rl.judge.fn or rl.judge.model"),
-    (["engine.backend=vllm"], "config field engine.backend: got 'vllm'; expected one of: "
-     "embedded, http"),
+    (["engine.backend=trt"], "config field engine.backend: got 'trt'; expected one of: "
+     "embedded, http, vllm, sglang"),
+    # vLLM reloads full checkpoints: a delta mode fails here, not at the first push
+    (["engine.backend=vllm", "weight_sync.mode=delta"], "config field weight_sync.mode: got "
+     "delta; engine.backend vllm loads full checkpoints only: set full"),
     (["rl.mode=later"], "config field rl.mode: got 'later'; expected one of: sync, "
      "one_step_off, async"),
 ])
@@ -128,7 +133,9 @@ def test_configs_saved_before_the_split_still_load():
     (lambda: RLConfig(steps=3, max_staleness=2),  # a key only one variant has
      "RLConfig has no field max_staleness; use AsyncRLConfig(...), or load a YAML"),
     (lambda: EngineConfig(urls=["http://127.0.0.1:1"]),
-     "EngineConfig has no field urls; use HttpEngineConfig(...), or load a YAML"),
+     "EngineConfig has no field urls; use HttpEngineConfig(...) or VllmEngineConfig(...) or "
+     "SglangEngineConfig(...), or "
+     "load a YAML"),
     (lambda: JudgeConfig(model="m"),
      "JudgeConfig has no field model; use ModelJudgeConfig(...), or load a YAML"),
     (lambda: RLConfig(mode="later"),  # no variant is chosen by it: every one that has the key

@@ -36,6 +36,7 @@ from tiller.envs.actions import ParsedTurn
 from tiller.envs.base import Env, StepResult, Task
 from tiller.envs.verifiers import Reward
 from tiller.errors import ConfigError
+from tiller.models import load_tokenizer
 from tiller.rollout.agent_loop import (
     EngineActor,
     EpisodeLimits,
@@ -188,7 +189,10 @@ class Recorder:
 
 def scripted_episode(fmt, history="stream"):
     build, _, turns = FORMATS[fmt]
-    tok = build()
+    return scripted_episode_on(build(), turns, history)
+
+
+def scripted_episode_on(tok, turns, history="stream"):
     chat = ChatFormat(tok, TOOLS)
     actor, env = Scripted(tok, turns, chat), LookupEnv()
     limits = EpisodeLimits(max_turns=6, max_episode_tokens=4096, history=history)
@@ -345,7 +349,12 @@ class EchoEnv(LookupEnv):
 @pytest.mark.parametrize("fmt, arch", [("qwen3", "qwen3"), ("qwen3.6", "qwen3"),
                                        ("llama3.2", "llama")])
 def test_engine_sampled_episodes_are_exact_and_logprobs_match_the_trainer(fmt, arch):
-    tok = FORMATS[fmt][0]()
+    check_engine_sampled(FORMATS[fmt][0](), arch)
+
+
+def check_engine_sampled(tok, arch):
+    """Three-turn episodes sampled by `tiny_model` over `tok`'s vocabulary: exact, and the
+    trainer's logprobs on them are the engine's."""
     chat = ChatFormat(tok, TOOLS)
     model = tiny_model(tok, arch, chat.end_of_turn_id)
     engine = EmbeddedEngine(model, tok.pad_token_id)
@@ -483,3 +492,30 @@ def test_random_scripts_with_junk_never_break_the_bridge():
         traj = asyncio.run(run_episode(env, LookupEnv.make_tasks("train", 1, 0, 1)[0], actor,
                                        tok, seed=0, limits=limits))
         check_exact(tok, chat, actor, traj)
+
+
+# SmolLM2-135M-Instruct (tiller models fetch): its real 49,152-token vocabulary and the
+# tool-aware ChatML template the fetch gives it; Hermes calls, no reasoning
+SMOLLM2_TURNS = [hermes_call("a"), "a is 42.", hermes_call("b"), "b is 7."]
+
+
+@pytest.mark.slow
+def test_smollm2_scripted_tool_episode_is_exact_parsed_and_prefix_stable(smollm2_dir):
+    tok = load_tokenizer(smollm2_dir)
+    tok_, chat, actor, env, traj = scripted_episode_on(tok, SMOLLM2_TURNS)
+    assert chat.family == "hermes" and chat.end_of_turn == "<|im_end|>"
+    assert stop_token_ids(tok, GenerationConfig.from_pretrained(smollm2_dir)) == (2,)
+    check_exact(tok, chat, actor, traj)
+    assert traj.num_turns == 4 and traj.tool_calls == 2 and traj.parse_errors == 0
+    assert [a.tool_calls[0] if a.tool_calls else None for a in env.actions] == EXPECTED_CALLS
+    assert [a.content for a in env.actions if not a.tool_calls] == ["a is 42.", "b is 7."]
+    # prefix-stable: re-rendering the history gives the stream, so history=template never splits
+    *_, template_traj = scripted_episode_on(tok, SMOLLM2_TURNS, history="template")
+    assert template_traj.segment_starts == () and template_traj.token_ids == traj.token_ids
+    check_rollout_setup(tok, LlamaConfig(max_position_embeddings=8192),
+                        EpisodeLimits(history="template"))
+
+
+@pytest.mark.slow
+def test_smollm2_engine_sampled_episodes_are_exact(smollm2_dir):
+    check_engine_sampled(load_tokenizer(smollm2_dir), "llama")

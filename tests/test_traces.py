@@ -406,8 +406,11 @@ def test_a_killed_run_leaves_a_readable_database(tmp_path):
             time.sleep(0.5)
             if (out / "traces.sqlite").exists():
                 with closing(sqlite3.connect(out / "traces.sqlite")) as con:  # a plain reader
-                    (rl,) = con.execute(
-                        "SELECT count(*) FROM episodes WHERE phase = 'rl'").fetchone()
+                    # the file exists a moment before its schema does
+                    if con.execute("SELECT 1 FROM sqlite_master WHERE name = 'episodes'"
+                                   ).fetchone():
+                        (rl,) = con.execute(
+                            "SELECT count(*) FROM episodes WHERE phase = 'rl'").fetchone()
         assert proc.poll() is None, log.read_text()
         assert rl >= 32, "no RL episodes written in time"
         proc.send_signal(signal.SIGKILL)  # mid-run: RL goes on for 200 steps

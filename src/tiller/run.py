@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tiller.checkpoints import Checkpoint, load_weights
 from tiller.config import Config, ModelJudgeConfig, dump_config
 from tiller.engine.api import SamplingParams
 from tiller.engine.factory import make_engine
@@ -31,14 +32,18 @@ from tiller.observe.traces import TraceWriter
 from tiller.preflight import check_model, check_run, check_tools, rl_task_count
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits
 from tiller.rollout.chat import stop_token_ids
+from tiller.rollout.cluster import RayCluster, check_cluster
 from tiller.rollout.collect import check_aborted, collect, collect_expert
 from tiller.rollout.memory import MemoryPolicy
+from tiller.rollout.ray_rollouts import RayWorkers
 from tiller.rollout.trajectory import Trajectory
 from tiller.runtime import set_up_threads
 from tiller.tools.sandbox import set_unsafe_fallback
 from tiller.tools.stack import ToolStack
 from tiller.train.conversations import conversation_demos
+from tiller.train.distributed import Leader, TrainerOptions
 from tiller.train.judges import ModelJudge
+from tiller.train.ranks import start_ranks
 from tiller.train.trainer import PolicyTrainer
 
 log = logging.getLogger(__name__)
@@ -92,9 +97,13 @@ class Run:
     gateway: Any = None  # agent.program's gateway, started once the models are built
     traces: TraceWriter | None = None  # traces.sqlite's writer (observe.traces)
 
-    def __init__(self, cfg: Config, output_dir: str | Path | None = None):
-        self.cfg = cfg
+    def __init__(self, cfg: Config, output_dir: str | Path | None = None,
+                 resume: Checkpoint | None = None):
+        """With `resume` (a checkpoint of this run folder) the policy starts from its weights
+        and version, and the engine gets them (checked) before any episode."""
+        self.cfg, self.resume = cfg, resume
         checked = check_run(cfg)
+        check_cluster(cfg)  # Ray installed, its address answers, CPUs for every actor
         self.env_cls, self.sft_conversations = checked.env_cls, checked.sft_conversations
         self.episode_fn, self.key_steps = checked.episode_fn, checked.key_steps
         self.judge = checked.judge  # rl.judge.model loads with the models
@@ -117,6 +126,9 @@ class Run:
         makes episodes (the engine, the gateway's calls into it) closes before the sinks they
         are written to (traces, metrics)."""
         cfg = self.cfg
+        if cfg.cluster.backend == "ray":  # stopped last, after every actor
+            self.cluster = RayCluster(cfg, self.dir).start()
+            closes(stack, "Ray cluster", self.cluster.close)
         # Before any work: a bad replay path stops the run here, and the sandbox policy holds
         # from the first env on (a code env without bwrap refuses unless it is allowed).
         self.tools = ToolStack(cfg.env.tools, self.dir)
@@ -128,6 +140,8 @@ class Run:
         closes(stack, "env server", self.env_cls.stop)
         self.env_cls.start(self.dir)
         self._build_models()
+        if isinstance(self.trainer, Leader):
+            closes(stack, "trainer ranks", self.trainer.close)
         self.logger = MetricsLogger(self.dir, cfg.logging.tensorboard, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.model_dump())
         closes(stack, "metrics logger", self.logger.close)
@@ -161,6 +175,8 @@ class Run:
         # engine's copy (and the reference model) are in model.dtype
         dtype = getattr(torch, cfg.model.dtype)
         self.model = load_model(path, torch.float32).to(device)
+        if self.resume is not None:
+            load_weights(self.model, self.resume)
         # before the engine, the trainer or any episode computes: they share these threads
         self.runtime = set_up_threads(cfg.runtime.threads, streams=compute_streams(cfg),
                                       params=sum(p.numel() for p in self.model.parameters()))
@@ -171,23 +187,37 @@ class Run:
         self.timings["build_s"] = time.perf_counter() - t0
         s = cfg.sampling
         truncated = s.logprobs == "sampled"  # the trainer recomputes what the engine reports
-        self.trainer = PolicyTrainer(self.model, temperature=s.temperature or 1.0,
-                                     compute_dtype=dtype, top_k=s.top_k if truncated else 0,
-                                     top_p=s.top_p if truncated else 1.0,
-                                     dropout=cfg.model.dropout, train=cfg.train)
+        options = TrainerOptions(temperature=s.temperature or 1.0, compute_dtype=dtype,
+                                 top_k=s.top_k if truncated else 0,
+                                 top_p=s.top_p if truncated else 1.0, dropout=cfg.model.dropout,
+                                 train=cfg.train)
+        # train.world_size > 1: the ranks shard a copy; self.model gets its weights each step
+        self.trainer = (start_ranks(self.model, cfg.train.world_size, options,
+                                    cfg.cluster.backend, cfg.train.rank_timeout_s,
+                                    remote=cfg.cluster.address is not None)
+                        if cfg.train.world_size > 1 else PolicyTrainer(self.model, **vars(options)))
+        if self.resume is not None:
+            self.trainer.version = self.resume.state["trainer_version"]
 
     def _start_engine(self, stack: ExitStack) -> None:
         """The engine, registered on `stack`, and its first weights checked."""
         cfg = self.cfg
-        # the servers of engine.backend http get the trainer's weights (version 0)
-        self.engine = make_engine(cfg, self.model, self.tokenizer.pad_token_id, run_dir=self.dir,
-                                  initial=self.trainer.weight_update)
+        # the servers of engine.backend http or vllm get the trainer's weights (version 0); with
+        # Ray the rollout workers' engines are copies of them
+        self.engine = (RayWorkers(cfg, self.model, self.tokenizer, self.env_cls,
+                                  self.episode_fn, self.limits, self.dir)
+                       if cfg.cluster.backend == "ray" else
+                       make_engine(cfg, self.model, self.tokenizer.pad_token_id,
+                                   run_dir=self.dir, initial=self.trainer.weight_update,
+                                   tokenizer=self.tokenizer))
         closes(stack, "engine", self.engine.close)
-        self.weight_sync = WeightSync(self.trainer, self.engine, cfg.weight_sync,
+        self.weight_sync = WeightSync(self.trainer.publisher, self.engine, cfg.weight_sync,
                                       getattr(torch, cfg.model.dtype))
         # the engine's first weights (a copy, or the servers' start-up push) are checked like
         # every later sync's
         self.weight_sync.check_parity(self.trainer.version)
+        if self.resume is not None:  # every engine gets the checkpoint's weights and version
+            self.push_weights()
 
     def log(self, phase: str, metrics: dict[str, Any], phase_step: int | None = None) -> None:
         """Metrics at the global step: the trainer's weight version (optimizer steps so far),

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tiller.config import DEFAULT_LOOP, Config, FnJudgeConfig, HttpEngineConfig
+from tiller.config import DEFAULT_LOOP, Config, FnJudgeConfig, HttpEngineConfig, VllmEngineConfig
 from tiller.envs import ENVS
 from tiller.errors import ConfigError, refusing_imports
 from tiller.plugins import env_entry_points
@@ -77,6 +77,15 @@ def run_config_requests(cfg: Config) -> list[tuple[str, Any, str]]:
                           "writes outside the output folder"))
         found.append(("engine.urls", engine.urls, "sends the checkpoint, the prompts and "
                       "TILLER_API_KEY to those servers"))
+    if isinstance(engine, VllmEngineConfig):
+        if engine.weights_dir is not None:
+            found.append(("engine.weights_dir", engine.weights_dir,
+                          "writes outside the output folder"))
+        if engine.urls:
+            found.append(("engine.urls", engine.urls, "sends the prompts to those servers"))
+        elif engine.python is not None or engine.extra_args:
+            found.append(("engine.python", [engine.python, *engine.extra_args],
+                          "starts that program"))
     return found
 
 

@@ -13,6 +13,8 @@ from tiller.config.algorithm import (
     KLConfig,
     OverlongConfig,
 )
+from tiller.config.checkpoint import CheckpointConfig
+from tiller.config.cluster import ClusterConfig
 from tiller.config.curriculum import (
     AnyCurriculumConfig,
     CurriculumConfig,
@@ -26,6 +28,7 @@ from tiller.config.engine import (
     EngineConfig,
     HttpEngineConfig,
     SamplingConfig,
+    VllmEngineConfig,
     WeightSyncConfig,
 )
 from tiller.config.env import DEFAULT_LOOP, AgentConfig, EnvConfig
@@ -57,13 +60,13 @@ from tiller.errors import ConfigError
 __all__ = [
     "DEFAULT_LOOP", "JUDGE_PROMPT", "STALE_OFF_POLICY", "AgentConfig", "AlgorithmConfig",
     "AnyCurriculumConfig", "AnyEngineConfig", "AnyJudgeConfig", "AnyRLConfig", "AsyncRLConfig",
-    "BuildConfig", "Config",
+    "BuildConfig", "CheckpointConfig", "ClusterConfig", "Config",
     "ConfigError", "CreditConfig", "CriticConfig", "CurriculumConfig", "DataConfig",
     "DifficultyCurriculumConfig", "DynamicSamplingConfig", "EmbeddedEngineConfig",
     "EngineConfig", "EnvConfig", "EvalConfig", "EvalSetConfig", "FilterCurriculumConfig",
     "FnJudgeConfig", "HttpEngineConfig", "JudgeConfig", "KLConfig", "LoggingConfig",
     "ModelConfig", "ModelJudgeConfig", "NoJudgeConfig", "ObserveConfig", "OneStepOffRLConfig",
     "OverlongConfig", "RLConfig", "RewardConfig", "RolloutConfig", "RuntimeConfig", "SFTConfig",
-    "SamplingConfig", "SyncRLConfig", "TracesConfig", "TrainConfig", "WeightSyncConfig",
-    "dump_config", "load_config",
+    "SamplingConfig", "SyncRLConfig", "TracesConfig", "TrainConfig", "VllmEngineConfig",
+    "WeightSyncConfig", "dump_config", "load_config",
 ]

@@ -44,8 +44,10 @@ class SamplingConfig(Section):
 
 
 BACKEND = ("what generates rollouts: embedded = a continuous-batching engine in this process, on "
-           "a copy of the policy; http = the servers in engine.urls (`tiller serve` or SGLang, "
-           "through SGLang's /generate contract), which get the trainer's weights after every "
+           "a copy of the policy; http = the `tiller serve` servers in engine.urls (or started "
+           "by tiller: engine.servers); vllm = vLLM servers, started by tiller (engine.servers) "
+           "or attached (engine.urls); sglang = the SGLang servers in engine.urls, spoken to in "
+           "SGLang's own API (docs/engines.md); servers get the trainer's weights after every "
            "optimizer step")
 
 
@@ -93,16 +95,81 @@ class HttpEngineConfig(EngineConfig):
     def _hide_key(self, key: SecretStr | None) -> str | None:
         return None if key is None else "**********"  # dumps never carry the key
 
+    servers: int = Field(
+        0, ge=0, description="`tiller serve` processes tiller starts itself (the embedded "
+        "engine in processes of its own, on loopback ports, logs in <run dir>/servers/) when "
+        "engine.urls is empty; 0 = attach to engine.urls")
+    startup_timeout_s: float = Field(
+        120.0, gt=0, description="seconds the servers of engine.servers may take to answer "
+        "/health before the run fails naming the server and its log")
+
     @model_validator(mode="after")
     def _has_servers(self) -> HttpEngineConfig:
-        if not self.urls:
+        if bool(self.urls) == bool(self.servers):
             raise ConfigError("config field engine.urls: engine.backend is http, so list at "
-                              "least one server URL (start one with `tiller serve MODEL`)")
+                              "least one server URL (start one with `tiller serve MODEL`) or "
+                              "set engine.servers to have tiller start them; not both")
+        return self
+
+
+class VllmEngineConfig(EngineConfig):
+    """vLLM servers (engine/vllm.py): started by tiller from their own Python environment
+    (`bash scripts/setup.sh` builds .venv-vllm) and stopped at the end of the run, or attached
+    by URL; routed like engine.backend http; full weight updates from disk after each step."""
+
+    backend: Literal["vllm"] = Field("vllm", description=BACKEND)
+    urls: list[str] = Field(
+        default_factory=list, description="base URLs of running vLLM servers to attach to "
+        "(started with VLLM_SERVER_DEV_MODE=1, --served-model-name tiller, --logprobs-mode "
+        "processed_logprobs and the run's model); empty = tiller starts engine.servers")
+    servers: int = Field(1, ge=1, description="vLLM servers tiller starts when engine.urls is "
+                         "empty, each on a free loopback port, its log in <run dir>/servers/")
+    python: str | None = Field(
+        None, description="the Python of the vLLM environment managed servers run from; "
+        "default .venv-vllm/bin/python in the tiller checkout (scripts/setup.sh builds it)")
+    startup_timeout_s: float = Field(
+        300.0, gt=0, description="seconds managed servers may take to answer /health and a "
+        "one-token generate before the run fails naming the server and its log")
+    kv_cache_bytes: int = Field(
+        256 << 20, ge=1 << 20, description="bytes of KV cache each managed server allocates "
+        "(--kv-cache-memory-bytes)")
+    threads: int = Field(1, ge=1, description="OMP threads of each managed server")
+    weights_dir: str | None = Field(
+        None, description="folder each weight version is written to for the servers to load "
+        "(readable by every server); default <run dir>/weights. A folder on tmpfs (e.g. "
+        "/dev/shm/NAME) skips the disk (docs/engines.md has the measured times)")
+    extra_args: list[str] = Field(
+        default_factory=list, description="more arguments for each managed server's "
+        "`python -m vllm.entrypoints.openai.api_server` (e.g. [--device, cuda])")
+    request_timeout_s: float = Field(
+        300.0, gt=0, description="seconds one generate or control request may take before it "
+        "fails (and is retried on another server, up to max_retries)")
+    max_retries: int = Field(
+        2, ge=0, description="times a request that failed on a dead or unreachable server is "
+        "retried on another (each counted and logged)")
+class SglangEngineConfig(HttpEngineConfig):
+    """SGLang servers (engine/sglang.py) behind the same router as `tiller serve`: full weight
+    pushes from disk (no deltas), logprobs untruncated, seeds applied only by a server started
+    with --enable-deterministic-inference."""
+
+    backend: Literal["sglang"] = Field("sglang", description=BACKEND)
+
+    @model_validator(mode="after")
+    def _has_servers(self) -> SglangEngineConfig:
+        if self.servers:
+            raise ConfigError(f"config field engine.servers: got {self.servers}; it starts "
+                              "`tiller serve` processes (engine.backend: http); SGLang servers "
+                              "are attached by engine.urls")
+        if not self.urls:
+            raise ConfigError("config field engine.urls: engine.backend is sglang, so list at "
+                              "least one SGLang server URL (python -m sglang.launch_server "
+                              "--model-path MODEL --port N)")
         return self
 
 
 # the type of `engine`: chosen by engine.backend (default embedded)
-AnyEngineConfig = tagged("engine", "backend", EmbeddedEngineConfig, HttpEngineConfig)
+AnyEngineConfig = tagged("engine", "backend", EmbeddedEngineConfig, HttpEngineConfig,
+                         VllmEngineConfig, SglangEngineConfig)
 
 
 class WeightSyncConfig(Section):
@@ -113,7 +180,8 @@ class WeightSyncConfig(Section):
         None, description="full: every tensor; delta: only the elements whose engine-dtype "
         "value changed since the last sync (indices + values); auto: per sync, whichever is "
         "fewer bytes (logged as sync/kind). Default: full for the embedded engine (an "
-        "in-memory copy is faster than building a delta), auto for engine.backend http")
+        "in-memory copy is faster than building a delta), vllm and sglang (they load full "
+        "checkpoints only); auto for engine.backend http (tiller serve)")
     parity_tol: float = Field(
         0.05, gt=0, description="after every sync the engine and the trainer score a fixed "
         "probe sequence; a mean |logprob difference| above this is a WeightSyncError")

@@ -19,11 +19,25 @@ class BuildConfig(Section):
     hidden_size: int = Field(128, ge=16, le=4096, description="width of the hidden states")
     num_layers: int = Field(2, ge=1, le=64, description="transformer layers")
     num_heads: int = Field(4, ge=1, le=64, description="attention heads per layer")
+    head_dim: int | None = Field(None, description="width of each attention head, even (rotary "
+                                 "embeddings pair its dimensions); null = hidden_size // "
+                                 "num_heads")
     corpus_tasks: int = Field(400, ge=10, description="expert episodes the tokenizer trains on")
+
+    @field_validator("head_dim")
+    @classmethod
+    def _head_dim(cls, value: int | None) -> int | None:
+        if value is None or (2 <= value <= 1024 and value % 2 == 0):
+            return value
+        raise PydanticCustomError("head_dim", "expected an even number from 2 to 1024 (rotary "
+                                  "embeddings pair the dimensions of a head), or null")
 
 
 class ModelConfig(Section):
-    path: str | None = Field(None, description="local Hugging Face checkpoint to load")
+    path: str | None = Field(None, description="local Hugging Face checkpoint to load: a "
+                             "folder, or the name of a model `tiller models fetch` installed "
+                             "(smollm2-135m-instruct; looked up in $TILLER_MODELS_DIR, else "
+                             "~/.cache/tiller/models) when no such folder exists")
     build: BuildConfig | None = Field(None, description="build a tiny model instead")
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="engine weights and trainer compute (bf16 autocast); the "

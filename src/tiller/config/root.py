@@ -14,6 +14,8 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from tiller.config.base import TAGS, Section
+from tiller.config.checkpoint import CheckpointConfig
+from tiller.config.cluster import ClusterConfig
 from tiller.config.curriculum import DifficultyCurriculumConfig
 from tiller.config.data import DataConfig, RewardConfig
 from tiller.config.engine import (
@@ -54,8 +56,11 @@ class Config(Section):
                                      "temperature, truncation, length (evaluation uses "
                                      "eval.temperature)")
     sft: SFTConfig = Field(SFTConfig(), description="supervised fine-tuning before RL")
-    train: TrainConfig = Field(TrainConfig(), description="memory and speed of the trainer's "
-                               "passes: packing, token budget, chunked logprobs, checkpointing")
+    train: TrainConfig = Field(TrainConfig(), description="the trainer: its ranks over "
+                               "torch.distributed, and the memory and speed of its passes "
+                               "(packing, token budget, chunked logprobs, checkpointing)")
+    cluster: ClusterConfig = Field(ClusterConfig(), description="where the run's parts run: "
+                                   "local processes or a Ray cluster")
     rl: AnyRLConfig = Field(SyncRLConfig(), description="reinforcement learning: steps, batch "
                             "shape, optimizer, algorithm, curriculum, judge; the schedule "
                             "(rl.mode) chooses the type")
@@ -72,6 +77,9 @@ class Config(Section):
                                           "step, and how that is checked")
     observe: ObserveConfig = Field(ObserveConfig(), description="traces.sqlite: the run's "
                                    "episodes token by token")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig,
+                                         description="resumable checkpoints during RL "
+                                         "(docs/resume.md)")
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig,
                                    description="CPU threads of this process and the processes "
                                    "it starts")
@@ -110,6 +118,78 @@ class Config(Section):
             raise ConfigError(f"config field rollout.max_inflight: got {inflight}; expected at "
                               f"least rl.group_size = {self.rl.group_size} (a group starts "
                               f"whole)")
+        return self
+
+    @model_validator(mode="after")
+    def _ranks_fit(self) -> Config:
+        alg = self.rl.algorithm
+        if self.train.world_size > 1 and self.model.device == "cuda":  # auto: check_cluster
+            raise ConfigError(gloo_only(self.train.world_size, "cuda"))
+        # not the default (a dumped config holds every field: it must load again)
+        if self.train.world_size == 1 and self.train.rank_timeout_s != TrainConfig.model_fields[
+                "rank_timeout_s"].default:
+            raise ConfigError(f"config field train.rank_timeout_s: got "
+                              f"{self.train.rank_timeout_s}; it only applies with "
+                              f"train.world_size > 1")
+        if self.train.world_size > 1 and (alg.kl.beta > 0 or alg.critic is not None):
+            what = "rl.algorithm.kl.beta > 0" if alg.kl.beta > 0 else "rl.algorithm.critic"
+            raise ConfigError(f"config field train.world_size: got {self.train.world_size}; "
+                              f"{what} trains on one rank only (its reference model or critic "
+                              f"is not sharded yet): set train.world_size=1")
+        return self
+
+    @model_validator(mode="after")
+    def _cluster_fits(self) -> Config:
+        c = self.cluster
+        store_set = c.object_store_mb != ClusterConfig.model_fields["object_store_mb"].default
+        if store_set and (c.backend == "local" or c.address is not None):
+            raise ConfigError(f"config field cluster.object_store_mb: got {c.object_store_mb}; "
+                              f"it sizes a local Ray instance (cluster.backend: ray without "
+                              f"cluster.address)")
+        if c.backend == "local":
+            for name in ("address", "num_cpus"):
+                if getattr(c, name) is not None:
+                    raise ConfigError(f"config field cluster.{name}: got {getattr(c, name)!r}; "
+                                      f"it only applies with cluster.backend: ray")
+            if c.rollout_workers != 1:
+                raise ConfigError(f"config field cluster.rollout_workers: got "
+                                  f"{c.rollout_workers}; it only applies with cluster.backend: "
+                                  f"ray")
+            return self
+        if self.engine.backend != "embedded":
+            raise ConfigError(f"config field cluster.backend: got 'ray' with engine.backend "
+                              f"{self.engine.backend}; the Ray rollout workers hold embedded "
+                              f"engines (use engine.backend: embedded)")
+        if self.agent.program is not None:
+            raise ConfigError("config field cluster.backend: got 'ray' with agent.program; an "
+                              "agent program's gateway runs in the run's process only (use "
+                              "cluster.backend: local)")
+        replay = self.env.tools.replay
+        if replay is not None:
+            raise ConfigError(f"config field env.tools.replay: got mode {replay.mode}; under "
+                              f"cluster.backend: ray each rollout worker has its own tool stack, "
+                              f"so one replay file is not shared (use cluster.backend: local)")
+        if c.address is not None and c.num_cpus is not None:
+            raise ConfigError(f"config field cluster.num_cpus: got {c.num_cpus}; it sizes a "
+                              f"local Ray instance, and cluster.address connects to a running "
+                              f"cluster")
+        return self
+
+    @model_validator(mode="after")
+    def _servers_can_do_it(self) -> Config:
+        """vLLM and SGLang load full checkpoints only; SGLang reports untruncated logprobs."""
+        if self.engine.backend not in ("vllm", "sglang"):
+            return self
+        if self.weight_sync.mode not in (None, "full"):
+            raise ConfigError(f"config field weight_sync.mode: got {self.weight_sync.mode}; "
+                              f"engine.backend {self.engine.backend} loads full checkpoints "
+                              f"only: set full")
+        if self.engine.backend != "sglang":
+            return self
+        if self.sampling.truncates and self.sampling.logprobs != "untruncated":
+            raise ConfigError("config field sampling.logprobs: SGLang reports logprobs of "
+                              "softmax(logits / T) before top-k / top-p: with sampling.top_k "
+                              "or sampling.top_p on, set sampling.logprobs: untruncated")
         return self
 
     @model_validator(mode="after")
@@ -194,6 +274,12 @@ class Config(Section):
                     raise ConfigError(f"config field sft.{name}: used only for scripted-expert "
                                       "demonstrations; data.sft gives the conversations")
         return self
+
+
+def gloo_only(world_size: int, device: str) -> str:
+    return (f"config field train.world_size: got {world_size} with model.device {device}; "
+            f"trainer ranks use gloo, so they run on CPU only (NCCL is not built): set "
+            f"model.device=cpu")
 
 
 def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:

@@ -100,7 +100,7 @@ class EmbeddedEngine(Worker, SlotBatch):
         if not all(type(layer) is DynamicLayer for layer in layers):
             raise ValueError(f"the embedded engine needs full-attention layers; "
                              f"{type(model).__name__} has sliding-window or other cache "
-                             "layers: serve it with SGLang or vLLM (engine.backend: http)")
+                             "layers: serve it with SGLang (engine.backend: sglang) or vLLM")
         self._waiting: deque[_Request] = deque()
         # the running batch: row i sits in slot i of every layer's KV buffer, its KV in columns
         # [0, kv_len); `_len` holds those lengths (= the next token's position) on the device

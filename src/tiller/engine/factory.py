@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -12,28 +13,54 @@ from transformers import PreTrainedModel
 from tiller.config import Config
 from tiller.engine.api import Engine
 from tiller.engine.embedded import EmbeddedEngine
+from tiller.engine.servers import ManagedServers, tiller_serve_specs
 from tiller.engine.updates import WeightUpdate
 from tiller.errors import require_package
 
 
 def make_engine(cfg: Config, model: PreTrainedModel, pad_token_id: int, *, run_dir: Path,
-                initial: Callable[[], WeightUpdate]) -> Engine:
+                initial: Callable[[], WeightUpdate], tokenizer: Any = None) -> Engine:
     """The engine of `cfg.engine.backend` over the trainer's `model`: `embedded` holds a copy in
-    `cfg.model.dtype`; `http` connects to `cfg.engine.urls`, checks the servers against the
+    `cfg.model.dtype`; `http` connects to the `tiller serve` servers at `cfg.engine.urls` (or
+    to `cfg.engine.servers` ones it starts on the saved `model` and `tokenizer`, stopped with the
+    engine), `sglang` to the SGLang servers at `cfg.engine.urls`; both check the servers against the
     model and pushes them `initial()` (weight versions go through `cfg.engine.weights_dir`,
-    else `run_dir`/weights, whose folders below the run folder are never links)."""
+    else `run_dir`/weights, whose folders below the run folder are never links); `vllm`
+    starts or attaches to vLLM servers (`engine.vllm.connect_vllm`, which saves `model` and
+    `tokenizer` for the servers it starts)."""
     e = cfg.engine
-    if e.backend == "http":
-        require_package("httpx", "serve", "engine.backend=http")
+    if e.backend == "vllm":
+        require_package("httpx", "serve", "engine.backend=vllm")
+        from tiller.engine.vllm import connect_vllm  # httpx is an optional extra
+
+        return connect_vllm(e, model, tokenizer, run_dir=run_dir, initial=initial(),
+                            dtype=cfg.model.dtype)
+    if e.backend in ("http", "sglang"):
+        require_package("httpx", "serve", f"engine.backend={e.backend}")
         from tiller.engine.http import connect  # httpx is an optional extra
+        from tiller.engine.sglang import SglangDialect
+        from tiller.engine.wire import TILLER
 
         # a weights_dir of the config is the user's; the default is in the run folder
-        return connect(e.urls, weights_dir=e.weights_dir or run_dir / "weights",
+        weights_dir = Path(e.weights_dir) if e.weights_dir else run_dir / "weights"
+        managed, urls = None, e.urls
+        if e.servers:  # the embedded engine in processes of its own: `tiller serve`
+            model_dir = run_dir / "serve-model"
+            model.save_pretrained(model_dir)
+            tokenizer.save_pretrained(model_dir)
+            weights_dir.mkdir(parents=True, exist_ok=True)
+            managed = ManagedServers(
+                tiller_serve_specs(model_dir, e.servers, weights_root=weights_dir,
+                                   dtype=cfg.model.dtype, threads=cfg.runtime.threads),
+                log_dir=run_dir / "servers", startup_timeout_s=e.startup_timeout_s)
+            urls = managed.start()
+        return connect(urls, weights_dir=weights_dir, managed=managed,
                        root=None if e.weights_dir else run_dir,
                        api_key=e.api_key.get_secret_value() if e.api_key else None,
                        request_timeout_s=e.request_timeout_s, max_retries=e.max_retries,
                        vocab_size=model.config.vocab_size,
                        max_context=model.config.max_position_embeddings,
-                       initial=initial(), dtype=cfg.model.dtype)
+                       initial=initial(), dtype=cfg.model.dtype,
+                       dialect=SglangDialect() if e.backend == "sglang" else TILLER)
     return EmbeddedEngine(copy.deepcopy(model).to(getattr(torch, cfg.model.dtype)), pad_token_id,
                           max_batch_size=e.max_batch_size, cache_bytes=e.cache_bytes)

@@ -1,5 +1,5 @@
-"""The HTTP backend: the engine protocol over one or more servers speaking SGLang's `/generate`
-contract (`tiller serve`, or SGLang itself), so the trainer can sample from external engines.
+"""The HTTP backend: the engine protocol over servers (`tiller serve`, SGLang, vLLM), each
+spoken to in its dialect (`tiller.engine.wire`; vLLM's engine overrides the request hooks).
 
 Token in, token out: a request carries the prompt's token ids and asks for the logprob of each
 sampled token; the answer's `output_ids` are appended to the trajectory as they are, and the
@@ -20,13 +20,11 @@ The router spreads requests over the servers:
   restarted server reports the version its checkpoint starts at, which may equal the pushed
   one), comes from a server that restarted with other weights: it is dropped, and the server
   is marked down and the request retried, as for a dead server;
-- an HTTP 500 is about the request when the server still answers `GET /health`: the request
-  fails (RunError naming the server and its message, counted in `failed_requests`) and is not
-  retried, since every server would fail it alike; if /health does not answer, the server is
-  down;
-- a server marked down gets no new requests. It is probed again (`GET /health`) only at the next
-  weight push, and rejoins only if it then takes the new weights: a server that came back from a
-  crash holds stale weights and would otherwise sample another policy;
+- an HTTP 500 is about the request when the server still answers `GET /health`: it fails
+  (RunError naming the server and its message, counted in `failed_requests`), not retried
+  (every server would fail it alike); if /health does not answer, the server is down;
+- a server marked down gets no new requests; it is probed (`GET /health`) at the next weight
+  push and rejoins only if it takes the new weights (back from a crash, it holds stale ones);
 - when every server is down, a request fails with one line naming each server and its last error.
 
 All HTTP runs on one event loop in a thread the engine owns, so `generate` may be awaited from
@@ -53,8 +51,16 @@ import httpx
 
 from tiller.engine.api import Generation, SamplingParams
 from tiller.engine.delta import DeltaUpdate
+from tiller.engine.servers import ManagedServers
 from tiller.engine.updates import WeightUpdate
-from tiller.engine.wire import check_logprob_kind, parse_generation
+from tiller.engine.wire import (
+    TILLER,
+    ServerDown,
+    TillerDialect,
+    check_logprob_kind,
+    parse_generation,
+    short,
+)
 from tiller.errors import ConfigError, RunError
 from tiller.files import folder_below, remove_tree
 
@@ -67,11 +73,6 @@ KEEPALIVE_S = 2.0  # idle connections kept this long: under the servers' keep-al
 
 
 DOWN_STATUSES = (502, 503, 504)  # a proxy in front of a dead server, overload, a gateway timeout
-
-
-class ServerDown(Exception):
-    """A server that did not answer (connection error, timeout), answered 502/503/504, or
-    answered from weights other than those pushed to it (it restarted)."""
 
 
 @dataclass
@@ -94,10 +95,13 @@ class HttpEngine:
 
     def __init__(self, urls: list[str], *, weights_dir: str | Path, api_key: str | None = None,
                  request_timeout_s: float = 300.0, max_retries: int = 2,
-                 root: str | Path | None = None):
+                 root: str | Path | None = None, managed: ManagedServers | None = None,
+                 dialect: TillerDialect = TILLER):
+        self.managed = managed  # the servers tiller started, stopped at close
         if not urls:
             raise ConfigError("config field engine.urls: list at least one server URL")
         self.servers = [Server(u.rstrip("/")) for u in urls]
+        self.dialect, self.takes_deltas = dialect, dialect.takes_deltas
         self.weights_dir = Path(weights_dir)
         self.root = self.weights_dir if root is None else Path(root)
         self.request_timeout_s = request_timeout_s
@@ -157,18 +161,18 @@ class HttpEngine:
         except httpx.TransportError as e:  # connect/read errors
             raise ServerDown(f"{type(e).__name__}: {e}".rstrip(": ")) from e
         if r.status_code in DOWN_STATUSES:
-            raise ServerDown(f"HTTP {r.status_code}: {_short(r.text)}")
+            raise ServerDown(f"HTTP {r.status_code}: {short(r.text)}")
         if r.status_code == 500 and path != "/health":
             try:  # the request broke something, or the server is breaking down?
                 await self._post(server, "/health", timeout=HEALTH_TIMEOUT_S)
             except (ServerDown, RunError) as e:
-                raise ServerDown(f"HTTP 500: {_short(r.text)}; then /health: {e}") from e
+                raise ServerDown(f"HTTP 500: {short(r.text)}; then /health: {e}") from e
         if r.status_code == 404 and missing_ok:
             return None
         if r.status_code >= 400:
             hint = " (set engine.api_key or TILLER_API_KEY)" if r.status_code == 401 else ""
             raise RunError(f"server {server.url}: {path} answered HTTP {r.status_code}: "
-                           f"{_short(r.text)}{hint}")
+                           f"{short(r.text)}{hint}")
         try:
             return r.json()
         except ValueError:
@@ -222,17 +226,7 @@ class HttpEngine:
             if len(prompt_ids) >= self.max_context:
                 return Generation([], [], "length", self.version, prompt_tokens=len(prompt_ids))
             max_new = min(max_new, self.max_context - len(prompt_ids))
-        body = {
-            "input_ids": prompt_ids,
-            "sampling_params": {
-                "temperature": params.temperature, "top_p": params.top_p,
-                "top_k": params.top_k, "max_new_tokens": max_new,
-                "stop_token_ids": list(params.stop_token_ids),
-                "seed": seed & (2**63 - 1)},  # as the embedded engine: 63 bits
-            "return_logprob": True,
-            "rid": rid,
-            "session_id": session_id,
-        }
+        path, body = self._request(prompt_ids, params, max_new, seed, rid, session_id)
         self.counters["requests"] += 1
         for attempt in range(self.max_retries + 1):
             try:
@@ -244,10 +238,8 @@ class HttpEngine:
             server.inflight += 1
             started = self.version  # the oldest weights that can have sampled this answer
             try:
-                answer = await self._post(server, "/generate", body)
-                gen = parse_generation(server.url, answer, len(prompt_ids), started)
-                check_logprob_kind(server.url, answer, params)
-                self._check_fresh(server, answer, gen)
+                answer = await self._post(server, path, body)
+                gen = self._parse(server, answer, len(prompt_ids), started, params)
             except RunError as e:  # a 4xx, a 500 about this request, a malformed answer
                 self.counters["failed_requests"] += 1
                 logger.warning("engine request %s failed on %s, not retried: %s", rid,
@@ -273,6 +265,21 @@ class HttpEngine:
             server.completed += 1
             return gen
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _request(self, prompt_ids: list[int], params: SamplingParams, max_new: int, seed: int,
+                 rid: str, session_id: str | None) -> tuple[str, dict[str, Any]]:
+        """The path and JSON body of a generate request: /generate in the dialect's words."""
+        return "/generate", self.dialect.generate_body(prompt_ids, params, max_new, seed, rid,
+                                                       session_id)
+
+    def _parse(self, server: Server, answer: Any, prompt_tokens: int, started: int,
+               params: SamplingParams) -> Generation:
+        """The checked `Generation` of a generate answer (`wire.parse_generation` in the
+        dialect), from the weights pushed to `server` (`_check_fresh`)."""
+        gen = parse_generation(server.url, answer, prompt_tokens, started, self.dialect)
+        check_logprob_kind(server.url, answer, params)
+        self._check_fresh(server, answer, gen)
+        return gen
 
     def _check_fresh(self, server: Server, answer: dict, gen: Generation) -> None:
         """ServerDown when the answer was sampled from weights other than those pushed to
@@ -346,7 +353,7 @@ class HttpEngine:
         return [answer for _, answer in self._on_up(act, path)]
 
     def pause(self) -> None:
-        self._fan_out("/pause_generation")
+        self._fan_out("/pause_generation", self.dialect.pause_body())
 
     def resume(self) -> None:
         self._fan_out("/continue_generation")
@@ -364,34 +371,36 @@ class HttpEngine:
 
     # ------------------------------------------------------------------ start-up and weights
     def check_servers(self, vocab_size: int, max_context: int, dtype: str | None = None) -> None:
-        """Every server answers /get_model_info with the trainer's vocabulary size, context
-        length and (when given) the engine dtype (`model.dtype`); otherwise one ConfigError
-        naming the server (the first in server order, whichever answered first: the same
-        misconfiguration gives the same message on every start)."""
+        """Every server answers its model info (`dialect.model_info_path`) with the trainer's
+        vocabulary size, context length and (when given) the engine dtype (`model.dtype`), where
+        it reports them; otherwise one ConfigError naming the server (the first in server
+        order, whichever answered first: the same misconfiguration gives the same message on
+        every start)."""
         check = partial(self._check_model, vocab_size=vocab_size, max_context=max_context,
                         dtype=dtype)
-        self._on_each(self.servers, check, "/get_model_info on every server")
+        self._on_each(self.servers, check, f"{self.dialect.model_info_path} on every server")
         self.max_context = max_context
 
     async def _check_model(self, server: Server, *, vocab_size: int, max_context: int,
                            dtype: str | None) -> None:
         try:
-            info = await self._post(server, "/get_model_info", timeout=HEALTH_TIMEOUT_S)
+            info = await self._post(server, self.dialect.model_info_path,
+                                    timeout=HEALTH_TIMEOUT_S)
         except ServerDown as e:
             raise ConfigError(f"config field engine.urls: server {server.url} is not "
-                              f"reachable ({e}); start it with `tiller serve MODEL --port "
-                              f"N`") from e
+                              f"reachable ({e}); start it ({self.dialect.name})") from e
         if not isinstance(info, dict):
             raise ConfigError(f"config field engine.urls: server {server.url} answered "
-                              f"/get_model_info with {_short(str(info))}, not a JSON object")
+                              f"{self.dialect.model_info_path} with {short(str(info))}, not "
+                              f"a JSON object")
         if dtype is not None and "dtype" in info and info["dtype"] != dtype:
             raise ConfigError(f"config field model.dtype: {dtype}, but server {server.url} "
                               f"serves dtype {info['dtype']}: set model.dtype: "
                               f"{info['dtype']} or restart it with --dtype {dtype}")
         for name, ours in (("vocab_size", vocab_size), ("max_context", max_context)):
             if name not in info:
-                logger.warning("server %s: /get_model_info has no %s; not checked against "
-                               "the trainer's %s", server.url, name, ours)
+                logger.warning("server %s: %s has no %s; not checked against the trainer's "
+                               "%s", server.url, self.dialect.model_info_path, name, ours)
             elif info[name] != ours:
                 raise ConfigError(f"config field engine.urls: server {server.url} serves a "
                                   f"model with {name}={info[name]}, the trainer's has "
@@ -411,13 +420,15 @@ class HttpEngine:
         removed. Older versions this engine wrote are removed afterwards."""
         if in_flight not in ("continue", "abort"):
             raise ValueError(f"in_flight must be 'continue' or 'abort', got {in_flight!r}")
+        if isinstance(update, DeltaUpdate) and not self.takes_deltas:
+            raise RunError(f"weight push v{update.version}: {self.dialect.name} loads full "
+                           f"checkpoints only; set weight_sync.mode: full")
         # a link planted there, or at a folder above it in the run folder, would be written
         # through, and removed with what it points to
         folder = folder_below(self.root, self.weights_dir / f"v{update.version}").resolve()
         fresh = folder not in self._written  # a failed push removes only a folder it wrote
-        update.save(folder)
-        body = {"model_path": str(folder), "weight_version": update.version,
-                "abort_all_requests": in_flight == "abort"}
+        self._save(update, folder)
+        body = self.dialect.push_body(str(folder), update.version, in_flight == "abort")
         push = partial(self._push, update=update, body=body, timeout_s=timeout_s)
         try:
             wait = None if timeout_s is None else timeout_s + 10.0
@@ -437,6 +448,10 @@ class HttpEngine:
         self.version = update.version
         return update.version
 
+    def _save(self, update: WeightUpdate | DeltaUpdate, folder: Path) -> None:
+        """Write `update` where the servers load it from (`WeightUpdate.save`)."""
+        update.save(folder)
+
     async def _push(self, server: Server, *, update: WeightUpdate | DeltaUpdate, body: dict,
                     timeout_s: float | None) -> bool:
         """Have `server` load the saved `update` (`body`): True when it did, False when it was
@@ -455,11 +470,16 @@ class HttpEngine:
             return False
         finally:
             server.pending = None
-        echoed = answer.get("weight_version") if isinstance(answer, dict) else None
-        if not (isinstance(answer, dict) and answer.get("success") is True
-                and echoed == update.version):
+        done = isinstance(answer, dict) and answer.get("success") is True
+        echoed = answer.get("weight_version") if done else None
+        if done and self.dialect.reads_back_version:  # the answer carries no version
+            info = await self._post(server, self.dialect.model_info_path, timeout=timeout_s)
+            echoed = info.get("weight_version") if isinstance(info, dict) else None
+        if not (done and self.dialect.pushed_version(echoed) == update.version):
+            read = (f", then {self.dialect.model_info_path} weight_version {echoed!r}"
+                    if done and self.dialect.reads_back_version else "")
             raise RunError(f"weight push v{update.version}: server {server.url} answered "
-                           f"{_short(str(answer))} (expected success and weight_version "
+                           f"{short(str(answer))}{read} (expected success and weight_version "
                            f"{update.version}): it does not hold the trainer's weights")
         server.previous, server.version = server.version, update.version
         server.boot_id = answer.get("boot_id")
@@ -490,35 +510,43 @@ class HttpEngine:
 
     def score_servers(self, token_ids: list[int], *, timeout_s: float | None = None
                       ) -> dict[str, list[float]]:
-        """Every up server's /score of `token_ids` (log p(token_i | tokens_<i), i >= 1), by URL,
+        """Every up server's scores of `token_ids` (`dialect.score_request`: log p(token_i |
+        tokens_<i), i >= 1), by URL,
         each from the version last pushed to it (else a RunError naming both). A server found
         dead now (no answer within `timeout_s`, default `request_timeout_s`, a connection
         error, 502/503/504) is marked down and skipped, logged and counted in
         `control_skipped_down`, as at a weight push; none answering is a RunError."""
         score = partial(self._score_on, token_ids=token_ids, timeout_s=timeout_s)
         wait = None if timeout_s is None else timeout_s + 10.0
-        return {s.url: got for s, got in self._on_up(score, "/score", wait)}
+        return {s.url: got for s, got in self._on_up(score, "scoring the parity probe", wait)}
 
     async def _score_on(self, server: Server, *, token_ids: list[int],
                         timeout_s: float | None) -> list[float] | object:
-        answer = await self._control(server, "/score", {"input_ids": token_ids},
-                                     timeout=timeout_s, doing="scoring the parity probe: ")
+        path, body = self.dialect.score_request(token_ids)
+        answer = await self._control(server, path, body, timeout=timeout_s,
+                                     doing="scoring the parity probe: ")
         if answer is _SKIPPED:
             return _SKIPPED
-        if (not isinstance(answer, dict) or answer.get("weight_version") != server.version
-                or not isinstance(answer.get("logprobs"), list)
-                or len(answer["logprobs"]) != len(token_ids) - 1):
-            raise RunError(f"server {server.url}: /score answered {_short(str(answer))}; "
-                           f"expected {len(token_ids) - 1} logprobs from weight version "
-                           f"{server.version}")
-        return [float(x) for x in answer["logprobs"]]
+        logprobs, version = self.dialect.parse_score(server.url, answer, token_ids)
+        if version != server.version:
+            raise RunError(f"server {server.url}: scored the parity probe under weight version "
+                           f"{version!r}, not the pushed {server.version}")
+        return logprobs
 
     def score(self, token_ids: list[int], *, timeout_s: float | None = None) -> list[float]:
-        """The first up server's /score of `token_ids` (see `score_servers`)."""
+        """The first up server's scores of `token_ids` (see `score_servers`)."""
         return next(iter(self.score_servers(token_ids, timeout_s=timeout_s).values()))
 
     def close(self) -> None:
-        """Close the connections and stop the loop thread; requests still waiting fail."""
+        """Close the connections and stop the loop thread, then the managed servers; requests
+        still waiting fail."""
+        try:
+            self._close_client()
+        finally:
+            if self.managed is not None:
+                self.managed.close()
+
+    def _close_client(self) -> None:
         if self._loop.is_closed():
             return
         try:
@@ -545,22 +573,24 @@ async def _each(servers: list[Server], act: Callable[[Server], Awaitable[T]]) ->
     return list(results)
 
 
-def _short(text: str, n: int = 200) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= n else text[:n] + "..."
-
-
 def connect(urls: list[str], *, weights_dir: str | Path, api_key: str | None,
             request_timeout_s: float, max_retries: int, vocab_size: int, max_context: int,
             initial: WeightUpdate, dtype: str | None = None,
-            root: str | Path | None = None) -> HttpEngine:
+            root: str | Path | None = None, managed: ManagedServers | None = None,
+            dialect: TillerDialect = TILLER) -> HttpEngine:
     """An `HttpEngine` whose servers were checked against the trainer's model and hold its
     weights (`initial`): a server started from another checkpoint would otherwise sample
-    another policy. `api_key` None: the TILLER_API_KEY environment variable, if set."""
-    engine = HttpEngine(urls, weights_dir=weights_dir,
-                        api_key=api_key or os.environ.get("TILLER_API_KEY"),
-                        request_timeout_s=request_timeout_s, max_retries=max_retries,
-                        root=root)
+    another policy. `api_key` None: the TILLER_API_KEY environment variable, if set. `managed`:
+    the servers tiller started at `urls`, stopped with the engine (also when this fails)."""
+    try:
+        engine = HttpEngine(urls, weights_dir=weights_dir,
+                            api_key=api_key or os.environ.get("TILLER_API_KEY"),
+                            request_timeout_s=request_timeout_s, max_retries=max_retries,
+                            root=root, managed=managed, dialect=dialect)
+    except BaseException:
+        if managed is not None:
+            managed.close()
+        raise
     try:
         engine.check_servers(vocab_size, max_context, dtype)
         engine.update_weights(initial)

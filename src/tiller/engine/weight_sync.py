@@ -53,7 +53,8 @@ class WeightSync:
                  engine_dtype: torch.dtype):
         self.trainer, self.engine, self.cfg, self.dtype = trainer, engine, cfg, engine_dtype
         self.http = hasattr(engine, "servers")
-        self.mode = cfg.mode or ("auto" if self.http else "full")
+        # auto where deltas can go (tiller serve); full for the embedded engine, vLLM and SGLang
+        self.mode = cfg.mode or ("auto" if getattr(engine, "takes_deltas", False) else "full")
         config = trainer.model.config
         context = getattr(config, "max_position_embeddings", cfg.parity_tokens)
         if cfg.parity_tokens > context:

@@ -1,6 +1,10 @@
-"""The answers of SGLang's `/generate` contract, which `tiller serve` speaks too, as the HTTP
-backend checks them: token in, token out (the logprobs' token ids are the output ids), a finish
-reason we know, per-token weight versions, and the kind of logprob the trainer recomputes."""
+"""The wire dialects of the HTTP backend: what a request body holds and how an answer reads, per
+kind of server. `TillerDialect` is `tiller serve`'s; `tiller.engine.sglang.SglangDialect` is
+SGLang's. The router in `tiller.engine.http` is one for both; only these differ.
+
+Every answer is checked alike: token in, token out (the logprobs' token ids are the output ids),
+a finish reason we know, per-token weight versions, and the kind of logprob the trainer
+recomputes."""
 
 from __future__ import annotations
 
@@ -10,6 +14,18 @@ from tiller.engine.api import Generation, SamplingParams
 from tiller.errors import RunError
 
 FINISH_REASONS = ("stop", "length", "abort")
+SEED_MASK = 2**63 - 1  # as the embedded engine: a seed is taken to 63 bits
+
+
+class ServerDown(Exception):
+    """A server that did not answer (connection error, timeout), answered 502/503/504, or
+    answered from weights other than those pushed to it (it restarted)."""
+
+
+def short(text: str, n: int = 200) -> str:
+    """`text` on one line (whitespace runs made one space), cut to `n` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[:n] + "..."
 
 
 def check_logprob_kind(url: str, answer: Any, params: SamplingParams) -> None:
@@ -26,19 +42,23 @@ def check_logprob_kind(url: str, answer: Any, params: SamplingParams) -> None:
                        "recomputes the same kind")
 
 
-def parse_generation(url: str, answer: Any, prompt_tokens: int, started: int) -> Generation:
-    """A `Generation` from a /generate answer, checked: the logprobs' token ids must be the
-    output ids (token in, token out) and the finish reason one we know."""
+def parse_generation(url: str, answer: Any, prompt_tokens: int, started: int,
+                     dialect: TillerDialect | None = None) -> Generation:
+    """A `Generation` from a /generate answer in `dialect` (default tiller serve's), checked:
+    the logprobs' token ids must be the output ids (token in, token out) and the finish reason
+    one we know."""
+    dialect = dialect or TILLER
     try:
         ids = [int(t) for t in answer["output_ids"]]
         meta = answer["meta_info"]
         pairs = meta["output_token_logprobs"]
         reason = meta["finish_reason"]["type"]
-        version = int(meta["weight_version"])
+        raw = meta["weight_version"]
     except (KeyError, TypeError, ValueError) as e:
         raise RunError(f"server {url}: /generate answer lacks output_ids or meta_info "
-                       f"(output_token_logprobs, finish_reason.type, an integer weight_version)"
+                       f"(output_token_logprobs, finish_reason.type, weight_version)"
                        f": {type(e).__name__}: {e}; ask with return_logprob") from e
+    version = dialect.answer_version(url, raw)
     logged = [int(p[1]) for p in pairs]
     if logged != ids:
         at = next((i for i, (a, b) in enumerate(zip(logged, ids, strict=False)) if a != b),
@@ -52,7 +72,7 @@ def parse_generation(url: str, answer: Any, prompt_tokens: int, started: int) ->
     # per-token versions when the server reports them (tiller serve does); else every token
     # gets the version the request started under: a turn spanning an update then counts as
     # staler than it is, never fresher
-    versions = tuple(int(v) for v in meta.get("output_token_weight_versions") or
+    versions = tuple(dialect.token_versions(url, meta, len(ids)) or
                      [min(started, version)] * len(ids))
     if len(versions) != len(ids):
         raise RunError(f"server {url}: {len(versions)} output_token_weight_versions for "
@@ -60,3 +80,59 @@ def parse_generation(url: str, answer: Any, prompt_tokens: int, started: int) ->
     return Generation(ids, [float(p[0]) for p in pairs], reason, version, versions=versions,
                       prompt_tokens=int(meta.get("prompt_tokens", prompt_tokens)),
                       cached_tokens=int(meta.get("cached_tokens", 0)))
+
+
+class TillerDialect:
+    """`tiller serve`'s dialect: integer weight versions echoed by the push, per-token versions
+    and a boot id in every answer, deltas pushed from disk, and a `/score` route."""
+
+    name = "tiller serve"
+    takes_deltas = True
+    model_info_path = "/get_model_info"
+    reads_back_version = False  # the push answer echoes the version it loaded
+
+    def generate_body(self, prompt_ids: list[int], params: SamplingParams, max_new: int,
+                      seed: int, rid: str, session_id: str | None) -> dict[str, Any]:
+        return {"input_ids": prompt_ids,
+                "sampling_params": {**self.sampling(params, max_new), "seed": seed & SEED_MASK},
+                "return_logprob": True, "rid": rid, "session_id": session_id}
+
+    def sampling(self, params: SamplingParams, max_new: int) -> dict[str, Any]:
+        """The sampling fields both dialects spell alike."""
+        return {"temperature": params.temperature, "top_p": params.top_p,
+                "top_k": params.top_k, "max_new_tokens": max_new,
+                "stop_token_ids": list(params.stop_token_ids)}
+
+    def answer_version(self, url: str, raw: Any) -> int:
+        try:
+            return int(raw)
+        except (TypeError, ValueError) as e:
+            raise RunError(f"server {url}: weight_version {raw!r} is not an integer") from e
+
+    def token_versions(self, url: str, meta: dict[str, Any], n: int) -> list[int] | None:
+        got = meta.get("output_token_weight_versions")
+        return None if not got else [int(v) for v in got]
+
+    def push_body(self, folder: str, version: int, abort: bool) -> dict[str, Any]:
+        return {"model_path": folder, "weight_version": version, "abort_all_requests": abort}
+
+    def pushed_version(self, echoed: Any) -> int | None:
+        """The version a push answer (or its read-back) says the server holds; None: none."""
+        return echoed if isinstance(echoed, int) and not isinstance(echoed, bool) else None
+
+    def pause_body(self) -> dict[str, Any]:
+        return {}
+
+    def score_request(self, token_ids: list[int]) -> tuple[str, dict[str, Any]]:
+        return "/score", {"input_ids": token_ids}
+
+    def parse_score(self, url: str, answer: Any, token_ids: list[int]) -> tuple[list[float], Any]:
+        """The logprobs of tokens 1.. and the weight version they were computed under."""
+        if (not isinstance(answer, dict) or not isinstance(answer.get("logprobs"), list)
+                or len(answer["logprobs"]) != len(token_ids) - 1):
+            raise RunError(f"server {url}: /score answered {short(str(answer))}; expected "
+                           f"{len(token_ids) - 1} logprobs")
+        return [float(x) for x in answer["logprobs"]], answer.get("weight_version")
+
+
+TILLER = TillerDialect()

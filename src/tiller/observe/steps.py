@@ -140,6 +140,25 @@ class StepRecorder:
         self._advance(f"reward={m['reward_mean']:.2f} success={m['success_rate']:.2f} "
                       f"zero_var={m['zero_variance_group_frac']:.2f}")
 
+    def state(self) -> dict[str, Any]:
+        """The counters a resumed run carries on (a checkpoint's, as JSON): trained staleness,
+        the env-error and judge-hacking trends, the trainer's time so far."""
+        h = self._hacking
+        return {"staleness": [[s, n] for s, n in self.staleness.items()],
+                "env_errors": [[v, c] for v, c in self.trend.counts.items()],
+                "env_error_rising": self.trend.rising, "trainer_s": self.trainer_s,
+                "judge_history": h.history, "judge_suspected": h.suspected,
+                "judge_warnings": h.warnings}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Put back what `state` returned."""
+        self.staleness.update({s: n for s, n in state["staleness"]})
+        self.trend.counts.update({v: list(c) for v, c in state["env_errors"]})
+        self.trend.rising, self.trainer_s = state["env_error_rising"], state["trainer_s"]
+        h = self._hacking
+        h.history = [tuple(r) for r in state["judge_history"]]
+        h.suspected, h.warnings = state["judge_suspected"], state["judge_warnings"]
+
     def wind_down(self, rollouts: Rollouts) -> Counter[str]:
         """Close the rollouts and trace what the end of RL left, under the step RL ended in:
         the episodes that ended after the last batch was taken, and `at_end` on those it left

@@ -48,6 +48,7 @@ from tiller.rollout.agent_loop import EpisodeFn, EpisodeLimits
 from tiller.rollout.buffer import DataBuffer, Group
 from tiller.rollout.collect import check_aborted, run_one
 from tiller.rollout.protocol import Leftovers, Taken, WindDown
+from tiller.rollout.resume import restore_manager
 from tiller.rollout.trajectory import Trajectory
 from tiller.seeds import derive_seed
 
@@ -129,10 +130,13 @@ class RolloutManager:
                  make_env: Callable[..., Env], tokenizer: Any, limits: EpisodeLimits,
                  reward: Callable[[Trajectory], float], version: int,
                  judge: Callable[[Task, Trajectory], Trajectory] | None = None,
-                 on_group: Callable[[Task, list[Trajectory]], None] | None = None) -> None:
+                 on_group: Callable[[Task, list[Trajectory]], None] | None = None,
+                 resume: dict[str, Any] | None = None) -> None:
         """`judge` (rl.judge) returns each finished trajectory with its judge score recorded,
         before anything reads its reward; `on_group` hears every group that finishes while
-        RL runs (the curriculum), under the manager's lock, on the rollout thread."""
+        RL runs (the curriculum), under the manager's lock, on the rollout thread. `resume`
+        is a checkpoint's `rollout.resume.manager_state`, restored before any group starts
+        (`tasks` then starts with its open groups' tasks: `rollout.resume.resumed_tasks`)."""
         rl = cfg.rl
         self.cfg, self.engine, self.reward = cfg, engine, reward
         self.judge, self.on_group = judge, on_group
@@ -171,6 +175,12 @@ class RolloutManager:
         self._draws: Counter[tuple] = Counter()  # (tag, task id) -> draws so far (repeats)
         self._busy_since: float | None = None  # rollout side busy: >= 1 episode running
         self.busy_s = 0.0
+        self.draw_ids: list[str] = []  # the id of every task drawn, in draw order
+        # groups drawn but not yet trained or filtered: key -> (draw position, task, the
+        # ledger counts charged to it), what a checkpoint regenerates on resume
+        self._open: dict[tuple, tuple[int, Task, Counter[str]]] = {}
+        if resume is not None:
+            restore_manager(self, resume)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="tiller-rollouts")
@@ -214,6 +224,8 @@ class RolloutManager:
             self._flat = self._groups_ended = self._flat_filtered = 0
             check_aborted(ended, self.cfg.rl.max_aborted_frac, f"rl/{step}")
             trajectories, group_index = self.buffer.take(batch)
+            for g in batch:
+                del self._open[g.key]
         return Taken(trajectories, group_index.tolist(), ended, stats)
 
     def weights_live(self, steps_trained: int, version: int) -> None:
@@ -312,6 +324,7 @@ class RolloutManager:
                 log.info("group %s (task %s) is %d versions stale (bound %d): filtered",
                          g.key, g.task_id, staleness, self.max_staleness)
                 self.buffer.filter(g, "stale")
+                del self._open[g.key]
                 self._slots -= 1
                 stale += 1
         return stale
@@ -371,6 +384,8 @@ class RolloutManager:
                 unit = self._units.setdefault(u, _Unit(u))
                 key = (u, r, unit.drawn)  # unique within the unit, in draw order
                 unit.drawn += 1
+                self._open[key] = (len(self.draw_ids), task, Counter(started=self.G))
+                self.draw_ids.append(task.id)
                 if r == 0:
                     unit.launched += 1
                     self._slots += 1
@@ -452,15 +467,15 @@ class RolloutManager:
     async def _one(self, task: Task, k: int, tag: tuple, draw: int,
                    finished: list[Trajectory]) -> Trajectory:
         try:
-            traj = await run_one(task, k, self.actor, tag=tag, draw=draw, **self._episode)
+            traj = await self._run_episode(task, k, tag, draw)
         except asyncio.CancelledError:
             with self._cond:
                 self.ledger["dropped/cancelled_at_end"] += 1
                 self._episode_ended()
             raise
-        except BaseException:
+        except BaseException as e:  # why, when the error says (ray_rollouts.WorkerDied)
             with self._cond:
-                self.ledger["dropped/run_error"] += 1
+                self.ledger[f"dropped/{getattr(e, 'ledger_reason', 'run_error')}"] += 1
                 self._episode_ended()
             raise
         with self._cond:
@@ -468,6 +483,11 @@ class RolloutManager:
             self._episode_ended()
             finished.append(traj)
         return traj
+
+    async def _run_episode(self, task: Task, k: int, tag: tuple, draw: int) -> Trajectory:
+        """Episode k of the group (`run_one`) here; `ray_rollouts.RayRollouts` runs it in a
+        rollout worker."""
+        return await run_one(task, k, self.actor, tag=tag, draw=draw, **self._episode)
 
     def _episode_ended(self) -> None:
         self._inflight -= 1
@@ -495,10 +515,14 @@ class RolloutManager:
                 self.on_group(task, trajs)
             # rewards first: a reward function that raises leaves the ledger untouched
             rewards = {id(t): self.reward(t) for t in trajs}
+            before = self.ledger.copy()
             members = self.buffer.admit(trajs)
+            self._open[key][2].update(self.ledger - before)
             group = Group(key, task.id, members)
             flat = bool(members) and len({rewards[id(t)] for t in members}) <= 1
             self._flat += flat
+            if not members or (flat and self.dynamic.enabled):  # out of the buffer for good
+                del self._open[key]
             if not members:  # nothing to train; async gives the slot to a new group
                 self._slots -= 1
             elif flat and self.dynamic.enabled:

@@ -1,5 +1,5 @@
 """The `tiller serve` app: `create_app(engine, tokenizer, settings)` builds a FastAPI app over
-one engine, with SGLang's native routes (`native`), the OpenAI-compatible ones
+one engine, with SGLang-style routes in tiller's dialect (`native`), the OpenAI-compatible ones
 (`openai_routes`), the control routes, and errors in OpenAI's JSON shape."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""SGLang's native routes: /generate, /update_weights_from_disk and /abort_request, and tiller's
+"""SGLang-style routes in tiller's dialect (`tiller.engine.wire.TillerDialect`: `seed`, integer
+weight versions, deltas): /generate, /update_weights_from_disk and /abort_request, and tiller's
 /score (the weight sync's parity check)."""
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 
 async def generate(server: Server, request: Request) -> dict[str, Any]:
-    """SGLang's POST /generate."""
+    """POST /generate, SGLang-style."""
     body, prompt = await asyncio.to_thread(_generate_inputs, server, await request.body())
     sp = body.sampling_params
     params = server.sampling(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,

@@ -1,4 +1,4 @@
-"""Request bodies of `tiller serve`, with SGLang's and OpenAI's field names, and its errors.
+"""Request bodies of `tiller serve`, with SGLang-style and OpenAI's field names, and its errors.
 
 Every model forbids unknown fields and NaN/inf and parses strictly (a quoted number is not a
 number), so a misspelled or unsupported field is a 400 naming it, never silently ignored.
@@ -58,7 +58,7 @@ def parse_body(raw: bytes, model: type[_Strict]) -> Any:
         raise APIError(400, f"invalid request: {problems}") from e
 
 
-# ---- SGLang native: POST /generate ------------------------------------------------------------
+# ---- SGLang-style: POST /generate -------------------------------------------------------------
 
 class GenerateSamplingParams(_Strict):
     temperature: float = Field(1.0, ge=0, description="0 samples greedily")
@@ -93,7 +93,7 @@ class _OpenAISampling(_Strict):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1, le=MAX_INT,
-                       description="vLLM/SGLang extension; -1 or 0: off")
+                       description="vLLM/SGLang extension (-1: off); 0 is off too here")
     n: int = Field(1, ge=1, le=MAX_INT)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None

@@ -20,10 +20,14 @@ Both are exact rearrangements of the same arithmetic; only float rounding differ
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -40,15 +44,37 @@ class PassShape:
     chunk_tokens: int = 256
 
 
-def trunk_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+def trunk_and_head(model: nn.Module) -> tuple[Callable[..., Any], nn.Module]:
     """The transformer that returns last hidden states and the output layer of a Hugging Face
-    causal LM (or a peft model around one: its LoRA layers live inside the same modules)."""
+    causal LM (or a peft model around one: its LoRA layers live inside the same modules); for
+    a model sharded with FSDP2, the transformer runs inside the root's forward
+    (`_through_root`)."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     for key in ("final_logit_softcapping", "logit_scale"):
         if getattr(inner.config, key, None):
             raise ValueError(f"{type(inner).__name__} post-processes its logits ({key}); the "
                              "chunked output layer supports plain linear heads only")
-    return inner.base_model, inner.get_output_embeddings()
+    trunk = inner.base_model
+    if isinstance(model, FSDPModule):
+        trunk = partial(_through_root, model, trunk)
+    return trunk, inner.get_output_embeddings()
+
+
+def _through_root(root: nn.Module, trunk: nn.Module, **inputs: Any) -> Any:
+    """The trunk's output from the FSDP2 root's own forward, asked for no position's logits
+    (`logits_to_keep` an empty index) and taken by a forward hook. Calling the trunk directly
+    would skip the root's hooks: its own parameters (embeddings, final norm, output layer)
+    would stay sharded. The root keeps them gathered after its forward (FSDP2 does not reshard
+    the root after forward) until the backward pass ends, so the chunked output layer and its
+    recomputation use them, and their gradients are reduced with the rest."""
+    out: list[Any] = []
+    handle = trunk.register_forward_hook(lambda _module, _args, output: out.append(output))
+    none = torch.zeros(0, dtype=torch.long, device=inputs["input_ids"].device)
+    try:
+        root(**inputs, logits_to_keep=none)
+    finally:
+        handle.remove()
+    return out[0]
 
 
 def flag_checkpointed_layers(model: nn.Module) -> None:
@@ -60,7 +86,7 @@ def flag_checkpointed_layers(model: nn.Module) -> None:
             module.training = True
 
 
-def hidden_states(trunk: nn.Module, batch: Batch, packing: bool
+def hidden_states(trunk: Callable[..., Any], batch: Batch, packing: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(hidden [N, H], rows, cols, flat [P] each): the trunk's last hidden states flattened,
     and for each predicting position (rows, cols), which predicts token cols + 1 of its row

@@ -188,6 +188,30 @@ class PolicyTrainer:
     def weight_update(self) -> WeightUpdate:
         return WeightUpdate.full(self.model, self.version)
 
+    @property
+    def publisher(self) -> PolicyTrainer:
+        """What weight sync reads: the full weights, their version and the parity probe (a
+        sharded trainer's gathered copy: `train.distributed.RankTrainer`)."""
+        return self
+
+    # What a trainer rank overrides (`train.distributed.RankTrainer`): the micro-batches of
+    # `rows` this process runs, the batch of one pass, and the sums over every rank.
+    # The micro-batches keep `train.micro_batch_tokens` and `train.packing` on every rank.
+    def _share(self, rows: torch.Tensor, lengths: torch.Tensor, size: int
+               ) -> list[torch.Tensor]:
+        return [rows[idx] for idx in micro_batches(lengths[rows], size,
+                                                   self.train.micro_batch_tokens,
+                                                   self.train.packing)]
+
+    def _pass_batch(self, batch: Batch, rows: torch.Tensor) -> Batch:
+        return batch.rows(rows).to(self.device)
+
+    def _reduce(self, sums: dict[str, float]) -> dict[str, float]:
+        return sums
+
+    def _reduce_rows(self, per_row: torch.Tensor) -> torch.Tensor:
+        return per_row
+
     @torch.no_grad()
     def score(self, token_ids: list[int]) -> list[float]:
         """log p(token_i | tokens_<i) at temperature 1 for i >= 1 under the trainer's weights,
@@ -225,10 +249,6 @@ class PolicyTrainer:
         if self.train.activation_checkpointing:
             flag_checkpointed_layers(self.model)
 
-    def _micros(self, lengths: torch.Tensor, size: int) -> list[torch.Tensor]:
-        """A whole batch's micro-batches: at most `size` rows and `train.micro_batch_tokens`."""
-        return micro_batches(lengths, size, self.train.micro_batch_tokens, self.train.packing)
-
     def _step(self, max_grad_norm: float) -> float:
         assert self.optimizer is not None, "call set_optimizer first"
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm)
@@ -242,24 +262,27 @@ class PolicyTrainer:
         self._train_mode()
         total = float(batch.loss_mask.sum())
         loss_sum = 0.0
-        for idx in self._micros(batch.attention_mask.sum(-1), micro_batch_size):
-            mb = batch.rows(idx).to(self.device)
+        lengths = batch.attention_mask.sum(-1)
+        for idx in self._share(torch.arange(len(lengths)), lengths, micro_batch_size):
+            mb = self._pass_batch(batch, idx)
             # SFT: the data's likelihood at T = 1, untruncated
             logp, _ = self._forward(self.model, mb, 1.0, truncate=False)
             loss = -(logp * mb.loss_mask).sum() / max(total, 1.0)
             loss.backward()
             loss_sum += float(loss.detach())
+        loss_sum = self._reduce({"sft_loss": loss_sum})["sft_loss"]
         return {"sft_loss": loss_sum, "grad_norm": self._step(max_grad_norm), "tokens": total}
 
     @torch.no_grad()
     def _logprobs(self, model: nn.Module, batch: Batch, micro_batch_size: int) -> torch.Tensor:
         model.eval()
         out = torch.zeros_like(batch.loss_mask)
-        for idx in self._micros(batch.attention_mask.sum(-1), micro_batch_size):
-            mb = batch.rows(idx).to(self.device)
+        lengths = batch.attention_mask.sum(-1)
+        for idx in self._share(torch.arange(len(lengths)), lengths, micro_batch_size):
+            mb = self._pass_batch(batch, idx)
             out[idx, : mb.input_ids.size(1)] = self._forward(model, mb, self.temperature)[0].to(
                 out.device)
-        return out
+        return self._reduce_rows(out)
 
     def rl_step(
         self,
@@ -330,18 +353,23 @@ class PolicyTrainer:
         the sums of each micro-batch's terms (`_rl_backward`) and of the gradient norms, and
         the number of optimizer steps."""
         sums: dict[str, float] = defaultdict(float)
+        norms = 0.0
         self._train_mode()
-        steps = minibatches(batch, cfg.mini_batches, cfg.micro_batch_size, l_max,
-                            self.train.micro_batch_tokens, self.train.packing)
+        steps = minibatches(batch, cfg.mini_batches, cfg.micro_batch_size, l_max)
+        lengths = batch.attention_mask.sum(-1)
         for _epoch in range(cfg.ppo_epochs):
-            for _, micros, totals in steps:
-                for rows in micros:
-                    terms = self._rl_backward(batch.rows(rows).to(self.device), rows, totals,
+            for mini, _, totals in steps:
+                for rows in self._share(mini, lengths, cfg.micro_batch_size):
+                    terms = self._rl_backward(self._pass_batch(batch, rows), rows, totals,
                                               cfg.algorithm, x)
                     for key, value in terms.items():
                         sums[key] += value
-                sums["grad_norm"] += self._step(cfg.max_grad_norm)
-        return sums, cfg.ppo_epochs * len(steps)
+                norms += self._step(cfg.max_grad_norm)
+        if not x.prepass:  # each rank filled its own rows of logp_old
+            x.logp_old.copy_(self._reduce_rows(x.logp_old))
+        out = defaultdict(float, self._reduce(sums))
+        out["grad_norm"] = norms
+        return out, cfg.ppo_epochs * len(steps)
 
     def _rl_backward(self, mb: Batch, rows: torch.Tensor, totals: dict[str, float],
                      alg: AlgorithmConfig, x: _RLInputs) -> dict[str, float]:

@@ -1,0 +1,118 @@
+"""What a resumable checkpoint costs: its size, the time to write it (files, SHA-256 marker,
+fsyncs, rename) and the time to verify and read it back, for the demo's model and for a
+randomly initialised Llama of SmolLM2-135M's shape (docs/resume.md).
+
+    .venv/bin/python benchmarks/checkpoint_cost.py [--out DIR] [--repeats 3]
+
+Each model gets an AdamW optimizer that has taken one step (so it holds both moments, as
+every checkpoint after the first RL step does), then `tiller.checkpoints.write_checkpoint`
+writes the parts `save_rl` writes: the model folder (safetensors, fp32 master weights),
+trainer.pt (the optimizer's state), rng.pt and a state.json. The rollout state in a real
+state.json is a few KB more (the task ids drawn so far). Reading back is `verify` (hashing
+every file) plus `load_weights` and the optimizer's `load_state_dict`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from tiller.checkpoints import (  # noqa: E402
+    complete_checkpoints,
+    load_tensors,
+    load_weights,
+    rng_state,
+    verify,
+    write_checkpoint,
+)
+from tiller.config import load_config  # noqa: E402
+from tiller.models import build_env_model, load_model, load_tokenizer  # noqa: E402
+from tiller.plugins import load_env_class  # noqa: E402
+
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    head_dim=64, tie_word_embeddings=True, max_position_embeddings=8192)
+
+
+def demo_model(folder: Path) -> tuple[torch.nn.Module, object]:
+    cfg = load_config(ROOT / "configs" / "calculator.yaml")
+    env = load_env_class(cfg.env.name)
+    path = build_env_model(env, folder / "base_model", cfg.model.build, seed=cfg.seed,
+                           difficulty=cfg.env.difficulty, max_turns=cfg.env.max_turns,
+                           tools=[], root=folder)
+    return load_model(path, torch.float32), load_tokenizer(path)
+
+
+def llama_135m() -> tuple[torch.nn.Module, None]:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).float(), None
+
+
+def stepped_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return opt
+
+
+def measure(name: str, model: torch.nn.Module, tokenizer: object, run_dir: Path,
+            repeats: int) -> dict[str, float | str]:
+    opt = stepped_optimizer(model)
+
+    def parts(new: Path) -> dict:
+        model.save_pretrained(new / "model", safe_serialization=True, max_shard_size="1000GB")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(new / "model")
+        torch.save({"optimizer": opt.state_dict()}, new / "trainer.pt")
+        py, tensors = rng_state()
+        torch.save(tensors, new / "rng.pt")
+        return {"step": 1, "rng": py}
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text("{}\n")
+    writes, reads = [], []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        write_checkpoint(run_dir, i + 1, 1, parts)
+        writes.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        ckpt = verify(complete_checkpoints(run_dir)[0])
+        load_weights(model, ckpt)
+        opt.load_state_dict(load_tensors(ckpt.path / "trainer.pt")["optimizer"])
+        reads.append(time.perf_counter() - t0)
+    params = sum(p.numel() for p in model.parameters())
+    return {"model": name, "params_M": round(params / 1e6, 2),
+            "size_MiB": round(ckpt.size / 2**20, 1),
+            "write_s_median": round(sorted(writes)[len(writes) // 2], 2),
+            "read_s_median": round(sorted(reads)[len(reads) // 2], 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None, help="folder to write in (default: temp)")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.out) as tmp:
+        root = Path(tmp)
+        rows = [measure("demo (configs/calculator.yaml)", *demo_model(root / "demo"),
+                        root / "demo", args.repeats),
+                measure("random Llama, SmolLM2-135M shape", *llama_135m(), root / "llama",
+                        args.repeats)]
+    for row in rows:
+        print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+"""The engine backends side by side, with HF `generate` as the baseline measured in the same run.
+
+Backends (`--backends`): `hf` (plain `model.generate`: one left-padded batched call for single
+turn, `HFWaveActor` of benchmarks/engine.py for multi-turn), `embedded` (EmbeddedEngine in this
+process), `serve` (the embedded engine in a managed `tiller serve` subprocess, driven through
+HttpEngine) and `vllm` (a managed vLLM CPU server from .venv-vllm, driven through VllmEngine).
+Models (`--models`): `demo` (a Qwen3 like the demo's: hidden 128, 2 layers, 4 heads, head_dim
+32), `25m` (hidden 512, 8 layers, 8 heads, head_dim 64; both random weights built by
+`tiller.models.build_tiny_model`), `135m` (SmolLM2-135M-Instruct from `tiller models fetch`).
+
+Per cell (model x backend), fp32, temperature 1:
+  single   generated tokens/s of --prompts calculator prompts (chat template with tool schemas),
+           all submitted at once, --max-new-tokens each.
+  multi    generated tokens/s of --episodes concurrent episodes of `FixedTurnsEnv`
+           (benchmarks/engine.py) with --turns assistant turns each, every turn's prompt the
+           previous context plus a tool result, through the real agent loop (`collect`).
+  client   for the HTTP backends: tiller's client-side time outside the HTTP wait over the total,
+           sum over requests of (`generate` awaited - `_post`) / sum of `generate` awaited
+           (request building, answer checks, thread hops); over the multi-turn run.
+  vs hf    the cell's tokens/s over HF's on the same model in this run.
+Weight sync (`--sync`, needs vllm in the backends): a full push into the vLLM server
+(`VllmEngine.update_weights` through a folder on disk, benchmarks/vllm_sync.py's `push_times`)
+against `save_pretrained` of the same model to local disk; medians of --repeats, per model.
+RL step (`--rl-steps N`): `tiller train` of configs/calculator.yaml (heads 4: head_dim 32) with a
+short SFT and N RL steps per backend; the per-step rollout/train/sync seconds from metrics.jsonl.
+
+    PYTHONPATH=src OMP_NUM_THREADS=1 .venv/bin/python benchmarks/engines.py \\
+        --models demo,25m,135m --backends hf,embedded,serve,vllm --sync --rl-steps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engine as bench  # noqa: E402 - benchmarks/engine.py: the shared single/multi-turn pieces
+import vllm_sync  # noqa: E402 - benchmarks/vllm_sync.py: the timed weight push
+
+from tiller.config import VllmEngineConfig, load_config  # noqa: E402
+from tiller.controller import train  # noqa: E402
+from tiller.engine.api import Generation  # noqa: E402
+from tiller.engine.embedded import EmbeddedEngine  # noqa: E402
+from tiller.engine.http import HttpEngine, connect  # noqa: E402
+from tiller.engine.servers import ManagedServers, tiller_serve_specs  # noqa: E402
+from tiller.engine.updates import WeightUpdate  # noqa: E402
+from tiller.engine.vllm import connect_vllm  # noqa: E402
+from tiller.models import build_tiny_model  # noqa: E402
+from tiller.rollout.agent_loop import EngineActor, EpisodeLimits  # noqa: E402
+from tiller.rollout.chat import end_of_turn_token  # noqa: E402
+
+BUILT = {"demo": (128, 2, 4), "25m": (512, 8, 8)}  # hidden, layers, heads
+FETCHED = Path.home() / ".cache/tiller/models/smollm2-135m-instruct"
+BACKENDS = ("hf", "embedded", "serve", "vllm")
+RL_SHORT = ["model.build.num_heads=4", "sft.tasks=128", "sft.epochs=1", "eval.tasks=8",
+            "rl.tasks_per_step=4", "rl.group_size=4", "logging.progress=false",
+            "logging.report=false", "runtime.threads=1"]
+RL_BACKENDS = {"embedded": ["engine.backend=embedded"],
+               "serve": ["engine.backend=http", "engine.servers=1"],
+               "vllm": ["engine.backend=vllm"]}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="demo,25m,135m")
+    ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--episodes", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3, help="weight-sync pushes per model")
+    ap.add_argument("--sync", action="store_true", help="time weight sync into vLLM")
+    ap.add_argument("--rl-steps", type=int, default=0, help="RL steps of `tiller train` per "
+                    "backend on the demo config (0: no RL section)")
+    ap.add_argument("--work", default="/tmp/tiller-engines")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+    args.models, args.backends = args.models.split(","), args.backends.split(",")
+    unknown = set(args.backends) - set(BACKENDS) | set(args.models) - {*BUILT, "135m"}
+    if unknown:
+        ap.error(f"unknown models/backends: {sorted(unknown)}")
+    return args
+
+
+def model_dir(name: str, work: Path) -> Path:
+    if name == "135m":
+        return FETCHED
+    hidden, layers, heads = BUILT[name]
+    path = work / f"model-{name}"
+    if not path.exists():
+        build_tiny_model(path, vllm_sync.CORPUS, vocab_size=1024, hidden_size=hidden,
+                         num_layers=layers, num_heads=heads, max_positions=1024)
+    return path
+
+
+class ClientClock:
+    """Sums, over the requests of an HttpEngine, the awaited `generate` time and the `_post`
+    (HTTP wait) time inside it, by wrapping the two methods of this one instance."""
+
+    def __init__(self, engine: HttpEngine):
+        self.total_s = self.http_s = 0.0
+        post, generate = engine._post, engine.generate
+
+        @functools.wraps(post)
+        async def timed_post(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return await post(*a, **k)
+            finally:
+                self.http_s += time.perf_counter() - t0
+
+        @functools.wraps(generate)
+        async def timed_generate(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return await generate(*a, **k)
+            finally:
+                self.total_s += time.perf_counter() - t0
+
+        engine._post, engine.generate = timed_post, timed_generate
+
+    def share(self) -> float:
+        """(total - HTTP wait) / total."""
+        return (self.total_s - self.http_s) / self.total_s
+
+
+def start(backend: str, model: Any, tok: Any, path: Path, run_dir: Path) -> Any:
+    """The engine of `backend` holding `model`'s weights (None for hf)."""
+    if backend == "embedded":
+        return EmbeddedEngine(model, tok.pad_token_id, max_batch_size=64)
+    initial = WeightUpdate.full(model, 0)
+    if backend == "serve":
+        weights = run_dir / "weights"
+        weights.mkdir(parents=True, exist_ok=True)
+        managed = ManagedServers(tiller_serve_specs(path, 1, weights_root=weights,
+                                                    dtype="float32", threads=1),
+                                 log_dir=run_dir / "servers", startup_timeout_s=300)
+        return connect(managed.start(), weights_dir=weights, api_key=None,
+                       request_timeout_s=600, max_retries=0,
+                       vocab_size=model.config.vocab_size,
+                       max_context=model.config.max_position_embeddings, initial=initial,
+                       dtype="float32", root=run_dir, managed=managed)
+    if backend == "vllm":
+        return connect_vllm(VllmEngineConfig(kv_cache_bytes=512 << 20, startup_timeout_s=600),
+                            model, tok, run_dir=run_dir, initial=initial, dtype="float32")
+    return None
+
+
+def single(backend: str, engine: Any, model: Any, tok: Any, args: argparse.Namespace) -> float:
+    prompts = bench.calc_prompts(tok, args.prompts)
+    params = bench.params_for(tok, model, args.max_new_tokens)
+    t0 = time.perf_counter()
+    if engine is None:
+        rows, _ = bench.hf_generate(model, prompts, params, tok.pad_token_id, 0)
+        tokens = sum(map(len, rows))
+    else:
+        tokens = bench.run_engine_single(engine, prompts, params, 0)
+    return tokens / (time.perf_counter() - t0)
+
+
+class ClosedTurns:
+    """An actor whose turns that ran out of --max-new-tokens ("length") are closed with the
+    end-of-turn token, as if sampled (logprob 0), so that random-weight models play every turn
+    of `FixedTurnsEnv` instead of ending the episode truncated. The closing tokens are counted
+    in `added` and left out of the tokens/s."""
+
+    def __init__(self, actor: Any, eot: int):
+        self.actor, self.eot, self.added = actor, eot, 0
+
+    async def act(self, prompt_ids: list[int], messages: list[dict], seed: int,
+                  session_id: str | None = None) -> Generation:
+        gen = await self.actor.act(prompt_ids, messages, seed, session_id=session_id)
+        if gen.finish_reason != "length":
+            return gen
+        self.added += 1
+        versions = (*gen.versions, gen.versions[-1]) if gen.versions else ()
+        return dataclasses.replace(gen, token_ids=[*gen.token_ids, self.eot],
+                                   logprobs=[*gen.logprobs, 0.0], finish_reason="stop",
+                                   versions=versions)
+
+
+def multi(engine: Any, model: Any, tok: Any, args: argparse.Namespace) -> tuple[float, float]:
+    """(generated tokens/s, turns per episode) of the multi-turn episodes."""
+    params = bench.params_for(tok, model, args.max_new_tokens)
+    bench.FixedTurnsEnv.turns = args.turns
+    limits = EpisodeLimits(args.turns, model.config.max_position_embeddings)
+    tasks = bench.CalculatorEnv.make_tasks("train", args.episodes, 7, 2)
+    inner = (bench.HFWaveActor(model, params, tok.pad_token_id, 64, 0) if engine is None
+             else EngineActor(engine, params))
+    actor = ClosedTurns(inner, tok.convert_tokens_to_ids(end_of_turn_token(tok)))
+    trajs, wall = bench.run_episodes(actor, bench.FixedTurnsEnv, tasks, 1, tok, limits, 0)
+    aborted = sum(t.status.value == "aborted" for t in trajs)
+    if aborted:
+        raise RuntimeError(f"{aborted} of {len(trajs)} episodes aborted")
+    return ((sum(t.num_generated for t in trajs) - actor.added) / wall,
+            sum(t.num_turns for t in trajs) / len(trajs))
+
+
+def cell(name: str, backend: str, args: argparse.Namespace, sync: dict) -> dict[str, Any]:
+    path = model_dir(name, Path(args.work))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    t0 = time.perf_counter()
+    engine = start(backend, model, tok, path, Path(args.work) / f"run-{name}-{backend}")
+    row: dict[str, Any] = {"model": name, "params_m": bench.millions(model), "backend": backend,
+                           "start_s": time.perf_counter() - t0}
+    try:
+        single(backend, engine, model, tok, args)  # warm-up (first allocations), every side
+        row["single_tok_s"] = single(backend, engine, model, tok, args)
+        clock = ClientClock(engine) if isinstance(engine, HttpEngine) else None
+        row["multi_tok_s"], row["turns"] = multi(engine, model, tok, args)
+        row["client_share"] = clock.share() if clock else None
+        if backend == "vllm" and args.sync:
+            sync[name] = sync_times(engine, model, Path(args.work) / f"run-{name}-vllm", args)
+    finally:
+        if engine is not None:
+            engine.close()
+    print(f"{name} {backend}: {row}", file=sys.stderr)
+    return row
+
+
+def sync_times(engine: Any, model: Any, run_dir: Path, args: argparse.Namespace) -> dict:
+    """Median seconds of a full push into vLLM and of `save_pretrained` to local disk."""
+    med = statistics.median
+    save = [vllm_sync.timed(lambda: model.save_pretrained(run_dir / "hf-save"))
+            for _ in range(args.repeats)]
+    push, write = vllm_sync.push_times(engine, model, run_dir / "weights", 1, args.repeats)
+    return {"save_s": med(save), "push_s": med(push), "write_s": med(write),
+            "ratio": med(push) / med(save)}
+
+
+def rl_steps(backend: str, args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(args.work) / f"rl-{backend}"
+    cfg = load_config("configs/calculator.yaml",
+                      [*RL_SHORT, f"rl.steps={args.rl_steps}", *RL_BACKENDS[backend]])
+    train(cfg, out)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if r["phase"] == "rl"]
+    mean = lambda k: sum(r.get(k, 0.0) for r in rl) / len(rl)  # noqa: E731
+    return {"backend": backend, "steps": len(rl), "rollout_s": mean("rollout_s"),
+            "train_s": mean("train_s"), "sync_s": mean("sync_s"), "step_s": mean("step_s")}
+
+
+def tables(rows: list[dict], sync: dict) -> str:
+    hf = {r["model"]: r for r in rows if r["backend"] == "hf"}
+
+    def vs(r: dict, key: str) -> str:
+        base = hf.get(r["model"])
+        return f"{r[key] / base[key]:.2f}x" if base else "-"
+
+    out = ["| model | backend | start s | single tok/s | vs hf | multi tok/s | vs hf | "
+           "turns/ep | client share |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        share = f"{100 * r['client_share']:.1f}%" if r["client_share"] is not None else "-"
+        out.append(f"| {r['model']} ({r['params_m']}) | {r['backend']} | {r['start_s']:.1f} | "
+                   f"{r['single_tok_s']:.0f} | {vs(r, 'single_tok_s')} | "
+                   f"{r['multi_tok_s']:.0f} | {vs(r, 'multi_tok_s')} | {r['turns']:.1f} | "
+                   f"{share} |")
+    if sync:
+        out += ["", "| model | save_pretrained s | vLLM push s | of which write s | push / save |",
+                "|---|---|---|---|---|"]
+        out += [f"| {m} | {s['save_s']:.3f} | {s['push_s']:.3f} | {s['write_s']:.3f} | "
+                f"{s['ratio']:.2f}x |" for m, s in sync.items()]
+    return "\n".join(out)
+
+
+def rl_table(rl: list[dict]) -> str:
+    out = ["| backend | RL steps | rollout s/step | train s/step | sync s/step | step s |",
+           "|---|---|---|---|---|---|"]
+    out += [f"| {r['backend']} | {r['steps']} | {r['rollout_s']:.2f} | {r['train_s']:.2f} | "
+            f"{r['sync_s']:.2f} | {r['step_s']:.2f} |" for r in rl]
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    sync: dict[str, dict] = {}
+    rows = [cell(m, b, args, sync) for m in args.models for b in args.backends]
+    print(tables(rows, sync), flush=True)  # before the RL section, which takes longest
+    rl = [rl_steps(b, args) for b in args.backends if b in RL_BACKENDS] if args.rl_steps else []
+    if rl:
+        print("\n" + rl_table(rl))
+    result = {"rows": rows, "sync": sync, "rl": rl}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Weight sync into a managed vLLM CPU server: seconds of a full update through a folder on disk
+(the run folder) and on tmpfs (/dev/shm), against a plain `save_pretrained` of the same model
+to disk. Each push is `VllmEngine.update_weights`: the shape and finiteness check, the write
+(`save`), then on the server /pause, /collective_rpc reload_weights, /reset_prefix_cache and
+/resume (`reload`). Medians of --repeats; the parity of the last push is printed too.
+
+    bash scripts/setup.sh      # .venv-vllm
+    PYTHONPATH=src OMP_NUM_THREADS=1 .venv/bin/python benchmarks/vllm_sync.py
+
+The model: a Qwen3 built by `tiller.models.build_tiny_model` with --hidden/--layers/--heads
+(default 512/8/8, head_dim 64: 25.7M parameters with the 1024-token tokenizer), fp32.
+vLLM's CPU weight-transfer engines (`vllm.distributed.weight_transfer.factory`) are NCCL and
+CUDA IPC ones, so on CPU the folder path is the one there is; tmpfs is its shared-memory form.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tiller.config import VllmEngineConfig
+from tiller.engine.updates import WeightUpdate
+from tiller.engine.vllm import VllmEngine, connect_vllm
+from tiller.models import build_tiny_model
+
+CORPUS = ["the calculator adds 1 + 2 = 3 and <tool_call> answers </tool_call>"] * 200
+
+
+def timed(fn) -> float:  # noqa: ANN001 - any callable
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def push_times(engine: VllmEngine, model: torch.nn.Module, folder: Path, first: int,
+               repeats: int) -> tuple[list[float], list[float]]:
+    """(total, write) seconds of `repeats` full pushes through `folder`."""
+    engine.weights_dir, engine.root = folder, folder
+    totals, writes = [], []
+    for i in range(repeats):
+        update = WeightUpdate(first + i, {k: v.detach() for k, v in model.state_dict().items()})
+        writes.append(timed(lambda u=update: engine._save(u, folder / "probe")))
+        totals.append(timed(lambda u=update: engine.update_weights(u)))
+    return totals, writes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", default="/tmp/tiller-vllm-sync")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    work = Path(args.work)
+    path = work / f"model-{args.hidden}-{args.layers}-{args.heads}"
+    if not path.exists():
+        build_tiny_model(path, CORPUS, vocab_size=1024, hidden_size=args.hidden,
+                         num_layers=args.layers, num_heads=args.heads, max_positions=512)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    hf = [timed(lambda: model.save_pretrained(work / "hf")) for _ in range(args.repeats)]
+    engine = connect_vllm(VllmEngineConfig(kv_cache_bytes=64 << 20), model, tok,
+                          run_dir=work / "run", initial=WeightUpdate.full(model, 0),
+                          dtype="float32")
+    try:
+        disk = push_times(engine, model, work / "run" / "weights", 1, args.repeats)
+        shm = push_times(engine, model, Path("/dev/shm/tiller-vllm-sync"), 100, args.repeats)
+        probe = list(range(1, 65))
+        ours = torch.log_softmax(model(torch.tensor([probe])).logits[0, :-1], -1)
+        ref = ours.gather(1, torch.tensor(probe[1:])[:, None])[:, 0]
+        parity = (torch.tensor(engine.score(probe)) - ref).abs().max().item()
+    finally:
+        engine.close()
+    med = statistics.median
+    print(f"model {params:.1f}M parameters, fp32; medians of {args.repeats}")
+    print("| path | push s (total) | write s | reload s (total - write) | vs save_pretrained |")
+    print("|---|---|---|---|---|")
+    print(f"| save_pretrained to disk | - | {med(hf):.3f} | - | 1.00x |")
+    for name, (total, write) in (("folder on disk", disk), ("folder on /dev/shm", shm)):
+        print(f"| {name} | {med(total):.3f} | {med(write):.3f} | "
+              f"{med(total) - med(write):.3f} | {med(total) / med(hf):.2f}x |")
+    print(f"parity after the last push: max |logprob diff| {parity:.2e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""Managed servers: engine servers tiller starts as child processes, health-checks and stops.
+
+Each server runs in its own process group (its session), so stopping it reaches every process it
+spawned (vLLM's engine core, its workers): SIGTERM to the group, a grace period, then SIGKILL to
+the group, and the leader is reaped. Its stdout and stderr go to `<log_dir>/<name>.log`; its
+temporary files (TMPDIR) go to a fresh `tiller-<name>-*` folder in the system temp folder (short:
+vLLM puts its ZMQ sockets there, and a socket path is at most 107 bytes), removed when it stops.
+
+Start-up waits for `GET <url><health_path>` to answer 200, at most `startup_timeout_s` for all
+servers together; a server that exits meanwhile is reported at once, not at the timeout. Either
+failure is one line naming the server, its URL, its log file and the log's last line, and every
+server started is stopped before it is raised. `ManagedServers` is a context manager and is what
+an engine's `close` (registered on the run's ExitStack: success, error, Ctrl-C) stops.
+
+The command of a server is any argv with `{port}` where its port goes: the vLLM backend starts
+`python -m vllm.entrypoints.openai.api_server`; `tiller serve` can be started the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from tiller.errors import RunError
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.25  # how often start-up checks health and whether a server exited
+STOP_GRACE_S = 10.0  # after SIGTERM, how long a server may take to exit before SIGKILL
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One server to start: `argv` with `{port}` where its port goes, extra environment `env`
+    (on top of this process's), and the path that answers 200 once it serves."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    health_path: str = "/health"
+
+
+@dataclass
+class _Running:
+    spec: ServerSpec
+    url: str
+    log: Path
+    tmp: Path
+    proc: subprocess.Popen[bytes]
+    log_file: IO[bytes]
+
+
+def tiller_serve_specs(model_dir: Path, count: int, *, weights_root: Path, dtype: str,
+                       threads: int | str) -> list[ServerSpec]:
+    """`count` `tiller serve` processes of the model in `model_dir` (this Python, this tiller),
+    loading weight versions from below `weights_root`, on the CPU with `threads` threads
+    (a number or auto, `tiller serve --threads`)."""
+    argv = [sys.executable, "-m", "tiller", "serve", str(model_dir), "--port", "{port}",
+            "--weights-root", str(weights_root), "--dtype", dtype, "--device", "cpu",
+            "--threads", str(threads)]
+    return [ServerSpec(f"serve-{i}", argv) for i in range(count)]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (the OS picks it). Another process may still take it
+    before the server binds: the server then exits at start-up, which is reported at once."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def last_line(path: Path, limit: int = 300) -> str:
+    """The last non-empty line of the file at `path` (at most `limit` characters), or a note
+    that it is empty or missing."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+            lines = [s for s in f.read().decode("utf-8", "replace").splitlines() if s.strip()]
+    except OSError as e:
+        return f"(log unreadable: {e})"
+    return lines[-1].strip()[:limit] if lines else "(log empty)"
+
+
+class ManagedServers:
+    """The servers of `specs`, each on a free loopback port of `host`; `start()` returns their
+    base URLs once every one is healthy, `close()` stops them (idempotent)."""
+
+    def __init__(self, specs: list[ServerSpec], *, log_dir: str | Path,
+                 startup_timeout_s: float = 300.0, host: str = "127.0.0.1"):
+        self.specs = list(specs)
+        self.log_dir = Path(log_dir)
+        self.startup_timeout_s = startup_timeout_s
+        self.host = host
+        self.running: list[_Running] = []
+
+    @property
+    def urls(self) -> list[str]:
+        return [r.url for r in self.running]
+
+    def start(self) -> list[str]:
+        """Start every server and wait until each answers its health path; on any failure
+        (one exits, the timeout passes, Ctrl-C) every server started is stopped first, then
+        one RunError naming the server, URL and log file is raised."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            for spec in self.specs:
+                self.running.append(self._spawn(spec))
+            self._wait_healthy()
+        except BaseException:
+            self.close()
+            raise
+        return self.urls
+
+    def _spawn(self, spec: ServerSpec) -> _Running:
+        port = free_port(self.host)
+        log = self.log_dir / f"{spec.name}.log"
+        tmp = Path(tempfile.mkdtemp(prefix=f"tiller-{spec.name}-"))
+        argv = [a.replace("{port}", str(port)) for a in spec.argv]
+        log_file = open(log, "ab")  # noqa: SIM115 - closed in _stop
+        log_file.write(f"$ {' '.join(argv)}\n".encode())
+        log_file.flush()
+        env = {**os.environ, **spec.env, "TMPDIR": str(tmp)}
+        try:
+            proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        except OSError as e:
+            log_file.close()
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise RunError(f"server {spec.name}: could not start {argv[0]!r} ({e}); log "
+                           f"{log}") from e
+        logger.info("started server %s (pid %d) on port %d; log %s", spec.name, proc.pid, port,
+                    log)
+        return _Running(spec, f"http://{self.host}:{port}", log, tmp, proc, log_file)
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        waiting = list(self.running)
+        while waiting:
+            for r in list(waiting):
+                code = r.proc.poll()
+                if code is not None:
+                    raise RunError(f"server {r.spec.name} ({r.url}) exited with code {code} "
+                                   f"during start-up; log {r.log}: {last_line(r.log)}")
+                if _healthy(r.url + r.spec.health_path):
+                    waiting.remove(r)
+            if waiting and time.monotonic() > deadline:
+                r = waiting[0]
+                raise RunError(f"server {r.spec.name} ({r.url}) did not answer "
+                               f"{r.spec.health_path} within {self.startup_timeout_s:g} s; log "
+                               f"{r.log}: {last_line(r.log)}")
+            if waiting:
+                time.sleep(POLL_S)
+
+    def check_alive(self) -> None:
+        """RunError naming the first server that has exited, its code and log."""
+        for r in self.running:
+            code = r.proc.poll()
+            if code is not None:
+                raise RunError(f"server {r.spec.name} ({r.url}) exited with code {code}; log "
+                               f"{r.log}: {last_line(r.log)}")
+
+    def close(self) -> None:
+        """Stop every server (SIGTERM to its group, `STOP_GRACE_S`, then SIGKILL), reap it and
+        remove its temporary folder. Idempotent."""
+        while self.running:
+            _stop(self.running.pop())
+
+    def __enter__(self) -> ManagedServers:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as r:  # noqa: S310 - our loopback URL
+            return bool(r.status == 200)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):  # the whole group has exited
+        os.killpg(pgid, sig)
+
+
+def _stop(r: _Running) -> None:
+    pgid = r.proc.pid  # start_new_session: the leader's pid is the group's id
+    _signal_group(pgid, signal.SIGTERM)
+    try:
+        r.proc.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        logger.warning("server %s did not stop within %g s of SIGTERM; SIGKILL", r.spec.name,
+                       STOP_GRACE_S)
+    _signal_group(pgid, signal.SIGKILL)  # whatever of the group is left (engine workers)
+    r.proc.wait()
+    r.log_file.close()
+    shutil.rmtree(r.tmp, ignore_errors=True)
+    logger.info("stopped server %s (exit code %s)", r.spec.name, r.proc.returncode)

@@ -1,0 +1,301 @@
+"""The vLLM backend: the engine protocol over vLLM OpenAI-compatible servers, managed (tiller
+starts them from their own Python environment, `engine/servers.py`) or attached (`engine.urls`).
+
+It is the HTTP backend (`http.HttpEngine`: sticky sessions, retries on another server, servers
+marked down, bounded waits) speaking vLLM's API instead of SGLang's:
+- generate: `POST /v1/completions` with the prompt as token ids, `return_token_ids`, `logprobs:
+  0` (the sampled token's logprob), the request's `seed`, the stop token ids and
+  `request_id`; the answer's `token_ids` are the trajectory's (token in, token out). The servers
+  run with `--logprobs-mode processed_logprobs`: the logprob of the distribution sampled from
+  (after temperature, top-k and top-p), i.e. `sampling.logprobs: sampled`.
+- abort: `POST /abort_requests` with vLLM's id of the request (`cmpl-<id>-0`).
+- pause / resume: `POST /pause?mode=keep` (requests stay queued) and `POST /resume`.
+- weights: full updates only, written as safetensors (tied tensors each written out: a reload
+  of the embedding alone leaves vLLM's lm_head stale), then per server `/pause`, `POST
+  /collective_rpc` `reload_weights(weights_path=...)`, `POST /reset_prefix_cache?
+  reset_running_requests=true` (else KV computed by the old weights is reused) and `/resume`.
+  An update is checked against the served model's names and shapes first: a tensor vLLM cannot
+  place kills the server.
+- parity: `prompt_logprobs` of the probe at temperature 1 (`score`).
+vLLM reports no weight version: every token of an answer gets the version its request started
+under, as the HTTP backend records a server that reports none (a turn spanning an update counts
+as staler than it is, never fresher). These endpoints need `VLLM_SERVER_DEV_MODE=1`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import save_file
+from transformers import PreTrainedModel
+
+from tiller.config import VllmEngineConfig
+from tiller.engine.api import Generation, SamplingParams
+from tiller.engine.delta import DeltaUpdate
+from tiller.engine.http import _SKIPPED, HttpEngine, Server, ServerDown
+from tiller.engine.servers import ManagedServers, ServerSpec, last_line
+from tiller.engine.updates import WeightSyncError, WeightUpdate
+from tiller.engine.wire import TillerDialect, short
+from tiller.errors import ConfigError, RunError
+
+logger = logging.getLogger(__name__)
+SERVED_NAME = "tiller"  # --served-model-name: the `model` of every request
+FINISH = {"stop": "stop", "length": "length", "abort": "abort"}  # vLLM's reasons -> tiller's
+# the environment of a managed server: the RL endpoints, the engine core in the API server's
+# process (one process group to stop, faster start-up), no CPU pinning (it shares the machine)
+SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+              "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+class VllmDialect(TillerDialect):
+    """What the router needs to know of vLLM beyond `VllmEngine`'s own requests and answers:
+    its name in messages, and that it reloads full checkpoints only (the weight sync defaults
+    to full)."""
+
+    name = "vLLM"
+    takes_deltas = False
+
+
+VLLM = VllmDialect()
+
+
+class VllmEngine(HttpEngine):
+    """`Engine` over vLLM servers at `urls`; `managed` (when tiller started them) is stopped at
+    `close`. `shapes`: the served model's tensors by name (an update must match them)."""
+
+    def __init__(self, urls: list[str], *, weights_dir: str | Path,
+                 shapes: dict[str, tuple[int, ...]], **kwargs: Any):
+        super().__init__(urls, weights_dir=weights_dir, dialect=VLLM, **kwargs)
+        self.shapes = shapes
+
+    # ------------------------------------------------------------------ generate
+    def _request(self, prompt_ids: list[int], params: SamplingParams, max_new: int, seed: int,
+                 rid: str, session_id: str | None) -> tuple[str, dict[str, Any]]:
+        return "/v1/completions", {
+            "model": SERVED_NAME, "prompt": prompt_ids, "max_tokens": max_new,
+            "temperature": params.temperature, "top_p": params.top_p,
+            "top_k": params.top_k or -1,  # vLLM: -1 = off
+            "seed": seed & (2**63 - 1), "stop_token_ids": list(params.stop_token_ids),
+            "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
+            "request_id": rid, "ignore_eos": True,  # only the template's stop tokens end a turn
+        }
+
+    def _parse(self, server: Server, answer: Any, prompt_tokens: int, started: int,
+               params: SamplingParams) -> Generation:
+        try:
+            choice = answer["choices"][0]
+            ids = [int(t) for t in choice["token_ids"]]
+            logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+            reason = FINISH[choice["finish_reason"]]
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise RunError(f"server {server.url}: /v1/completions answer lacks choices[0] "
+                           f"token_ids, logprobs.token_logprobs or a known finish_reason: "
+                           f"{type(e).__name__}: {e}") from e
+        if len(logprobs) != len(ids):
+            raise RunError(f"server {server.url}: {len(logprobs)} logprobs for {len(ids)} "
+                           "token ids")
+        version = min(started, server.version)
+        usage = answer.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
+        return Generation(ids, logprobs, reason, server.version, versions=(version,) * len(ids),
+                          prompt_tokens=int(usage.get("prompt_tokens", prompt_tokens)),
+                          cached_tokens=int(details.get("cached_tokens") or 0))
+
+    # ------------------------------------------------------------------ control
+    def abort(self, request_id: str, *, timeout_s: float | None = None) -> bool:
+        server = self._rids.get(request_id)
+        if server is None:
+            return False
+        answer = self._call(self._post(server, "/abort_requests",
+                                       {"request_ids": [f"cmpl-{request_id}-0"]},
+                                       timeout=timeout_s),
+                            f"abort of {request_id} on {server.url}",
+                            None if timeout_s is None else timeout_s + 1.0)
+        return isinstance(answer, dict) and int(answer.get("aborted", 0)) > 0
+
+    def pause(self) -> None:
+        self._fan_out("/pause?mode=keep")
+
+    def resume(self) -> None:
+        self._fan_out("/resume")
+
+    def flush_cache(self) -> int:
+        """Drop every server's prefix cache; vLLM reports no count, so 0."""
+        self._fan_out("/reset_prefix_cache?reset_running_requests=true")
+        return 0
+
+    def check_servers(self, vocab_size: int, max_context: int, dtype: str | None = None) -> None:
+        """Every server serves `SERVED_NAME` with the trainer's context length (`/v1/models`);
+        else one RunError naming it."""
+        for server in self.servers:
+            info = self._call(self._post(server, "/v1/models"), f"/v1/models on {server.url}")
+            models = {m.get("id"): m for m in info.get("data", [])} if isinstance(info, dict) \
+                else {}
+            got = models.get(SERVED_NAME, {}).get("max_model_len")
+            if got != max_context:
+                raise RunError(f"vLLM server {server.url}: /v1/models lists "
+                               f"{short(str(info))}; expected model {SERVED_NAME!r} with "
+                               f"max_model_len {max_context} (start it with "
+                               f"--served-model-name {SERVED_NAME} --max-model-len "
+                               f"{max_context})")
+        self.max_context = max_context
+
+    # ------------------------------------------------------------------ weights
+    def _save(self, update: WeightUpdate | DeltaUpdate, folder: Path) -> None:
+        """Check `update` against the served model, then write it as one safetensors file."""
+        if isinstance(update, DeltaUpdate) or update.partial:
+            raise WeightSyncError(f"weight update v{update.version}: the vLLM backend takes "
+                                  "full updates only; set weight_sync.mode: full")
+        problems = [f"{n}: missing" for n in self.shapes if n not in update.tensors]
+        problems += [f"{n}: not in the served model" for n in update.tensors
+                     if n not in self.shapes]
+        problems += [f"{n}: shape {tuple(t.shape)}, served {self.shapes[n]}"
+                     for n, t in update.tensors.items()
+                     if n in self.shapes and tuple(t.shape) != self.shapes[n]]
+        # one pass, no mask: a NaN or inf makes the sum one (so does a sum past the dtype's
+        # range, which no servable weights have): 4 ms on 25M fp32 values; isfinite().all(): 50 ms
+        problems += [f"{n}: not finite" for n, t in update.tensors.items()
+                     if t.is_floating_point() and not math.isfinite(float(t.sum()))]
+        if problems:
+            raise WeightSyncError(f"weight update v{update.version} does not fit the vLLM "
+                                  f"servers' model (not sent): {'; '.join(problems[:8])}")
+        folder.mkdir(parents=True, exist_ok=True)
+        # each name its own storage: safetensors refuses shared ones, and vLLM must get lm_head
+        # (tied to the embedding) as a tensor of its own; only the second name is copied
+        seen: set[int] = set()
+        tensors = {}
+        for n, t in update.tensors.items():
+            t = t.detach().contiguous()
+            tensors[n] = t.clone() if t.data_ptr() in seen else t
+            seen.add(t.data_ptr())
+        save_file(tensors, str(folder / "model.safetensors"))
+
+    async def _push(self, server: Server, *, update: WeightUpdate | DeltaUpdate, body: dict,
+                    timeout_s: float | None) -> bool:
+        if server.down and not await self._may_rejoin(server, update):
+            return False
+        mode = "abort" if body["abort_all_requests"] else "keep"
+        rpc = {"method": "reload_weights", "kwargs": {"weights_path": body["model_path"]}}
+        server.pending = update.version
+        try:
+            for path, payload in ((f"/pause?mode={mode}", {}), ("/collective_rpc", rpc),
+                                  ("/reset_prefix_cache?reset_running_requests=true", {}),
+                                  ("/resume", {})):
+                answer = await self._post(server, path, payload, timeout=timeout_s)
+                if path.startswith("/reset") and not (isinstance(answer, dict)
+                                                      and answer.get("success") is True):
+                    raise RunError(f"weight push v{update.version}: server {server.url} "
+                                   f"answered {path} with {short(str(answer))}: its cache "
+                                   "may hold KV of the old weights")
+        except ServerDown as e:
+            self._mark_down(server, f"weight update v{update.version}: {e}")
+            self.counters["push_skipped_down"] += 1
+            logger.warning("weight push v%d: vLLM server %s failed (%s); marked down, skipped",
+                           update.version, server.url, e)
+            return False
+        finally:
+            server.pending = None
+        server.previous, server.version = server.version, update.version
+        if server.down:
+            server.down = False
+            self.counters["servers_rejoined"] += 1
+        return True
+
+    async def _score_on(self, server: Server, *, token_ids: list[int],
+                        timeout_s: float | None) -> list[float] | object:
+        """log p(token_i | tokens_<i) for i >= 1 at temperature 1 from `server`'s
+        `prompt_logprobs` (`HttpEngine.score_servers` calls it on every up server)."""
+        body = {"model": SERVED_NAME, "prompt": token_ids, "max_tokens": 1, "temperature": 1.0,
+                "prompt_logprobs": 0, "seed": 0}
+        answer = await self._control(server, "/v1/completions", body, timeout=timeout_s,
+                                     doing="scoring the parity probe: ")
+        if answer is _SKIPPED:
+            return _SKIPPED
+        try:
+            rows = answer["choices"][0]["prompt_logprobs"]
+            return [float(rows[i][str(t)]["logprob"]) for i, t in enumerate(token_ids) if i]
+        except (KeyError, TypeError, IndexError, ValueError) as e:
+            raise RunError(f"vLLM server {server.url}: prompt_logprobs answer "
+                           f"{short(str(answer))}: {type(e).__name__}: {e}") from e
+
+
+def server_specs(python: str, model_dir: Path, count: int, *, max_context: int, dtype: str,
+                 kv_cache_bytes: int, threads: int, extra_args: list[str]) -> list[ServerSpec]:
+    """The commands of `count` managed vLLM servers of the model saved in `model_dir`."""
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", "{port}",
+            "--dtype", dtype, "--max-model-len", str(max_context),
+            "--kv-cache-memory-bytes", str(kv_cache_bytes), "--enforce-eager",
+            "--logprobs-mode", "processed_logprobs", *extra_args]
+    env = {**SERVER_ENV, "OMP_NUM_THREADS": str(threads)}
+    return [ServerSpec(f"vllm-{i}", argv, env) for i in range(count)]
+
+
+def probe(engine: VllmEngine, token_id: int, timeout_s: float) -> None:
+    """One one-token generate on every server: vLLM answers /health before it has run the
+    model, and a model its kernels refuse (e.g. a head size its CPU attention lacks) fails
+    only then. A failure is one RunError naming the server and, when managed, its log."""
+    body = {"model": SERVED_NAME, "prompt": [token_id], "max_tokens": 1, "seed": 0,
+            "return_token_ids": True}
+    logs = {r.url: r.log for r in engine.managed.running} if engine.managed else {}
+    for server in engine.servers:
+        try:
+            engine._call(engine._post(server, "/v1/completions", body, timeout=timeout_s),
+                         f"the start-up probe on {server.url}", timeout_s + 5.0)
+        except (ServerDown, RunError) as e:
+            log = logs.get(server.url)
+            where = f"; log {log}: {last_line(log)}" if log else ""
+            raise RunError(f"vLLM server {server.url} cannot run the model (a one-token "
+                           f"generate failed: {short(str(e), 150)}){where}") from e
+
+
+def default_python() -> Path:
+    """.venv-vllm/bin/python in the tiller checkout this module is imported from."""
+    return Path(__file__).resolve().parents[3] / ".venv-vllm" / "bin" / "python"
+
+
+def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, *,
+                 run_dir: Path, initial: WeightUpdate, dtype: str) -> VllmEngine:
+    """A `VllmEngine` on `cfg.urls`, or on `cfg.servers` servers it starts from `cfg.python` on
+    the model saved to `<run_dir>/vllm-model` (logs in `<run_dir>/servers`); each server is
+    probed with a one-token generate, checked against the model and given `initial`.
+    Whatever fails closes what was started and is one error line."""
+    shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    max_context = int(model.config.max_position_embeddings)
+    managed = None
+    urls = list(cfg.urls)
+    if not urls:
+        python = Path(cfg.python) if cfg.python else default_python()
+        if not python.is_file():
+            raise ConfigError(f"config field engine.python: {python} does not exist; build the "
+                              "vLLM environment with `bash scripts/setup.sh` or point "
+                              "engine.python at a Python that has vllm")
+        model_dir = run_dir / "vllm-model"
+        model.save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+        managed = ManagedServers(
+            server_specs(str(python), model_dir, cfg.servers, max_context=max_context,
+                         dtype=dtype, kv_cache_bytes=cfg.kv_cache_bytes, threads=cfg.threads,
+                         extra_args=cfg.extra_args),
+            log_dir=run_dir / "servers", startup_timeout_s=cfg.startup_timeout_s)
+        urls = managed.start()
+    try:
+        engine = VllmEngine(urls, weights_dir=cfg.weights_dir or run_dir / "weights",
+                            root=None if cfg.weights_dir else run_dir, shapes=shapes,
+                            managed=managed, request_timeout_s=cfg.request_timeout_s,
+                            max_retries=cfg.max_retries)
+    except BaseException:
+        if managed is not None:
+            managed.close()
+        raise
+    try:
+        probe(engine, 0, cfg.startup_timeout_s)
+        engine.check_servers(int(model.config.vocab_size), max_context)
+        engine.update_weights(initial)
+    except BaseException:
+        engine.close()
+        raise
+    return engine

@@ -1,0 +1,131 @@
+"""The Ray cluster of `cluster.backend: ray`: connected to `cluster.address`, or a local instance
+started for the run (no dashboard, a small object store, its logs copied into the run folder)
+and stopped with it. Every bad input says so in one line before any work."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+from tiller.config import Config
+from tiller.config.root import gloo_only
+from tiller.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 5.0  # an address that does not accept a TCP connection by then is refused
+
+
+def ray_cpus_needed(cfg: Config) -> int:
+    """The CPUs the run's Ray actors reserve: one per rollout worker (its engine, agent loops
+    and envs) and one per trainer rank beyond rank 0 (which is the run's own process)."""
+    return cfg.cluster.rollout_workers + cfg.train.world_size - 1
+
+
+def check_cluster(cfg: Config) -> None:
+    """Before any work: trainer ranks on CPU (gloo), a CPU for every trainer rank (local); Ray
+    installed, and CPUs for every actor: at an address that answers, its free CPUs (a short
+    connection, `check_address`); else the local instance's."""
+    c = cfg.cluster
+    if cfg.train.world_size > 1 and cfg.model.device == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            raise ConfigError(gloo_only(cfg.train.world_size, "auto (cuda here)"))
+    if c.backend != "ray":
+        cpus = os.cpu_count() or 1
+        if cfg.train.world_size > cpus:  # each rank a process with at least one core
+            raise ConfigError(f"config field train.world_size: got {cfg.train.world_size}; "
+                              f"this machine has {cpus} CPUs (os.cpu_count()), one per rank")
+        return
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError("cluster.backend=ray needs Ray: pip install -c constraints.txt "
+                          "'tiller[ray]' (ray 2.60)")
+    if c.address is not None:
+        host, _, port = c.address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"config field cluster.address: got {c.address!r}; no Ray cluster "
+                              f"answers there ({type(e).__name__}: {e}); start one with "
+                              f"`ray start --head` or leave cluster.address unset") from e
+        check_address(cfg)
+        return
+    cpus = c.num_cpus or os.cpu_count() or 1
+    if ray_cpus_needed(cfg) > cpus:
+        raise ConfigError(_too_many(cfg, cpus, "cluster.num_cpus"))
+
+
+def check_address(cfg: Config) -> None:
+    """The cluster at `cluster.address` has a free CPU for every actor (`available_resources`:
+    what other jobs leave); connected only for this check."""
+    import ray
+
+    try:
+        ray.init(address=cfg.cluster.address, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    except (ConnectionError, RuntimeError) as e:  # e.g. its token authentication refused us
+        raise ConfigError(f"config field cluster.address: got {cfg.cluster.address!r}; Ray "
+                          f"could not connect ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); with token "
+                          f"authentication, this machine needs the cluster's token "
+                          f"(RAY_AUTH_TOKEN)") from e
+    try:
+        cpus = ray.available_resources().get("CPU", 0.0)
+    finally:
+        ray.shutdown()
+    if ray_cpus_needed(cfg) > cpus:
+        raise ConfigError(_too_many(cfg, cpus, f"free at {cfg.cluster.address}"))
+
+
+def _too_many(cfg: Config, cpus: float, knob: str) -> str:
+    return (f"config field cluster.rollout_workers: {cfg.cluster.rollout_workers} rollout "
+            f"workers and {cfg.train.world_size - 1} trainer rank(s) beyond rank 0 need "
+            f"{ray_cpus_needed(cfg)} CPUs; the Ray cluster has {cpus:g} ({knob})")
+
+
+class RayCluster:
+    """The run's Ray session: `start` connects or starts, `close` disconnects or stops."""
+
+    def __init__(self, cfg: Config, run_dir: Path):
+        self.cfg, self.run_dir = cfg, run_dir
+        self.temp_dir: str | None = None
+
+    def start(self) -> RayCluster:
+        import ray
+
+        c = self.cfg.cluster
+        t0 = time.perf_counter()
+        if c.address is not None:
+            ray.init(address=c.address, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)  # its CPUs checked before any work
+        else:
+            # a short folder: Ray's sockets live below it (a run folder's path may be too long)
+            self.temp_dir = tempfile.mkdtemp(prefix="tiller-ray-")
+            ray.init(num_cpus=c.num_cpus or os.cpu_count(), include_dashboard=False,
+                     object_store_memory=c.object_store_mb * 2**20, _temp_dir=self.temp_dir,
+                     log_to_driver=False, configure_logging=False)
+        log.info("ray: %s in %.1fs (%s)", "connected" if c.address else "started",
+                 time.perf_counter() - t0, ray.cluster_resources())
+        return self
+
+    def close(self) -> None:
+        """Disconnect (an address) or stop the local instance, its logs copied to
+        <run>/ray_logs first."""
+        import ray
+
+        try:
+            ray.shutdown()
+        finally:
+            if self.temp_dir is not None:
+                logs = Path(self.temp_dir) / "session_latest" / "logs"
+                if logs.is_dir():
+                    shutil.copytree(logs, self.run_dir / "ray_logs", dirs_exist_ok=True,
+                                    ignore_dangling_symlinks=True, symlinks=False)
+                shutil.rmtree(self.temp_dir, ignore_errors=True)

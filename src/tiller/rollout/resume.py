@@ -1,0 +1,71 @@
+"""The rollout manager's part of a resumable checkpoint (`tiller.checkpoints`): what it drew,
+what it still owes, and its ledger, as plain JSON data.
+
+A checkpoint is written between RL steps. A group drawn but not yet trained (running, or
+finished and waiting in the buffer) is an *open* group: the checkpoint keeps its task, and on
+resume the task stream starts with the open groups' tasks, then goes on where the checkpoint
+left it. So every task of the stream is drawn once: none skipped, none repeated. In rl.mode
+sync a checkpoint is written before the next step's groups start, so there are no open groups
+and the resumed run samples exactly what the uninterrupted one did; in one_step_off and async
+the open groups are sampled again, under the checkpoint's weights (their earlier episodes, and
+the ledger counts charged to them, are not kept).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+from tiller.envs.base import Task
+
+# `m` below is a `rollout.manager.RolloutManager` (which imports this module): its private
+# state is read and restored here, between steps, under its lock
+
+
+def manager_state(m: Any, steps_trained: int) -> dict[str, Any]:
+    """`m`'s state once `steps_trained` steps are trained, before the next one's groups
+    start in sync (the caller holds no lock; `m` takes its own)."""
+    with m._cond:
+        unit = m._units.get(m._next_unit)
+        full = unit is not None and unit.launched >= m.B  # the next launch moves on
+        open_ = sorted(m._open.items(), key=lambda kv: kv[1][0])
+        regenerated = {pos for _, (pos, _, _) in open_}
+        ledger = Counter(m.ledger)
+        for _, (_, _, charged) in open_:
+            ledger.subtract(charged)
+        return {
+            "pulled": len(m.draw_ids),  # tasks taken from the stream so far
+            "draw_ids": [t for i, t in enumerate(m.draw_ids) if i not in regenerated],
+            "open_tasks": [dataclasses.asdict(task) for _, (_, task, _) in open_],
+            "ledger": {k: v for k, v in ledger.items() if v},
+            # ordered modes relaunch the open groups (whole units, in draw order) into the
+            # units they were drawn for, from the first one not trained
+            "next_unit": steps_trained if m.mode != "async" else m._next_unit + full,
+            "steps_trained": steps_trained,
+            "slots": m._slots - len(open_),
+            "max_ahead": m.max_ahead,
+            "draws": [[list(tag), task_id, n] for (tag, task_id), n in m._draws.items()],
+        }
+
+
+def restore_manager(m: Any, state: dict[str, Any]) -> None:
+    """Put `state` back into a manager built for the resumed run, before any group starts."""
+    m.draw_ids = list(state["draw_ids"])
+    m.ledger.update(state["ledger"])
+    m._next_unit, m._slots = state["next_unit"], state["slots"]
+    m._steps_trained = state["steps_trained"]
+    m.max_ahead = state["max_ahead"]
+    m._draws.update({(tuple(tag), task_id): n for tag, task_id, n in state["draws"]})
+
+
+def resumed_tasks(stream: Iterator[Task], state: dict[str, Any]) -> Iterator[Task]:
+    """The resumed run's task stream: the open groups' tasks, then `stream` past the
+    `state["pulled"]` tasks the checkpointed run had drawn."""
+    skipped = sum(1 for _ in itertools.islice(stream, state["pulled"]))
+    if skipped < state["pulled"]:
+        raise ValueError(f"the task stream has {skipped} tasks; the checkpoint drew "
+                         f"{state['pulled']}")
+    return itertools.chain((Task(**t) for t in state["open_tasks"]), stream)

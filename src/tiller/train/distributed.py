@@ -1,0 +1,246 @@
+"""Trainer ranks over torch.distributed (`train.world_size` > 1): the policy sharded with FSDP2
+(`torch.distributed.fsdp.fully_shard`) over N ranks, on CPU with gloo.
+
+Rank 0 is the run's own `RankTrainer`, the leader: every call that trains (`set_optimizer`,
+`sft_step`, `rl_step`) goes first to the other ranks (`Follower`s, in spawned processes or Ray
+actors: `train.ranks`) and then runs here, so every rank runs the same passes. Each optimizer
+batch is split across the ranks by tokens (`rank_rows`); the loss normalizers stay those of
+the whole optimizer batch (`batch.minibatches`), so with the gradients summed over the ranks
+
+    sum_r grad( sum_{i in rows_r} L_i / N_global ) = grad( sum_i L_i / N_global )
+
+equals the single-rank gradient in every aggregation mode, and `clip_grad_norm_` over the
+sharded gradients clips by the global norm. After each step the full weights are gathered into
+rank 0's plain copy (`publisher`), which weight sync pushes to the engine, the parity check
+scores and `Run.save` writes.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from tiller.config import TrainConfig
+from tiller.engine.updates import WeightUpdate
+from tiller.errors import RunError
+from tiller.train.batch import Batch, micro_batches
+from tiller.train.trainer import PolicyTrainer
+
+log = logging.getLogger(__name__)
+
+STEPS = ("set_optimizer", "sft_step", "rl_step")  # what every rank runs, in the same order
+
+
+def rank_rows(rows: torch.Tensor, lengths: torch.Tensor, world: int, rank: int, size: int,
+              max_tokens: int | None = None, packed: bool = False) -> list[torch.Tensor]:
+    """Rank `rank`'s micro-batches of the batch rows `rows` (`lengths`: every batch row's
+    length). The rows, sorted by length, are dealt to the ranks in snake order
+    (0, 1, ..., W-1, W-1, ..., 0), so each rank gets as many rows as the others (or one fewer)
+    and about as many tokens. Without `max_tokens` each rank splits its rows into
+    K = ceil(ceil(n / W) / size) passes; with it (`train.micro_batch_tokens`), each rank's rows
+    are cut like one rank's (`batch.micro_batches`: at most `size` rows and `max_tokens`
+    tokens, packed or padded) and K is the most passes any rank needs. Every rank runs K
+    passes (FSDP2 gathers and reduces in each, on every rank); a rank left with fewer runs its
+    empty passes on another rank's row with the loss mask zeroed, marked by a negative index
+    (row - B, B = len(lengths)): they add nothing to the loss, the gradient or any metric."""
+    order = rows[torch.argsort(lengths[rows], stable=True)]
+    position = torch.arange(len(order))
+    lap, seat = position // world, position % world
+    owner = torch.where(lap % 2 == 0, seat, world - 1 - seat)
+    dummy = order[:1] - len(lengths)
+    if max_tokens is None:
+        most = math.ceil(len(order) / world)  # the rows of the rank with the most
+        passes = max(1, math.ceil(most / size))
+        return [chunk if len(chunk) else dummy
+                for chunk in torch.tensor_split(order[owner == rank], passes)]
+    shares = [order[owner == r] for r in range(world)]
+    micros = [[share[idx] for idx in micro_batches(lengths[share], size, max_tokens, packed)]
+              for share in shares]
+    passes = max(1, *(len(m) for m in micros))
+    return micros[rank] + [dummy] * (passes - len(micros[rank]))
+
+
+def shard(model: nn.Module) -> nn.Module:
+    """`model` sharded with FSDP2 in place: each block of `model._no_split_modules` (a
+    transformers model's decoder layers) its own unit, then the rest; gradients summed over the
+    ranks, not averaged (the loss normalizers are already global)."""
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if type(module).__name__ in blocks:
+            fully_shard(module)
+    fully_shard(model)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    return model
+
+
+@dataclass(frozen=True)
+class TrainerOptions:
+    """What builds a `PolicyTrainer` on every rank (its constructor's keyword arguments)."""
+
+    temperature: float = 1.0
+    compute_dtype: torch.dtype = torch.float32
+    top_k: int = 0
+    top_p: float = 1.0
+    dropout: Literal["keep", "off"] = "off"
+    train: TrainConfig = field(default_factory=TrainConfig)  # the same train.* on every rank
+
+
+class RankTrainer(PolicyTrainer):
+    """One rank's trainer over the sharded policy. `full` is the plain (unsharded) model: on
+    rank 0 it receives the gathered weights after every step (`publisher`)."""
+
+    def __init__(self, full: nn.Module, rank: int, world: int, options: TrainerOptions):
+        super().__init__(shard(copy.deepcopy(full)), **vars(options))
+        self.full, self.rank, self.world = full, rank, world
+        self.owned: set[int] = set()  # the batch rows this rank computed since the last reduce
+        self.view = PolicyTrainer(full, **vars(options))  # rank 0's publisher
+
+    @property
+    def publisher(self) -> PolicyTrainer:
+        """The gathered full weights at this trainer's version (rank 0)."""
+        return self.view
+
+    def weight_update(self) -> WeightUpdate:
+        return self.publisher.weight_update()
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        return self.publisher.score(token_ids)
+
+    def run(self, name: str, args: tuple, lrs: list[float]) -> Any:
+        """One step of `STEPS` on this rank, at the leader's learning rates (its LR
+        schedule), then the full weights gathered into `full` (rank 0 keeps them); a step's
+        metrics gain the gather's seconds and bytes (`train/gather_s`, `train/gather_bytes`:
+        weight sync computes its delta on this gathered copy, not per shard)."""
+        if name not in STEPS:
+            raise ValueError(f"not a trainer step: {name!r}")
+        if name == "set_optimizer":
+            return PolicyTrainer.set_optimizer(self, *args)
+        assert self.optimizer is not None, "call set_optimizer first"
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        self.owned.clear()
+        out = getattr(PolicyTrainer, name)(self, *args)
+        t0 = time.perf_counter()
+        gathered = self.gather()
+        if isinstance(out, dict):
+            out.update({"train/gather_s": time.perf_counter() - t0,
+                        "train/gather_bytes": float(gathered)})
+        return out
+
+    def gather(self) -> int:
+        """The full weights into `full` on rank 0 (a collective: every rank calls it); the
+        bytes gathered there."""
+        state = get_model_state_dict(self.model, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            self.full.load_state_dict(state)
+        self.view.version = self.version
+        return sum(t.numel() * t.element_size() for t in state.values()) if self.rank == 0 else 0
+
+    def _share(self, rows: torch.Tensor, lengths: torch.Tensor, size: int
+               ) -> list[torch.Tensor]:
+        micros = rank_rows(rows, lengths, self.world, self.rank, size,
+                           self.train.micro_batch_tokens, self.train.packing)
+        self.owned.update(int(i) for m in micros for i in m if i >= 0)
+        return micros
+
+    def _pass_batch(self, batch: Batch, rows: torch.Tensor) -> Batch:
+        mb = batch.rows(rows)
+        if bool((rows < 0).any()):  # a rank short of rows: a pass that adds nothing
+            mb.loss_mask = torch.zeros_like(mb.loss_mask)
+        return mb.to(self.device)
+
+    def _reduce(self, sums: dict[str, float]) -> dict[str, float]:
+        keys = sorted(sums)
+        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(values)
+        return dict(zip(keys, values.tolist(), strict=True))
+
+    def _reduce_rows(self, per_row: torch.Tensor) -> torch.Tensor:
+        keep = torch.zeros(len(per_row), dtype=torch.bool)
+        keep[list(self.owned)] = True
+        self.owned.clear()
+        out = per_row * keep[:, None]
+        dist.all_reduce(out)
+        return out
+
+
+class Rank(Protocol):
+    """Rank 0's handle on another rank: a spawned process or a Ray actor (`train.ranks`)."""
+
+    rank: int
+
+    def send(self, name: str, args: tuple, lrs: list[float]) -> None: ...
+
+    def wait(self, timeout_s: float) -> None:
+        """The last call's end; raises `RunError` naming the rank when it failed or died."""
+        ...
+
+    def died_starting(self) -> str | None:
+        """How the rank died before joining the process group ("exit code 1", "Ray actor:
+        ..."), or None while it lives."""
+        ...
+
+    def ended(self) -> str | None:
+        """How the rank's last call ended badly ("died (exit code -9)", "failed (ValueError:
+        ...)"), or None while it runs or when it succeeded."""
+        ...
+
+    def stop(self) -> None: ...
+
+
+class Leader(RankTrainer):
+    """Rank 0: every step goes to the other ranks first, then runs here."""
+
+    def __init__(self, full: nn.Module, world: int, options: TrainerOptions,
+                 ranks: list[Rank], timeout_s: float):
+        super().__init__(full, 0, world, options)
+        self.ranks, self.timeout_s = ranks, timeout_s
+
+    def _everywhere(self, name: str, args: tuple) -> Any:
+        lrs = ([g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None
+               else [])
+        for r in self.ranks:
+            r.send(name, args, lrs)
+        try:
+            out = self.run(name, args, lrs)
+        except Exception as e:  # a collective that failed: a rank that died or failed says which
+            for r in self.ranks:
+                if (how := r.ended()) is not None:
+                    raise RunError(f"trainer rank {r.rank} {how} during {name}") from e
+            raise
+        for r in self.ranks:
+            r.wait(self.timeout_s)
+        return out
+
+    def set_optimizer(self, *args: Any) -> None:
+        self._everywhere("set_optimizer", args)
+
+    def sft_step(self, *args: Any) -> dict:
+        return self._everywhere("sft_step", args)
+
+    def rl_step(self, batch: Batch, cfg: Any, l_max: int, ref_model: nn.Module | None = None,
+                critic: Any = None, step: int = 0) -> dict[str, float]:
+        if ref_model is not None or critic is not None:
+            raise RunError("train.world_size > 1 trains without a reference model or critic")
+        return self._everywhere("rl_step", (batch, cfg, l_max, None, None, step))
+
+    def close(self) -> None:
+        """Stop every other rank and leave the process group."""
+        for r in self.ranks:
+            r.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,269 @@
+"""Where the trainer's other ranks run: spawned processes (`cluster.backend: local`) or Ray
+actors (`ray`), each a `Follower` that runs rank 0's steps on its shard (`train.distributed`).
+`start_ranks` starts them and joins the process group; `Leader.close` stops them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from tiller.errors import RunError
+from tiller.train.distributed import Leader, Rank, RankTrainer, TrainerOptions
+
+log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 30.0  # a rank told to stop that has not exited by then is killed
+JOIN_POLL_S = 0.2  # how often rank 0 checks, during start, that the other ranks still live
+EXIT_AFTER_ERROR_S = 1.0  # a rank whose step raised exits this long after answering
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def joined_key(rank: int) -> str:
+    return f"tiller/joined/{rank}"
+
+
+class Follower:
+    """Rank `rank` (> 0): joins the process group and runs each step rank 0 sends."""
+
+    def __init__(self, rank: int, world: int, host: str, port: int, model: nn.Module,
+                 options: TrainerOptions, threads: int, timeout_s: float):
+        torch.set_num_threads(threads)
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+        store.set(joined_key(rank), "1")  # rank 0 waits for this, watching that this rank lives
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=timeout)
+        self.trainer = RankTrainer(model, rank, world, options)
+
+    def run(self, name: str, args: tuple, lrs: list[float]) -> None:
+        try:
+            self.trainer.run(name, args, lrs)
+        except BaseException:
+            # the other ranks may be waiting in a collective this rank will not join: this
+            # process exits once its error is answered, and its closed connections end their
+            # wait now, not at train.rank_timeout_s (leaving the process group does not)
+            threading.Timer(EXIT_AFTER_ERROR_S, os._exit, args=(1,)).start()
+            raise
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _follow(conn: Connection, *args: Any) -> None:
+    """A spawned rank's main: steps from `conn` until rank 0 says stop (None) or is gone."""
+    follower = Follower(*args)
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:  # rank 0 is gone: nothing left to follow
+                break
+            if msg is None:
+                break
+            try:
+                follower.run(*msg)
+            except Exception as e:
+                conn.send(f"{type(e).__name__}: {e}")
+                raise
+            conn.send(None)
+    finally:
+        follower.close()
+
+
+class ProcessRank:
+    """A rank in a spawned process, its steps over a pipe."""
+
+    def __init__(self, rank: int, args: tuple):
+        self.rank, self.name = rank, ""
+        self.answer: str | None | bool = False  # the last call's: False (none yet), None (ok)
+        ctx = mp.get_context("spawn")
+        self.conn, theirs = ctx.Pipe()
+        self.proc = ctx.Process(target=_follow, args=(theirs, rank, *args), daemon=True,
+                                name=f"tiller-trainer-rank{rank}")
+        self.proc.start()
+        theirs.close()
+
+    def send(self, name: str, args: tuple, lrs: list[float]) -> None:
+        self.name, self.answer = name, False
+        try:
+            self.conn.send((name, args, lrs))
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise RunError(f"trainer rank {self.rank} {self.ended()} before {name}") from e
+
+    def _answered(self, timeout_s: float) -> bool:
+        """Whether the last call answered within `timeout_s` (kept in `answer`)."""
+        if self.answer is False and self.conn.poll(timeout_s):
+            try:
+                self.answer = self.conn.recv()
+            except EOFError:  # the pipe closed: the rank is gone
+                return False
+        return self.answer is not False
+
+    def wait(self, timeout_s: float) -> None:
+        if not self._answered(timeout_s):
+            how = self.ended()
+            raise RunError(f"trainer rank {self.rank} {how} during {self.name}" if how
+                           else f"trainer rank {self.rank} did not finish {self.name} within "
+                           f"train.rank_timeout_s={timeout_s}")
+        if self.answer is not None:
+            raise RunError(f"trainer rank {self.rank} failed ({self.answer}) during "
+                           f"{self.name}")
+
+    def ended(self) -> str | None:
+        if self._answered(0.5) and self.answer is not None:
+            return f"failed ({self.answer})"
+        self.proc.join(0.5)  # a rank whose pipe just closed is exiting
+        return None if self.proc.is_alive() else f"died (exit code {self.proc.exitcode})"
+
+    def died_starting(self) -> str | None:
+        return None if self.proc.is_alive() else f"exit code {self.proc.exitcode}"
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(None)
+            except (BrokenPipeError, ConnectionResetError):
+                log.warning("trainer rank %d: its pipe closed before stop", self.rank)
+            self.proc.join(STOP_TIMEOUT_S)
+        if self.proc.is_alive():
+            log.error("trainer rank %d did not stop within %.0f s: killed", self.rank,
+                      STOP_TIMEOUT_S)
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+
+
+class RayRank:
+    """Rank `rank` in a Ray actor; its steps are actor calls."""
+
+    def __init__(self, rank: int, args: tuple):
+        import ray
+
+        self._ray, self.rank, self.name = ray, rank, ""
+        self.actor = ray.remote(num_cpus=1, max_restarts=0)(Follower).remote(rank, *args)
+        self.ready = self.actor.__ray_ready__.remote()  # ends when __init__ ends (or fails)
+        self.pending: Any = None
+
+    def send(self, name: str, args: tuple, lrs: list[float]) -> None:
+        self.name = name
+        self.pending = self.actor.run.remote(name, args, lrs)
+
+    def wait(self, timeout_s: float) -> None:
+        ray = self._ray
+        try:
+            ray.get(self.pending, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise RunError(f"trainer rank {self.rank} did not finish {self.name} within "
+                           f"train.rank_timeout_s={timeout_s}") from e
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            raise RunError(f"trainer rank {self.rank} {self._how(e)} during "
+                           f"{self.name}") from e
+
+    def _how(self, e: Exception) -> str:
+        if isinstance(e, self._ray.exceptions.RayActorError):
+            return f"died (Ray actor: {type(e).__name__})"
+        cause = getattr(e, "cause", None) or e
+        return f"failed ({type(cause).__name__}: {cause})"
+
+    def ended(self) -> str | None:
+        ray = self._ray
+        if self.pending is None:
+            return None
+        try:
+            ray.get(self.pending, timeout=0.5)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            return self._how(e)
+        except ray.exceptions.GetTimeoutError:
+            return None
+        return None
+
+    def died_starting(self) -> str | None:
+        ray = self._ray
+        done, _ = ray.wait([self.ready], timeout=0)
+        if not done:
+            return None
+        try:
+            ray.get(self.ready, timeout=0)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            return f"Ray actor: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return None
+
+    def stop(self) -> None:
+        ray = self._ray
+        try:
+            ray.get(self.actor.close.remote(), timeout=STOP_TIMEOUT_S)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
+                ray.exceptions.RayTaskError) as e:
+            log.warning("trainer rank %d did not close cleanly (%s); killed", self.rank,
+                        type(e).__name__)
+        ray.kill(self.actor)
+
+
+def await_joined(store: dist.Store, ranks: list[Rank], timeout_s: float) -> None:
+    """Until every other rank has reached the process group (its key in `store`): a rank that
+    dies before fails the start at once, naming it, not after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for r in ranks:
+            if (how := r.died_starting()) is not None:
+                raise RunError(f"trainer rank {r.rank} died during start: {how}")
+        waiting = [r.rank for r in ranks if not store.check([joined_key(r.rank)])]
+        if not waiting:
+            return
+        if time.monotonic() > deadline:
+            raise RunError(f"trainer rank(s) {waiting} did not join the process group within "
+                           f"train.rank_timeout_s={timeout_s:g}")
+        time.sleep(JOIN_POLL_S)
+
+
+def start_ranks(full: nn.Module, world: int, options: TrainerOptions, backend: str,
+                timeout_s: float, remote: bool = False) -> Leader:
+    """Rank 0 (this process) and `world - 1` other ranks (`backend` local: spawned
+    processes; ray: Ray actors on the connected cluster), in one gloo process group. Its
+    rendezvous listens on 127.0.0.1 unless `remote` (a Ray cluster at `cluster.address`,
+    whose actors may be on other nodes: this node's IP)."""
+    if dist.is_initialized():
+        raise RunError("train.world_size > 1: this process already has a torch.distributed "
+                       "process group (another run's trainer ranks, still open)")
+    host = "127.0.0.1"  # the ranks on this machine: spawned, or a local Ray instance's actors
+    if remote:
+        import ray
+
+        host = ray.util.get_node_ip_address()
+    port, timeout = free_port(), timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world, is_master=True, wait_for_workers=False,
+                          timeout=timeout)
+    args = (world, host, port, full, options, torch.get_num_threads(), timeout_s)
+    ranks: list[Rank] = []
+    try:
+        for r in range(1, world):
+            if backend == "ray":
+                ranks.append(RayRank(r, args))
+            else:
+                ranks.append(ProcessRank(r, args))
+        await_joined(store, ranks, timeout_s)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=timeout)
+        return Leader(full, world, options, ranks, timeout_s)
+    except BaseException:
+        for r in ranks:
+            r.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise

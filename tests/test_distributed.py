@@ -1,0 +1,193 @@
+"""Trainer ranks (`train.world_size`): 2 FSDP2 ranks over gloo equal 1 rank on the same batch
+(loss, grad norm, updated weights) for SFT and an RL step of each aggregation mode, and a rank
+that dies fails the step naming it."""
+
+import copy
+import json
+import os
+import signal
+
+import pytest
+import torch
+from test_trainer import make_traj
+
+from tiller.algorithms import AGGREGATIONS
+from tiller.config import RLConfig
+from tiller.errors import RunError
+from tiller.models import load_model
+from tiller.train.batch import Batch
+from tiller.train.distributed import TrainerOptions, rank_rows
+from tiller.train.ranks import start_ranks
+from tiller.train.trainer import PolicyTrainer
+
+# fp32 sums in another order (each rank's share, then the all-reduce): the updated weights'
+# max |diff| measured 1e-7 (token-mean) to 3e-6 (seq-mean-token-mean) after two AdamW steps
+# at lr 1e-3; the losses and grad norms agree to ~2e-6 relative
+ATOL = 1e-5
+
+
+def test_rank_rows_deal_every_row_once_with_equal_passes():
+    lengths = torch.tensor([5, 9, 2, 7, 7, 3, 8, 1, 6])
+    rows = torch.tensor([0, 2, 3, 5, 6, 8])  # an optimizer batch's rows
+    shares = [rank_rows(rows, lengths, 2, r, size=2) for r in range(2)]
+    real = sorted(int(i) for s in shares for m in s for i in m if i >= 0)
+    assert real == rows.tolist()
+    assert len(shares[0]) == len(shares[1]) == 2  # ceil(ceil(6 / 2) / 2)
+    tokens = [sum(int(lengths[i]) for m in s for i in m if i >= 0) for s in shares]
+    assert abs(tokens[0] - tokens[1]) <= int(lengths[rows].max())
+
+
+def test_a_rank_short_of_rows_runs_a_pass_that_adds_nothing():
+    lengths = torch.tensor([4, 6, 5])
+    share = rank_rows(torch.tensor([1]), lengths, 2, 1, size=4)
+    assert [m.tolist() for m in share] == [[1 - 3]]  # rank 1 has no row: row 1, marked
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_rank_rows_keep_the_token_budget_with_equal_passes(packed):
+    lengths = torch.tensor([5, 9, 2, 7, 7, 3, 8, 1, 6, 4])
+    rows = torch.arange(10)
+    shares = [rank_rows(rows, lengths, 2, r, 4, max_tokens=12, packed=packed)
+              for r in range(2)]
+    real = sorted(int(i) for s in shares for m in s for i in m if i >= 0)
+    assert real == rows.tolist()
+    assert len(shares[0]) == len(shares[1])  # padded to the rank that needs the most
+    for m in (m for share in shares for m in share if (m >= 0).all()):
+        cost = int(lengths[m].sum()) if packed else len(m) * int(lengths[m].max())
+        assert len(m) <= 4 and (cost <= 12 or len(m) == 1)
+    # rank 0 gets rows 7, 9, 0, 4, 6 (lengths 1, 4, 5, 7, 8; snake order): packed, 1 + 4 + 5
+    # fits 12 and 7 would not; padded, 2 x 4 fits and 3 x 5 does not. Rank 1 (lengths
+    # 2, 3, 6, 7, 9) needs 3 packed passes and 4 padded ones
+    want = [[7, 9, 0], [4], [6]] if packed else [[7, 9], [0], [4], [6]]
+    assert [m.tolist() for m in shares[0]] == want
+    # rows of lengths 1, 1, 10 at 5 tokens: rank 1 needs 2 passes (1 | 10), so rank 0 runs
+    # its one row, then an empty pass (row 0 - 3)
+    short = torch.tensor([1, 1, 10])
+    assert [m.tolist() for m in rank_rows(torch.arange(3), short, 2, 0, 4, 5, packed)] == [
+        [0], [-3]]
+
+
+def batch_of(tokenizer, n=6):
+    trajs = [make_traj([3, 4, 5, 6][: 2 + i % 3], [7 + i, 8, 9 + i, 10][: 1 + i % 4],
+                       float(i % 2), task=f"t{i // 3}") for i in range(n)]
+    rewards = [0.5, -1.0, 2.0, -0.3, 0.0, 1.0][:n]
+    return Batch.collate(trajs, tokenizer.pad_token_id, rewards)
+
+
+def flat(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_run_trains_on_two_ranks(calc_model_dir, tmp_path):
+    """SFT and RL steps on 2 ranks, every weight sync parity-checked, the checkpoint the
+    gathered weights. (Before the module's group starts: one process group per process.)"""
+    from helpers import TINY_RUN, saved_model
+
+    from tiller.config import load_config
+    from tiller.controller import train
+
+    cfg = load_config("configs/calculator.yaml", [
+        *TINY_RUN, *saved_model(calc_model_dir), "rl.steps=1", "eval.tasks=4",
+        "train.world_size=2"])
+    summary = train(cfg, tmp_path)
+    assert summary["sft"]["steps"] == 2 and summary["rl"]["ledger"]["trained"] == 16
+    synced = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()
+              if '"sync/parity_max_abs"' in line]
+    assert len(synced) == 1 and synced[0]["sync/parity_max_abs"] < 1e-4
+    saved = load_model(summary["checkpoint"])
+    assert flat(saved).ne(flat(load_model(calc_model_dir))).any()  # trained weights saved
+
+
+@pytest.fixture(scope="module")
+def group(calc_model_dir):
+    """Rank 0 here and rank 1 in a spawned process, over one gloo group."""
+    torch.manual_seed(0)
+    leader = start_ranks(load_model(calc_model_dir), 2, TrainerOptions(), "local", 120.0)
+    yield leader
+    leader.close()
+
+
+def one_rank(group):
+    """A single-rank trainer at the group's current weights."""
+    return PolicyTrainer(copy.deepcopy(group.publisher.model))
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_two_ranks_equal_one_rank_on_an_sft_step(group, tokenizer):
+    batch = batch_of(tokenizer)
+    single = one_rank(group)
+    for t in (single, group):
+        t.set_optimizer(1e-2)
+        t.optimizer.param_groups[0]["lr"] = 1e-3  # an LR schedule's: rank 0's goes to rank 1
+    want = single.sft_step(batch, micro_batch_size=2)
+    got = group.sft_step(batch, 2)
+    assert got["sft_loss"] == pytest.approx(want["sft_loss"], rel=1e-5)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    assert torch.allclose(flat(group.publisher.model), flat(single.model), atol=ATOL)
+    state = group.publisher.model.state_dict()  # what rank 0 gathers after the step, timed
+    assert got["train/gather_bytes"] == sum(t.numel() * t.element_size() for t in state.values())
+    assert 0 < got["train/gather_s"] < 10
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("aggregation", sorted(AGGREGATIONS))
+def test_two_ranks_equal_one_rank_on_an_rl_step(group, tokenizer, aggregation):
+    batch = batch_of(tokenizer)
+    # two optimizer steps (mini_batches 2): the prepass and the second step's clip both run
+    cfg = RLConfig(micro_batch_size=2, mini_batches=2, max_grad_norm=0.5,
+                   algorithm={"advantage": "dr_grpo", "aggregation": aggregation})
+    single = one_rank(group)
+    before = flat(single.model)
+    for t in (single, group):
+        t.set_optimizer(1e-3)
+    want = single.rl_step(batch, cfg, l_max=8)
+    got = group.rl_step(batch, cfg, 8)
+    for key in ("loss", "grad_norm", "entropy", "clip_frac", "logp_mismatch_mean"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    after = flat(group.publisher.model)
+    assert (after - before).abs().max() > 1e-4  # the weights moved
+    assert torch.allclose(after, flat(single.model), atol=ATOL)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mini_batches", [1, 6])
+def test_two_ranks_equal_one_rank_without_prepass_or_rows(group, tokenizer, mini_batches):
+    """mini_batches 1: one update, so the gradient pass fills logp_old, each rank its rows;
+    6: one row per optimizer step, so rank 1 has no row and runs its empty pass."""
+    batch = batch_of(tokenizer)
+    cfg = RLConfig(micro_batch_size=2, mini_batches=mini_batches, max_grad_norm=0.5,
+                   algorithm={"advantage": "dr_grpo", "aggregation": "token-mean"})
+    single = one_rank(group)
+    for t in (single, group):
+        t.set_optimizer(1e-3)
+    want = single.rl_step(batch, cfg, l_max=8)
+    got = group.rl_step(batch, cfg, 8)
+    assert got["optimizer_steps"] == want["optimizer_steps"] == mini_batches
+    for key in ("loss", "grad_norm", "entropy", "logp_mismatch_mean", "advantage_abs_mean"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    # on the loss mask (past a row's end the values depend on its micro-batch's width)
+    gap = (group.last_rl.logp_old - single.last_rl.logp_old) * batch.loss_mask
+    assert gap.abs().max() < 1e-5
+    assert torch.allclose(flat(group.publisher.model), flat(single.model), atol=ATOL)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_rank_that_dies_fails_the_step_naming_it(group, tokenizer):
+    """Last in this file: it kills the module's rank 1 (the fixture's close stops the rest)."""
+    group.set_optimizer(1e-3)
+    os.kill(group.ranks[0].proc.pid, signal.SIGKILL)
+    group.ranks[0].proc.join(10)
+    with pytest.raises(RunError, match=r"^trainer rank 1 died \(exit code -9\)"):
+        group.sft_step(batch_of(tokenizer), 2)
+

@@ -1,0 +1,134 @@
+"""The managed-server launcher (engine/servers.py) on real processes: a small HTTP server
+(tests/servers/health_server.py), a command that exits at start-up, one that never serves."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tiller.engine import servers as servers_mod
+from tiller.engine.servers import ManagedServers, ServerSpec, free_port
+from tiller.errors import RunError
+
+pytestmark = pytest.mark.integration
+SERVER = str(Path(__file__).parent / "servers" / "health_server.py")
+
+
+def spec(name: str, *extra: str) -> ServerSpec:
+    return ServerSpec(name, [sys.executable, SERVER, "--port", "{port}", *extra])
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purpose (its parent, init, reaps it)
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_start_two_servers_then_close_leaves_no_process(tmp_path: Path) -> None:
+    child = tmp_path / "child.pid"
+    managed = ManagedServers([spec("a", "--child-pid", str(child)), spec("b", "--delay", "0.5")],
+                             log_dir=tmp_path / "servers", startup_timeout_s=30)
+    with managed as m:
+        urls = m.urls
+        assert len(urls) == 2 and urls[0] != urls[1]
+        assert all(u.startswith("http://127.0.0.1:") for u in urls)
+        pids = [r.proc.pid for r in m.running] + [int(child.read_text())]
+        assert all(alive(p) for p in pids)
+        tmp = m.running[0].tmp
+        assert tmp.is_dir() and tmp.name.startswith("tiller-a-")
+        assert len(str(tmp / "0123456789abcdef0123456789abcdef0123")) < 107  # a ZMQ socket fits
+    # the grandchild ignores SIGTERM: only the group's SIGKILL ends it
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in pids)
+    assert not tmp.exists()
+    assert "starting" in (tmp_path / "servers" / "a.log").read_text()
+
+
+def test_a_server_that_exits_at_start_up_fails_at_once_naming_its_log(tmp_path: Path) -> None:
+    bad = ServerSpec("vllm-0", [sys.executable, "-c", "print('no such model: x'); exit(3)"])
+    managed = ManagedServers([spec("ok"), bad], log_dir=tmp_path, startup_timeout_s=60)
+    start = time.monotonic()
+    with pytest.raises(RunError) as e:
+        managed.start()
+    assert time.monotonic() - start < 10  # not the 60 s timeout
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "server vllm-0 (http://127.0.0.1:" in msg and "exited with code 3" in msg
+    assert f"log {tmp_path / 'vllm-0.log'}: no such model: x" in msg
+    assert managed.running == []  # the healthy one was stopped too
+
+
+def test_a_server_that_never_answers_fails_at_the_timeout(tmp_path: Path) -> None:
+    managed = ManagedServers([spec("slow", "--delay", "30")], log_dir=tmp_path,
+                             startup_timeout_s=1.5)
+    start = time.monotonic()
+    with pytest.raises(RunError, match=r"^server slow \(http://127\.0\.0\.1:\d+\) did not answer "
+                       r"/health within 1\.5 s; log .*slow\.log: starting$"):
+        managed.start()
+    assert time.monotonic() - start < 6
+    assert managed.running == []
+
+
+def test_a_missing_program_and_a_taken_port_are_one_line(tmp_path: Path) -> None:
+    missing = ServerSpec("x", [str(tmp_path / "no-python"), "-m", "x"])
+    with pytest.raises(RunError, match=r"^server x: could not start .*no-python.*; log "):
+        ManagedServers([missing], log_dir=tmp_path).start()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        fixed = ServerSpec("p", [sys.executable, SERVER, "--port", str(port)])
+        with pytest.raises(RunError, match=r"^server p .* exited with code 1 during start-up; "
+                           r"log .*p\.log: OSError: \[Errno 98\] Address already in use$"):
+            ManagedServers([fixed], log_dir=tmp_path, startup_timeout_s=30).start()
+
+
+def test_a_server_ignoring_sigterm_is_killed_after_the_grace(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    monkeypatch.setattr(servers_mod, "STOP_GRACE_S", 0.5)
+    m = ManagedServers([spec("stubborn", "--ignore-term")], log_dir=tmp_path,
+                       startup_timeout_s=30)
+    m.start()
+    pid = m.running[0].proc.pid
+    m.check_alive()
+    m.close()
+    assert not alive(pid)
+    m.close()  # idempotent
+
+
+def test_free_port_is_bindable() -> None:
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_ctrl_c_during_start_up_stops_every_server(tmp_path: Path) -> None:
+    managed = ManagedServers([spec("ok"), spec("slow", "--delay", "30")], log_dir=tmp_path,
+                             startup_timeout_s=60)
+    pids: list[int] = []
+
+    def interrupt() -> None:  # once both run: what Ctrl-C sends
+        while len(managed.running) < 2:
+            time.sleep(0.01)
+        pids.extend(r.proc.pid for r in managed.running)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt).start()
+    with pytest.raises(KeyboardInterrupt):
+        managed.start()
+    assert len(pids) == 2 and not any(alive(p) for p in pids)
+    assert managed.running == []
