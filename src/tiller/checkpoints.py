@@ -4,7 +4,10 @@ RUN_DIR/checkpoints/step-<N>, and read back by `tiller train --resume RUN_DIR` (
 A checkpoint folder holds:
 
     model/            the policy's master weights (fp32) and tokenizer, a Hugging Face
-                      checkpoint (`tiller eval` can read it)
+                      checkpoint (`tiller eval` can read it); under model.lora the merged
+                      weights
+    adapter/          under model.lora only: the adapter as peft saves it
+                      (adapter_config.json, adapter_model.safetensors), what resume loads
     trainer.pt        the optimizer's state (and the critic's model and optimizer, the
                       reference model's weights while the KL term is on), `torch.save` of
                       tensors and plain values, read back with `weights_only=True`
@@ -58,6 +61,7 @@ FOLDER = re.compile(r"^step-(\d+)$")
 # Test hook: when set, writing a checkpoint's files sleeps this long (seconds) just before the
 # marker, so a test can kill the run while a checkpoint is half written.
 PAUSE_ENV = "TILLER_TEST_CHECKPOINT_PAUSE_S"
+ADAPTER_DIR = "adapter"  # model.lora: the adapter, as peft saves it, beside the merged model
 
 
 @dataclass(frozen=True)
@@ -352,12 +356,15 @@ def save_rl(run: Any, learner: Any, rollouts: RolloutManager, record: StepRecord
         run.model.save_pretrained(new / "model", safe_serialization=True,
                                   max_shard_size="1000GB")
         run.tokenizer.save_pretrained(new / "model")
+        if run.lora is not None:
+            run.lora.save(new / ADAPTER_DIR)
         saved = learner_tensors(learner)
         torch.save(saved, new / "trainer.pt")
         py, tensors = rng_state()
         torch.save(tensors, new / "rng.pt")
         manager = manager_state(rollouts, step)
-        holds = ["model", *saved, f"rng ({', '.join(['python', 'numpy', *tensors])})",
+        holds = ["model", *([ADAPTER_DIR] if run.lora is not None else []), *saved,
+                 f"rng ({', '.join(['python', 'numpy', *tensors])})",
                  f"task stream ({manager['pulled']} drawn, {len(manager['open_tasks'])} "
                  f"open groups)", "ledger", "step counters", "metrics position"]
         return {"step": step, "trainer_version": run.trainer.version,
@@ -372,7 +379,7 @@ def save_rl(run: Any, learner: Any, rollouts: RolloutManager, record: StepRecord
 def learner_tensors(learner: Any) -> dict[str, Any]:
     """The optimizer's state, and the reference model's and critic's when they exist."""
     out: dict[str, Any] = {"optimizer": learner.trainer.optimizer.state_dict()}
-    if learner.ref is not None:
+    if _own_ref(learner):
         out["ref"] = learner.ref.state_dict()
     if learner.critic is not None:
         out["critic"] = learner.critic.model.state_dict()
@@ -380,14 +387,20 @@ def learner_tensors(learner: Any) -> dict[str, Any]:
     return out
 
 
+def _own_ref(learner: Any) -> bool:
+    """The learner holds a reference model of its own (a copy; under LoRA the reference is
+    the policy with its adapters off, whose base the adapter's checkpoint does not change)."""
+    return learner.ref is not None and learner.ref is not learner.trainer.model
+
+
 def restore_rl(ckpt: Checkpoint, learner: Any, record: StepRecorder) -> int:
     """Put a checkpoint's learner, recorder and RNG states back; the RL step it resumes at."""
     saved = load_tensors(ckpt.path / "trainer.pt")
     learner.trainer.optimizer.load_state_dict(saved["optimizer"])
-    if (learner.ref is None) != ("ref" not in saved):
+    if _own_ref(learner) != ("ref" in saved):
         raise ConfigError(f"checkpoint {ckpt.path}: the reference model is "
-                          f"{'missing' if learner.ref is not None else 'unexpected'}")
-    if learner.ref is not None:
+                          f"{'missing' if _own_ref(learner) else 'unexpected'}")
+    if _own_ref(learner):
         learner.ref.load_state_dict(saved["ref"])
     if learner.critic is not None:
         learner.critic.model.load_state_dict(saved["critic"])

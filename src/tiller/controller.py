@@ -237,10 +237,14 @@ class Learner:
         self.trainer, self.tokenizer, self.key_steps = trainer, tokenizer, key_steps
         rl_cfg, kl = cfg.rl, self.alg.kl
         trainer.set_optimizer(rl_cfg.lr, rl_cfg.weight_decay, rl_cfg.adam_betas, rl_cfg.adam_eps)
-        # kl.beta = 0 (or switched off from the start): no reference model exists or runs
-        self.ref = (copy.deepcopy(trainer.model).to(trainer.compute_dtype).eval()
-                    if kl_beta_at(0, kl.beta, kl.off_after) else None)
-        self.critic = (Critic(trainer.model, self.alg.critic, cfg.model.dropout, cfg.train)
+        # kl.beta = 0 (or switched off from the start): no reference model exists or runs;
+        # under model.lora the policy with its adapters off is the reference (no copy)
+        self.ref = (None if not kl_beta_at(0, kl.beta, kl.off_after) else
+                    trainer.model if cfg.model.lora is not None else
+                    copy.deepcopy(trainer.model).to(trainer.compute_dtype).eval())
+        # the critic starts from the policy's plain weights (the merged ones under LoRA)
+        self.critic = (Critic(trainer.publisher.model, self.alg.critic, cfg.model.dropout,
+                              cfg.train)
                        if self.alg.critic is not None else None)
         self.control = RewardControl(rl_cfg.reward_control, rl_cfg.reward_control_value,
                                      cfg.seed)

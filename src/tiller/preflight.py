@@ -37,6 +37,7 @@ from tiller.rollout.agent_loop import EpisodeLimits, check_rollout_setup, load_e
 from tiller.rollout.curriculum import check_curriculum
 from tiller.tools.stack import ToolStack
 from tiller.train.judges import check_judge_model
+from tiller.train.lora import require_peft
 from tiller.train.shaping import JudgeFn, KeyStepFn, load_judge, load_key_steps
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ def check_run(cfg: Config) -> Checked:
     # every row checked now, before any work
     conversations = read_conversations(cfg.data) if cfg.data.sft else []
     check_backends(cfg.logging.tensorboard, cfg.logging.wandb)
+    if cfg.model.lora is not None:
+        require_peft()
     check_task_counts(cfg, env_cls)
     warn_blind_correction(cfg)
     episode_fn = load_episode_fn(cfg.agent.loop)
@@ -85,9 +88,10 @@ def check_tools(env_cls: type[Env], tools: ToolStack) -> None:
 
 def check_model(cfg: Config, tokenizer: Any, model: Any, limits: EpisodeLimits) -> None:
     """The loaded model and tokenizer can run the config's episodes (`check_rollout_setup`),
-    and model.dropout=keep has dropout to keep."""
+    and model.dropout=keep has dropout to keep (the model's, or model.lora.dropout)."""
     check_rollout_setup(tokenizer, model.config, limits)
-    if cfg.model.dropout == "keep" and not dropout_rates(model):
+    lora_dropout = cfg.model.lora is not None and cfg.model.lora.dropout > 0
+    if cfg.model.dropout == "keep" and not dropout_rates(model) and not lora_dropout:
         raise ConfigError("config field model.dropout: got 'keep'; this model has no "
                           "dropout (no dropout module or attention_dropout above 0), so "
                           "there is nothing to keep: remove it")

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiller.checkpoints import Checkpoint, load_weights
+from tiller.checkpoints import ADAPTER_DIR, Checkpoint, load_weights
 from tiller.config import Config, ModelJudgeConfig, dump_config
 from tiller.engine.api import SamplingParams
 from tiller.engine.factory import make_engine
@@ -43,6 +43,7 @@ from tiller.tools.stack import ToolStack
 from tiller.train.conversations import conversation_demos
 from tiller.train.distributed import Leader, TrainerOptions
 from tiller.train.judges import ModelJudge
+from tiller.train.lora import Lora, LoraTrainer
 from tiller.train.ranks import start_ranks
 from tiller.train.trainer import PolicyTrainer
 
@@ -96,6 +97,7 @@ class Run:
 
     gateway: Any = None  # agent.program's gateway, started once the models are built
     traces: TraceWriter | None = None  # traces.sqlite's writer (observe.traces)
+    lora: Lora | None = None  # model.lora: the adapters, the policy and its merged copy
 
     def __init__(self, cfg: Config, output_dir: str | Path | None = None,
                  resume: Checkpoint | None = None):
@@ -175,7 +177,12 @@ class Run:
         # engine's copy (and the reference model) are in model.dtype
         dtype = getattr(torch, cfg.model.dtype)
         self.model = load_model(path, torch.float32).to(device)
-        if self.resume is not None:
+        if cfg.model.lora is not None:  # the trainer steps the adapters; self.model is merged
+            self.lora = Lora(self.model, cfg.model.lora)
+            self.model = self.lora.merged
+        if self.resume is not None and self.lora is not None:
+            self.lora.load(self.resume.path / ADAPTER_DIR)
+        elif self.resume is not None:
             load_weights(self.model, self.resume)
         # before the engine, the trainer or any episode computes: they share these threads
         self.runtime = set_up_threads(cfg.runtime.threads, streams=compute_streams(cfg),
@@ -195,7 +202,9 @@ class Run:
         self.trainer = (start_ranks(self.model, cfg.train.world_size, options,
                                     cfg.cluster.backend, cfg.train.rank_timeout_s,
                                     remote=cfg.cluster.address is not None)
-                        if cfg.train.world_size > 1 else PolicyTrainer(self.model, **vars(options)))
+                        if cfg.train.world_size > 1 else
+                        LoraTrainer(self.lora, **vars(options)) if self.lora is not None else
+                        PolicyTrainer(self.model, **vars(options)))
         if self.resume is not None:
             self.trainer.version = self.resume.state["trainer_version"]
 
@@ -286,8 +295,10 @@ class Run:
     def save(self, name: str = "final") -> Path:
         out = self.dir / "checkpoints" / name
         with replacing(out, root=self.dir) as new:
-            self.model.save_pretrained(new, safe_serialization=True)
+            self.model.save_pretrained(new, safe_serialization=True)  # merged under LoRA
             self.tokenizer.save_pretrained(new)
+            if self.lora is not None:
+                self.lora.save(new / ADAPTER_DIR)
         return out
 
     def close(self) -> None:

@@ -41,7 +41,7 @@ from tiller.config.judge import (
     ModelJudgeConfig,
     NoJudgeConfig,
 )
-from tiller.config.model import BuildConfig, ModelConfig, RuntimeConfig
+from tiller.config.model import BuildConfig, LoRAConfig, ModelConfig, RuntimeConfig
 from tiller.config.observe import LoggingConfig, ObserveConfig, TracesConfig
 from tiller.config.rl import (
     STALE_OFF_POLICY,
@@ -64,7 +64,7 @@ __all__ = [
     "ConfigError", "CreditConfig", "CriticConfig", "CurriculumConfig", "DataConfig",
     "DifficultyCurriculumConfig", "DynamicSamplingConfig", "EmbeddedEngineConfig",
     "EngineConfig", "EnvConfig", "EvalConfig", "EvalSetConfig", "FilterCurriculumConfig",
-    "FnJudgeConfig", "HttpEngineConfig", "JudgeConfig", "KLConfig", "LoggingConfig",
+    "FnJudgeConfig", "HttpEngineConfig", "JudgeConfig", "KLConfig", "LoRAConfig", "LoggingConfig",
     "ModelConfig", "ModelJudgeConfig", "NoJudgeConfig", "ObserveConfig", "OneStepOffRLConfig",
     "OverlongConfig", "RLConfig", "RewardConfig", "RolloutConfig", "RuntimeConfig", "SFTConfig",
     "SamplingConfig", "SyncRLConfig", "TracesConfig", "TrainConfig", "VllmEngineConfig",

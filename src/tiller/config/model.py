@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from tiller.config.base import Section
+from tiller.errors import ConfigError
 
 
 class BuildConfig(Section):
@@ -33,6 +34,22 @@ class BuildConfig(Section):
                                   "embeddings pair the dimensions of a head), or null")
 
 
+class LoRAConfig(Section):
+    """Low-rank adapters through peft (the lora extra): W' = W + (alpha / r) B A on each
+    targeted linear layer, only A and B train (docs/trainer.md, "LoRA")."""
+
+    r: int = Field(8, ge=1, le=4096, description="the adapters' rank")
+    alpha: float = Field(16.0, gt=0, description="scale numerator: the update is "
+                         "(alpha / r) B A")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on each adapter's input "
+                           "in the gradient passes; only with model.dropout: keep (under off "
+                           "they run in eval mode, where it would never apply)")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        ["q_proj", "v_proj"], min_length=1, description="the linear layers that get adapters: "
+        "module names (suffixes, as peft matches them: q_proj, v_proj for Llama, Qwen, "
+        "SmolLM2) or all-linear (every linear layer but the output layer)")
+
+
 class ModelConfig(Section):
     path: str | None = Field(None, description="local Hugging Face checkpoint to load: a "
                              "folder, or the name of a model `tiller models fetch` installed "
@@ -54,11 +71,20 @@ class ModelConfig(Section):
         "auto", description="the family whose tool-call and reasoning parser reads generated "
         "turns (rendering is always the tokenizer's own chat template); auto = detect from "
         "the template, hermes when nothing matches (docs/formats.md)")
+    lora: LoRAConfig | None = Field(None, description="train low-rank adapters instead of "
+                                    "every weight (the lora extra: peft); the KL reference is "
+                                    "the frozen base with the adapters off, the engine gets "
+                                    "merged weights, checkpoints hold the adapter as well "
+                                    "(docs/trainer.md); null = full fine-tuning")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
         if (self.path is None) == (self.build is None):
             raise ValueError("set exactly one of model.path (load) or model.build (create)")
+        if self.lora is not None and self.lora.dropout > 0 and self.dropout == "off":
+            raise ConfigError(f"config field model.lora.dropout: got {self.lora.dropout}; with "
+                              "model.dropout: off the gradient passes run in eval mode, where "
+                              "it never applies: set model.lora.dropout=0 or model.dropout=keep")
         return self
 
 

@@ -131,6 +131,10 @@ class Config(Section):
             raise ConfigError(f"config field train.rank_timeout_s: got "
                               f"{self.train.rank_timeout_s}; it only applies with "
                               f"train.world_size > 1")
+        if self.train.world_size > 1 and self.model.lora is not None:
+            raise ConfigError(f"config field train.world_size: got {self.train.world_size}; "
+                              f"model.lora trains on one rank only (the sharded trainer has no "
+                              f"adapters yet): set train.world_size=1")
         if self.train.world_size > 1 and (alg.kl.beta > 0 or alg.critic is not None):
             what = "rl.algorithm.kl.beta > 0" if alg.kl.beta > 0 else "rl.algorithm.critic"
             raise ConfigError(f"config field train.world_size: got {self.train.world_size}; "

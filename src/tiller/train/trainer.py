@@ -181,8 +181,9 @@ class PolicyTrainer:
 
     def set_optimizer(self, lr: float, weight_decay: float = 0.0,
                       betas: tuple[float, float] = (0.9, 0.99), eps: float = 1e-8) -> None:
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: adapters
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps
+            trainable, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps
         )
 
     def weight_update(self) -> WeightUpdate:
@@ -284,6 +285,16 @@ class PolicyTrainer:
                 out.device)
         return self._reduce_rows(out)
 
+    def _reference_logprobs(self, ref: nn.Module, batch: Batch, micro_batch_size: int
+                            ) -> torch.Tensor:
+        """The reference model's logprobs; under LoRA (`train.lora`) the reference is the
+        policy itself with its adapters off (peft's `disable_adapter`): its frozen base, no
+        second copy."""
+        if ref is self.model and hasattr(ref, "disable_adapter"):
+            with ref.disable_adapter():
+                return self._logprobs(ref, batch, micro_batch_size)
+        return self._logprobs(ref, batch, micro_batch_size)
+
     def rl_step(
         self,
         batch: Batch,
@@ -338,7 +349,7 @@ class PolicyTrainer:
         row_staleness = _row_staleness(self.version, batch.sample_version)
         micro = cfg.micro_batch_size
         logp_old = self._logprobs(self.model, batch, micro) if prepass else torch.zeros_like(mask)
-        logp_ref = self._logprobs(ref_model, batch, micro) if beta > 0 else None
+        logp_ref = self._reference_logprobs(ref_model, batch, micro) if beta > 0 else None
         values = critic.values(batch, micro) if critic is not None else None
         kl_reward = None
         if kl_in_rew:

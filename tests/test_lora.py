@@ -1,0 +1,196 @@
+"""LoRA through peft (`model.lora`, `train/lora.py`) on the tiny calculator model: only the
+adapters train, a step moves only them, the KL reference is the base, the merged copy the
+engine gets computes the policy's logits, checkpoints hold the adapter and load back."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+from test_distributed import batch_of
+
+from tiller.config import LoRAConfig, RLConfig, WeightSyncConfig, load_config
+from tiller.engine.embedded import EmbeddedEngine
+from tiller.engine.weight_sync import WeightSync
+from tiller.errors import ConfigError
+from tiller.models import load_model
+from tiller.train.lora import Lora, LoraTrainer
+from tiller.train.trainer import PolicyTrainer
+
+LORA = LoRAConfig(r=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
+
+
+def lora_of(model_dir) -> Lora:
+    torch.manual_seed(0)
+    return Lora(load_model(model_dir), LORA)
+
+
+def logits(model, batch) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+
+
+def test_only_adapter_tensors_train(calc_model_dir):
+    lora = lora_of(calc_model_dir)
+    trainable = {n: p for n, p in lora.policy.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    config = lora.merged.config  # 2 layers, q_proj and v_proj each: r (in + out)
+    hidden, heads, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    head_dim = config.head_dim
+    per_layer = 4 * (hidden + heads * head_dim) + 4 * (hidden + kv * head_dim)
+    assert lora.trainable() == config.num_hidden_layers * per_layer
+    trainer = LoraTrainer(lora)
+    trainer.set_optimizer(1e-3)
+    opt = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    assert opt == {id(p) for p in trainable.values()}
+
+
+def test_a_step_moves_only_the_adapters_and_merged_follows(calc_model_dir, tokenizer):
+    lora = lora_of(calc_model_dir)
+    base = {k: t.clone() for k, t in lora.policy.state_dict().items()}
+    trainer = LoraTrainer(lora)
+    trainer.set_optimizer(1e-2)
+    trainer.sft_step(batch_of(tokenizer), 4)
+    after = lora.policy.state_dict()
+    moved = {k for k in base if not torch.equal(base[k], after[k])}
+    assert moved and all(".lora_" in k for k in moved)
+    assert any(".lora_B." in k for k in moved)  # B starts at 0: it moved off it
+    # merged = W + (alpha / r) B A, by hand, on one targeted layer
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj."
+    w, a, b = (after[prefix + k] for k in ("base_layer.weight", "lora_A.default.weight",
+                                            "lora_B.default.weight"))
+    merged = lora.merged.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.allclose(merged, w + (8.0 / 4) * b @ a, atol=1e-7)
+    assert not torch.equal(merged, w)
+    # the untargeted tensors are the base's own storage: no second copy
+    k_proj = "model.layers.0.self_attn.k_proj.weight"
+    assert lora.merged.state_dict()[k_proj].data_ptr() == after[
+        "base_model.model." + k_proj].data_ptr()
+    batch = batch_of(tokenizer)
+    assert torch.allclose(logits(lora.merged, batch), logits(lora.policy, batch), atol=1e-5)
+
+
+def test_kl_reference_is_the_base_model(calc_model_dir, tokenizer):
+    """After a step the adapters are on; the reference pass (adapters off) equals a fresh base
+    model's logprobs, and the policy's differ from them."""
+    lora = lora_of(calc_model_dir)
+    trainer = LoraTrainer(lora)
+    trainer.set_optimizer(1e-2)
+    batch = batch_of(tokenizer)
+    trainer.sft_step(batch, 4)
+    ref = trainer._reference_logprobs(trainer.model, batch, 4)
+    base = PolicyTrainer(load_model(calc_model_dir))._logprobs(
+        load_model(calc_model_dir), batch, 4)
+    policy = trainer._logprobs(trainer.model, batch, 4)
+    on = batch.loss_mask.bool()
+    assert (ref - base)[on].abs().max() < 1e-6
+    assert (policy - base)[on].abs().max() > 1e-3  # the adapters change the policy
+    # an RL step with the KL term: at the first step the policy is the base (B = 0), KL = 0
+    fresh = LoraTrainer(lora_of(calc_model_dir))
+    fresh.set_optimizer(1e-3)
+    cfg = RLConfig(micro_batch_size=4, algorithm={"advantage": "grpo",
+                                                  "kl": {"beta": 0.1, "placement": "loss"}})
+    metrics = fresh.rl_step(batch, cfg, 8, ref_model=fresh.model)
+    assert metrics["kl"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_the_engine_gets_the_merged_weights(calc_model_dir, tokenizer):
+    """A full sync after a step: the engine's logits equal the policy's (adapters on)."""
+    lora = lora_of(calc_model_dir)
+    trainer = LoraTrainer(lora)
+    engine = EmbeddedEngine(copy.deepcopy(lora.merged), tokenizer.pad_token_id)
+    sync = WeightSync(trainer.publisher, engine, WeightSyncConfig(), torch.float32)
+    trainer.set_optimizer(1e-2)
+    batch = batch_of(tokenizer)
+    trainer.sft_step(batch, 4)
+    before = logits(engine.model, batch)
+    metrics = sync.push()
+    state = lora.merged.state_dict()
+    assert metrics["sync/bytes"] == sum(t.numel() * 4 for t in state.values()
+                                        if t.data_ptr() != state["lm_head.weight"].data_ptr()
+                                        ) + state["lm_head.weight"].numel() * 4
+    assert metrics["sync/parity_max_abs"] < 1e-5
+    assert engine.version == trainer.version == 1
+    after = logits(engine.model, batch)
+    want = logits(lora.policy, batch)
+    assert (before - want).abs().max() > 1e-4  # the step changed the policy
+    assert torch.allclose(after, want, atol=1e-5)
+
+
+def test_the_adapter_saves_and_loads(calc_model_dir, tokenizer, tmp_path):
+    lora = lora_of(calc_model_dir)
+    trainer = LoraTrainer(lora)
+    trainer.set_optimizer(1e-2)
+    batch = batch_of(tokenizer)
+    trainer.sft_step(batch, 4)
+    lora.save(tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (4, 8.0)
+    again = lora_of(calc_model_dir)
+    assert not torch.allclose(logits(again.merged, batch), logits(lora.merged, batch))
+    again.load(tmp_path / "adapter")
+    assert torch.allclose(logits(again.policy, batch), logits(lora.policy, batch), atol=1e-6)
+    assert torch.allclose(logits(again.merged, batch), logits(lora.merged, batch), atol=1e-6)
+    other = Lora(load_model(calc_model_dir), LoRAConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(ConfigError, match=r"r=4, alpha=8.0; model.lora has r=2"):
+        other.load(tmp_path / "adapter")
+
+
+def test_config_refusals_are_one_line(calc_model_dir, monkeypatch):
+    with pytest.raises(ConfigError, match=r"^config field model.lora.target_modules: got "
+                                          r"\['nope'\]; no layer"):
+        Lora(load_model(calc_model_dir), LoRAConfig(target_modules=["nope"]))
+    with pytest.raises(ConfigError, match=r"^config field train.world_size: got 2; model.lora"):
+        load_config("configs/calculator.yaml", ["model.lora.r=4", "train.world_size=2"])
+    with pytest.raises(ConfigError, match=r"^config field model.lora.dropout: got 0.1"):
+        load_config("configs/calculator.yaml", ["model.lora.dropout=0.1"])
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if the lora extra were not installed
+    with pytest.raises(ConfigError, match=r"^config field model.lora needs the 'peft' package"
+                                          r", which is not installed: pip install "
+                                          r"'tiller\[lora\]'"):
+        lora_of(calc_model_dir)
+
+
+@pytest.mark.slow
+def test_a_lora_run_checkpoints_the_adapter_and_resumes_exactly(tmp_path):
+    """SFT then RL with the KL term under model.lora: every checkpoint holds the adapter (and
+    no reference copy), the final folder's merged weights are base + the saved adapter, and a
+    resume from step 1 of 3 ends where the whole run did."""
+    from safetensors.torch import load_file
+    from test_resume import RUN, comparable, weights
+
+    from tiller.controller import train
+
+    over = [*RUN, "rl.steps=3", "checkpoint.keep=5", "rl.algorithm.kl.beta=0.05",
+            "rl.algorithm.entropy_coef=0.01", "model.lora.r=4", "model.lora.alpha=8"]
+    whole = tmp_path / "whole"
+    summary = train(load_config("configs/calculator.yaml", over), whole)
+    step1 = whole / "checkpoints" / "step-000001"
+    assert (step1 / "adapter" / "adapter_model.safetensors").is_file()
+    assert "ref" not in torch.load(step1 / "trainer.pt", weights_only=True)
+    final = whole / "checkpoints" / "final"
+    lora = Lora(load_model(whole / "base_model"), LoRAConfig(r=4, alpha=8.0))
+    lora.load(final / "adapter")
+    merged = lora.merged.state_dict()
+    saved = load_file(final / "model.safetensors")
+    assert all(torch.allclose(merged[k], saved[k], atol=1e-7) for k in saved)
+    assert not torch.equal(saved["model.layers.0.self_attn.q_proj.weight"],
+                           load_model(whole / "base_model").state_dict()[
+                               "model.layers.0.self_attn.q_proj.weight"])
+    assert summary["rl"]["ledger"]["trained"] > 0
+    # the reference is the base before SFT, which trained the adapters too: KL > 0 from step 1
+    kl = [json.loads(line)["kl"] for line in (whole / "metrics.jsonl").open()
+          if '"phase": "rl"' in line and '"kl"' in line]
+    assert len(kl) == 3 and all(k > 0 for k in kl)
+    run = tmp_path / "run"
+    shutil.copytree(whole, run)
+    for step in (2, 3):
+        shutil.rmtree(run / "checkpoints" / f"step-00000{step}")
+    train(load_config("configs/calculator.yaml", over), resume=run)
+    a, b = weights(whole), weights(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert comparable(run) == comparable(whole)
