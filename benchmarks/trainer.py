@@ -14,6 +14,8 @@ no KL: a single gradient pass) with AdamW, timing the step alone. Configurations
   packed    + train.packing (and micro_batch_tokens --budget)
   ckpt      + train.activation_checkpointing (chunked, padded)
   all       packed + chunked + checkpointing
+  lora      chunked + model.lora (r 8, alpha 16, q_proj and v_proj: peft), against `chunked`
+  lora-all  all + model.lora, against `all`
 
 Model: without --model, a Llama with random weights of SmolLM2-135M's shape (30 layers, hidden
 576, 9 heads / 3 KV heads, head_dim 64, intermediate 1536, vocabulary 49,152, tied embeddings):
@@ -22,7 +24,8 @@ the same arithmetic and memory as the real weights. --model DIR loads a real HF 
     PYTHONPATH=src .venv/bin/python benchmarks/trainer.py --threads 2
     PYTHONPATH=src .venv/bin/python benchmarks/trainer.py --layers 2 --tokens 64 --rows 4  # smoke
 
-Prints one table; ratios are against `today` measured in the same run; the 1-minute load
+Prints one table; ratios are against `today` measured in the same run (and `x full`: a LoRA
+configuration's step time over its full fine-tuning configuration's); the 1-minute load
 average before and after is printed with it (other processes share the CPU).
 """
 
@@ -42,7 +45,12 @@ CONFIGS = {
     "packed": {"packing": True},
     "ckpt": {"activation_checkpointing": True},
     "all": {"packing": True, "activation_checkpointing": True},
+    "lora": {},
+    "lora-all": {"packing": True, "activation_checkpointing": True},
 }
+# each LoRA configuration and the full fine-tuning one with the same train.* layout
+FULL = {"lora": "chunked", "lora-all": "all"}
+LORA = {"r": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj"]}
 
 
 def build_model(args: argparse.Namespace):
@@ -63,7 +71,8 @@ def build_batch(args: argparse.Namespace, vocab: int):
 
     from tiller.train.batch import Batch
     gen = torch.Generator().manual_seed(1)
-    lengths = torch.linspace(args.min_tokens, args.tokens, args.rows).round().long()
+    low = min(args.min_tokens, args.tokens)  # --tokens alone (the smoke run) sets both
+    lengths = torch.linspace(low, args.tokens, args.rows).round().long()
     ids = torch.zeros((args.rows, args.tokens), dtype=torch.long)
     attn = torch.zeros_like(ids)
     mask = torch.zeros((args.rows, args.tokens))
@@ -90,22 +99,38 @@ def child(args: argparse.Namespace) -> None:
     """One configuration's step; prints its seconds and tokens as JSON."""
     import torch
 
-    from tiller.config import RLConfig, TrainConfig
-    from tiller.train.trainer import PolicyTrainer
+    from tiller.config import RLConfig
+
     torch.set_num_threads(args.threads)
     model = build_model(args)
     batch = build_batch(args, model.config.vocab_size)
-    t0 = time.perf_counter()
+    out: dict = {"tokens": int(batch.attention_mask.sum())}
     if args.child == "bare":
+        t0 = time.perf_counter()
         bare_step(model, batch)
     else:
-        train = TrainConfig(micro_batch_tokens=args.budget if "packing" in CONFIGS[args.child]
-                            else None, **CONFIGS[args.child])
-        trainer = PolicyTrainer(model, train=train)
+        trainer = make_trainer(args, model, out)
         trainer.set_optimizer(lr=1e-6)
+        t0 = time.perf_counter()
         trainer.rl_step(batch, RLConfig(micro_batch_size=args.rows), l_max=args.tokens)
-    seconds = time.perf_counter() - t0
-    print(json.dumps({"seconds": seconds, "tokens": int(batch.attention_mask.sum())}))
+    print(json.dumps({"seconds": time.perf_counter() - t0, **out}))
+
+
+def make_trainer(args: argparse.Namespace, model, out: dict):
+    """The trainer of configuration `args.child`; a LoRA one records in `out` the bytes of
+    the adapter and of the merged weights a sync sends (fp32)."""
+    from tiller.config import LoRAConfig, TrainConfig
+    from tiller.train.lora import Lora, LoraTrainer
+    from tiller.train.trainer import PolicyTrainer
+    train = TrainConfig(micro_batch_tokens=args.budget if "packing" in CONFIGS[args.child]
+                        else None, **CONFIGS[args.child])
+    if args.child not in FULL:
+        return PolicyTrainer(model, train=train)
+    lora = Lora(model, LoRAConfig(**LORA))
+    out["adapter_bytes"] = 4 * lora.trainable()
+    out["sync_bytes"] = sum(4 * t.numel() for t in {t.data_ptr(): t for t in
+                                                    lora.merged.state_dict().values()}.values())
+    return LoraTrainer(lora, train=train)
 
 
 def run_child(name: str, argv: list[str], threads: int) -> dict:
@@ -139,15 +164,23 @@ def main() -> None:
     load = os.getloadavg()[0]
     rows = {name: run_child(name, argv, args.threads) for name in args.configs.split(",")}
     base = rows.get("today")
-    print(f"rows {args.rows}, lengths {args.min_tokens}..{args.tokens}, threads {args.threads}, "
+    print(f"rows {args.rows}, lengths {min(args.min_tokens, args.tokens)}..{args.tokens}, "
+          f"threads {args.threads}, "
           f"model {args.model or f'random Llama, {args.layers} layers'}; load average "
           f"{load:.2f} before, {os.getloadavg()[0]:.2f} after")
-    print(f"{'config':8} {'peak GB':>8} {'x today':>8} {'ms/token':>9} {'x today':>8}")
+    print(f"{'config':8} {'peak GB':>8} {'x today':>8} {'ms/token':>9} {'x today':>8} "
+          f"{'x full':>7}")
     for name, r in rows.items():
         ms = 1000 * r["seconds"] / r["tokens"]
         mem_x = r["peak_gb"] / base["peak_gb"] if base else float("nan")
         time_x = r["seconds"] / base["seconds"] if base else float("nan")
-        print(f"{name:8} {r['peak_gb']:8.2f} {mem_x:8.2f} {ms:9.2f} {time_x:8.2f}")
+        full = rows.get(FULL.get(name, ""))
+        full_x = f"{r['seconds'] / full['seconds']:7.2f}" if full else f"{'':7}"
+        print(f"{name:8} {r['peak_gb']:8.2f} {mem_x:8.2f} {ms:9.2f} {time_x:8.2f} {full_x}")
+    for name in (n for n in rows if "sync_bytes" in rows[n]):
+        r = rows[name]
+        print(f"{name}: adapter {r['adapter_bytes'] / 1e6:.2f} MB; a weight sync sends the "
+              f"merged weights, {r['sync_bytes'] / 1e6:.1f} MB (fp32)")
 
 
 if __name__ == "__main__":
