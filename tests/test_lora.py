@@ -135,6 +135,10 @@ def test_the_adapter_saves_and_loads(calc_model_dir, tokenizer, tmp_path):
     again.load(tmp_path / "adapter")
     assert torch.allclose(logits(again.policy, batch), logits(lora.policy, batch), atol=1e-6)
     assert torch.allclose(logits(again.merged, batch), logits(lora.merged, batch), atol=1e-6)
+    # peft's own loader reads it too
+    from peft import PeftModel
+    peft_model = PeftModel.from_pretrained(load_model(calc_model_dir), tmp_path / "adapter")
+    assert torch.allclose(logits(peft_model, batch), logits(lora.policy, batch), atol=1e-6)
     other = Lora(load_model(calc_model_dir), LoRAConfig(r=2, target_modules=["q_proj"]))
     with pytest.raises(ConfigError, match=r"r=4, alpha=8.0; model.lora has r=2"):
         other.load(tmp_path / "adapter")
