@@ -26,7 +26,8 @@ the same arithmetic and memory as the real weights. --model DIR loads a real HF 
 
 With --repeat N the configurations run N times in turn and each keeps its fastest step.
 Prints one table; ratios are against `today` measured in the same run (and `x full`: a LoRA
-configuration's step time over its full fine-tuning configuration's); the 1-minute load
+configuration's step time over its full fine-tuning configuration's, by wall time and by the
+process's CPU time, which other processes barely change at --threads 1); the 1-minute load
 average before and after is printed with it (other processes share the CPU).
 """
 
@@ -97,7 +98,8 @@ def bare_step(model, batch) -> None:
 
 
 def child(args: argparse.Namespace) -> None:
-    """One configuration's step; prints its seconds and tokens as JSON."""
+    """One configuration's step; prints its wall and CPU seconds (every thread of the process:
+    with --threads 1, the work done, whatever else runs on the machine) and tokens as JSON."""
     import torch
 
     from tiller.config import RLConfig
@@ -107,14 +109,15 @@ def child(args: argparse.Namespace) -> None:
     batch = build_batch(args, model.config.vocab_size)
     out: dict = {"tokens": int(batch.attention_mask.sum())}
     if args.child == "bare":
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         bare_step(model, batch)
     else:
         trainer = make_trainer(args, model, out)
         trainer.set_optimizer(lr=1e-6)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         trainer.rl_step(batch, RLConfig(micro_batch_size=args.rows), l_max=args.tokens)
-    print(json.dumps({"seconds": time.perf_counter() - t0, **out}))
+    print(json.dumps({"seconds": time.perf_counter() - t0,
+                      "cpu_seconds": time.process_time() - c0, **out}))
 
 
 def make_trainer(args: argparse.Namespace, model, out: dict):
@@ -148,10 +151,11 @@ def run_child(name: str, argv: list[str], threads: int) -> dict:
 
 
 def best(runs: list[dict]) -> dict:
-    """A configuration's fastest run (the one other processes slowed least), with the highest
-    peak memory of all its runs."""
+    """A configuration's fastest run (the one other processes slowed least), its least CPU
+    time, and the highest peak memory of all its runs."""
     fastest = min(runs, key=lambda r: r["seconds"])
-    return {**fastest, "peak_gb": max(r["peak_gb"] for r in runs)}
+    return {**fastest, "cpu_seconds": min(r["cpu_seconds"] for r in runs),
+            "peak_gb": max(r["peak_gb"] for r in runs)}
 
 
 def main() -> None:
@@ -184,14 +188,16 @@ def main() -> None:
           f"model {args.model or f'random Llama, {args.layers} layers'}; load average "
           f"{load:.2f} before, {os.getloadavg()[0]:.2f} after")
     print(f"{'config':8} {'peak GB':>8} {'x today':>8} {'ms/token':>9} {'x today':>8} "
-          f"{'x full':>7}")
+          f"{'x full':>7} {'cpu ms/token':>12} {'x full':>7}")
     for name, r in rows.items():
-        ms = 1000 * r["seconds"] / r["tokens"]
+        ms, cpu_ms = (1000 * r[k] / r["tokens"] for k in ("seconds", "cpu_seconds"))
         mem_x = r["peak_gb"] / base["peak_gb"] if base else float("nan")
         time_x = r["seconds"] / base["seconds"] if base else float("nan")
         full = rows.get(FULL.get(name, ""))
-        full_x = f"{r['seconds'] / full['seconds']:7.2f}" if full else f"{'':7}"
-        print(f"{name:8} {r['peak_gb']:8.2f} {mem_x:8.2f} {ms:9.2f} {time_x:8.2f} {full_x}")
+        full_x, cpu_x = ((f"{r[k] / full[k]:7.2f}" if full else f"{'':7}")
+                         for k in ("seconds", "cpu_seconds"))
+        print(f"{name:8} {r['peak_gb']:8.2f} {mem_x:8.2f} {ms:9.2f} {time_x:8.2f} {full_x} "
+              f"{cpu_ms:12.2f} {cpu_x}")
     for name in (n for n in rows if "sync_bytes" in rows[n]):
         r = rows[name]
         print(f"{name}: adapter {r['adapter_bytes'] / 1e6:.2f} MB; a weight sync sends the "
