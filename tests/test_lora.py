@@ -198,3 +198,20 @@ def test_a_lora_run_checkpoints_the_adapter_and_resumes_exactly(tmp_path):
     a, b = weights(whole), weights(run)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert comparable(run) == comparable(whole)
+
+
+def test_keep_with_adapter_dropout_has_dropout_to_keep(calc_model_dir, tmp_path):
+    """model.dropout=keep on the built Qwen3 (no dropout of its own) is refused, but not with
+    model.lora.dropout > 0: the adapters' dropout is there to keep."""
+    from tiller.run import Run
+
+    cfg = load_config("configs/calculator.yaml", [
+        f"model.path={calc_model_dir}", "model.build=null", "model.dropout=keep",
+        "model.lora.dropout=0.1", "logging.tensorboard=false"])
+    run = Run(cfg, tmp_path / "run")
+    try:
+        rates = {m.p for n, m in run.trainer.model.named_modules()
+                 if n.endswith("lora_dropout.default")}
+        assert rates == {0.1}
+    finally:
+        run.close()
