@@ -150,6 +150,16 @@ def run_child(name: str, argv: list[str], threads: int) -> dict:
     return result
 
 
+GOAL = 0.6  # issue 23: a LoRA step at most 0.6x full fine-tuning's
+
+
+def lora_goals(rows: dict[str, dict]) -> dict[str, bool]:
+    """Per LoRA configuration measured beside its full fine-tuning one: whether its step's CPU
+    time is at most GOAL x the full one's."""
+    return {name: rows[name]["cpu_seconds"] <= GOAL * rows[full]["cpu_seconds"]
+            for name, full in FULL.items() if name in rows and full in rows}
+
+
 def best(runs: list[dict]) -> dict:
     """A configuration's fastest run (the one other processes slowed least), its least CPU
     time, and the highest peak memory of all its runs."""
@@ -198,6 +208,8 @@ def main() -> None:
                          for k in ("seconds", "cpu_seconds"))
         print(f"{name:8} {r['peak_gb']:8.2f} {mem_x:8.2f} {ms:9.2f} {time_x:8.2f} {full_x} "
               f"{cpu_ms:12.2f} {cpu_x}")
+    for name, met in lora_goals(rows).items():
+        print(f"goal {name} <= {GOAL}x {FULL[name]} (CPU time): {'met' if met else 'missed'}")
     for name in (n for n in rows if "sync_bytes" in rows[n]):
         r = rows[name]
         print(f"{name}: adapter {r['adapter_bytes'] / 1e6:.2f} MB; a weight sync sends the "

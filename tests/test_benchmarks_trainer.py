@@ -21,6 +21,13 @@ def test_best_keeps_the_fastest_run_and_the_highest_peak():
                                   "peak_gb": 1.0}
 
 
+def test_lora_goal_is_cpu_time_at_most_six_tenths_of_full():
+    rows = {"chunked": {"cpu_seconds": 10.0}, "lora": {"cpu_seconds": 6.0},
+            "all": {"cpu_seconds": 10.0}, "lora-all": {"cpu_seconds": 6.1}}
+    assert trainer.lora_goals(rows) == {"lora": True, "lora-all": False}
+    assert trainer.lora_goals({"lora": rows["lora"]}) == {}  # nothing to compare with
+
+
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(300)
@@ -42,3 +49,4 @@ def test_smallest_run_prints_lora_against_full_fine_tuning():
     # 1 layer, hidden 576: q_proj 576 -> 576 and v_proj 576 -> 192 at r 8, fp32
     adapter_mb = 4 * 8 * (576 + 576 + 576 + 192) / 1e6
     assert f"lora: adapter {adapter_mb:.2f} MB" in out
+    assert re.search(r"^goal lora <= 0.6x chunked \(CPU time\): (met|missed)$", out, re.M)
