@@ -4,14 +4,14 @@
    back (lazy imports inside functions and `if TYPE_CHECKING:` imports count too).
 2. Boxes are folders: each box of the architecture (docs/architecture.md) is one folder; the
    modules at the top are the foundation (errors, files, runtime, seeds), the wiring (models,
-   fetch, plugins, preflight, run, controller, trust) and the entry points (api, cli, __main__,
-   the package).
+   fetch, plugins, preflight, checkpoints, resume, run, controller, trust) and the entry
+   points (api, cli, __main__, the package).
 3. Layers: a box imports only the boxes `ALLOWED` lists for it, each in a lower tier of
    `TIERS`, so the allowed imports are a DAG. From the bottom:
 
        errors < files, runtime, seeds < algorithms, tools < envs < plugins < config < engine
        < rollout < models, serve < train, fetch < observe, gateway < preflight < checkpoints
-       < run, trust < controller < api, cli < __main__, tiller
+       < resume < run, trust < controller < api, cli < __main__, tiller
 
    So envs and tools never import engine, rollout or train; the algorithm library (registries,
    presets and their resolution) imports only errors, so config validates against it; the
@@ -42,8 +42,8 @@ TIERS: list[tuple[str, ...]] = [
     ("errors",), ("files", "runtime", "seeds"), ("algorithms", "tools"), ("envs",), ("plugins",),
     ("config",),
     ("engine",), ("rollout",), ("models", "serve"), ("train", "fetch"), ("observe", "gateway"),
-    ("preflight",), ("checkpoints",), ("run", "trust"), ("controller",), ("api", "cli"),
-    ("__main__", "tiller"),
+    ("preflight",), ("checkpoints",), ("resume",), ("run", "trust"), ("controller",),
+    ("api", "cli"), ("__main__", "tiller"),
 ]
 # what each box and each shared top-level module may import; the wiring and entry points
 # (not listed) may import anything in a lower tier

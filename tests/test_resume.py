@@ -23,10 +23,10 @@ import torch
 from helpers import RL_MOVES, TINY_RUN, cli, numbers, tiny_rl
 from safetensors.torch import load_file
 
-from tiller.checkpoints import MARKER, PAUSE_ENV, complete_checkpoints
+from tiller.checkpoints import MARKER, PAUSE_ENV, complete_checkpoints, verify
 from tiller.config import load_config
 from tiller.controller import train
-from tiller.errors import ConfigError
+from tiller.errors import ConfigError, RunError
 from tiller.plugins import load_env_class
 from tiller.preflight import rl_task_count
 
@@ -37,11 +37,12 @@ RUN = [*TINY_RUN, "sft.tasks=32", "rl.steps=4", "checkpoint.every=1", "checkpoin
 TIMEOUT_S = 180  # one tiller process, start to end
 
 
-def tiller(*args: str, pause_s: float = 0.0) -> subprocess.Popen:
-    """`python -m tiller ARGS` in its own process; `pause_s`: each checkpoint write waits
-    that long before its marker (the test hook), so a kill can land inside one."""
+def tiller(*args: str, pause: str = "") -> subprocess.Popen:
+    """`python -m tiller ARGS` in its own process; `pause` ("PHASE:SECONDS", the test hook
+    PAUSE_ENV): each checkpoint write waits that long at that phase, so a kill can land
+    inside one."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
-           PAUSE_ENV: str(pause_s)}
+           PAUSE_ENV: pause}
     return subprocess.Popen([sys.executable, "-m", "tiller", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -52,20 +53,18 @@ def finish(proc: subprocess.Popen) -> str:
     return out
 
 
-def kill_when(proc: subprocess.Popen, ready, delay_s: float) -> bool:
-    """SIGKILL `proc` `delay_s` after `ready()` first holds; False when it ended first."""
+def kill_when(proc: subprocess.Popen, ready, delay_s: float) -> None:
+    """SIGKILL `proc` `delay_s` after `ready()` first holds; the kill must land (the process
+    still running then)."""
     deadline = time.monotonic() + TIMEOUT_S
     while not ready():
-        if proc.poll() is not None:
-            return False
+        assert proc.poll() is None, "the run ended before the kill point: " + proc.stdout.read()
         assert time.monotonic() < deadline, "the run never reached the kill point"
         time.sleep(0.02)
     time.sleep(delay_s)
-    if proc.poll() is not None:
-        return False
+    assert proc.poll() is None, "the run ended before the kill: " + proc.stdout.read()[-2000:]
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=30)
-    return True
 
 
 def rl_rows(run: Path) -> int:
@@ -76,13 +75,30 @@ def rl_rows(run: Path) -> int:
                if line.endswith("}"))
 
 
-def writing_checkpoint(run: Path, after: int):
-    """Whether a checkpoint past step `after` is being written: a temporary folder of one
-    that was not there when asked (not one an earlier kill left)."""
+def appeared(run: Path, pattern: str):
+    """Whether a file or folder matching `pattern` below run/checkpoints appeared that was
+    not there when asked (not one an earlier kill left)."""
     folder = run / "checkpoints"
-    old = set(folder.glob(".step-*.tmp"))
-    return lambda: any(int(p.name.split(".")[1].removeprefix("step-")) > after
-                       for p in set(folder.glob(".step-*.tmp")) - old)
+    old = set(folder.glob(pattern))
+    return lambda: bool(set(folder.glob(pattern)) - old)
+
+
+def kill_mid_checkpoint(run: Path, phase: str, rng: random.Random, *args: str) -> None:
+    """Resume `run` (or start it with `args`) with each checkpoint write paused 3 s at
+    `phase`, and SIGKILL it inside the pause of its first write once a checkpoint is
+    complete: the newest complete checkpoint is the one before (with "remove": the new one,
+    whose old one was renamed aside) and it verifies whole."""
+    before = [c.step for c in complete_checkpoints(run)]
+    # a checkpoint's private folder (.step-N.<random>.tmp), or an old one renamed aside
+    new = appeared(run, ".step-*.removing.tmp" if phase == "remove" else ".step-*.*.tmp")
+    proc = tiller("train", *(args or ("--resume", str(run))), pause=f"{phase}:3")
+    kill_when(proc, lambda: new() and bool(complete_checkpoints(run)), rng.uniform(0.3, 1.5))
+    newest = verify(complete_checkpoints(run)[0])  # resumable
+    if phase == "remove":
+        assert newest.step > before[0] and list((run / "checkpoints").glob(".*.removing.tmp"))
+    else:
+        assert newest.step == (before[0] if before else 1)
+        assert list((run / "checkpoints").glob(".step-*.*.tmp"))  # the half-written one
 
 
 def weights(run: Path) -> dict[str, torch.Tensor]:
@@ -98,33 +114,31 @@ def comparable(run: Path) -> list[dict]:
             for row in numbers(run, FRESH)]
 
 
+@pytest.fixture(scope="module")
+def sync_whole(tmp_path_factory) -> Path:
+    """The uninterrupted run the killed ones are compared with."""
+    ref = tmp_path_factory.mktemp("sync") / "ref"
+    finish(tiller("train", "configs/calculator.yaml", *RUN, "-o", str(ref)))
+    return ref
+
+
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("seed", [24, 5])
-def test_sync_run_killed_at_seeded_moments_resumes_bit_identically(tmp_path, seed):
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    finish(tiller("train", "configs/calculator.yaml", *RUN, "-o", str(ref)))
+@pytest.mark.parametrize("seed, phases", [(24, ("files", "rename")), (5, ("marker", "remove"))])
+def test_sync_run_killed_at_seeded_moments_resumes_bit_identically(sync_whole, tmp_path, seed,
+                                                                   phases):
+    """Three kills, each asserted to land: one at a seeded moment after step 2's row (step
+    3's rollouts or train step, or checkpoint 2's write), then two inside checkpoint writes,
+    at the phases of the test hook (the seed's two of: while the files are written, before
+    the marker, before the rename, while an old checkpoint is removed)."""
+    ref, run = sync_whole, tmp_path / "run"
     rng = random.Random(seed)  # where each kill lands
-    # 1: while step 2 samples or trains (a seeded moment after step 1's row)
     proc = tiller("train", "configs/calculator.yaml", *RUN, "-o", str(run))
-    assert kill_when(proc, lambda: rl_rows(run) >= 1, rng.uniform(0.0, 0.6))
-    kills = 1
-    # 2: while a checkpoint is half written (each write pauses 3 s before its marker)
-    done = max((c.step for c in complete_checkpoints(run)), default=0)
-    writing = writing_checkpoint(run, done)
-    proc = tiller("train", "--resume", str(run), pause_s=3.0)
-    assert kill_when(proc, writing, rng.uniform(0.5, 2.0))
-    kills += 1
-    # the half-written one is not a checkpoint; the one before is intact
-    assert [c.step for c in complete_checkpoints(run)][0] == done
-    assert list((run / "checkpoints").glob(".step-*.tmp"))
-    # 3: at a seeded moment after the start (start-up, rollouts or a train step)
-    proc = tiller("train", "--resume", str(run))
-    if kill_when(proc, lambda: True, rng.uniform(4.0, 9.0)):
-        kills += 1
-    out = finish(tiller("train", "--resume", str(run)))
-    assert kills >= 2, out[-2000:]
+    kill_when(proc, lambda: rl_rows(run) >= 2, rng.uniform(0.0, 0.3))
+    for phase in phases:
+        kill_mid_checkpoint(run, phase, rng)
+    finish(tiller("train", "--resume", str(run)))
     a, b = weights(ref), weights(run)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert comparable(run) == comparable(ref)
@@ -138,22 +152,50 @@ def test_sync_run_killed_at_seeded_moments_resumes_bit_identically(tmp_path, see
             == {k: v for k, v in ref_summary["heldout_after_sft"].items() if k != "time_s"})
 
 
+ASYNC = [*RUN, "rl.mode=async", "rl.steps=8"]
+
+
+@pytest.fixture(scope="module")
+def async_whole(tmp_path_factory) -> Path:
+    """An uninterrupted async run: its held-out success's CI is what a resumed one must land
+    in."""
+    ref = tmp_path_factory.mktemp("async") / "ref"
+    finish(tiller("train", "configs/calculator.yaml", *ASYNC, "-o", str(ref)))
+    return ref
+
+
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode", ["async", "one_step_off"])
-def test_run_killed_with_open_groups_draws_every_task_once(tmp_path, mode):
-    run = tmp_path / "run"
-    over = [*RUN, f"rl.mode={mode}", "rl.steps=8"]
-    proc = tiller("train", "configs/calculator.yaml", *over, "-o", str(run))
-    assert kill_when(proc, lambda: rl_rows(run) >= 1, random.Random(6).uniform(0.0, 0.5))
-    killed_at = json.loads((complete_checkpoints(run)[0].path / "state.json").read_text())
+@pytest.mark.parametrize("seed, kill", [(6, 1), (7, 5), (8, "marker")])
+def test_async_run_killed_at_seeded_moments_draws_every_task_once(async_whole, tmp_path, seed,
+                                                                  kill):
+    """Issue 24's async acceptance: killed at a seeded moment after RL row `kill` (or inside
+    a checkpoint write, once one is complete) and resumed, the run draws every task of its
+    stream once, and its held-out success is within the uninterrupted run's 95% CI."""
+    run, rng = tmp_path / "run", random.Random(seed)
+    if kill == "marker":  # inside checkpoint 2's write, before its marker
+        kill_mid_checkpoint(run, "marker", rng, "configs/calculator.yaml", *ASYNC, "-o",
+                            str(run))
+    else:
+        proc = tiller("train", "configs/calculator.yaml", *ASYNC, "-o", str(run))
+        kill_when(proc, lambda: rl_rows(run) >= kill, rng.uniform(0.0, 0.5))
+    killed_at = verify(complete_checkpoints(run)[0]).state
     finish(tiller("train", "--resume", str(run)))
+    drawn_once(run, ASYNC, "async", killed_at)
+    got = json.loads((run / "summary.json").read_text())["heldout_after_rl"]
+    ref = json.loads((async_whole / "summary.json").read_text())["heldout_after_rl"]
+    assert ref["ci_low"] <= got["success"] <= ref["ci_high"], (got, ref)
+
+
+def drawn_once(run: Path, over: list[str], mode: str, killed_at: dict) -> None:
+    """The resumed run drew every task of its stream once (none skipped, none repeated) and
+    each group's task once under its tag (a reopened group drawn again with its first
+    seeds)."""
     last = max(complete_checkpoints(run), key=lambda c: c.step)
     state = json.loads((last.path / "state.json").read_text())["manager"]
-    # resumed with groups still open, and drawn from the stream past the checkpoint's position
-    assert last.step == 8 and killed_at["step"] < 8 and killed_at["manager"]["open_tasks"]
-    assert state["pulled"] > killed_at["manager"]["pulled"]
+    assert last.step == 8 and killed_at["step"] < 8
+    assert state["pulled"] >= killed_at["manager"]["pulled"]  # async may have drawn them all
     # the stream the run draws from (run.rl_tasks: the tasks, then async's reserve)
     cfg = load_config("configs/calculator.yaml", over)
     env, n = load_env_class(cfg.env.name), rl_task_count(cfg)
@@ -163,8 +205,24 @@ def test_run_killed_with_open_groups_draws_every_task_once(tmp_path, mode):
     # every task up to the stream's position drawn exactly once: none skipped, none repeated
     assert sorted(drawn) == sorted(stream[: state["pulled"]])
     assert state["pulled"] >= 8 * 4  # at least the 8 steps' groups
+    assert {n for _, _, n in state["draws"]} == {1}, state["draws"]
     summary = json.loads((run / "summary.json").read_text())
     assert "ledger_unaccounted" not in summary["rl"] and summary["rl"]["ledger"]["trained"]
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_one_step_off_run_killed_with_open_groups_draws_every_task_once(tmp_path):
+    """one_step_off: the checkpoint holds the next step's groups open; the resumed run
+    samples them again first, into the units they were drawn for, with their first seeds."""
+    run, over = tmp_path / "run", [*RUN, "rl.mode=one_step_off", "rl.steps=8"]
+    proc = tiller("train", "configs/calculator.yaml", *over, "-o", str(run))
+    kill_when(proc, lambda: rl_rows(run) >= 1, random.Random(6).uniform(0.0, 0.5))
+    killed_at = verify(complete_checkpoints(run)[0]).state
+    assert killed_at["manager"]["open_tasks"]  # resumed with groups still open
+    finish(tiller("train", "--resume", str(run)))
+    drawn_once(run, over, "one_step_off", killed_at)
 
 
 @pytest.fixture(scope="module")
@@ -200,13 +258,28 @@ def test_bad_resumes_stop_in_one_line_and_lose_nothing(two_steps, tmp_path):
     shutil.copytree(two_steps, run)
     refused(run, ["rl.group_size=2"], "config field rl.group_size changed (4 -> 2)")
     refused(run, ["seed=1"], "config field seed changed")
+    refused(run, ["rl.steps=1"], "config field rl.steps is 1, below the 2 steps checkpoint "
+                                 "step-000002 has trained")
+    # a link in the run folder: nothing is cut or deleted through it (the database it points
+    # to keeps every row)
+    victim = tmp_path / "victim.sqlite"
+    os.replace(run / "traces.sqlite", victim)
+    (run / "traces.sqlite").symlink_to(victim)
+    kept = victim.read_bytes()
+    refused(run, [], f"{run / 'traces.sqlite'} is a symbolic link")
+    assert victim.read_bytes() == kept
+    (run / "traces.sqlite").unlink()
+    os.replace(victim, run / "traces.sqlite")
+    (run / "eval" / "elsewhere").symlink_to(tmp_path)
+    refused(run, [], f"{run / 'eval' / 'elsewhere'} is a symbolic link")
+    (run / "eval" / "elsewhere").unlink()
     # a corrupt file in the newest checkpoint: named, and the checkpoint kept for a look
     newest = run / "checkpoints" / "step-000002"
     data = bytearray((newest / "trainer.pt").read_bytes())
     data[len(data) // 2] ^= 0xFF
     (newest / "trainer.pt").write_bytes(bytes(data))
     refused(run, [], "step-000002 is corrupt: trainer.pt does not match")
-    # another format (or tiller version)
+    # another format
     marker = json.loads((newest / MARKER).read_text())
     (newest / MARKER).write_text(json.dumps({**marker, "format": 99}))
     refused(run, [], "checkpoint format 99")
@@ -229,7 +302,7 @@ def test_safe_change_resumes_and_checkpoints_are_listed(two_steps, tmp_path, cap
     shutil.rmtree(run / "checkpoints" / "step-000002")
     code, out = cli("checkpoints", run)
     assert code == 0 and "step-000001" in out and "complete" in out, out
-    assert "optimizer" in out and "1 open" not in out  # sync: no open groups
+    assert "optimizer" in out and "0 open groups" in out  # sync: no open groups
     caplog.set_level("INFO")
     traced = trace_counts(two_steps)
     summary = train(load_config(run / "config.yaml", ["logging.tensorboard=false",
@@ -299,20 +372,28 @@ def test_checkpoints_of_state_they_cannot_hold_are_refused_before_any_work(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", [["rl.algorithm.preset=ppo", "rl.algorithm.advantage=gae"],
-                                       ["rl.algorithm.kl.beta=0.05", *RL_MOVES]])
+@pytest.mark.parametrize("algorithm", [
+    ["rl.algorithm.preset=ppo", "rl.algorithm.advantage=gae"],
+    ["rl.algorithm.kl.beta=0.05", *RL_MOVES],
+    ["rl.algorithm.kl.beta=0.05", "rl.algorithm.kl.off_after=1", *RL_MOVES],
+])
 def test_critic_and_reference_model_resume_bit_identically(tmp_path, algorithm):
     """The critic's weights and optimizer (ppo), the reference model (kl.beta > 0) come back
-    from trainer.pt: a resume from step 1 of 3 ends where the whole run did."""
+    from trainer.pt: a resume from step 1 of 3 ends where the whole run did. With
+    kl.off_after=1 the KL term is off from the second step on, which frees the reference
+    model: checkpoint 2 holds none, and a resume from it needs none."""
     over = [*RUN, "rl.steps=3", "checkpoint.keep=5", *algorithm]
     whole = tmp_path / "whole"
     train(load_config("configs/calculator.yaml", over), whole)
     run = tmp_path / "run"
     shutil.copytree(whole, run)
-    for step in (2, 3):
+    kl_off = any("off_after" in a for a in algorithm)
+    start = 2 if kl_off else 1
+    for step in range(start + 1, 4):
         shutil.rmtree(run / "checkpoints" / f"step-00000{step}")
-    saved = torch.load(run / "checkpoints" / "step-000001" / "trainer.pt", weights_only=True)
-    assert "ref" in saved and ("critic" in saved) == ("ppo" in algorithm[0])  # ppo: KL too
+    saved = torch.load(run / "checkpoints" / f"step-00000{start}" / "trainer.pt",
+                       weights_only=True)
+    assert ("ref" in saved) != kl_off and ("critic" in saved) == ("ppo" in algorithm[0])
     train(load_config("configs/calculator.yaml", over), resume=run)
     a, b = weights(whole), weights(run)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -332,3 +413,21 @@ def test_more_steps_on_resume_continue_the_same_run(two_steps, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     rl = [[r for r in comparable(d) if r["phase"] == "rl"] for d in (whole, run)]
     assert rl[0] == rl[1] and len(rl[0]) == 3
+
+
+@pytest.mark.slow
+def test_idle_steps_in_a_row_carry_over_a_resume(calc_sft_dir, tmp_path):
+    """rl.max_idle_steps counts flat steps in a row across a resume: the one-step-SFT model
+    never succeeds, so under dynamic sampling every step is flat; step 1 is skipped and
+    checkpointed, step 2 fails the run (2 in a row), and so does the resumed run's step 2."""
+    cfg = load_config("configs/calculator.yaml", tiny_rl(
+        calc_sft_dir, "rl.steps=3", "rl.max_idle_steps=1", "rl.algorithm={preset: dapo}",
+        "checkpoint.every=1", "checkpoint.keep=5", "eval.tasks=2"))
+    run = tmp_path / "run"
+    two_in_a_row = r"^rl step 2: nothing to train \(2 step\(s\) in a row\)"
+    with pytest.raises(RunError, match=two_in_a_row):
+        train(cfg, run)
+    (ckpt,) = complete_checkpoints(run)
+    assert verify(ckpt).state["idle_steps"] == 1
+    with pytest.raises(RunError, match=two_in_a_row):
+        train(cfg, resume=run)

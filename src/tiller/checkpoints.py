@@ -16,8 +16,9 @@ A checkpoint folder holds:
                       rollout manager's state (`rollout.resume`: the task stream's position,
                       the open groups' tasks, the ledger), the step recorder's counters, the
                       byte length of metrics.jsonl, the summary so far, and the run's config
-    complete.json     written last: the format version, the tiller version and each file's
-                      size and SHA-256. A folder without it is not a checkpoint.
+    complete.json     written last: the format version, the step, the tiller version that
+                      wrote it (for a reader: only the format is checked) and each file's size
+                      and SHA-256. A folder without it is not a checkpoint.
 
 Each is written in a private temporary folder, every file and the folder fsynced, then the
 folder renamed into place (`files.replacing`) and its parent fsynced: a kill during a write
@@ -35,32 +36,63 @@ import os
 import random
 import re
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from tiller.config import Config
 from tiller.errors import ConfigError
-from tiller.files import folder_below, remove_tree, replacing, write_file
-from tiller.rollout.resume import manager_state
-
-if TYPE_CHECKING:
-    from tiller.observe.steps import StepRecorder
-    from tiller.rollout.manager import RolloutManager
+from tiller.files import remove_tree, replacing
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-TILLER_VERSION = importlib.metadata.version("tiller")  # the installed package's
+# what a reader checks: a checkpoint of another format is refused (2: the idle-step count,
+# the trainer's parts and the open groups' draws taken out of the draw counts)
+FORMAT_VERSION = 2
 MARKER = "complete.json"
 FOLDER = re.compile(r"^step-(\d+)$")
-# Test hook: when set, writing a checkpoint's files sleeps this long (seconds) just before the
-# marker, so a test can kill the run while a checkpoint is half written.
-PAUSE_ENV = "TILLER_TEST_CHECKPOINT_PAUSE_S"
+# the files every checkpoint holds (the model folder holds the tokenizer's files as well)
+REQUIRED = ("model/model.safetensors", "model/config.json", "trainer.pt", "rng.pt",
+            "state.json")
+# Test hook (tests/test_resume.py), not a setting: "PHASE:SECONDS" makes each checkpoint write
+# sleep SECONDS at PHASE, so a test can SIGKILL the run there. The phases, in order: "files"
+# (the weights and tensors written, state.json not yet), "marker" (everything but the
+# marker written), "rename" (the folder whole and fsynced, not yet renamed into place),
+# "remove" (an old checkpoint past checkpoint.keep renamed aside, not yet removed).
+PAUSE_ENV = "TILLER_TEST_CHECKPOINT_PAUSE"
+PAUSES = ("files", "marker", "rename", "remove")
+# what state.json holds (`save_rl`); a resume reads each
+STATE_KEYS = ("step", "trainer_version", "engine_version", "rng", "holds", "tensors",
+              "manager", "recorder", "idle_steps", "metrics_bytes", "summary", "config")
+# old checkpoints checkpoint.keep left in place because their marker could not be read
+# (another format, corrupt), in this process; each logged
+KEEP_SKIPPED: Counter[str] = Counter()
+
+
+def tiller_version() -> str:
+    """The installed tiller's version, written into each marker for a reader to see (not
+    checked: the format is); "unknown" when tiller runs from a source tree uninstalled."""
+    try:
+        return importlib.metadata.version("tiller")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _pause(phase: str) -> None:
+    """The test hook's sleep at `phase` (PAUSE_ENV); a value it cannot read stops loudly."""
+    value = os.environ.get(PAUSE_ENV, "")
+    if not value:
+        return
+    at, _, seconds = value.partition(":")
+    if at not in PAUSES:
+        raise ValueError(f"{PAUSE_ENV}={value!r}: PHASE:SECONDS, PHASE one of {PAUSES}")
+    if at == phase:
+        time.sleep(float(seconds))
 ADAPTER_DIR = "adapter"  # model.lora: the adapter, as peft saves it, beside the merged model
 
 
@@ -92,21 +124,22 @@ def write_checkpoint(run_dir: Path, step: int, keep: int,
     with replacing(out, root=run_dir) as new:
         new.mkdir()
         state = write_parts(new)
+        _pause("files")
         (new / "state.json").write_text(json.dumps(state))
-        pause = float(os.environ.get(PAUSE_ENV, "0") or 0)
-        if pause:
-            time.sleep(pause)
+        _pause("marker")
         files = {str(p.relative_to(new)): _describe(p) for p in sorted(new.rglob("*"))
                  if p.is_file()}
-        marker = {"format": FORMAT_VERSION, "tiller": TILLER_VERSION, "step": step,
+        marker = {"format": FORMAT_VERSION, "tiller": tiller_version(), "step": step,
                   "time": time.time(), "files": files}
         (new / MARKER).write_text(json.dumps(marker, indent=1))
         _fsync_tree(new)
+        _pause("rename")
     _fsync(out.parent)
-    removed = [c.path.name for c in complete_checkpoints(run_dir)[keep:]]
+    removed = [c.path.name for c in _readable_checkpoints(run_dir)[keep:]]
     for name in removed:  # renamed first: a kill while it is removed leaves no half folder
         gone = checkpoint_dir(run_dir) / f".{name}.removing.tmp"
         os.replace(checkpoint_dir(run_dir) / name, gone)
+        _pause("remove")
         remove_tree(gone)
     log.info("checkpoint %s written in %.2fs%s", out, time.perf_counter() - t0,
              f"; removed {', '.join(removed)}" if removed else "")
@@ -135,10 +168,9 @@ def _fsync_tree(folder: Path) -> None:
     _fsync(folder)
 
 
-def complete_checkpoints(run_dir: Path) -> list[Checkpoint]:
-    """The checkpoints with a marker of this format, newest first; a folder without a marker
-    (a copy cut short) is skipped with a warning. A marker of another format, or a file that
-    does not match its marker, stops here in one line (`ConfigError`)."""
+def _marked(run_dir: Path) -> list[tuple[Path, int]]:
+    """The step folders with a marker, and their steps; a folder without one (a copy cut
+    short) is skipped with a warning."""
     found = []
     folder = checkpoint_dir(run_dir)
     for path in folder.iterdir() if folder.is_dir() else ():
@@ -149,35 +181,87 @@ def complete_checkpoints(run_dir: Path) -> list[Checkpoint]:
             log.warning("checkpoint %s has no %s (it was not written whole): skipped", path,
                         MARKER)
             continue
-        found.append(_read_marker(path, int(m.group(1))))
+        found.append((path, int(m.group(1))))
+    return found
+
+
+def complete_checkpoints(run_dir: Path) -> list[Checkpoint]:
+    """The checkpoints with a marker of this format, newest first. A marker of another
+    format, or one that does not parse, stops here in one line (`ConfigError`)."""
+    found = [_read_marker(path, step) for path, step in _marked(run_dir)]
+    return sorted(found, key=lambda c: c.step, reverse=True)
+
+
+def _readable_checkpoints(run_dir: Path) -> list[Checkpoint]:
+    """`complete_checkpoints` for checkpoint.keep, in a running run: a folder whose marker
+    cannot be read is left where it is (never removed: it is not known what it is), logged
+    and counted in KEEP_SKIPPED, and the run goes on."""
+    found = []
+    for path, step in _marked(run_dir):
+        try:
+            found.append(_read_marker(path, step))
+        except ConfigError as e:
+            KEEP_SKIPPED["unreadable"] += 1
+            log.warning("checkpoint.keep: %s left in place, not counted among the kept: %s",
+                        path, e)
     return sorted(found, key=lambda c: c.step, reverse=True)
 
 
 def _read_marker(path: Path, step: int) -> Checkpoint:
     try:
         marker = json.loads((path / MARKER).read_text())
-        fmt, version = marker["format"], marker["tiller"]
+        fmt, files, marked = marker["format"], marker["files"], marker["step"]
+        if not isinstance(files, dict):
+            raise TypeError(f"files is a {type(files).__name__}")
     except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"checkpoint {path} is corrupt: its {MARKER} does not parse ({e}); "
-                          f"move it away to resume from an older one") from e
-    if fmt != FORMAT_VERSION or version != TILLER_VERSION:
-        raise ConfigError(f"checkpoint {path} was written by tiller {version} (checkpoint "
-                          f"format {fmt}); this is tiller {TILLER_VERSION} (format "
-                          f"{FORMAT_VERSION}): resume it with the tiller that wrote it")
+        raise ConfigError(f"checkpoint {path} is corrupt: its {MARKER} does not parse "
+                          f"({type(e).__name__}: {e}); move it away to resume from an older "
+                          f"one") from e
+    if fmt != FORMAT_VERSION:
+        raise ConfigError(f"checkpoint {path} is of checkpoint format {fmt} (tiller "
+                          f"{marker.get('tiller')}); this tiller reads format {FORMAT_VERSION}: "
+                          f"resume it with the tiller that wrote it")
+    if marked != step:
+        raise ConfigError(f"checkpoint {path} is corrupt: its {MARKER} says step {marked!r}, "
+                          f"its folder's name step {step}; move it away to resume from an "
+                          f"older one")
     return Checkpoint(path, step, {}, marker)
 
 
-def verify(ckpt: Checkpoint) -> Checkpoint:
-    """`ckpt` with its state.json read, once every file matches its size and SHA-256 in the
-    marker; a mismatch stops here in one line (`ConfigError`)."""
-    for name, want in ckpt.marker["files"].items():
+def verify(ckpt: Checkpoint, keys: tuple[str, ...] = STATE_KEYS) -> Checkpoint:
+    """`ckpt` with its state.json read, once the marker lists every file a checkpoint holds
+    (REQUIRED), each a plain file inside the folder (no link, no '..' or absolute name) of
+    the size and SHA-256 listed, state.json holds `keys` and its step is the folder's;
+    anything else stops here in one line (`ConfigError`)."""
+    def corrupt(why: str) -> ConfigError:
+        return ConfigError(f"checkpoint {ckpt.path} is corrupt: {why}; move it away to resume "
+                           f"from an older one")
+
+    files = ckpt.marker["files"]
+    for name in REQUIRED:
+        if name not in files:
+            raise corrupt(f"{MARKER} does not list {name}")
+    for p in [ckpt.path, *ckpt.path.rglob("*")]:
+        if p.is_symlink():
+            raise corrupt(f"{p.relative_to(ckpt.path)} is a symbolic link")
+    for name, want in files.items():
+        parts = Path(name).parts
+        if Path(name).is_absolute() or ".." in parts or not parts:
+            raise corrupt(f"{MARKER} lists {name!r}, not a name inside the checkpoint")
         p = ckpt.path / name
         got = _describe(p) if p.is_file() else None
         if got != want:
             why = "is missing" if got is None else "does not match its size and SHA-256"
-            raise ConfigError(f"checkpoint {ckpt.path} is corrupt: {name} {why} in {MARKER}; "
-                              f"move it away to resume from an older one")
-    state = json.loads((ckpt.path / "state.json").read_text())
+            raise corrupt(f"{name} {why} in {MARKER}")
+    try:
+        state = json.loads((ckpt.path / "state.json").read_text())
+        missing = [k for k in keys if k not in state]
+    except (ValueError, TypeError) as e:
+        raise corrupt(f"state.json does not parse ({e})") from e
+    if missing:
+        raise corrupt(f"state.json has no {', '.join(missing)}")
+    if state["step"] != ckpt.step:
+        raise corrupt(f"state.json says step {state['step']!r}, the folder's name {ckpt.step}")
     return Checkpoint(ckpt.path, ckpt.step, state, ckpt.marker)
 
 
@@ -192,36 +276,6 @@ def newest_checkpoint(run_dir: Path) -> Checkpoint:
                           f"{checkpoint_dir(run_dir)} (a run writes them with "
                           f"checkpoint.every > 0)")
     return verify(found[0])
-
-
-# config fields a resumed run may change: they decide how long it runs and what it logs, not
-# what it samples or trains
-SAFE_CHANGES = ("rl.steps", "logging.", "checkpoint.", "output_dir", "name", "eval.",
-                "runtime.", "rollout.batch_timeout_s", "rollout.shutdown_timeout_s",
-                "observe.traces.close_timeout_s")
-
-
-def check_config(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """The safe changes between the checkpointed run's config and the resumed one's (each
-    `field: old -> new`); a change that would break the run stops in one line naming it."""
-    a, b = _flatten(old), _flatten(new)
-    changed = sorted(k for k in a.keys() | b.keys() if a.get(k, "<unset>") != b.get(k, "<unset>"))
-    for k in changed:
-        if not k.startswith(SAFE_CHANGES):
-            raise ConfigError(f"--resume: config field {k} changed ({a.get(k, '<unset>')!r} -> "
-                              f"{b.get(k, '<unset>')!r}): the resumed run would not continue "
-                              f"the same run; resume with the run's config")
-    return [f"{k}: {a.get(k, '<unset>')!r} -> {b.get(k, '<unset>')!r}" for k in changed]
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -250,51 +304,6 @@ def set_rng_state(py: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
 def load_tensors(path: Path) -> Any:
     """A `torch.save`d file of a checkpoint, read as data only."""
     return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def prepare_run_dir(run_dir: Path, ckpt: Checkpoint) -> dict[str, int]:
-    """Before a resumed run opens its sinks: metrics.jsonl cut back to the checkpoint's length
-    (the rows after it, of steps the resumed run redoes, moved to metrics.discarded.jsonl),
-    the traces of those steps deleted, and temporary folders of checkpoints cut short
-    removed. What was moved or deleted, by kind."""
-    run_dir = Path(run_dir)
-    done = {"metrics_rows_discarded": 0, "trace_episodes_deleted": 0, "temp_removed": 0}
-    metrics, length = run_dir / "metrics.jsonl", ckpt.state["metrics_bytes"]
-    data = metrics.read_bytes() if metrics.is_file() else b""
-    if len(data) < length:
-        raise ConfigError(f"--resume: {metrics} is shorter ({len(data)} bytes) than when "
-                          f"checkpoint {ckpt.path.name} was written ({length} bytes)")
-    if len(data) > length:
-        tail = data[length:]
-        done["metrics_rows_discarded"] = tail.count(b"\n")
-        old = run_dir / "metrics.discarded.jsonl"
-        write_file(old, (old.read_bytes() if old.is_file() else b"") + tail, root=run_dir)
-        write_file(metrics, data[:length], root=run_dir)
-    traces = run_dir / "traces.sqlite"
-    if traces.is_file():
-        done["trace_episodes_deleted"] = _cut_traces(traces, ckpt.step)
-    for tmp in folder_below(run_dir, checkpoint_dir(run_dir)).glob(".step-*.tmp"):
-        remove_tree(tmp)
-        done["temp_removed"] += 1
-    return done
-
-
-def _cut_traces(path: Path, step: int) -> int:
-    """Delete the traces a killed run wrote after checkpoint `step` (its RL steps past it and
-    its final evaluation), so the resumed run's rows take their place."""
-    import sqlite3
-
-    con = sqlite3.connect(path)
-    try:
-        with con:
-            where = "(phase = 'rl' AND rl_step > ?) OR phase LIKE 'eval_rl%'"
-            con.execute(f"DELETE FROM tool_calls WHERE episode_id IN "
-                        f"(SELECT id FROM episodes WHERE {where})", (step,))
-            n = con.execute(f"DELETE FROM episodes WHERE {where}", (step,)).rowcount
-            con.execute("DELETE FROM steps WHERE rl_step > ?", (step,))
-    finally:
-        con.close()
-    return n
 
 
 def load_weights(model: torch.nn.Module, ckpt: Checkpoint) -> None:
@@ -331,89 +340,11 @@ def checkpoint_due(cfg: Config, steps_trained: int) -> bool:
     return bool(every) and (steps_trained % every == 0 or steps_trained == cfg.rl.steps)
 
 
-def start_resume(cfg: Config, run_dir: Path) -> Checkpoint:
-    """`tiller train --resume RUN_DIR`, before any work: the newest complete checkpoint,
-    verified, the config checked against the checkpointed run's (the safe changes logged),
-    and the run folder cut back to it (`prepare_run_dir`)."""
-    ckpt = newest_checkpoint(run_dir)
-    if not cfg.checkpoint.every:
-        raise ConfigError("--resume: config field checkpoint.every is 0; resume with the "
-                          "run's config (its checkpoint.every)")
-    for change in check_config(ckpt.state["config"], cfg.model_dump(mode="json")):
-        log.info("--resume: config changed (safe): %s", change)
-    done = prepare_run_dir(run_dir, ckpt)
-    log.info("--resume: from %s (RL step %d, weight version %d); %s", ckpt.path, ckpt.step,
-             ckpt.state["trainer_version"], done)
-    return ckpt
-
-
-def save_rl(run: Any, learner: Any, rollouts: RolloutManager, record: StepRecorder,
-            step: int, summary: dict[str, Any]) -> Path:
-    """Checkpoint `step` of an RL run (see the module's docstring for what it holds): `run`
-    is the `run.Run`, `learner` the `controller.Learner` (this module sits below both)."""
-
-    def parts(new: Path) -> dict[str, Any]:
-        run.model.save_pretrained(new / "model", safe_serialization=True,
-                                  max_shard_size="1000GB")
-        run.tokenizer.save_pretrained(new / "model")
-        if run.lora is not None:
-            run.lora.save(new / ADAPTER_DIR)
-        saved = learner_tensors(learner)
-        torch.save(saved, new / "trainer.pt")
-        py, tensors = rng_state()
-        torch.save(tensors, new / "rng.pt")
-        manager = manager_state(rollouts, step)
-        holds = ["model", *([ADAPTER_DIR] if run.lora is not None else []), *saved,
-                 f"rng ({', '.join(['python', 'numpy', *tensors])})",
-                 f"task stream ({manager['pulled']} drawn, {len(manager['open_tasks'])} "
-                 f"open groups)", "ledger", "step counters", "metrics position"]
-        return {"step": step, "trainer_version": run.trainer.version,
-                "engine_version": run.engine.version, "rng": py, "holds": holds,
-                "manager": manager, "recorder": record.state(),
-                "metrics_bytes": run.logger.path.stat().st_size, "summary": summary,
-                "config": run.cfg.model_dump(mode="json")}
-
-    return write_checkpoint(run.dir, step, run.cfg.checkpoint.keep, parts)
-
-
-def learner_tensors(learner: Any) -> dict[str, Any]:
-    """The optimizer's state, and the reference model's and critic's when they exist."""
-    out: dict[str, Any] = {"optimizer": learner.trainer.optimizer.state_dict()}
-    if _own_ref(learner):
-        out["ref"] = learner.ref.state_dict()
-    if learner.critic is not None:
-        out["critic"] = learner.critic.model.state_dict()
-        out["critic_optimizer"] = learner.critic.optimizer.state_dict()
-    return out
-
-
-def _own_ref(learner: Any) -> bool:
-    """The learner holds a reference model of its own (a copy; under LoRA the reference is
-    the policy with its adapters off, whose base the adapter's checkpoint does not change)."""
-    return learner.ref is not None and learner.ref is not learner.trainer.model
-
-
-def restore_rl(ckpt: Checkpoint, learner: Any, record: StepRecorder) -> int:
-    """Put a checkpoint's learner, recorder and RNG states back; the RL step it resumes at."""
-    saved = load_tensors(ckpt.path / "trainer.pt")
-    learner.trainer.optimizer.load_state_dict(saved["optimizer"])
-    if _own_ref(learner) != ("ref" in saved):
-        raise ConfigError(f"checkpoint {ckpt.path}: the reference model is "
-                          f"{'missing' if _own_ref(learner) else 'unexpected'}")
-    if _own_ref(learner):
-        learner.ref.load_state_dict(saved["ref"])
-    if learner.critic is not None:
-        learner.critic.model.load_state_dict(saved["critic"])
-        learner.critic.optimizer.load_state_dict(saved["critic_optimizer"])
-    record.load_state(ckpt.state["recorder"])
-    set_rng_state(ckpt.state["rng"], load_tensors(ckpt.path / "rng.pt"))
-    return ckpt.step
-
-
 def describe(run_dir: Path) -> list[dict[str, Any]]:
     """Each checkpoint folder of `run_dir`, oldest first: its step, size and what it holds,
-    and whether it is complete (its marker there and of this format); files are not hashed
-    here (`verify` does that on resume)."""
+    and whether it is complete (its marker there and of this format; a marker or state.json
+    that does not parse is shown in its status); files are not hashed here (`verify` does
+    that on resume)."""
     rows = []
     folder = checkpoint_dir(run_dir)
     for path in sorted(folder.iterdir()) if folder.is_dir() else ():
@@ -424,11 +355,12 @@ def describe(run_dir: Path) -> list[dict[str, Any]]:
         row = {"name": path.name, "step": int(m.group(1)), "bytes": size, "holds": []}
         try:
             ckpt = _read_marker(path, row["step"]) if (path / MARKER).is_file() else None
+            row["status"] = "complete" if ckpt is not None else f"incomplete (no {MARKER})"
+            if ckpt is not None:
+                row["holds"] = json.loads((path / "state.json").read_text())["holds"]
         except ConfigError as e:
             row["status"] = str(e)
-        else:
-            row["status"] = "complete" if ckpt is not None else f"incomplete (no {MARKER})"
-        if (path / "state.json").is_file() and row["status"] == "complete":
-            row["holds"] = json.loads((path / "state.json").read_text()).get("holds", [])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            row["status"] = f"corrupt: state.json does not parse ({type(e).__name__}: {e})"
         rows.append(row)
     return rows

@@ -187,12 +187,18 @@ def train(
     if resume is None:
         if config is None:
             _fail("tiller train: give a CONFIG (or --resume RUN_DIR)")
+        if trust_run_config:
+            _fail("tiller train: --trust-run-config goes with --resume RUN_DIR (and no "
+                  "CONFIG); a CONFIG you give is yours, already trusted")
         _run("train", config, overrides, output_dir)
         return
     if output_dir is not None:
         _fail("tiller train: --resume RUN_DIR writes to RUN_DIR; leave out --output-dir")
     if config is not None and "=" in config.name and not config.exists():  # an override
         config, overrides = None, [str(config), *(overrides or [])]
+    if config is not None and trust_run_config:
+        _fail("tiller train: --trust-run-config trusts RUN_DIR's config.yaml; with a CONFIG "
+              "given it is not read: leave out one of them")
     if config is None:  # the run folder's own config, read as data
         if not (resume / "config.yaml").is_file():
             _fail(f"--resume {str(resume)!r}: not a run folder (no config.yaml)")

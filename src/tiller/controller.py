@@ -22,13 +22,7 @@ import numpy as np
 import torch
 
 from tiller.algorithms.kl import kl_beta_at
-from tiller.checkpoints import (
-    check_checkpointable,
-    checkpoint_due,
-    restore_rl,
-    save_rl,
-    start_resume,
-)
+from tiller.checkpoints import check_checkpointable, checkpoint_due
 from tiller.config import Config, JudgeConfig
 from tiller.errors import ConfigError, RunError
 from tiller.files import write_file
@@ -42,6 +36,7 @@ from tiller.observe.health import JudgeHackingTrend
 from tiller.observe.metrics import progress
 from tiller.observe.steps import StepRecorder
 from tiller.preflight import check_evaluable, check_report, heldout_disabled, rl_task_reserve
+from tiller.resume import restore_rl, save_rl, start_resume
 from tiller.rollout.collect import rollout_metrics
 from tiller.rollout.curriculum import Curriculum, make_curriculum
 from tiller.rollout.manager import RolloutManager
@@ -193,8 +188,7 @@ def rl(run: Run, after_step: Callable[[int], None] | None = None,
     the next step's groups start in sync (benchmarks evaluate there). A resumable
     checkpoint (with `summary`, the run's so far) is written where `checkpoint_due`."""
     cfg, alg = run.cfg.rl, run.cfg.rl.algorithm
-    learner, record, rollouts, start = rl_parts(run)
-    idle = IdleSteps(cfg.max_idle_steps, rollouts)
+    learner, record, rollouts, idle, start = rl_parts(run)
     in_flight = "abort" if run.cfg.rollout.partial == "abort_resume" else "continue"
     with record.running(rollouts, f"RL ({alg.preset or alg.advantage}, {cfg.mode})",
                         cfg.steps, run.cfg.logging.progress):
@@ -210,21 +204,25 @@ def rl(run: Run, after_step: Callable[[int], None] | None = None,
                 after_step(step + 1)
             record.log()
             if checkpoint_due(run.cfg, step + 1):
-                save_rl(run, learner, rollouts, record, step + 1, summary or {})
+                save_rl(run, learner, rollouts, record, step + 1, summary or {}, idle.count)
             rollouts.weights_live(step + 1, run.trainer.version)
     done = record.finish(rollouts, cfg.mode)
     run.timings["rl_s"] = done["wall_s"]
     return done
 
 
-def rl_parts(run: Run) -> tuple[Learner, StepRecorder, Rollouts, int]:
-    """RL's learner, step recorder and rollouts, and the step it starts at: 0, or a resumed
-    run's checkpoint's, its state put back once everything built drew its random numbers."""
+def rl_parts(run: Run) -> tuple[Learner, StepRecorder, Rollouts, IdleSteps, int]:
+    """RL's learner, step recorder, rollouts and idle-step count, and the step it starts at:
+    0, or a resumed run's checkpoint's, its state put back once everything built drew its
+    random numbers."""
     learner = Learner(run.cfg, run.trainer, run.tokenizer, run.key_steps)
     curriculum = make_curriculum(run.cfg, run.env_cls, rl_task_reserve(run.cfg))
     record = step_recorder(run, curriculum)
     start = restore_rl(run.resume, learner, record) if run.resume is not None else 0
-    return learner, record, rl_rollouts(run, learner.reward, curriculum), start
+    rollouts = rl_rollouts(run, learner.reward, curriculum)
+    idle = IdleSteps(run.cfg.rl.max_idle_steps, rollouts,
+                     run.resume.state["idle_steps"] if run.resume is not None else 0)
+    return learner, record, rollouts, idle, start
 
 
 class Learner:
@@ -280,10 +278,11 @@ class IdleSteps:
     """Steps in a row with nothing to train. A step whose every group was flat (equal
     rewards: no signal) is skipped with a warning, which is not a failure, until more than
     rl.max_idle_steps come in a row; a step left with nothing otherwise (every episode
-    dropped or filtered) fails the run."""
+    dropped or filtered) fails the run. `count`: the idle steps in a row so far (a resumed
+    run's checkpoint's)."""
 
-    def __init__(self, limit: int, rollouts: Rollouts):
-        self.limit, self.rollouts, self.count = limit, rollouts, 0
+    def __init__(self, limit: int, rollouts: Rollouts, count: int = 0):
+        self.limit, self.rollouts, self.count = limit, rollouts, count
 
     def trainable(self, step: int, taken: Taken) -> bool:
         if taken.trajectories:

@@ -21,12 +21,12 @@ options are made where those are opened.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from tiller.config import Config, FnJudgeConfig, ModelJudgeConfig
-from tiller.envs import Env
+from tiller.envs import Env, Task
 from tiller.envs.dataset import Conversation, DatasetEnv, read_conversations
 from tiller.errors import ConfigError, require_package
 from tiller.gateway.program import load_program
@@ -151,6 +151,16 @@ def rl_task_count(cfg: Config) -> int:
 def rl_task_reserve(cfg: Config) -> int:
     """Train tasks RL may draw: `rl_task_count`, twice that in async (the reserve)."""
     return rl_task_count(cfg) * (2 if cfg.rl.mode == "async" else 1)
+
+
+def rl_train_tasks(cfg: Config, env_cls: type[Env]) -> Iterator[Task]:
+    """The train tasks RL samples (without a curriculum): the same `rl_task_count` tasks in
+    every mode; async goes on with a reserve as large, drawn only if needed (groups filtered
+    as stale give their place to new ones)."""
+    n, d = rl_task_count(cfg), cfg.env.difficulty
+    yield from env_cls.make_tasks("train", n, cfg.seed + 3, d)
+    if cfg.rl.mode == "async":
+        yield from env_cls.make_tasks("train", n, cfg.seed + 5, d)  # 4 is the tool gate's
 
 
 def check_task_counts(cfg: Config, env_cls: type[Env]) -> None:

@@ -29,7 +29,7 @@ from tiller.gateway.program import ProgramEpisode
 from tiller.models import build_env_model, load_model, load_tokenizer, resolve_device
 from tiller.observe.metrics import MetricsLogger
 from tiller.observe.traces import TraceWriter
-from tiller.preflight import check_model, check_run, check_tools, rl_task_count
+from tiller.preflight import check_model, check_run, check_tools, rl_train_tasks
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits
 from tiller.rollout.chat import stop_token_ids
 from tiller.rollout.cluster import RayCluster, check_cluster
@@ -259,13 +259,8 @@ class Run:
                                        difficulty or self.cfg.env.difficulty)
 
     def rl_tasks(self) -> Iterator[Task]:
-        """The train tasks RL samples: the same `rl_task_count` tasks in every mode; async
-        goes on with a reserve as large, drawn only if needed (groups filtered as stale give
-        their place to new ones)."""
-        n = rl_task_count(self.cfg)
-        yield from self.tasks("train", n, 3)
-        if self.cfg.rl.mode == "async":
-            yield from self.tasks("train", n, 5)  # 4 is the tool gate's
+        """The train tasks RL samples (`preflight.rl_train_tasks`)."""
+        return rl_train_tasks(self.cfg, self.env_cls)
 
     def episodes(self, tasks: Sequence[Task], samples: int, params: SamplingParams, tag: tuple,
                  on_done: Callable[[Trajectory], None] | None = None,

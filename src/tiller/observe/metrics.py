@@ -4,6 +4,7 @@ and live progress bars for long phases."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -61,6 +62,13 @@ class MetricsLogger:
                 self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
+
+    def synced_size(self) -> int:
+        """metrics.jsonl's length once every row so far is on disk (fsynced): what a
+        checkpoint records, so a resume after a power loss finds the file at least as long."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        return os.fstat(self._file.fileno()).st_size
 
     def close(self) -> None:
         self._file.close()

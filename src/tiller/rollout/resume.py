@@ -8,7 +8,8 @@ left it. So every task of the stream is drawn once: none skipped, none repeated.
 sync a checkpoint is written before the next step's groups start, so there are no open groups
 and the resumed run samples exactly what the uninterrupted one did; in one_step_off and async
 the open groups are sampled again, under the checkpoint's weights (their earlier episodes, and
-the ledger counts charged to them, are not kept).
+the ledger counts charged to them, and their draws of their tasks, are not kept: so each is
+sampled again with the seeds it was first sampled with).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from tiller.envs.base import Task
+from tiller.errors import ConfigError
 
 # `m` below is a `rollout.manager.RolloutManager` (which imports this module): its private
 # state is read and restored here, between steps, under its lock
@@ -33,9 +35,10 @@ def manager_state(m: Any, steps_trained: int) -> dict[str, Any]:
         full = unit is not None and unit.launched >= m.B  # the next launch moves on
         open_ = sorted(m._open.items(), key=lambda kv: kv[1][0])
         regenerated = {pos for _, (pos, _, _) in open_}
-        ledger = Counter(m.ledger)
-        for _, (_, _, charged) in open_:
+        ledger, draws = Counter(m.ledger), Counter(m._draws)
+        for key, (_, task, charged) in open_:
             ledger.subtract(charged)
+            draws[(m._tag(key), task.id)] -= 1  # its relaunch draws it again (same seeds)
         return {
             "pulled": len(m.draw_ids),  # tasks taken from the stream so far
             "draw_ids": [t for i, t in enumerate(m.draw_ids) if i not in regenerated],
@@ -47,7 +50,7 @@ def manager_state(m: Any, steps_trained: int) -> dict[str, Any]:
             "steps_trained": steps_trained,
             "slots": m._slots - len(open_),
             "max_ahead": m.max_ahead,
-            "draws": [[list(tag), task_id, n] for (tag, task_id), n in m._draws.items()],
+            "draws": [[list(tag), task_id, n] for (tag, task_id), n in draws.items() if n],
         }
 
 
@@ -63,9 +66,25 @@ def restore_manager(m: Any, state: dict[str, Any]) -> None:
 
 def resumed_tasks(stream: Iterator[Task], state: dict[str, Any]) -> Iterator[Task]:
     """The resumed run's task stream: the open groups' tasks, then `stream` past the
-    `state["pulled"]` tasks the checkpointed run had drawn."""
-    skipped = sum(1 for _ in itertools.islice(stream, state["pulled"]))
-    if skipped < state["pulled"]:
-        raise ValueError(f"the task stream has {skipped} tasks; the checkpoint drew "
-                         f"{state['pulled']}")
+    `state["pulled"]` tasks the checkpointed run had drawn, which must be those it drew
+    (`check_drawn`)."""
+    skipped = [t.id for t in itertools.islice(stream, state["pulled"])]
+    check_drawn(skipped, state, "--resume")
     return itertools.chain((Task(**t) for t in state["open_tasks"]), stream)
+
+
+def check_drawn(ids: list[str], state: dict[str, Any], where: str) -> None:
+    """`ids`, the first tasks of a resumed run's stream, must be the `state["pulled"]` tasks
+    the checkpointed run drew (its draw ids and its open groups' tasks, as a multiset: the
+    open groups' places in the draw order are not kept): one line otherwise (a shorter
+    stream, or an env whose make_tasks gives other first tasks for another count)."""
+    drawn = Counter(state["draw_ids"]) + Counter(t["id"] for t in state["open_tasks"])
+    if len(ids) < state["pulled"]:
+        raise ConfigError(f"{where}: the task stream has {len(ids)} tasks; the checkpoint "
+                          f"drew {state['pulled']}")
+    if Counter(ids) != drawn:
+        other = sorted((Counter(ids) - drawn).elements())[:3]
+        raise ConfigError(f"{where}: the task stream's first {state['pulled']} tasks are not "
+                          f"those the checkpoint drew (e.g. {other} were not drawn): the "
+                          f"env's make_tasks gives other first tasks for this config's task "
+                          f"count; resume with the run's rl.steps")

@@ -1,0 +1,270 @@
+"""Resuming a run (`tiller train --resume RUN_DIR`, docs/resume.md): the checks a resume
+passes before it touches the run folder, the folder cut back to the checkpoint, and the RL
+run's parts (`controller`'s learner, the rollout manager, the step recorder) written into and
+read back from a checkpoint (`tiller.checkpoints`: the format, its atomic write and its
+verification).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tiller.algorithms.kl import kl_beta_at
+from tiller.checkpoints import (
+    ADAPTER_DIR,
+    Checkpoint,
+    checkpoint_dir,
+    load_tensors,
+    newest_checkpoint,
+    rng_state,
+    set_rng_state,
+    write_checkpoint,
+)
+from tiller.config import Config
+from tiller.errors import ConfigError
+from tiller.files import folder_below, refuse_links, refuse_sqlite_links, remove_tree, write_file
+from tiller.plugins import load_env_class
+from tiller.preflight import rl_task_reserve, rl_train_tasks
+from tiller.rollout.resume import check_drawn, manager_state
+
+if TYPE_CHECKING:
+    from tiller.observe.steps import StepRecorder
+    from tiller.rollout.manager import RolloutManager
+
+log = logging.getLogger(__name__)
+
+def start_resume(cfg: Config, run_dir: Path) -> Checkpoint:
+    """`tiller train --resume RUN_DIR`, before any work: the newest complete checkpoint,
+    verified, every check of `check_resume` passed (the safe config changes logged), and
+    only then the run folder cut back to it (`prepare_run_dir`)."""
+    ckpt = newest_checkpoint(run_dir)
+    for change in check_resume(cfg, ckpt, Path(run_dir)):
+        log.info("--resume: config changed (safe): %s", change)
+    done = prepare_run_dir(run_dir, ckpt)
+    log.info("--resume: from %s (RL step %d, weight version %d); %s", ckpt.path, ckpt.step,
+             ckpt.state["trainer_version"], done)
+    return ckpt
+
+
+def check_resume(cfg: Config, ckpt: Checkpoint, run_dir: Path) -> list[str]:
+    """Every reason `cfg` cannot go on from `ckpt`, each one line (`ConfigError`), before the
+    run folder is touched: checkpoint.every 0, a config change that breaks the run
+    (`check_config`), rl.steps below the checkpoint's step or a task stream that no longer
+    holds the tasks it drew (`check_stream`), trainer parts the config does not fit
+    (`check_tensors`), a metrics.jsonl shorter than at the checkpoint, or a symbolic link
+    in the run folder (`check_no_links`). The safe config changes."""
+    if not cfg.checkpoint.every:
+        raise ConfigError("--resume: config field checkpoint.every is 0; resume with the "
+                          "run's config (its checkpoint.every)")
+    changes = check_config(ckpt.state["config"], cfg.model_dump(mode="json"))
+    if cfg.rl.steps < ckpt.step:
+        raise ConfigError(f"--resume: config field rl.steps is {cfg.rl.steps}, below the "
+                          f"{ckpt.step} steps checkpoint {ckpt.path.name} has trained; "
+                          f"resume with rl.steps >= {ckpt.step}")
+    check_stream(cfg, ckpt)
+    check_tensors(cfg, ckpt.step, ckpt.state["tensors"], ckpt.path)
+    metrics, length = run_dir / "metrics.jsonl", ckpt.state["metrics_bytes"]
+    size = metrics.stat().st_size if metrics.is_file() else 0
+    if size < length:
+        raise ConfigError(f"--resume: {metrics} is shorter ({size} bytes) than when "
+                          f"checkpoint {ckpt.path.name} was written ({length} bytes)")
+    check_no_links(run_dir)
+    return changes
+
+
+def check_stream(cfg: Config, ckpt: Checkpoint) -> None:
+    """The resumed run's train task stream (`preflight.rl_train_tasks`, of the resumed
+    config: rl.steps sets its length) must hold the tasks the checkpoint drew, as its first
+    ones: one line naming rl.steps when it is shorter, or the env when its first tasks
+    changed (an env whose make_tasks gives other first tasks for another count)."""
+    state = ckpt.state["manager"]
+    reserve = rl_task_reserve(cfg)
+    if reserve < state["pulled"]:
+        raise ConfigError(f"--resume: config field rl.steps is {cfg.rl.steps}: its task "
+                          f"stream ({reserve} tasks) is shorter than the {state['pulled']} "
+                          f"checkpoint {ckpt.path.name} drew; resume with the run's rl.steps "
+                          f"or more")
+    env_cls = load_env_class(cfg.env.name)
+    ids = [t.id for t in itertools.islice(rl_train_tasks(cfg, env_cls), state["pulled"])]
+    check_drawn(ids, state, f"--resume: checkpoint {ckpt.path.name}")
+
+
+def check_tensors(cfg: Config, step: int, names: list[str], where: Path) -> None:
+    """The trainer's parts a checkpoint after `step` steps holds (`learner_tensors`) must be
+    those the config's learner has: the critic's with rl.algorithm.critic, the reference
+    model's while the KL term is on (a checkpoint written once kl.off_after switched it off
+    has none, and the resumed run needs none; under model.lora the reference is the base with
+    the adapters off, never a copy of its own)."""
+    kl, critic = cfg.rl.algorithm.kl, cfg.rl.algorithm.critic is not None
+    own = cfg.model.lora is None  # the learner's reference is a copy of its own
+    built = own and kl_beta_at(0, kl.beta, kl.off_after) != 0  # it builds one
+    needed = own and kl_beta_at(step, kl.beta, kl.off_after) != 0
+    has_ref, has_critic = "ref" in names, "critic" in names
+    if (needed and not has_ref) or (has_ref and not built) or has_critic != critic:
+        ref = "needed" if needed else "not needed"
+        raise ConfigError(f"checkpoint {where} holds {', '.join(names)}: it does not fit the "
+                          f"config's learner (reference model {ref} at step {step}, critic "
+                          f"{'on' if critic else 'off'})")
+
+
+def check_no_links(run_dir: Path) -> None:
+    """One line for the first symbolic link in the run folder (a resume rewrites and deletes
+    in it: nothing may be reached through a link). W&B's own folder is not looked into (W&B
+    keeps a `latest-run` link there; `MetricsLogger` refuses the folder itself as a link)."""
+    for top, dirs, files in os.walk(run_dir):
+        for name in [*dirs, *files]:
+            refuse_links(Path(top) / name)
+        if Path(top) == Path(run_dir):
+            dirs[:] = [d for d in dirs if d != "wandb"]
+
+
+def save_rl(run: Any, learner: Any, rollouts: RolloutManager, record: StepRecorder,
+            step: int, summary: dict[str, Any], idle_steps: int) -> Path:
+    """Checkpoint `step` of an RL run (see the module's docstring for what it holds): `run`
+    is the `run.Run`, `learner` the `controller.Learner` (this module sits below both),
+    `idle_steps` the steps in a row with nothing trained (`controller.IdleSteps`)."""
+
+    def parts(new: Path) -> dict[str, Any]:
+        run.model.save_pretrained(new / "model", safe_serialization=True,
+                                  max_shard_size="1000GB")
+        run.tokenizer.save_pretrained(new / "model")
+        if run.lora is not None:
+            run.lora.save(new / ADAPTER_DIR)
+        saved = learner_tensors(learner)
+        torch.save(saved, new / "trainer.pt")
+        py, tensors = rng_state()
+        torch.save(tensors, new / "rng.pt")
+        manager = manager_state(rollouts, step)
+        holds = ["model", *([ADAPTER_DIR] if run.lora is not None else []), *saved,
+                 f"rng ({', '.join(['python', 'numpy', *tensors])})",
+                 f"task stream ({manager['pulled']} drawn, {len(manager['open_tasks'])} "
+                 f"open groups)", "ledger", "step counters", "metrics position"]
+        # the rows so far on disk before their length is: the checkpoint is fsynced, and a
+        # resume after a power loss needs metrics.jsonl at least this long
+        return {"step": step, "trainer_version": run.trainer.version,
+                "engine_version": run.engine.version, "rng": py, "holds": holds,
+                "tensors": sorted(saved), "manager": manager, "recorder": record.state(),
+                "idle_steps": idle_steps, "metrics_bytes": run.logger.synced_size(),
+                "summary": summary, "config": run.cfg.model_dump(mode="json")}
+
+    return write_checkpoint(run.dir, step, run.cfg.checkpoint.keep, parts)
+
+
+def learner_tensors(learner: Any) -> dict[str, Any]:
+    """The optimizer's state, and the reference model's and critic's when they exist."""
+    out: dict[str, Any] = {"optimizer": learner.trainer.optimizer.state_dict()}
+    if _own_ref(learner):
+        out["ref"] = learner.ref.state_dict()
+    if learner.critic is not None:
+        out["critic"] = learner.critic.model.state_dict()
+        out["critic_optimizer"] = learner.critic.optimizer.state_dict()
+    return out
+
+
+def _own_ref(learner: Any) -> bool:
+    """The learner holds a reference model of its own (a copy; under LoRA the reference is
+    the policy with its adapters off, whose base the adapter's checkpoint does not change)."""
+    return learner.ref is not None and learner.ref is not learner.trainer.model
+
+
+def restore_rl(ckpt: Checkpoint, learner: Any, record: StepRecorder) -> int:
+    """Put a checkpoint's learner, recorder and RNG states back; the RL step it resumes at.
+    A checkpoint written once kl.off_after switched the KL term off holds no reference
+    model: the learner drops the one it built (`check_tensors` said it is not needed)."""
+    saved = load_tensors(ckpt.path / "trainer.pt")
+    check_tensors(learner.cfg, ckpt.step, sorted(saved), ckpt.path)
+    try:
+        learner.trainer.optimizer.load_state_dict(saved["optimizer"])
+        if "ref" in saved:
+            learner.ref.load_state_dict(saved["ref"])
+        elif _own_ref(learner):  # the KL term is off by now (check_tensors)
+            learner.ref = None
+        if learner.critic is not None:
+            learner.critic.model.load_state_dict(saved["critic"])
+            learner.critic.optimizer.load_state_dict(saved["critic_optimizer"])
+        record.load_state(ckpt.state["recorder"])
+        set_rng_state(ckpt.state["rng"], load_tensors(ckpt.path / "rng.pt"))
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"checkpoint {ckpt.path} does not fit this run: "
+                          f"{type(e).__name__}: {e}") from e
+    return ckpt.step
+
+
+# config fields a resumed run may change: they decide how long it runs and what it logs, not
+# what it samples or trains
+SAFE_CHANGES = ("rl.steps", "logging.", "checkpoint.", "output_dir", "name", "eval.",
+                "runtime.", "rollout.batch_timeout_s", "rollout.shutdown_timeout_s",
+                "observe.traces.close_timeout_s")
+
+
+def check_config(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The safe changes between the checkpointed run's config and the resumed one's (each
+    `field: old -> new`); a change that would break the run stops in one line naming it."""
+    a, b = _flatten(old), _flatten(new)
+    changed = sorted(k for k in a.keys() | b.keys() if a.get(k, "<unset>") != b.get(k, "<unset>"))
+    for k in changed:
+        if not k.startswith(SAFE_CHANGES):
+            raise ConfigError(f"--resume: config field {k} changed ({a.get(k, '<unset>')!r} -> "
+                              f"{b.get(k, '<unset>')!r}): the resumed run would not continue "
+                              f"the same run; resume with the run's config")
+    return [f"{k}: {a.get(k, '<unset>')!r} -> {b.get(k, '<unset>')!r}" for k in changed]
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def prepare_run_dir(run_dir: Path, ckpt: Checkpoint) -> dict[str, int]:
+    """Before a resumed run opens its sinks, once `check_resume` passed: metrics.jsonl cut
+    back to the checkpoint's length (the rows after it, of steps the resumed run redoes, moved
+    to metrics.discarded.jsonl), the traces of those steps deleted, and temporary folders of
+    checkpoints cut short removed. What was moved or deleted, by kind."""
+    run_dir = Path(run_dir)
+    done = {"metrics_rows_discarded": 0, "trace_episodes_deleted": 0, "temp_removed": 0}
+    metrics, length = run_dir / "metrics.jsonl", ckpt.state["metrics_bytes"]
+    data = metrics.read_bytes() if metrics.is_file() else b""
+    if len(data) > length:
+        tail = data[length:]
+        done["metrics_rows_discarded"] = tail.count(b"\n")
+        old = run_dir / "metrics.discarded.jsonl"
+        write_file(old, (old.read_bytes() if old.is_file() else b"") + tail, root=run_dir)
+        write_file(metrics, data[:length], root=run_dir)
+    traces = run_dir / "traces.sqlite"
+    if traces.is_file():
+        done["trace_episodes_deleted"] = _cut_traces(traces, ckpt.step)
+    for tmp in folder_below(run_dir, checkpoint_dir(run_dir)).glob(".step-*.tmp"):
+        remove_tree(tmp)
+        done["temp_removed"] += 1
+    return done
+
+
+def _cut_traces(path: Path, step: int) -> int:
+    """Delete the traces a killed run wrote after checkpoint `step` (its RL steps past it and
+    its final evaluation), so the resumed run's rows take their place. SQLite writes in
+    place: a link at the database (or its journal) is refused, never written through."""
+    import sqlite3
+
+    refuse_sqlite_links(path)
+    con = sqlite3.connect(path)
+    try:
+        with con:
+            where = "(phase = 'rl' AND rl_step > ?) OR phase LIKE 'eval_rl%'"
+            con.execute(f"DELETE FROM tool_calls WHERE episode_id IN "
+                        f"(SELECT id FROM episodes WHERE {where})", (step,))
+            n = con.execute(f"DELETE FROM episodes WHERE {where}", (step,)).rowcount
+            con.execute("DELETE FROM steps WHERE rl_step > ?", (step,))
+    finally:
+        con.close()
+    return n

@@ -1,0 +1,189 @@
+"""A resumable checkpoint's folder read back (`tiller.checkpoints`, issue 24): what `verify`
+accepts, what checkpoint.keep does with a folder it cannot read, `tiller checkpoints` on a
+corrupt one, the task stream's check on resume, and the CLI's resume options. Checkpoints
+here are written by `write_checkpoint` with small stand-in files (no model): the format's
+checks do not read them as weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+from helpers import cli
+
+from tiller.checkpoints import (
+    KEEP_SKIPPED,
+    MARKER,
+    PAUSE_ENV,
+    STATE_KEYS,
+    complete_checkpoints,
+    describe,
+    newest_checkpoint,
+    tiller_version,
+    verify,
+    write_checkpoint,
+)
+from tiller.errors import ConfigError
+from tiller.observe.metrics import MetricsLogger
+from tiller.rollout.resume import check_drawn
+
+
+def write(run: Path, at: int, keep: int = 5, **state) -> Path:
+    """Checkpoint `at` of `run`: the files every checkpoint holds, with stand-in bytes, and
+    a state.json with every key (`state` overrides)."""
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.yaml").write_text("{}\n")
+
+    def parts(new: Path) -> dict:
+        (new / "model").mkdir()
+        for name in ("model/model.safetensors", "model/config.json", "trainer.pt", "rng.pt"):
+            (new / name).write_bytes(f"{name} {at}".encode())
+        return {**{k: None for k in STATE_KEYS}, "step": at, **state}
+
+    return write_checkpoint(run, at, keep, parts)
+
+
+def one_line_error(match: str, fn, *args) -> str:
+    with pytest.raises(ConfigError, match=re.escape(match)) as e:
+        fn(*args)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def marker(path: Path) -> dict:
+    return json.loads((path / MARKER).read_text())
+
+
+def test_verify_accepts_a_whole_checkpoint_of_another_tiller_version(tmp_path):
+    path = write(tmp_path, 1)
+    assert marker(path)["tiller"] == tiller_version()
+    # the tiller version is for a reader to see; the format is what is checked
+    (path / MARKER).write_text(json.dumps({**marker(path), "tiller": "0.0.1"}))
+    assert newest_checkpoint(tmp_path).state["step"] == 1
+    (path / MARKER).write_text(json.dumps({**marker(path), "format": 99}))
+    one_line_error("is of checkpoint format 99 (tiller 0.0.1); this tiller reads format 2",
+                   newest_checkpoint, tmp_path)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda m: m.pop("files"), "complete.json does not parse (KeyError: 'files')"),
+    (lambda m: m.update(files=["trainer.pt"]), "does not parse (TypeError: files is a list)"),
+    (lambda m: m["files"].pop("trainer.pt"), "complete.json does not list trainer.pt"),
+    (lambda m: m["files"].update({"../../victim": m["files"]["rng.pt"]}),
+     "complete.json lists '../../victim', not a name inside the checkpoint"),
+    (lambda m: m["files"].update({"/etc/hostname": m["files"]["rng.pt"]}),
+     "complete.json lists '/etc/hostname', not a name inside the checkpoint"),
+    (lambda m: m.update(step=3), "its complete.json says step 3, its folder's name step 1"),
+])
+def test_verify_refuses_a_marker_it_cannot_trust_in_one_line(tmp_path, edit, match):
+    path = write(tmp_path, 1)
+    m = marker(path)
+    edit(m)
+    (path / MARKER).write_text(json.dumps(m))
+    one_line_error(match, newest_checkpoint, tmp_path)
+
+
+def test_verify_refuses_a_link_and_a_state_of_another_step(tmp_path):
+    path = write(tmp_path, 1)
+    # a link in place of a file, to a file of the same bytes: refused, not followed
+    copy = tmp_path / "elsewhere.pt"
+    copy.write_bytes((path / "rng.pt").read_bytes())
+    (path / "rng.pt").unlink()
+    (path / "rng.pt").symlink_to(copy)
+    one_line_error(f"checkpoint {path} is corrupt: rng.pt is a symbolic link",
+                   newest_checkpoint, tmp_path)
+    (path / "rng.pt").unlink()
+    os.replace(copy, path / "rng.pt")
+    assert verify(complete_checkpoints(tmp_path)[0]).step == 1
+    other = tmp_path / "other"
+    write(other, 2, step=5)
+    one_line_error("state.json says step 5, the folder's name 2", newest_checkpoint, other)
+
+
+def test_verify_names_a_state_key_that_is_missing(tmp_path):
+    (tmp_path / "config.yaml").write_text("{}\n")
+
+    def parts(new: Path) -> dict:
+        (new / "model").mkdir()
+        for name in ("model/model.safetensors", "model/config.json", "trainer.pt", "rng.pt"):
+            (new / name).write_bytes(b"x")
+        return {"step": 1}
+
+    write_checkpoint(tmp_path, 1, 2, parts)
+    one_line_error("state.json has no trainer_version, engine_version", newest_checkpoint,
+                   tmp_path)
+
+
+def test_keep_leaves_a_checkpoint_it_cannot_read_and_the_run_goes_on(tmp_path, caplog):
+    """An old checkpoint of another format in the folder: each later write keeps the newest
+    `keep` of its own format and leaves the other one where it is (logged, counted)."""
+    old = write(tmp_path, 1)
+    (old / MARKER).write_text(json.dumps({**marker(old), "format": 99}))
+    skipped = KEEP_SKIPPED["unreadable"]
+    for step in (2, 3, 4):
+        write(tmp_path, step, keep=2)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step-000001", "step-000003", "step-000004"]
+    assert KEEP_SKIPPED["unreadable"] == skipped + 3
+    assert "checkpoint.keep: " in caplog.text and "left in place" in caplog.text
+
+
+def test_checkpoints_lists_a_corrupt_state_json_in_its_status(tmp_path):
+    write(tmp_path, 1, holds=["model", "optimizer"])
+    path = write(tmp_path, 2, holds=["model"])
+    (path / "state.json").write_text("{")
+    code, out = cli("checkpoints", tmp_path)
+    assert code == 0, out
+    assert "step-000001" in out and "optimizer" in out and "corrupt" in out
+    rows = describe(tmp_path)
+    assert rows[0]["status"] == "complete" and rows[0]["holds"] == ["model", "optimizer"]
+    assert rows[1]["status"].startswith("corrupt: state.json does not parse (JSONDecodeError")
+
+
+def test_the_pause_hook_refuses_a_phase_it_does_not_know(tmp_path, monkeypatch):
+    monkeypatch.setenv(PAUSE_ENV, "nowhere:1")
+    with pytest.raises(ValueError, match="PHASE one of"):
+        write(tmp_path, 1)
+
+
+def test_metrics_are_on_disk_before_a_checkpoint_records_their_length(tmp_path, monkeypatch):
+    """save_rl records metrics.jsonl's length from `synced_size`: flushed and fsynced first,
+    so after a power loss the file is at least as long as the fsynced checkpoint says."""
+    synced = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.log("rl", 1, {"x": 1.0})
+    size = logger.synced_size()
+    logger.close()
+    assert synced == [str(tmp_path / "metrics.jsonl")]
+    assert size == (tmp_path / "metrics.jsonl").stat().st_size > 0
+
+
+def test_a_stream_that_changed_its_first_tasks_is_refused():
+    state = {"pulled": 3, "draw_ids": ["a", "c"], "open_tasks": [{"id": "b"}]}
+    check_drawn(["a", "b", "c"], state, "--resume")
+    one_line_error("--resume: the task stream's first 3 tasks are not those the checkpoint "
+                   "drew (e.g. ['d'] were not drawn)", check_drawn, ["a", "d", "c"], state,
+                   "--resume")
+    one_line_error("the task stream has 2 tasks; the checkpoint drew 3", check_drawn,
+                   ["a", "b"], state, "--resume")
+
+
+@pytest.mark.parametrize("args, match", [
+    (["configs/calculator.yaml", "--trust-run-config"],
+     "--trust-run-config goes with --resume RUN_DIR"),
+    (["configs/calculator.yaml", "--resume", "RUN", "--trust-run-config"],
+     "with a CONFIG given it is not read"),
+])
+def test_trust_run_config_where_it_does_nothing_is_refused(tmp_path, args, match):
+    code, out = cli("train", *[str(tmp_path) if a == "RUN" else a for a in args])
+    assert code == 2 and match in out and len(out.strip().splitlines()) == 1, out
