@@ -179,13 +179,17 @@ class ManagedServers:
             if waiting:
                 time.sleep(POLL_S)
 
+    def exited(self) -> list[str]:
+        """One line per server that has exited: its name, URL, exit code, log and the log's
+        last line."""
+        return [f"server {r.spec.name} ({r.url}) exited with code {r.proc.poll()}; log "
+                f"{r.log}: {last_line(r.log)}" for r in self.running if r.proc.poll() is not None]
+
     def check_alive(self) -> None:
         """RunError naming the first server that has exited, its code and log."""
-        for r in self.running:
-            code = r.proc.poll()
-            if code is not None:
-                raise RunError(f"server {r.spec.name} ({r.url}) exited with code {code}; log "
-                               f"{r.log}: {last_line(r.log)}")
+        exited = self.exited()
+        if exited:
+            raise RunError(exited[0])
 
     def close(self) -> None:
         """Stop every server (SIGTERM to its group, `STOP_GRACE_S`, then SIGKILL), reap it and

@@ -137,7 +137,7 @@ class VllmEngine(HttpEngine):
             got = models.get(SERVED_NAME, {}).get("max_model_len")
             if got != max_context:
                 raise RunError(f"vLLM server {server.url}: /v1/models lists "
-                               f"{short(str(info))}; expected model {SERVED_NAME!r} with "
+                               f"{short(info)}; expected model {SERVED_NAME!r} with "
                                f"max_model_len {max_context} (start it with "
                                f"--served-model-name {SERVED_NAME} --max-model-len "
                                f"{max_context})")
@@ -188,7 +188,7 @@ class VllmEngine(HttpEngine):
                 if path.startswith("/reset") and not (isinstance(answer, dict)
                                                       and answer.get("success") is True):
                     raise RunError(f"weight push v{update.version}: server {server.url} "
-                                   f"answered {path} with {short(str(answer))}: its cache "
+                                   f"answered {path} with {short(answer)}: its cache "
                                    "may hold KV of the old weights")
         except ServerDown as e:
             self._mark_down(server, f"weight update v{update.version}: {e}")
@@ -219,7 +219,7 @@ class VllmEngine(HttpEngine):
             return [float(rows[i][str(t)]["logprob"]) for i, t in enumerate(token_ids) if i]
         except (KeyError, TypeError, IndexError, ValueError) as e:
             raise RunError(f"vLLM server {server.url}: prompt_logprobs answer "
-                           f"{short(str(answer))}: {type(e).__name__}: {e}") from e
+                           f"{short(answer)}: {type(e).__name__}: {e}") from e
 
 
 def server_specs(python: str, model_dir: Path, count: int, *, max_context: int, dtype: str,
