@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,7 @@ SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"
 # by about |logprob| per token, far above bf16's ~0.02)
 MODE_T, MODE_TOP, MODE_TOL = 0.5, 5, 0.1
 MODE_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+Step = Callable[[str, dict | None], Awaitable[Any]]  # one call of a push (VllmEngine._step)
 
 
 class VllmDialect(TillerDialect):
@@ -246,7 +248,7 @@ class VllmEngine(HttpEngine):
             raise ServerDown(f"{path}: not sent, the push's {budget:g} s are spent")
         return await self._post(server, path, body, timeout=left)
 
-    async def _check_restarted(self, server: Server, step: Any) -> None:
+    async def _check_restarted(self, server: Server, step: Step) -> None:
         """A server whose weight version is not the one tiller set last restarted (vLLM
         reports "default" after a start): marked down and counted; the push then gives it
         the weights and it rejoins."""
@@ -260,7 +262,7 @@ class VllmEngine(HttpEngine):
                                     f"not v{server.version} set at the last push")
 
     async def _reload(self, server: Server, update: WeightUpdate | DeltaUpdate, path: str,
-                      step: Any) -> None:
+                      step: Step) -> None:
         """Reload the weights at `path`, drop the KV of the old ones, set and read back the
         version; a RunError naming the server where vLLM answers otherwise."""
         v = update.version
