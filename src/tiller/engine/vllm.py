@@ -208,10 +208,10 @@ class VllmEngine(HttpEngine):
         """`server` loads the saved `update` (module docstring, "weights"), all steps within
         `timeout_s` (default `request_timeout_s`) together, and is resumed whatever happened:
         True when it holds the update, False when it was found dead (marked down, skipped)."""
+        budget = self.request_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + budget  # the rejoin probe counts too: budget + resume in all
         if server.down and not await self._may_rejoin(server, update):
             return False
-        budget = self.request_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + budget
         step = partial(self._step, server, deadline=deadline, budget=budget)
         server.pending = update.version
         try:
