@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -187,6 +189,9 @@ def test_a_server_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
         if server:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(server, signal.SIGKILL)
+        # what the killed parent could not remove (a SIGKILLed tiller leaves it too)
+        for tmp in Path(tempfile.gettempdir()).glob("tiller-pdeathsig-*"):
+            shutil.rmtree(tmp)
 
 
 # the parent of test_a_server_dies_with_the_process_that_started_it: starts one server, writes
@@ -195,7 +200,7 @@ PARENT = """
 import sys, time
 from tiller.engine.servers import ManagedServers, ServerSpec
 server, logs, pid_file = sys.argv[1:]
-m = ManagedServers([ServerSpec("s", [sys.executable, server, "--port", "{port}"])],
+m = ManagedServers([ServerSpec("pdeathsig", [sys.executable, server, "--port", "{port}"])],
                    log_dir=logs, startup_timeout_s=30)
 m.start()
 open(pid_file + ".tmp", "w").write(str(m.running[0].proc.pid))

@@ -7,7 +7,8 @@ and the leader is reaped. A server is dropped from `running` only once it is sto
 interrupt while stopping one still stops the others before it is raised. On Linux the leader
 also gets SIGKILL from the kernel when the thread that started it dies (`prctl
 PR_SET_PDEATHSIG`), so a tiller killed by SIGKILL or the OOM killer, which runs no cleanup,
-leaves no server behind (the processes a server itself spawned are its to stop; vLLM's engine
+leaves no server running (only its temporary folder; the processes a server spawned are its to
+stop; vLLM's engine
 core runs in the server's process here, `engine/vllm.py` SERVER_ENV). Start servers from a
 thread that lives as long as they should: the main thread.
 
