@@ -8,9 +8,8 @@ interrupt while stopping one still stops the others before it is raised. On Linu
 also gets SIGKILL from the kernel when the thread that started it dies (`prctl
 PR_SET_PDEATHSIG`), so a tiller killed by SIGKILL or the OOM killer, which runs no cleanup,
 leaves no server running (only its temporary folder; the processes a server spawned are its to
-stop; vLLM's engine
-core runs in the server's process here, `engine/vllm.py` SERVER_ENV). Start servers from a
-thread that lives as long as they should: the main thread.
+stop; vLLM's engine core runs in the server's process here, `engine/vllm.py` SERVER_ENV). Start
+servers from a thread that lives as long as they should: the main thread.
 
 Its stdout and stderr go to `<log_dir>/<name>.log`; its temporary files (TMPDIR) go to a fresh
 `tiller-<name>-*` folder in the system temp folder (short: vLLM puts its ZMQ sockets there, and a
