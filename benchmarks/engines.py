@@ -63,7 +63,7 @@ from tiller.rollout.chat import end_of_turn_token  # noqa: E402
 BUILT = {"demo": (128, 2, 4), "25m": (512, 8, 8)}  # hidden, layers, heads
 FETCHED = Path.home() / ".cache/tiller/models/smollm2-135m-instruct"
 BACKENDS = ("hf", "embedded", "serve", "vllm")
-RL_SHORT = ["model.build.num_heads=4", "sft.tasks=128", "sft.epochs=1", "eval.tasks=8",
+RL_SHORT = ["sft.tasks=128", "sft.epochs=1", "eval.tasks=8",
             "rl.tasks_per_step=4", "rl.group_size=4", "logging.progress=false",
             "logging.report=false", "runtime.threads=1"]
 RL_BACKENDS = {"embedded": ["engine.backend=embedded"],

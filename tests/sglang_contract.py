@@ -9,6 +9,9 @@ Reads one JSON object on stdin, writes one on stdout:
   for /generate, the schema gate `generate_contract_error`, `normalize_batch_and_arguments`,
   and `SamplingParams(**sampling_params)`, `.normalize(None)`, `.verify(vocab_size)` as the
   tokenizer manager's `_create_tokenized_object` does.
+- always -> "model_info_keys": the keys of the JSON object SGLang's `GET /model_info` route
+  answers with (the dict literal its handler in http_server.py builds), where tiller reads
+  the weight version back after a push.
 - "answers": [spec, ...] -> "built": [answer, ...]: a non-streamed /generate answer assembled
   as `TokenizerManager._handle_batch_output` does (finish reason `to_json`, logprob tuples as
   `detokenize_logprob_tokens` makes them, `add_weight_versions_to_meta_info`), passed through
@@ -78,6 +81,21 @@ def declared_routes() -> set[tuple[str, str]]:
     return routes
 
 
+def model_info_keys() -> list[str]:
+    """The string keys of the dict literal(s) in the handler of SGLang's GET /model_info."""
+    tree = ast.parse((Path(api_contract.__file__).parent / "http_server.py").read_text())
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        routes = [d.args[0].value for d in node.decorator_list
+                  if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute)
+                  and d.func.attr == "get" and d.args and isinstance(d.args[0], ast.Constant)]
+        if "/model_info" in routes:
+            return [k.value for d in ast.walk(node) if isinstance(d, ast.Dict)
+                    for k in d.keys if isinstance(k, ast.Constant)]
+    return []
+
+
 def judge(route: str, body: dict, vocab_size: int, routes: set) -> str:
     method = "GET" if body is None else "POST"
     if (method, route) not in routes:
@@ -141,7 +159,8 @@ def main() -> None:
     routes = declared_routes()
     out = {"verdicts": [judge(route, body, job.get("vocab_size", 1000), routes)
                         for route, body in job.get("requests", [])],
-           "built": [build(spec) for spec in job.get("answers", [])]}
+           "built": [build(spec) for spec in job.get("answers", [])],
+           "model_info_keys": model_info_keys()}
     json.dump(out, sys.stdout)
 
 

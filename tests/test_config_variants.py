@@ -29,6 +29,7 @@ from tiller.config import (
 ROOT = Path(__file__).parent.parent
 CONFIG = ROOT / "configs" / "calculator.yaml"
 HTTP = ["engine.backend=http", 'engine.urls=["http://127.0.0.1:30000"]']
+VLLM_URLS = ["engine.backend=vllm", 'engine.urls=["http://127.0.0.1:30000"]']
 
 
 @pytest.mark.parametrize("path", sorted(p.relative_to(ROOT).as_posix() for p in [
@@ -91,11 +92,47 @@ def test_the_choice_picks_the_type_and_it_round_trips(overrides, section, varian
      "delta; engine.backend vllm loads full checkpoints only: set full"),
     (["rl.mode=later"], "config field rl.mode: got 'later'; expected one of: sync, "
      "one_step_off, async"),
+    # vLLM reports logprobs of the truncated distribution (processed_logprobs)
+    (["engine.backend=vllm", "sampling.top_p=0.9", "sampling.logprobs=untruncated"],
+     "config field sampling.logprobs: got 'untruncated'; vLLM (--logprobs-mode "
+     "processed_logprobs) reports logprobs of the distribution after top-k / top-p: set "
+     "sampling.logprobs: sampled"),
+    # fields only servers tiller starts use, set with engine.urls (attached): refused
+    *[([*VLLM_URLS, f"engine.{key}={value}"], f"config field engine.{key}: got {shown}; it "
+       "only applies to servers tiller starts, and engine.urls lists servers to attach to "
+       "(leave it out)")
+      for key, value, shown in [("servers", 2, 2), ("python", "/x/python", "/x/python"),
+                                ("kv_cache_bytes", 1 << 30, 1 << 30), ("threads", 4, 4),
+                                ("extra_args", "[--max-num-seqs,8]", ['--max-num-seqs', '8']),
+                                ("startup_timeout_s", 9, 9.0)]],
+    ([*HTTP, "engine.startup_timeout_s=9"], "config field engine.startup_timeout_s: got 9.0; "
+     "it only applies to servers tiller starts, and engine.urls lists servers to attach to "
+     "(leave it out)"),
+    (["engine.backend=sglang", 'engine.urls=["http://127.0.0.1:30000"]',
+      "engine.startup_timeout_s=9"], "config field engine.startup_timeout_s: got 9.0; it only "
+     "applies to servers tiller starts, and engine.urls lists servers to attach to (leave it "
+     "out)"),
+    # arguments tiller sets itself: the last one given would win (argparse), rebinding it
+    *[(["engine.backend=vllm", f"engine.extra_args=[{arg}]"], "config field engine.extra_args: "
+       f"got {arg.split(',')[0]!r}; tiller sets --model, --served-model-name, --host, --port, "
+       "--dtype, --max-model-len, --kv-cache-memory-bytes, --logprobs-mode itself (the last "
+       "one given would win) and --config could set them: use the engine fields")
+      for arg in ["--host,0.0.0.0", "--host=0.0.0.0", "--port,1", "--model,/m",
+                  "--served_model_name,x", "--logprobs-mode,raw_logprobs", "--hos,0.0.0.0",
+                  "--config,c.yaml"]],
 ])
 def test_a_key_of_another_variant_is_one_line_naming_it(overrides, message):
     with pytest.raises(ConfigError) as e:
         load_config(CONFIG, overrides)
     assert str(e.value) == message
+
+
+def test_vllm_extra_args_take_numbers_and_attached_defaults_load():
+    cfg = load_config(CONFIG, ["engine.backend=vllm", "engine.extra_args=[--max-num-seqs,8]"])
+    assert cfg.engine.extra_args == ["--max-num-seqs", "8"]
+    attached = load_config(CONFIG, [*VLLM_URLS, "engine.servers=1", "engine.threads=1"])
+    assert attached.engine.urls == ["http://127.0.0.1:30000"]  # the defaults say nothing
+    assert Config.model_validate(attached.model_dump()) == attached
 
 
 def test_errors_inside_a_variant_name_the_key_not_the_variant():

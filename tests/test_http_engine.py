@@ -28,9 +28,11 @@ from helpers import rl_rows, tiny_rl
 
 from tiller.config import load_config
 from tiller.controller import rl
+from tiller.engine import transport
 from tiller.engine.api import SamplingParams
 from tiller.engine.embedded import EmbeddedEngine
 from tiller.engine.http import HttpEngine, connect
+from tiller.engine.sglang import SglangDialect
 from tiller.engine.updates import WeightUpdate
 from tiller.envs import ENVS
 from tiller.errors import ConfigError, RunError
@@ -284,13 +286,14 @@ def test_every_server_down_is_one_line_naming_each(params, model, tmp_path):
         with pytest.raises(RunError) as e:
             asyncio.run(http.generate([1, 2], params, 0))
         stats = http.stats()
-        with pytest.raises(RunError, match="every engine server is down"):
+        with pytest.raises(RunError, match="every tiller serve server is down"):
             http.update_weights(WeightUpdate.full(model, 1))
         assert not (http.weights_dir / "v1").exists()  # no server took it: not left on disk
     finally:
         http.close()
     msg = str(e.value)
-    assert msg.startswith("every engine server is down (") and "\n" not in msg
+    assert msg.startswith("every tiller serve server is down (") and "\n" not in msg
+    assert msg.endswith("restart them (tiller serve) or fix engine.urls")
     assert all(f"{u}: ConnectError" in msg for u in urls)
     assert (stats["retries"], stats["failed_requests"], stats["servers_up"]) == (1, 1, 0)
 
@@ -797,3 +800,37 @@ def test_the_servers_context_bounds_a_turn(params, tmp_path):
     assert [(p, b["sampling_params"]["max_new_tokens"]) for p, b, _ in srvs[0].calls] == [
         ("/generate", 1)]  # 12 asked, 1 fits
 
+
+
+@pytest.mark.integration
+def test_a_server_dying_at_the_sglang_read_back_is_marked_down_not_raised(model, tmp_path):
+    """SGLang's push answer carries no version, so it is read back from /model_info; a server
+    that dies there is a dead server at the push (marked down, counted, skipped), not a bare
+    ServerDown escaping the push."""
+    pushed = {"/update_weights_from_disk": {"success": True, "message": "ok"}}
+    with recorders(1, {**pushed, "/model_info": {"weight_version": "1"}}) as good, \
+            recorders(1, {**pushed, "/model_info": (503, {"error": "shutting down"})}) as dying:
+        http = engine_for([url(good[0]), url(dying[0])], tmp_path, dialect=SglangDialect())
+        try:
+            assert http.update_weights(WeightUpdate.full(model, 1)) == 1
+            stats = http.stats()
+            down = http.servers[1]
+        finally:
+            http.close()
+    assert (stats["push_skipped_down"], stats["servers_marked_down"], stats["servers_up"]) == (
+        1, 1, 1)
+    assert down.down and "HTTP 503" in down.last_error and down.version == 0
+
+
+@pytest.mark.integration
+def test_an_answer_past_the_cap_is_one_line_not_read_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(transport, "MAX_ANSWER_BYTES", 1000)
+    with recorders(1, {"/flush_cache": {"entries_dropped": 1, "pad": "x" * 5000}}) as srvs:
+        http = engine_for([url(srvs[0])], tmp_path)
+        try:
+            with pytest.raises(RunError, match=rf"^server {url(srvs[0])}: /flush_cache answered "
+                               r"more than 1000 bytes \(the largest answer tiller reads"):
+                http.flush_cache()
+            assert not http.servers[0].down  # a broken answer, not a dead server
+        finally:
+            http.close()

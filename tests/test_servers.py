@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -132,3 +136,74 @@ def test_ctrl_c_during_start_up_stops_every_server(tmp_path: Path) -> None:
         managed.start()
     assert len(pids) == 2 and not any(alive(p) for p in pids)
     assert managed.running == []
+
+
+def test_a_second_ctrl_c_while_stopping_still_kills_every_server(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C during close (the grace wait of the first server) must not leave that server,
+    nor the ones not yet stopped, running: SIGKILL is sent whatever cuts the wait short."""
+    monkeypatch.setattr(servers_mod, "STOP_GRACE_S", 30.0)
+    managed = ManagedServers([spec(n, "--ignore-term") for n in ("a", "b", "c")],
+                             log_dir=tmp_path, startup_timeout_s=30)
+    managed.start()
+    pids = [r.proc.pid for r in managed.running]
+    timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    start = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            managed.close()
+        assert time.monotonic() - start < 5  # not the 30 s grace of each
+        assert not any(alive(p) for p in pids)
+        assert managed.running == []
+    finally:
+        timer.cancel()
+        for p in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p, signal.SIGKILL)
+
+
+def test_a_server_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
+    """A tiller killed by SIGKILL (or the OOM killer) runs no cleanup: the kernel must end its
+    servers (PR_SET_PDEATHSIG), though each runs in a session of its own."""
+    pid_file = tmp_path / "server.pid"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, SERVER, str(tmp_path / "logs"), str(pid_file)],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})
+    server = 0
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() and time.monotonic() < deadline:
+            assert parent.poll() is None, "the parent exited before starting its server"
+            time.sleep(0.05)
+        server = int(pid_file.read_text())
+        assert alive(server)
+        parent.kill()  # SIGKILL: no Python cleanup runs
+        parent.wait()
+        deadline = time.monotonic() + 5
+        while alive(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(server)
+    finally:
+        parent.kill()
+        if server:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server, signal.SIGKILL)
+        # what the killed parent could not remove (a SIGKILLed tiller leaves it too)
+        for tmp in Path(tempfile.gettempdir()).glob("tiller-pdeathsig-*"):
+            shutil.rmtree(tmp)
+
+
+# the parent of test_a_server_dies_with_the_process_that_started_it: starts one server, writes
+# its pid, then waits to be killed
+PARENT = """
+import sys, time
+from tiller.engine.servers import ManagedServers, ServerSpec
+server, logs, pid_file = sys.argv[1:]
+m = ManagedServers([ServerSpec("pdeathsig", [sys.executable, server, "--port", "{port}"])],
+                   log_dir=logs, startup_timeout_s=30)
+m.start()
+open(pid_file + ".tmp", "w").write(str(m.running[0].proc.pid))
+__import__("os").rename(pid_file + ".tmp", pid_file)
+time.sleep(600)
+"""

@@ -1,11 +1,13 @@
 """engine.backend: sglang against SGLang 0.5.23's own code, run in its side environment
 (.venv-sglang, built by scripts/setup.sh) through tests/sglang_contract.py: every request body
 tiller's SGLang dialect builds is accepted by SGLang's request classes and validation, the bodies
-of tiller serve's dialect are refused (so these checks can fail), and answers assembled by
-SGLang's own helpers read back through tiller's parser.
+of tiller serve's dialect are refused (so these checks can fail), answers assembled by SGLang's
+own helpers read back through tiller's parser, and SGLang's /model_info answer holds the
+weight_version a push is read back from.
 
-Not exercised here (GPU-only, scripts/gpu_check.sh is where it belongs): a live SGLang server.
-SGLang's CPU backend cannot start on this machine (its sgl_kernel ops are CUDA-only)."""
+Not exercised anywhere yet: a live SGLang server. SGLang's CPU backend cannot start on this
+machine (its sgl_kernel ops are CUDA-only), and no GPU step runs one (scripts/gpu_check.sh
+covers vLLM only)."""
 
 from __future__ import annotations
 
@@ -97,7 +99,19 @@ def sglang_says() -> dict:
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout)
     names = [*ours, *(f"tiller serve's {n}" for n in theirs)]
-    return {"verdicts": dict(zip(names, out["verdicts"], strict=True)), "built": out["built"]}
+    return {"verdicts": dict(zip(names, out["verdicts"], strict=True)), "built": out["built"],
+            "model_info_keys": out["model_info_keys"]}
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@SKIP
+def test_model_info_answers_with_the_weight_version_a_push_is_read_back_from(sglang_says):
+    """SGLang's push answer carries no version: tiller reads `weight_version` from
+    `GET /model_info` (SglangDialect.model_info_path), so that route's answer must hold it."""
+    keys = sglang_says["model_info_keys"]
+    assert "model_path" in keys  # the handler was found: the check can fail
+    assert SGLANG.model_info_path == "/model_info" and "weight_version" in keys
 
 
 @pytest.mark.integration

@@ -5,23 +5,30 @@ has no head size 16). Every server is stopped; each start is bounded by startup_
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
 import threading
 import time
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tiller.config import VllmEngineConfig
+from tiller.config import VllmEngineConfig, load_config
+from tiller.engine import servers as servers_mod
 from tiller.engine.api import SamplingParams
+from tiller.engine.factory import make_engine
+from tiller.engine.sampling import kept_set, truncated_logprobs
+from tiller.engine.servers import ManagedServers, free_port
 from tiller.engine.updates import WeightSyncError, WeightUpdate
-from tiller.engine.vllm import VllmEngine, connect_vllm, default_python
+from tiller.engine.vllm import VllmEngine, connect_vllm, default_python, probe, server_specs
 from tiller.errors import ConfigError, RunError
-from tiller.models import build_tiny_model
+from tiller.models import build_tiny_model, load_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CORPUS = ["the calculator adds 1 + 2 = 3 and <tool_call> answers </tool_call>"] * 40
@@ -38,8 +45,9 @@ def tiny(path: Path, heads: int) -> tuple[Path, torch.nn.Module, object]:
 
 
 def cfg(**kw: object) -> VllmEngineConfig:
-    return VllmEngineConfig(startup_timeout_s=START_S, kv_cache_bytes=64 << 20,
-                            request_timeout_s=60, **kw)
+    """Managed: bounded start-up, a small KV cache; attached (urls): neither applies."""
+    managed = {} if "urls" in kw else {"startup_timeout_s": START_S, "kv_cache_bytes": 64 << 20}
+    return VllmEngineConfig(request_timeout_s=60, **managed, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +100,24 @@ def test_a_stop_token_ends_the_turn_and_is_returned(served) -> None:
     assert cut.token_ids == free.token_ids[:first + 1]
 
 
+def long_turn_stop(engine: VllmEngine, prompt: list[int], seed: int) -> int:
+    """A stop token the seeded 500-token turn of `prompt` never samples: that turn then runs
+    about 1-2 s here (300-500 tokens/s), long enough to be aborted while it runs (with the
+    usual stop token the tiny model stops within 0.3 s)."""
+    seen: set[int] = set()
+    for stop in range(300):
+        if stop in seen:
+            continue
+        out = gen(engine, prompt, seed, max_new_tokens=500, stop=(stop,))
+        if out.finish_reason == "length":
+            return stop
+        seen |= set(out.token_ids)
+    raise AssertionError("every token id ends the turn early")
+
+
 def test_abort_returns_the_partial_turn(served) -> None:
     engine, _, _ = served
+    stop = long_turn_stop(engine, [9, 9, 9], 1)
     aborted: list[bool] = []
 
     def abort_when_running() -> None:
@@ -106,7 +130,7 @@ def test_abort_returns_the_partial_turn(served) -> None:
     aborter = threading.Thread(target=abort_when_running)
     aborter.start()
     start = time.monotonic()
-    out = gen(engine, [9, 9, 9], 1, max_new_tokens=500, rid="long-one")
+    out = gen(engine, [9, 9, 9], 1, max_new_tokens=500, rid="long-one", stop=(stop,))
     aborter.join(timeout=30)  # the abort's answer may arrive just after the request's
     assert aborted == [True]
     assert out.finish_reason == "abort", out.finish_reason
@@ -214,9 +238,15 @@ def test_a_server_killed_mid_run_fails_the_request_without_a_hang(tmp_path: Path
         pid = engine.managed.running[0].proc.pid
         os.killpg(pid, signal.SIGKILL)
         start = time.monotonic()
-        with pytest.raises(RunError, match="every engine server is down"):
+        with pytest.raises(RunError) as e:
             gen(engine, [1, 2, 3], 0, max_new_tokens=4)
         assert time.monotonic() - start < 30
+        # the dialect, and the managed server's exit code and log: not "restart tiller serve"
+        log = tmp_path / "r" / "servers" / "vllm-0.log"
+        assert str(e.value).startswith("every vLLM server is down (http://127.0.0.1:")
+        assert "server vllm-0 (http://127.0.0.1:" in str(e.value)
+        assert f"exited with code -9; log {log}: " in str(e.value)
+        assert "tiller serve" not in str(e.value) and "\n" not in str(e.value)
         assert engine.stats()["servers_marked_down"] == 1
     finally:
         engine.close()
@@ -239,3 +269,219 @@ def test_attached_mode_uses_running_servers_and_leaves_them_running(served) -> N
     finally:
         attached.close()
     assert ours.token_ids == gen(engine, [5, 6, 7], 3, max_new_tokens=6).token_ids  # still up
+
+
+def test_top_p_logprobs_are_the_trainers_truncated_recomputation(served) -> None:
+    """processed_logprobs under top_p: the logprob of the renormalised kept set, what the
+    trainer recomputes for sampling.logprobs: sampled (engine/sampling.py)."""
+    engine, model, _ = served
+    prompt = [5, 17, 42, 8]
+    out = gen(engine, prompt, 21, temperature=0.8, top_p=0.9, max_new_tokens=24)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
+    logp = torch.log_softmax(logits / 0.8, -1)
+    n = len(out.token_ids)
+    keep = kept_set(logp.exp(), torch.zeros(n, dtype=torch.long), torch.full((n,), 0.9),
+                    max_top_k=0, any_top_p=True)
+    ours = truncated_logprobs(logp, torch.tensor(out.token_ids), keep)
+    untruncated = logp.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(out.logprobs), ours, atol=1e-4), (out.logprobs, ours)
+    assert (ours - untruncated).abs().max() > 1e-2  # the truncation is seen: not vacuous
+
+
+def test_an_attached_server_in_vllms_default_logprobs_mode_is_refused_and_a_restart_noticed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's default --logprobs-mode (raw_logprobs: before temperature) would make every run
+    at T != 1 off-policy without an error: connect refuses it. And a server restarted under
+    an attached engine (weight version "default" again) is noticed at the next push, which
+    gives it the weights back."""
+    path, model, _ = tiny(tmp_path / "m", heads=4)
+    port = free_port()
+    monkeypatch.setattr(servers_mod, "free_port", lambda host: port)  # the same URL twice
+    spec = server_specs(str(default_python()), path, 1, max_context=512, dtype="float32",
+                        kv_cache_bytes=64 << 20, threads=1, extra_args=[])[0]
+    raw = servers_mod.ServerSpec(spec.name, [a.replace("processed_logprobs", "raw_logprobs")
+                                             for a in spec.argv], spec.env)
+    first = ManagedServers([spec], log_dir=tmp_path / "s1", startup_timeout_s=START_S)
+    (url,) = first.start()
+    engine = None
+    try:
+        engine = connect_vllm(cfg(urls=[url]), model, None, run_dir=tmp_path / "run",
+                              initial=WeightUpdate.full(model, 0), dtype="float32")
+        assert engine.update_weights(WeightUpdate(1, model.state_dict())) == 1
+        first.close()
+        second = ManagedServers([raw], log_dir=tmp_path / "s2", startup_timeout_s=START_S)
+        assert second.start() == [url]
+        try:
+            assert engine.update_weights(WeightUpdate(2, model.state_dict())) == 2
+            stats = engine.stats()
+            assert (stats["servers_restarted"], stats["servers_marked_down"],
+                    stats["servers_rejoined"], stats["servers_up"]) == (1, 1, 1, 1)
+            assert gen(engine, [5, 6], 1, max_new_tokens=3).versions == (2, 2, 2)
+            with pytest.raises(RunError) as e:
+                connect_vllm(cfg(urls=[url]), model, None, run_dir=tmp_path / "run2",
+                             initial=WeightUpdate.full(model, 0), dtype="float32")
+        finally:
+            second.close()
+    finally:
+        if engine is not None:
+            engine.close()
+        first.close()
+    msg = str(e.value)
+    assert msg.startswith(f"vLLM server {url}: its logprobs at temperature 0.5 are ")
+    assert msg.endswith("start it with --logprobs-mode processed_logprobs") and "\n" not in msg
+
+
+def test_the_shipped_smollm2_config_starts_vllm_with_the_default_kv_cache(tmp_path: Path
+                                                                        ) -> None:
+    """SmolLM2-135M's context is 8192 tokens, whose KV (fp32) is more than the default 256 MiB
+    kv_cache_bytes: the servers get the run's context (env.max_episode_tokens) instead."""
+    cfg_ = load_config("configs/smollm2_calculator.yaml",
+                       ["engine.backend=vllm", f"engine.startup_timeout_s={START_S}"])
+    try:
+        model = load_model(cfg_.model.path, torch.float32)
+    except (OSError, ConfigError) as e:
+        pytest.skip(f"smollm2-135m-instruct is not fetched here ({e}): tiller models fetch")
+    tok = AutoTokenizer.from_pretrained(model.name_or_path)
+    assert cfg_.engine.kv_cache_bytes == 256 << 20 and model.config.max_position_embeddings == 8192
+    engine = make_engine(cfg_, model, tok.pad_token_id, run_dir=tmp_path,
+                         initial=lambda: WeightUpdate.full(model, 0), tokenizer=tok)
+    try:
+        assert engine.max_context == cfg_.env.max_episode_tokens == 768
+        out = gen(engine, tok.encode("2 + 3 ="), 0, max_new_tokens=4)
+        assert len(out.token_ids) == 4
+    finally:
+        engine.close()
+    assert "--max-model-len 768" in (tmp_path / "servers" / "vllm-0.log").read_text()
+
+
+# ---------------------------------------------------------------- a stub of vLLM's control API
+class Stub(BaseHTTPRequestHandler):
+    """vLLM's RL routes as tiller calls them, each answered after `server.delay[path]` s
+    with `server.answers[path]` ((status, body)); /update_weight_version sets what /weight_info
+    reports. Every path called is recorded in `server.calls`."""
+
+    def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+        self._reply(None)
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._reply(json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}"))
+
+    def _reply(self, body: dict | None) -> None:
+        srv, path = self.server, self.path.split("?")[0]
+        srv.calls.append(path)  # type: ignore[attr-defined]
+        time.sleep(srv.delay.get(path, 0.0))  # type: ignore[attr-defined]
+        if path == "/update_weight_version":
+            srv.version = body["new_version"]  # type: ignore[attr-defined,index]
+        status, answer = srv.answers.get(path, (200, {"success": True}))  # type: ignore
+        if path == "/weight_info":
+            answer = {"weight_version": srv.version}  # type: ignore[attr-defined]
+        data = json.dumps(answer).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except ConnectionError:  # the client gave up waiting
+            pass
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextmanager
+def stubs(n: int, answers: dict | None = None, delay: dict | None = None):
+    made = []
+    try:
+        for _ in range(n):
+            srv = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+            srv.daemon_threads = True
+            srv.calls, srv.answers, srv.delay, srv.version = [], answers or {}, delay or {}, \
+                "default"
+            threading.Thread(target=srv.serve_forever, daemon=True).start()
+            made.append(srv)
+        yield made, [f"http://127.0.0.1:{s.server_address[1]}" for s in made]
+    finally:
+        for srv in made:
+            srv.shutdown()
+            srv.server_close()
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+    return tiny(tmp_path_factory.mktemp("stub") / "m", heads=4)[1]
+
+
+def stub_engine(urls: list[str], tmp_path: Path, model: torch.nn.Module) -> VllmEngine:
+    return VllmEngine(urls, weights_dir=tmp_path / "w", request_timeout_s=10,
+                      shapes={n: tuple(t.shape) for n, t in model.state_dict().items()})
+
+
+def test_a_failed_reload_still_resumes_the_server(small, tmp_path: Path) -> None:
+    """pause, then a reload that fails: the server must not be left paused (it would hold
+    every request sent to it)."""
+    with stubs(1, {"/collective_rpc": (500, {"error": "cannot place tensor"})}) as (srvs, urls):
+        engine = stub_engine(urls, tmp_path, small)
+        try:
+            with pytest.raises(RunError, match="/collective_rpc answered HTTP 500"):
+                engine.update_weights(WeightUpdate(1, small.state_dict()))
+        finally:
+            engine.close()
+    assert srvs[0].calls == ["/pause", "/collective_rpc", "/health", "/resume"]
+
+
+def test_a_push_waits_at_most_its_time_budget_in_all(small, tmp_path: Path) -> None:
+    """Each step of a push waits only what is left of timeout_s (not timeout_s each), a
+    timed-out push still resumes the server, and the failure names the server."""
+    slow = dict.fromkeys(["/pause", "/collective_rpc", "/reset_prefix_cache"], 0.6)
+    with stubs(1, delay=slow) as (srvs, urls):
+        engine = stub_engine(urls, tmp_path, small)
+        start = time.monotonic()
+        try:
+            with pytest.raises(RunError) as e:
+                engine.update_weights(WeightUpdate(1, small.state_dict()), timeout_s=1.0)
+            took = time.monotonic() - start
+            stats = engine.stats()
+        finally:
+            engine.close()
+    assert took < 1.5, took  # 1 s of budget; the three steps alone take 1.8 s
+    assert str(e.value).startswith(f"every vLLM server is down ({urls[0]}: weight update v1: "
+                                   "/collective_rpc: no answer within 0.")
+    assert srvs[0].calls[-1] == "/resume" and stats["push_skipped_down"] == 1
+
+
+def test_the_start_up_probe_runs_on_every_server_at_once_within_the_deadline(
+        small, tmp_path: Path) -> None:
+    with stubs(2, delay={"/v1/completions": 5.0}) as (_, urls):
+        engine = stub_engine(urls, tmp_path, small)
+        start = time.monotonic()
+        try:
+            with pytest.raises(RunError, match=rf"^vLLM server {urls[0]} cannot run the model"):
+                probe(engine, 0, time.monotonic() + 1.5)
+            took = time.monotonic() - start
+        finally:
+            engine.close()
+    assert took < 2.5, took  # not 1.5 s per server in turn
+
+
+def test_a_push_with_in_flight_abort_ends_the_running_turn_with_abort(served) -> None:
+    """rollout.partial: abort_resume pushes with in_flight="abort" (`/pause?mode=abort`): a
+    turn being generated comes back partial with finish reason abort, and the push lands."""
+    engine, model, _ = served
+    stop = long_turn_stop(engine, [9, 8, 7], 2)
+    done: list[object] = []
+    worker = threading.Thread(target=lambda: done.append(
+        gen(engine, [9, 8, 7], 2, max_new_tokens=500, rid="pushed-over", stop=(stop,))))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while "pushed-over" not in engine._rids and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # under way (about 300 tokens/s here)
+    version = engine.version + 1
+    assert engine.update_weights(WeightUpdate(version, model.state_dict()),
+                                 in_flight="abort") == version
+    worker.join(30)
+    (out,) = done
+    assert out.finish_reason == "abort" and len(out.token_ids) < 500  # type: ignore[attr-defined]
+    assert gen(engine, [1, 2], 0, max_new_tokens=2).version == version

@@ -3,9 +3,9 @@ on the trainer's weights."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_serializer, model_validator
+from pydantic import Field, SecretStr, field_serializer, field_validator, model_validator
 
 from tiller.config.base import Section, Variant, tagged
 from tiller.errors import ConfigError
@@ -109,7 +109,13 @@ class HttpEngineConfig(EngineConfig):
             raise ConfigError("config field engine.urls: engine.backend is http, so list at "
                               "least one server URL (start one with `tiller serve MODEL`) or "
                               "set engine.servers to have tiller start them; not both")
+        refuse_when_attached(self, ("startup_timeout_s",))
         return self
+
+
+# the arguments of a managed vLLM server that tiller sets (engine/vllm.py server_specs)
+TILLER_SETS = ("--model", "--served-model-name", "--host", "--port", "--dtype",
+               "--max-model-len", "--kv-cache-memory-bytes", "--logprobs-mode")
 
 
 class VllmEngineConfig(EngineConfig):
@@ -140,13 +146,56 @@ class VllmEngineConfig(EngineConfig):
         "/dev/shm/NAME) skips the disk (docs/engines.md has the measured times)")
     extra_args: list[str] = Field(
         default_factory=list, description="more arguments for each managed server's "
-        "`python -m vllm.entrypoints.openai.api_server` (e.g. [--device, cuda])")
+        "`python -m vllm.entrypoints.openai.api_server` (e.g. [--device, cuda]; numbers are "
+        "taken as strings); not the ones tiller sets (" + ", ".join(TILLER_SETS) + ", "
+        "--config)")
     request_timeout_s: float = Field(
         300.0, gt=0, description="seconds one generate or control request may take before it "
         "fails (and is retried on another server, up to max_retries)")
     max_retries: int = Field(
         2, ge=0, description="times a request that failed on a dead or unreachable server is "
         "retried on another (each counted and logged)")
+
+    @field_validator("extra_args", mode="before")
+    @classmethod
+    def _numbers_as_strings(cls, value: Any) -> Any:
+        """YAML reads `[--max-num-seqs, 8]` with an int; argv takes strings."""
+        if isinstance(value, list):
+            return [str(v) if isinstance(v, int | float) and not isinstance(v, bool) else v
+                    for v in value]
+        return value
+
+    @model_validator(mode="after")
+    def _managed_fields(self) -> VllmEngineConfig:
+        for arg in self.extra_args:
+            name = arg.split("=", 1)[0].replace("_", "-")
+            # argparse also takes a unique prefix (--hos = --host)
+            if name == "--config" or any(len(name) > 4 and flag.startswith(name)
+                                         for flag in TILLER_SETS):
+                raise ConfigError(f"config field engine.extra_args: got {arg!r}; tiller sets "
+                                  f"{', '.join(TILLER_SETS)} itself (the last one given would "
+                                  f"win) and --config could set them: use the engine fields")
+        refuse_when_attached(self, ("servers", "python", "startup_timeout_s", "kv_cache_bytes",
+                                    "threads", "extra_args"))
+        return self
+
+
+def refuse_when_attached(cfg: HttpEngineConfig | VllmEngineConfig, names: tuple[str, ...]
+                         ) -> None:
+    """With engine.urls set (servers tiller attaches to, not starts), a field of `names` that
+    only servers tiller starts use is a ConfigError naming it, unless it is at its default."""
+    if not cfg.urls:
+        return
+    for name in names:
+        field = type(cfg).model_fields[name]
+        default = field.get_default(call_default_factory=True)
+        value = getattr(cfg, name)
+        if value != default:
+            raise ConfigError(f"config field engine.{name}: got {value}; it only applies to "
+                              f"servers tiller starts, and engine.urls lists servers to attach "
+                              f"to (leave it out)")
+
+
 class SglangEngineConfig(HttpEngineConfig):
     """SGLang servers (engine/sglang.py) behind the same router as `tiller serve`: full weight
     pushes from disk (no deltas), logprobs untruncated, seeds applied only by a server started
@@ -164,6 +213,7 @@ class SglangEngineConfig(HttpEngineConfig):
             raise ConfigError("config field engine.urls: engine.backend is sglang, so list at "
                               "least one SGLang server URL (python -m sglang.launch_server "
                               "--model-path MODEL --port N)")
+        refuse_when_attached(self, ("startup_timeout_s",))
         return self
 
 

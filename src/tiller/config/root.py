@@ -181,14 +181,20 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _servers_can_do_it(self) -> Config:
-        """vLLM and SGLang load full checkpoints only; SGLang reports untruncated logprobs."""
+        """vLLM and SGLang load full checkpoints only; SGLang reports untruncated logprobs,
+        vLLM (--logprobs-mode processed_logprobs) those of the truncated distribution."""
         if self.engine.backend not in ("vllm", "sglang"):
             return self
         if self.weight_sync.mode not in (None, "full"):
             raise ConfigError(f"config field weight_sync.mode: got {self.weight_sync.mode}; "
                               f"engine.backend {self.engine.backend} loads full checkpoints "
                               f"only: set full")
-        if self.engine.backend != "sglang":
+        if self.engine.backend == "vllm":
+            if self.sampling.logprobs == "untruncated":
+                raise ConfigError("config field sampling.logprobs: got 'untruncated'; vLLM "
+                                  "(--logprobs-mode processed_logprobs) reports logprobs of the "
+                                  "distribution after top-k / top-p: set sampling.logprobs: "
+                                  "sampled")
             return self
         if self.sampling.truncates and self.sampling.logprobs != "untruncated":
             raise ConfigError("config field sampling.logprobs: SGLang reports logprobs of "

@@ -33,8 +33,10 @@ def make_engine(cfg: Config, model: PreTrainedModel, pad_token_id: int, *, run_d
         require_package("httpx", "serve", "engine.backend=vllm")
         from tiller.engine.vllm import connect_vllm  # httpx is an optional extra
 
+        # a sequence of the run: an episode, or the parity probe
+        context = max(cfg.env.max_episode_tokens, cfg.weight_sync.parity_tokens)
         return connect_vllm(e, model, tokenizer, run_dir=run_dir, initial=initial(),
-                            dtype=cfg.model.dtype)
+                            dtype=cfg.model.dtype, context=context)
     if e.backend in ("http", "sglang"):
         require_package("httpx", "serve", f"engine.backend={e.backend}")
         from tiller.engine.http import connect  # httpx is an optional extra

@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import os
 import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -52,6 +52,7 @@ import httpx
 from tiller.engine.api import Generation, SamplingParams
 from tiller.engine.delta import DeltaUpdate
 from tiller.engine.servers import ManagedServers
+from tiller.engine.transport import DOWN_STATUSES, Server, each_server, read_capped
 from tiller.engine.updates import WeightUpdate
 from tiller.engine.wire import (
     TILLER,
@@ -70,22 +71,6 @@ T = TypeVar("T")
 MAX_SESSIONS = 1 << 16  # sticky sessions remembered (LRU); a forgotten one is just placed again
 HEALTH_TIMEOUT_S = 5.0  # a down server that cannot answer /health within this stays down
 KEEPALIVE_S = 2.0  # idle connections kept this long: under the servers' keep-alive timeout
-
-
-DOWN_STATUSES = (502, 503, 504)  # a proxy in front of a dead server, overload, a gateway timeout
-
-
-@dataclass
-class Server:
-    url: str
-    inflight: int = 0  # generate requests sent and not yet answered
-    completed: int = 0  # generate requests it answered
-    down: bool = False
-    last_error: str = ""
-    version: int = 0  # the weight version it confirmed at the last push
-    previous: int = 0  # the one before (an answer finished just before the push may carry it)
-    pending: int | None = None  # the version being pushed to it now
-    boot_id: str | None = None  # what it reported at the last push (None: it reports none)
 
 
 class HttpEngine:
@@ -144,39 +129,43 @@ class HttpEngine:
 
     async def _post(self, server: Server, path: str, body: dict | None = None,
                     timeout: float | None = None, missing_ok: bool = False) -> Any:
-        """POST (GET without a body) and decode the JSON answer; ServerDown for what says the
-        server is dead (no answer, 502/503/504, a 500 with /health not answering), RunError (one
-        line) for a 4xx or a 500 of a healthy server, which no other server would answer
-        differently (`missing_ok`: None for a 404)."""
-        url = server.url + path
-        kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        """POST (GET without a body) and decode the JSON answer (at most `MAX_ANSWER_BYTES`);
+        ServerDown for what says the server is dead (no answer, 502/503/504, a 500 with
+        /health not answering), RunError (one line) for a 4xx, a 500 of a healthy server or an
+        answer past the cap, which no other server would answer differently (`missing_ok`:
+        None for a 404)."""
+        request = self._client.build_request(
+            "GET" if body is None else "POST", server.url + path, json=body,
+            **({} if timeout is None else {"timeout": timeout}))
         try:
-            if body is None:
-                r = await self._client.get(url, **kwargs)
-            else:
-                r = await self._client.post(url, json=body, **kwargs)
+            r = await self._client.send(request, stream=True)
+            try:
+                data = await read_capped(r, f"server {server.url}: {path}")
+            finally:
+                await r.aclose()
         except httpx.TimeoutException as e:
             wait = self.request_timeout_s if timeout is None else timeout
             raise ServerDown(f"{path}: no answer within {wait:g} s ({type(e).__name__})") from e
         except httpx.TransportError as e:  # connect/read errors
             raise ServerDown(f"{type(e).__name__}: {e}".rstrip(": ")) from e
+        text = data.decode("utf-8", "replace")
         if r.status_code in DOWN_STATUSES:
-            raise ServerDown(f"HTTP {r.status_code}: {short(r.text)}")
+            raise ServerDown(f"HTTP {r.status_code}: {short(text)}")
         if r.status_code == 500 and path != "/health":
             try:  # the request broke something, or the server is breaking down?
                 await self._post(server, "/health", timeout=HEALTH_TIMEOUT_S)
             except (ServerDown, RunError) as e:
-                raise ServerDown(f"HTTP 500: {short(r.text)}; then /health: {e}") from e
+                raise ServerDown(f"HTTP 500: {short(text)}; then /health: {e}") from e
         if r.status_code == 404 and missing_ok:
             return None
         if r.status_code >= 400:
             hint = " (set engine.api_key or TILLER_API_KEY)" if r.status_code == 401 else ""
             raise RunError(f"server {server.url}: {path} answered HTTP {r.status_code}: "
-                           f"{short(r.text)}{hint}")
+                           f"{short(text)}{hint}")
         try:
-            return r.json()
+            return json.loads(data)
         except ValueError:
-            return r.text
+            return text
 
     def _mark_down(self, server: Server, error: str) -> None:
         if not server.down:
@@ -186,9 +175,13 @@ class HttpEngine:
         server.down, server.last_error = True, error
 
     def _all_down(self) -> RunError:
+        """Every server is down: one line with each one's last error and, for the servers
+        tiller started, the exit code and last log line of each that exited."""
         states = "; ".join(f"{s.url}: {s.last_error}" for s in self.servers)
-        return RunError(f"every engine server is down ({states}): restart them (tiller serve) "
-                        f"or fix engine.urls")
+        exited = self.managed.exited() if self.managed is not None else []
+        hint = ("; ".join(exited) if exited else
+                f"restart them ({self.dialect.name}) or fix engine.urls")
+        return RunError(f"every {self.dialect.name} server is down ({states}): {hint}")
 
     # ------------------------------------------------------------------ routing
     def _pick(self, session_id: str | None) -> Server:
@@ -315,8 +308,8 @@ class HttpEngine:
     def _on_each(self, servers: list[Server], act: Callable[[Server], Awaitable[T]], what: str,
                  timeout: float | None = None) -> list[T]:
         """`act(server)` on each of `servers` at once, on the engine's loop, and their results
-        in server order (`_each`); `what` names the operation if it runs past `timeout`."""
-        return self._call(_each(servers, act), what, timeout)
+        in server order (`each_server`); `what` names the operation if it runs past `timeout`."""
+        return self._call(each_server(servers, act), what, timeout)
 
     def _on_up(self, act: Callable[[Server], Awaitable[Any]], what: str,
                timeout: float | None = None) -> list[tuple[Server, Any]]:
@@ -391,7 +384,7 @@ class HttpEngine:
                               f"reachable ({e}); start it ({self.dialect.name})") from e
         if not isinstance(info, dict):
             raise ConfigError(f"config field engine.urls: server {server.url} answered "
-                              f"{self.dialect.model_info_path} with {short(str(info))}, not "
+                              f"{self.dialect.model_info_path} with {short(info)}, not "
                               f"a JSON object")
         if dtype is not None and "dtype" in info and info["dtype"] != dtype:
             raise ConfigError(f"config field model.dtype: {dtype}, but server {server.url} "
@@ -462,6 +455,12 @@ class HttpEngine:
         try:
             answer = await self._post(server, "/update_weights_from_disk", body,
                                       timeout=timeout_s)
+            done = isinstance(answer, dict) and answer.get("success") is True
+            echoed = answer.get("weight_version") if done else None
+            if done and self.dialect.reads_back_version:  # the answer carries no version
+                info = await self._post(server, self.dialect.model_info_path,
+                                        timeout=timeout_s)
+                echoed = info.get("weight_version") if isinstance(info, dict) else None
         except ServerDown as e:  # it died: like a dead server, it gets no requests
             self._mark_down(server, f"weight update v{update.version}: {e}")
             self.counters["push_skipped_down"] += 1
@@ -470,16 +469,11 @@ class HttpEngine:
             return False
         finally:
             server.pending = None
-        done = isinstance(answer, dict) and answer.get("success") is True
-        echoed = answer.get("weight_version") if done else None
-        if done and self.dialect.reads_back_version:  # the answer carries no version
-            info = await self._post(server, self.dialect.model_info_path, timeout=timeout_s)
-            echoed = info.get("weight_version") if isinstance(info, dict) else None
         if not (done and self.dialect.pushed_version(echoed) == update.version):
             read = (f", then {self.dialect.model_info_path} weight_version {echoed!r}"
                     if done and self.dialect.reads_back_version else "")
             raise RunError(f"weight push v{update.version}: server {server.url} answered "
-                           f"{short(str(answer))}{read} (expected success and weight_version "
+                           f"{short(answer)}{read} (expected success and weight_version "
                            f"{update.version}): it does not hold the trainer's weights")
         server.previous, server.version = server.version, update.version
         server.boot_id = answer.get("boot_id")
@@ -560,17 +554,6 @@ class HttpEngine:
 
 
 _SKIPPED = object()  # what a control call to a server found down returns
-
-
-async def _each(servers: list[Server], act: Callable[[Server], Awaitable[T]]) -> list[T]:
-    """`act(server)` on every server at once; every call ends before any error is raised (a
-    weight push is never left half-applied, nor its folder removed under a server still
-    loading it), then the first in server order is. Else the results, in server order."""
-    results = await asyncio.gather(*(act(s) for s in servers), return_exceptions=True)
-    errors = [r for r in results if isinstance(r, BaseException)]
-    if errors:
-        raise errors[0]
-    return list(results)
 
 
 def connect(urls: list[str], *, weights_dir: str | Path, api_key: str | None,

@@ -2,9 +2,18 @@
 
 Each server runs in its own process group (its session), so stopping it reaches every process it
 spawned (vLLM's engine core, its workers): SIGTERM to the group, a grace period, then SIGKILL to
-the group, and the leader is reaped. Its stdout and stderr go to `<log_dir>/<name>.log`; its
-temporary files (TMPDIR) go to a fresh `tiller-<name>-*` folder in the system temp folder (short:
-vLLM puts its ZMQ sockets there, and a socket path is at most 107 bytes), removed when it stops.
+the group (always, even when an interrupt such as a second Ctrl-C cuts the grace period short),
+and the leader is reaped. A server is dropped from `running` only once it is stopped, and an
+interrupt while stopping one still stops the others before it is raised. On Linux the leader
+also gets SIGKILL from the kernel when the thread that started it dies (`prctl
+PR_SET_PDEATHSIG`), so a tiller killed by SIGKILL or the OOM killer, which runs no cleanup,
+leaves no server running (only its temporary folder; the processes a server spawned are its to
+stop; vLLM's engine core runs in the server's process here, `engine/vllm.py` SERVER_ENV). Start
+servers from a thread that lives as long as they should: the main thread.
+
+Its stdout and stderr go to `<log_dir>/<name>.log`; its temporary files (TMPDIR) go to a fresh
+`tiller-<name>-*` folder in the system temp folder (short: vLLM puts its ZMQ sockets there, and a
+socket path is at most 107 bytes), removed when it stops.
 
 Start-up waits for `GET <url><health_path>` to answer 200, at most `startup_timeout_s` for all
 servers together; a server that exits meanwhile is reported at once, not at the timeout. Either
@@ -19,6 +28,7 @@ The command of a server is any argv with `{port}` where its port goes: the vLLM 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import shutil
@@ -30,6 +40,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -40,6 +51,9 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.25  # how often start-up checks health and whether a server exited
 STOP_GRACE_S = 10.0  # after SIGTERM, how long a server may take to exit before SIGKILL
+PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h): the signal a child gets when its parent dies
+# loaded here, not in the forked child: an import there could deadlock on a lock another thread held
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
 
 @dataclass(frozen=True)
@@ -135,7 +149,8 @@ class ManagedServers:
         env = {**os.environ, **spec.env, "TMPDIR": str(tmp)}
         try:
             proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                    preexec_fn=_die_with_parent(os.getpid()))
         except OSError as e:
             log_file.close()
             shutil.rmtree(tmp, ignore_errors=True)
@@ -164,19 +179,33 @@ class ManagedServers:
             if waiting:
                 time.sleep(POLL_S)
 
+    def exited(self) -> list[str]:
+        """One line per server that has exited: its name, URL, exit code, log and the log's
+        last line."""
+        return [f"server {r.spec.name} ({r.url}) exited with code {r.proc.poll()}; log "
+                f"{r.log}: {last_line(r.log)}" for r in self.running if r.proc.poll() is not None]
+
     def check_alive(self) -> None:
         """RunError naming the first server that has exited, its code and log."""
-        for r in self.running:
-            code = r.proc.poll()
-            if code is not None:
-                raise RunError(f"server {r.spec.name} ({r.url}) exited with code {code}; log "
-                               f"{r.log}: {last_line(r.log)}")
+        exited = self.exited()
+        if exited:
+            raise RunError(exited[0])
 
     def close(self) -> None:
         """Stop every server (SIGTERM to its group, `STOP_GRACE_S`, then SIGKILL), reap it and
-        remove its temporary folder. Idempotent."""
-        while self.running:
-            _stop(self.running.pop())
+        remove its temporary folder; each leaves `running` once stopped. An interrupt (Ctrl-C)
+        while one stops still SIGKILLs it and the rest (no grace), then is raised. Idempotent."""
+        interrupted: BaseException | None = None
+        for r in reversed(list(self.running)):
+            try:  # after an interrupt the user wants out: no grace for the rest
+                _stop(r, 0.0 if interrupted else STOP_GRACE_S)
+            except BaseException as e:  # raised below, once the others are stopped
+                interrupted = interrupted or e
+                if r.proc.returncode is None:  # not reaped: the next close stops it
+                    continue
+            self.running.remove(r)
+        if interrupted is not None:
+            raise interrupted
 
     def __enter__(self) -> ManagedServers:
         self.start()
@@ -199,16 +228,34 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
-def _stop(r: _Running) -> None:
+def _die_with_parent(parent: int) -> Callable[[], None] | None:
+    """What the child runs before exec (Linux): ask the kernel for SIGKILL when its parent
+    dies, and die now if the parent `parent` already has (it died before the request)."""
+    if _LIBC is None:
+        return None
+    libc = _LIBC
+
+    def child() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return child
+
+
+def _stop(r: _Running, grace_s: float) -> None:
+    """SIGTERM to `r`'s group, at most `grace_s` for the leader to exit, then SIGKILL to the
+    group (whatever cut the wait short), reap the leader, close the log, remove its TMPDIR."""
     pgid = r.proc.pid  # start_new_session: the leader's pid is the group's id
-    _signal_group(pgid, signal.SIGTERM)
     try:
-        r.proc.wait(STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        logger.warning("server %s did not stop within %g s of SIGTERM; SIGKILL", r.spec.name,
-                       STOP_GRACE_S)
-    _signal_group(pgid, signal.SIGKILL)  # whatever of the group is left (engine workers)
-    r.proc.wait()
-    r.log_file.close()
-    shutil.rmtree(r.tmp, ignore_errors=True)
+        _signal_group(pgid, signal.SIGTERM)
+        try:
+            r.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("server %s did not stop within %g s of SIGTERM; SIGKILL",
+                           r.spec.name, grace_s)
+    finally:  # also when an interrupt cut the grace short
+        _signal_group(pgid, signal.SIGKILL)  # whatever of the group is left (engine workers)
+        r.proc.wait()
+        r.log_file.close()
+        shutil.rmtree(r.tmp, ignore_errors=True)
     logger.info("stopped server %s (exit code %s)", r.spec.name, r.proc.returncode)

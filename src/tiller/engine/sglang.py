@@ -60,7 +60,7 @@ class SglangDialect(TillerDialect):
         versions: list[int] = []
         for span in spans:  # contiguous, in order: [start, end) of the output tokens
             if span["start"] != len(versions):
-                raise RunError(f"server {url}: meta_info.weight_versions {short(str(spans))} "
+                raise RunError(f"server {url}: meta_info.weight_versions {short(spans)} "
                                f"do not tile the {n} output tokens")
             versions += [self.answer_version(url, span["version"])] * (span["end"] -
                                                                         span["start"])
@@ -91,7 +91,7 @@ class SglangDialect(TillerDialect):
             logprobs = [float(e[0]) for e in entries[1:]]
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise RunError(f"server {url}: the parity probe's /generate answered "
-                           f"{short(str(answer))}; expected meta_info.input_token_logprobs "
+                           f"{short(answer)}; expected meta_info.input_token_logprobs "
                            f"({type(e).__name__}: {e})") from e
         if ids != list(token_ids):
             raise RunError(f"server {url}: the parity probe's input_token_logprobs are of "

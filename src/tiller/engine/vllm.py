@@ -7,35 +7,51 @@ marked down, bounded waits) speaking vLLM's API instead of SGLang's:
   0` (the sampled token's logprob), the request's `seed`, the stop token ids and
   `request_id`; the answer's `token_ids` are the trajectory's (token in, token out). The servers
   run with `--logprobs-mode processed_logprobs`: the logprob of the distribution sampled from
-  (after temperature, top-k and top-p), i.e. `sampling.logprobs: sampled`.
+  (after temperature, top-k and top-p), i.e. `sampling.logprobs: sampled` (untruncated is
+  refused). vLLM's default mode (raw_logprobs, before temperature) would make every run at a
+  temperature other than 1 silently off-policy, so at connect each server samples one token at
+  temperature 0.5 and its top logprobs are compared with the trainer's (`check_logprobs_mode`).
 - abort: `POST /abort_requests` with vLLM's id of the request (`cmpl-<id>-0`).
 - pause / resume: `POST /pause?mode=keep` (requests stay queued) and `POST /resume`.
 - weights: full updates only, written as safetensors (tied tensors each written out: a reload
-  of the embedding alone leaves vLLM's lm_head stale), then per server `/pause`, `POST
-  /collective_rpc` `reload_weights(weights_path=...)`, `POST /reset_prefix_cache?
-  reset_running_requests=true` (else KV computed by the old weights is reused) and `/resume`.
-  An update is checked against the served model's names and shapes first: a tensor vLLM cannot
-  place kills the server.
+  of the embedding alone leaves vLLM's lm_head stale), then per server `GET /weight_info` (a
+  server whose version is not the one tiller set last restarted: marked down, counted in
+  `servers_restarted`, and it takes this push and rejoins), `/pause`, `POST /collective_rpc`
+  `reload_weights(weights_path=...)`, `POST /reset_prefix_cache?reset_running_requests=true`
+  (else KV computed by the old weights is reused), `POST /update_weight_version` and its read-back
+  from `/weight_info`; `/resume` is always sent at the end (a failed or timed-out step must not
+  leave the server paused; a resume that fails marks the server down, counted in
+  `resume_failures`). The steps share one time budget (`timeout_s`). An update is checked first
+  against the names and shapes of the trainer's model (a tensor vLLM cannot place kills the
+  server); vLLM's HTTP API exposes no tensor shapes of the served model (its own tensors are
+  fused: qkv_proj, gate_up_proj), so an attached server of another model is caught by
+  /v1/models (context length), the logprobs check and the parity check, not by shapes.
 - parity: `prompt_logprobs` of the probe at temperature 1 (`score`).
-vLLM reports no weight version: every token of an answer gets the version its request started
-under, as the HTTP backend records a server that reports none (a turn spanning an update counts
-as staler than it is, never fresher). These endpoints need `VLLM_SERVER_DEV_MODE=1`.
+vLLM's /v1/completions reports no weight version: every token of an answer gets the version its
+request started under, as the HTTP backend records a server that reports none (a turn spanning
+an update counts as staler than it is, never fresher); an attached server restarted between
+two pushes is noticed at the next push, and the answers it gave in between came from the
+weights it restarted with. These endpoints need `VLLM_SERVER_DEV_MODE=1`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
 from tiller.config import VllmEngineConfig
 from tiller.engine.api import Generation, SamplingParams
 from tiller.engine.delta import DeltaUpdate
-from tiller.engine.http import _SKIPPED, HttpEngine, Server, ServerDown
+from tiller.engine.http import _SKIPPED, HEALTH_TIMEOUT_S, HttpEngine, Server, ServerDown
 from tiller.engine.servers import ManagedServers, ServerSpec, last_line
 from tiller.engine.updates import WeightSyncError, WeightUpdate
 from tiller.engine.wire import TillerDialect, short
@@ -48,6 +64,13 @@ FINISH = {"stop": "stop", "length": "length", "abort": "abort"}  # vLLM's reason
 # process (one process group to stop, faster start-up), no CPU pinning (it shares the machine)
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
               "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+# the logprobs-mode check at connect: one token sampled at MODE_T, the logprobs of its
+# MODE_TOP most likely tokens against the trainer's log softmax(logits / MODE_T); a mean
+# |difference| above MODE_TOL is another mode (raw_logprobs, vLLM's default, is at T = 1: off
+# by about |logprob| per token, far above bf16's ~0.02)
+MODE_T, MODE_TOP, MODE_TOL = 0.5, 5, 0.1
+MODE_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+Step = Callable[[str, dict | None], Awaitable[Any]]  # one call of a push (VllmEngine._step)
 
 
 class VllmDialect(TillerDialect):
@@ -64,16 +87,22 @@ VLLM = VllmDialect()
 
 class VllmEngine(HttpEngine):
     """`Engine` over vLLM servers at `urls`; `managed` (when tiller started them) is stopped at
-    `close`. `shapes`: the served model's tensors by name (an update must match them)."""
+    `close`. `shapes`: the trainer's model's tensors by name, which the servers were started
+    from (an update must match them)."""
 
     def __init__(self, urls: list[str], *, weights_dir: str | Path,
                  shapes: dict[str, tuple[int, ...]], **kwargs: Any):
         super().__init__(urls, weights_dir=weights_dir, dialect=VLLM, **kwargs)
         self.shapes = shapes
+        self.counters.update(servers_restarted=0, resume_failures=0)
+        self._versioned: set[str] = set()  # servers whose weight version tiller set
 
     # ------------------------------------------------------------------ generate
     def _request(self, prompt_ids: list[int], params: SamplingParams, max_new: int, seed: int,
                  rid: str, session_id: str | None) -> tuple[str, dict[str, Any]]:
+        if params.logprobs != "sampled" and (params.top_k or params.top_p < 1):
+            raise RunError("vLLM (--logprobs-mode processed_logprobs) reports logprobs of the "
+                           "distribution after top-k / top-p: set sampling.logprobs: sampled")
         return "/v1/completions", {
             "model": SERVED_NAME, "prompt": prompt_ids, "max_tokens": max_new,
             "temperature": params.temperature, "top_p": params.top_p,
@@ -128,20 +157,21 @@ class VllmEngine(HttpEngine):
         return 0
 
     def check_servers(self, vocab_size: int, max_context: int, dtype: str | None = None) -> None:
-        """Every server serves `SERVED_NAME` with the trainer's context length (`/v1/models`);
-        else one RunError naming it."""
+        """Every server serves `SERVED_NAME` with a context length of at least `max_context`
+        (`/v1/models`); else one RunError naming it. Turns are then bounded by the smallest."""
+        served = []
         for server in self.servers:
             info = self._call(self._post(server, "/v1/models"), f"/v1/models on {server.url}")
             models = {m.get("id"): m for m in info.get("data", [])} if isinstance(info, dict) \
                 else {}
             got = models.get(SERVED_NAME, {}).get("max_model_len")
-            if got != max_context:
-                raise RunError(f"vLLM server {server.url}: /v1/models lists "
-                               f"{short(str(info))}; expected model {SERVED_NAME!r} with "
-                               f"max_model_len {max_context} (start it with "
-                               f"--served-model-name {SERVED_NAME} --max-model-len "
-                               f"{max_context})")
-        self.max_context = max_context
+            if not isinstance(got, int) or got < max_context:
+                raise RunError(f"vLLM server {server.url}: /v1/models lists {short(info)}; "
+                               f"expected model {SERVED_NAME!r} with max_model_len at least "
+                               f"{max_context} (start it with --served-model-name "
+                               f"{SERVED_NAME} --max-model-len {max_context})")
+            served.append(got)
+        self.max_context = min(served)
 
     # ------------------------------------------------------------------ weights
     def _save(self, update: WeightUpdate | DeltaUpdate, folder: Path) -> None:
@@ -175,21 +205,23 @@ class VllmEngine(HttpEngine):
 
     async def _push(self, server: Server, *, update: WeightUpdate | DeltaUpdate, body: dict,
                     timeout_s: float | None) -> bool:
+        """`server` loads the saved `update` (module docstring, "weights"), all steps within
+        `timeout_s` (default `request_timeout_s`) together, and is resumed whatever happened:
+        True when it holds the update, False when it was found dead (marked down, skipped)."""
+        budget = self.request_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + budget  # the rejoin probe counts too: budget + resume in all
         if server.down and not await self._may_rejoin(server, update):
             return False
-        mode = "abort" if body["abort_all_requests"] else "keep"
-        rpc = {"method": "reload_weights", "kwargs": {"weights_path": body["model_path"]}}
+        step = partial(self._step, server, deadline=deadline, budget=budget)
         server.pending = update.version
         try:
-            for path, payload in ((f"/pause?mode={mode}", {}), ("/collective_rpc", rpc),
-                                  ("/reset_prefix_cache?reset_running_requests=true", {}),
-                                  ("/resume", {})):
-                answer = await self._post(server, path, payload, timeout=timeout_s)
-                if path.startswith("/reset") and not (isinstance(answer, dict)
-                                                      and answer.get("success") is True):
-                    raise RunError(f"weight push v{update.version}: server {server.url} "
-                                   f"answered {path} with {short(str(answer))}: its cache "
-                                   "may hold KV of the old weights")
+            await self._check_restarted(server, step)
+            try:
+                await step(f"/pause?mode={'abort' if body['abort_all_requests'] else 'keep'}",
+                           {})
+                await self._reload(server, update, body["model_path"], step)
+            finally:  # a failed or timed-out step must not leave the server paused
+                resumed = await self._resume_after_push(server, update)
         except ServerDown as e:
             self._mark_down(server, f"weight update v{update.version}: {e}")
             self.counters["push_skipped_down"] += 1
@@ -198,10 +230,70 @@ class VllmEngine(HttpEngine):
             return False
         finally:
             server.pending = None
+        if not resumed:
+            return False
         server.previous, server.version = server.version, update.version
         if server.down:
             server.down = False
             self.counters["servers_rejoined"] += 1
+            logger.warning("weight push v%d: vLLM server %s is back and rejoins",
+                           update.version, server.url)
+        return True
+
+    async def _step(self, server: Server, path: str, body: dict | None, *, deadline: float,
+                    budget: float) -> Any:
+        """One call of a push, waiting at most what is left of its `budget` s."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ServerDown(f"{path}: not sent, the push's {budget:g} s are spent")
+        return await self._post(server, path, body, timeout=left)
+
+    async def _check_restarted(self, server: Server, step: Step) -> None:
+        """A server whose weight version is not the one tiller set last restarted (vLLM
+        reports "default" after a start): marked down and counted; the push then gives it
+        the weights and it rejoins."""
+        if server.down or server.url not in self._versioned:
+            return
+        info = await step("/weight_info", None)
+        got = info.get("weight_version") if isinstance(info, dict) else info
+        if got != str(server.version):
+            self.counters["servers_restarted"] += 1
+            self._mark_down(server, f"restarted: /weight_info reports weight version {got!r}, "
+                                    f"not v{server.version} set at the last push")
+
+    async def _reload(self, server: Server, update: WeightUpdate | DeltaUpdate, path: str,
+                      step: Step) -> None:
+        """Reload the weights at `path`, drop the KV of the old ones, set and read back the
+        version; a RunError naming the server where vLLM answers otherwise."""
+        v = update.version
+        await step("/collective_rpc", {"method": "reload_weights",
+                                       "kwargs": {"weights_path": path}})
+        answer = await step("/reset_prefix_cache?reset_running_requests=true", {})
+        if not (isinstance(answer, dict) and answer.get("success") is True):
+            raise RunError(f"weight push v{v}: server {server.url} answered /reset_prefix_cache "
+                           f"with {short(answer)}: its cache may hold KV of the old weights")
+        await step("/update_weight_version", {"new_version": str(v)})
+        info = await step("/weight_info", None)
+        got = info.get("weight_version") if isinstance(info, dict) else info
+        if got != str(v):
+            raise RunError(f"weight push v{v}: server {server.url} reports weight version "
+                           f"{short(got)} after the push, not {v}: it does not hold the "
+                           f"trainer's weights")
+        self._versioned.add(server.url)
+
+    async def _resume_after_push(self, server: Server, update: WeightUpdate | DeltaUpdate
+                                 ) -> bool:
+        """`/resume`, best effort within `HEALTH_TIMEOUT_S`: False (the server marked down,
+        logged, counted in `resume_failures`) when it fails, since a paused server holds every
+        request sent to it."""
+        try:
+            await self._post(server, "/resume", {}, timeout=HEALTH_TIMEOUT_S)
+        except (ServerDown, RunError) as e:
+            self.counters["resume_failures"] += 1
+            self._mark_down(server, f"weight update v{update.version}: /resume failed: {e}")
+            logger.error("weight push v%d: vLLM server %s did not resume (%s); marked down",
+                         update.version, server.url, e)
+            return False
         return True
 
     async def _score_on(self, server: Server, *, token_ids: list[int],
@@ -219,7 +311,7 @@ class VllmEngine(HttpEngine):
             return [float(rows[i][str(t)]["logprob"]) for i, t in enumerate(token_ids) if i]
         except (KeyError, TypeError, IndexError, ValueError) as e:
             raise RunError(f"vLLM server {server.url}: prompt_logprobs answer "
-                           f"{short(str(answer))}: {type(e).__name__}: {e}") from e
+                           f"{short(answer)}: {type(e).__name__}: {e}") from e
 
 
 def server_specs(python: str, model_dir: Path, count: int, *, max_context: int, dtype: str,
@@ -234,22 +326,70 @@ def server_specs(python: str, model_dir: Path, count: int, *, max_context: int, 
     return [ServerSpec(f"vllm-{i}", argv, env) for i in range(count)]
 
 
-def probe(engine: VllmEngine, token_id: int, timeout_s: float) -> None:
-    """One one-token generate on every server: vLLM answers /health before it has run the
-    model, and a model its kernels refuse (e.g. a head size its CPU attention lacks) fails
-    only then. A failure is one RunError naming the server and, when managed, its log."""
+def probe(engine: VllmEngine, token_id: int, deadline: float) -> None:
+    """One one-token generate on every server at once, within what is left until `deadline`
+    (`time.monotonic()`; at least 1 s): vLLM answers /health before it has run the model, and
+    a model its kernels refuse (e.g. a head size its CPU attention lacks) fails only then. A
+    failure is one RunError naming the server and, when managed, its log."""
+    left = max(deadline - time.monotonic(), 1.0)
     body = {"model": SERVED_NAME, "prompt": [token_id], "max_tokens": 1, "seed": 0,
             "return_token_ids": True}
     logs = {r.url: r.log for r in engine.managed.running} if engine.managed else {}
-    for server in engine.servers:
+
+    async def one(server: Server) -> None:
         try:
-            engine._call(engine._post(server, "/v1/completions", body, timeout=timeout_s),
-                         f"the start-up probe on {server.url}", timeout_s + 5.0)
+            await engine._post(server, "/v1/completions", body, timeout=left)
         except (ServerDown, RunError) as e:
             log = logs.get(server.url)
             where = f"; log {log}: {last_line(log)}" if log else ""
             raise RunError(f"vLLM server {server.url} cannot run the model (a one-token "
                            f"generate failed: {short(str(e), 150)}){where}") from e
+
+    engine._on_each(engine.servers, one, "the start-up probe", left + 5.0)
+
+
+@torch.no_grad()
+def next_token_logprobs(model: PreTrainedModel, prompt: list[int], temperature: float
+                        ) -> torch.Tensor:
+    """The trainer's log softmax(logits / temperature) [V] of the token after `prompt`, in
+    eval mode (no dropout), on the CPU."""
+    training = model.training
+    model.eval()
+    try:
+        ids = torch.tensor([prompt], device=next(model.parameters()).device)
+        logits = model(ids).logits[0, -1].float()
+    finally:
+        model.train(training)
+    return torch.log_softmax(logits / temperature, -1).cpu()
+
+
+def check_logprobs_mode(engine: VllmEngine, model: PreTrainedModel, timeout_s: float) -> None:
+    """Every server samples one token after `MODE_PROMPT` at temperature `MODE_T` with the
+    logprobs of its `MODE_TOP` most likely tokens, which must be the trainer's log
+    softmax(logits / T) within `MODE_TOL` (mean |difference|): a server of another
+    --logprobs-mode (vLLM's default raw_logprobs is before temperature) would make every run
+    at T != 1 off-policy without an error. Needs the trainer's weights on the servers. Else one
+    RunError naming the server."""
+    ours = next_token_logprobs(model, MODE_PROMPT, MODE_T)
+    body = {"model": SERVED_NAME, "prompt": MODE_PROMPT, "max_tokens": 1, "seed": 0,
+            "temperature": MODE_T, "logprobs": MODE_TOP, "return_tokens_as_token_ids": True}
+
+    async def one(server: Server) -> None:
+        try:
+            answer = await engine._post(server, "/v1/completions", body, timeout=timeout_s)
+            top = answer["choices"][0]["logprobs"]["top_logprobs"][0]
+            theirs = {int(k.rsplit(":", 1)[1]): float(v) for k, v in top.items()}
+        except (ServerDown, KeyError, TypeError, IndexError, ValueError) as e:
+            raise RunError(f"vLLM server {server.url}: the logprobs-mode check's one-token "
+                           f"generate failed: {type(e).__name__}: {short(str(e), 150)}") from e
+        gap = sum(abs(v - float(ours[t])) for t, v in theirs.items()) / max(len(theirs), 1)
+        if not theirs or gap > MODE_TOL:
+            raise RunError(f"vLLM server {server.url}: its logprobs at temperature {MODE_T} "
+                           f"are {gap:.3f} from the trainer's (mean over its top "
+                           f"{len(theirs)} tokens; vLLM's default raw_logprobs are before "
+                           f"temperature): start it with --logprobs-mode processed_logprobs")
+
+    engine._on_each(engine.servers, one, "the logprobs-mode check", timeout_s + 5.0)
 
 
 def default_python() -> Path:
@@ -258,13 +398,20 @@ def default_python() -> Path:
 
 
 def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, *,
-                 run_dir: Path, initial: WeightUpdate, dtype: str) -> VllmEngine:
+                 run_dir: Path, initial: WeightUpdate, dtype: str,
+                 context: int | None = None) -> VllmEngine:
     """A `VllmEngine` on `cfg.urls`, or on `cfg.servers` servers it starts from `cfg.python` on
-    the model saved to `<run_dir>/vllm-model` (logs in `<run_dir>/servers`); each server is
-    probed with a one-token generate, checked against the model and given `initial`.
+    the model saved to `<run_dir>/vllm-model` (logs in `<run_dir>/servers`). `context`: the
+    tokens one sequence of the run may take (default and at most the model's context), the
+    managed servers' --max-model-len (their KV cache must hold one such sequence) and the
+    least an attached server must serve. Each server is probed with a one-token generate
+    (start-up and probe within `cfg.startup_timeout_s` together when managed), checked against
+    the model, given `initial` and its logprobs mode checked (`check_logprobs_mode`).
     Whatever fails closes what was started and is one error line."""
+    deadline = time.monotonic() + (cfg.request_timeout_s if cfg.urls else cfg.startup_timeout_s)
     shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
     max_context = int(model.config.max_position_embeddings)
+    max_context = min(max_context, context or max_context)
     managed = None
     urls = list(cfg.urls)
     if not urls:
@@ -292,9 +439,10 @@ def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, 
             managed.close()
         raise
     try:
-        probe(engine, 0, cfg.startup_timeout_s)
+        probe(engine, 0, deadline)
         engine.check_servers(int(model.config.vocab_size), max_context)
         engine.update_weights(initial)
+        check_logprobs_mode(engine, model, cfg.request_timeout_s)
     except BaseException:
         engine.close()
         raise

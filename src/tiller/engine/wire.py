@@ -8,6 +8,7 @@ recomputes."""
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 from tiller.engine.api import Generation, SamplingParams
@@ -22,8 +23,17 @@ class ServerDown(Exception):
     answered from weights other than those pushed to it (it restarted)."""
 
 
-def short(text: str, n: int = 200) -> str:
-    """`text` on one line (whitespace runs made one space), cut to `n` characters."""
+# a repr cut while it is built (a few items per level, short strings): an answer of megabytes is
+# never stringified whole to be cut to one line
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlevel, _BRIEF.maxdict, _BRIEF.maxlist, _BRIEF.maxtuple = 4, 6, 6, 6
+_BRIEF.maxstring, _BRIEF.maxother, _BRIEF.maxlong = 120, 120, 40
+
+
+def short(text: Any, n: int = 200) -> str:
+    """`text` on one line (whitespace runs made one space), cut to `n` characters; a value
+    other than a string is shown by a repr cut as it is built (`_BRIEF`)."""
+    text = text[:4 * n] if isinstance(text, str) else _BRIEF.repr(text)
     text = " ".join(text.split())
     return text if len(text) <= n else text[:n] + "..."
 
@@ -130,7 +140,7 @@ class TillerDialect:
         """The logprobs of tokens 1.. and the weight version they were computed under."""
         if (not isinstance(answer, dict) or not isinstance(answer.get("logprobs"), list)
                 or len(answer["logprobs"]) != len(token_ids) - 1):
-            raise RunError(f"server {url}: /score answered {short(str(answer))}; expected "
+            raise RunError(f"server {url}: /score answered {short(answer)}; expected "
                            f"{len(token_ids) - 1} logprobs")
         return [float(x) for x in answer["logprobs"]], answer.get("weight_version")
 
