@@ -19,6 +19,7 @@ The command of a server is any argv with `{port}` where its port goes: the vLLM 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import shutil
@@ -30,9 +31,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 from tiller.errors import RunError
 
@@ -40,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.25  # how often start-up checks health and whether a server exited
 STOP_GRACE_S = 10.0  # after SIGTERM, how long a server may take to exit before SIGKILL
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent (thread) exits
 
 
 @dataclass(frozen=True)
@@ -94,21 +97,58 @@ def last_line(path: Path, limit: int = 300) -> str:
     return lines[-1].strip()[:limit] if lines else "(log empty)"
 
 
+class Launched(Protocol):
+    """Servers started for an engine (`ManagedServers`, or `ray_servers.RayServers` in Ray
+    actors): `start` returns their URLs, `logs` their log files by URL, `close` stops them."""
+
+    def start(self) -> list[str]: ...
+    def logs(self) -> dict[str, Path]: ...
+    def close(self) -> None: ...
+
+
+class Launcher(Protocol):
+    """What starts the servers of `specs` (`ManagedServers` is one)."""
+
+    def __call__(self, specs: list[ServerSpec], *, log_dir: str | Path,
+                 startup_timeout_s: float) -> Launched: ...
+
+
+def _die_with_parent() -> Callable[[], None]:
+    """What a child runs before its exec so that it gets SIGKILL when the thread that started
+    it exits (its process killed, even by SIGKILL): prctl(PR_SET_PDEATHSIG). libc is resolved
+    here, in the parent: the child only calls it. A parent that died before the prctl is
+    seen by the child's parent id changing: it exits."""
+    prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()
+
+    def child() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:
+            os._exit(1)
+    return child
+
+
 class ManagedServers:
     """The servers of `specs`, each on a free loopback port of `host`; `start()` returns their
-    base URLs once every one is healthy, `close()` stops them (idempotent)."""
+    base URLs once every one is healthy, `close()` stops them (idempotent). `die_with_parent`:
+    each server gets SIGKILL when the thread that started it exits (Linux; `_die_with_parent`),
+    so a process killed without running `close` (a Ray actor killed) leaves no server."""
 
     def __init__(self, specs: list[ServerSpec], *, log_dir: str | Path,
-                 startup_timeout_s: float = 300.0, host: str = "127.0.0.1"):
+                 startup_timeout_s: float = 300.0, host: str = "127.0.0.1",
+                 die_with_parent: bool = False):
         self.specs = list(specs)
         self.log_dir = Path(log_dir)
         self.startup_timeout_s = startup_timeout_s
         self.host = host
+        self.die_with_parent = die_with_parent
         self.running: list[_Running] = []
 
     @property
     def urls(self) -> list[str]:
         return [r.url for r in self.running]
+
+    def logs(self) -> dict[str, Path]:
+        return {r.url: r.log for r in self.running}
 
     def start(self) -> list[str]:
         """Start every server and wait until each answers its health path; on any failure
@@ -135,7 +175,9 @@ class ManagedServers:
         env = {**os.environ, **spec.env, "TMPDIR": str(tmp)}
         try:
             proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                    preexec_fn=_die_with_parent() if self.die_with_parent
+                                    else None)
         except OSError as e:
             log_file.close()
             shutil.rmtree(tmp, ignore_errors=True)

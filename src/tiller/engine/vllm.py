@@ -36,7 +36,7 @@ from tiller.config import VllmEngineConfig
 from tiller.engine.api import Generation, SamplingParams
 from tiller.engine.delta import DeltaUpdate
 from tiller.engine.http import _SKIPPED, HttpEngine, Server, ServerDown
-from tiller.engine.servers import ManagedServers, ServerSpec, last_line
+from tiller.engine.servers import Launched, Launcher, ManagedServers, ServerSpec, last_line
 from tiller.engine.updates import WeightSyncError, WeightUpdate
 from tiller.engine.wire import TillerDialect, short
 from tiller.errors import ConfigError, RunError
@@ -240,7 +240,7 @@ def probe(engine: VllmEngine, token_id: int, timeout_s: float) -> None:
     only then. A failure is one RunError naming the server and, when managed, its log."""
     body = {"model": SERVED_NAME, "prompt": [token_id], "max_tokens": 1, "seed": 0,
             "return_token_ids": True}
-    logs = {r.url: r.log for r in engine.managed.running} if engine.managed else {}
+    logs = engine.managed.logs() if engine.managed else {}
     for server in engine.servers:
         try:
             engine._call(engine._post(server, "/v1/completions", body, timeout=timeout_s),
@@ -258,14 +258,16 @@ def default_python() -> Path:
 
 
 def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, *,
-                 run_dir: Path, initial: WeightUpdate, dtype: str) -> VllmEngine:
+                 run_dir: Path, initial: WeightUpdate, dtype: str,
+                 launch: Launcher = ManagedServers) -> VllmEngine:
     """A `VllmEngine` on `cfg.urls`, or on `cfg.servers` servers it starts from `cfg.python` on
     the model saved to `<run_dir>/vllm-model` (logs in `<run_dir>/servers`); each server is
     probed with a one-token generate, checked against the model and given `initial`.
-    Whatever fails closes what was started and is one error line."""
+    `launch` starts them (`ManagedServers`: child processes of this one). Whatever fails
+    closes what was started and is one error line."""
     shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
     max_context = int(model.config.max_position_embeddings)
-    managed = None
+    managed: Launched | None = None
     urls = list(cfg.urls)
     if not urls:
         python = Path(cfg.python) if cfg.python else default_python()
@@ -276,7 +278,7 @@ def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, 
         model_dir = run_dir / "vllm-model"
         model.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
-        managed = ManagedServers(
+        managed = launch(
             server_specs(str(python), model_dir, cfg.servers, max_context=max_context,
                          dtype=dtype, kv_cache_bytes=cfg.kv_cache_bytes, threads=cfg.threads,
                          extra_args=cfg.extra_args),
