@@ -16,7 +16,7 @@ import pytest
 from helpers import TINY_RUN
 from test_ray import TESTS, no_ray_left, one_line_before_any_work  # noqa: F401 - a fixture
 from test_servers import spec
-from test_vllm_demo import served_from
+from test_vllm_demo import VLLM, served_from
 
 from tiller.config import load_config
 from tiller.controller import train
@@ -68,17 +68,21 @@ def local_ray(no_ray_left):  # noqa: F811 - the fixture imported above
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_a_killed_server_actor_leaves_no_server_process(tmp_path, local_ray):
-    """Two servers on bundles of 1 CPU: `ray.kill` of one actor and SIGKILL of the other's
-    process each take its server with it; close after that still ends cleanly."""
+    """Two servers on bundles of 1 CPU, each with a child process of its own (in its group,
+    ignoring SIGTERM): `ray.kill` of one actor and SIGKILL of the other's process each take
+    the server and its child with them; close after that still ends cleanly."""
     ray = local_ray
-    servers = RayServers([spec("serve-0"), spec("serve-1")], log_dir=tmp_path,
+    children = [tmp_path / "child0.pid", tmp_path / "child1.pid"]
+    servers = RayServers([spec(f"serve-{i}", "--child-pid", str(c))
+                          for i, c in enumerate(children)], log_dir=tmp_path,
                          startup_timeout_s=30, cpus=1)
     urls = servers.start()
     try:
         assert all(u.startswith("http://127.0.0.1:") for u in urls) and len(set(urls)) == 2
         assert ray.available_resources().get("CPU", 0) == 0  # both bundles hold their CPU
         pids = ray.get([a.pid.remote() for a in servers.actors], timeout=30)
-        assert all(group_left(p) == [p] for p in pids)  # each server alone in its group
+        for pid, child in zip(pids, children, strict=True):  # the server and its child
+            assert sorted(group_left(pid)) == sorted([pid, int(child.read_text())])
         ray.kill(servers.actors[0], no_restart=True)
         assert gone_within(pids[0], 10)
         os.kill(parent_of(pids[1]), signal.SIGKILL)  # the actor's process crashes
@@ -142,6 +146,25 @@ def test_the_demo_trains_through_tiller_serve_placed_by_ray(tmp_path, no_ray_lef
     assert not served_from(run / "serve-model")
 
 
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_the_demo_trains_through_vllm_placed_by_ray(tmp_path, no_ray_left):  # noqa: F811
+    """The same path with a managed vLLM CPU server (needs .venv-vllm: scripts/setup.sh)."""
+    run = tmp_path / "run"
+    summary = train(load_config("configs/calculator.yaml", [
+        *TINY_RUN, *VLLM, "cluster.backend=ray", "eval.tasks=4"]), run)
+    rl = rows(run, "rl")
+    assert len(rl) == 2 and summary["heldout_after_rl"]["tasks"] == 4
+    ledger = summary["rl"]["ledger"]
+    assert ledger["started"] == 2 * 4 * 4 and ledger_unaccounted(ledger) == 0
+    assert all(r["engine/servers_up"] == 1 and r["sync/kind"] == 0 for r in rl)  # full pushes
+    assert max(r["logp_mismatch_max"] for r in rl) < 1e-4
+    assert max(r["sync/parity_max_abs"] for r in rl) < 1e-4
+    assert (run / "servers" / "vllm-0.log").is_file()
+    assert not served_from(run / "vllm-model")
+
+
 def kill_run(tmp_path, monkeypatch, *overrides):
     marker = tmp_path / "killed"
     monkeypatch.setenv("TILLER_TEST_KILL_MARKER", str(marker))
@@ -169,24 +192,29 @@ def test_a_killed_server_actor_is_retried_on_the_other_server(tmp_path, monkeypa
     assert last["engine/push_skipped_down"] >= 1  # the next pushes found it dead
     assert last["engine/servers_up"] == 1
     assert summary["heldout_after_rl"]["tasks"] == 4
+    assert group_left(int(marker.read_text())) == []  # the killed server's processes
     assert not served_from(run / "serve-model")
 
 
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.timeout(600)
-def test_a_run_whose_only_server_actor_is_killed_stops_in_one_line(tmp_path, monkeypatch,
-                                                                   no_ray_left):  # noqa: F811
-    marker, cfg = kill_run(tmp_path, monkeypatch, "engine.servers=1")
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("server", "model"), [(["engine.servers=1"], "serve-model"),
+                                               (VLLM, "vllm-model")])
+def test_a_run_whose_only_server_actor_is_killed_stops_in_one_line(
+        tmp_path, monkeypatch, no_ray_left, server, model):  # noqa: F811
+    """`tiller serve`, and vLLM (its engine core a process of its own in the server's group:
+    the whole group is gone after the kill)."""
+    marker, cfg = kill_run(tmp_path, monkeypatch, *server)
     run = tmp_path / "run"
     t0 = time.monotonic()
     with pytest.raises(RunError) as e:
         train(cfg, run)
-    assert marker.exists()
     assert time.monotonic() - t0 < 300  # no wait ran to a long timeout
     assert "\n" not in str(e.value)
     assert str(e.value).startswith("every engine server is down (http://127.0.0.1:")
-    assert not served_from(run / "serve-model")
+    assert group_left(int(marker.read_text())) == []
+    assert not served_from(run / model)
 
 
 def test_more_actors_and_servers_than_cpus_stops_the_run(tmp_path):

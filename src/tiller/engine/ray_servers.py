@@ -5,16 +5,16 @@ group of one bundle per server whose CPUs are the server's threads.
 
 The servers bind loopback, so every bundle is pinned to the run's node (Ray's `node:<ip>`
 resource): the run's engine pushes weights to them and reads their answers there, and the
-rollout workers are pinned there too (`rollout/ray_rollouts.py`). A server's process gets
-SIGKILL when its actor's process dies, however it dies (`ManagedServers(die_with_parent=True)`:
-prctl PR_SET_PDEATHSIG, from the actor's main thread, where Ray runs a sync actor's methods;
-`ray.kill` also kills an actor's direct children). `close` stops each server through its actor
-(SIGTERM to its group, a grace period, SIGKILL), then kills the actors and removes the group."""
+rollout workers are pinned there too (`rollout/ray_http.py`). A server's whole process group
+gets SIGKILL when its actor's process dies, however it dies (`ManagedServers(die_with_owner=
+True)`: a watch process that is not one of the actor's children, which Ray kills with it).
+`close`
+stops each server through its actor (SIGTERM to its group, a grace period, SIGKILL), then kills
+the actors and removes the group."""
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -36,13 +36,10 @@ class ServerActor:
 
     def __init__(self, spec: ServerSpec, log_dir: Path, startup_timeout_s: float):
         self.servers = ManagedServers([spec], log_dir=log_dir,
-                                      startup_timeout_s=startup_timeout_s, die_with_parent=True)
+                                      startup_timeout_s=startup_timeout_s, die_with_owner=True)
 
     def start(self) -> str:
         """Its URL once healthy (`ManagedServers.start`'s errors, one line, otherwise)."""
-        if threading.current_thread() is not threading.main_thread():  # PR_SET_PDEATHSIG's
-            raise RunError("ray server actor: start ran off the main thread; the server would "
-                           "die with that thread")
         return self.servers.start()[0]
 
     def pid(self) -> int:

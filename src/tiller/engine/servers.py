@@ -19,7 +19,6 @@ The command of a server is any argv with `{port}` where its port goes: the vLLM 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import shutil
@@ -31,7 +30,6 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
@@ -42,7 +40,21 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.25  # how often start-up checks health and whether a server exited
 STOP_GRACE_S = 10.0  # after SIGTERM, how long a server may take to exit before SIGKILL
-PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent (thread) exits
+# The watch of a server owned by a process that may be killed (a Ray actor): a process outside
+# the owner's children (it forks and its parent exits: Ray kills an actor's direct children
+# with it) and outside the server's process group, in a session of its own, that blocks on a
+# pipe only the owner writes. EOF without the stop byte: the owner died, so the server's group
+# (argv[1]), whatever of it lives, gets SIGKILL. The byte: an orderly stop, nothing to do.
+WATCH = """import os, signal, sys
+if os.fork():
+    os._exit(0)
+if sys.stdin.buffer.read(1) == b"":
+    try:
+        os.killpg(int(sys.argv[1]), signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+"""
+WATCH_TAG = "tiller-server-watch"  # in each watch's command line
 
 
 @dataclass(frozen=True)
@@ -64,6 +76,7 @@ class _Running:
     tmp: Path
     proc: subprocess.Popen[bytes]
     log_file: IO[bytes]
+    watch: IO[bytes] | None = None  # the pipe to its watch (`WATCH`), when it has one
 
 
 def tiller_serve_specs(model_dir: Path, count: int, *, weights_root: Path, dtype: str,
@@ -113,34 +126,20 @@ class Launcher(Protocol):
                  startup_timeout_s: float) -> Launched: ...
 
 
-def _die_with_parent() -> Callable[[], None]:
-    """What a child runs before its exec so that it gets SIGKILL when the thread that started
-    it exits (its process killed, even by SIGKILL): prctl(PR_SET_PDEATHSIG). libc is resolved
-    here, in the parent: the child only calls it. A parent that died before the prctl is
-    seen by the child's parent id changing: it exits."""
-    prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()
-
-    def child() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:
-            os._exit(1)
-    return child
-
-
 class ManagedServers:
     """The servers of `specs`, each on a free loopback port of `host`; `start()` returns their
-    base URLs once every one is healthy, `close()` stops them (idempotent). `die_with_parent`:
-    each server gets SIGKILL when the thread that started it exits (Linux; `_die_with_parent`),
-    so a process killed without running `close` (a Ray actor killed) leaves no server."""
+    base URLs once every one is healthy, `close()` stops them (idempotent). `die_with_owner`:
+    each server's process group gets SIGKILL when this process dies without running `close`
+    (a Ray actor killed or crashed), by a watch process (`WATCH`)."""
 
     def __init__(self, specs: list[ServerSpec], *, log_dir: str | Path,
                  startup_timeout_s: float = 300.0, host: str = "127.0.0.1",
-                 die_with_parent: bool = False):
+                 die_with_owner: bool = False):
         self.specs = list(specs)
         self.log_dir = Path(log_dir)
         self.startup_timeout_s = startup_timeout_s
         self.host = host
-        self.die_with_parent = die_with_parent
+        self.die_with_owner = die_with_owner
         self.running: list[_Running] = []
 
     @property
@@ -175,9 +174,7 @@ class ManagedServers:
         env = {**os.environ, **spec.env, "TMPDIR": str(tmp)}
         try:
             proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                                    preexec_fn=_die_with_parent() if self.die_with_parent
-                                    else None)
+                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         except OSError as e:
             log_file.close()
             shutil.rmtree(tmp, ignore_errors=True)
@@ -185,7 +182,14 @@ class ManagedServers:
                            f"{log}") from e
         logger.info("started server %s (pid %d) on port %d; log %s", spec.name, proc.pid, port,
                     log)
-        return _Running(spec, f"http://{self.host}:{port}", log, tmp, proc, log_file)
+        running = _Running(spec, f"http://{self.host}:{port}", log, tmp, proc, log_file)
+        if self.die_with_owner:
+            try:
+                running.watch = _watch(proc.pid)
+            except BaseException:
+                _stop(running)
+                raise
+        return running
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -241,6 +245,16 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
+def _watch(pgid: int) -> IO[bytes]:
+    """Start the watch of process group `pgid` (`WATCH`); the pipe whose EOF it waits for."""
+    watch = subprocess.Popen([sys.executable, "-c", WATCH, str(pgid), WATCH_TAG],
+                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    watch.wait()  # the parent of the fork, which exits at once
+    assert watch.stdin is not None
+    return watch.stdin
+
+
 def _stop(r: _Running) -> None:
     pgid = r.proc.pid  # start_new_session: the leader's pid is the group's id
     _signal_group(pgid, signal.SIGTERM)
@@ -251,6 +265,9 @@ def _stop(r: _Running) -> None:
                        STOP_GRACE_S)
     _signal_group(pgid, signal.SIGKILL)  # whatever of the group is left (engine workers)
     r.proc.wait()
+    if r.watch is not None:  # the stop byte: the watch exits without a kill
+        r.watch.write(b"x")
+        r.watch.close()
     r.log_file.close()
     shutil.rmtree(r.tmp, ignore_errors=True)
     logger.info("stopped server %s (exit code %s)", r.spec.name, r.proc.returncode)
