@@ -55,6 +55,7 @@ if sys.stdin.buffer.read(1) == b"":
         pass
 """
 WATCH_TAG = "tiller-server-watch"  # in each watch's command line
+WATCH_START_S = 30.0  # a watch's first process (it forks the watch, then exits) ends by then
 
 
 @dataclass(frozen=True)
@@ -246,12 +247,22 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
 
 
 def _watch(pgid: int) -> IO[bytes]:
-    """Start the watch of process group `pgid` (`WATCH`); the pipe whose EOF it waits for."""
+    """Start the watch of process group `pgid` (`WATCH`); the pipe whose EOF it waits for.
+    A watch that did not start (its first process exits non-zero, or not within
+    `WATCH_START_S`) is a RunError."""
     watch = subprocess.Popen([sys.executable, "-c", WATCH, str(pgid), WATCH_TAG],
                              stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
-    watch.wait()  # the parent of the fork, which exits at once
+                             stderr=subprocess.DEVNULL, start_new_session=True, bufsize=0)
     assert watch.stdin is not None
+    try:
+        code = watch.wait(WATCH_START_S)  # the parent of the fork, which exits at once
+    except subprocess.TimeoutExpired as e:
+        watch.kill()
+        watch.wait()
+        raise RunError(f"the watch of server group {pgid} did not start within "
+                       f"{WATCH_START_S:g} s") from e
+    if code != 0:
+        raise RunError(f"the watch of server group {pgid} exited with code {code} at start")
     return watch.stdin
 
 
@@ -266,8 +277,13 @@ def _stop(r: _Running) -> None:
     _signal_group(pgid, signal.SIGKILL)  # whatever of the group is left (engine workers)
     r.proc.wait()
     if r.watch is not None:  # the stop byte: the watch exits without a kill
-        r.watch.write(b"x")
-        r.watch.close()
+        try:
+            r.watch.write(b"x")
+        except BrokenPipeError:  # someone killed the watch: nothing left to tell
+            logger.warning("server %s: its watch process had exited before the stop",
+                           r.spec.name)
+        finally:
+            r.watch.close()
     r.log_file.close()
     shutil.rmtree(r.tmp, ignore_errors=True)
     logger.info("stopped server %s (exit code %s)", r.spec.name, r.proc.returncode)
