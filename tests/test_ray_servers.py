@@ -165,6 +165,26 @@ def test_the_demo_trains_through_vllm_placed_by_ray(tmp_path, no_ray_left):  # n
     assert not served_from(run / "vllm-model")
 
 
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("error", [RunError("the weight sync failed"), KeyboardInterrupt()])
+def test_a_run_that_fails_once_its_servers_run_stops_them(tmp_path, monkeypatch, error,
+                                                          no_ray_left):  # noqa: F811
+    """An error (or Ctrl-C) right after the servers and workers started: each server is
+    stopped through its actor (SIGTERM: uvicorn's orderly shutdown in its log), and Ray."""
+    def fail(*args):
+        raise error
+
+    monkeypatch.setattr("tiller.run.WeightSync", fail)
+    run = tmp_path / "run"
+    with pytest.raises(type(error)):
+        train(load_config("configs/calculator.yaml", [*TINY_RUN, *HTTP, "engine.servers=1"]),
+              run)
+    assert "Application shutdown complete" in (run / "servers" / "serve-0.log").read_text()
+    assert not served_from(run / "serve-model")
+
+
 def kill_run(tmp_path, monkeypatch, *overrides):
     marker = tmp_path / "killed"
     monkeypatch.setenv("TILLER_TEST_KILL_MARKER", str(marker))
