@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TINY_RUN
+from helpers import TINY_RUN, tiny_rl
+from test_http_engine import server_version, servers
 from test_ray import TESTS, no_ray_left, one_line_before_any_work  # noqa: F401 - a fixture
 from test_servers import spec
 from test_vllm_demo import VLLM, served_from
@@ -183,6 +184,26 @@ def test_a_run_that_fails_once_its_servers_run_stops_them(tmp_path, monkeypatch,
               run)
     assert "Application shutdown complete" in (run / "servers" / "serve-0.log").read_text()
     assert not served_from(run / "serve-model")
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_attached_servers_under_ray(calc_sft_dir, tmp_path, no_ray_left):  # noqa: F811
+    """engine.urls under ray: the workers generate on a `tiller serve` the test started, the
+    run pushes its weights to it, and leaves it running."""
+    with servers(calc_sft_dir, 1, tmp_path / "servers") as s:
+        summary = train(load_config("configs/calculator.yaml", tiny_rl(
+            calc_sft_dir, "model.dtype=float32", "cluster.backend=ray", "engine.backend=http",
+            f"engine.urls={json.dumps(s.urls)}", f"engine.weights_dir={s.root / 'w'}")),
+            tmp_path / "run")
+        assert s.procs[0].poll() is None  # attached: not stopped by the run
+        assert server_version(s.urls[0]) > 0  # the run's weights were pushed to it
+    ledger = summary["rl"]["ledger"]
+    assert ledger["started"] == 2 * 4 and ledger_unaccounted(ledger) == 0
+    (row,) = rows(tmp_path / "run", "rl")
+    assert row["engine/requests"] >= 8 and row["engine/retries"] == 0
+    assert row["sync/parity_max_abs"] < 1e-4
 
 
 def kill_run(tmp_path, monkeypatch, *overrides):
