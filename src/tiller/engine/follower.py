@@ -59,6 +59,7 @@ def follow_servers(cfg: Config, urls: list[str], max_context: int) -> HttpEngine
     from tiller.engine.wire import TILLER
 
     e = cfg.engine
+    # weights_dir: never written (a follower pushes nothing)
     common: dict[str, Any] = dict(weights_dir=Path(e.weights_dir or "weights"),
                                   request_timeout_s=e.request_timeout_s,
                                   max_retries=e.max_retries)

@@ -68,7 +68,6 @@ class RayServers:
         self.actors: list[Any] = []
         self.urls: list[str] = []
         self.group: Any = None
-        self.unanswered = 0  # actors whose close did not answer in time (logged)
 
     def start(self) -> list[str]:
         """Place the group, start every server; their URLs once all are healthy. On any
@@ -127,8 +126,8 @@ class RayServers:
 
     def close(self) -> None:
         """Stop each server through its actor (a dead actor took its server with it; one that
-        does not answer within `CLOSE_TIMEOUT_S` is logged and counted), then kill the actors
-        (Ray kills their children too) and remove the group. Idempotent."""
+        does not answer within `CLOSE_TIMEOUT_S` is logged, and its server dies with it when
+        it is killed: the watch), then kill the actors and remove the group. Idempotent."""
         import ray
 
         actors, self.actors = self.actors, []
@@ -141,7 +140,6 @@ class RayServers:
                     log.warning("ray: engine server %s's actor had died; its server with it",
                                 spec.name)
                 except ray.exceptions.GetTimeoutError:
-                    self.unanswered += 1
                     log.error("ray: engine server %s's actor did not stop it within %gs; the "
                               "actor is killed, and its server with it", spec.name,
                               CLOSE_TIMEOUT_S)
