@@ -1,5 +1,7 @@
 """The scaling benchmark: the same RL config and seed under cluster.backend local and ray, with
-1 or 2 rollout workers and 1 or 2 trainer ranks.
+1 or 2 rollout workers and 1 or 2 trainer ranks, and with the engine embedded or one managed
+`tiller serve` (engine.backend http, engine.servers 1, runtime.threads 1: under ray the server
+in a Ray actor of its own).
 
 For each variant, one `train` of --steps RL steps (no SFT, no evaluation: RL alone is timed)
 from the same model (--model, e.g. the demo's SFT checkpoint; else the demo's untrained model
@@ -11,7 +13,8 @@ is built), and from its summary and metrics.jsonl:
   trainer busy    the share of RL's wall time spent in train steps
   train ms/ktok   a train step's seconds per 1,000 trained tokens (prompt + response), mean
                   over steps: the trainer ranks' cost per token
-  overhead        s/step over the local 1-worker 1-rank variant's, minus 1
+  overhead        s/step over the local 1-worker 1-rank variant's with the same engine
+                  (`local`, or `local-serve` for the serve variants), minus 1
 
     PYTHONPATH=src .venv/bin/python benchmarks/scaling.py --model runs/demo/checkpoints/sft
     PYTHONPATH=src .venv/bin/python benchmarks/scaling.py --quick      # smoke run
@@ -33,9 +36,12 @@ from typing import Any
 from tiller.config import load_config
 from tiller.controller import train
 
-# (name, backend, rollout workers, trainer ranks)
-VARIANTS = [("local", "local", 1, 1), ("ray-1w", "ray", 1, 1), ("ray-2w", "ray", 2, 1),
-            ("local-2r", "local", 1, 2), ("ray-1w-2r", "ray", 1, 2)]
+# (name, backend, rollout workers, trainer ranks, engine: embedded or serve)
+VARIANTS = [("local", "local", 1, 1, "embedded"), ("ray-1w", "ray", 1, 1, "embedded"),
+            ("ray-2w", "ray", 2, 1, "embedded"), ("local-2r", "local", 1, 2, "embedded"),
+            ("ray-1w-2r", "ray", 1, 2, "embedded"), ("local-serve", "local", 1, 1, "serve"),
+            ("ray-serve", "ray", 1, 1, "serve")]
+SERVE = ["engine.backend=http", "engine.servers=1", "runtime.threads=1"]
 QUICK = ["model.build.hidden_size=64", "model.build.vocab_size=600",
          "model.build.corpus_tasks=60", "rl.tasks_per_step=4", "rl.group_size=4"]
 
@@ -52,7 +58,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_variant(args: argparse.Namespace, backend: str, workers: int, ranks: int,
+def run_variant(args: argparse.Namespace, backend: str, workers: int, ranks: int, engine: str,
                 out: Path) -> dict[str, Any]:
     overrides = [f"cluster.backend={backend}", f"train.world_size={ranks}",
                  f"rl.steps={args.steps}", "sft.enabled=false", "eval.enabled=false",
@@ -60,6 +66,8 @@ def run_variant(args: argparse.Namespace, backend: str, workers: int, ranks: int
                  "observe.traces.enabled=false"]
     if backend == "ray":
         overrides.append(f"cluster.rollout_workers={workers}")
+    if engine == "serve":
+        overrides += SERVE
     if args.model:
         overrides += [f"model.path={args.model}", "model.build=null"]
     if args.quick:
@@ -92,14 +100,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = Path(args.work)
     chosen = args.variants.split(",")
     results: dict[str, dict[str, Any]] = {}
-    for name, backend, workers, ranks in VARIANTS:
+    bases = {}
+    for name, backend, workers, ranks, engine in VARIANTS:
+        bases[name] = "local-serve" if engine == "serve" else "local"
         if name in chosen:
-            results[name] = run_variant(args, backend, workers, ranks, work / name)
+            results[name] = run_variant(args, backend, workers, ranks, engine, work / name)
             print(name, json.dumps(results[name]), flush=True)
-    base = results.get("local")
     print(f"{'variant':<11} {'s/step':>7} {'samples/s':>9} {'busy':>5} {'ms/ktok':>8} "
           f"{'start_s':>7} {'overhead':>8}")
     for name, r in results.items():
+        base = results.get(bases[name])
         overhead = f"{r['s_per_step'] / base['s_per_step'] - 1:+.1%}" if base else "-"
         r["overhead"] = (r["s_per_step"] / base["s_per_step"] - 1) if base else None
         print(f"{name:<11} {r['s_per_step']:7.2f} {r['samples_per_s']:9.1f} "

@@ -207,3 +207,67 @@ open(pid_file + ".tmp", "w").write(str(m.running[0].proc.pid))
 __import__("os").rename(pid_file + ".tmp", pid_file)
 time.sleep(600)
 """
+
+
+def watches_of(pgid: int) -> list[int]:
+    """Live watch processes (`servers.WATCH`) of process group `pgid`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if proc.name.isdigit() and servers_mod.WATCH_TAG.encode() in argv \
+                and str(pgid).encode() in argv and alive(int(proc.name)):
+            found.append(int(proc.name))
+    return found
+
+
+OWNER = """import sys, time
+from tiller.engine.servers import ManagedServers, ServerSpec
+m = ManagedServers([ServerSpec("a", [sys.executable, sys.argv[1], "--port", "{port}",
+                                     "--child-pid", sys.argv[2]])],
+                   log_dir=sys.argv[3], startup_timeout_s=30, die_with_owner=True)
+m.start()
+print(m.running[0].proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_owner_killed_without_close_takes_the_servers_group_with_it(tmp_path: Path) -> None:
+    """die_with_owner (a Ray actor's servers): SIGKILL of the process that started the server
+    ends the server and the child it started (its group), which outlive a plain kill."""
+    child = tmp_path / "child.pid"
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, SERVER, str(child), str(tmp_path)],
+                             stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": "src"})
+    assert owner.stdout is not None
+    leader = int(owner.stdout.readline())
+    try:
+        pids = [leader, int(child.read_text())]
+        assert all(alive(p) for p in pids) and len(watches_of(leader)) == 1
+        owner.kill()
+        owner.wait()
+        deadline = time.monotonic() + 10  # the watch kills the group, then exits
+        while (any(alive(p) for p in pids) or watches_of(leader)) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(alive(p) for p in pids)
+        assert watches_of(leader) == []
+    finally:  # what a failed assertion above left
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(leader, signal.SIGKILL)
+
+
+def test_an_orderly_close_ends_the_watch_too(tmp_path: Path) -> None:
+    m = ManagedServers([spec("a")], log_dir=tmp_path, startup_timeout_s=30, die_with_owner=True)
+    with m:
+        pid = m.running[0].proc.pid
+        assert len(watches_of(pid)) == 1
+    deadline = time.monotonic() + 5
+    while watches_of(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(pid) and watches_of(pid) == []

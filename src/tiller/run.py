@@ -35,7 +35,7 @@ from tiller.rollout.chat import stop_token_ids
 from tiller.rollout.cluster import RayCluster, check_cluster
 from tiller.rollout.collect import check_aborted, collect, collect_expert
 from tiller.rollout.memory import MemoryPolicy
-from tiller.rollout.ray_rollouts import RayWorkers
+from tiller.rollout.ray_http import ray_engine
 from tiller.rollout.trajectory import Trajectory
 from tiller.runtime import set_up_threads
 from tiller.tools.sandbox import set_unsafe_fallback
@@ -212,9 +212,11 @@ class Run:
         """The engine, registered on `stack`, and its first weights checked."""
         cfg = self.cfg
         # the servers of engine.backend http or vllm get the trainer's weights (version 0); with
-        # Ray the rollout workers' engines are copies of them
-        self.engine = (RayWorkers(cfg, self.model, self.tokenizer, self.env_cls,
-                                  self.episode_fn, self.limits, self.dir)
+        # Ray the rollout workers' embedded engines are copies of them, or the workers generate
+        # on those servers (managed ones each in a Ray actor)
+        self.engine = (ray_engine(cfg, self.model, self.tokenizer, self.env_cls,
+                                  self.episode_fn, self.limits, self.dir,
+                                  self.trainer.weight_update)
                        if cfg.cluster.backend == "ray" else
                        make_engine(cfg, self.model, self.tokenizer.pad_token_id,
                                    run_dir=self.dir, initial=self.trainer.weight_update,

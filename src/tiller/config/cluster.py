@@ -15,8 +15,9 @@ class ClusterConfig(Section):
 
     backend: Literal["local", "ray"] = Field("local", description="local: the rollout side in "
                                              "the run's process and extra trainer ranks as "
-                                             "spawned processes; ray: the rollout workers and "
-                                             "trainer ranks as Ray actors (the ray extra)")
+                                             "spawned processes; ray: the rollout workers, "
+                                             "managed engine servers and trainer ranks as Ray "
+                                             "actors (the ray extra)")
     address: str | None = Field(None, description="with backend ray: an existing cluster's "
                                 "address (`ray start --head` prints it, e.g. 10.0.0.1:6379); "
                                 "none: a local Ray instance is started for the run and stopped "
@@ -29,7 +30,10 @@ class ClusterConfig(Section):
                                  "the default otherwise: it would have no effect)")
     rollout_workers: int = Field(1, ge=1, description="with backend ray: Ray actors that run the "
                                  "episodes, one CPU each: each holds an embedded engine (a copy "
-                                 "of the weights every sync updates) and runs agent loops, envs "
+                                 "of the weights every sync updates) or, with engine servers "
+                                 "(engine.backend http, vllm, sglang), an HTTP client of them "
+                                 "(on the run's node: managed servers listen on loopback), and "
+                                 "runs agent loops, envs "
                                  "and tools (its own tool stack: tool concurrency limits and "
                                  "caches are per worker); its "
                                  "torch uses 1 thread, the CPU it reserves, whatever "

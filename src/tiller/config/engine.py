@@ -98,7 +98,9 @@ class HttpEngineConfig(EngineConfig):
     servers: int = Field(
         0, ge=0, description="`tiller serve` processes tiller starts itself (the embedded "
         "engine in processes of its own, on loopback ports, logs in <run dir>/servers/) when "
-        "engine.urls is empty; 0 = attach to engine.urls")
+        "engine.urls is empty; 0 = attach to engine.urls. With cluster.backend ray each runs "
+        "in a Ray actor of its own, placed on the run's node with runtime.threads CPUs (auto: "
+        "1) and as many threads (docs/scaling.md)")
     startup_timeout_s: float = Field(
         120.0, gt=0, description="seconds the servers of engine.servers may take to answer "
         "/health before the run fails naming the server and its log")
@@ -129,7 +131,9 @@ class VllmEngineConfig(EngineConfig):
         "(started with VLLM_SERVER_DEV_MODE=1, --served-model-name tiller, --logprobs-mode "
         "processed_logprobs and the run's model); empty = tiller starts engine.servers")
     servers: int = Field(1, ge=1, description="vLLM servers tiller starts when engine.urls is "
-                         "empty, each on a free loopback port, its log in <run dir>/servers/")
+                         "empty, each on a free loopback port, its log in <run dir>/servers/; "
+                         "with cluster.backend ray each in a Ray actor of its own, placed on "
+                         "the run's node with engine.threads CPUs (docs/scaling.md)")
     python: str | None = Field(
         None, description="the Python of the vLLM environment managed servers run from; "
         "default .venv-vllm/bin/python in the tiller checkout (scripts/setup.sh builds it)")

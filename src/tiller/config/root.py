@@ -104,6 +104,21 @@ class Config(Section):
         """DAPO's soft-overlong buffer: overlong.l_cache, or 20% of l_max (4096 of 20480)."""
         return self.rl.algorithm.overlong.l_cache or max(1, round(0.2 * self.l_max))
 
+    @property
+    def managed_servers(self) -> int:
+        """The engine servers tiller starts (engine.servers of http or vllm with no
+        engine.urls); 0 when it attaches or the engine is embedded."""
+        e = self.engine
+        return e.servers if e.backend in ("http", "vllm") and not e.urls else 0
+
+    @property
+    def server_threads(self) -> int | str:
+        """Threads of each managed server: engine.threads (vllm) or runtime.threads (`tiller
+        serve`). Under cluster.backend ray it is also the CPUs each server's placement bundle
+        reserves, so there `auto` is 1."""
+        threads = self.engine.threads if self.engine.backend == "vllm" else self.runtime.threads
+        return 1 if threads == "auto" and self.cluster.backend == "ray" else threads
+
     @model_validator(mode="after")
     def _rollout_fits_rl(self) -> Config:
         inflight = self.rollout.max_inflight
@@ -160,10 +175,6 @@ class Config(Section):
                                   f"{c.rollout_workers}; it only applies with cluster.backend: "
                                   f"ray")
             return self
-        if self.engine.backend != "embedded":
-            raise ConfigError(f"config field cluster.backend: got 'ray' with engine.backend "
-                              f"{self.engine.backend}; the Ray rollout workers hold embedded "
-                              f"engines (use engine.backend: embedded)")
         if self.agent.program is not None:
             raise ConfigError("config field cluster.backend: got 'ray' with agent.program; an "
                               "agent program's gateway runs in the run's process only (use "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from transformers import PreTrainedModel
 from tiller.config import Config
 from tiller.engine.api import Engine
 from tiller.engine.embedded import EmbeddedEngine
-from tiller.engine.servers import ManagedServers, tiller_serve_specs
+from tiller.engine.servers import Launcher, ManagedServers, tiller_serve_specs
 from tiller.engine.updates import WeightUpdate
 from tiller.errors import require_package
 
@@ -27,7 +28,8 @@ def make_engine(cfg: Config, model: PreTrainedModel, pad_token_id: int, *, run_d
     model and pushes them `initial()` (weight versions go through `cfg.engine.weights_dir`,
     else `run_dir`/weights, whose folders below the run folder are never links); `vllm`
     starts or attaches to vLLM servers (`engine.vllm.connect_vllm`, which saves `model` and
-    `tokenizer` for the servers it starts)."""
+    `tokenizer` for the servers it starts). The servers it starts are child processes, or with
+    `cluster.backend: ray` each in a Ray actor (`launcher`)."""
     e = cfg.engine
     if e.backend == "vllm":
         require_package("httpx", "serve", "engine.backend=vllm")
@@ -36,7 +38,7 @@ def make_engine(cfg: Config, model: PreTrainedModel, pad_token_id: int, *, run_d
         # a sequence of the run: an episode, or the parity probe
         context = max(cfg.env.max_episode_tokens, cfg.weight_sync.parity_tokens)
         return connect_vllm(e, model, tokenizer, run_dir=run_dir, initial=initial(),
-                            dtype=cfg.model.dtype, context=context)
+                            dtype=cfg.model.dtype, context=context, launch=launcher(cfg))
     if e.backend in ("http", "sglang"):
         require_package("httpx", "serve", f"engine.backend={e.backend}")
         from tiller.engine.http import connect  # httpx is an optional extra
@@ -51,9 +53,9 @@ def make_engine(cfg: Config, model: PreTrainedModel, pad_token_id: int, *, run_d
             model.save_pretrained(model_dir)
             tokenizer.save_pretrained(model_dir)
             weights_dir.mkdir(parents=True, exist_ok=True)
-            managed = ManagedServers(
+            managed = launcher(cfg)(
                 tiller_serve_specs(model_dir, e.servers, weights_root=weights_dir,
-                                   dtype=cfg.model.dtype, threads=cfg.runtime.threads),
+                                   dtype=cfg.model.dtype, threads=cfg.server_threads),
                 log_dir=run_dir / "servers", startup_timeout_s=e.startup_timeout_s)
             urls = managed.start()
         return connect(urls, weights_dir=weights_dir, managed=managed,
@@ -66,3 +68,14 @@ def make_engine(cfg: Config, model: PreTrainedModel, pad_token_id: int, *, run_d
                        dialect=SglangDialect() if e.backend == "sglang" else TILLER)
     return EmbeddedEngine(copy.deepcopy(model).to(getattr(torch, cfg.model.dtype)), pad_token_id,
                           max_batch_size=e.max_batch_size, cache_bytes=e.cache_bytes)
+
+
+def launcher(cfg: Config) -> Launcher:
+    """What starts managed servers: `ManagedServers` (child processes of this one), or under
+    `cluster.backend: ray` `RayServers` (each in a Ray actor placed with a placement group, its
+    bundle `cfg.server_threads` CPUs)."""
+    if cfg.cluster.backend != "ray":
+        return ManagedServers
+    from tiller.engine.ray_servers import RayServers
+
+    return partial(RayServers, cpus=int(cfg.server_threads))

@@ -51,7 +51,7 @@ import httpx
 
 from tiller.engine.api import Generation, SamplingParams
 from tiller.engine.delta import DeltaUpdate
-from tiller.engine.servers import ManagedServers
+from tiller.engine.servers import Launched
 from tiller.engine.transport import DOWN_STATUSES, Server, each_server, read_capped
 from tiller.engine.updates import WeightUpdate
 from tiller.engine.wire import (
@@ -80,7 +80,7 @@ class HttpEngine:
 
     def __init__(self, urls: list[str], *, weights_dir: str | Path, api_key: str | None = None,
                  request_timeout_s: float = 300.0, max_retries: int = 2,
-                 root: str | Path | None = None, managed: ManagedServers | None = None,
+                 root: str | Path | None = None, managed: Launched | None = None,
                  dialect: TillerDialect = TILLER):
         self.managed = managed  # the servers tiller started, stopped at close
         if not urls:
@@ -559,7 +559,7 @@ _SKIPPED = object()  # what a control call to a server found down returns
 def connect(urls: list[str], *, weights_dir: str | Path, api_key: str | None,
             request_timeout_s: float, max_retries: int, vocab_size: int, max_context: int,
             initial: WeightUpdate, dtype: str | None = None,
-            root: str | Path | None = None, managed: ManagedServers | None = None,
+            root: str | Path | None = None, managed: Launched | None = None,
             dialect: TillerDialect = TILLER) -> HttpEngine:
     """An `HttpEngine` whose servers were checked against the trainer's model and hold its
     weights (`initial`): a server started from another checkpoint would otherwise sample

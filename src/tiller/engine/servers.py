@@ -43,7 +43,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 from tiller.errors import RunError
 
@@ -54,6 +54,22 @@ STOP_GRACE_S = 10.0  # after SIGTERM, how long a server may take to exit before 
 PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h): the signal a child gets when its parent dies
 # loaded here, not in the forked child: an import there could deadlock on a lock another thread held
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+# The watch of a server owned by a process that may be killed (a Ray actor): a process outside
+# the owner's children (it forks and its parent exits: Ray kills an actor's direct children
+# with it) and outside the server's process group, in a session of its own, that blocks on a
+# pipe only the owner writes. EOF without the stop byte: the owner died, so the server's group
+# (argv[1]), whatever of it lives, gets SIGKILL. The byte: an orderly stop, nothing to do.
+WATCH = """import os, signal, sys
+if os.fork():
+    os._exit(0)
+if sys.stdin.buffer.read(1) == b"":
+    try:
+        os.killpg(int(sys.argv[1]), signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+"""
+WATCH_TAG = "tiller-server-watch"  # in each watch's command line
+WATCH_START_S = 30.0  # a watch's first process (it forks the watch, then exits) ends by then
 
 
 @dataclass(frozen=True)
@@ -75,6 +91,7 @@ class _Running:
     tmp: Path
     proc: subprocess.Popen[bytes]
     log_file: IO[bytes]
+    watch: IO[bytes] | None = None  # the pipe to its watch (`WATCH`), when it has one
 
 
 def tiller_serve_specs(model_dir: Path, count: int, *, weights_root: Path, dtype: str,
@@ -108,21 +125,44 @@ def last_line(path: Path, limit: int = 300) -> str:
     return lines[-1].strip()[:limit] if lines else "(log empty)"
 
 
+class Launched(Protocol):
+    """Servers started for an engine (`ManagedServers`, or `ray_servers.RayServers` in Ray
+    actors): `start` returns their URLs, `logs` their log files by URL, `close` stops them."""
+
+    def start(self) -> list[str]: ...
+    def logs(self) -> dict[str, Path]: ...
+    def close(self) -> None: ...
+
+
+class Launcher(Protocol):
+    """What starts the servers of `specs` (`ManagedServers` is one)."""
+
+    def __call__(self, specs: list[ServerSpec], *, log_dir: str | Path,
+                 startup_timeout_s: float) -> Launched: ...
+
+
 class ManagedServers:
     """The servers of `specs`, each on a free loopback port of `host`; `start()` returns their
-    base URLs once every one is healthy, `close()` stops them (idempotent)."""
+    base URLs once every one is healthy, `close()` stops them (idempotent). `die_with_owner`:
+    each server's process group gets SIGKILL when this process dies without running `close`
+    (a Ray actor killed or crashed), by a watch process (`WATCH`)."""
 
     def __init__(self, specs: list[ServerSpec], *, log_dir: str | Path,
-                 startup_timeout_s: float = 300.0, host: str = "127.0.0.1"):
+                 startup_timeout_s: float = 300.0, host: str = "127.0.0.1",
+                 die_with_owner: bool = False):
         self.specs = list(specs)
         self.log_dir = Path(log_dir)
         self.startup_timeout_s = startup_timeout_s
         self.host = host
+        self.die_with_owner = die_with_owner
         self.running: list[_Running] = []
 
     @property
     def urls(self) -> list[str]:
         return [r.url for r in self.running]
+
+    def logs(self) -> dict[str, Path]:
+        return {r.url: r.log for r in self.running}
 
     def start(self) -> list[str]:
         """Start every server and wait until each answers its health path; on any failure
@@ -158,7 +198,14 @@ class ManagedServers:
                            f"{log}") from e
         logger.info("started server %s (pid %d) on port %d; log %s", spec.name, proc.pid, port,
                     log)
-        return _Running(spec, f"http://{self.host}:{port}", log, tmp, proc, log_file)
+        running = _Running(spec, f"http://{self.host}:{port}", log, tmp, proc, log_file)
+        if self.die_with_owner:
+            try:
+                running.watch = _watch(proc.pid)
+            except BaseException:
+                _stop(running, STOP_GRACE_S)
+                raise
+        return running
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -242,6 +289,26 @@ def _die_with_parent(parent: int) -> Callable[[], None] | None:
     return child
 
 
+def _watch(pgid: int) -> IO[bytes]:
+    """Start the watch of process group `pgid` (`WATCH`); the pipe whose EOF it waits for.
+    A watch that did not start (its first process exits non-zero, or not within
+    `WATCH_START_S`) is a RunError."""
+    watch = subprocess.Popen([sys.executable, "-c", WATCH, str(pgid), WATCH_TAG],
+                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True, bufsize=0)
+    assert watch.stdin is not None
+    try:
+        code = watch.wait(WATCH_START_S)  # the parent of the fork, which exits at once
+    except subprocess.TimeoutExpired as e:
+        watch.kill()
+        watch.wait()
+        raise RunError(f"the watch of server group {pgid} did not start within "
+                       f"{WATCH_START_S:g} s") from e
+    if code != 0:
+        raise RunError(f"the watch of server group {pgid} exited with code {code} at start")
+    return watch.stdin
+
+
 def _stop(r: _Running, grace_s: float) -> None:
     """SIGTERM to `r`'s group, at most `grace_s` for the leader to exit, then SIGKILL to the
     group (whatever cut the wait short), reap the leader, close the log, remove its TMPDIR."""
@@ -256,6 +323,14 @@ def _stop(r: _Running, grace_s: float) -> None:
     finally:  # also when an interrupt cut the grace short
         _signal_group(pgid, signal.SIGKILL)  # whatever of the group is left (engine workers)
         r.proc.wait()
+        if r.watch is not None:  # the stop byte: the watch exits without a kill
+            try:
+                r.watch.write(b"x")
+            except BrokenPipeError:  # someone killed the watch: nothing left to tell
+                logger.warning("server %s: its watch process had exited before the stop",
+                               r.spec.name)
+            finally:
+                r.watch.close()
         r.log_file.close()
         shutil.rmtree(r.tmp, ignore_errors=True)
     logger.info("stopped server %s (exit code %s)", r.spec.name, r.proc.returncode)

@@ -52,7 +52,7 @@ from tiller.config import VllmEngineConfig
 from tiller.engine.api import Generation, SamplingParams
 from tiller.engine.delta import DeltaUpdate
 from tiller.engine.http import _SKIPPED, HEALTH_TIMEOUT_S, HttpEngine, Server, ServerDown
-from tiller.engine.servers import ManagedServers, ServerSpec, last_line
+from tiller.engine.servers import Launched, Launcher, ManagedServers, ServerSpec, last_line
 from tiller.engine.updates import WeightSyncError, WeightUpdate
 from tiller.engine.wire import TillerDialect, short
 from tiller.errors import ConfigError, RunError
@@ -334,7 +334,7 @@ def probe(engine: VllmEngine, token_id: int, deadline: float) -> None:
     left = max(deadline - time.monotonic(), 1.0)
     body = {"model": SERVED_NAME, "prompt": [token_id], "max_tokens": 1, "seed": 0,
             "return_token_ids": True}
-    logs = {r.url: r.log for r in engine.managed.running} if engine.managed else {}
+    logs = engine.managed.logs() if engine.managed else {}
 
     async def one(server: Server) -> None:
         try:
@@ -399,20 +399,21 @@ def default_python() -> Path:
 
 def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, *,
                  run_dir: Path, initial: WeightUpdate, dtype: str,
-                 context: int | None = None) -> VllmEngine:
+                 context: int | None = None, launch: Launcher = ManagedServers) -> VllmEngine:
     """A `VllmEngine` on `cfg.urls`, or on `cfg.servers` servers it starts from `cfg.python` on
-    the model saved to `<run_dir>/vllm-model` (logs in `<run_dir>/servers`). `context`: the
-    tokens one sequence of the run may take (default and at most the model's context), the
-    managed servers' --max-model-len (their KV cache must hold one such sequence) and the
-    least an attached server must serve. Each server is probed with a one-token generate
-    (start-up and probe within `cfg.startup_timeout_s` together when managed), checked against
-    the model, given `initial` and its logprobs mode checked (`check_logprobs_mode`).
-    Whatever fails closes what was started and is one error line."""
+    the model saved to `<run_dir>/vllm-model` (logs in `<run_dir>/servers`); `launch` starts
+    them (`ManagedServers`: child processes of this one). `context`: the tokens one sequence
+    of the run may take (default and at most the model's context), the managed servers'
+    --max-model-len (their KV cache must hold one such sequence) and the least an attached
+    server must serve. Each server is probed with a one-token generate (start-up and probe
+    within `cfg.startup_timeout_s` together when managed), checked against the model, given
+    `initial` and its logprobs mode checked (`check_logprobs_mode`). Whatever fails closes
+    what was started and is one error line."""
     deadline = time.monotonic() + (cfg.request_timeout_s if cfg.urls else cfg.startup_timeout_s)
     shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
     max_context = int(model.config.max_position_embeddings)
     max_context = min(max_context, context or max_context)
-    managed = None
+    managed: Launched | None = None
     urls = list(cfg.urls)
     if not urls:
         python = Path(cfg.python) if cfg.python else default_python()
@@ -423,7 +424,7 @@ def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, 
         model_dir = run_dir / "vllm-model"
         model.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
-        managed = ManagedServers(
+        managed = launch(
             server_specs(str(python), model_dir, cfg.servers, max_context=max_context,
                          dtype=dtype, kv_cache_bytes=cfg.kv_cache_bytes, threads=cfg.threads,
                          extra_args=cfg.extra_args),

@@ -23,9 +23,11 @@ CONNECT_TIMEOUT_S = 5.0  # an address that does not accept a TCP connection by t
 
 
 def ray_cpus_needed(cfg: Config) -> int:
-    """The CPUs the run's Ray actors reserve: one per rollout worker (its engine, agent loops
-    and envs) and one per trainer rank beyond rank 0 (which is the run's own process)."""
-    return cfg.cluster.rollout_workers + cfg.train.world_size - 1
+    """The CPUs the run's Ray actors reserve: one per rollout worker (its engine or its HTTP
+    client, agent loops and envs), one per trainer rank beyond rank 0 (which is the run's own
+    process), and `server_threads` per managed engine server."""
+    servers = cfg.managed_servers * int(cfg.server_threads) if cfg.managed_servers else 0
+    return cfg.cluster.rollout_workers + cfg.train.world_size - 1 + servers
 
 
 def check_cluster(cfg: Config) -> None:
@@ -85,9 +87,12 @@ def check_address(cfg: Config) -> None:
 
 
 def _too_many(cfg: Config, cpus: float, knob: str) -> str:
+    servers = (f" and {cfg.managed_servers} engine server(s) of {cfg.server_threads} "
+               f"thread(s)" if cfg.managed_servers else "")
     return (f"config field cluster.rollout_workers: {cfg.cluster.rollout_workers} rollout "
-            f"workers and {cfg.train.world_size - 1} trainer rank(s) beyond rank 0 need "
-            f"{ray_cpus_needed(cfg)} CPUs; the Ray cluster has {cpus:g} ({knob})")
+            f"workers{',' if servers else ' and'} {cfg.train.world_size - 1} trainer rank(s) "
+            f"beyond rank 0{servers} need {ray_cpus_needed(cfg)} CPUs; the Ray cluster has "
+            f"{cpus:g} ({knob})")
 
 
 class RayCluster:

@@ -51,14 +51,17 @@ class WorkerDied(RunError):
 class RayWorkers:
     """The rollout workers, and the `Engine` the run's process sees over them."""
 
-    def __init__(self, cfg: Config, model: nn.Module, tokenizer: Any, env_cls: type[Env],
-                 episode_fn: EpisodeFn, limits: EpisodeLimits, run_dir: Path):
+    def __init__(self, cfg: Config, model: nn.Module | None, tokenizer: Any,
+                 env_cls: type[Env], episode_fn: EpisodeFn, limits: EpisodeLimits,
+                 run_dir: Path, servers: tuple[list[str], int] | None = None):
+        """`servers`: the workers generate on these engine servers (URLs, context length;
+        `RolloutWorker`), not on embedded copies of `model`."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         n = cfg.cluster.rollout_workers
-        self.group = placement_group([{"CPU": 1}] * n, strategy="PACK")
+        self.group = placement_group([self.bundle()] * n, strategy="PACK")
         try:
             ray.get(self.group.ready(), timeout=READY_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError as e:
@@ -69,13 +72,18 @@ class RayWorkers:
         self.workers = [remote.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.group, placement_group_bundle_index=i)).remote(
-            i, cfg, shared, tokenizer, env_cls, episode_fn, limits, run_dir) for i in range(n)]
+            i, cfg, shared, tokenizer, env_cls, episode_fn, limits, run_dir, servers)
+            for i in range(n)]
         self.live = list(range(n))
         self.retried = 0
         self.version = 0
         self.unanswered = 0  # calls at the end (stop, close) a worker did not answer in time
         self.ray = ray  # the module, imported only with cluster.backend ray
         self.wait_all("start", lambda w: w.stats.remote(), READY_TIMEOUT_S)
+
+    def bundle(self) -> dict[str, float]:
+        """A worker's placement bundle: one CPU."""
+        return {"CPU": 1}
 
     def wait_all(self, what: str, call: Callable[[Any], Any], timeout_s: float | None
                  ) -> dict[int, Any]:
@@ -165,13 +173,18 @@ class RayWorkers:
         return next(iter(self.score_servers(token_ids, timeout_s=timeout_s).values()))
 
     def stats(self) -> dict[str, float]:
-        """The live workers' engine counters summed (version: the oldest)."""
+        """The engine counters (`engine_stats`), and the workers' retries, live count and
+        unanswered calls."""
         per = list(self.wait_all("stats", lambda w: w.stats.remote(), CLOSE_TIMEOUT_S).values())
+        return {**self.engine_stats(per), "retried": self.retried,
+                "workers_live": float(len(self.live)), "unanswered": float(self.unanswered)}
+
+    def engine_stats(self, per: list[dict[str, float]]) -> dict[str, float]:
+        """The live workers' engine counters summed (version: the oldest)."""
         out: Counter[str] = Counter()
         for s in per:
             out.update({k: v for k, v in s.items() if k != "version"})
-        return {**out, "version": min(s["version"] for s in per), "retried": self.retried,
-                "workers_live": float(len(self.live)), "unanswered": float(self.unanswered)}
+        return {**out, "version": min(s["version"] for s in per)}
 
     def at_end(self, what: str, call: Callable[[Any], Any], timeout_s: float) -> None:
         """`call(worker)` on every live worker at the end of RL or of the run: a worker that

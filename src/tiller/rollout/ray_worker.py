@@ -1,6 +1,8 @@
-"""A rollout worker of `cluster.backend: ray`: one Ray actor holding an embedded engine (its own
-copy of the weights, updated by every weight sync) and running episodes on it: the agent loop,
-the env and its tools, exactly as `RolloutManager` runs them in process (`collect.run_one`)."""
+"""A rollout worker of `cluster.backend: ray`: one Ray actor holding an engine and running
+episodes on it: the agent loop, the env and its tools, exactly as `RolloutManager` runs them in
+process (`collect.run_one`). The engine is an embedded one (its own copy of the weights,
+updated by every weight sync), or with engine servers (engine.backend http, vllm, sglang) an
+`HttpEngine` over them that follows the run's engine's weight pushes (`engine/follower.py`)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from torch import nn
 from tiller.config import Config
 from tiller.engine.api import Generation, SamplingParams
 from tiller.engine.factory import make_engine
+from tiller.engine.follower import adopt, follow_servers
 from tiller.engine.updates import WeightUpdate
 from tiller.envs import Env, Task, ToolEnv
 from tiller.rollout.agent_loop import EpisodeFn, EpisodeLimits
@@ -31,9 +34,11 @@ class RolloutWorker:
     """Worker `index`'s engine and episodes. Its tool stack and env server write below
     <run>/ray/worker<index>."""
 
-    def __init__(self, index: int, cfg: Config, model: nn.Module, tokenizer: Any,
+    def __init__(self, index: int, cfg: Config, model: nn.Module | None, tokenizer: Any,
                  env_cls: type[Env], episode_fn: EpisodeFn, limits: EpisodeLimits,
-                 run_dir: Path):
+                 run_dir: Path, servers: tuple[list[str], int] | None = None):
+        """`servers`: the run's engine servers' URLs and context length (then `model` is
+        None); else the engine is an embedded copy of `model`."""
         torch.set_num_threads(1)  # one CPU reserved per worker
         self.index, self.cfg, self.env_cls = index, cfg, env_cls
         self.dir = run_dir / "ray" / f"worker{index}"
@@ -41,8 +46,12 @@ class RolloutWorker:
         self.tools = ToolStack(cfg.env.tools, self.dir)
         set_unsafe_fallback(cfg.env.tools.sandbox.allow_unsafe_fallback)
         env_cls.start(self.dir)
-        self.engine = make_engine(cfg, model, tokenizer.pad_token_id, run_dir=self.dir,
-                                  initial=lambda: WeightUpdate.full(model, 0))
+        if servers is not None:
+            self.engine: Any = follow_servers(cfg, *servers)
+        else:
+            assert model is not None
+            self.engine = make_engine(cfg, model, tokenizer.pad_token_id, run_dir=self.dir,
+                                      initial=lambda: WeightUpdate.full(model, 0))
         self.requests = _ActorRequests()
         self.episode = dict(episode_fn=episode_fn, make_env=self.make_env, tokenizer=tokenizer,
                             limits=limits, seed=cfg.seed)
@@ -75,6 +84,10 @@ class RolloutWorker:
                              ) -> int:
         return await asyncio.to_thread(self.engine.update_weights, update,
                                        in_flight=in_flight, timeout_s=timeout_s)
+
+    def adopt(self, state: dict[str, Any]) -> None:
+        """The run's engine's view of its servers (`engine/follower.py`)."""
+        adopt(self.engine, state)
 
     async def score(self, token_ids: list[int], timeout_s: float | None) -> list[float]:
         return await asyncio.to_thread(self.engine.score, token_ids, timeout_s=timeout_s)

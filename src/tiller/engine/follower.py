@@ -1,0 +1,74 @@
+"""Engines that follow another's weight pushes: under `cluster.backend: ray` each rollout worker
+generates on the run's engine servers through an `HttpEngine` of its own (sessions sticky,
+requests on a dead server retried on another, counted), while the run's engine (in the run's
+process) pushes every weight version to those servers.
+
+A follower pushes nothing; it takes the pusher's view of the servers (`router_state` ->
+`adopt`) twice per push: before it, the version being pushed is marked pending on every server
+(an answer sampled under it is fresh), and after it, each server's pushed version, the one
+before, its boot id and whether the push found it down. So a follower checks every answer's
+weight version and boot id as the pusher would (`HttpEngine._check_fresh`), and a server it
+marked down rejoins when the pusher's next push finds it up."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from tiller.config import Config
+from tiller.engine.http import HttpEngine
+from tiller.errors import RunError
+
+
+def router_state(engine: HttpEngine, pending: int | None = None) -> dict[str, Any]:
+    """What a follower of `engine` needs (`adopt`): its version and each server's pushed
+    versions, boot id and down mark; `pending`: a version about to be pushed."""
+    return {"version": engine.version, "pending": pending, "servers": [
+        {"url": s.url, "version": s.version, "previous": s.previous, "boot_id": s.boot_id,
+         "down": s.down, "last_error": s.last_error} for s in engine.servers]}
+
+
+def adopt(engine: HttpEngine, state: dict[str, Any]) -> None:
+    """Take the pusher's `router_state`: with `pending`, only mark that version as being pushed
+    to every server; else each server's versions, boot id and down mark, and the engine's
+    version (a server the push found up is up again: counted in `servers_rejoined`)."""
+    theirs = state["servers"]
+    if [s["url"] for s in theirs] != [s.url for s in engine.servers]:
+        raise RunError(f"http engine: the pusher's servers {[s['url'] for s in theirs]} are "
+                       f"not this follower's {[s.url for s in engine.servers]}")
+    for mine, t in zip(engine.servers, theirs, strict=True):
+        if state["pending"] is not None:
+            mine.pending = state["pending"]
+            continue
+        mine.version, mine.previous, mine.boot_id = t["version"], t["previous"], t["boot_id"]
+        mine.pending = None
+        if mine.down and not t["down"]:
+            engine.counters["servers_rejoined"] += 1
+        mine.down, mine.last_error = t["down"], t["last_error"]
+    if state["pending"] is None:
+        engine.version = state["version"]
+
+
+def follow_servers(cfg: Config, urls: list[str], max_context: int) -> HttpEngine:
+    """An engine over the run's servers at `urls` (engine.backend http, vllm or sglang) that
+    generates, aborts and counts, and pushes nothing: prompts bounded by `max_context` as the
+    run's engine checked it."""
+    from tiller.engine.sglang import SglangDialect
+    from tiller.engine.vllm import VllmEngine
+    from tiller.engine.wire import TILLER
+
+    e = cfg.engine
+    # weights_dir: never written (a follower pushes nothing)
+    common: dict[str, Any] = dict(weights_dir=Path(e.weights_dir or "weights"),
+                                  request_timeout_s=e.request_timeout_s,
+                                  max_retries=e.max_retries)
+    engine: HttpEngine
+    if e.backend == "vllm":
+        engine = VllmEngine(urls, shapes={}, **common)
+    else:
+        key = e.api_key.get_secret_value() if e.api_key else os.environ.get("TILLER_API_KEY")
+        engine = HttpEngine(urls, api_key=key, **common,
+                            dialect=SglangDialect() if e.backend == "sglang" else TILLER)
+    engine.max_context = max_context
+    return engine

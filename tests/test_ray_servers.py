@@ -1,0 +1,275 @@
+"""Engine servers under cluster.backend ray (engine/ray_servers.py, rollout/ray_http.py): each
+managed server in a Ray actor placed with a placement group, the rollout workers generating on
+the servers over HTTP while the run's engine pushes the weights. A killed server actor leaves no
+process; a run whose server actor is killed mid-step retries on the other server and finishes,
+and with no server left stops in one line. Every test leaves no Ray process behind."""
+
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from helpers import TINY_RUN, tiny_rl
+from test_http_engine import server_version, servers
+from test_ray import TESTS, no_ray_left, one_line_before_any_work  # noqa: F401 - a fixture
+from test_servers import spec
+from test_vllm_demo import VLLM, served_from
+
+from tiller.config import load_config
+from tiller.controller import train
+from tiller.engine.ray_servers import RayServers
+from tiller.errors import RunError
+from tiller.observe.steps import ledger_unaccounted
+
+HTTP = ["cluster.backend=ray", "engine.backend=http", "runtime.threads=1", "eval.tasks=4"]
+
+
+def group_left(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group `pgid`."""
+    left = []
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # not a process, or it exited meanwhile
+        if proc.name.isdigit() and int(stat[2]) == pgid and stat[0] != "Z":
+            left.append(int(proc.name))
+    return left
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def gone_within(pgid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while group_left(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not group_left(pgid)
+
+
+@pytest.fixture()
+def local_ray(no_ray_left):  # noqa: F811 - the fixture imported above
+    import ray
+
+    temp = tempfile.mkdtemp(prefix="tiller-ray-")
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
+             _temp_dir=temp, log_to_driver=False, configure_logging=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_a_killed_server_actor_leaves_no_server_process(tmp_path, local_ray):
+    """Two servers on bundles of 1 CPU, each with a child process of its own (in its group,
+    ignoring SIGTERM): `ray.kill` of one actor and SIGKILL of the other's process each take
+    the server and its child with them; close after that still ends cleanly."""
+    ray = local_ray
+    children = [tmp_path / "child0.pid", tmp_path / "child1.pid"]
+    servers = RayServers([spec(f"serve-{i}", "--child-pid", str(c))
+                          for i, c in enumerate(children)], log_dir=tmp_path,
+                         startup_timeout_s=30, cpus=1)
+    urls = servers.start()
+    try:
+        assert all(u.startswith("http://127.0.0.1:") for u in urls) and len(set(urls)) == 2
+        assert ray.available_resources().get("CPU", 0) == 0  # both bundles hold their CPU
+        pids = ray.get([a.pid.remote() for a in servers.actors], timeout=30)
+        for pid, child in zip(pids, children, strict=True):  # the server and its child
+            assert sorted(group_left(pid)) == sorted([pid, int(child.read_text())])
+        ray.kill(servers.actors[0], no_restart=True)
+        assert gone_within(pids[0], 10)
+        os.kill(parent_of(pids[1]), signal.SIGKILL)  # the actor's process crashes
+        assert gone_within(pids[1], 10)
+        assert group_left(pids[0]) == group_left(pids[1]) == []
+    finally:
+        servers.close()
+    assert servers.actors == [] and servers.group is None
+    deadline = time.monotonic() + 10  # the removed group's CPUs come back
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU", 0) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_a_server_that_exits_at_start_up_is_one_line_and_nothing_is_left(tmp_path, local_ray):
+    ray = local_ray
+    bad = spec("serve-1")
+    bad = type(bad)(bad.name, [sys.executable, "-c", "import sys; sys.exit(3)"])
+    servers = RayServers([spec("serve-0"), bad], log_dir=tmp_path, startup_timeout_s=30,
+                         cpus=1)
+    with pytest.raises(RunError) as e:
+        servers.start()
+    assert "\n" not in str(e.value)
+    assert str(e.value).startswith("server serve-1 (http://127.0.0.1:")
+    assert f"exited with code 3 during start-up; log {tmp_path / 'serve-1.log'}" in str(e.value)
+    assert servers.actors == [] and servers.group is None
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU", 0) == 2
+
+
+def rows(run_dir: Path, phase: str) -> list[dict]:
+    every = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [r for r in every if r["phase"] == phase]
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_the_demo_trains_through_tiller_serve_placed_by_ray(tmp_path, no_ray_left):  # noqa: F811
+    run = tmp_path / "run"
+    summary = train(load_config("configs/calculator.yaml", [*TINY_RUN, *HTTP,
+                                                            "engine.servers=1"]), run)
+    rl = rows(run, "rl")
+    assert len(rl) == 2 and summary["heldout_after_rl"]["tasks"] == 4
+    ledger = summary["rl"]["ledger"]
+    assert ledger["started"] == 2 * 4 * 4 and ledger_unaccounted(ledger) == 0
+    assert ledger["trained"] + ledger.get("filtered/zero_variance", 0) == ledger["started"]
+    # the workers generated on the server (their followers' requests are in the counters),
+    # the run's engine pushed to it each step, and the parity probe scored it
+    assert all(r["engine/servers_up"] == 1 and r["engine/retries"] == 0 for r in rl)
+    assert rl[-1]["engine/requests"] > 2 * 4 * 4 and rl[-1]["engine/weight_pushes"] >= 3
+    assert max(r["logp_mismatch_max"] for r in rl) < 1e-4
+    assert max(r["sync/parity_max_abs"] for r in rl) < 1e-4
+    log = (run / "servers" / "serve-0.log").read_text()
+    assert "-m tiller serve" in log and "Application shutdown complete" in log  # SIGTERM
+    assert not served_from(run / "serve-model")
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_the_demo_trains_through_vllm_placed_by_ray(tmp_path, no_ray_left):  # noqa: F811
+    """The same path with a managed vLLM CPU server (needs .venv-vllm: scripts/setup.sh)."""
+    run = tmp_path / "run"
+    summary = train(load_config("configs/calculator.yaml", [
+        *TINY_RUN, *VLLM, "cluster.backend=ray", "eval.tasks=4"]), run)
+    rl = rows(run, "rl")
+    assert len(rl) == 2 and summary["heldout_after_rl"]["tasks"] == 4
+    ledger = summary["rl"]["ledger"]
+    assert ledger["started"] == 2 * 4 * 4 and ledger_unaccounted(ledger) == 0
+    assert all(r["engine/servers_up"] == 1 and r["sync/kind"] == 0 for r in rl)  # full pushes
+    assert max(r["logp_mismatch_max"] for r in rl) < 1e-4
+    assert max(r["sync/parity_max_abs"] for r in rl) < 1e-4
+    assert (run / "servers" / "vllm-0.log").is_file()
+    assert not served_from(run / "vllm-model")
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("error", [RunError("the weight sync failed"), KeyboardInterrupt()])
+def test_a_run_that_fails_once_its_servers_run_stops_them(tmp_path, monkeypatch, error,
+                                                          no_ray_left):  # noqa: F811
+    """An error (or Ctrl-C) right after the servers and workers started: each server is
+    stopped through its actor (SIGTERM: uvicorn's orderly shutdown in its log), and Ray."""
+    def fail(*args):
+        raise error
+
+    monkeypatch.setattr("tiller.run.WeightSync", fail)
+    run = tmp_path / "run"
+    with pytest.raises(type(error)):
+        train(load_config("configs/calculator.yaml", [*TINY_RUN, *HTTP, "engine.servers=1"]),
+              run)
+    assert "Application shutdown complete" in (run / "servers" / "serve-0.log").read_text()
+    assert not served_from(run / "serve-model")
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_attached_servers_under_ray(calc_sft_dir, tmp_path, no_ray_left):  # noqa: F811
+    """engine.urls under ray: the workers generate on a `tiller serve` the test started, the
+    run pushes its weights to it, and leaves it running."""
+    with servers(calc_sft_dir, 1, tmp_path / "servers") as s:
+        summary = train(load_config("configs/calculator.yaml", tiny_rl(
+            calc_sft_dir, "model.dtype=float32", "cluster.backend=ray", "engine.backend=http",
+            f"engine.urls={json.dumps(s.urls)}", f"engine.weights_dir={s.root / 'w'}")),
+            tmp_path / "run")
+        assert s.procs[0].poll() is None  # attached: not stopped by the run
+        assert server_version(s.urls[0]) > 0  # the run's weights were pushed to it
+    ledger = summary["rl"]["ledger"]
+    assert ledger["started"] == 2 * 4 and ledger_unaccounted(ledger) == 0
+    (row,) = rows(tmp_path / "run", "rl")
+    assert row["engine/requests"] >= 8 and row["engine/retries"] == 0
+    assert row["sync/parity_max_abs"] < 1e-4
+
+
+def kill_run(tmp_path, monkeypatch, *overrides):
+    marker = tmp_path / "killed"
+    monkeypatch.setenv("TILLER_TEST_KILL_MARKER", str(marker))
+    # the workers import kill_server_loop (the episode function travels by name)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+    cfg = load_config("configs/calculator.yaml", [
+        *TINY_RUN, *HTTP, "agent.loop=kill_server_loop:run_episode", *overrides])
+    return marker, cfg
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_killed_server_actor_is_retried_on_the_other_server(tmp_path, monkeypatch,
+                                                              no_ray_left):  # noqa: F811
+    marker, cfg = kill_run(tmp_path, monkeypatch, "engine.servers=2", "cluster.num_cpus=3")
+    run = tmp_path / "run"
+    summary = train(cfg, run)
+    assert marker.exists()  # server 0's actor was killed
+    ledger = summary["rl"]["ledger"]
+    assert ledger["started"] == 2 * 4 * 4 and ledger_unaccounted(ledger) == 0
+    assert ledger["trained"] + ledger.get("filtered/zero_variance", 0) == ledger["started"]
+    last = rows(run, "rl")[-1]
+    assert last["engine/retries"] >= 1 and last["engine/servers_marked_down"] >= 1
+    assert last["engine/push_skipped_down"] >= 1  # the next pushes found it dead
+    assert last["engine/servers_up"] == 1
+    assert summary["heldout_after_rl"]["tasks"] == 4
+    assert group_left(int(marker.read_text())) == []  # the killed server's processes
+    assert not served_from(run / "serve-model")
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("server", "model"), [(["engine.servers=1"], "serve-model"),
+                                               (VLLM, "vllm-model")])
+def test_a_run_whose_only_server_actor_is_killed_stops_in_one_line(
+        tmp_path, monkeypatch, no_ray_left, server, model):  # noqa: F811
+    """`tiller serve`, and vLLM (its engine core a process of its own in the server's group:
+    the whole group is gone after the kill)."""
+    marker, cfg = kill_run(tmp_path, monkeypatch, *server)
+    run = tmp_path / "run"
+    t0 = time.monotonic()
+    with pytest.raises(RunError) as e:
+        train(cfg, run)
+    assert time.monotonic() - t0 < 300  # no wait ran to a long timeout
+    assert "\n" not in str(e.value)
+    assert str(e.value).startswith("every engine server is down (http://127.0.0.1:")
+    assert group_left(int(marker.read_text())) == []
+    assert not served_from(run / model)
+
+
+def test_more_actors_and_servers_than_cpus_stops_the_run(tmp_path):
+    msg = one_line_before_any_work(tmp_path, "engine.backend=http", "engine.servers=2",
+                                   "runtime.threads=1", "cluster.num_cpus=2")
+    assert msg == ("config field cluster.rollout_workers: 1 rollout workers, 0 trainer rank(s) "
+                   "beyond rank 0 and 2 engine server(s) of 1 thread(s) need 3 CPUs; the Ray "
+                   "cluster has 2 (cluster.num_cpus)")
+
+
+def test_auto_threads_give_each_server_one_cpu_under_ray():
+    cfg = load_config("configs/calculator.yaml", [*TINY_RUN, "cluster.backend=ray",
+                                                  "engine.backend=http", "engine.servers=2"])
+    assert cfg.server_threads == 1 and cfg.managed_servers == 2
+    local = load_config("configs/calculator.yaml", [*TINY_RUN, "engine.backend=http",
+                                                    "engine.servers=2"])
+    assert local.server_threads == "auto"
