@@ -82,6 +82,7 @@ def test_a_killed_server_actor_leaves_no_server_process(tmp_path, local_ray):
         assert all(u.startswith("http://127.0.0.1:") for u in urls) and len(set(urls)) == 2
         assert ray.available_resources().get("CPU", 0) == 0  # both bundles hold their CPU
         pids = ray.get([a.pid.remote() for a in servers.actors], timeout=30)
+        assert servers.exited() == []  # both running
         for pid, child in zip(pids, children, strict=True):  # the server and its child
             assert sorted(group_left(pid)) == sorted([pid, int(child.read_text())])
         ray.kill(servers.actors[0], no_restart=True)
@@ -89,6 +90,10 @@ def test_a_killed_server_actor_leaves_no_server_process(tmp_path, local_ray):
         os.kill(parent_of(pids[1]), signal.SIGKILL)  # the actor's process crashes
         assert gone_within(pids[1], 10)
         assert group_left(pids[0]) == group_left(pids[1]) == []
+        # what the run's engine names when every server is down (HttpEngine._all_down)
+        gone = servers.exited()
+        assert [line.split(" (")[0] for line in gone] == ["server serve-0", "server serve-1"]
+        assert all("its Ray actor died, and the server with it; log" in g for g in gone)
     finally:
         servers.close()
     assert servers.actors == [] and servers.group is None
@@ -240,10 +245,11 @@ def test_a_killed_server_actor_is_retried_on_the_other_server(tmp_path, monkeypa
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(("server", "model"), [(["engine.servers=1"], "serve-model"),
-                                               (VLLM, "vllm-model")])
+@pytest.mark.parametrize(("server", "model", "name"),
+                         [(["engine.servers=1"], "serve-model", "tiller serve"),
+                          (VLLM, "vllm-model", "vLLM")])
 def test_a_run_whose_only_server_actor_is_killed_stops_in_one_line(
-        tmp_path, monkeypatch, no_ray_left, server, model):  # noqa: F811
+        tmp_path, monkeypatch, no_ray_left, server, model, name):  # noqa: F811
     """`tiller serve`, and vLLM (its engine core a process of its own in the server's group:
     the whole group is gone after the kill)."""
     marker, cfg = kill_run(tmp_path, monkeypatch, *server)
@@ -253,7 +259,7 @@ def test_a_run_whose_only_server_actor_is_killed_stops_in_one_line(
         train(cfg, run)
     assert time.monotonic() - t0 < 300  # no wait ran to a long timeout
     assert "\n" not in str(e.value)
-    assert str(e.value).startswith("every engine server is down (http://127.0.0.1:")
+    assert str(e.value).startswith(f"every {name} server is down (http://127.0.0.1:")
     assert group_left(int(marker.read_text())) == []
     assert not served_from(run / model)
 

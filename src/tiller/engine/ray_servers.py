@@ -20,11 +20,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from tiller.engine.servers import STOP_GRACE_S, ManagedServers, ServerSpec
+from tiller.engine.servers import STOP_GRACE_S, ManagedServers, ServerSpec, last_line
 from tiller.errors import RunError
 
 log = logging.getLogger(__name__)
 
+EXITED_TIMEOUT_S = 10.0  # an actor's answer to which of its servers exited
 CLOSE_TIMEOUT_S = STOP_GRACE_S + 20.0  # an actor's close: SIGTERM, the grace, SIGKILL, reap
 ACTOR_PREFIX = "tiller-server-"  # each actor's name: this, the server's name, the run's tag
 NODE_SHARE = 0.001  # of the node's `node:<ip>` resource (1.0): pins a bundle, takes nothing
@@ -45,6 +46,10 @@ class ServerActor:
     def pid(self) -> int:
         """The server process's id (its process group's)."""
         return self.servers.running[0].proc.pid
+
+    def exited(self) -> list[str]:
+        """`ManagedServers.exited` of its server."""
+        return self.servers.exited()
 
     def close(self) -> None:
         self.servers.close()
@@ -124,6 +129,24 @@ class RayServers:
         return {url: self.log_dir / f"{spec.name}.log"
                 for url, spec in zip(self.urls, self.specs, strict=False)}
 
+    def exited(self) -> list[str]:
+        """One line per server that has exited or whose actor died (it took its server with
+        it) or did not answer within `EXITED_TIMEOUT_S`: its name, URL and log."""
+        import ray
+
+        lines = []
+        for spec, url, actor in zip(self.specs, self.urls, self.actors, strict=False):
+            log_file = self.log_dir / f"{spec.name}.log"
+            try:
+                lines += ray.get(actor.exited.remote(), timeout=EXITED_TIMEOUT_S)
+            except ray.exceptions.RayActorError:
+                lines.append(f"server {spec.name} ({url}): its Ray actor died, and the server "
+                             f"with it; log {log_file}: {last_line(log_file)}")
+            except ray.exceptions.GetTimeoutError:
+                lines.append(f"server {spec.name} ({url}): its Ray actor did not answer within "
+                             f"{EXITED_TIMEOUT_S:g} s; log {log_file}")
+        return lines
+
     def close(self) -> None:
         """Stop each server through its actor (a dead actor took its server with it; one that
         does not answer within `CLOSE_TIMEOUT_S` is logged, and its server dies with it when
@@ -136,6 +159,9 @@ class RayServers:
             for spec, ref in zip(self.specs, refs, strict=False):
                 try:
                     ray.get(ref, timeout=CLOSE_TIMEOUT_S)
+                except ray.exceptions.RayTaskError as e:  # the others are still stopped
+                    log.error("ray: engine server %s's actor failed to stop it: %s", spec.name,
+                              e.cause if e.cause is not None else e)
                 except ray.exceptions.RayActorError:
                     log.warning("ray: engine server %s's actor had died; its server with it",
                                 spec.name)

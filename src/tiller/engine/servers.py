@@ -127,10 +127,12 @@ def last_line(path: Path, limit: int = 300) -> str:
 
 class Launched(Protocol):
     """Servers started for an engine (`ManagedServers`, or `ray_servers.RayServers` in Ray
-    actors): `start` returns their URLs, `logs` their log files by URL, `close` stops them."""
+    actors): `start` returns their URLs, `logs` their log files by URL, `exited` one line per
+    server that has exited, `close` stops them."""
 
     def start(self) -> list[str]: ...
     def logs(self) -> dict[str, Path]: ...
+    def exited(self) -> list[str]: ...
     def close(self) -> None: ...
 
 
