@@ -82,6 +82,26 @@ def test_seeded_generation_is_exact_tito_with_the_trainers_logprobs(served) -> N
     assert torch.allclose(torch.tensor(a.logprobs), ours, atol=1e-4), (a.logprobs, ours)
 
 
+def test_seeded_prompts_past_a_steps_token_budget_are_each_prefilled_whole(served) -> None:
+    """Eight seeded requests of 400-token prompts at once, 3200 tokens against vLLM's step
+    budget of 2048: with chunked prefill vLLM 0.32's CPU runner rewinds the seeded generator of
+    a split prefill and its engine dies ("CPU Generator does not use offset"; the demo's 256
+    held-out episodes did this). Managed servers run without chunked prefill, so every prompt
+    is prefilled whole, and each answer is the one the request gets alone."""
+    engine, _, _ = served
+    prompts = [[(7 * i + j) % 290 + 1 for j in range(400)] for i in range(8)]
+    params = SamplingParams(max_new_tokens=4, stop_token_ids=(299,))
+
+    async def together() -> list:
+        return await asyncio.gather(*(engine.generate(p, params, i, request_id=f"wide-{i}")
+                                      for i, p in enumerate(prompts)))
+
+    outs = asyncio.run(together())
+    assert [o.finish_reason for o in outs] == ["length"] * 8
+    alone = [gen(engine, p, i, max_new_tokens=4).token_ids for i, p in enumerate(prompts)]
+    assert [o.token_ids for o in outs] == alone
+
+
 def test_a_stop_token_ends_the_turn_and_is_returned(served) -> None:
     engine, _, _ = served
     free = gen(engine, [3, 4, 5], 7, max_new_tokens=16)
