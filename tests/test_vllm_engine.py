@@ -167,6 +167,29 @@ def test_a_weight_push_changes_outputs_and_keeps_parity(served) -> None:
     assert gen(engine, prompt, 3, max_new_tokens=12).token_ids == before.token_ids
 
 
+def test_an_aborting_push_ends_the_running_turn_with_its_tokens(served) -> None:
+    """`update_weights(in_flight="abort")` (rollout.partial: abort_resume) pauses with
+    mode=abort: a turn being generated ends with finish "abort" and the tokens sampled so far,
+    under the old version, which the actor resumes under the new weights."""
+    engine, model, _ = served
+    done: list[object] = []
+    worker = threading.Thread(target=lambda: done.append(gen(
+        engine, [9, 9, 9], 1, max_new_tokens=500, rid="cut-by-push")))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while "cut-by-push" not in engine._rids and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # a few tokens in
+    version = engine.version + 1
+    assert engine.update_weights(WeightUpdate(version, model.state_dict()),
+                                 in_flight="abort") == version
+    worker.join(30)
+    (out,) = done
+    assert out.finish_reason == "abort", out.finish_reason  # type: ignore[attr-defined]
+    assert 0 < len(out.token_ids) < 500  # type: ignore[attr-defined]
+    assert set(out.versions) == {version - 1}  # type: ignore[attr-defined]
+
+
 def test_an_update_that_does_not_fit_is_refused_before_it_is_sent(served) -> None:
     engine, model, _ = served
     tensors = dict(model.state_dict())
