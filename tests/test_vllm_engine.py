@@ -90,6 +90,26 @@ def test_seeded_generation_is_exact_tito_with_the_trainers_logprobs(served) -> N
     assert torch.allclose(torch.tensor(a.logprobs), ours, atol=1e-4), (a.logprobs, ours)
 
 
+def test_seeded_prompts_past_a_steps_token_budget_are_each_prefilled_whole(served) -> None:
+    """Eight seeded requests of 400-token prompts at once, 3200 tokens against vLLM's step
+    budget of 2048: with chunked prefill vLLM 0.32's CPU runner rewinds the seeded generator of
+    a split prefill and its engine dies ("CPU Generator does not use offset"; the demo's 256
+    held-out episodes did this). Managed servers run without chunked prefill, so every prompt
+    is prefilled whole, and each answer is the one the request gets alone."""
+    engine, _, _ = served
+    prompts = [[(7 * i + j) % 290 + 1 for j in range(400)] for i in range(8)]
+    params = SamplingParams(max_new_tokens=4, stop_token_ids=(299,))
+
+    async def together() -> list:
+        return await asyncio.gather(*(engine.generate(p, params, i, request_id=f"wide-{i}")
+                                      for i, p in enumerate(prompts)))
+
+    outs = asyncio.run(together())
+    assert [o.finish_reason for o in outs] == ["length"] * 8
+    alone = [gen(engine, p, i, max_new_tokens=4).token_ids for i, p in enumerate(prompts)]
+    assert [o.token_ids for o in outs] == alone
+
+
 def test_a_stop_token_ends_the_turn_and_is_returned(served) -> None:
     engine, _, _ = served
     free = gen(engine, [3, 4, 5], 7, max_new_tokens=16)
@@ -169,6 +189,29 @@ def test_a_weight_push_changes_outputs_and_keeps_parity(served) -> None:
     # back to the trainer's weights for the other tests
     assert engine.update_weights(WeightUpdate(2, model.state_dict())) == 2
     assert gen(engine, prompt, 3, max_new_tokens=12).token_ids == before.token_ids
+
+
+def test_an_aborting_push_ends_the_running_turn_with_its_tokens(served) -> None:
+    """`update_weights(in_flight="abort")` (rollout.partial: abort_resume) pauses with
+    mode=abort: a turn being generated ends with finish "abort" and the tokens sampled so far,
+    under the old version, which the actor resumes under the new weights."""
+    engine, model, _ = served
+    done: list[object] = []
+    worker = threading.Thread(target=lambda: done.append(gen(
+        engine, [9, 9, 9], 1, max_new_tokens=500, rid="cut-by-push")))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while "cut-by-push" not in engine._rids and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # a few tokens in
+    version = engine.version + 1
+    assert engine.update_weights(WeightUpdate(version, model.state_dict()),
+                                 in_flight="abort") == version
+    worker.join(30)
+    (out,) = done
+    assert out.finish_reason == "abort", out.finish_reason  # type: ignore[attr-defined]
+    assert 0 < len(out.token_ids) < 500  # type: ignore[attr-defined]
+    assert set(out.versions) == {version - 1}  # type: ignore[attr-defined]
 
 
 def test_an_update_that_does_not_fit_is_refused_before_it_is_sent(served) -> None:

@@ -129,7 +129,8 @@ class VllmEngineConfig(EngineConfig):
     urls: list[str] = Field(
         default_factory=list, description="base URLs of running vLLM servers to attach to "
         "(started with VLLM_SERVER_DEV_MODE=1, --served-model-name tiller, --logprobs-mode "
-        "processed_logprobs and the run's model); empty = tiller starts engine.servers")
+        "processed_logprobs, --no-enable-chunked-prefill and the run's model); empty = tiller "
+        "starts engine.servers")
     servers: int = Field(1, ge=1, description="vLLM servers tiller starts when engine.urls is "
                          "empty, each on a free loopback port, its log in <run dir>/servers/; "
                          "with cluster.backend ray each in a Ray actor of its own, placed on "

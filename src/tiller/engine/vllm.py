@@ -11,6 +11,10 @@ marked down, bounded waits) speaking vLLM's API instead of SGLang's:
   refused). vLLM's default mode (raw_logprobs, before temperature) would make every run at a
   temperature other than 1 silently off-policy, so at connect each server samples one token at
   temperature 0.5 and its top logprobs are compared with the trainer's (`check_logprobs_mode`).
+  Servers run with `--no-enable-chunked-prefill`: vLLM 0.32's CPU runner rewinds the generator
+  of a seeded request whose prefill was split across steps, which a CPU generator cannot do,
+  and its engine dies ("CPU Generator does not use offset"); unsplit, every prompt is
+  prefilled in one step.
 - abort: `POST /abort_requests` with vLLM's id of the request (`cmpl-<id>-0`).
 - pause / resume: `POST /pause?mode=keep` (requests stay queued) and `POST /resume`.
 - weights: full updates only, written as safetensors (tied tensors each written out: a reload
@@ -321,7 +325,7 @@ def server_specs(python: str, model_dir: Path, count: int, *, max_context: int, 
             "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", "{port}",
             "--dtype", dtype, "--max-model-len", str(max_context),
             "--kv-cache-memory-bytes", str(kv_cache_bytes), "--enforce-eager",
-            "--logprobs-mode", "processed_logprobs", *extra_args]
+            "--logprobs-mode", "processed_logprobs", "--no-enable-chunked-prefill", *extra_args]
     env = {**SERVER_ENV, "OMP_NUM_THREADS": str(threads)}
     return [ServerSpec(f"vllm-{i}", argv, env) for i in range(count)]
 
