@@ -129,6 +129,7 @@ def test_keep_leaves_a_checkpoint_it_cannot_read_and_the_run_goes_on(tmp_path, c
     assert names == ["step-000001", "step-000003", "step-000004"]
     assert KEEP_SKIPPED["unreadable"] == skipped + 3
     assert "checkpoint.keep: " in caplog.text and "left in place" in caplog.text
+    assert newest_checkpoint(tmp_path).step == 4  # the old one does not block a resume
 
 
 def test_checkpoints_lists_a_corrupt_state_json_in_its_status(tmp_path):

@@ -270,12 +270,14 @@ def newest_checkpoint(run_dir: Path) -> Checkpoint:
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"--resume {str(run_dir)!r}: not a run folder (no config.yaml)")
-    found = complete_checkpoints(run_dir)
-    if not found:
+    # only the newest marker is read: an older checkpoint checkpoint.keep left in place
+    # (another format, a marker that does not parse) does not block the resume
+    marked = sorted(_marked(run_dir), key=lambda found: found[1], reverse=True)
+    if not marked:
         raise ConfigError(f"--resume {str(run_dir)!r}: no complete checkpoint in "
                           f"{checkpoint_dir(run_dir)} (a run writes them with "
                           f"checkpoint.every > 0)")
-    return verify(found[0])
+    return verify(_read_marker(*marked[0]))
 
 
 def rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
