@@ -20,6 +20,8 @@ from tiller.config import Config
 from tiller.engine.http import HttpEngine
 from tiller.errors import RunError
 
+ADOPT_TIMEOUT_S = 30.0  # for the engine's loop to take a pushed state (it runs no long work)
+
 
 def router_state(engine: HttpEngine, pending: int | None = None) -> dict[str, Any]:
     """What a follower of `engine` needs (`adopt`): its version and each server's pushed
@@ -32,7 +34,17 @@ def router_state(engine: HttpEngine, pending: int | None = None) -> dict[str, An
 def adopt(engine: HttpEngine, state: dict[str, Any]) -> None:
     """Take the pusher's `router_state`: with `pending`, only mark that version as being pushed
     to every server; else each server's versions, boot id and down mark, and the engine's
-    version (a server the push found up is up again: counted in `servers_rejoined`)."""
+    version (a server the push found up is up again: counted in `servers_rejoined`). Applied
+    on the engine's own loop, where answers are checked (`_check_fresh`), so no check sees a
+    server's versions half taken."""
+
+    async def apply() -> None:
+        _apply(engine, state)
+
+    engine._call(apply(), "taking the pusher's server state", ADOPT_TIMEOUT_S)
+
+
+def _apply(engine: HttpEngine, state: dict[str, Any]) -> None:
     theirs = state["servers"]
     if [s["url"] for s in theirs] != [s.url for s in engine.servers]:
         raise RunError(f"http engine: the pusher's servers {[s['url'] for s in theirs]} are "

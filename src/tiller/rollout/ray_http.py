@@ -32,6 +32,8 @@ from tiller.envs import Env
 from tiller.rollout.agent_loop import EpisodeFn, EpisodeLimits
 from tiller.rollout.ray_rollouts import READY_TIMEOUT_S, RayWorkers
 
+# counts of servers, not of requests: the most any one engine counts (`merged_stats`)
+SERVER_COUNTS = ("servers_marked_down", "servers_rejoined", "push_skipped_down")
 
 class RayHttpWorkers(RayWorkers):
     """The rollout workers over the run's engine servers; `engine` is the run's `HttpEngine`
@@ -92,14 +94,8 @@ class RayHttpWorkers(RayWorkers):
         return self.engine.score_servers(token_ids, timeout_s=timeout_s)
 
     def engine_stats(self, per: list[dict[str, float]]) -> dict[str, float]:
-        """The run's engine's counters and the workers' engines' summed; `servers_up`: the
-        fewest any of them counts."""
-        own = self.engine.stats()
-        out: Counter[str] = Counter(own)
-        for s in per:
-            out.update(s)
-        return {**out, "servers_up": min(s["servers_up"] for s in [own, *per]),
-                "version": float(self.version)}
+        """`merged_stats` of the run's engine's counters and the workers' engines'."""
+        return {**merged_stats(self.engine.stats(), per), "version": float(self.version)}
 
     def close(self) -> None:
         """The workers (their engines' connections), then the run's engine and its servers."""
@@ -125,3 +121,16 @@ def ray_engine(cfg: Config, model: nn.Module, tokenizer: Any, env_cls: type[Env]
     except BaseException:
         engine.close()
         raise
+
+
+def merged_stats(own: dict[str, float], per: list[dict[str, float]]) -> dict[str, float]:
+    """The pusher's engine counters (`own`) and its followers' (`per`) summed, except the
+    counts of servers (marked down, rejoined, skipped by a push: `SERVER_COUNTS`), the most
+    any one engine counts (each sees the same servers: a sum would count one server once per
+    engine); `servers_up`: the fewest any counts."""
+    out: Counter[str] = Counter(own)
+    for s in per:
+        out.update({k: v for k, v in s.items() if k not in SERVER_COUNTS})
+    for k in SERVER_COUNTS:
+        out[k] = max(s.get(k, 0) for s in [own, *per])
+    return {**out, "servers_up": min(s["servers_up"] for s in [own, *per])}
