@@ -8,8 +8,9 @@ left it. So every task of the stream is drawn once: none skipped, none repeated.
 sync a checkpoint is written before the next step's groups start, so there are no open groups
 and the resumed run samples exactly what the uninterrupted one did; in one_step_off and async
 the open groups are sampled again, under the checkpoint's weights (their earlier episodes, and
-the ledger counts charged to them, and their draws of their tasks, are not kept: so each is
-sampled again with the seeds it was first sampled with).
+the ledger counts charged to them, and their draws of their tasks, are not kept: so in
+one_step_off without refills each is sampled again with the seeds it was first sampled with;
+in async it is relaunched under a new unit tag, hence other seeds).
 """
 
 from __future__ import annotations
