@@ -29,7 +29,8 @@ from tiller.rollout.agent_loop import EngineActor, EpisodeLimits, run_episode
 from tiller.rollout.chat import stop_token_ids
 from tiller.rollout.collect import collect, collect_expert
 from tiller.rollout.trajectory import is_success
-from tiller.train.batch import Batch, token_logprobs
+from tiller.train.batch import Batch
+from tiller.train.logprobs import token_logprobs
 
 
 @dataclass

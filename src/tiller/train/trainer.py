@@ -168,7 +168,7 @@ class PolicyTrainer:
         self.temperature = temperature
         self.compute_dtype = compute_dtype
         # RL's logprobs are of the distribution the engine samples from: truncated like it
-        # (`batch.token_logprobs`); 0 and 1.0 = untruncated (sampling.logprobs: untruncated)
+        # (`logprobs.token_logprobs`); 0 and 1.0 = untruncated (sampling.logprobs: untruncated)
         self.top_k, self.top_p = top_k, top_p
         self.dropout = dropout
         self.version = 0
