@@ -74,6 +74,19 @@ def batch_of(tokenizer, n=6):
     return Batch.collate(trajs, tokenizer.pad_token_id, rewards)
 
 
+
+def assert_same_rl_step(single, group, batch, cfg, before) -> None:
+    """One RL step of `single` (1 rank) and `group` (N ranks) on `batch`: the same stats, the
+    weights moved from `before`, and the same updated weights within ATOL."""
+    want = single.rl_step(batch, cfg, l_max=8)
+    got = group.rl_step(batch, cfg, 8)
+    for key in ("loss", "grad_norm", "entropy", "clip_frac", "logp_mismatch_mean"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    after = flat(group.publisher.model)
+    assert (after - before).abs().max() > 1e-4  # the weights moved
+    assert torch.allclose(after, flat(single.model), atol=ATOL)
+
+
 def flat(model):
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
@@ -147,13 +160,7 @@ def test_two_ranks_equal_one_rank_on_an_rl_step(group, tokenizer, aggregation):
     before = flat(single.model)
     for t in (single, group):
         t.set_optimizer(1e-3)
-    want = single.rl_step(batch, cfg, l_max=8)
-    got = group.rl_step(batch, cfg, 8)
-    for key in ("loss", "grad_norm", "entropy", "clip_frac", "logp_mismatch_mean"):
-        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
-    after = flat(group.publisher.model)
-    assert (after - before).abs().max() > 1e-4  # the weights moved
-    assert torch.allclose(after, flat(single.model), atol=ATOL)
+    assert_same_rl_step(single, group, batch, cfg, before)
 
 
 @pytest.mark.slow
