@@ -123,7 +123,8 @@ TILLER_SETS = ("--model", "--served-model-name", "--host", "--port", "--dtype",
 class VllmEngineConfig(EngineConfig):
     """vLLM servers (engine/vllm.py): started by tiller from their own Python environment
     (`bash scripts/setup.sh` builds .venv-vllm) and stopped at the end of the run, or attached
-    by URL; routed like engine.backend http; full weight updates from disk after each step."""
+    by URL; routed like engine.backend http; full weight updates after each step, from disk or
+    through shared memory (weight_transfer)."""
 
     backend: Literal["vllm"] = Field("vllm", description=BACKEND)
     urls: list[str] = Field(

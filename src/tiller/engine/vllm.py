@@ -21,7 +21,9 @@ marked down, bounded waits) speaking vLLM's API instead of SGLang's:
   of the embedding alone leaves vLLM's lm_head stale), then per server `GET /weight_info` (a
   server whose version is not the one tiller set last restarted: marked down, counted in
   `servers_restarted`, and it takes this push and rejoins), `/pause`, `POST /collective_rpc`
-  `reload_weights(weights_path=...)`, `POST /reset_prefix_cache?reset_running_requests=true`
+  `reload_weights(weights_path=...)` (with `transfer` shm instead: the update in one /dev/shm
+  segment, `vllm_shm`, loaded by `/start_weight_update`, `/update_weights`,
+  `/finish_weight_update`), `POST /reset_prefix_cache?reset_running_requests=true`
   (else KV computed by the old weights is reused), `POST /update_weight_version` and its read-back
   from `/weight_info`; `/resume` is always sent at the end (a failed or timed-out step must not
   leave the server paused; a resume that fails marks the server down, counted in

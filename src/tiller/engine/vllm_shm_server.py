@@ -19,8 +19,10 @@ initialised, `model.load_weights` over views of the mapped file, finalised.
 
 from __future__ import annotations
 
+import mmap
 import os
 import stat
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -82,11 +84,11 @@ class TillerShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateI
             initialize_layerwise_reload,
         )
 
-        path, entries = checked_segment(update_info.info)
-        segment = torch.from_file(path, shared=False, size=entries[1], dtype=torch.uint8)
+        path, (entries, size) = checked_segment(update_info.info)
+        segment = mapped(path, size)
         initialize_layerwise_reload(self.model)
         with disable_mtp_completeness_check():
-            self.model.load_weights(views(segment, entries[0]))
+            self.model.load_weights(views(segment, entries))
         finalize_layerwise_reload(self.model, self.model_config)
 
     def shutdown(self) -> None:
@@ -108,6 +110,20 @@ def checked_segment(info: dict[str, Any]) -> tuple[str, tuple[list[Entry], int]]
     if not stat.S_ISREG(st.st_mode):
         raise ValueError(f"tiller shm segment {path}: not a regular file")
     return path, (read_manifest(info, st.st_size), st.st_size)
+
+
+def mapped(path: str, size: int) -> torch.Tensor:
+    """The first `size` bytes of the file at `path`, mapped read-only (a write would fault;
+    unmapped when the tensor and its views are freed). Read-only rather than
+    `torch.from_file(shared=False)`, which took 0.18-0.39 s against 0.14 s to copy 540 MB out
+    of /dev/shm here."""
+    if size == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with open(path, "rb") as f:
+        view = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+    with warnings.catch_warnings():  # "non-writable buffer": read-only on purpose
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(view, dtype=torch.uint8)
 
 
 def views(segment: torch.Tensor, entries: list[Entry]) -> Iterator[tuple[str, torch.Tensor]]:
