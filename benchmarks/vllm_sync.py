@@ -27,7 +27,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tiller.config import VllmEngineConfig
 from tiller.engine.updates import WeightUpdate
 from tiller.engine.vllm import VllmEngine, connect_vllm
-from tiller.engine.vllm_shm import remove_segment
 from tiller.models import build_tiny_model
 
 CORPUS = ["the calculator adds 1 + 2 = 3 and <tool_call> answers </tool_call>"] * 200
@@ -47,10 +46,8 @@ def push_times(engine: VllmEngine, model: torch.nn.Module, folder: Path, first: 
     totals, writes = [], []
     for i in range(repeats):
         update = WeightUpdate(first + i, {k: v.detach() for k, v in model.state_dict().items()})
+        # shm: the push writes into the segment this timed write left, as in a run
         writes.append(timed(lambda u=update: engine._save(u, folder / "probe")))
-        if engine._segment is not None:  # the timed write's segment; the push writes its own
-            remove_segment(engine._segment["path"])
-            engine._segment = None
         totals.append(timed(lambda u=update: engine.update_weights(u)))
     return totals, writes
 

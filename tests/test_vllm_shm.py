@@ -85,7 +85,9 @@ def shm_served(tmp_path_factory: pytest.TempPathFactory):
     try:
         yield engine, model
     finally:
+        last = engine._segment
         engine.close()
+    assert last is not None and not Path(last["path"]).exists()  # removed at close
 
 
 def perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -115,10 +117,14 @@ def test_a_push_through_shared_memory_keeps_parity_and_sets_the_version(shm_serv
     new = perturbed(model, 1)
     before = segments()
     assert engine.update_weights(WeightUpdate(1, new.state_dict())) == 1
-    assert segments() == before  # removed after the push
     assert parity(engine, new) < 1e-4 and parity(engine, model) > 1e-2
     info = engine._call(engine._post(engine.servers[0], "/weight_info"), "weight_info")
     assert info == {"weight_version": "1"}
+    kept = Path(engine._segment["path"])  # kept: the next push writes into it
+    assert segments() == before | {kept.name}
+    assert engine.update_weights(WeightUpdate(2, model.state_dict())) == 2
+    assert Path(engine._segment["path"]) == kept and segments() == before | {kept.name}
+    assert parity(engine, model) < 1e-4
 
 
 @pytest.mark.integration
@@ -131,8 +137,8 @@ def test_a_bad_segment_is_one_line_and_the_server_keeps_the_old_weights(
     held = engine.version
     real = vllm_mod.write_segment
 
-    def damaged(tensors: dict[str, torch.Tensor]) -> dict:
-        info = real(tensors)
+    def damaged(tensors: dict[str, torch.Tensor], **kw: object) -> dict:
+        info = real(tensors, **kw)
         if damage == "missing":
             os.unlink(info["path"])
         else:
@@ -140,13 +146,13 @@ def test_a_bad_segment_is_one_line_and_the_server_keeps_the_old_weights(
         return info
 
     monkeypatch.setattr(vllm_mod, "write_segment", damaged)
-    before = segments()
+    before = segments() - {Path(engine._segment["path"]).name}  # the failed write's
     with pytest.raises(RunError) as raised:
         engine.update_weights(WeightUpdate(held + 1, perturbed(model, 2).state_dict()))
     message = str(raised.value)
     assert "\n" not in message and engine.servers[0].url in message
     assert ("FileNotFoundError" if damage == "missing" else "the manifest says") in message
-    assert segments() == before and engine.version == held
+    assert segments() == before and engine._segment is None and engine.version == held
     assert parity(engine, model) < 1e-4  # still the old weights, and serving
     monkeypatch.setattr(vllm_mod, "write_segment", real)
     new = perturbed(model, 3)

@@ -105,7 +105,7 @@ class VllmEngine(HttpEngine):
         super().__init__(urls, weights_dir=weights_dir, dialect=VLLM, **kwargs)
         self.shapes = shapes
         self.transfer = transfer  # engine.weight_transfer: disk | shm
-        self._segment: dict[str, Any] | None = None  # shm: the pushed segment's info
+        self._segment: dict[str, Any] | None = None  # shm: the last push's segment
         self.counters.update(servers_restarted=0, resume_failures=0)
         self._versioned: set[str] = set()  # servers whose weight version tiller set
 
@@ -214,20 +214,33 @@ class VllmEngine(HttpEngine):
             tensors[n] = t.clone() if t.data_ptr() in seen else t
             seen.add(t.data_ptr())
         if self.transfer == "shm":
-            self._segment = write_segment(tensors)
+            # a write that fails leaves `_segment` set: `update_weights` removes the file
+            reuse = self._segment["path"] if self._segment else None
+            self._segment = write_segment(tensors, reuse=reuse)
         else:
             save_file(tensors, str(folder / "model.safetensors"))
 
     def update_weights(self, update: WeightUpdate | DeltaUpdate, *, in_flight: str = "continue",
                        timeout_s: float | None = None) -> int:
-        """`HttpEngine.update_weights`; with `transfer` shm the segment is removed after the
-        push whatever happened (success, an error, Ctrl-C)."""
+        """`HttpEngine.update_weights`; with `transfer` shm the segment is kept for the next
+        push's write after a success, and removed after an error or Ctrl-C (a server still
+        reading it keeps its mapping; the next push writes a new file) and at `close`."""
         try:
             return super().update_weights(update, in_flight=in_flight, timeout_s=timeout_s)
+        except BaseException:
+            self._drop_segment()
+            raise
+
+    def _drop_segment(self) -> None:
+        if self._segment is not None:
+            remove_segment(self._segment["path"])
+            self._segment = None
+
+    def close(self) -> None:
+        try:
+            self._drop_segment()
         finally:
-            if self._segment is not None:
-                remove_segment(self._segment["path"])
-                self._segment = None
+            super().close()
 
     async def _push(self, server: Server, *, update: WeightUpdate | DeltaUpdate, body: dict,
                     timeout_s: float | None) -> bool:

@@ -7,8 +7,10 @@ weight-transfer API (`/start_weight_update`, `/update_weights`, `/finish_weight_
 server-side engine (`vllm_shm_server.TillerShmWeightTransferEngine`, registered with vLLM's
 `WeightTransferEngineFactory` as `tiller_shm` by a `vllm.general_plugins` entry point) checks
 the manifest against the segment with `read_manifest`, maps the file and loads the tensors
-through the model's `load_weights`. The trainer removes the segment after the push, whatever
-happened (`write_segment` / `remove_segment`).
+through the model's `load_weights`. The trainer writes the next push into the same segment
+(tmpfs pages already allocated: writing into a fresh file took as long as safetensors to disk)
+and removes it when a push fails or is interrupted and when the engine closes
+(`write_segment` / `remove_segment`).
 
 This module imports no vLLM: the trainer uses it, and so does the server-side engine.
 """
@@ -64,15 +66,19 @@ def layout(tensors: dict[str, torch.Tensor]) -> tuple[list[Entry], int]:
     return entries, end
 
 
-def write_segment(tensors: dict[str, torch.Tensor], folder: Path = SHM_DIR
-                  ) -> dict[str, Any]:
-    """Write `tensors` into a new file of `folder` (mode 0600, a name no other process holds)
-    and return the `/update_weights` info: {"path", "size", "names", "dtypes", "shapes",
-    "offsets"}. The file is removed when the write fails (e.g. tmpfs full)."""
+def write_segment(tensors: dict[str, torch.Tensor], folder: Path = SHM_DIR,
+                  reuse: str | None = None) -> dict[str, Any]:
+    """Write `tensors` into the segment at `reuse` (the last push's: its pages are allocated,
+    so the write is a copy only) or a new file of `folder` (mode 0600, a name no other process
+    holds) and return the `/update_weights` info: {"path", "size", "names", "dtypes",
+    "shapes", "offsets"}. The file is removed when the write fails (e.g. tmpfs full)."""
     entries, size = layout(tensors)
-    fd, path = tempfile.mkstemp(prefix="tiller-weights-", dir=folder)
+    if reuse is not None:
+        fd, path = os.open(reuse, os.O_RDWR), reuse
+    else:
+        fd, path = tempfile.mkstemp(prefix="tiller-weights-", dir=folder)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "r+b") as f:
             for e, t in zip(entries, tensors.values(), strict=True):
                 f.seek(e.offset)
                 f.write(t.detach().contiguous().view(-1).view(torch.uint8).numpy())

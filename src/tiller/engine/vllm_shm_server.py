@@ -120,7 +120,10 @@ def mapped(path: str, size: int) -> torch.Tensor:
     if size == 0:
         return torch.empty(0, dtype=torch.uint8)
     with open(path, "rb") as f:
-        view = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+        # populated at once: faulting in each page of a fresh tmpfs file took 0.31 s of
+        # copying 540 MB out, against 0.09 s populated
+        view = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                         prot=mmap.PROT_READ)
     with warnings.catch_warnings():  # "non-writable buffer": read-only on purpose
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(view, dtype=torch.uint8)
