@@ -15,18 +15,20 @@ from test_vllm_engine import cfg, tiny, trainer_logprobs
 from transformers import AutoModelForCausalLM
 
 from tiller.engine import vllm as vllm_mod
+from tiller.engine import vllm_shm
 from tiller.engine.updates import WeightUpdate
-from tiller.engine.vllm import connect_vllm
+from tiller.engine.vllm import connect_vllm, default_python, server_specs
 from tiller.engine.vllm_shm import (
     ALIGN,
     MAX_TENSORS,
     SHM_DIR,
     layout,
+    plugin_installed,
     read_manifest,
     remove_segment,
     write_segment,
 )
-from tiller.errors import RunError
+from tiller.errors import ConfigError, RunError
 
 
 def segments() -> set[str]:
@@ -67,6 +69,25 @@ def test_the_manifest_is_checked_against_the_segment_before_anything_is_read() -
     for change, size, message in bad:
         with pytest.raises(ValueError, match=message.replace("(", r"\(")):
             read_manifest({**info, **change}, size)
+
+
+@pytest.mark.integration  # runs the vLLM env's Python
+def test_a_vllm_env_without_the_plugin_is_one_config_line(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """The check runs in the vLLM env with the servers' environment; an entry point of another
+    value stands for one not installed. Nothing is started."""
+    env = server_specs("python", tmp_path, 1, max_context=64, dtype="float32",
+                       kv_cache_bytes=1 << 20, threads=1, extra_args=[], transfer="shm")[0].env
+    assert plugin_installed(str(default_python()), env)  # installed by scripts/setup.sh
+    monkeypatch.setattr(vllm_shm, "ENTRY_POINT", "tiller.engine.vllm_shm_server:missing")
+    _, model, tok = tiny(tmp_path / "m", heads=4)
+    with pytest.raises(ConfigError, match=r"^config field engine.weight_transfer: shm needs "
+                       r"tiller's vLLM plugin \(entry point tiller_shm\) in .*python's "
+                       r"environment; install it with `bash scripts/setup.sh` or use disk$"):
+        connect_vllm(cfg(weight_transfer="shm"), model, tok, run_dir=tmp_path / "run",
+                     initial=WeightUpdate.full(model, 0), dtype="float32")
+    assert not (tmp_path / "run").exists()  # nothing saved, nothing started
 
 
 def test_a_failed_write_leaves_no_segment() -> None:

@@ -63,7 +63,7 @@ from tiller.engine.http import _SKIPPED, HEALTH_TIMEOUT_S, HttpEngine, Server, S
 from tiller.engine.servers import Launched, Launcher, ManagedServers, ServerSpec, last_line
 from tiller.engine.updates import WeightSyncError, WeightUpdate
 from tiller.engine.vllm_shm import BACKEND as SHM_BACKEND
-from tiller.engine.vllm_shm import SHM_DIR, remove_segment, write_segment
+from tiller.engine.vllm_shm import SHM_DIR, plugin_installed, remove_segment, write_segment
 from tiller.engine.wire import TillerDialect, short
 from tiller.errors import ConfigError, RunError
 
@@ -476,13 +476,18 @@ def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, 
                               "vLLM environment with `bash scripts/setup.sh` or point "
                               "engine.python at a Python that has vllm")
         model_dir = run_dir / "vllm-model"
+        specs = server_specs(str(python), model_dir, cfg.servers, max_context=max_context,
+                             dtype=dtype, kv_cache_bytes=cfg.kv_cache_bytes,
+                             threads=cfg.threads, extra_args=cfg.extra_args,
+                             transfer=cfg.weight_transfer)
+        if cfg.weight_transfer == "shm" and not plugin_installed(str(python), specs[0].env):
+            raise ConfigError(f"config field engine.weight_transfer: shm needs tiller's vLLM "
+                              f"plugin (entry point tiller_shm) in {python}'s environment; "
+                              "install it with `bash scripts/setup.sh` or use disk")
         model.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
-        managed = launch(
-            server_specs(str(python), model_dir, cfg.servers, max_context=max_context,
-                         dtype=dtype, kv_cache_bytes=cfg.kv_cache_bytes, threads=cfg.threads,
-                         extra_args=cfg.extra_args, transfer=cfg.weight_transfer),
-            log_dir=run_dir / "servers", startup_timeout_s=cfg.startup_timeout_s)
+        managed = launch(specs, log_dir=run_dir / "servers",
+                         startup_timeout_s=cfg.startup_timeout_s)
         urls = managed.start()
     try:
         engine = VllmEngine(urls, weights_dir=cfg.weights_dir or run_dir / "weights",

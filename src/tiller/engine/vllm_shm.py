@@ -18,6 +18,7 @@ This module imports no vLLM: the trainer uses it, and so does the server-side en
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 BACKEND = "tiller_shm"  # the name in vLLM's factory and in --weight-transfer-config
+ENTRY_POINT = "tiller.engine.vllm_shm_server:register"  # pyproject.toml's vllm.general_plugins
 SHM_DIR = Path("/dev/shm")
 ALIGN = 64  # bytes; every tensor starts at a multiple of it (any dtype view is aligned)
 MAX_TENSORS = 100_000  # manifest entries the server reads at most
@@ -89,6 +91,18 @@ def write_segment(tensors: dict[str, torch.Tensor], folder: Path = SHM_DIR,
     return {"path": path, "size": size, "names": [e.name for e in entries],
             "dtypes": [e.dtype for e in entries], "shapes": [list(e.shape) for e in entries],
             "offsets": [e.offset for e in entries]}
+
+
+def plugin_installed(python: str, env: dict[str, str]) -> bool:
+    """Whether `python` (run with `env`) sees tiller's `vllm.general_plugins` entry point, which
+    registers `BACKEND` in vLLM's factory (scripts/setup.sh installs it); without it a server
+    started with `BACKEND` fails at start-up with vLLM's "Invalid weight transfer backend"."""
+    code = ("import sys; from importlib.metadata import entry_points as e; sys.exit(0 if any("
+            f"p.name == {BACKEND!r} and p.value == {ENTRY_POINT!r} "
+            "for p in e(group='vllm.general_plugins')) else 3)")
+    done = subprocess.run([python, "-c", code], env={**os.environ, **env}, timeout=60,
+                          stdin=subprocess.DEVNULL, capture_output=True)
+    return done.returncode == 0
 
 
 def remove_segment(path: str) -> None:
