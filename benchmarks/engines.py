@@ -19,7 +19,8 @@ Per cell (model x backend), fp32, temperature 1:
            (request building, answer checks, thread hops); over the multi-turn run.
   vs hf    the cell's tokens/s over HF's on the same model in this run.
 Weight sync (`--sync`, needs vllm in the backends): a full push into the vLLM server
-(`VllmEngine.update_weights` through a folder on disk, benchmarks/vllm_sync.py's `push_times`)
+(`VllmEngine.update_weights`, benchmarks/vllm_sync.py's `push_times`) from a folder on disk and
+through a /dev/shm segment (`engine.weight_transfer: shm`), alternating on the same server,
 against `save_pretrained` of the same model to local disk; medians of --repeats, per model.
 RL step (`--rl-steps N`): `tiller train` of configs/calculator.yaml (heads 4: head_dim 32) with a
 short SFT and N RL steps per backend; the per-step rollout/train/sync seconds from metrics.jsonl.
@@ -152,8 +153,10 @@ def start(backend: str, model: Any, tok: Any, path: Path, run_dir: Path) -> Any:
                        max_context=model.config.max_position_embeddings, initial=initial,
                        dtype="float32", root=run_dir, managed=managed)
     if backend == "vllm":
-        return connect_vllm(VllmEngineConfig(kv_cache_bytes=512 << 20, startup_timeout_s=600),
-                            model, tok, run_dir=run_dir, initial=initial, dtype="float32")
+        # tiller_shm on the server too: --sync times pushes from disk and through shm on it
+        cfg = VllmEngineConfig(kv_cache_bytes=512 << 20, startup_timeout_s=600,
+                               weight_transfer="shm")
+        return connect_vllm(cfg, model, tok, run_dir=run_dir, initial=initial, dtype="float32")
     return None
 
 
@@ -231,13 +234,22 @@ def cell(name: str, backend: str, args: argparse.Namespace, sync: dict) -> dict[
 
 
 def sync_times(engine: Any, model: Any, run_dir: Path, args: argparse.Namespace) -> dict:
-    """Median seconds of a full push into vLLM and of `save_pretrained` to local disk."""
+    """Median seconds of `save_pretrained` to local disk and of a full push into vLLM from
+    disk and through shm (`engine.weight_transfer`), the two alternating, same server."""
     med = statistics.median
     save = [vllm_sync.timed(lambda: model.save_pretrained(run_dir / "hf-save"))
             for _ in range(args.repeats)]
-    push, write = vllm_sync.push_times(engine, model, run_dir / "weights", 1, args.repeats)
-    return {"save_s": med(save), "push_s": med(push), "write_s": med(write),
-            "ratio": med(push) / med(save)}
+    times: dict[str, tuple[list[float], list[float]]] = {"disk": ([], []), "shm": ([], [])}
+    for i in range(args.repeats):
+        for j, transfer in enumerate(times):
+            push, write = vllm_sync.push_times(engine, model, run_dir / "weights",
+                                               1 + 2 * i + j, 1, transfer)
+            times[transfer][0].extend(push)
+            times[transfer][1].extend(write)
+    out = {"save_s": med(save)}
+    for transfer, (push, write) in times.items():
+        out |= {f"{transfer}_push_s": med(push), f"{transfer}_write_s": med(write)}
+    return out
 
 
 def rl_steps(backend: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -268,10 +280,12 @@ def tables(rows: list[dict], sync: dict) -> str:
                    f"{r['multi_tok_s']:.0f} | {vs(r, 'multi_tok_s')} | {r['turns']:.1f} | "
                    f"{share} |")
     if sync:
-        out += ["", "| model | save_pretrained s | vLLM push s | of which write s | push / save |",
-                "|---|---|---|---|---|"]
-        out += [f"| {m} | {s['save_s']:.3f} | {s['push_s']:.3f} | {s['write_s']:.3f} | "
-                f"{s['ratio']:.2f}x |" for m, s in sync.items()]
+        out += ["", "| model | save_pretrained s | disk push s (write) | shm push s (write) | "
+                "disk / save | shm / save | shm / disk |", "|---|---|---|---|---|---|---|"]
+        out += [f"| {m} | {s['save_s']:.3f} | {s['disk_push_s']:.3f} ({s['disk_write_s']:.3f}) | "
+                f"{s['shm_push_s']:.3f} ({s['shm_write_s']:.3f}) | "
+                f"{s['disk_push_s'] / s['save_s']:.2f}x | {s['shm_push_s'] / s['save_s']:.2f}x | "
+                f"{s['shm_push_s'] / s['disk_push_s']:.2f}x |" for m, s in sync.items()]
     return "\n".join(out)
 
 

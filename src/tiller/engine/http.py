@@ -152,10 +152,18 @@ class HttpEngine:
         if r.status_code in DOWN_STATUSES:
             raise ServerDown(f"HTTP {r.status_code}: {short(text)}")
         if r.status_code == 500 and path != "/health":
-            try:  # the request broke something, or the server is breaking down?
-                await self._post(server, "/health", timeout=HEALTH_TIMEOUT_S)
-            except (ServerDown, RunError) as e:
-                raise ServerDown(f"HTTP 500: {short(text)}; then /health: {e}") from e
+            # the request broke something, or the server is breaking down? A second try on a
+            # transport error: after an exception uvicorn closes the connection its 500 came
+            # on, and httpx may hand /health that connection (ReadError, server healthy)
+            for attempt in (1, 2):
+                try:
+                    await self._post(server, "/health", timeout=HEALTH_TIMEOUT_S)
+                    break
+                except (ServerDown, RunError) as e:
+                    cause = e.__cause__  # a timeout is not retried
+                    if attempt == 2 or not isinstance(cause, httpx.TransportError) \
+                            or isinstance(cause, httpx.TimeoutException):
+                        raise ServerDown(f"HTTP 500: {short(text)}; then /health: {e}") from e
         if r.status_code == 404 and missing_ok:
             return None
         if r.status_code >= 400:

@@ -21,7 +21,9 @@ marked down, bounded waits) speaking vLLM's API instead of SGLang's:
   of the embedding alone leaves vLLM's lm_head stale), then per server `GET /weight_info` (a
   server whose version is not the one tiller set last restarted: marked down, counted in
   `servers_restarted`, and it takes this push and rejoins), `/pause`, `POST /collective_rpc`
-  `reload_weights(weights_path=...)`, `POST /reset_prefix_cache?reset_running_requests=true`
+  `reload_weights(weights_path=...)` (with `transfer` shm instead: the update in one /dev/shm
+  segment, `vllm_shm`, loaded by `/start_weight_update`, `/update_weights`,
+  `/finish_weight_update`), `POST /reset_prefix_cache?reset_running_requests=true`
   (else KV computed by the old weights is reused), `POST /update_weight_version` and its read-back
   from `/weight_info`; `/resume` is always sent at the end (a failed or timed-out step must not
   leave the server paused; a resume that fails marks the server down, counted in
@@ -40,8 +42,10 @@ weights it restarted with. These endpoints need `VLLM_SERVER_DEV_MODE=1`.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -58,6 +62,8 @@ from tiller.engine.delta import DeltaUpdate
 from tiller.engine.http import _SKIPPED, HEALTH_TIMEOUT_S, HttpEngine, Server, ServerDown
 from tiller.engine.servers import Launched, Launcher, ManagedServers, ServerSpec, last_line
 from tiller.engine.updates import WeightSyncError, WeightUpdate
+from tiller.engine.vllm_shm import BACKEND as SHM_BACKEND
+from tiller.engine.vllm_shm import SHM_DIR, plugin_installed, remove_segment, write_segment
 from tiller.engine.wire import TillerDialect, short
 from tiller.errors import ConfigError, RunError
 
@@ -95,9 +101,11 @@ class VllmEngine(HttpEngine):
     from (an update must match them)."""
 
     def __init__(self, urls: list[str], *, weights_dir: str | Path,
-                 shapes: dict[str, tuple[int, ...]], **kwargs: Any):
+                 shapes: dict[str, tuple[int, ...]], transfer: str = "disk", **kwargs: Any):
         super().__init__(urls, weights_dir=weights_dir, dialect=VLLM, **kwargs)
         self.shapes = shapes
+        self.transfer = transfer  # engine.weight_transfer: disk | shm
+        self._segment: dict[str, Any] | None = None  # shm: the last push's segment
         self.counters.update(servers_restarted=0, resume_failures=0)
         self._versioned: set[str] = set()  # servers whose weight version tiller set
 
@@ -196,7 +204,7 @@ class VllmEngine(HttpEngine):
         if problems:
             raise WeightSyncError(f"weight update v{update.version} does not fit the vLLM "
                                   f"servers' model (not sent): {'; '.join(problems[:8])}")
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)  # shm: empty, kept for the push's bookkeeping
         # each name its own storage: safetensors refuses shared ones, and vLLM must get lm_head
         # (tied to the embedding) as a tensor of its own; only the second name is copied
         seen: set[int] = set()
@@ -205,7 +213,34 @@ class VllmEngine(HttpEngine):
             t = t.detach().contiguous()
             tensors[n] = t.clone() if t.data_ptr() in seen else t
             seen.add(t.data_ptr())
-        save_file(tensors, str(folder / "model.safetensors"))
+        if self.transfer == "shm":
+            # a write that fails leaves `_segment` set: `update_weights` removes the file
+            reuse = self._segment["path"] if self._segment else None
+            self._segment = write_segment(tensors, reuse=reuse)
+        else:
+            save_file(tensors, str(folder / "model.safetensors"))
+
+    def update_weights(self, update: WeightUpdate | DeltaUpdate, *, in_flight: str = "continue",
+                       timeout_s: float | None = None) -> int:
+        """`HttpEngine.update_weights`; with `transfer` shm the segment is kept for the next
+        push's write after a success, and removed after an error or Ctrl-C (a server still
+        reading it keeps its mapping; the next push writes a new file) and at `close`."""
+        try:
+            return super().update_weights(update, in_flight=in_flight, timeout_s=timeout_s)
+        except BaseException:
+            self._drop_segment()
+            raise
+
+    def _drop_segment(self) -> None:
+        if self._segment is not None:
+            remove_segment(self._segment["path"])
+            self._segment = None
+
+    def close(self) -> None:
+        try:
+            self._drop_segment()
+        finally:
+            super().close()
 
     async def _push(self, server: Server, *, update: WeightUpdate | DeltaUpdate, body: dict,
                     timeout_s: float | None) -> bool:
@@ -270,8 +305,13 @@ class VllmEngine(HttpEngine):
         """Reload the weights at `path`, drop the KV of the old ones, set and read back the
         version; a RunError naming the server where vLLM answers otherwise."""
         v = update.version
-        await step("/collective_rpc", {"method": "reload_weights",
-                                       "kwargs": {"weights_path": path}})
+        if self.transfer == "shm":  # vllm_shm: the whole update in one /update_weights
+            await step("/start_weight_update", {})
+            await step("/update_weights", {"update_info": self._segment})
+            await step("/finish_weight_update", {})
+        else:
+            await step("/collective_rpc", {"method": "reload_weights",
+                                           "kwargs": {"weights_path": path}})
         answer = await step("/reset_prefix_cache?reset_running_requests=true", {})
         if not (isinstance(answer, dict) and answer.get("success") is True):
             raise RunError(f"weight push v{v}: server {server.url} answered /reset_prefix_cache "
@@ -319,14 +359,21 @@ class VllmEngine(HttpEngine):
 
 
 def server_specs(python: str, model_dir: Path, count: int, *, max_context: int, dtype: str,
-                 kv_cache_bytes: int, threads: int, extra_args: list[str]) -> list[ServerSpec]:
-    """The commands of `count` managed vLLM servers of the model saved in `model_dir`."""
+                 kv_cache_bytes: int, threads: int, extra_args: list[str],
+                 transfer: str = "disk") -> list[ServerSpec]:
+    """The commands of `count` managed vLLM servers of the model saved in `model_dir`; with
+    `transfer` shm each loads pushes through tiller's `tiller_shm` weight-transfer engine,
+    imported from this tiller's source (first on the server's PYTHONPATH)."""
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", "{port}",
             "--dtype", dtype, "--max-model-len", str(max_context),
             "--kv-cache-memory-bytes", str(kv_cache_bytes), "--enforce-eager",
             "--logprobs-mode", "processed_logprobs", "--no-enable-chunked-prefill", *extra_args]
     env = {**SERVER_ENV, "OMP_NUM_THREADS": str(threads)}
+    if transfer == "shm":
+        argv += ["--weight-transfer-config", json.dumps({"backend": SHM_BACKEND})]
+        src = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
     return [ServerSpec(f"vllm-{i}", argv, env) for i in range(count)]
 
 
@@ -419,6 +466,9 @@ def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, 
     max_context = min(max_context, context or max_context)
     managed: Launched | None = None
     urls = list(cfg.urls)
+    if cfg.weight_transfer == "shm" and not SHM_DIR.is_dir():
+        raise ConfigError(f"config field engine.weight_transfer: shm needs {SHM_DIR}, which "
+                          "this machine lacks; use disk")
     if not urls:
         python = Path(cfg.python) if cfg.python else default_python()
         if not python.is_file():
@@ -426,18 +476,24 @@ def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, 
                               "vLLM environment with `bash scripts/setup.sh` or point "
                               "engine.python at a Python that has vllm")
         model_dir = run_dir / "vllm-model"
+        specs = server_specs(str(python), model_dir, cfg.servers, max_context=max_context,
+                             dtype=dtype, kv_cache_bytes=cfg.kv_cache_bytes,
+                             threads=cfg.threads, extra_args=cfg.extra_args,
+                             transfer=cfg.weight_transfer)
+        if cfg.weight_transfer == "shm" and not plugin_installed(str(python), specs[0].env):
+            raise ConfigError(f"config field engine.weight_transfer: shm needs tiller's vLLM "
+                              f"plugin (entry point tiller_shm) in {python}'s environment; "
+                              "install it with `bash scripts/setup.sh` or use disk")
         model.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
-        managed = launch(
-            server_specs(str(python), model_dir, cfg.servers, max_context=max_context,
-                         dtype=dtype, kv_cache_bytes=cfg.kv_cache_bytes, threads=cfg.threads,
-                         extra_args=cfg.extra_args),
-            log_dir=run_dir / "servers", startup_timeout_s=cfg.startup_timeout_s)
+        managed = launch(specs, log_dir=run_dir / "servers",
+                         startup_timeout_s=cfg.startup_timeout_s)
         urls = managed.start()
     try:
         engine = VllmEngine(urls, weights_dir=cfg.weights_dir or run_dir / "weights",
                             root=None if cfg.weights_dir else run_dir, shapes=shapes,
-                            managed=managed, request_timeout_s=cfg.request_timeout_s,
+                            transfer=cfg.weight_transfer, managed=managed,
+                            request_timeout_s=cfg.request_timeout_s,
                             max_retries=cfg.max_retries)
     except BaseException:
         if managed is not None:

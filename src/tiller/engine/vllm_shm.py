@@ -1,0 +1,152 @@
+"""Weight pushes into vLLM through one shared-memory segment (`engine.weight_transfer: shm`).
+
+The trainer writes every tensor of a full update into one file on tmpfs (`/dev/shm`, pages in
+RAM: no disk, no safetensors header) at 64-byte-aligned offsets, and sends vLLM the segment's
+path and size and a manifest (name, dtype, shape, offset per tensor) through vLLM's
+weight-transfer API (`/start_weight_update`, `/update_weights`, `/finish_weight_update`). The
+server-side engine (`vllm_shm_server.TillerShmWeightTransferEngine`, registered with vLLM's
+`WeightTransferEngineFactory` as `tiller_shm` by a `vllm.general_plugins` entry point) checks
+the manifest against the segment with `read_manifest`, maps the file and loads the tensors
+through the model's `load_weights`. The trainer writes the next push into the same segment
+(tmpfs pages already allocated: writing into a fresh file took as long as safetensors to disk)
+and removes it when a push fails or is interrupted and when the engine closes
+(`write_segment` / `remove_segment`).
+
+This module imports no vLLM: the trainer uses it, and so does the server-side engine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BACKEND = "tiller_shm"  # the name in vLLM's factory and in --weight-transfer-config
+ENTRY_POINT = "tiller.engine.vllm_shm_server:register"  # pyproject.toml's vllm.general_plugins
+SHM_DIR = Path("/dev/shm")
+ALIGN = 64  # bytes; every tensor starts at a multiple of it (any dtype view is aligned)
+MAX_TENSORS = 100_000  # manifest entries the server reads at most
+MAX_NAME = 512  # characters of one tensor name
+MAX_NDIM = 8
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a segment: `nbytes` bytes at `offset`, viewed as `dtype` of `shape`."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * DTYPES[self.dtype].itemsize
+
+
+def layout(tensors: dict[str, torch.Tensor]) -> tuple[list[Entry], int]:
+    """The entries of `tensors` in order, each at the next multiple of `ALIGN`, and the
+    segment's size: offset_i = ceil((offset_{i-1} + nbytes_{i-1}) / ALIGN) * ALIGN."""
+    entries, end = [], 0
+    for name, t in tensors.items():
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in DTYPES:
+            raise ValueError(f"tensor {name}: dtype {dtype} cannot go through shared memory "
+                             f"(one of {', '.join(DTYPES)})")
+        offset = -(-end // ALIGN) * ALIGN
+        entries.append(Entry(name, dtype, tuple(t.shape), offset))
+        end = offset + entries[-1].nbytes
+    return entries, end
+
+
+def write_segment(tensors: dict[str, torch.Tensor], folder: Path = SHM_DIR,
+                  reuse: str | None = None) -> dict[str, Any]:
+    """Write `tensors` into the segment at `reuse` (the last push's: its pages are allocated,
+    so the write is a copy only) or a new file of `folder` (mode 0600, a name no other process
+    holds) and return the `/update_weights` info: {"path", "size", "names", "dtypes",
+    "shapes", "offsets"}. The file is removed when the write fails (e.g. tmpfs full)."""
+    entries, size = layout(tensors)
+    if reuse is not None:
+        fd, path = os.open(reuse, os.O_RDWR), reuse
+    else:
+        fd, path = tempfile.mkstemp(prefix="tiller-weights-", dir=folder)
+    try:
+        with os.fdopen(fd, "r+b") as f:
+            for e, t in zip(entries, tensors.values(), strict=True):
+                f.seek(e.offset)
+                f.write(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
+            f.truncate(size)
+    except BaseException:
+        remove_segment(path)
+        raise
+    return {"path": path, "size": size, "names": [e.name for e in entries],
+            "dtypes": [e.dtype for e in entries], "shapes": [list(e.shape) for e in entries],
+            "offsets": [e.offset for e in entries]}
+
+
+def plugin_installed(python: str, env: dict[str, str]) -> bool:
+    """Whether `python` (run with `env`) sees tiller's `vllm.general_plugins` entry point, which
+    registers `BACKEND` in vLLM's factory (scripts/setup.sh installs it); without it a server
+    started with `BACKEND` fails at start-up with vLLM's "Invalid weight transfer backend"."""
+    code = ("import sys; from importlib.metadata import entry_points as e; sys.exit(0 if any("
+            f"p.name == {BACKEND!r} and p.value == {ENTRY_POINT!r} "
+            "for p in e(group='vllm.general_plugins')) else 3)")
+    done = subprocess.run([python, "-c", code], env={**os.environ, **env}, timeout=60,
+                          stdin=subprocess.DEVNULL, capture_output=True)
+    return done.returncode == 0
+
+
+def remove_segment(path: str) -> None:
+    """Remove the segment at `path` (gone already is fine)."""
+    Path(path).unlink(missing_ok=True)
+
+
+def read_manifest(info: dict[str, Any], file_size: int) -> list[Entry]:
+    """The entries of an `/update_weights` info checked against the segment's `file_size`,
+    before anything is loaded: at most `MAX_TENSORS` entries, the lists of equal length, names
+    of at most `MAX_NAME` characters, known dtypes, shapes of at most `MAX_NDIM` non-negative
+    ints, aligned offsets, each tensor inside `size`, and `size` the file's size (a truncated
+    or grown segment is refused). Else one ValueError line."""
+    keys = ("path", "size", "names", "dtypes", "shapes", "offsets")
+    if not isinstance(info, dict) or set(info) != set(keys):
+        got = sorted(info) if isinstance(info, dict) else type(info).__name__
+        raise ValueError(f"tiller shm update info: expected keys {list(keys)}, got {got}")
+    size, names = info["size"], info["names"]
+    if not isinstance(names, list) or len(names) > MAX_TENSORS:
+        raise ValueError(f"tiller shm manifest: names must be a list of at most {MAX_TENSORS}")
+    if any(not isinstance(info[k], list) or len(info[k]) != len(names) for k in keys[3:]):
+        raise ValueError("tiller shm manifest: names, dtypes, shapes and offsets differ in "
+                         "length")
+    if not _is_int(size) or size != file_size:
+        raise ValueError(f"tiller shm segment {info['path']}: {file_size} bytes, the manifest "
+                         f"says {size}")
+    entries = []
+    for name, dtype, shape, offset in zip(names, info["dtypes"], info["shapes"],
+                                          info["offsets"], strict=True):
+        ok = (isinstance(name, str) and 0 < len(name) <= MAX_NAME and dtype in DTYPES
+              and isinstance(shape, list) and len(shape) <= MAX_NDIM
+              and all(_is_int(d) and d >= 0 for d in shape)
+              and _is_int(offset) and offset >= 0 and offset % ALIGN == 0)
+        if not ok:
+            raise ValueError(f"tiller shm manifest: bad entry {str(name)[:80]!r} (dtype "
+                             f"{str(dtype)[:20]}, shape {str(shape)[:40]}, offset "
+                             f"{str(offset)[:20]})")
+        entry = Entry(name, dtype, tuple(shape), offset)
+        if offset + entry.nbytes > size:
+            raise ValueError(f"tiller shm manifest: {name} ends at byte "
+                             f"{offset + entry.nbytes}, past the segment's {size}")
+        entries.append(entry)
+    return entries
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

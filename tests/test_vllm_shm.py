@@ -1,0 +1,181 @@
+"""`engine.weight_transfer: shm` (engine/vllm_shm.py, engine/vllm_shm_server.py): the segment
+layout and the manifest checks the server runs before loading, and pushes into a live vLLM CPU
+server (.venv-vllm) through tiller's `tiller_shm` weight-transfer engine: parity of vLLM's
+prompt logprobs with the trainer's after a push, the weight version read back, and a missing
+or truncated segment refused in one line with the server still serving the old weights."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from test_vllm_engine import cfg, tiny, trainer_logprobs
+from transformers import AutoModelForCausalLM
+
+from tiller.engine import vllm as vllm_mod
+from tiller.engine import vllm_shm
+from tiller.engine.updates import WeightUpdate
+from tiller.engine.vllm import connect_vllm, default_python, server_specs
+from tiller.engine.vllm_shm import (
+    ALIGN,
+    MAX_TENSORS,
+    SHM_DIR,
+    layout,
+    plugin_installed,
+    read_manifest,
+    remove_segment,
+    write_segment,
+)
+from tiller.errors import ConfigError, RunError
+
+
+def segments() -> set[str]:
+    return {p.name for p in SHM_DIR.glob("tiller-weights-*")}
+
+
+def test_a_segment_holds_each_tensor_at_an_aligned_offset_and_reads_back() -> None:
+    torch.manual_seed(0)
+    tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16),
+               "c": torch.randn(2, 2, 2).half()}
+    entries, size = layout(tensors)
+    assert [e.offset for e in entries] == [0, 64, 128] and size == 128 + 16
+    info = write_segment(tensors)
+    try:
+        assert os.stat(info["path"]).st_mode & 0o777 == 0o600
+        got = read_manifest(info, os.path.getsize(info["path"]))
+        raw = torch.from_file(info["path"], shared=False, size=size, dtype=torch.uint8)
+        for e, (name, t) in zip(got, tensors.items(), strict=True):
+            view = raw[e.offset:e.offset + e.nbytes].view(t.dtype).view(e.shape)
+            assert e.name == name and e.offset % ALIGN == 0 and torch.equal(view, t)
+    finally:
+        remove_segment(info["path"])
+    assert not Path(info["path"]).exists()
+
+
+def test_the_manifest_is_checked_against_the_segment_before_anything_is_read() -> None:
+    info = {"path": "/dev/shm/tiller-weights-x", "size": 128, "names": ["a", "b"],
+            "dtypes": ["float32", "float32"], "shapes": [[4], [16]], "offsets": [0, 64]}
+    assert [e.nbytes for e in read_manifest(info, 128)] == [16, 64]
+    bad = [({"size": 128}, 100, "100 bytes, the manifest says 128"),  # truncated
+           ({"offsets": [0, 128]}, 128, "b ends at byte 192, past the segment's 128"),
+           ({"offsets": [0, 60]}, 128, "bad entry 'b'"),
+           ({"dtypes": ["float32", "int64"]}, 128, "bad entry 'b'"),
+           ({"shapes": [[4], [-1]]}, 128, "bad entry 'b'"),
+           ({"names": ["a"]}, 128, "differ in length"),
+           ({"names": ["n"] * (MAX_TENSORS + 1)}, 128, "at most 100000"),
+           ({"extra": 1}, 128, "expected keys")]
+    for change, size, message in bad:
+        with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+            read_manifest({**info, **change}, size)
+
+
+@pytest.mark.integration  # runs the vLLM env's Python
+def test_a_vllm_env_without_the_plugin_is_one_config_line(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """The check runs in the vLLM env with the servers' environment; an entry point of another
+    value stands for one not installed. Nothing is started."""
+    env = server_specs("python", tmp_path, 1, max_context=64, dtype="float32",
+                       kv_cache_bytes=1 << 20, threads=1, extra_args=[], transfer="shm")[0].env
+    assert plugin_installed(str(default_python()), env)  # installed by scripts/setup.sh
+    monkeypatch.setattr(vllm_shm, "ENTRY_POINT", "tiller.engine.vllm_shm_server:missing")
+    _, model, tok = tiny(tmp_path / "m", heads=4)
+    with pytest.raises(ConfigError, match=r"^config field engine.weight_transfer: shm needs "
+                       r"tiller's vLLM plugin \(entry point tiller_shm\) in .*python's "
+                       r"environment; install it with `bash scripts/setup.sh` or use disk$"):
+        connect_vllm(cfg(weight_transfer="shm"), model, tok, run_dir=tmp_path / "run",
+                     initial=WeightUpdate.full(model, 0), dtype="float32")
+    assert not (tmp_path / "run").exists()  # nothing saved, nothing started
+
+
+def test_a_failed_write_leaves_no_segment() -> None:
+    before = segments()
+    with pytest.raises(ValueError, match="int64 cannot go through shared memory"):
+        write_segment({"a": torch.ones(2), "b": torch.ones(2, dtype=torch.int64)})
+    assert segments() == before
+
+
+@pytest.fixture(scope="module")
+def shm_served(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("vllm-shm")
+    _, model, tok = tiny(root / "m32", heads=4)
+    engine = connect_vllm(cfg(weight_transfer="shm"), model, tok, run_dir=root / "run",
+                          initial=WeightUpdate.full(model, 0), dtype="float32")
+    try:
+        yield engine, model
+    finally:
+        last = engine._segment
+        engine.close()
+    assert last is not None and not Path(last["path"]).exists()  # removed at close
+
+
+def perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    changed = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(seed)
+    for v in changed.values():
+        v += 0.05 * torch.randn_like(v)
+    new = AutoModelForCausalLM.from_config(model.config)
+    new.load_state_dict(changed)
+    return new.eval()
+
+
+PROBE = list(range(1, 40))
+
+
+def parity(engine: vllm_mod.VllmEngine, model: torch.nn.Module) -> float:
+    ours = trainer_logprobs(model, PROBE[:1], PROBE[1:], 1.0)
+    return float((torch.tensor(engine.score(PROBE)) - ours).abs().max())
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_push_through_shared_memory_keeps_parity_and_sets_the_version(shm_served) -> None:
+    engine, model = shm_served
+    assert "--weight-transfer-config" in engine.managed.specs[0].argv
+    assert parity(engine, model) < 1e-4
+    new = perturbed(model, 1)
+    before = segments()
+    assert engine.update_weights(WeightUpdate(1, new.state_dict())) == 1
+    assert parity(engine, new) < 1e-4 and parity(engine, model) > 1e-2
+    info = engine._call(engine._post(engine.servers[0], "/weight_info"), "weight_info")
+    assert info == {"weight_version": "1"}
+    kept = Path(engine._segment["path"])  # kept: the next push writes into it
+    assert segments() == before | {kept.name}
+    assert engine.update_weights(WeightUpdate(2, model.state_dict())) == 2
+    assert Path(engine._segment["path"]) == kept and segments() == before | {kept.name}
+    assert parity(engine, model) < 1e-4
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_a_bad_segment_is_one_line_and_the_server_keeps_the_old_weights(
+        shm_served, monkeypatch: pytest.MonkeyPatch, damage: str) -> None:
+    engine, model = shm_served
+    engine.update_weights(WeightUpdate(engine.version + 1, model.state_dict()))
+    held = engine.version
+    real = vllm_mod.write_segment
+
+    def damaged(tensors: dict[str, torch.Tensor], **kw: object) -> dict:
+        info = real(tensors, **kw)
+        if damage == "missing":
+            os.unlink(info["path"])
+        else:
+            os.truncate(info["path"], info["size"] // 2)
+        return info
+
+    monkeypatch.setattr(vllm_mod, "write_segment", damaged)
+    before = segments() - {Path(engine._segment["path"]).name}  # the failed write's
+    with pytest.raises(RunError) as raised:
+        engine.update_weights(WeightUpdate(held + 1, perturbed(model, 2).state_dict()))
+    message = str(raised.value)
+    assert "\n" not in message and engine.servers[0].url in message
+    assert ("FileNotFoundError" if damage == "missing" else "the manifest says") in message
+    assert segments() == before and engine._segment is None and engine.version == held
+    assert parity(engine, model) < 1e-4  # still the old weights, and serving
+    monkeypatch.setattr(vllm_mod, "write_segment", real)
+    new = perturbed(model, 3)
+    assert engine.update_weights(WeightUpdate(held + 1, new.state_dict())) == held + 1
+    assert parity(engine, new) < 1e-4
