@@ -8,10 +8,13 @@ A follower pushes nothing; it takes the pusher's view of the servers (`router_st
 (an answer sampled under it is fresh), and after it, each server's pushed version, the one
 before, its boot id and whether the push found it down. So a follower checks every answer's
 weight version and boot id as the pusher would (`HttpEngine._check_fresh`), and a server it
-marked down rejoins when the pusher's next push finds it up."""
+marked down stays down until a push that started after it saw it die finds it up (the pusher's
+state from a push that reached the server before it died says "up": not taken); then it rejoins,
+counted in `servers_rejoined`."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,8 @@ from typing import Any
 from tiller.config import Config
 from tiller.engine.http import HttpEngine
 from tiller.errors import RunError
+
+log = logging.getLogger(__name__)
 
 ADOPT_TIMEOUT_S = 30.0  # for the engine's loop to take a pushed state (it runs no long work)
 
@@ -34,9 +39,10 @@ def router_state(engine: HttpEngine, pending: int | None = None) -> dict[str, An
 def adopt(engine: HttpEngine, state: dict[str, Any]) -> None:
     """Take the pusher's `router_state`: with `pending`, only mark that version as being pushed
     to every server; else each server's versions, boot id and down mark, and the engine's
-    version (a server the push found up is up again: counted in `servers_rejoined`). Applied
-    on the engine's own loop, where answers are checked (`_check_fresh`), so no check sees a
-    server's versions half taken."""
+    version (a server this engine marked down is up again only when a push newer than the
+    version it was marked down at, `Server.dead_at`, found it up: counted in
+    `servers_rejoined`). Applied on the engine's own loop, where answers are checked
+    (`_check_fresh`), so no check sees a server's versions half taken."""
 
     async def apply() -> None:
         _apply(engine, state)
@@ -56,6 +62,11 @@ def _apply(engine: HttpEngine, state: dict[str, Any]) -> None:
         mine.version, mine.previous, mine.boot_id = t["version"], t["previous"], t["boot_id"]
         mine.pending = None
         if mine.down and not t["down"]:
+            if t["version"] <= mine.dead_at:  # that push reached it before this engine saw
+                log.info("engine server %s stays down: the pusher's last push (v%d) found it "
+                         "up before this engine saw it die (at v%d)", mine.url, t["version"],
+                         mine.dead_at)
+                continue
             engine.counters["servers_rejoined"] += 1
         mine.down, mine.last_error = t["down"], t["last_error"]
     if state["pending"] is None:
