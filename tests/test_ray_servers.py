@@ -6,6 +6,7 @@ and with no server left stops in one line. Every test leaves no Ray process behi
 
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -122,6 +123,81 @@ def test_a_server_that_exits_at_start_up_is_one_line_and_nothing_is_left(tmp_pat
     while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ray.available_resources().get("CPU", 0) == 2
+
+
+def left_on_ray(ray, timeout_s: float = 10.0) -> tuple[list[str], list[str]]:
+    """The actors not dead and the placement groups not removed, once the kills and removals
+    have landed (or after `timeout_s`): Ray's GCS tables (`ray.util.state` needs the
+    dashboard, which these tests do not start)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        actors = [a["ActorClassName"] for a in ray._private.state.actors().values()
+                  if a["State"] != "DEAD"]
+        groups = [g["name"] for g in ray.util.placement_group_table().values()
+                  if g["state"] != "REMOVED"]
+        if not (actors or groups) or time.monotonic() > deadline:
+            return actors, groups
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_a_server_actor_not_created_leaves_no_actor_or_group(tmp_path, local_ray):
+    """The 2nd of 2 actors cannot be created (its name is the 1st's): the 1st actor is killed
+    and the group removed before the one line naming the server."""
+    servers = RayServers([spec("serve-0"), spec("serve-0")], log_dir=tmp_path,
+                         startup_timeout_s=30, cpus=1)
+    with pytest.raises(RunError) as e:
+        servers.start()
+    assert "\n" not in str(e.value)
+    assert str(e.value).startswith("ray: engine server serve-0's actor was not created "
+                                   "(ActorAlreadyExistsError: The name tiller-server-serve-0-")
+    assert left_on_ray(local_ray) == ([], [])
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_a_rollout_worker_that_fails_to_start_leaves_no_actor_or_group(tmp_path, local_ray):
+    """Worker 1 of 2 raises in its constructor (its folder is a file): the start fails in one
+    line naming it and the error, with worker 0 killed and the group removed."""
+    from tiller.envs.calculator import CalculatorEnv
+    from tiller.rollout.ray_rollouts import RayWorkers
+
+    cfg = load_config("configs/calculator.yaml", [
+        *TINY_RUN, *HTTP, "cluster.rollout_workers=2", "engine.servers=1"])
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "worker1").write_text("not a folder")
+    with pytest.raises(RunError) as e:  # no server: a follower connects at its first request
+        RayWorkers(cfg, None, None, CalculatorEnv, None, None, tmp_path,
+                   servers=(["http://127.0.0.1:9"], 64))
+    assert "\n" not in str(e.value)
+    assert str(e.value).startswith("ray: rollout worker 1 failed to start (ActorDiedError: its "
+                                   "constructor raised FileExistsError: [Errno 17] File exists")
+    assert left_on_ray(local_ray) == ([], [])
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_a_group_the_cluster_cannot_place_fails_within_the_start_up_timeout(tmp_path,
+                                                                             local_ray):
+    """A server bundle of 3 CPUs on a 2-CPU cluster: the start fails after
+    engine.startup_timeout_s (not that plus the servers' start), naming the group and what it
+    asked for, and the group is removed."""
+    servers = RayServers([spec("serve-0")], log_dir=tmp_path, startup_timeout_s=3, cpus=3)
+    t0 = time.monotonic()
+    with pytest.raises(RunError) as e:
+        servers.start()
+    took = time.monotonic() - t0
+    assert 3 <= took < 6
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert re.fullmatch(r"ray: placement group tiller-1-engine-servers-[0-9a-f]{8} \(1 x \{CPU: "
+                        r"3, node:[0-9.]+: 0.001\}\) was not placed within 3s; the cluster has "
+                        r"\{.*CPU: 2.*\} free", msg), msg
+    assert left_on_ray(local_ray) == ([], [])
 
 
 def rows(run_dir: Path, phase: str) -> list[dict]:

@@ -45,7 +45,11 @@ class RayHttpWorkers(RayWorkers):
         assert engine.max_context is not None  # `connect` checked the servers
         super().__init__(cfg, None, tokenizer, env_cls, episode_fn, limits, run_dir,
                          servers=([s.url for s in engine.servers], engine.max_context))
-        self.adopt_all("start", router_state(engine), READY_TIMEOUT_S)
+        try:
+            self.adopt_all("start", router_state(engine), READY_TIMEOUT_S)
+        except BaseException:
+            self.release()  # the run's engine and its servers: closed by `ray_engine`
+            raise
         self.version = engine.version
 
     def bundle(self) -> dict[str, float]:
