@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import TINY_RUN, tiny_rl
 from test_http_engine import server_version, servers
 from test_ray import TESTS, no_ray_left, one_line_before_any_work  # noqa: F401 - a fixture
@@ -22,6 +23,7 @@ from test_vllm_demo import VLLM, served_from
 
 from tiller.config import load_config
 from tiller.controller import train
+from tiller.engine.factory import launcher
 from tiller.engine.ray_servers import RayServers
 from tiller.errors import RunError
 from tiller.observe.steps import ledger_unaccounted
@@ -54,12 +56,15 @@ def gone_within(pgid: int, seconds: float) -> bool:
 
 
 @pytest.fixture()
-def local_ray(no_ray_left):  # noqa: F811 - the fixture imported above
+def local_ray(no_ray_left, request):  # noqa: F811 - the fixture imported above
+    """A local Ray instance of 2 CPUs (and `request.param` GPUs it is told it has: Ray counts
+    them, and gives each actor that reserves one its CUDA_VISIBLE_DEVICES, GPU or not)."""
     import ray
 
     temp = tempfile.mkdtemp(prefix="tiller-ray-")
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
-             _temp_dir=temp, log_to_driver=False, configure_logging=False)
+    ray.init(num_cpus=2, num_gpus=getattr(request, "param", 0), include_dashboard=False,
+             object_store_memory=100 * 2**20, _temp_dir=temp, log_to_driver=False,
+             configure_logging=False)
     try:
         yield ray
     finally:
@@ -197,6 +202,48 @@ def test_a_group_the_cluster_cannot_place_fails_within_the_start_up_timeout(tmp_
     assert re.fullmatch(r"ray: placement group tiller-1-engine-servers-[0-9a-f]{8} \(1 x \{CPU: "
                         r"3, node:[0-9.]+: 0.001\}\) was not placed within 3s; the cluster has "
                         r"\{.*CPU: 2.*\} free", msg), msg
+    assert left_on_ray(local_ray) == ([], [])
+
+
+CUDA = "engine.gpus=1"  # a CUDA build of vLLM
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: nothing to refuse")
+def test_vllm_servers_on_cuda_without_a_gpu_stop_the_run(tmp_path):
+    msg = one_line_before_any_work(tmp_path, *VLLM, CUDA)
+    assert msg == ("config field engine.gpus: 1 vLLM server(s) of 1 GPU(s) need 1 GPU(s) under "
+                   "cluster.backend=ray; the Ray cluster has 0 (torch.cuda.device_count() here, "
+                   "which the local Ray instance also finds)")
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("local_ray", [1], indirect=True)
+def test_a_server_on_cuda_is_placed_with_a_gpu(tmp_path, local_ray):
+    """vLLM on CUDA (engine.gpus=1) under ray: each server's bundle reserves a GPU (1 GPU
+    declared to the local instance; no GPU here), the server process gets it as
+    CUDA_VISIBLE_DEVICES; `tiller serve` (CPU only), vLLM on CPU, or vLLM under
+    cluster.backend local reserve none."""
+    base = [*TINY_RUN, "cluster.backend=ray", *VLLM]
+    assert launcher(load_config("configs/calculator.yaml", [*base, CUDA])).keywords == {
+        "cpus": 1, "gpus": 1}
+    for other in (base, [*TINY_RUN, *HTTP, "engine.servers=1"], [*TINY_RUN, *VLLM, CUDA]):
+        assert load_config("configs/calculator.yaml", other).server_gpus == 0
+    servers = RayServers([spec("serve-0")], log_dir=tmp_path, startup_timeout_s=30, cpus=1,
+                         gpus=1)
+    servers.start()
+    try:
+        (group,) = local_ray.util.placement_group_table().values()
+        assert [{k: v for k, v in b.items() if not k.startswith("node:")}
+                for b in group["bundles"].values()] == [{"CPU": 1.0, "GPU": 1.0}]
+        assert local_ray.available_resources().get("GPU", 0) == 0
+        pid = local_ray.get(servers.actors[0].pid.remote(), timeout=30)
+        env = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text()
+                   .split("\0") if "=" in v)
+        assert env["CUDA_VISIBLE_DEVICES"] == "0"
+    finally:
+        servers.close()
     assert left_on_ray(local_ray) == ([], [])
 
 
