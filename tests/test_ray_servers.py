@@ -16,14 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import TINY_RUN, tiny_rl
-from test_http_engine import server_version, servers
+from test_http_engine import GENERATED, recorders, server_version, servers, url
 from test_ray import TESTS, no_ray_left, one_line_before_any_work  # noqa: F401 - a fixture
 from test_servers import spec
 from test_vllm_demo import VLLM, served_from
 
 from tiller.config import load_config
 from tiller.controller import train
+from tiller.engine.api import SamplingParams
 from tiller.engine.factory import launcher
+from tiller.engine.follower import Followed, run_api_key
+from tiller.engine.http import HttpEngine
 from tiller.engine.ray_servers import RayServers
 from tiller.errors import RunError
 from tiller.observe.steps import ledger_unaccounted
@@ -176,7 +179,7 @@ def test_a_rollout_worker_that_fails_to_start_leaves_no_actor_or_group(tmp_path,
     (tmp_path / "ray" / "worker1").write_text("not a folder")
     with pytest.raises(RunError) as e:  # no server: a follower connects at its first request
         RayWorkers(cfg, None, None, CalculatorEnv, None, None, tmp_path,
-                   servers=(["http://127.0.0.1:9"], 64))
+                   servers=Followed(["http://127.0.0.1:9"], 64))
     assert "\n" not in str(e.value)
     assert str(e.value).startswith("ray: rollout worker 1 failed to start (ActorDiedError: its "
                                    "constructor raised FileExistsError: [Errno 17] File exists")
@@ -203,6 +206,40 @@ def test_a_group_the_cluster_cannot_place_fails_within_the_start_up_timeout(tmp_
                         r"3, node:[0-9.]+: 0.001\}\) was not placed within 3s; the cluster has "
                         r"\{.*CPU: 2.*\} free", msg), msg
     assert left_on_ray(local_ray) == ([], [])
+
+
+@pytest.fixture()
+def raylet_key(monkeypatch):
+    """TILLER_API_KEY as the local Ray instance's processes inherit it (requested before
+    `local_ray`, which starts it); a test sets the run's own after."""
+    monkeypatch.setenv("TILLER_API_KEY", "stale")
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_the_workers_send_the_runs_api_key_not_the_raylets(tmp_path, monkeypatch, raylet_key,
+                                                           local_ray):
+    """The run's TILLER_API_KEY (set after Ray started) is what a rollout worker's engine
+    sends, handed to it by the run's process, not what the worker's own environment says."""
+    from tiller.envs.calculator import CalculatorEnv
+    from tiller.rollout.ray_http import RayHttpWorkers
+
+    monkeypatch.setenv("TILLER_API_KEY", "k3y")
+    cfg = load_config("configs/calculator.yaml", [*TINY_RUN, *HTTP, "engine.servers=1"])
+    params = SamplingParams(temperature=1.0, max_new_tokens=1, stop_token_ids=(2,))
+    with recorders(1, {"/generate": GENERATED}) as srvs:
+        engine = HttpEngine([url(srvs[0])], weights_dir=tmp_path / "w", api_key="k3y")
+        engine.max_context = 64
+        workers = RayHttpWorkers(cfg, engine, None, CalculatorEnv, None, None, tmp_path)
+        try:
+            got = workers.wait_all("generate", lambda w: w.generate.remote([1, 2], params, 0),
+                                   60)
+        finally:
+            workers.close()
+    assert [g.token_ids for g in got.values()] == [[4]]
+    assert [auth for path, _, auth in srvs[0].calls if path == "/generate"] == ["Bearer k3y"]
+    assert "k3y" not in repr(Followed([], 1, run_api_key(cfg)))
 
 
 CUDA = "engine.gpus=1"  # a CUDA build of vLLM

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pydantic import SecretStr
 
 from tiller.config import Config
 from tiller.engine.http import HttpEngine
@@ -73,10 +76,33 @@ def _apply(engine: HttpEngine, state: dict[str, Any]) -> None:
         engine.version = state["version"]
 
 
-def follow_servers(cfg: Config, urls: list[str], max_context: int) -> HttpEngine:
-    """An engine over the run's servers at `urls` (engine.backend http, vllm or sglang) that
-    generates, aborts and counts, and pushes nothing: prompts bounded by `max_context` as the
-    run's engine checked it."""
+@dataclass(frozen=True)
+class Followed:
+    """What a follower needs of the run's servers: their URLs, the context length the run's
+    engine checked, and the API key it sends (`run_api_key`; a SecretStr: its repr hides it)."""
+
+    urls: list[str]
+    max_context: int
+    api_key: SecretStr | None = None
+
+
+def run_api_key(cfg: Config) -> SecretStr | None:
+    """The key the run's engine sends (engine.api_key, else this process's TILLER_API_KEY:
+    `http.connect`): resolved in the run's process and handed to each follower, whose own
+    environment (a Ray worker's: the raylet's) is not the run's."""
+    if cfg.engine.backend == "vllm":
+        return None  # tiller sends vLLM no key
+    e = cfg.engine
+    if e.api_key:
+        return e.api_key
+    key = os.environ.get("TILLER_API_KEY")
+    return SecretStr(key) if key else None
+
+
+def follow_servers(cfg: Config, servers: Followed) -> HttpEngine:
+    """An engine over the run's servers (engine.backend http, vllm or sglang) that generates,
+    aborts and counts, and pushes nothing: prompts bounded by `servers.max_context` as the
+    run's engine checked it, with the run's API key."""
     from tiller.engine.sglang import SglangDialect
     from tiller.engine.vllm import VllmEngine
     from tiller.engine.wire import TILLER
@@ -88,10 +114,10 @@ def follow_servers(cfg: Config, urls: list[str], max_context: int) -> HttpEngine
                                   max_retries=e.max_retries)
     engine: HttpEngine
     if e.backend == "vllm":
-        engine = VllmEngine(urls, shapes={}, **common)
+        engine = VllmEngine(servers.urls, shapes={}, **common)
     else:
-        key = e.api_key.get_secret_value() if e.api_key else os.environ.get("TILLER_API_KEY")
-        engine = HttpEngine(urls, api_key=key, **common,
+        key = servers.api_key.get_secret_value() if servers.api_key else None
+        engine = HttpEngine(servers.urls, api_key=key, **common,
                             dialect=SglangDialect() if e.backend == "sglang" else TILLER)
-    engine.max_context = max_context
+    engine.max_context = servers.max_context
     return engine

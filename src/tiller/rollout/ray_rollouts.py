@@ -26,6 +26,7 @@ from torch import nn
 
 from tiller.config import Config
 from tiller.engine.api import Generation, SamplingParams
+from tiller.engine.follower import Followed
 from tiller.engine.ray_servers import actor_cause, first_line, place_group
 from tiller.envs import Env, Task
 from tiller.errors import RunError
@@ -54,9 +55,9 @@ class RayWorkers:
 
     def __init__(self, cfg: Config, model: nn.Module | None, tokenizer: Any,
                  env_cls: type[Env], episode_fn: EpisodeFn, limits: EpisodeLimits,
-                 run_dir: Path, servers: tuple[list[str], int] | None = None):
-        """`servers`: the workers generate on these engine servers (URLs, context length;
-        `RolloutWorker`), not on embedded copies of `model`. The group's placement and every
+                 run_dir: Path, servers: Followed | None = None):
+        """`servers`: the workers generate on these engine servers (`RolloutWorker`), not on
+        embedded copies of `model`. The group's placement and every
         worker's start share `READY_TIMEOUT_S`; a worker that is not created, dies or does not
         start in it fails the start in one line naming it, once every actor made so far and
         the group are removed."""
