@@ -57,10 +57,10 @@ class RayWorkers:
                  env_cls: type[Env], episode_fn: EpisodeFn, limits: EpisodeLimits,
                  run_dir: Path, servers: Followed | None = None):
         """`servers`: the workers generate on these engine servers (`RolloutWorker`), not on
-        embedded copies of `model`. The group's placement and every
-        worker's start share `READY_TIMEOUT_S`; a worker that is not created, dies or does not
-        start in it fails the start in one line naming it, once every actor made so far and
-        the group are removed."""
+        embedded copies of `model`. The group's placement and every worker's start share
+        `READY_TIMEOUT_S`; a worker that is not created, dies or does not start in it fails
+        the start in one line naming it, once every actor made so far and the group are
+        removed."""
         import ray
 
         n = cfg.cluster.rollout_workers
