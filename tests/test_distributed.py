@@ -6,6 +6,7 @@ import copy
 import json
 import os
 import signal
+import subprocess
 
 import pytest
 import torch
@@ -121,6 +122,26 @@ def group(calc_model_dir):
     leader = start_ranks(load_model(calc_model_dir), 2, TrainerOptions(), "local", 120.0)
     yield leader
     leader.close()
+
+
+def listening(pids: list[int]) -> list[str]:
+    """The local addresses of the listening TCP sockets of processes `pids` (`ss -ltnp`)."""
+    out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[3] for line in out.splitlines()
+            if any(f"pid={p}," in line for p in pids)]
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_the_ranks_of_one_node_listen_on_loopback_only(group):
+    """Without cluster.address the ranks meet in a file (no store port) and gloo's pairs bind
+    127.0.0.1 (made with the group): every listening socket of both ranks is on loopback (rank
+    0 is this process); the rendezvous folder is private. (No step here: the tests below
+    compare steps from the group's first weights.)"""
+    found = listening([os.getpid(), *(r.proc.pid for r in group.ranks)])
+    assert len(found) >= 2 and all(a.startswith("127.0.0.1:") for a in found), found
+    assert os.stat(group.folder).st_mode & 0o777 == 0o700
 
 
 def one_rank(group):

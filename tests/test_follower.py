@@ -3,10 +3,18 @@ counters of a pusher and its followers merge without counting a server once per 
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+import threading
+from http.server import ThreadingHTTPServer
 
+import pytest
+import torch
+from test_http_engine import Recorder, recorders, url
+
+from tiller.engine.api import SamplingParams
 from tiller.engine.follower import adopt, router_state
 from tiller.engine.http import HttpEngine
+from tiller.engine.updates import WeightUpdate
 from tiller.errors import RunError
 from tiller.rollout.ray_http import merged_stats
 
@@ -56,3 +64,65 @@ def test_server_counts_are_the_most_any_engine_counts_and_request_counts_summed(
     assert merged_stats(own, per) == {"requests": 20, "retries": 5, "servers_marked_down": 1,
                                       "servers_rejoined": 1, "push_skipped_down": 2,
                                       "servers_up": 1}
+
+
+def answers_for(version: int) -> dict:
+    """What a recorder server answers once it holds `version` (a push, a generation)."""
+    return {"/update_weights_from_disk": {"success": True, "weight_version": version,
+                                          "boot_id": "b"},
+            "/generate": {"output_ids": [4], "meta_info": {
+                "finish_reason": {"type": "length"}, "weight_version": version, "boot_id": "b",
+                "output_token_logprobs": [[-0.5, 4, None]]}}}
+
+
+@pytest.mark.integration
+def test_a_server_the_follower_saw_die_is_not_adopted_back(tmp_path):
+    """Two real HTTP servers; the pusher pushes v1 to both, then server 0 dies. The follower's
+    request on it fails (marked down, retried on server 1); the pusher's state (from the push
+    that reached server 0 before it died) says "up": the follower keeps it down. It comes back
+    only when a later push finds a server there again (counted in `servers_rejoined`)."""
+    weights = WeightUpdate.full(torch.nn.Linear(2, 2), 1)
+    params = SamplingParams(temperature=1.0, max_new_tokens=1, stop_token_ids=(2,))
+    answers = answers_for(1)
+    with recorders(2, answers) as srvs:
+        urls = [url(s) for s in srvs]
+        pusher = HttpEngine(urls, weights_dir=tmp_path / "p")
+        follower = HttpEngine(urls, weights_dir=tmp_path / "f")
+        revived = None
+        try:
+            adopt(follower, router_state(pusher, pending=1))
+            pusher.update_weights(weights)
+            adopt(follower, router_state(pusher))
+            srvs[0].shutdown()
+            srvs[0].server_close()  # server 0 is gone: nothing listens at its port
+            asyncio.run(follower.generate([1, 2], params, 0))  # on server 0 first: retried
+            assert [s.down for s in follower.servers] == [True, False]
+            adopt(follower, router_state(pusher))  # the pusher has not seen it die
+            assert [s.down for s in follower.servers] == [True, False]
+            answers.update(answers_for(2))
+            adopt(follower, router_state(pusher, pending=2))
+            pusher.update_weights(WeightUpdate(2, weights.tensors))  # finds it dead: skipped
+            adopt(follower, router_state(pusher))
+            assert [s.down for s in follower.servers] == [True, False]
+            assert follower.counters["servers_rejoined"] == 0
+            port = srvs[0].server_address[1]
+            revived = ThreadingHTTPServer(("127.0.0.1", port), Recorder)
+            revived.calls, revived.answers, revived.post_types = [], answers, []
+            revived.hold = False
+            threading.Thread(target=revived.serve_forever, daemon=True).start()
+            answers.update(answers_for(3))
+            adopt(follower, router_state(pusher, pending=3))
+            pusher.update_weights(WeightUpdate(3, weights.tensors))  # finds it up: rejoins
+            adopt(follower, router_state(pusher))
+            assert [s.down for s in follower.servers] == [False, False]
+            stats = follower.stats()
+        finally:
+            pusher.close()
+            follower.close()
+            if revived is not None:
+                revived.shutdown()
+                revived.server_close()
+    assert (stats["servers_marked_down"], stats["servers_rejoined"], stats["retries"],
+            stats["servers_up"]) == (1, 1, 1, 2)
+    assert pusher.counters["push_skipped_down"] == 1
+

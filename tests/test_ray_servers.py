@@ -6,6 +6,7 @@ and with no server left stops in one line. Every test leaves no Ray process behi
 
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -13,14 +14,19 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import TINY_RUN, tiny_rl
-from test_http_engine import server_version, servers
+from test_http_engine import GENERATED, recorders, server_version, servers, url
 from test_ray import TESTS, no_ray_left, one_line_before_any_work  # noqa: F401 - a fixture
 from test_servers import spec
 from test_vllm_demo import VLLM, served_from
 
 from tiller.config import load_config
 from tiller.controller import train
+from tiller.engine.api import SamplingParams
+from tiller.engine.factory import launcher
+from tiller.engine.follower import Followed, run_api_key
+from tiller.engine.http import HttpEngine
 from tiller.engine.ray_servers import RayServers
 from tiller.errors import RunError
 from tiller.observe.steps import ledger_unaccounted
@@ -53,12 +59,15 @@ def gone_within(pgid: int, seconds: float) -> bool:
 
 
 @pytest.fixture()
-def local_ray(no_ray_left):  # noqa: F811 - the fixture imported above
+def local_ray(no_ray_left, request):  # noqa: F811 - the fixture imported above
+    """A local Ray instance of 2 CPUs (and `request.param` GPUs it is told it has: Ray counts
+    them, and gives each actor that reserves one its CUDA_VISIBLE_DEVICES, GPU or not)."""
     import ray
 
     temp = tempfile.mkdtemp(prefix="tiller-ray-")
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
-             _temp_dir=temp, log_to_driver=False, configure_logging=False)
+    ray.init(num_cpus=2, num_gpus=getattr(request, "param", 0), include_dashboard=False,
+             object_store_memory=100 * 2**20, _temp_dir=temp, log_to_driver=False,
+             configure_logging=False)
     try:
         yield ray
     finally:
@@ -122,6 +131,157 @@ def test_a_server_that_exits_at_start_up_is_one_line_and_nothing_is_left(tmp_pat
     while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ray.available_resources().get("CPU", 0) == 2
+
+
+def left_on_ray(ray, timeout_s: float = 10.0) -> tuple[list[str], list[str]]:
+    """The actors not dead and the placement groups not removed, once the kills and removals
+    have landed (or after `timeout_s`): Ray's GCS tables (`ray.util.state` needs the
+    dashboard, which these tests do not start)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        actors = [a["ActorClassName"] for a in ray._private.state.actors().values()
+                  if a["State"] != "DEAD"]
+        groups = [g["name"] for g in ray.util.placement_group_table().values()
+                  if g["state"] != "REMOVED"]
+        if not (actors or groups) or time.monotonic() > deadline:
+            return actors, groups
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_a_server_actor_not_created_leaves_no_actor_or_group(tmp_path, local_ray):
+    """The 2nd of 2 actors cannot be created (its name is the 1st's): the 1st actor is killed
+    and the group removed before the one line naming the server."""
+    servers = RayServers([spec("serve-0"), spec("serve-0")], log_dir=tmp_path,
+                         startup_timeout_s=30, cpus=1)
+    with pytest.raises(RunError) as e:
+        servers.start()
+    assert "\n" not in str(e.value)
+    assert str(e.value).startswith("ray: engine server serve-0's actor was not created "
+                                   "(ActorAlreadyExistsError: The name tiller-server-serve-0-")
+    assert left_on_ray(local_ray) == ([], [])
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_a_rollout_worker_that_fails_to_start_leaves_no_actor_or_group(tmp_path, local_ray):
+    """Worker 1 of 2 raises in its constructor (its folder is a file): the start fails in one
+    line naming it and the error, with worker 0 killed and the group removed."""
+    from tiller.envs.calculator import CalculatorEnv
+    from tiller.rollout.ray_rollouts import RayWorkers
+
+    cfg = load_config("configs/calculator.yaml", [
+        *TINY_RUN, *HTTP, "cluster.rollout_workers=2", "engine.servers=1"])
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "worker1").write_text("not a folder")
+    with pytest.raises(RunError) as e:  # no server: a follower connects at its first request
+        RayWorkers(cfg, None, None, CalculatorEnv, None, None, tmp_path,
+                   servers=Followed(["http://127.0.0.1:9"], 64))
+    assert "\n" not in str(e.value)
+    assert str(e.value).startswith("ray: rollout worker 1 failed to start (ActorDiedError: its "
+                                   "constructor raised FileExistsError: [Errno 17] File exists")
+    assert left_on_ray(local_ray) == ([], [])
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_a_group_the_cluster_cannot_place_fails_within_the_start_up_timeout(tmp_path,
+                                                                             local_ray):
+    """A server bundle of 3 CPUs on a 2-CPU cluster: the start fails after
+    engine.startup_timeout_s (not that plus the servers' start), naming the group and what it
+    asked for, and the group is removed."""
+    servers = RayServers([spec("serve-0")], log_dir=tmp_path, startup_timeout_s=3, cpus=3)
+    t0 = time.monotonic()
+    with pytest.raises(RunError) as e:
+        servers.start()
+    took = time.monotonic() - t0
+    assert 3 <= took < 6
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert re.fullmatch(r"ray: placement group tiller-1-engine-servers-[0-9a-f]{8} \(1 x \{CPU: "
+                        r"3, node:[0-9.]+: 0.001\}\) was not placed within 3s; the cluster has "
+                        r"\{.*CPU: 2.*\} free", msg), msg
+    assert left_on_ray(local_ray) == ([], [])
+
+
+@pytest.fixture()
+def raylet_key(monkeypatch):
+    """TILLER_API_KEY as the local Ray instance's processes inherit it (requested before
+    `local_ray`, which starts it); a test sets the run's own after."""
+    monkeypatch.setenv("TILLER_API_KEY", "stale")
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_the_workers_send_the_runs_api_key_not_the_raylets(tmp_path, monkeypatch, raylet_key,
+                                                           local_ray):
+    """The run's TILLER_API_KEY (set after Ray started) is what a rollout worker's engine
+    sends, handed to it by the run's process, not what the worker's own environment says."""
+    from tiller.envs.calculator import CalculatorEnv
+    from tiller.rollout.ray_http import RayHttpWorkers
+
+    monkeypatch.setenv("TILLER_API_KEY", "k3y")
+    cfg = load_config("configs/calculator.yaml", [*TINY_RUN, *HTTP, "engine.servers=1"])
+    params = SamplingParams(temperature=1.0, max_new_tokens=1, stop_token_ids=(2,))
+    with recorders(1, {"/generate": GENERATED}) as srvs:
+        engine = HttpEngine([url(srvs[0])], weights_dir=tmp_path / "w", api_key="k3y")
+        engine.max_context = 64
+        workers = RayHttpWorkers(cfg, engine, None, CalculatorEnv, None, None, tmp_path)
+        try:
+            got = workers.wait_all("generate", lambda w: w.generate.remote([1, 2], params, 0),
+                                   60)
+        finally:
+            workers.close()
+    assert [g.token_ids for g in got.values()] == [[4]]
+    assert [auth for path, _, auth in srvs[0].calls if path == "/generate"] == ["Bearer k3y"]
+    assert "k3y" not in repr(Followed([], 1, run_api_key(cfg)))
+
+
+CUDA = "engine.gpus=1"  # a CUDA build of vLLM
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: nothing to refuse")
+def test_vllm_servers_on_cuda_without_a_gpu_stop_the_run(tmp_path):
+    msg = one_line_before_any_work(tmp_path, *VLLM, CUDA)
+    assert msg == ("config field engine.gpus: 1 vLLM server(s) of 1 GPU(s) need 1 GPU(s) under "
+                   "cluster.backend=ray; the Ray cluster has 0 (torch.cuda.device_count() here, "
+                   "which the local Ray instance also finds)")
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("local_ray", [1], indirect=True)
+def test_a_server_on_cuda_is_placed_with_a_gpu(tmp_path, local_ray):
+    """vLLM on CUDA (engine.gpus=1) under ray: each server's bundle reserves a GPU (1 GPU
+    declared to the local instance; no GPU here), the server process gets it as
+    CUDA_VISIBLE_DEVICES; `tiller serve` (CPU only), vLLM on CPU, or vLLM under
+    cluster.backend local reserve none."""
+    base = [*TINY_RUN, "cluster.backend=ray", *VLLM]
+    assert launcher(load_config("configs/calculator.yaml", [*base, CUDA])).keywords == {
+        "cpus": 1, "gpus": 1}
+    for other in (base, [*TINY_RUN, *HTTP, "engine.servers=1"], [*TINY_RUN, *VLLM, CUDA]):
+        assert load_config("configs/calculator.yaml", other).server_gpus == 0
+    servers = RayServers([spec("serve-0")], log_dir=tmp_path, startup_timeout_s=30, cpus=1,
+                         gpus=1)
+    servers.start()
+    try:
+        (group,) = local_ray.util.placement_group_table().values()
+        assert [{k: v for k, v in b.items() if not k.startswith("node:")}
+                for b in group["bundles"].values()] == [{"CPU": 1.0, "GPU": 1.0}]
+        assert local_ray.available_resources().get("GPU", 0) == 0
+        pid = local_ray.get(servers.actors[0].pid.remote(), timeout=30)
+        env = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text()
+                   .split("\0") if "=" in v)
+        assert env["CUDA_VISIBLE_DEVICES"] == "0"
+    finally:
+        servers.close()
+    assert left_on_ray(local_ray) == ([], [])
 
 
 def rows(run_dir: Path, phase: str) -> list[dict]:

@@ -271,3 +271,29 @@ def test_an_orderly_close_ends_the_watch_too(tmp_path: Path) -> None:
     while watches_of(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(pid) and watches_of(pid) == []
+
+
+@pytest.mark.integration
+def test_a_watch_does_not_kill_a_group_that_took_its_number(tmp_path: Path) -> None:
+    """The number of a watched group may be reused once the group has ended: a watch whose
+    leader started at another time than the process holding that number now (an unrelated
+    group leader, as after a reuse) leaves it alone when its owner dies (EOF); told the right
+    start time, a watch kills it. The owner's own stop checks the same (`kill_group`)."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             start_new_session=True)
+    try:
+        started = servers_mod.start_time(other.pid)
+        assert started is not None
+        servers_mod._watch(other.pid, started - 1).close()  # EOF: its owner died
+        deadline = time.monotonic() + 10
+        while watches_of(other.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watches_of(other.pid) == [] and other.poll() is None  # it looked, and spared it
+        assert not servers_mod.kill_group(other.pid, started - 1, signal.SIGKILL)
+        assert other.poll() is None
+        servers_mod._watch(other.pid, started).close()
+        assert other.wait(10) == -signal.SIGKILL
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait()

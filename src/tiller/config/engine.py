@@ -146,6 +146,13 @@ class VllmEngineConfig(EngineConfig):
         256 << 20, ge=1 << 20, description="bytes of KV cache each managed server allocates "
         "(--kv-cache-memory-bytes)")
     threads: int = Field(1, ge=1, description="OMP threads of each managed server")
+    gpus: int = Field(
+        0, ge=0, description="GPUs each managed server uses (a CUDA build of vLLM; 0: the CPU "
+        "build, as scripts/setup.sh installs). Under cluster.backend ray each server's "
+        "placement bundle reserves this many and Ray sets the server's CUDA_VISIBLE_DEVICES "
+        "to them; the run stops before any work when the cluster has fewer GPUs than the "
+        "servers ask for. Under cluster.backend local nothing is reserved: every server sees "
+        "the run's CUDA_VISIBLE_DEVICES")
     weights_dir: str | None = Field(
         None, description="folder each weight version is written to for the servers to load "
         "(readable by every server); default <run dir>/weights. A folder on tmpfs (e.g. "
@@ -159,7 +166,7 @@ class VllmEngineConfig(EngineConfig):
         "\"tiller_shm\"}' and the same machine). docs/engines.md has both measured")
     extra_args: list[str] = Field(
         default_factory=list, description="more arguments for each managed server's "
-        "`python -m vllm.entrypoints.openai.api_server` (e.g. [--device, cuda]; numbers are "
+        "`python -m vllm.entrypoints.openai.api_server` (e.g. [--max-num-seqs, 8]; numbers are "
         "taken as strings); not the ones tiller sets (" + ", ".join(TILLER_SETS) + ", "
         "--config)")
     request_timeout_s: float = Field(
@@ -189,7 +196,7 @@ class VllmEngineConfig(EngineConfig):
                                   f"{', '.join(TILLER_SETS)} itself (the last one given would "
                                   f"win) and --config could set them: use the engine fields")
         refuse_when_attached(self, ("servers", "python", "startup_timeout_s", "kv_cache_bytes",
-                                    "threads", "extra_args"))
+                                    "threads", "gpus", "extra_args"))
         return self
 
 

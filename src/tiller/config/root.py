@@ -119,6 +119,14 @@ class Config(Section):
         threads = self.engine.threads if self.engine.backend == "vllm" else self.runtime.threads
         return 1 if threads == "auto" and self.cluster.backend == "ray" else threads
 
+    @property
+    def server_gpus(self) -> int:
+        """GPUs each managed server's placement bundle reserves under cluster.backend ray:
+        engine.gpus of vLLM servers tiller starts, else 0 (`tiller serve` runs on CPU)."""
+        e = self.engine
+        ray = self.cluster.backend == "ray" and bool(self.managed_servers)
+        return e.gpus if ray and e.backend == "vllm" else 0
+
     @model_validator(mode="after")
     def _rollout_fits_rl(self) -> Config:
         inflight = self.rollout.max_inflight

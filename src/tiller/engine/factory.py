@@ -73,9 +73,9 @@ def make_engine(cfg: Config, model: PreTrainedModel, pad_token_id: int, *, run_d
 def launcher(cfg: Config) -> Launcher:
     """What starts managed servers: `ManagedServers` (child processes of this one), or under
     `cluster.backend: ray` `RayServers` (each in a Ray actor placed with a placement group, its
-    bundle `cfg.server_threads` CPUs)."""
+    bundle `cfg.server_threads` CPUs and `cfg.server_gpus` GPUs)."""
     if cfg.cluster.backend != "ray":
         return ManagedServers
     from tiller.engine.ray_servers import RayServers
 
-    return partial(RayServers, cpus=int(cfg.server_threads))
+    return partial(RayServers, cpus=int(cfg.server_threads), gpus=cfg.server_gpus)

@@ -8,17 +8,25 @@ A follower pushes nothing; it takes the pusher's view of the servers (`router_st
 (an answer sampled under it is fresh), and after it, each server's pushed version, the one
 before, its boot id and whether the push found it down. So a follower checks every answer's
 weight version and boot id as the pusher would (`HttpEngine._check_fresh`), and a server it
-marked down rejoins when the pusher's next push finds it up."""
+marked down stays down until a push that started after it saw it die finds it up (the pusher's
+state from a push that reached the server before it died says "up": not taken); then it rejoins,
+counted in `servers_rejoined`."""
 
 from __future__ import annotations
 
+import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pydantic import SecretStr
 
 from tiller.config import Config
 from tiller.engine.http import HttpEngine
 from tiller.errors import RunError
+
+log = logging.getLogger(__name__)
 
 ADOPT_TIMEOUT_S = 30.0  # for the engine's loop to take a pushed state (it runs no long work)
 
@@ -34,9 +42,10 @@ def router_state(engine: HttpEngine, pending: int | None = None) -> dict[str, An
 def adopt(engine: HttpEngine, state: dict[str, Any]) -> None:
     """Take the pusher's `router_state`: with `pending`, only mark that version as being pushed
     to every server; else each server's versions, boot id and down mark, and the engine's
-    version (a server the push found up is up again: counted in `servers_rejoined`). Applied
-    on the engine's own loop, where answers are checked (`_check_fresh`), so no check sees a
-    server's versions half taken."""
+    version (a server this engine marked down is up again only when a push newer than the
+    version it was marked down at, `Server.dead_at`, found it up: counted in
+    `servers_rejoined`). Applied on the engine's own loop, where answers are checked
+    (`_check_fresh`), so no check sees a server's versions half taken."""
 
     async def apply() -> None:
         _apply(engine, state)
@@ -56,16 +65,44 @@ def _apply(engine: HttpEngine, state: dict[str, Any]) -> None:
         mine.version, mine.previous, mine.boot_id = t["version"], t["previous"], t["boot_id"]
         mine.pending = None
         if mine.down and not t["down"]:
+            if t["version"] <= mine.dead_at:  # that push reached it before this engine saw
+                log.info("engine server %s stays down: the pusher's last push (v%d) found it "
+                         "up before this engine saw it die (at v%d)", mine.url, t["version"],
+                         mine.dead_at)
+                continue
             engine.counters["servers_rejoined"] += 1
         mine.down, mine.last_error = t["down"], t["last_error"]
     if state["pending"] is None:
         engine.version = state["version"]
 
 
-def follow_servers(cfg: Config, urls: list[str], max_context: int) -> HttpEngine:
-    """An engine over the run's servers at `urls` (engine.backend http, vllm or sglang) that
-    generates, aborts and counts, and pushes nothing: prompts bounded by `max_context` as the
-    run's engine checked it."""
+@dataclass(frozen=True)
+class Followed:
+    """What a follower needs of the run's servers: their URLs, the context length the run's
+    engine checked, and the API key it sends (`run_api_key`; a SecretStr: its repr hides it)."""
+
+    urls: list[str]
+    max_context: int
+    api_key: SecretStr | None = None
+
+
+def run_api_key(cfg: Config) -> SecretStr | None:
+    """The key the run's engine sends (engine.api_key, else this process's TILLER_API_KEY:
+    `http.connect`): resolved in the run's process and handed to each follower, whose own
+    environment (a Ray worker's: the raylet's) is not the run's."""
+    if cfg.engine.backend == "vllm":
+        return None  # tiller sends vLLM no key
+    e = cfg.engine
+    if e.api_key:
+        return e.api_key
+    key = os.environ.get("TILLER_API_KEY")
+    return SecretStr(key) if key else None
+
+
+def follow_servers(cfg: Config, servers: Followed) -> HttpEngine:
+    """An engine over the run's servers (engine.backend http, vllm or sglang) that generates,
+    aborts and counts, and pushes nothing: prompts bounded by `servers.max_context` as the
+    run's engine checked it, with the run's API key."""
     from tiller.engine.sglang import SglangDialect
     from tiller.engine.vllm import VllmEngine
     from tiller.engine.wire import TILLER
@@ -77,10 +114,10 @@ def follow_servers(cfg: Config, urls: list[str], max_context: int) -> HttpEngine
                                   max_retries=e.max_retries)
     engine: HttpEngine
     if e.backend == "vllm":
-        engine = VllmEngine(urls, shapes={}, **common)
+        engine = VllmEngine(servers.urls, shapes={}, **common)
     else:
-        key = e.api_key.get_secret_value() if e.api_key else os.environ.get("TILLER_API_KEY")
-        engine = HttpEngine(urls, api_key=key, **common,
+        key = servers.api_key.get_secret_value() if servers.api_key else None
+        engine = HttpEngine(servers.urls, api_key=key, **common,
                             dialect=SglangDialect() if e.backend == "sglang" else TILLER)
-    engine.max_context = max_context
+    engine.max_context = servers.max_context
     return engine

@@ -177,6 +177,7 @@ class HttpEngine:
 
     def _mark_down(self, server: Server, error: str) -> None:
         if not server.down:
+            server.dead_at = max(server.version, server.pending or 0, self.version)
             self.counters["servers_marked_down"] += 1
             logger.warning("engine server %s is down (%s); it gets no new requests until the "
                            "next weight push finds it healthy", server.url, error)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import inspect
 import logging
 import os
 import shutil
@@ -54,20 +55,45 @@ STOP_GRACE_S = 10.0  # after SIGTERM, how long a server may take to exit before 
 PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h): the signal a child gets when its parent dies
 # loaded here, not in the forked child: an import there could deadlock on a lock another thread held
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+
+
+def start_time(pid: int) -> int | None:
+    """When process `pid` started (field 22 of /proc/<pid>/stat: clock ticks after boot); None
+    when there is no such process (or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def kill_group(pgid: int, started: int | None, sig: int) -> bool:
+    """`sig` to process group `pgid`, whose leader started at `started` (`start_time`; None:
+    unknown), unless a process of another start time holds that number now: the group ended
+    and its number was reused by someone else's, which is not signalled (False). A leader
+    that is gone (its group's other processes may live on) does not stop the signal: the
+    number of a group with a live process is not reused."""
+    now = start_time(pgid)
+    if now is not None and started is not None and now != started:
+        return False
+    with contextlib.suppress(ProcessLookupError):  # the whole group has exited
+        os.killpg(pgid, sig)
+    return True
+
+
 # The watch of a server owned by a process that may be killed (a Ray actor): a process outside
 # the owner's children (it forks and its parent exits: Ray kills an actor's direct children
 # with it) and outside the server's process group, in a session of its own, that blocks on a
 # pipe only the owner writes. EOF without the stop byte: the owner died, so the server's group
-# (argv[1]), whatever of it lives, gets SIGKILL. The byte: an orderly stop, nothing to do.
-WATCH = """import os, signal, sys
-if os.fork():
+# (argv[1], its leader started at argv[2]), whatever of it lives, gets SIGKILL (`kill_group`:
+# not a group that took its number since). The byte: an orderly stop, nothing to do.
+WATCH = "\n".join(["import contextlib, os, signal, sys", inspect.getsource(start_time),
+                   inspect.getsource(kill_group), """if os.fork():
     os._exit(0)
 if sys.stdin.buffer.read(1) == b"":
-    try:
-        os.killpg(int(sys.argv[1]), signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-"""
+    kill_group(int(sys.argv[1]), None if sys.argv[2] == "None" else int(sys.argv[2]),
+               signal.SIGKILL)
+"""])
 WATCH_TAG = "tiller-server-watch"  # in each watch's command line
 WATCH_START_S = 30.0  # a watch's first process (it forks the watch, then exits) ends by then
 
@@ -91,6 +117,7 @@ class _Running:
     tmp: Path
     proc: subprocess.Popen[bytes]
     log_file: IO[bytes]
+    started: int | None = None  # its leader's `start_time` (None: no /proc)
     watch: IO[bytes] | None = None  # the pipe to its watch (`WATCH`), when it has one
 
 
@@ -200,10 +227,12 @@ class ManagedServers:
                            f"{log}") from e
         logger.info("started server %s (pid %d) on port %d; log %s", spec.name, proc.pid, port,
                     log)
-        running = _Running(spec, f"http://{self.host}:{port}", log, tmp, proc, log_file)
+        # not reaped yet (a zombie at worst): /proc/<pid> is this server's
+        running = _Running(spec, f"http://{self.host}:{port}", log, tmp, proc, log_file,
+                           start_time(proc.pid))
         if self.die_with_owner:
             try:
-                running.watch = _watch(proc.pid)
+                running.watch = _watch(proc.pid, running.started)
             except BaseException:
                 _stop(running, STOP_GRACE_S)
                 raise
@@ -272,11 +301,6 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):  # the whole group has exited
-        os.killpg(pgid, sig)
-
-
 def _die_with_parent(parent: int) -> Callable[[], None] | None:
     """What the child runs before exec (Linux): ask the kernel for SIGKILL when its parent
     dies, and die now if the parent `parent` already has (it died before the request)."""
@@ -291,11 +315,11 @@ def _die_with_parent(parent: int) -> Callable[[], None] | None:
     return child
 
 
-def _watch(pgid: int) -> IO[bytes]:
-    """Start the watch of process group `pgid` (`WATCH`); the pipe whose EOF it waits for.
-    A watch that did not start (its first process exits non-zero, or not within
-    `WATCH_START_S`) is a RunError."""
-    watch = subprocess.Popen([sys.executable, "-c", WATCH, str(pgid), WATCH_TAG],
+def _watch(pgid: int, started: int | None) -> IO[bytes]:
+    """Start the watch of process group `pgid`, whose leader started at `started`
+    (`start_time`) (`WATCH`); the pipe whose EOF it waits for. A watch that did not start (its
+    first process exits non-zero, or not within `WATCH_START_S`) is a RunError."""
+    watch = subprocess.Popen([sys.executable, "-c", WATCH, str(pgid), str(started), WATCH_TAG],
                              stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True, bufsize=0)
     assert watch.stdin is not None
@@ -316,14 +340,16 @@ def _stop(r: _Running, grace_s: float) -> None:
     group (whatever cut the wait short), reap the leader, close the log, remove its TMPDIR."""
     pgid = r.proc.pid  # start_new_session: the leader's pid is the group's id
     try:
-        _signal_group(pgid, signal.SIGTERM)
+        if not kill_group(pgid, r.started, signal.SIGTERM):  # reaped before (`exited`)
+            logger.warning("server %s: its process group's number %d is another process's "
+                           "now; not signalled", r.spec.name, pgid)
         try:
             r.proc.wait(grace_s)
         except subprocess.TimeoutExpired:
             logger.warning("server %s did not stop within %g s of SIGTERM; SIGKILL",
                            r.spec.name, grace_s)
     finally:  # also when an interrupt cut the grace short
-        _signal_group(pgid, signal.SIGKILL)  # whatever of the group is left (engine workers)
+        kill_group(pgid, r.started, signal.SIGKILL)  # what is left of it (engine workers)
         r.proc.wait()
         if r.watch is not None:  # the stop byte: the watch exits without a kill
             try:

@@ -35,6 +35,8 @@ class Server:
     previous: int = 0  # the one before (an answer finished just before the push may carry it)
     pending: int | None = None  # the version being pushed to it now
     boot_id: str | None = None  # what it reported at the last push (None: it reports none)
+    dead_at: int = -1  # the newest version pushed or being pushed when this engine marked it
+    #                    down: only a later push that finds it up brings it back (`follower`)
 
 
 async def read_capped(r: httpx.Response, what: str) -> bytes:

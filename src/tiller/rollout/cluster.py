@@ -32,8 +32,9 @@ def ray_cpus_needed(cfg: Config) -> int:
 
 def check_cluster(cfg: Config) -> None:
     """Before any work: trainer ranks on CPU (gloo), a CPU for every trainer rank (local); Ray
-    installed, and CPUs for every actor: at an address that answers, its free CPUs (a short
-    connection, `check_address`); else the local instance's."""
+    installed, and CPUs for every actor and a GPU for every vLLM server on CUDA: at an address
+    that answers, its free CPUs and GPUs (a short connection, `check_address`); else the local
+    instance's."""
     c = cfg.cluster
     if cfg.train.world_size > 1 and cfg.model.device == "auto":
         import torch
@@ -62,6 +63,21 @@ def check_cluster(cfg: Config) -> None:
     cpus = c.num_cpus or os.cpu_count() or 1
     if ray_cpus_needed(cfg) > cpus:
         raise ConfigError(_too_many(cfg, cpus, "cluster.num_cpus"))
+    if cfg.server_gpus:
+        import torch
+
+        check_gpus(cfg, torch.cuda.device_count(), "torch.cuda.device_count() here, which the "
+                   "local Ray instance also finds")
+
+
+def check_gpus(cfg: Config, gpus: float, where: str) -> None:
+    """The GPUs of every vLLM server (`Config.server_gpus` each) are among the cluster's
+    `gpus`."""
+    need = cfg.managed_servers * cfg.server_gpus
+    if need > gpus:
+        raise ConfigError(f"config field engine.gpus: {cfg.managed_servers} vLLM server(s) "
+                          f"of {cfg.server_gpus} GPU(s) need {need} GPU(s) under "
+                          f"cluster.backend=ray; the Ray cluster has {gpus:g} ({where})")
 
 
 def check_address(cfg: Config) -> None:
@@ -79,11 +95,14 @@ def check_address(cfg: Config) -> None:
                           f"authentication, this machine needs the cluster's token "
                           f"(RAY_AUTH_TOKEN)") from e
     try:
-        cpus = ray.available_resources().get("CPU", 0.0)
+        free = ray.available_resources()
     finally:
         ray.shutdown()
+    cpus = free.get("CPU", 0.0)
     if ray_cpus_needed(cfg) > cpus:
         raise ConfigError(_too_many(cfg, cpus, f"free at {cfg.cluster.address}"))
+    if cfg.server_gpus:
+        check_gpus(cfg, free.get("GPU", 0.0), f"free at {cfg.cluster.address}")
 
 
 def _too_many(cfg: Config, cpus: float, knob: str) -> str:

@@ -24,7 +24,7 @@ from torch import nn
 from tiller.config import Config
 from tiller.engine.api import Generation, SamplingParams
 from tiller.engine.factory import make_engine
-from tiller.engine.follower import router_state
+from tiller.engine.follower import Followed, router_state, run_api_key
 from tiller.engine.http import HttpEngine, Server
 from tiller.engine.ray_servers import node_pin
 from tiller.engine.updates import WeightUpdate
@@ -44,8 +44,13 @@ class RayHttpWorkers(RayWorkers):
         self.engine = engine
         assert engine.max_context is not None  # `connect` checked the servers
         super().__init__(cfg, None, tokenizer, env_cls, episode_fn, limits, run_dir,
-                         servers=([s.url for s in engine.servers], engine.max_context))
-        self.adopt_all("start", router_state(engine), READY_TIMEOUT_S)
+                         servers=Followed([s.url for s in engine.servers], engine.max_context,
+                                          run_api_key(cfg)))
+        try:
+            self.adopt_all("start", router_state(engine), READY_TIMEOUT_S)
+        except BaseException:
+            self.release()  # the run's engine and its servers: closed by `ray_engine`
+            raise
         self.version = engine.version
 
     def bundle(self) -> dict[str, float]:

@@ -9,7 +9,7 @@ its start on another live worker under the same seed (ledger `retried`), at most
 `MAX_EPISODE_RETRIES` times: then it is dropped (ledger `dropped/worker_died`) and the run stops
 naming it; when no worker is left the run stops with one line. Every call to the workers has a
 bounded wait whose error names the worker. The workers are placed with a placement group, one CPU
-each (PACK: on as few nodes as fit)."""
+each (PACK: on as few nodes as fit); a start that fails part-way leaves no actor or group."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ from torch import nn
 
 from tiller.config import Config
 from tiller.engine.api import Generation, SamplingParams
+from tiller.engine.follower import Followed
+from tiller.engine.ray_servers import actor_cause, first_line, place_group
 from tiller.envs import Env, Task
 from tiller.errors import RunError
 from tiller.rollout.agent_loop import EpisodeFn, EpisodeLimits
@@ -53,33 +55,70 @@ class RayWorkers:
 
     def __init__(self, cfg: Config, model: nn.Module | None, tokenizer: Any,
                  env_cls: type[Env], episode_fn: EpisodeFn, limits: EpisodeLimits,
-                 run_dir: Path, servers: tuple[list[str], int] | None = None):
-        """`servers`: the workers generate on these engine servers (URLs, context length;
-        `RolloutWorker`), not on embedded copies of `model`."""
+                 run_dir: Path, servers: Followed | None = None):
+        """`servers`: the workers generate on these engine servers (`RolloutWorker`), not on
+        embedded copies of `model`. The group's placement and every worker's start share
+        `READY_TIMEOUT_S`; a worker that is not created, dies or does not start in it fails
+        the start in one line naming it, once every actor made so far and the group are
+        removed."""
         import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         n = cfg.cluster.rollout_workers
-        self.group = placement_group([self.bundle()] * n, strategy="PACK")
-        try:
-            ray.get(self.group.ready(), timeout=READY_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError as e:
-            raise RunError(f"ray: the placement group of {n} rollout workers (1 CPU each) was "
-                           f"not placed within {READY_TIMEOUT_S:g}s") from e
-        remote = ray.remote(num_cpus=1, max_restarts=0, max_concurrency=1000)(RolloutWorker)
-        shared = ray.put(model)
-        self.workers = [remote.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.group, placement_group_bundle_index=i)).remote(
-            i, cfg, shared, tokenizer, env_cls, episode_fn, limits, run_dir, servers)
-            for i in range(n)]
+        self.ray = ray  # the module, imported only with cluster.backend ray
+        self.workers: list[Any] = []
+        self.group: Any = None
         self.live = list(range(n))
         self.retried = 0
         self.version = 0
         self.unanswered = 0  # calls at the end (stop, close) a worker did not answer in time
-        self.ray = ray  # the module, imported only with cluster.backend ray
-        self.wait_all("start", lambda w: w.stats.remote(), READY_TIMEOUT_S)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        try:
+            self.group = place_group([self.bundle()] * n, f"{n} rollout workers",
+                                     READY_TIMEOUT_S)
+            self._create(cfg, model, (tokenizer, env_cls, episode_fn, limits, run_dir, servers))
+            self._await_started(deadline)
+        except BaseException:
+            self.release()
+            raise
+
+    def _create(self, cfg: Config, model: nn.Module | None, args: tuple) -> None:
+        """One actor per bundle of the group, each `RolloutWorker(i, cfg, model, *args)`."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        remote = self.ray.remote(num_cpus=1, max_restarts=0, max_concurrency=1000)(RolloutWorker)
+        shared = self.ray.put(model)
+        for i in self.live:
+            try:
+                self.workers.append(remote.options(
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self.group, placement_group_bundle_index=i)).remote(
+                    i, cfg, shared, *args))
+            except Exception as e:
+                raise RunError(f"ray: rollout worker {i}'s actor was not created "
+                               f"({first_line(e)})") from e
+
+    def _await_started(self, deadline: float) -> None:
+        """Every worker's constructor has returned, by `deadline`."""
+        for i, w in enumerate(self.workers):
+            try:
+                self.ray.get(w.__ray_ready__.remote(),
+                             timeout=max(0.0, deadline - time.monotonic()))
+            except self.ray.exceptions.GetTimeoutError as e:
+                raise RunError(f"ray: rollout worker {i} did not start within "
+                               f"{READY_TIMEOUT_S:g}s (placement included)") from e
+            except self.ray.exceptions.RayActorError as e:
+                raise RunError(f"ray: rollout worker {i} failed to start "
+                               f"({actor_cause(e)})") from e
+
+    def release(self) -> None:
+        """Kill every worker actor and remove their group (no orderly close: a failed start,
+        or after `close`'s). Idempotent."""
+        workers, self.workers, self.live = self.workers, [], []
+        for w in workers:
+            self.ray.kill(w)
+        if self.group is not None:
+            self.ray.util.remove_placement_group(self.group)
+            self.group = None
 
     def bundle(self) -> dict[str, float]:
         """A worker's placement bundle: one CPU."""
@@ -205,9 +244,7 @@ class RayWorkers:
         try:
             self.at_end("close", lambda w: w.close.remote(), CLOSE_TIMEOUT_S)
         finally:
-            for w in self.workers:
-                self.ray.kill(w)
-            self.ray.util.remove_placement_group(self.group)
+            self.release()
 
 
 class RayRollouts(RolloutManager):

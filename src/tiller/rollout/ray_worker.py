@@ -17,7 +17,7 @@ from torch import nn
 from tiller.config import Config
 from tiller.engine.api import Generation, SamplingParams
 from tiller.engine.factory import make_engine
-from tiller.engine.follower import adopt, follow_servers
+from tiller.engine.follower import Followed, adopt, follow_servers
 from tiller.engine.updates import WeightUpdate
 from tiller.envs import Env, Task, ToolEnv
 from tiller.rollout.agent_loop import EpisodeFn, EpisodeLimits
@@ -36,9 +36,9 @@ class RolloutWorker:
 
     def __init__(self, index: int, cfg: Config, model: nn.Module | None, tokenizer: Any,
                  env_cls: type[Env], episode_fn: EpisodeFn, limits: EpisodeLimits,
-                 run_dir: Path, servers: tuple[list[str], int] | None = None):
-        """`servers`: the run's engine servers' URLs and context length (then `model` is
-        None); else the engine is an embedded copy of `model`."""
+                 run_dir: Path, servers: Followed | None = None):
+        """`servers`: the run's engine servers (then `model` is None); else the engine is an
+        embedded copy of `model`."""
         torch.set_num_threads(1)  # one CPU reserved per worker
         self.index, self.cfg, self.env_cls = index, cfg, env_cls
         self.dir = run_dir / "ray" / f"worker{index}"
@@ -47,7 +47,7 @@ class RolloutWorker:
         set_unsafe_fallback(cfg.env.tools.sandbox.allow_unsafe_fallback)
         env_cls.start(self.dir)
         if servers is not None:
-            self.engine: Any = follow_servers(cfg, *servers)
+            self.engine: Any = follow_servers(cfg, servers)
         else:
             assert model is not None
             self.engine = make_engine(cfg, model, tokenizer.pad_token_id, run_dir=self.dir,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -206,9 +207,10 @@ class Leader(RankTrainer):
     """Rank 0: every step goes to the other ranks first, then runs here."""
 
     def __init__(self, full: nn.Module, world: int, options: TrainerOptions,
-                 ranks: list[Rank], timeout_s: float):
+                 ranks: list[Rank], timeout_s: float, folder: str | None = None):
+        """`folder`: the ranks' rendezvous folder (`ranks.Rendezvous`), removed by `close`."""
         super().__init__(full, 0, world, options)
-        self.ranks, self.timeout_s = ranks, timeout_s
+        self.ranks, self.timeout_s, self.folder = ranks, timeout_s, folder
 
     def _everywhere(self, name: str, args: tuple) -> Any:
         lrs = ([g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None
@@ -239,8 +241,12 @@ class Leader(RankTrainer):
         return self._everywhere("rl_step", (batch, cfg, l_max, None, None, step))
 
     def close(self) -> None:
-        """Stop every other rank and leave the process group."""
-        for r in self.ranks:
-            r.stop()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Stop every other rank, leave the process group, remove the rendezvous folder."""
+        try:
+            for r in self.ranks:
+                r.stop()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            if self.folder is not None:
+                shutil.rmtree(self.folder, ignore_errors=True)

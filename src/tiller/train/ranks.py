@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
@@ -26,6 +29,7 @@ log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 30.0  # a rank told to stop that has not exited by then is killed
 JOIN_POLL_S = 0.2  # how often rank 0 checks, during start, that the other ranks still live
 EXIT_AFTER_ERROR_S = 1.0  # a rank whose step raised exits this long after answering
+LOOPBACK = "lo"  # Linux's loopback interface: on one node the ranks' gloo pairs bind its 127.0.0.1
 
 
 def free_port() -> int:
@@ -38,17 +42,53 @@ def joined_key(rank: int) -> str:
     return f"tiller/joined/{rank}"
 
 
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks meet and how their gloo pairs connect. On one node (`folder`: a private
+    temporary folder of rank 0's): a `FileStore` in it, which listens on no port, and gloo on
+    the loopback interface (`LOOPBACK`), so no rank listens beyond 127.0.0.1. Else (a cluster at
+    cluster.address: ranks on other nodes) rank 0's `TCPStore` at `host`:`port`, and gloo on the
+    interface of each rank's hostname."""
+
+    folder: str | None = None
+    host: str = ""
+    port: int = 0
+
+    def store(self, world: int, is_master: bool, timeout: timedelta) -> dist.Store:
+        if self.folder is None:
+            return dist.TCPStore(self.host, self.port, world, is_master=is_master,
+                                 wait_for_workers=False, timeout=timeout)
+        store = dist.FileStore(os.path.join(self.folder, "store"), world)
+        store.set_timeout(timeout)
+        return store
+
+    def join(self, store: dist.Store, rank: int, world: int, timeout: timedelta) -> None:
+        """`init_process_group` (gloo) of `rank`; on one node with GLOO_SOCKET_IFNAME set to the
+        loopback interface while gloo makes its device (this process's environment is as it
+        was after)."""
+        before = os.environ.get("GLOO_SOCKET_IFNAME")
+        if self.folder is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = LOOPBACK
+        try:
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                    timeout=timeout)
+        finally:
+            if before is None:
+                os.environ.pop("GLOO_SOCKET_IFNAME", None)
+            else:
+                os.environ["GLOO_SOCKET_IFNAME"] = before
+
+
 class Follower:
     """Rank `rank` (> 0): joins the process group and runs each step rank 0 sends."""
 
-    def __init__(self, rank: int, world: int, host: str, port: int, model: nn.Module,
+    def __init__(self, rank: int, world: int, meet: Rendezvous, model: nn.Module,
                  options: TrainerOptions, threads: int, timeout_s: float):
         torch.set_num_threads(threads)
         timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+        store = meet.store(world, False, timeout)
         store.set(joined_key(rank), "1")  # rank 0 waits for this, watching that this rank lives
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=timeout)
+        meet.join(store, rank, world, timeout)
         self.trainer = RankTrainer(model, rank, world, options)
 
     def run(self, name: str, args: tuple, lrs: list[float]) -> None:
@@ -236,34 +276,37 @@ def await_joined(store: dist.Store, ranks: list[Rank], timeout_s: float) -> None
 def start_ranks(full: nn.Module, world: int, options: TrainerOptions, backend: str,
                 timeout_s: float, remote: bool = False) -> Leader:
     """Rank 0 (this process) and `world - 1` other ranks (`backend` local: spawned
-    processes; ray: Ray actors on the connected cluster), in one gloo process group. Its
-    rendezvous listens on 127.0.0.1 unless `remote` (a Ray cluster at `cluster.address`,
-    whose actors may be on other nodes: this node's IP)."""
+    processes; ray: Ray actors on the connected cluster), in one gloo process group. On one
+    node they meet in a file of a private temporary folder (removed by `Leader.close`) and
+    their gloo pairs bind 127.0.0.1 (`Rendezvous`); with `remote` (a Ray cluster at
+    `cluster.address`, whose actors may be on other nodes) at a TCP store on this node's IP."""
     if dist.is_initialized():
         raise RunError("train.world_size > 1: this process already has a torch.distributed "
                        "process group (another run's trainer ranks, still open)")
-    host = "127.0.0.1"  # the ranks on this machine: spawned, or a local Ray instance's actors
     if remote:
         import ray
 
-        host = ray.util.get_node_ip_address()
-    port, timeout = free_port(), timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world, is_master=True, wait_for_workers=False,
-                          timeout=timeout)
-    args = (world, host, port, full, options, torch.get_num_threads(), timeout_s)
+        meet = Rendezvous(host=ray.util.get_node_ip_address(), port=free_port())
+    else:
+        meet = Rendezvous(folder=tempfile.mkdtemp(prefix="tiller-ranks-"))  # mode 0700
+    timeout = timedelta(seconds=timeout_s)
+    args = (world, meet, full, options, torch.get_num_threads(), timeout_s)
     ranks: list[Rank] = []
     try:
+        store = meet.store(world, True, timeout)
         for r in range(1, world):
             if backend == "ray":
                 ranks.append(RayRank(r, args))
             else:
                 ranks.append(ProcessRank(r, args))
         await_joined(store, ranks, timeout_s)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=timeout)
-        return Leader(full, world, options, ranks, timeout_s)
+        meet.join(store, 0, world, timeout)
+        return Leader(full, world, options, ranks, timeout_s, folder=meet.folder)
     except BaseException:
         for r in ranks:
             r.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if meet.folder is not None:
+            shutil.rmtree(meet.folder, ignore_errors=True)
         raise
