@@ -296,6 +296,19 @@ def test_bad_resumes_stop_in_one_line_and_lose_nothing(two_steps, tmp_path):
 
 
 @pytest.mark.slow
+def test_resume_refused_by_the_runs_preflight_leaves_the_folder_as_it_was(two_steps, tmp_path):
+    """A safe change (eval.*) that the run's own preflight (`preflight.check_run`) refuses:
+    refused in one line before the run folder is cut back to the checkpoint (the finished
+    run's rows and traces after checkpoint 2, of its final evaluation, are all still there,
+    every file byte for byte)."""
+    run = tmp_path / "run"
+    shutil.copytree(two_steps, run)
+    assert trace_counts(run)[-1] and any(r[0] == "eval_rl" for r in trace_counts(run))
+    refused(run, ["eval.sets=[{name: odd, split: nope}]"],
+            "config field eval.sets (odd).split: got 'nope'")
+
+
+@pytest.mark.slow
 def test_safe_change_resumes_and_checkpoints_are_listed(two_steps, tmp_path, caplog):
     run = tmp_path / "run"
     shutil.copytree(two_steps, run)

@@ -30,6 +30,7 @@ from tiller.models import build_env_model, load_model, load_tokenizer, resolve_d
 from tiller.observe.metrics import MetricsLogger
 from tiller.observe.traces import TraceWriter
 from tiller.preflight import check_model, check_run, check_tools, rl_train_tasks
+from tiller.resume import cut_run_dir
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits
 from tiller.rollout.chat import stop_token_ids
 from tiller.rollout.cluster import RayCluster, check_cluster
@@ -106,6 +107,8 @@ class Run:
         self.cfg, self.resume = cfg, resume
         checked = check_run(cfg)
         check_cluster(cfg)  # Ray installed, its address answers, CPUs for every actor
+        if resume is not None:  # only once every check passed: a refused resume changes nothing
+            cut_run_dir(resume.path.parents[1], resume)
         self.env_cls, self.sft_conversations = checked.env_cls, checked.sft_conversations
         self.episode_fn, self.key_steps = checked.episode_fn, checked.key_steps
         self.judge = checked.judge  # rl.judge.model loads with the models
