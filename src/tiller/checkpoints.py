@@ -59,6 +59,8 @@ FOLDER = re.compile(r"^step-(\d+)$")
 # the files every checkpoint holds (the model folder holds the tokenizer's files as well)
 REQUIRED = ("model/model.safetensors", "model/config.json", "trainer.pt", "rng.pt",
             "state.json")
+# and, of a run under model.lora (its state.json's config), the adapter resume loads
+ADAPTER_FILES = ("adapter/adapter_config.json", "adapter/adapter_model.safetensors")
 # Test hook (tests/test_resume.py), not a setting: "PHASE:SECONDS" makes each checkpoint write
 # sleep SECONDS at PHASE, so a test can SIGKILL the run there. The phases, in order: "files"
 # (the weights and tensors written, state.json not yet), "marker" (everything but the
@@ -230,9 +232,10 @@ def _read_marker(path: Path, step: int) -> Checkpoint:
 
 def verify(ckpt: Checkpoint, keys: tuple[str, ...] = STATE_KEYS) -> Checkpoint:
     """`ckpt` with its state.json read, once the marker lists every file a checkpoint holds
-    (REQUIRED), each a plain file inside the folder (no link, no '..' or absolute name) of
-    the size and SHA-256 listed, state.json holds `keys` and its step is the folder's;
-    anything else stops here in one line (`ConfigError`)."""
+    (REQUIRED, and ADAPTER_FILES when state.json's config has model.lora), each a plain file
+    inside the folder (no link, no '..' or absolute name) of the size and SHA-256 listed,
+    state.json holds `keys` and its step is the folder's; anything else stops here in one
+    line (`ConfigError`)."""
     def corrupt(why: str) -> ConfigError:
         return ConfigError(f"checkpoint {ckpt.path} is corrupt: {why}; move it away to resume "
                            f"from an older one")
@@ -262,7 +265,17 @@ def verify(ckpt: Checkpoint, keys: tuple[str, ...] = STATE_KEYS) -> Checkpoint:
         raise corrupt(f"state.json has no {', '.join(missing)}")
     if state["step"] != ckpt.step:
         raise corrupt(f"state.json says step {state['step']!r}, the folder's name {ckpt.step}")
+    for name in ADAPTER_FILES if _lora(state) else ():
+        if name not in files:
+            raise corrupt(f"{MARKER} does not list {name} (the run has model.lora)")
     return Checkpoint(ckpt.path, ckpt.step, state, ckpt.marker)
+
+
+def _lora(state: dict[str, Any]) -> bool:
+    """Whether state.json's config (a dict, or None in the format's own tests) has
+    model.lora."""
+    config = state.get("config")
+    return isinstance(config, dict) and (config.get("model") or {}).get("lora") is not None
 
 
 def newest_checkpoint(run_dir: Path) -> Checkpoint:
