@@ -52,8 +52,9 @@ from tiller.files import remove_tree, replacing
 log = logging.getLogger(__name__)
 
 # what a reader checks: a checkpoint of another format is refused (2: the idle-step count,
-# the trainer's parts and the open groups' draws taken out of the draw counts)
-FORMAT_VERSION = 2
+# the trainer's parts and the open groups' draws taken out of the draw counts; 3: the base
+# model's fingerprint and async's refills owed)
+FORMAT_VERSION = 3
 MARKER = "complete.json"
 FOLDER = re.compile(r"^step-(\d+)$")
 # the files every checkpoint holds (the model folder holds the tokenizer's files as well)
@@ -70,7 +71,11 @@ PAUSE_ENV = "TILLER_TEST_CHECKPOINT_PAUSE"
 PAUSES = ("files", "marker", "rename", "remove")
 # what state.json holds (`save_rl`); a resume reads each
 STATE_KEYS = ("step", "trainer_version", "engine_version", "rng", "holds", "tensors",
-              "manager", "recorder", "idle_steps", "metrics_bytes", "summary", "config")
+              "manager", "recorder", "idle_steps", "metrics_bytes", "summary", "config", "base")
+# `model_fingerprint`: each weight file is read at this many evenly spaced places (its start,
+# which holds a safetensors file's header, and its end among them), this many bytes each
+WEIGHT_SAMPLES, SAMPLE_BYTES = 64, 1 << 16
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 # old checkpoints checkpoint.keep left in place because their marker could not be read
 # (another format, corrupt), in this process; each logged
 KEEP_SKIPPED: Counter[str] = Counter()
@@ -110,6 +115,29 @@ class Checkpoint:
     @property
     def size(self) -> int:
         return sum(f["size"] for f in self.marker["files"].values())
+
+
+def model_fingerprint(folder: Path) -> str:
+    """SHA-256 over a model folder (model.path, which a checkpoint under model.lora does not
+    hold), file by file in name order: each file's name and size, the whole content of every
+    file but weights (config.json, the tokenizer's files, the chat template), and of each
+    weight file (WEIGHT_SUFFIXES) WEIGHT_SAMPLES pieces of SAMPLE_BYTES spread evenly over
+    it. Another model, tokenizer or config changes it; a weight file edited in place in a few
+    bytes between the samples, at the same size, does not (hashing the weights whole would
+    read all of them at each checkpointed run's start and each resume: docs/resume.md)."""
+    digest = hashlib.sha256()
+    for p in sorted(q for q in Path(folder).rglob("*") if q.is_file()):
+        size = p.stat().st_size
+        digest.update(f"{p.relative_to(folder)}\0{size}\0".encode())
+        with p.open("rb") as f:
+            if not p.name.endswith(WEIGHT_SUFFIXES) or size <= WEIGHT_SAMPLES * SAMPLE_BYTES:
+                while chunk := f.read(1 << 22):
+                    digest.update(chunk)
+                continue
+            for i in range(WEIGHT_SAMPLES):
+                f.seek((size - SAMPLE_BYTES) * i // (WEIGHT_SAMPLES - 1))
+                digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()
 
 
 def checkpoint_dir(run_dir: Path) -> Path:

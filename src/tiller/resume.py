@@ -21,6 +21,7 @@ from tiller.checkpoints import (
     Checkpoint,
     checkpoint_dir,
     load_tensors,
+    model_fingerprint,
     newest_checkpoint,
     rng_state,
     set_rng_state,
@@ -29,6 +30,7 @@ from tiller.checkpoints import (
 from tiller.config import Config
 from tiller.errors import ConfigError
 from tiller.files import folder_below, refuse_links, refuse_sqlite_links, remove_tree, write_file
+from tiller.models import resolve_model_path
 from tiller.plugins import load_env_class
 from tiller.preflight import rl_task_reserve, rl_train_tasks
 from tiller.rollout.resume import check_drawn, manager_state
@@ -73,6 +75,7 @@ def check_resume(cfg: Config, ckpt: Checkpoint, run_dir: Path) -> list[str]:
         raise ConfigError(f"--resume: config field rl.steps is {cfg.rl.steps}, below the "
                           f"{ckpt.step} steps checkpoint {ckpt.path.name} has trained; "
                           f"resume with rl.steps >= {ckpt.step}")
+    check_base(cfg, ckpt)
     check_stream(cfg, ckpt)
     check_tensors(cfg, ckpt.step, ckpt.state["tensors"], ckpt.path)
     metrics, length = run_dir / "metrics.jsonl", ckpt.state["metrics_bytes"]
@@ -82,6 +85,23 @@ def check_resume(cfg: Config, ckpt: Checkpoint, run_dir: Path) -> list[str]:
                           f"checkpoint {ckpt.path.name} was written ({length} bytes)")
     check_no_links(run_dir)
     return changes
+
+
+def check_base(cfg: Config, ckpt: Checkpoint) -> None:
+    """The model at model.path must be the one the checkpoint's run loaded (its
+    `model_fingerprint`): the checkpoint holds no tokenizer the run reads, and under
+    model.lora no base weights, so another model there would be trained on silently. One
+    line naming model.path when it is not. (A built model, model.build, is made again from
+    the config, which `check_config` compared.)"""
+    if cfg.model.path is None:
+        return
+    got = model_fingerprint(resolve_model_path(cfg.model.path))
+    if got != ckpt.state["base"]:
+        raise ConfigError(f"--resume: the model at config field model.path "
+                          f"({cfg.model.path}) is not the one checkpoint {ckpt.path.name} was "
+                          f"trained from: its config, tokenizer or weights changed "
+                          f"(fingerprint {got[:12]}, checkpoint's {str(ckpt.state['base'])[:12]}); "
+                          f"put the run's base model back there")
 
 
 def check_stream(cfg: Config, ckpt: Checkpoint) -> None:
@@ -157,7 +177,8 @@ def save_rl(run: Any, learner: Any, rollouts: RolloutManager, record: StepRecord
                 "engine_version": run.engine.version, "rng": py, "holds": holds,
                 "tensors": sorted(saved), "manager": manager, "recorder": record.state(),
                 "idle_steps": idle_steps, "metrics_bytes": run.logger.synced_size(),
-                "summary": summary, "config": run.cfg.model_dump(mode="json")}
+                "summary": summary, "config": run.cfg.model_dump(mode="json"),
+                "base": run.base}
 
     return write_checkpoint(run.dir, step, run.cfg.checkpoint.keep, parts)
 

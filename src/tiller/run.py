@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiller.checkpoints import ADAPTER_DIR, Checkpoint, load_weights
+from tiller.checkpoints import ADAPTER_DIR, Checkpoint, load_weights, model_fingerprint
 from tiller.config import Config, ModelJudgeConfig, dump_config
 from tiller.engine.api import SamplingParams
 from tiller.engine.factory import make_engine
@@ -26,7 +26,13 @@ from tiller.engine.weight_sync import WeightSync
 from tiller.envs import Env, Task, ToolEnv
 from tiller.files import replacing, write_file
 from tiller.gateway.program import ProgramEpisode
-from tiller.models import build_env_model, load_model, load_tokenizer, resolve_device
+from tiller.models import (
+    build_env_model,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_model_path,
+)
 from tiller.observe.metrics import MetricsLogger
 from tiller.observe.traces import TraceWriter
 from tiller.preflight import check_model, check_run, check_tools, rl_train_tasks
@@ -99,6 +105,8 @@ class Run:
     gateway: Any = None  # agent.program's gateway, started once the models are built
     traces: TraceWriter | None = None  # traces.sqlite's writer (observe.traces)
     lora: Lora | None = None  # model.lora: the adapters, the policy and its merged copy
+    # model.path's fingerprint (`checkpoints.model_fingerprint`) as loaded, for checkpoints
+    base: str | None = None
 
     def __init__(self, cfg: Config, output_dir: str | Path | None = None,
                  resume: Checkpoint | None = None):
@@ -175,6 +183,8 @@ class Run:
             self.env_cls, self.dir / "base_model", cfg.model.build, seed=cfg.seed,
             difficulty=cfg.env.difficulty, max_turns=cfg.env.max_turns,
             tools=[t.schema for t in self.tools.extra], root=self.dir)
+        if cfg.model.path is not None and cfg.checkpoint.every:  # before it is read
+            self.base = model_fingerprint(resolve_model_path(path))
         self.tokenizer = load_tokenizer(path)
         # fp32 master weights for the optimizer whatever model.dtype is (see PolicyTrainer); the
         # engine's copy (and the reference model) are in model.dtype
