@@ -14,6 +14,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from contextlib import closing
 from pathlib import Path
@@ -29,6 +30,7 @@ from tiller.controller import train
 from tiller.errors import ConfigError, RunError
 from tiller.plugins import load_env_class
 from tiller.preflight import rl_task_count
+from tiller.seeds import derive_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 # a tiny calculator run: SFT, 4 RL steps (a checkpoint after each) and the final eval
@@ -186,6 +188,57 @@ def test_async_run_killed_at_seeded_moments_draws_every_task_once(async_whole, t
     got = json.loads((run / "summary.json").read_text())["heldout_after_rl"]
     ref = json.loads((async_whole / "summary.json").read_text())["heldout_after_rl"]
     assert ref["ci_low"] <= got["success"] <= ref["ci_high"], (got, ref)
+
+
+def half_flat(t, *_) -> float:
+    """A train reward under which about half the tasks' groups are flat (all 0), the others
+    split (1 for sample 0): dynamic sampling refills the flat groups' slots."""
+    return 0.0 if derive_seed(t.task_id) % 2 else float(t.sample_index == 0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_async_refill_owed_at_a_checkpoint_is_owed_again_on_resume(tmp_path, monkeypatch):
+    """async with dynamic sampling: a checkpoint written while a refill is owed (a flat
+    group's slot queued for another round, not yet started; the producer is held back, once,
+    until that checkpoint is written, so the narrow window a real run hits now and then is
+    hit for sure) keeps it, and the run resumed from it starts it: every step trains, every
+    task is drawn once."""
+    from tiller.rollout import resume as rollout_resume
+    from tiller.rollout.manager import RolloutManager
+
+    over = [*ASYNC, "rl.algorithm={preset: dapo, dynamic_sampling: {enabled: true, "
+            "max_rounds: 3}}", "checkpoint.keep=20", "rollout.batch_timeout_s=30"]
+    monkeypatch.setattr("tiller.controller.train_reward", half_flat)
+    written, held = threading.Event(), []
+    save, pump = rollout_resume.manager_state, RolloutManager._pump
+
+    def saving(m, steps):  # the checkpoint the producer waits for
+        state = save(m, steps)
+        if held and not written.is_set():
+            held.append(steps)
+            written.set()
+        return state
+
+    def pumping(m):  # a refill owed and a batch ready: hold until the checkpoint is written
+        if m._refills and len(m.buffer.ready) >= m.B and not written.is_set():
+            held.append(None)
+            assert written.wait(60), "no checkpoint while a refill was owed"
+        pump(m)
+
+    monkeypatch.setattr("tiller.resume.manager_state", saving)
+    monkeypatch.setattr(RolloutManager, "_pump", pumping)
+    run = tmp_path / "run"
+    train(load_config("configs/calculator.yaml", over), run)
+    at = held[-1]
+    assert at is not None and at < 8, held
+    for ckpt in complete_checkpoints(run):
+        if ckpt.step > at:
+            shutil.rmtree(ckpt.path)
+    killed_at = verify(complete_checkpoints(run)[0]).state
+    train(load_config(run / "config.yaml"), resume=run)
+    drawn_once(run, over, "async", killed_at)
+    assert killed_at["manager"]["refills"]  # kept, and started by the resumed run
 
 
 def drawn_once(run: Path, over: list[str], mode: str, killed_at: dict) -> None:

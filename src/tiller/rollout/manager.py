@@ -181,6 +181,8 @@ class RolloutManager:
         self._open: dict[tuple, tuple[int, Task, Counter[str]]] = {}
         if resume is not None:
             restore_manager(self, resume)
+            for u, _ in self._refills:  # owed by their units, as when they were queued
+                self._units.setdefault(u, _Unit(u)).owed += 1
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="tiller-rollouts")
