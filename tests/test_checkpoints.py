@@ -163,6 +163,32 @@ def test_checkpoints_lists_a_corrupt_state_json_in_its_status(tmp_path):
     assert rows[1]["status"].startswith("corrupt: state.json does not parse (JSONDecodeError")
 
 
+@pytest.mark.parametrize("edit, status", [
+    (lambda state, m: state.update(holds=[1, 2]), "state.json's holds is not a list of names"),
+    (lambda state, m: state.update(holds="model"), "state.json's holds is not a list of names"),
+    (lambda state, m: state.pop("holds"), "state.json does not parse (KeyError: 'holds')"),
+    (lambda state, m: m["files"].update({"rng.pt": 5}),
+     "does not parse (TypeError: files['rng.pt'] is not a size and a sha256)"),
+    (lambda state, m: m["files"]["rng.pt"].update(size="12"),
+     "does not parse (TypeError: files['rng.pt'] is not a size and a sha256)"),
+])
+def test_checkpoints_says_what_is_corrupt_in_a_manifest_in_one_line(tmp_path, edit, status):
+    """`tiller checkpoints` validates the marker and state.json it reads: content of the
+    wrong kind is that checkpoint's one-line status, never a traceback (the other checkpoints
+    still listed)."""
+    write(tmp_path, 1, holds=["model", "optimizer"])
+    path = write(tmp_path, 2, holds=["model"])
+    state, m = json.loads((path / "state.json").read_text()), marker(path)
+    edit(state, m)
+    (path / "state.json").write_text(json.dumps(state))
+    (path / MARKER).write_text(json.dumps(m))
+    code, out = cli("checkpoints", tmp_path)
+    assert code == 0 and "optimizer" in out, out
+    rows = describe(tmp_path)
+    assert rows[0]["status"] == "complete" and status in rows[1]["status"], rows[1]
+    assert "\n" not in rows[1]["status"] and rows[1]["holds"] == []
+
+
 def test_the_pause_hook_refuses_a_phase_it_does_not_know(tmp_path, monkeypatch):
     monkeypatch.setenv(PAUSE_ENV, "nowhere:1")
     with pytest.raises(ValueError, match="PHASE one of"):

@@ -5,6 +5,7 @@ engine); in async every task is drawn once."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -359,6 +360,26 @@ def test_resume_refused_by_the_runs_preflight_leaves_the_folder_as_it_was(two_st
     assert trace_counts(run)[-1] and any(r[0] == "eval_rl" for r in trace_counts(run))
     refused(run, ["eval.sets=[{name: odd, split: nope}]"],
             "config field eval.sets (odd).split: got 'nope'")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_a_newer_tillers_config_is_refused_naming_the_field(two_steps,
+                                                                           tmp_path):
+    """The checkpoint's config has a field this tiller does not know (a newer tiller wrote
+    it): one line naming the field and saying so, the folder left as it was."""
+    run = tmp_path / "run"
+    shutil.copytree(two_steps, run)
+    newest = run / "checkpoints" / "step-000002"
+    state = json.loads((newest / "state.json").read_text())
+    state["config"]["rl"]["new_knob"] = 1
+    (newest / "state.json").write_text(json.dumps(state))
+    marker = json.loads((newest / MARKER).read_text())
+    digest = hashlib.sha256((newest / "state.json").read_bytes()).hexdigest()
+    marker["files"]["state.json"] = {"size": (newest / "state.json").stat().st_size,
+                                     "sha256": digest}
+    (newest / MARKER).write_text(json.dumps(marker))
+    refused(run, [], "the config of checkpoint step-000002 has field rl.new_knob, which this "
+                     "tiller does not know: the checkpoint comes from a newer tiller")
 
 
 @pytest.mark.slow

@@ -243,6 +243,10 @@ def _read_marker(path: Path, step: int) -> Checkpoint:
         fmt, files, marked = marker["format"], marker["files"], marker["step"]
         if not isinstance(files, dict):
             raise TypeError(f"files is a {type(files).__name__}")
+        for name, f in files.items():
+            if not (isinstance(f, dict) and type(f.get("size")) is int
+                    and isinstance(f.get("sha256"), str)):
+                raise TypeError(f"files[{name!r}] is not a size and a sha256")
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"checkpoint {path} is corrupt: its {MARKER} does not parse "
                           f"({type(e).__name__}: {e}); move it away to resume from an older "
@@ -400,10 +404,22 @@ def describe(run_dir: Path) -> list[dict[str, Any]]:
             ckpt = _read_marker(path, row["step"]) if (path / MARKER).is_file() else None
             row["status"] = "complete" if ckpt is not None else f"incomplete (no {MARKER})"
             if ckpt is not None:
-                row["holds"] = json.loads((path / "state.json").read_text())["holds"]
+                row["holds"] = _holds(path / "state.json")
         except ConfigError as e:
             row["status"] = str(e)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            row["status"] = f"corrupt: state.json does not parse ({type(e).__name__}: {e})"
         rows.append(row)
     return rows
+
+
+def _holds(path: Path) -> list[str]:
+    """state.json's `holds` (what the checkpoint holds, as names), for `describe`; one line
+    (`ConfigError`) when state.json does not parse or holds is not a list of names."""
+    try:
+        holds = json.loads(path.read_text())["holds"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"corrupt: state.json does not parse ({type(e).__name__}: "
+                          f"{e})") from e
+    if not isinstance(holds, list) or not all(isinstance(h, str) for h in holds):
+        raise ConfigError(f"corrupt: state.json's holds is not a list of names "
+                          f"({str(holds)[:60]!r})")
+    return holds

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from pydantic import ValidationError
 
 from tiller.algorithms.kl import kl_beta_at
 from tiller.checkpoints import (
@@ -28,6 +29,8 @@ from tiller.checkpoints import (
     write_checkpoint,
 )
 from tiller.config import Config
+from tiller.config.base import TAGS
+from tiller.config.root import first_error
 from tiller.errors import ConfigError
 from tiller.files import folder_below, refuse_links, refuse_sqlite_links, remove_tree, write_file
 from tiller.models import resolve_model_path
@@ -70,6 +73,7 @@ def check_resume(cfg: Config, ckpt: Checkpoint, run_dir: Path) -> list[str]:
     if not cfg.checkpoint.every:
         raise ConfigError("--resume: config field checkpoint.every is 0; resume with the "
                           "run's config (its checkpoint.every)")
+    check_known_fields(ckpt)
     changes = check_config(ckpt.state["config"], cfg.model_dump(mode="json"))
     if cfg.rl.steps < ckpt.step:
         raise ConfigError(f"--resume: config field rl.steps is {cfg.rl.steps}, below the "
@@ -85,6 +89,25 @@ def check_resume(cfg: Config, ckpt: Checkpoint, run_dir: Path) -> list[str]:
                           f"checkpoint {ckpt.path.name} was written ({length} bytes)")
     check_no_links(run_dir)
     return changes
+
+
+def check_known_fields(ckpt: Checkpoint) -> None:
+    """The checkpoint's config must be one this tiller reads: a field it does not know is
+    one line naming it (the checkpoint comes from a newer tiller), as is any other way its
+    config fails this tiller's validation."""
+    where = f"--resume: the config of checkpoint {ckpt.path.name}"
+    try:
+        Config.model_validate(ckpt.state["config"])
+    except ValidationError as e:
+        unknown = [".".join(str(p) for p in err["loc"] if p not in TAGS) for err in e.errors()
+                   if err["type"] == "extra_forbidden"]
+        if unknown:
+            raise ConfigError(f"{where} has field {unknown[0]}, which this tiller does not "
+                              f"know: the checkpoint comes from a newer tiller (it says "
+                              f"{ckpt.marker.get('tiller')}); resume it with that tiller") from e
+        raise ConfigError(f"{where} is not one this tiller reads: {first_error(e)}") from e
+    except ConfigError as e:  # a key of another variant of a section
+        raise ConfigError(f"{where} is not one this tiller reads: {e}") from e
 
 
 def check_base(cfg: Config, ckpt: Checkpoint) -> None:
