@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from contextlib import closing
 from pathlib import Path
 
@@ -380,6 +381,37 @@ def test_a_checkpoint_of_a_newer_tillers_config_is_refused_naming_the_field(two_
     (newest / MARKER).write_text(json.dumps(marker))
     refused(run, [], "the config of checkpoint step-000002 has field rl.new_knob, which this "
                      "tiller does not know: the checkpoint comes from a newer tiller")
+
+
+@pytest.mark.slow
+def test_a_reopened_groups_episodes_are_traced_once_after_resume(tmp_path):
+    """one_step_off: the groups a checkpoint holds open had episodes traced already (they
+    ended before the step was taken); the resumed run samples those groups again, with the
+    same seeds, and traces.sqlite holds each episode (tag, task, draw, sample) once."""
+    over = [*RUN, "rl.mode=one_step_off", "rl.steps=4", "checkpoint.keep=10"]
+    whole = tmp_path / "whole"
+    train(load_config("configs/calculator.yaml", over), whole)
+
+    def traced(run: Path, step: int) -> list[tuple]:
+        with closing(sqlite3.connect(run / "traces.sqlite")) as con:
+            return con.execute("SELECT tag, task_id, draw, sample_index FROM episodes WHERE "
+                               "phase = 'rl' AND rl_step <= ?", (step,)).fetchall()
+
+    # the first checkpoint holding open groups whose episodes were traced by then
+    steps = [c.step for c in sorted(complete_checkpoints(whole), key=lambda c: c.step)
+             if c.step < 4 and {t["id"] for t in verify(c).state["manager"]["open_tasks"]}
+             & {r[1] for r in traced(whole, c.step)}]
+    assert steps, "no checkpoint with open groups already traced"
+    run = tmp_path / "run"
+    shutil.copytree(whole, run)
+    for ckpt in complete_checkpoints(run):
+        if ckpt.step > steps[0]:
+            shutil.rmtree(ckpt.path)
+    train(load_config(run / "config.yaml"), resume=run)
+    rows = traced(run, 4)
+    assert len(rows) == len(set(rows)), sorted(r for r in rows if rows.count(r) > 1)[:4]
+    groups = Counter(r[:3] for r in rows)  # each of group_size 4 episodes, traced once
+    assert set(groups.values()) == {4} and len(groups) == 4 * 4, groups
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ verification).
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 from pathlib import Path
@@ -293,28 +294,38 @@ def prepare_run_dir(run_dir: Path, ckpt: Checkpoint) -> dict[str, int]:
         write_file(metrics, data[:length], root=run_dir)
     traces = run_dir / "traces.sqlite"
     if traces.is_file():
-        done["trace_episodes_deleted"] = _cut_traces(traces, ckpt.step)
+        done["trace_episodes_deleted"] = _cut_traces(traces, ckpt)
     for tmp in folder_below(run_dir, checkpoint_dir(run_dir)).glob(".step-*.tmp"):
         remove_tree(tmp)
         done["temp_removed"] += 1
     return done
 
 
-def _cut_traces(path: Path, step: int) -> int:
-    """Delete the traces a killed run wrote after checkpoint `step` (its RL steps past it and
-    its final evaluation), so the resumed run's rows take their place. SQLite writes in
-    place: a link at the database (or its journal) is refused, never written through."""
+def _cut_traces(path: Path, ckpt: Checkpoint) -> int:
+    """Delete the traces a killed run wrote after checkpoint `ckpt` (its RL steps past it and
+    its final evaluation) and the episodes of the groups it holds open (by tag, task and draw:
+    the resumed run samples them again), so the resumed run's rows take their place and each
+    group is traced once. SQLite writes in place: a link at the database (or its journal) is
+    refused, never written through."""
     import sqlite3
 
     refuse_sqlite_links(path)
     con = sqlite3.connect(path)
     try:
         with con:
-            where = "(phase = 'rl' AND rl_step > ?) OR phase LIKE 'eval_rl%'"
-            con.execute(f"DELETE FROM tool_calls WHERE episode_id IN "
-                        f"(SELECT id FROM episodes WHERE {where})", (step,))
-            n = con.execute(f"DELETE FROM episodes WHERE {where}", (step,)).rowcount
-            con.execute("DELETE FROM steps WHERE rl_step > ?", (step,))
+            n = _delete_episodes(con, "(phase = 'rl' AND rl_step > ?) OR phase LIKE 'eval_rl%'",
+                                 (ckpt.step,))
+            for tag, task_id, draw in ckpt.state["manager"]["open_groups"]:
+                n += _delete_episodes(con, "phase = 'rl' AND tag = ? AND task_id = ? AND "
+                                      "draw = ?", (json.dumps(tag), task_id, draw))
+            con.execute("DELETE FROM steps WHERE rl_step > ?", (ckpt.step,))
     finally:
         con.close()
     return n
+
+
+def _delete_episodes(con: Any, where: str, args: tuple[Any, ...]) -> int:
+    """Delete the episodes matching `where` and their tool calls; how many episodes."""
+    con.execute(f"DELETE FROM tool_calls WHERE episode_id IN "
+                f"(SELECT id FROM episodes WHERE {where})", args)
+    return con.execute(f"DELETE FROM episodes WHERE {where}", args).rowcount

@@ -37,15 +37,18 @@ def manager_state(m: Any, steps_trained: int) -> dict[str, Any]:
         unit = m._units.get(m._next_unit)
         full = unit is not None and unit.launched >= m.B  # the next launch moves on
         open_ = sorted(m._open.items(), key=lambda kv: kv[1][0])
-        regenerated = {pos for _, (pos, _, _) in open_}
+        regenerated = {pos for _, (pos, *_) in open_}
         ledger, draws = Counter(m.ledger), Counter(m._draws)
-        for key, (_, task, charged) in open_:
+        for key, (_, task, charged, _) in open_:
             ledger.subtract(charged)
             draws[(m._tag(key), task.id)] -= 1  # its relaunch draws it again (same seeds)
         return {
             "pulled": len(m.draw_ids),  # tasks taken from the stream so far
             "draw_ids": [t for i, t in enumerate(m.draw_ids) if i not in regenerated],
-            "open_tasks": [dataclasses.asdict(task) for _, (_, task, _) in open_],
+            "open_tasks": [dataclasses.asdict(task) for _, (_, task, *_) in open_],
+            # (tag, task id, draw) of each: their episodes traced so far leave traces.sqlite
+            "open_groups": [[list(m._tag(key)), task.id, draw]
+                            for key, (_, task, _, draw) in open_],
             "ledger": {k: v for k, v in ledger.items() if v},
             # ordered modes relaunch the open groups (whole units, in draw order) into the
             # units they were drawn for, from the first one not trained
