@@ -15,7 +15,8 @@ A checkpoint folder holds:
     state.json        the step, the weight versions, Python's and numpy's RNG states, the
                       rollout manager's state (`rollout.resume`: the task stream's position,
                       the open groups' tasks, the ledger), the step recorder's counters, the
-                      byte length of metrics.jsonl, the summary so far, and the run's config
+                      byte length of metrics.jsonl, the summary so far, the run's config
+                      and model.path's fingerprint (`model_fingerprint`)
     complete.json     written last: the format version, the step, the tiller version that
                       wrote it (for a reader: only the format is checked) and each file's size
                       and SHA-256. A folder without it is not a checkpoint.
