@@ -48,8 +48,8 @@ log = logging.getLogger(__name__)
 def start_resume(cfg: Config, run_dir: Path) -> Checkpoint:
     """`tiller train --resume RUN_DIR`, before any work: the newest complete checkpoint,
     verified, every check of `check_resume` passed (the safe config changes logged). The run
-    folder is not touched: `run.Run` cuts it back (`cut_run_dir`) once its own preflight
-    passed too."""
+    folder is not touched: `run.Run` cuts it back (`cut_run_dir`) once its own checks passed
+    too."""
     ckpt = newest_checkpoint(run_dir)
     for change in check_resume(cfg, ckpt, Path(run_dir)):
         log.info("--resume: config changed (safe): %s", change)
@@ -58,7 +58,8 @@ def start_resume(cfg: Config, run_dir: Path) -> Checkpoint:
 
 def cut_run_dir(run_dir: Path, ckpt: Checkpoint) -> None:
     """`prepare_run_dir`, logged: called by `run.Run` after every check of a resume passed
-    (`start_resume`'s and the run's preflight), before the run opens its sinks."""
+    (`start_resume`'s, the run's preflight, the tool stack's and the model's), just before
+    the run opens its sinks (metrics.jsonl, traces.sqlite)."""
     done = prepare_run_dir(run_dir, ckpt)
     log.info("--resume: from %s (RL step %d, weight version %d); %s", ckpt.path, ckpt.step,
              ckpt.state["trainer_version"], done)

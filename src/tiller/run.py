@@ -115,8 +115,6 @@ class Run:
         self.cfg, self.resume = cfg, resume
         checked = check_run(cfg)
         check_cluster(cfg)  # Ray installed, its address answers, CPUs for every actor
-        if resume is not None:  # only once every check passed: a refused resume changes nothing
-            cut_run_dir(resume.path.parents[1], resume)
         self.env_cls, self.sft_conversations = checked.env_cls, checked.sft_conversations
         self.episode_fn, self.key_steps = checked.episode_fn, checked.key_steps
         self.judge = checked.judge  # rl.judge.model loads with the models
@@ -135,7 +133,9 @@ class Run:
 
     def _open(self, stack: ExitStack, program: Callable[..., Any] | None) -> None:
         """The tool stack, the models and trainer, the metrics logger, the trace writer, the
-        engine and the gateway, in this order, each registered on `stack` as it opens: what
+        engine and the gateway, in this order, each registered on `stack` as it opens (a
+        resume's cut of the run folder comes just before the sinks open, once everything
+        before them started and passed its checks): what
         makes episodes (the engine, the gateway's calls into it) closes before the sinks they
         are written to (traces, metrics)."""
         cfg = self.cfg
@@ -155,6 +155,8 @@ class Run:
         self._build_models()
         if isinstance(self.trainer, Leader):
             closes(stack, "trainer ranks", self.trainer.close)
+        if self.resume is not None:  # every check passed (the model's too): cut, then append
+            cut_run_dir(self.dir, self.resume)
         self.logger = MetricsLogger(self.dir, cfg.logging.tensorboard, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.model_dump())
         closes(stack, "metrics logger", self.logger.close)
