@@ -366,8 +366,9 @@ def test_resume_refused_by_the_runs_preflight_leaves_the_folder_as_it_was(two_st
 @pytest.mark.slow
 def test_a_checkpoint_of_a_newer_tillers_config_is_refused_naming_the_field(two_steps,
                                                                            tmp_path):
-    """The checkpoint's config has a field this tiller does not know (a newer tiller wrote
-    it): one line naming the field and saying so, the folder left as it was."""
+    """The checkpoint's config (then the run's config.yaml as well) has a field this tiller
+    does not know (a newer tiller wrote it): one line naming the field and saying so, the
+    folder left as it was."""
     run = tmp_path / "run"
     shutil.copytree(two_steps, run)
     newest = run / "checkpoints" / "step-000002"
@@ -381,6 +382,16 @@ def test_a_checkpoint_of_a_newer_tillers_config_is_refused_naming_the_field(two_
     (newest / MARKER).write_text(json.dumps(marker))
     refused(run, [], "the config of checkpoint step-000002 has field rl.new_knob, which this "
                      "tiller does not know: the checkpoint comes from a newer tiller")
+    # the run's config.yaml too (what --resume reads first): said of the run, in one line
+    config = (run / "config.yaml").read_text()
+    assert "\nrl:\n" in config
+    (run / "config.yaml").write_text(config.replace("\nrl:\n", "\nrl:\n  new_knob: 1\n", 1))
+    before = snapshot(run)
+    code, out = cli("train", "--resume", run)
+    assert code == 2 and len(out.strip().splitlines()) == 1, out
+    assert (f"{run / 'config.yaml'} has field rl.new_knob, which this tiller does not know: "
+            f"the run comes from a newer tiller") in out, out
+    assert snapshot(run) == before
 
 
 @pytest.mark.slow

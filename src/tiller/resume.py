@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import yaml
 from pydantic import ValidationError
 
 from tiller.algorithms.kl import kl_beta_at
@@ -98,18 +99,45 @@ def check_known_fields(ckpt: Checkpoint) -> None:
     one line naming it (the checkpoint comes from a newer tiller), as is any other way its
     config fails this tiller's validation."""
     where = f"--resume: the config of checkpoint {ckpt.path.name}"
+    unknown = unknown_fields(ckpt.state["config"])
+    if unknown:
+        raise ConfigError(f"{where} has field {unknown[0]}, which this tiller does not know: "
+                          f"the checkpoint comes from a newer tiller (it says "
+                          f"{ckpt.marker.get('tiller')}); resume it with that tiller")
     try:
         Config.model_validate(ckpt.state["config"])
     except ValidationError as e:
-        unknown = [".".join(str(p) for p in err["loc"] if p not in TAGS) for err in e.errors()
-                   if err["type"] == "extra_forbidden"]
-        if unknown:
-            raise ConfigError(f"{where} has field {unknown[0]}, which this tiller does not "
-                              f"know: the checkpoint comes from a newer tiller (it says "
-                              f"{ckpt.marker.get('tiller')}); resume it with that tiller") from e
         raise ConfigError(f"{where} is not one this tiller reads: {first_error(e)}") from e
     except ConfigError as e:  # a key of another variant of a section
         raise ConfigError(f"{where} is not one this tiller reads: {e}") from e
+
+
+def check_run_config_fields(path: Path) -> None:
+    """A run folder's config.yaml (what `--resume` reads) with a field this tiller does not
+    know: one line naming it, the run comes from a newer tiller (any other error in the
+    file is `load_config`'s to report)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return
+    unknown = unknown_fields(data)
+    if unknown:
+        raise ConfigError(f"--resume: {path} has field {unknown[0]}, which this tiller does "
+                          f"not know: the run comes from a newer tiller; resume it with that "
+                          f"tiller")
+
+
+def unknown_fields(data: Any) -> list[str]:
+    """The fields of config `data` (as YAML gives it) this tiller's `Config` does not have,
+    dotted, in the order validation meets them."""
+    try:
+        Config.model_validate(data)
+    except ValidationError as e:
+        return [".".join(str(p) for p in err["loc"] if p not in TAGS) for err in e.errors()
+                if err["type"] == "extra_forbidden"]
+    except ConfigError:  # a key of another variant: known to this tiller
+        return []
+    return []
 
 
 def check_base(cfg: Config, ckpt: Checkpoint) -> None:
