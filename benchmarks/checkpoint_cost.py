@@ -11,11 +11,13 @@ trainer.pt (the optimizer's state), rng.pt and a state.json. The rollout state i
 state.json is a few KB more (the task ids drawn so far). Reading back is `verify` (hashing
 every file) plus `load_weights` and the optimizer's `load_state_dict`, of the checkpoint just
 written: its files are in the page cache (hot), so the read-back time leaves out the disk's.
+A last row times `model_fingerprint` over the fetched SmolLM2-135M, when it is fetched.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import tempfile
@@ -32,12 +34,13 @@ from tiller.checkpoints import (  # noqa: E402
     complete_checkpoints,
     load_tensors,
     load_weights,
+    model_fingerprint,
     rng_state,
     verify,
     write_checkpoint,
 )
 from tiller.config import load_config  # noqa: E402
-from tiller.models import build_env_model, load_model, load_tokenizer  # noqa: E402
+from tiller.models import build_env_model, load_model, load_tokenizer, models_dir  # noqa: E402
 from tiller.plugins import load_env_class  # noqa: E402
 
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -101,6 +104,27 @@ def measure(name: str, model: torch.nn.Module, tokenizer: object, run_dir: Path,
             "read_s_median": round(sorted(reads)[len(reads) // 2], 2)}
 
 
+def fingerprint_cost(name: str = "smollm2-135m-instruct") -> dict[str, float | str] | None:
+    """`model_fingerprint` (what a checkpoint records of model.path, read at each
+    checkpointed run's start and each resume) of the fetched SmolLM2-135M, against SHA-256
+    of its files whole; page cache hot (read once first). None when it is not fetched."""
+    folder = models_dir() / name
+    if not (folder / "config.json").is_file():
+        return None
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    for p in files:  # hot, as in the other rows
+        p.read_bytes()
+    t0 = time.perf_counter()
+    model_fingerprint(folder)
+    sampled = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for p in files:
+        hashlib.sha256(p.read_bytes()).hexdigest()
+    return {"model": f"{name} (fetched) fingerprint", "MiB": round(sum(
+        p.stat().st_size for p in files) / 2**20, 1), "fingerprint_s": round(sampled, 4),
+        "sha256_whole_s": round(time.perf_counter() - t0, 2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None, help="folder to write in (default: temp)")
@@ -112,8 +136,9 @@ def main() -> None:
                         root / "demo", args.repeats),
                 measure("random Llama, SmolLM2-135M shape", *llama_135m(), root / "llama",
                         args.repeats)]
-    for row in rows:
-        print(json.dumps(row))
+    for row in [*rows, fingerprint_cost()]:
+        if row is not None:
+            print(json.dumps(row))
 
 
 if __name__ == "__main__":

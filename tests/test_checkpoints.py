@@ -30,16 +30,18 @@ from tiller.errors import ConfigError
 from tiller.observe.metrics import MetricsLogger
 from tiller.rollout.resume import check_drawn
 
+FILES = ("model/model.safetensors", "model/config.json", "trainer.pt", "rng.pt")
 
-def write(run: Path, at: int, keep: int = 5, **state) -> Path:
-    """Checkpoint `at` of `run`: the files every checkpoint holds, with stand-in bytes, and
-    a state.json with every key (`state` overrides)."""
+
+def write(run: Path, at: int, keep: int = 5, files: tuple[str, ...] = FILES, **state) -> Path:
+    """Checkpoint `at` of `run`: `files` (by default those every checkpoint holds), with
+    stand-in bytes, and a state.json with every key (`state` overrides)."""
     run.mkdir(parents=True, exist_ok=True)
     (run / "config.yaml").write_text("{}\n")
 
     def parts(new: Path) -> dict:
-        (new / "model").mkdir()
-        for name in ("model/model.safetensors", "model/config.json", "trainer.pt", "rng.pt"):
+        for name in files:
+            (new / name).parent.mkdir(parents=True, exist_ok=True)
             (new / name).write_bytes(f"{name} {at}".encode())
         return {**{k: None for k in STATE_KEYS}, "step": at, **state}
 
@@ -64,7 +66,7 @@ def test_verify_accepts_a_whole_checkpoint_of_another_tiller_version(tmp_path):
     (path / MARKER).write_text(json.dumps({**marker(path), "tiller": "0.0.1"}))
     assert newest_checkpoint(tmp_path).state["step"] == 1
     (path / MARKER).write_text(json.dumps({**marker(path), "format": 99}))
-    one_line_error("is of checkpoint format 99 (tiller 0.0.1); this tiller reads format 2",
+    one_line_error("is of checkpoint format 99 (tiller 0.0.1); this tiller reads format 3",
                    newest_checkpoint, tmp_path)
 
 
@@ -101,6 +103,23 @@ def test_verify_refuses_a_link_and_a_state_of_another_step(tmp_path):
     other = tmp_path / "other"
     write(other, 2, step=5)
     one_line_error("state.json says step 5, the folder's name 2", newest_checkpoint, other)
+
+
+def test_a_lora_checkpoint_without_its_adapter_is_refused_in_one_line(tmp_path):
+    """Under model.lora the adapter is what a resume loads: a checkpoint whose marker does not
+    list it is partial, refused before any work (not a failed load once the run started)."""
+    lora = {"model": {"lora": {"r": 4, "alpha": 8.0}}}
+    path = write(tmp_path / "a", 1, config=lora)
+    one_line_error(f"checkpoint {path} is corrupt: {MARKER} does not list "
+                   f"adapter/adapter_config.json", newest_checkpoint, tmp_path / "a")
+    path = write(tmp_path / "b", 1, files=(*FILES, "adapter/adapter_config.json"), config=lora)
+    one_line_error(f"checkpoint {path} is corrupt: {MARKER} does not list "
+                   f"adapter/adapter_model.safetensors", newest_checkpoint, tmp_path / "b")
+    whole = (*FILES, "adapter/adapter_config.json", "adapter/adapter_model.safetensors")
+    write(tmp_path / "c", 1, files=whole, config=lora)
+    assert newest_checkpoint(tmp_path / "c").step == 1
+    write(tmp_path / "d", 1, config={"model": {"lora": None}})  # no adapter without LoRA
+    assert newest_checkpoint(tmp_path / "d").step == 1
 
 
 def test_verify_names_a_state_key_that_is_missing(tmp_path):
@@ -142,6 +161,32 @@ def test_checkpoints_lists_a_corrupt_state_json_in_its_status(tmp_path):
     rows = describe(tmp_path)
     assert rows[0]["status"] == "complete" and rows[0]["holds"] == ["model", "optimizer"]
     assert rows[1]["status"].startswith("corrupt: state.json does not parse (JSONDecodeError")
+
+
+@pytest.mark.parametrize("edit, status", [
+    (lambda state, m: state.update(holds=[1, 2]), "state.json's holds is not a list of names"),
+    (lambda state, m: state.update(holds="model"), "state.json's holds is not a list of names"),
+    (lambda state, m: state.pop("holds"), "state.json does not parse (KeyError: 'holds')"),
+    (lambda state, m: m["files"].update({"rng.pt": 5}),
+     "does not parse (TypeError: files['rng.pt'] is not a size and a sha256)"),
+    (lambda state, m: m["files"]["rng.pt"].update(size="12"),
+     "does not parse (TypeError: files['rng.pt'] is not a size and a sha256)"),
+])
+def test_checkpoints_says_what_is_corrupt_in_a_manifest_in_one_line(tmp_path, edit, status):
+    """`tiller checkpoints` validates the marker and state.json it reads: content of the
+    wrong kind is that checkpoint's one-line status, never a traceback (the other checkpoints
+    still listed)."""
+    write(tmp_path, 1, holds=["model", "optimizer"])
+    path = write(tmp_path, 2, holds=["model"])
+    state, m = json.loads((path / "state.json").read_text()), marker(path)
+    edit(state, m)
+    (path / "state.json").write_text(json.dumps(state))
+    (path / MARKER).write_text(json.dumps(m))
+    code, out = cli("checkpoints", tmp_path)
+    assert code == 0 and "optimizer" in out, out
+    rows = describe(tmp_path)
+    assert rows[0]["status"] == "complete" and status in rows[1]["status"], rows[1]
+    assert "\n" not in rows[1]["status"] and rows[1]["holds"] == []
 
 
 def test_the_pause_hook_refuses_a_phase_it_does_not_know(tmp_path, monkeypatch):

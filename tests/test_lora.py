@@ -215,3 +215,30 @@ def test_keep_with_adapter_dropout_has_dropout_to_keep(calc_model_dir, tmp_path)
         assert rates == {0.1}
     finally:
         run.close()
+
+
+@pytest.mark.slow
+def test_a_resume_onto_another_base_model_is_refused_in_one_line(calc_model_dir, calc_sft_dir,
+                                                                 tmp_path):
+    """Under model.lora a checkpoint holds the adapter, not the base: the base at model.path
+    (the same path) replaced by another model of the same shape, or its tokenizer edited, is
+    refused in one line naming model.path, the run folder left as it was."""
+    from helpers import tiny_rl
+    from test_resume import refused
+
+    from tiller.controller import train
+
+    base, run = tmp_path / "base", tmp_path / "run"
+    shutil.copytree(calc_sft_dir, base)
+    train(load_config("configs/calculator.yaml", tiny_rl(
+        base, "model.lora.r=4", "model.lora.alpha=8", "checkpoint.every=1", "eval.tasks=2")),
+        run)
+    weights = (base / "model.safetensors").read_bytes()
+    shutil.copy(calc_model_dir / "model.safetensors", base / "model.safetensors")
+    assert (base / "model.safetensors").stat().st_size == len(weights)  # same shape
+    line = f"--resume: the model at config field model.path ({base}) is not the one checkpoint"
+    refused(run, [], line)
+    (base / "model.safetensors").write_bytes(weights)
+    tokenizer = json.loads((base / "tokenizer_config.json").read_text())
+    (base / "tokenizer_config.json").write_text(json.dumps({**tokenizer, "padding_side": "left"}))
+    refused(run, [], line)

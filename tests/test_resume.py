@@ -5,6 +5,7 @@ engine); in async every task is drawn once."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -14,7 +15,9 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter
 from contextlib import closing
 from pathlib import Path
 
@@ -29,6 +32,7 @@ from tiller.controller import train
 from tiller.errors import ConfigError, RunError
 from tiller.plugins import load_env_class
 from tiller.preflight import rl_task_count
+from tiller.seeds import derive_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 # a tiny calculator run: SFT, 4 RL steps (a checkpoint after each) and the final eval
@@ -188,6 +192,57 @@ def test_async_run_killed_at_seeded_moments_draws_every_task_once(async_whole, t
     assert ref["ci_low"] <= got["success"] <= ref["ci_high"], (got, ref)
 
 
+def half_flat(t, *_) -> float:
+    """A train reward under which about half the tasks' groups are flat (all 0), the others
+    split (1 for sample 0): dynamic sampling refills the flat groups' slots."""
+    return 0.0 if derive_seed(t.task_id) % 2 else float(t.sample_index == 0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_async_refill_owed_at_a_checkpoint_is_owed_again_on_resume(tmp_path, monkeypatch):
+    """async with dynamic sampling: a checkpoint written while a refill is owed (a flat
+    group's slot queued for another round, not yet started; the producer is held back, once,
+    until that checkpoint is written, so the narrow window a real run hits now and then is
+    hit for sure) keeps it, and the run resumed from it starts it: every step trains, every
+    task is drawn once."""
+    from tiller.rollout import resume as rollout_resume
+    from tiller.rollout.manager import RolloutManager
+
+    over = [*ASYNC, "rl.algorithm={preset: dapo, dynamic_sampling: {enabled: true, "
+            "max_rounds: 3}}", "checkpoint.keep=20", "rollout.batch_timeout_s=30"]
+    monkeypatch.setattr("tiller.controller.train_reward", half_flat)
+    written, held = threading.Event(), []
+    save, pump = rollout_resume.manager_state, RolloutManager._pump
+
+    def saving(m, steps):  # the checkpoint the producer waits for
+        state = save(m, steps)
+        if held and not written.is_set():
+            held.append(steps)
+            written.set()
+        return state
+
+    def pumping(m):  # a refill owed and a batch ready: hold until the checkpoint is written
+        if m._refills and len(m.buffer.ready) >= m.B and not written.is_set():
+            held.append(None)
+            assert written.wait(60), "no checkpoint while a refill was owed"
+        pump(m)
+
+    monkeypatch.setattr("tiller.resume.manager_state", saving)
+    monkeypatch.setattr(RolloutManager, "_pump", pumping)
+    run = tmp_path / "run"
+    train(load_config("configs/calculator.yaml", over), run)
+    at = held[-1]
+    assert at is not None and at < 8, held
+    for ckpt in complete_checkpoints(run):
+        if ckpt.step > at:
+            shutil.rmtree(ckpt.path)
+    killed_at = verify(complete_checkpoints(run)[0]).state
+    train(load_config(run / "config.yaml"), resume=run)
+    drawn_once(run, over, "async", killed_at)
+    assert killed_at["manager"]["refills"]  # kept, and started by the resumed run
+
+
 def drawn_once(run: Path, over: list[str], mode: str, killed_at: dict) -> None:
     """The resumed run drew every task of its stream once (none skipped, none repeated) and
     each group's task once under its tag (a reopened group drawn again with its first
@@ -293,6 +348,81 @@ def test_bad_resumes_stop_in_one_line_and_lose_nothing(two_steps, tmp_path):
     empty.mkdir()
     code, out = cli("train", "--resume", empty)
     assert code == 2 and "not a run folder (no config.yaml)" in out
+
+
+@pytest.mark.slow
+def test_resume_refused_by_the_runs_preflight_leaves_the_folder_as_it_was(two_steps, tmp_path):
+    """A safe change (eval.*) that the run's own preflight (`preflight.check_run`) refuses:
+    refused in one line before the run folder is cut back to the checkpoint (the finished
+    run's rows and traces after checkpoint 2, of its final evaluation, are all still there,
+    every file byte for byte)."""
+    run = tmp_path / "run"
+    shutil.copytree(two_steps, run)
+    assert trace_counts(run)[-1] and any(r[0] == "eval_rl" for r in trace_counts(run))
+    refused(run, ["eval.sets=[{name: odd, split: nope}]"],
+            "config field eval.sets (odd).split: got 'nope'")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_a_newer_tillers_config_is_refused_naming_the_field(two_steps,
+                                                                           tmp_path):
+    """The checkpoint's config (then the run's config.yaml as well) has a field this tiller
+    does not know (a newer tiller wrote it): one line naming the field and saying so, the
+    folder left as it was."""
+    run = tmp_path / "run"
+    shutil.copytree(two_steps, run)
+    newest = run / "checkpoints" / "step-000002"
+    state = json.loads((newest / "state.json").read_text())
+    state["config"]["rl"]["new_knob"] = 1
+    (newest / "state.json").write_text(json.dumps(state))
+    marker = json.loads((newest / MARKER).read_text())
+    digest = hashlib.sha256((newest / "state.json").read_bytes()).hexdigest()
+    marker["files"]["state.json"] = {"size": (newest / "state.json").stat().st_size,
+                                     "sha256": digest}
+    (newest / MARKER).write_text(json.dumps(marker))
+    refused(run, [], "the config of checkpoint step-000002 has field rl.new_knob, which this "
+                     "tiller does not know: the checkpoint comes from a newer tiller")
+    # the run's config.yaml too (what --resume reads first): said of the run, in one line
+    config = (run / "config.yaml").read_text()
+    assert "\nrl:\n" in config
+    (run / "config.yaml").write_text(config.replace("\nrl:\n", "\nrl:\n  new_knob: 1\n", 1))
+    before = snapshot(run)
+    code, out = cli("train", "--resume", run)
+    assert code == 2 and len(out.strip().splitlines()) == 1, out
+    assert (f"{run / 'config.yaml'} has field rl.new_knob, which this tiller does not know: "
+            f"the run comes from a newer tiller") in out, out
+    assert snapshot(run) == before
+
+
+@pytest.mark.slow
+def test_a_reopened_groups_episodes_are_traced_once_after_resume(tmp_path):
+    """one_step_off: the groups a checkpoint holds open had episodes traced already (they
+    ended before the step was taken); the resumed run samples those groups again, with the
+    same seeds, and traces.sqlite holds each episode (tag, task, draw, sample) once."""
+    over = [*RUN, "rl.mode=one_step_off", "rl.steps=4", "checkpoint.keep=10"]
+    whole = tmp_path / "whole"
+    train(load_config("configs/calculator.yaml", over), whole)
+
+    def traced(run: Path, step: int) -> list[tuple]:
+        with closing(sqlite3.connect(run / "traces.sqlite")) as con:
+            return con.execute("SELECT tag, task_id, draw, sample_index FROM episodes WHERE "
+                               "phase = 'rl' AND rl_step <= ?", (step,)).fetchall()
+
+    # the first checkpoint holding open groups whose episodes were traced by then
+    steps = [c.step for c in sorted(complete_checkpoints(whole), key=lambda c: c.step)
+             if c.step < 4 and {t["id"] for t in verify(c).state["manager"]["open_tasks"]}
+             & {r[1] for r in traced(whole, c.step)}]
+    assert steps, "no checkpoint with open groups already traced"
+    run = tmp_path / "run"
+    shutil.copytree(whole, run)
+    for ckpt in complete_checkpoints(run):
+        if ckpt.step > steps[0]:
+            shutil.rmtree(ckpt.path)
+    train(load_config(run / "config.yaml"), resume=run)
+    rows = traced(run, 4)
+    assert len(rows) == len(set(rows)), sorted(r for r in rows if rows.count(r) > 1)[:4]
+    groups = Counter(r[:3] for r in rows)  # each of group_size 4 episodes, traced once
+    assert set(groups.values()) == {4} and len(groups) == 4 * 4, groups
 
 
 @pytest.mark.slow

@@ -293,6 +293,22 @@ def test_the_size_cap_stops_rl_episodes_never_eval_ones(rl_episodes, tmp_path):
         "eval_rl"] * 3
 
 
+def test_the_size_cap_counts_what_the_file_already_holds(rl_episodes, tmp_path):
+    """A resumed run's writer opens the file its killed run wrote: observe.traces.max_mb caps
+    the file, so what it holds counts from the start (not from zero again)."""
+    db = tmp_path / "traces.sqlite"
+    first = TraceWriter(db)
+    for k in range(2):
+        first.put_episode(replace(rl_episodes[0], seed=k), "rl", "train", 0, 1)
+    held = first.close()["traces/payload_mb"]
+    writer = TraceWriter(db, max_mb=1.25 * held)  # room for half an episode more
+    assert writer.stats()["traces/payload_mb"] == pytest.approx(held)
+    writer.put_episode(replace(rl_episodes[0], seed=2), "rl", "train", 0, 2)
+    stats = writer.close()
+    assert stats["traces/written"] == 0 and stats["traces/dropped_cap"] == 1
+    assert connect(db).execute("SELECT count(*) FROM episodes").fetchone()[0] == 2
+
+
 def test_a_full_queue_drops_and_counts_rl_items_and_never_waits(rl_episodes, tmp_path):
     t = rl_episodes[0]
     path = tmp_path / "traces.sqlite"

@@ -15,7 +15,8 @@ A checkpoint folder holds:
     state.json        the step, the weight versions, Python's and numpy's RNG states, the
                       rollout manager's state (`rollout.resume`: the task stream's position,
                       the open groups' tasks, the ledger), the step recorder's counters, the
-                      byte length of metrics.jsonl, the summary so far, and the run's config
+                      byte length of metrics.jsonl, the summary so far, the run's config
+                      and model.path's fingerprint (`model_fingerprint`)
     complete.json     written last: the format version, the step, the tiller version that
                       wrote it (for a reader: only the format is checked) and each file's size
                       and SHA-256. A folder without it is not a checkpoint.
@@ -52,13 +53,16 @@ from tiller.files import remove_tree, replacing
 log = logging.getLogger(__name__)
 
 # what a reader checks: a checkpoint of another format is refused (2: the idle-step count,
-# the trainer's parts and the open groups' draws taken out of the draw counts)
-FORMAT_VERSION = 2
+# the trainer's parts and the open groups' draws taken out of the draw counts; 3: the base
+# model's fingerprint and async's refills owed)
+FORMAT_VERSION = 3
 MARKER = "complete.json"
 FOLDER = re.compile(r"^step-(\d+)$")
 # the files every checkpoint holds (the model folder holds the tokenizer's files as well)
 REQUIRED = ("model/model.safetensors", "model/config.json", "trainer.pt", "rng.pt",
             "state.json")
+# and, of a run under model.lora (its state.json's config), the adapter resume loads
+ADAPTER_FILES = ("adapter/adapter_config.json", "adapter/adapter_model.safetensors")
 # Test hook (tests/test_resume.py), not a setting: "PHASE:SECONDS" makes each checkpoint write
 # sleep SECONDS at PHASE, so a test can SIGKILL the run there. The phases, in order: "files"
 # (the weights and tensors written, state.json not yet), "marker" (everything but the
@@ -68,7 +72,11 @@ PAUSE_ENV = "TILLER_TEST_CHECKPOINT_PAUSE"
 PAUSES = ("files", "marker", "rename", "remove")
 # what state.json holds (`save_rl`); a resume reads each
 STATE_KEYS = ("step", "trainer_version", "engine_version", "rng", "holds", "tensors",
-              "manager", "recorder", "idle_steps", "metrics_bytes", "summary", "config")
+              "manager", "recorder", "idle_steps", "metrics_bytes", "summary", "config", "base")
+# `model_fingerprint`: each weight file is read at this many evenly spaced places (its start,
+# which holds a safetensors file's header, and its end among them), this many bytes each
+WEIGHT_SAMPLES, SAMPLE_BYTES = 64, 1 << 16
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 # old checkpoints checkpoint.keep left in place because their marker could not be read
 # (another format, corrupt), in this process; each logged
 KEEP_SKIPPED: Counter[str] = Counter()
@@ -108,6 +116,29 @@ class Checkpoint:
     @property
     def size(self) -> int:
         return sum(f["size"] for f in self.marker["files"].values())
+
+
+def model_fingerprint(folder: Path) -> str:
+    """SHA-256 over a model folder (model.path, which a checkpoint under model.lora does not
+    hold), file by file in name order: each file's name and size, the whole content of every
+    file but weights (config.json, the tokenizer's files, the chat template), and of each
+    weight file (WEIGHT_SUFFIXES) WEIGHT_SAMPLES pieces of SAMPLE_BYTES spread evenly over
+    it. Another model, tokenizer or config changes it; a weight file edited in place in a few
+    bytes between the samples, at the same size, does not (hashing the weights whole would
+    read all of them at each checkpointed run's start and each resume: docs/resume.md)."""
+    digest = hashlib.sha256()
+    for p in sorted(q for q in Path(folder).rglob("*") if q.is_file()):
+        size = p.stat().st_size
+        digest.update(f"{p.relative_to(folder)}\0{size}\0".encode())
+        with p.open("rb") as f:
+            if not p.name.endswith(WEIGHT_SUFFIXES) or size <= WEIGHT_SAMPLES * SAMPLE_BYTES:
+                while chunk := f.read(1 << 22):
+                    digest.update(chunk)
+                continue
+            for i in range(WEIGHT_SAMPLES):
+                f.seek((size - SAMPLE_BYTES) * i // (WEIGHT_SAMPLES - 1))
+                digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -213,6 +244,10 @@ def _read_marker(path: Path, step: int) -> Checkpoint:
         fmt, files, marked = marker["format"], marker["files"], marker["step"]
         if not isinstance(files, dict):
             raise TypeError(f"files is a {type(files).__name__}")
+        for name, f in files.items():
+            if not (isinstance(f, dict) and type(f.get("size")) is int
+                    and isinstance(f.get("sha256"), str)):
+                raise TypeError(f"files[{name!r}] is not a size and a sha256")
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"checkpoint {path} is corrupt: its {MARKER} does not parse "
                           f"({type(e).__name__}: {e}); move it away to resume from an older "
@@ -230,9 +265,10 @@ def _read_marker(path: Path, step: int) -> Checkpoint:
 
 def verify(ckpt: Checkpoint, keys: tuple[str, ...] = STATE_KEYS) -> Checkpoint:
     """`ckpt` with its state.json read, once the marker lists every file a checkpoint holds
-    (REQUIRED), each a plain file inside the folder (no link, no '..' or absolute name) of
-    the size and SHA-256 listed, state.json holds `keys` and its step is the folder's;
-    anything else stops here in one line (`ConfigError`)."""
+    (REQUIRED, and ADAPTER_FILES when state.json's config has model.lora), each a plain file
+    inside the folder (no link, no '..' or absolute name) of the size and SHA-256 listed,
+    state.json holds `keys` and its step is the folder's; anything else stops here in one
+    line (`ConfigError`)."""
     def corrupt(why: str) -> ConfigError:
         return ConfigError(f"checkpoint {ckpt.path} is corrupt: {why}; move it away to resume "
                            f"from an older one")
@@ -262,7 +298,17 @@ def verify(ckpt: Checkpoint, keys: tuple[str, ...] = STATE_KEYS) -> Checkpoint:
         raise corrupt(f"state.json has no {', '.join(missing)}")
     if state["step"] != ckpt.step:
         raise corrupt(f"state.json says step {state['step']!r}, the folder's name {ckpt.step}")
+    for name in ADAPTER_FILES if _lora(state) else ():
+        if name not in files:
+            raise corrupt(f"{MARKER} does not list {name} (the run has model.lora)")
     return Checkpoint(ckpt.path, ckpt.step, state, ckpt.marker)
+
+
+def _lora(state: dict[str, Any]) -> bool:
+    """Whether state.json's config (a dict, or None in the format's own tests) has
+    model.lora."""
+    config = state.get("config")
+    return isinstance(config, dict) and (config.get("model") or {}).get("lora") is not None
 
 
 def newest_checkpoint(run_dir: Path) -> Checkpoint:
@@ -359,10 +405,22 @@ def describe(run_dir: Path) -> list[dict[str, Any]]:
             ckpt = _read_marker(path, row["step"]) if (path / MARKER).is_file() else None
             row["status"] = "complete" if ckpt is not None else f"incomplete (no {MARKER})"
             if ckpt is not None:
-                row["holds"] = json.loads((path / "state.json").read_text())["holds"]
+                row["holds"] = _holds(path / "state.json")
         except ConfigError as e:
             row["status"] = str(e)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            row["status"] = f"corrupt: state.json does not parse ({type(e).__name__}: {e})"
         rows.append(row)
     return rows
+
+
+def _holds(path: Path) -> list[str]:
+    """state.json's `holds` (what the checkpoint holds, as names), for `describe`; one line
+    (`ConfigError`) when state.json does not parse or holds is not a list of names."""
+    try:
+        holds = json.loads(path.read_text())["holds"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"corrupt: state.json does not parse ({type(e).__name__}: "
+                          f"{e})") from e
+    if not isinstance(holds, list) or not all(isinstance(h, str) for h in holds):
+        raise ConfigError(f"corrupt: state.json's holds is not a list of names "
+                          f"({str(holds)[:60]!r})")
+    return holds

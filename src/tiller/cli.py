@@ -202,6 +202,12 @@ def train(
     if config is None:  # the run folder's own config, read as data
         if not (resume / "config.yaml").is_file():
             _fail(f"--resume {str(resume)!r}: not a run folder (no config.yaml)")
+        from tiller.resume import check_run_config_fields
+
+        try:  # a newer tiller's run: said so, not as a bad field
+            check_run_config_fields(resume / "config.yaml")
+        except ConfigError as e:
+            _fail(str(e))
         _run("train", resume / "config.yaml", overrides, None, run_folder=not trust_run_config,
              resume=resume)
     else:

@@ -8,12 +8,15 @@ verification).
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import yaml
+from pydantic import ValidationError
 
 from tiller.algorithms.kl import kl_beta_at
 from tiller.checkpoints import (
@@ -21,14 +24,18 @@ from tiller.checkpoints import (
     Checkpoint,
     checkpoint_dir,
     load_tensors,
+    model_fingerprint,
     newest_checkpoint,
     rng_state,
     set_rng_state,
     write_checkpoint,
 )
 from tiller.config import Config
+from tiller.config.base import TAGS
+from tiller.config.root import first_error
 from tiller.errors import ConfigError
 from tiller.files import folder_below, refuse_links, refuse_sqlite_links, remove_tree, write_file
+from tiller.models import resolve_model_path
 from tiller.plugins import load_env_class
 from tiller.preflight import rl_task_reserve, rl_train_tasks
 from tiller.rollout.resume import check_drawn, manager_state
@@ -41,15 +48,22 @@ log = logging.getLogger(__name__)
 
 def start_resume(cfg: Config, run_dir: Path) -> Checkpoint:
     """`tiller train --resume RUN_DIR`, before any work: the newest complete checkpoint,
-    verified, every check of `check_resume` passed (the safe config changes logged), and
-    only then the run folder cut back to it (`prepare_run_dir`)."""
+    verified, every check of `check_resume` passed (the safe config changes logged). The run
+    folder is not touched: `run.Run` cuts it back (`cut_run_dir`) once its own checks passed
+    too."""
     ckpt = newest_checkpoint(run_dir)
     for change in check_resume(cfg, ckpt, Path(run_dir)):
         log.info("--resume: config changed (safe): %s", change)
+    return ckpt
+
+
+def cut_run_dir(run_dir: Path, ckpt: Checkpoint) -> None:
+    """`prepare_run_dir`, logged: called by `run.Run` after every check of a resume passed
+    (`start_resume`'s, the run's preflight, the tool stack's and the model's), just before
+    the run opens its sinks (metrics.jsonl, traces.sqlite)."""
     done = prepare_run_dir(run_dir, ckpt)
     log.info("--resume: from %s (RL step %d, weight version %d); %s", ckpt.path, ckpt.step,
              ckpt.state["trainer_version"], done)
-    return ckpt
 
 
 def check_resume(cfg: Config, ckpt: Checkpoint, run_dir: Path) -> list[str]:
@@ -62,11 +76,13 @@ def check_resume(cfg: Config, ckpt: Checkpoint, run_dir: Path) -> list[str]:
     if not cfg.checkpoint.every:
         raise ConfigError("--resume: config field checkpoint.every is 0; resume with the "
                           "run's config (its checkpoint.every)")
+    check_known_fields(ckpt)
     changes = check_config(ckpt.state["config"], cfg.model_dump(mode="json"))
     if cfg.rl.steps < ckpt.step:
         raise ConfigError(f"--resume: config field rl.steps is {cfg.rl.steps}, below the "
                           f"{ckpt.step} steps checkpoint {ckpt.path.name} has trained; "
                           f"resume with rl.steps >= {ckpt.step}")
+    check_base(cfg, ckpt)
     check_stream(cfg, ckpt)
     check_tensors(cfg, ckpt.step, ckpt.state["tensors"], ckpt.path)
     metrics, length = run_dir / "metrics.jsonl", ckpt.state["metrics_bytes"]
@@ -76,6 +92,69 @@ def check_resume(cfg: Config, ckpt: Checkpoint, run_dir: Path) -> list[str]:
                           f"checkpoint {ckpt.path.name} was written ({length} bytes)")
     check_no_links(run_dir)
     return changes
+
+
+def check_known_fields(ckpt: Checkpoint) -> None:
+    """The checkpoint's config must be one this tiller reads: a field it does not know is
+    one line naming it (the checkpoint comes from a newer tiller), as is any other way its
+    config fails this tiller's validation."""
+    where = f"--resume: the config of checkpoint {ckpt.path.name}"
+    unknown = unknown_fields(ckpt.state["config"])
+    if unknown:
+        raise ConfigError(f"{where} has field {unknown[0]}, which this tiller does not know: "
+                          f"the checkpoint comes from a newer tiller (it says "
+                          f"{ckpt.marker.get('tiller')}); resume it with that tiller")
+    try:
+        Config.model_validate(ckpt.state["config"])
+    except ValidationError as e:
+        raise ConfigError(f"{where} is not one this tiller reads: {first_error(e)}") from e
+    except ConfigError as e:  # a key of another variant of a section
+        raise ConfigError(f"{where} is not one this tiller reads: {e}") from e
+
+
+def check_run_config_fields(path: Path) -> None:
+    """A run folder's config.yaml (what `--resume` reads) with a field this tiller does not
+    know: one line naming it, the run comes from a newer tiller (any other error in the
+    file is `load_config`'s to report)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return
+    unknown = unknown_fields(data)
+    if unknown:
+        raise ConfigError(f"--resume: {path} has field {unknown[0]}, which this tiller does "
+                          f"not know: the run comes from a newer tiller; resume it with that "
+                          f"tiller")
+
+
+def unknown_fields(data: Any) -> list[str]:
+    """The fields of config `data` (as YAML gives it) this tiller's `Config` does not have,
+    dotted, in the order validation meets them."""
+    try:
+        Config.model_validate(data)
+    except ValidationError as e:
+        return [".".join(str(p) for p in err["loc"] if p not in TAGS) for err in e.errors()
+                if err["type"] == "extra_forbidden"]
+    except ConfigError:  # a key of another variant: known to this tiller
+        return []
+    return []
+
+
+def check_base(cfg: Config, ckpt: Checkpoint) -> None:
+    """The model at model.path must be the one the checkpoint's run loaded (its
+    `model_fingerprint`): the checkpoint holds no tokenizer the run reads, and under
+    model.lora no base weights, so another model there would be trained on silently. One
+    line naming model.path when it is not. (A built model, model.build, is made again from
+    the config, which `check_config` compared.)"""
+    if cfg.model.path is None:
+        return
+    got = model_fingerprint(resolve_model_path(cfg.model.path))
+    if got != ckpt.state["base"]:
+        raise ConfigError(f"--resume: the model at config field model.path "
+                          f"({cfg.model.path}) is not the one checkpoint {ckpt.path.name} was "
+                          f"trained from: its config, tokenizer or weights changed "
+                          f"(fingerprint {got[:12]}, checkpoint's {str(ckpt.state['base'])[:12]}); "
+                          f"put the run's base model back there")
 
 
 def check_stream(cfg: Config, ckpt: Checkpoint) -> None:
@@ -151,7 +230,8 @@ def save_rl(run: Any, learner: Any, rollouts: RolloutManager, record: StepRecord
                 "engine_version": run.engine.version, "rng": py, "holds": holds,
                 "tensors": sorted(saved), "manager": manager, "recorder": record.state(),
                 "idle_steps": idle_steps, "metrics_bytes": run.logger.synced_size(),
-                "summary": summary, "config": run.cfg.model_dump(mode="json")}
+                "summary": summary, "config": run.cfg.model_dump(mode="json"),
+                "base": run.base}
 
     return write_checkpoint(run.dir, step, run.cfg.checkpoint.keep, parts)
 
@@ -243,28 +323,38 @@ def prepare_run_dir(run_dir: Path, ckpt: Checkpoint) -> dict[str, int]:
         write_file(metrics, data[:length], root=run_dir)
     traces = run_dir / "traces.sqlite"
     if traces.is_file():
-        done["trace_episodes_deleted"] = _cut_traces(traces, ckpt.step)
+        done["trace_episodes_deleted"] = _cut_traces(traces, ckpt)
     for tmp in folder_below(run_dir, checkpoint_dir(run_dir)).glob(".step-*.tmp"):
         remove_tree(tmp)
         done["temp_removed"] += 1
     return done
 
 
-def _cut_traces(path: Path, step: int) -> int:
-    """Delete the traces a killed run wrote after checkpoint `step` (its RL steps past it and
-    its final evaluation), so the resumed run's rows take their place. SQLite writes in
-    place: a link at the database (or its journal) is refused, never written through."""
+def _cut_traces(path: Path, ckpt: Checkpoint) -> int:
+    """Delete the traces a killed run wrote after checkpoint `ckpt` (its RL steps past it and
+    its final evaluation) and the episodes of the groups it holds open (by tag, task and draw:
+    the resumed run samples them again), so the resumed run's rows take their place and each
+    group is traced once. SQLite writes in place: a link at the database (or its journal) is
+    refused, never written through."""
     import sqlite3
 
     refuse_sqlite_links(path)
     con = sqlite3.connect(path)
     try:
         with con:
-            where = "(phase = 'rl' AND rl_step > ?) OR phase LIKE 'eval_rl%'"
-            con.execute(f"DELETE FROM tool_calls WHERE episode_id IN "
-                        f"(SELECT id FROM episodes WHERE {where})", (step,))
-            n = con.execute(f"DELETE FROM episodes WHERE {where}", (step,)).rowcount
-            con.execute("DELETE FROM steps WHERE rl_step > ?", (step,))
+            n = _delete_episodes(con, "(phase = 'rl' AND rl_step > ?) OR phase LIKE 'eval_rl%'",
+                                 (ckpt.step,))
+            for tag, task_id, draw in ckpt.state["manager"]["open_groups"]:
+                n += _delete_episodes(con, "phase = 'rl' AND tag = ? AND task_id = ? AND "
+                                      "draw = ?", (json.dumps(tag), task_id, draw))
+            con.execute("DELETE FROM steps WHERE rl_step > ?", (ckpt.step,))
     finally:
         con.close()
     return n
+
+
+def _delete_episodes(con: Any, where: str, args: tuple[Any, ...]) -> int:
+    """Delete the episodes matching `where` and their tool calls; how many episodes."""
+    con.execute(f"DELETE FROM tool_calls WHERE episode_id IN "
+                f"(SELECT id FROM episodes WHERE {where})", args)
+    return con.execute(f"DELETE FROM episodes WHERE {where}", args).rowcount

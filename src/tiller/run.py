@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiller.checkpoints import ADAPTER_DIR, Checkpoint, load_weights
+from tiller.checkpoints import ADAPTER_DIR, Checkpoint, load_weights, model_fingerprint
 from tiller.config import Config, ModelJudgeConfig, dump_config
 from tiller.engine.api import SamplingParams
 from tiller.engine.factory import make_engine
@@ -26,10 +26,17 @@ from tiller.engine.weight_sync import WeightSync
 from tiller.envs import Env, Task, ToolEnv
 from tiller.files import replacing, write_file
 from tiller.gateway.program import ProgramEpisode
-from tiller.models import build_env_model, load_model, load_tokenizer, resolve_device
+from tiller.models import (
+    build_env_model,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_model_path,
+)
 from tiller.observe.metrics import MetricsLogger
 from tiller.observe.traces import TraceWriter
 from tiller.preflight import check_model, check_run, check_tools, rl_train_tasks
+from tiller.resume import cut_run_dir
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits
 from tiller.rollout.chat import stop_token_ids
 from tiller.rollout.cluster import RayCluster, check_cluster
@@ -98,6 +105,8 @@ class Run:
     gateway: Any = None  # agent.program's gateway, started once the models are built
     traces: TraceWriter | None = None  # traces.sqlite's writer (observe.traces)
     lora: Lora | None = None  # model.lora: the adapters, the policy and its merged copy
+    # model.path's fingerprint (`checkpoints.model_fingerprint`) as loaded, for checkpoints
+    base: str | None = None
 
     def __init__(self, cfg: Config, output_dir: str | Path | None = None,
                  resume: Checkpoint | None = None):
@@ -124,7 +133,9 @@ class Run:
 
     def _open(self, stack: ExitStack, program: Callable[..., Any] | None) -> None:
         """The tool stack, the models and trainer, the metrics logger, the trace writer, the
-        engine and the gateway, in this order, each registered on `stack` as it opens: what
+        engine and the gateway, in this order, each registered on `stack` as it opens (a
+        resume's cut of the run folder comes just before the sinks open, once everything
+        before them started and passed its checks): what
         makes episodes (the engine, the gateway's calls into it) closes before the sinks they
         are written to (traces, metrics)."""
         cfg = self.cfg
@@ -144,6 +155,8 @@ class Run:
         self._build_models()
         if isinstance(self.trainer, Leader):
             closes(stack, "trainer ranks", self.trainer.close)
+        if self.resume is not None:  # every check passed (the model's too): cut, then append
+            cut_run_dir(self.dir, self.resume)
         self.logger = MetricsLogger(self.dir, cfg.logging.tensorboard, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.model_dump())
         closes(stack, "metrics logger", self.logger.close)
@@ -172,6 +185,8 @@ class Run:
             self.env_cls, self.dir / "base_model", cfg.model.build, seed=cfg.seed,
             difficulty=cfg.env.difficulty, max_turns=cfg.env.max_turns,
             tools=[t.schema for t in self.tools.extra], root=self.dir)
+        if cfg.model.path is not None and cfg.checkpoint.every:  # before it is read
+            self.base = model_fingerprint(resolve_model_path(path))
         self.tokenizer = load_tokenizer(path)
         # fp32 master weights for the optimizer whatever model.dtype is (see PolicyTrainer); the
         # engine's copy (and the reference model) are in model.dtype

@@ -29,8 +29,9 @@ class TracesConfig(Section):
         "episode's seed (the same episodes in every rl.mode; no RNG is drawn); every eval "
         "episode is kept")
     max_mb: float | None = Field(
-        1024.0, gt=0, description="cap on the payload written (arrays, messages, tool calls), "
-        "in MiB; RL episodes past it are dropped and counted (traces/dropped_cap), eval "
+        1024.0, gt=0, description="cap on the file's payload (arrays, messages, tool calls; "
+        "what it already holds, e.g. a resumed run's, counts), in MiB; RL episodes past it are "
+        "dropped and counted (traces/dropped_cap), eval "
         "episodes are always written (traces/eval_over_cap counts those past it); null: no cap")
     queue_size: int = Field(
         1024, ge=1, description="items waiting for the background writer; when full, RL items "

@@ -186,6 +186,16 @@ def _payload_bytes(row: Sequence[Any]) -> int:
     return sum(len(v) for v in row if isinstance(v, (bytes, str)))
 
 
+def _stored_bytes(con: sqlite3.Connection) -> int:
+    """The payload already in the file, as `_payload_bytes` counted it (text and blobs)."""
+    total = 0
+    for table in ("episodes", "tool_calls"):
+        cols = [c for _, c, *_ in con.execute(f"PRAGMA table_info({table})")]
+        size = " + ".join(f"iif(typeof({c}) IN ('text', 'blob'), length({c}), 0)" for c in cols)
+        total += con.execute(f"SELECT COALESCE(SUM({size}), 0) FROM {table}").fetchone()[0]
+    return total
+
+
 def _timed(put: Callable[..., None]) -> Callable[..., None]:
     """A TraceWriter put, its caller's time inside it added to `_put_s` (traces/put_s)."""
     @functools.wraps(put)
@@ -229,7 +239,6 @@ class TraceWriter:
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(("written", "sampled_out", "dropped_cap", "dropped_queue",
                                       "eval_over_cap", "trained", "steps", "at_end"), 0)
-        self._bytes = 0
         self._cpu_s = 0.0  # the writer thread's CPU time so far: what tracing costs
         self._put_s = 0.0  # the callers' time inside put_*: what tracing costs the trainer
         # seed -> row id of the RL episodes this writer wrote (writer thread only): training
@@ -255,6 +264,8 @@ class TraceWriter:
             con.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
                             [(k, json.dumps(v)) for k, v in meta.items()])
             con.execute("COMMIT")
+            # max_mb caps the file: what it holds (a resumed run's) counts from the start
+            self._bytes = _stored_bytes(con) if self.max_bytes is not None else 0
         finally:
             con.close()
         self._thread = threading.Thread(target=self._run, daemon=True, name="tiller-traces")
@@ -524,9 +535,7 @@ def decode(column: str, value: bytes | None) -> list | None:
 
 
 def _as_connection(db: str | Path | sqlite3.Connection) -> tuple[sqlite3.Connection, bool]:
-    if isinstance(db, sqlite3.Connection):
-        return db, False
-    return connect(db), True
+    return (db, False) if isinstance(db, sqlite3.Connection) else (connect(db), True)
 
 
 def read_episode(db: str | Path | sqlite3.Connection, episode_id: int) -> dict[str, Any] | None:
@@ -567,19 +576,15 @@ def query(db: str | Path | sqlite3.Connection, *, phase: str | None = None,
         raise ValueError(f"limit must be >= 1 and offset >= 0, got limit={limit}, "
                          f"offset={offset}")
     where, args = [], []
-    for column, value in (("phase", phase), ("split", split), ("status", status),
-                          ("rl_step", rl_step), ("task_id", task_id)):
+    for condition, value in (("phase = ?", phase), ("split = ?", split),
+                             ("status = ?", status), ("rl_step = ?", rl_step),
+                             ("task_id = ?", task_id), ("reward >= ?", min_reward),
+                             ("reward <= ?", max_reward)):
         if value is not None:
-            where.append(f"{column} = ?")
+            where.append(condition)
             args.append(value)
     if trained is not None:
         where.append(f"trained_step IS {'NOT ' if trained else ''}NULL")
-    if min_reward is not None:
-        where.append("reward >= ?")
-        args.append(min_reward)
-    if max_reward is not None:
-        where.append("reward <= ?")
-        args.append(max_reward)
     direction = "DESC" if descending else "ASC"
     sql = (f"SELECT {', '.join(SUMMARY_COLUMNS)} FROM episodes "
            f"{'WHERE ' + ' AND '.join(where) if where else ''} "

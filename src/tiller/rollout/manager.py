@@ -176,11 +176,13 @@ class RolloutManager:
         self._busy_since: float | None = None  # rollout side busy: >= 1 episode running
         self.busy_s = 0.0
         self.draw_ids: list[str] = []  # the id of every task drawn, in draw order
-        # groups drawn but not yet trained or filtered: key -> (draw position, task, the
-        # ledger counts charged to it), what a checkpoint regenerates on resume
-        self._open: dict[tuple, tuple[int, Task, Counter[str]]] = {}
+        # groups drawn but not yet trained or filtered: key -> (draw position, task, ledger
+        # counts charged to it, its draw of the task), what a checkpoint regenerates on resume
+        self._open: dict[tuple, tuple[int, Task, Counter[str], int]] = {}
         if resume is not None:
             restore_manager(self, resume)
+            for u, _ in self._refills:  # owed by their units, as when they were queued
+                self._units.setdefault(u, _Unit(u)).owed += 1
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="tiller-rollouts")
@@ -384,7 +386,8 @@ class RolloutManager:
                 unit = self._units.setdefault(u, _Unit(u))
                 key = (u, r, unit.drawn)  # unique within the unit, in draw order
                 unit.drawn += 1
-                self._open[key] = (len(self.draw_ids), task, Counter(started=self.G))
+                self._open[key] = (len(self.draw_ids), task, Counter(started=self.G),
+                                   self._draw(key, task))
                 self.draw_ids.append(task.id)
                 if r == 0:
                     unit.launched += 1
@@ -400,7 +403,7 @@ class RolloutManager:
                 self.ledger["started"] += self.G
                 if self._busy_since is None:
                     self._busy_since = time.perf_counter()
-                t = self._loop.create_task(self._group(key, task, self._draw(key, task)))
+                t = self._loop.create_task(self._group(key, task, self._open[key][3]))
                 self._tasks.add(t)
                 t.add_done_callback(self._tasks.discard)
 

@@ -10,7 +10,9 @@ and the resumed run samples exactly what the uninterrupted one did; in one_step_
 the open groups are sampled again, under the checkpoint's weights (their earlier episodes, and
 the ledger counts charged to them, and their draws of their tasks, are not kept: so in
 one_step_off without refills each is sampled again with the seeds it was first sampled with;
-in async it is relaunched under a new unit tag, hence other seeds).
+in async it is relaunched under a new unit tag, hence other seeds). In async the
+dynamic-sampling refills owed (a flat group's slot queued for another round, not started
+yet) are kept and owed again on resume.
 """
 
 from __future__ import annotations
@@ -35,15 +37,18 @@ def manager_state(m: Any, steps_trained: int) -> dict[str, Any]:
         unit = m._units.get(m._next_unit)
         full = unit is not None and unit.launched >= m.B  # the next launch moves on
         open_ = sorted(m._open.items(), key=lambda kv: kv[1][0])
-        regenerated = {pos for _, (pos, _, _) in open_}
+        regenerated = {pos for _, (pos, *_) in open_}
         ledger, draws = Counter(m.ledger), Counter(m._draws)
-        for key, (_, task, charged) in open_:
+        for key, (_, task, charged, _) in open_:
             ledger.subtract(charged)
             draws[(m._tag(key), task.id)] -= 1  # its relaunch draws it again (same seeds)
         return {
             "pulled": len(m.draw_ids),  # tasks taken from the stream so far
             "draw_ids": [t for i, t in enumerate(m.draw_ids) if i not in regenerated],
-            "open_tasks": [dataclasses.asdict(task) for _, (_, task, _) in open_],
+            "open_tasks": [dataclasses.asdict(task) for _, (_, task, *_) in open_],
+            # (tag, task id, draw) of each: their episodes traced so far leave traces.sqlite
+            "open_groups": [[list(m._tag(key)), task.id, draw]
+                            for key, (_, task, _, draw) in open_],
             "ledger": {k: v for k, v in ledger.items() if v},
             # ordered modes relaunch the open groups (whole units, in draw order) into the
             # units they were drawn for, from the first one not trained
@@ -52,6 +57,10 @@ def manager_state(m: Any, steps_trained: int) -> dict[str, Any]:
             "slots": m._slots - len(open_),
             "max_ahead": m.max_ahead,
             "draws": [[list(tag), task_id, n] for (tag, task_id), n in draws.items() if n],
+            # async: dynamic-sampling refills owed, not started (each holds its flat group's
+            # slot, counted in "slots"); ordered modes relaunch whole units, whose round-0
+            # groups take the flat groups' places
+            "refills": [list(r) for r in m._refills] if m.mode == "async" else [],
         }
 
 
@@ -63,6 +72,7 @@ def restore_manager(m: Any, state: dict[str, Any]) -> None:
     m._steps_trained = state["steps_trained"]
     m.max_ahead = state["max_ahead"]
     m._draws.update({(tuple(tag), task_id): n for tag, task_id, n in state["draws"]})
+    m._refills.extend((u, r) for u, r in state["refills"])
 
 
 def resumed_tasks(stream: Iterator[Task], state: dict[str, Any]) -> Iterator[Task]:
