@@ -188,3 +188,27 @@ def test_critic_packed_and_checkpointed_equal_padded() -> None:
     assert v0[1, 3:].abs().sum() == 0  # nothing off a row's length
     for a, b in zip(w0, w1, strict=True):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_critic_backbone_trains_under_lora() -> None:
+    """Under model.lora the critic is built from the merged model, whose tensors are frozen
+    (`Lora.merged`): the critic's copy of the transformer must train all the same, every
+    backbone tensor moved by one update, not the head alone."""
+    from tiller.config import LoRAConfig
+    from tiller.train.lora import Lora
+
+    lora = Lora(tiny_llama(), LoRAConfig(r=4))
+    critic = Critic(lora.merged, CriticConfig())
+    torch.nn.init.normal_(critic.model.head.weight, generator=torch.Generator().manual_seed(3))
+    before = {n: p.detach().clone() for n, p in critic.model.backbone.named_parameters()}
+    batch = ragged_batch()
+    returns = torch.linspace(-1, 1, batch.loss_mask.numel()).view_as(batch.loss_mask)
+    values = critic.values(batch, micro_batch_size=8)
+    cfg = RLConfig(micro_batch_size=8, algorithm={"advantage": "gae"})
+    critic.update(batch, returns, values, cfg, l_max=16)
+    after = dict(critic.model.backbone.named_parameters())
+    assert set(after) == set(before) and len(before) > 10
+    unmoved = [n for n, p in after.items() if torch.equal(p.detach(), before[n])]
+    assert unmoved == []
+    # the policy's merged model (what the engine reads) is untouched and still frozen
+    assert not any(p.requires_grad for p in lora.merged.parameters())

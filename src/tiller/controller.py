@@ -240,7 +240,8 @@ class Learner:
         self.ref = (None if not kl_beta_at(0, kl.beta, kl.off_after) else
                     trainer.model if cfg.model.lora is not None else
                     copy.deepcopy(trainer.model).to(trainer.compute_dtype).eval())
-        # the critic starts from the policy's plain weights (the merged ones under LoRA)
+        # the critic starts from the policy's plain weights (the merged ones under LoRA: frozen
+        # there, the critic's own copy trains all of its tensors)
         self.critic = (Critic(trainer.publisher.model, self.alg.critic, cfg.model.dropout,
                               cfg.train)
                        if self.alg.critic is not None else None)
