@@ -212,3 +212,29 @@ def test_critic_backbone_trains_under_lora() -> None:
     assert unmoved == []
     # the policy's merged model (what the engine reads) is untouched and still frozen
     assert not any(p.requires_grad for p in lora.merged.parameters())
+
+
+def tiny_granite(logits_scaling: float) -> torch.nn.Module:
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    torch.manual_seed(0)
+    cfg = GraniteConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        logits_scaling=logits_scaling)
+    return GraniteForCausalLM(cfg).float()
+
+
+def test_a_head_that_post_processes_its_logits_is_refused() -> None:
+    """Granite divides its logits by `logits_scaling`: the chunked output layer would be off
+    by that factor, silently. The trainer refuses it at start-up in one line naming the
+    class; with logits_scaling 1 the same model is accepted and its logprobs are exact."""
+    with pytest.raises(ValueError, match=r"^GraniteForCausalLM: its logits are not its output "
+                                         r"layer on the last hidden states \(max difference "):
+        PolicyTrainer(tiny_granite(8.0))
+    model = tiny_granite(1.0)
+    trainer = PolicyTrainer(model)
+    batch = ragged_batch()
+    with torch.no_grad():
+        logp, _ = trainer._forward(model, batch, 1.0)
+        ref, _ = full_logprobs(model, batch)
+    assert torch.allclose(logp, ref, atol=1e-5, rtol=0)
