@@ -238,3 +238,33 @@ def test_a_head_that_post_processes_its_logits_is_refused() -> None:
         logp, _ = trainer._forward(model, batch, 1.0)
         ref, _ = full_logprobs(model, batch)
     assert torch.allclose(logp, ref, atol=1e-5, rtol=0)
+
+
+def test_no_vocabulary_wide_tensor_beyond_a_chunk() -> None:
+    """Every tensor the forward and backward passes create with the vocabulary as last
+    dimension has at most `chunk_tokens` rows: recorded at the dispatcher (saved-tensor hooks
+    cannot see inside the chunks' non-reentrant checkpoint). Views are not new memory; the
+    output layer's weight-sized tensors ([V, H] and the gradient of its transpose) are the
+    weight's, not the positions'."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = tiny_llama()
+    weight = model.lm_head.weight.numel()
+    rows: list[int] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view:
+                for t in out if isinstance(out, (tuple, list)) else [out]:
+                    if (isinstance(t, torch.Tensor) and t.dim() >= 2 and t.size(-1) == VOCAB
+                            and t.numel() != weight):
+                        rows.append(t.numel() // VOCAB)
+            return out
+
+    batch = ragged_batch((40, 40, 40, 40))
+    with Record():
+        logp, ent = token_logprobs(model, batch, with_entropy=True,
+                                   shape=PassShape(chunk_tokens=8))
+        (logp * batch.loss_mask + ent).sum().backward()
+    assert rows and max(rows) == 8  # 156 predicting positions, never more than 8 at once
