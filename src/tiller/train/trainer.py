@@ -295,12 +295,8 @@ class PolicyTrainer:
 
     def _reference_logprobs(self, ref: nn.Module, batch: Batch, micro_batch_size: int
                             ) -> torch.Tensor:
-        """The reference model's logprobs; under LoRA (`train.lora`) the reference is the
-        policy itself with its adapters off (peft's `disable_adapter`): its frozen base, no
-        second copy."""
-        if ref is self.model and hasattr(ref, "disable_adapter"):
-            with ref.disable_adapter():
-                return self._logprobs(ref, batch, micro_batch_size)
+        """The reference model's logprobs (under LoRA the policy with its reference adapter:
+        `train.lora.LoraTrainer`)."""
         return self._logprobs(ref, batch, micro_batch_size)
 
     def rl_step(
