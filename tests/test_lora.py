@@ -228,3 +228,14 @@ def test_keep_with_adapter_dropout_has_dropout_to_keep(calc_model_dir, tmp_path)
         assert rates == {0.1}
     finally:
         run.close()
+
+
+@pytest.mark.parametrize("target", ["lm_head", "embed_tokens"])
+def test_tied_embeddings_as_targets_are_refused(target):
+    from test_trainer_memory import tiny_llama
+
+    with pytest.raises(ConfigError, match=rf"^config field model.lora.target_modules: got "
+                                          rf"\['q_proj', '{target}'\]; {target} is a tied "
+                                          r"embedding of LlamaForCausalLM \(input and output "
+                                          r"share one weight\): leave it out$"):
+        Lora(tiny_llama(), LoRAConfig(target_modules=["q_proj", target]))

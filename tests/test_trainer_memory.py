@@ -170,20 +170,39 @@ def test_micro_batches_token_budget() -> None:
 
 def test_critic_packed_and_checkpointed_equal_padded() -> None:
     """The critic's values and value-loss gradients: the same packed, checkpointed and with a
-    token budget as padded (head made non-zero so the values carry the trunk's output)."""
+    token budget as padded (head made non-zero so the values carry the trunk's output); and
+    the options engage: the packed passes' inputs are single rows of at most 12 tokens (26 in
+    all, no padding), and checkpointing runs each layer twice per update micro-batch (a
+    pre-hook inside the layer: the layer's own hooks stay outside the checkpoint, and the
+    recomputation stops early once the last saved tensor is back, before a forward hook would
+    fire)."""
     batch = ragged_batch()
     returns = torch.linspace(-1, 1, batch.loss_mask.numel()).view_as(batch.loss_mask)
-    out = []
+    out, shapes, layer_calls = [], [], []
     for train in (TrainConfig(), TrainConfig(packing=True, activation_checkpointing=True,
                                              micro_batch_tokens=12)):
         critic = Critic(tiny_llama(), CriticConfig(), train=train)
         torch.nn.init.normal_(critic.model.head.weight, generator=torch.Generator().manual_seed(3))
+        shapes.append([])
+        critic.model.backbone.register_forward_pre_hook(
+            lambda _m, _a, kw, seen=shapes[-1]: seen.append(tuple(kw["input_ids"].shape)),
+            with_kwargs=True)
         values = critic.values(batch, micro_batch_size=8)
         cfg = RLConfig(micro_batch_size=8, max_grad_norm=1e9, algorithm={"advantage": "gae"})
         critic.optimizer = torch.optim.SGD(critic.model.parameters(), lr=0.1)
+        calls = [0]
+        layer_calls.append(calls)
+        critic.model.backbone.layers[0].mlp.register_forward_pre_hook(
+            lambda *_args, calls=calls: calls.__setitem__(0, calls[0] + 1))
         critic.update(batch, returns, values, cfg, l_max=16)
         out.append((values, [p.detach().clone() for p in critic.model.parameters()]))
     (v0, w0), (v1, w1) = out
+    assert shapes[0] == [(4, 11), (4, 11)]  # padded: one micro-batch, values then update
+    packed = shapes[1][: len(shapes[1]) // 2]
+    assert shapes[1] == packed * 2 and len(packed) > 1
+    assert all(rows == 1 and width <= 12 for rows, width in packed)
+    assert sum(width for _, width in packed) == 26
+    assert layer_calls == [[1], [2 * len(packed)]]  # checkpointing recomputes the layer
     assert torch.allclose(v0, v1, atol=1e-5) and v0[:, 1:].abs().sum() > 0
     assert v0[1, 3:].abs().sum() == 0  # nothing off a row's length
     for a, b in zip(w0, w1, strict=True):

@@ -60,6 +60,7 @@ class Lora:
         from peft.tuners.lora import LoraLayer
         from peft.utils.error import NoMatchingPeftModuleError
 
+        _refuse_tied_targets(model, cfg.target_modules)
         plain = model.state_dict()  # the base tensors under their plain names
         buffers = {k: b for k, b in model.named_buffers() if k not in plain}  # rotary inv_freq
         config = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
@@ -160,6 +161,21 @@ class Lora:
 
     def trainable(self) -> int:
         return sum(p.numel() for p in self.policy.parameters() if p.requires_grad)
+
+
+def _refuse_tied_targets(model: nn.Module, targets: list[str]) -> None:
+    """One line when a target module is the input or output embedding of a model whose two
+    are tied (one tensor): an adapter on one would silently change, or not change, the other,
+    and `Lora.merged` (one merged weight per targeted layer) could not hold both."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    tied = {name for name, module in model.named_modules()
+            if module is model.get_input_embeddings() or module is model.get_output_embeddings()}
+    hit = sorted(t for t in targets for name in tied if name == t or name.endswith(f".{t}"))
+    if hit:
+        raise ConfigError(f"config field model.lora.target_modules: got {targets!r}; {hit[0]} "
+                          f"is a tied embedding of {type(model).__name__} (input and output "
+                          "share one weight): leave it out")
 
 
 class MergedView:
