@@ -8,8 +8,9 @@ no KL: a single gradient pass) with AdamW, timing the step alone. Configurations
 
   bare      the model's own forward (padded, full logits), log-softmax, gather, backward and
             AdamW step on the same tokens: what Hugging Face code does without tiller
-  today     PolicyTrainer with every train.* option off and one logprob chunk: the trainer
-            before this work (padded, the full [tokens, vocab] log-softmax)
+  today     PolicyTrainer with every train.* option off and one logprob chunk: the new code
+            path standing in for the trainer before this work (padded, the full [tokens,
+            vocab] log-softmax); the pre-work code itself is not run
   chunked   + train.logprob_chunk_tokens 256
   packed    + train.packing (and micro_batch_tokens --budget)
   ckpt      + train.activation_checkpointing (chunked, padded)

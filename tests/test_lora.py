@@ -74,28 +74,37 @@ def test_a_step_moves_only_the_adapters_and_merged_follows(calc_model_dir, token
     assert torch.allclose(logits(lora.merged, batch), logits(lora.policy, batch), atol=1e-5)
 
 
-def test_kl_reference_is_the_base_model(calc_model_dir, tokenizer):
-    """After a step the adapters are on; the reference pass (adapters off) equals a fresh base
-    model's logprobs, and the policy's differ from them."""
+def test_kl_reference_is_the_policy_at_rl_start(calc_model_dir, tokenizer):
+    """SFT moves the adapters; the reference frozen when RL starts (a second adapter holding
+    a copy of them) equals the post-SFT policy, not the base; the first RL step's KL is 0, and
+    the step trains the policy's adapter only, never the reference's."""
     lora = lora_of(calc_model_dir)
     trainer = LoraTrainer(lora)
     trainer.set_optimizer(1e-2)
     batch = batch_of(tokenizer)
     trainer.sft_step(batch, 4)
+    lora.freeze_reference()
     ref = trainer._reference_logprobs(trainer.model, batch, 4)
     base = PolicyTrainer(load_model(calc_model_dir))._logprobs(
         load_model(calc_model_dir), batch, 4)
     policy = trainer._logprobs(trainer.model, batch, 4)
     on = batch.loss_mask.bool()
-    assert (ref - base)[on].abs().max() < 1e-6
-    assert (policy - base)[on].abs().max() > 1e-3  # the adapters change the policy
-    # an RL step with the KL term: at the first step the policy is the base (B = 0), KL = 0
-    fresh = LoraTrainer(lora_of(calc_model_dir))
-    fresh.set_optimizer(1e-3)
+    assert (ref - policy)[on].abs().max() < 1e-6
+    assert (policy - base)[on].abs().max() > 1e-3  # SFT moved the policy off the base
+    trainable = {n for n, p in lora.policy.named_parameters() if p.requires_grad}
+    assert trainable and all(".default." in n for n in trainable)  # the reference is frozen
+    trainer.set_optimizer(1e-2)
     cfg = RLConfig(micro_batch_size=4, algorithm={"advantage": "grpo",
                                                   "kl": {"beta": 0.1, "placement": "loss"}})
-    metrics = fresh.rl_step(batch, cfg, 8, ref_model=fresh.model)
-    assert metrics["kl"] == pytest.approx(0.0, abs=1e-7)
+    metrics = trainer.rl_step(batch, cfg, 8, ref_model=trainer.model)
+    assert metrics["kl"] == pytest.approx(0.0, abs=1e-9)
+    after = trainer._logprobs(trainer.model, batch, 4)
+    assert (after - policy)[on].abs().max() > 1e-4  # the step moved the policy
+    again = trainer._reference_logprobs(trainer.model, batch, 4)
+    assert torch.equal(again, ref)  # and not the reference
+    assert {n for n, p in lora.policy.named_parameters() if p.requires_grad} == trainable
+    # the next step's KL is the distance to the frozen post-SFT policy
+    assert trainer.rl_step(batch, cfg, 8, ref_model=trainer.model)["kl"] > 1e-7
 
 
 def test_the_engine_gets_the_merged_weights(calc_model_dir, tokenizer):
@@ -161,9 +170,11 @@ def test_config_refusals_are_one_line(calc_model_dir, monkeypatch):
 
 @pytest.mark.slow
 def test_a_lora_run_checkpoints_the_adapter_and_resumes_exactly(tmp_path):
-    """SFT then RL with the KL term under model.lora: every checkpoint holds the adapter (and
-    no reference copy), the final folder's merged weights are base + the saved adapter, and a
-    resume from step 1 of 3 ends where the whole run did."""
+    """SFT then RL with the KL term under model.lora: every checkpoint holds the adapter and
+    the reference adapter (no copy of the base), the final folder's merged weights are base +
+    the saved adapter, the reference is the post-SFT policy (KL 0 at the first RL step), and a
+    resume from step 1 of 3 (the reference read back, not re-frozen) ends where the whole run
+    did."""
     from safetensors.torch import load_file
     from test_resume import RUN, comparable, weights
 
@@ -175,6 +186,8 @@ def test_a_lora_run_checkpoints_the_adapter_and_resumes_exactly(tmp_path):
     summary = train(load_config("configs/calculator.yaml", over), whole)
     step1 = whole / "checkpoints" / "step-000001"
     assert (step1 / "adapter" / "adapter_model.safetensors").is_file()
+    assert (step1 / "adapter" / "reference" / "adapter_model.safetensors").is_file()
+    assert "adapter/reference" in json.loads((step1 / "state.json").read_text())["holds"]
     assert "ref" not in torch.load(step1 / "trainer.pt", weights_only=True)
     final = whole / "checkpoints" / "final"
     lora = Lora(load_model(whole / "base_model"), LoRAConfig(r=4, alpha=8.0))
@@ -186,10 +199,10 @@ def test_a_lora_run_checkpoints_the_adapter_and_resumes_exactly(tmp_path):
                            load_model(whole / "base_model").state_dict()[
                                "model.layers.0.self_attn.q_proj.weight"])
     assert summary["rl"]["ledger"]["trained"] > 0
-    # the reference is the base before SFT, which trained the adapters too: KL > 0 from step 1
+    # the reference is the policy at RL start (after SFT): KL 0 at the first step, then > 0
     kl = [json.loads(line)["kl"] for line in (whole / "metrics.jsonl").open()
           if '"phase": "rl"' in line and '"kl"' in line]
-    assert len(kl) == 3 and all(k > 0 for k in kl)
+    assert len(kl) == 3 and kl[0] == pytest.approx(0.0, abs=1e-7) and kl[1] > 0 and kl[2] > 0
     run = tmp_path / "run"
     shutil.copytree(whole, run)
     for step in (2, 3):
@@ -242,3 +255,14 @@ def test_a_resume_onto_another_base_model_is_refused_in_one_line(calc_model_dir,
     tokenizer = json.loads((base / "tokenizer_config.json").read_text())
     (base / "tokenizer_config.json").write_text(json.dumps({**tokenizer, "padding_side": "left"}))
     refused(run, [], line)
+
+
+@pytest.mark.parametrize("target", ["lm_head", "embed_tokens"])
+def test_tied_embeddings_as_targets_are_refused(target):
+    from test_trainer_memory import tiny_llama
+
+    with pytest.raises(ConfigError, match=rf"^config field model.lora.target_modules: got "
+                                          rf"\['q_proj', '{target}'\]; {target} is a tied "
+                                          r"embedding of LlamaForCausalLM \(input and output "
+                                          r"share one weight\): leave it out$"):
+        Lora(tiny_llama(), LoRAConfig(target_modules=["q_proj", target]))

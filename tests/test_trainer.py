@@ -200,8 +200,8 @@ def test_decoupled_recomputes_the_proximal_policy_with_one_optimizer_step(calc_m
     alg = {"off_policy": "decoupled_tis", "is_cap": 1.2, "aggregation": "token-mean"}
     cfg = RLConfig(micro_batch_size=8, max_grad_norm=1e9, algorithm=alg)
     forwards = []
+    trainer = PolicyTrainer(moved)  # (its start-up check of the output layer runs one forward)
     moved.model.register_forward_hook(lambda *_: forwards.append(1))  # the transformer
-    trainer = PolicyTrainer(moved)
     trainer.optimizer = torch.optim.SGD(moved.parameters(), lr=1.0)
     m = trainer.rl_step(rollout_at(batch, logp0, 0.0), cfg, l_max=8)
     assert len(forwards) == 2 and trainer.version == 1  # the no-grad prepass, then the update
@@ -224,11 +224,11 @@ def test_decoupled_recomputes_the_proximal_policy_with_one_optimizer_step(calc_m
     expected = torch.cat([(p - p.grad).detach().flatten() for p in hand.parameters()])
     assert torch.allclose(params(moved), expected, atol=1e-5)
     # tis takes the gradient pass's own logprobs here: one forward, no prepass
-    forwards.clear()
     moved.load_state_dict(state)
     tis = RLConfig(micro_batch_size=8, max_grad_norm=1e9,
                    algorithm={**alg, "off_policy": "tis"})
     trainer = PolicyTrainer(moved)
+    forwards.clear()
     trainer.optimizer = torch.optim.SGD(moved.parameters(), lr=1.0)
     trainer.rl_step(rollout_at(batch, logp0, 0.0), tis, l_max=8)
     assert len(forwards) == 1
@@ -466,10 +466,10 @@ def test_dropout_off_makes_the_ratio_exactly_1_before_the_update(dropout):
     model = gpt2_with_dropout()
     batch = engine_batch(model)
     logits = []
+    trainer = PolicyTrainer(model) if dropout == "off" else PolicyTrainer(model, dropout="keep")
     # each pass's logits, from the transformer's output with the weights of that moment
     model.transformer.register_forward_hook(
         lambda _m, _i, out: logits.append(model.lm_head(out.last_hidden_state).detach()))
-    trainer = PolicyTrainer(model) if dropout == "off" else PolicyTrainer(model, dropout="keep")
     trainer.set_optimizer(lr=1e-2)
     cfg = RLConfig(micro_batch_size=8, ppo_epochs=2, algorithm={"off_policy": "tis"})
     trainer.rl_step(batch, cfg, l_max=8)

@@ -170,21 +170,120 @@ def test_micro_batches_token_budget() -> None:
 
 def test_critic_packed_and_checkpointed_equal_padded() -> None:
     """The critic's values and value-loss gradients: the same packed, checkpointed and with a
-    token budget as padded (head made non-zero so the values carry the trunk's output)."""
+    token budget as padded (head made non-zero so the values carry the trunk's output); and
+    the options engage: the packed passes' inputs are single rows of at most 12 tokens (26 in
+    all, no padding), and checkpointing runs each layer twice per update micro-batch (a
+    pre-hook inside the layer: the layer's own hooks stay outside the checkpoint, and the
+    recomputation stops early once the last saved tensor is back, before a forward hook would
+    fire)."""
     batch = ragged_batch()
     returns = torch.linspace(-1, 1, batch.loss_mask.numel()).view_as(batch.loss_mask)
-    out = []
+    out, shapes, layer_calls = [], [], []
     for train in (TrainConfig(), TrainConfig(packing=True, activation_checkpointing=True,
                                              micro_batch_tokens=12)):
         critic = Critic(tiny_llama(), CriticConfig(), train=train)
         torch.nn.init.normal_(critic.model.head.weight, generator=torch.Generator().manual_seed(3))
+        shapes.append([])
+        critic.model.backbone.register_forward_pre_hook(
+            lambda _m, _a, kw, seen=shapes[-1]: seen.append(tuple(kw["input_ids"].shape)),
+            with_kwargs=True)
         values = critic.values(batch, micro_batch_size=8)
         cfg = RLConfig(micro_batch_size=8, max_grad_norm=1e9, algorithm={"advantage": "gae"})
         critic.optimizer = torch.optim.SGD(critic.model.parameters(), lr=0.1)
+        calls = [0]
+        layer_calls.append(calls)
+        critic.model.backbone.layers[0].mlp.register_forward_pre_hook(
+            lambda *_args, calls=calls: calls.__setitem__(0, calls[0] + 1))
         critic.update(batch, returns, values, cfg, l_max=16)
         out.append((values, [p.detach().clone() for p in critic.model.parameters()]))
     (v0, w0), (v1, w1) = out
+    assert shapes[0] == [(4, 11), (4, 11)]  # padded: one micro-batch, values then update
+    packed = shapes[1][: len(shapes[1]) // 2]
+    assert shapes[1] == packed * 2 and len(packed) > 1
+    assert all(rows == 1 and width <= 12 for rows, width in packed)
+    assert sum(width for _, width in packed) == 26
+    assert layer_calls == [[1], [2 * len(packed)]]  # checkpointing recomputes the layer
     assert torch.allclose(v0, v1, atol=1e-5) and v0[:, 1:].abs().sum() > 0
     assert v0[1, 3:].abs().sum() == 0  # nothing off a row's length
     for a, b in zip(w0, w1, strict=True):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_critic_backbone_trains_under_lora() -> None:
+    """Under model.lora the critic is built from the merged model, whose tensors are frozen
+    (`Lora.merged`): the critic's copy of the transformer must train all the same, every
+    backbone tensor moved by one update, not the head alone."""
+    from tiller.config import LoRAConfig
+    from tiller.train.lora import Lora
+
+    lora = Lora(tiny_llama(), LoRAConfig(r=4))
+    critic = Critic(lora.merged, CriticConfig())
+    torch.nn.init.normal_(critic.model.head.weight, generator=torch.Generator().manual_seed(3))
+    before = {n: p.detach().clone() for n, p in critic.model.backbone.named_parameters()}
+    batch = ragged_batch()
+    returns = torch.linspace(-1, 1, batch.loss_mask.numel()).view_as(batch.loss_mask)
+    values = critic.values(batch, micro_batch_size=8)
+    cfg = RLConfig(micro_batch_size=8, algorithm={"advantage": "gae"})
+    critic.update(batch, returns, values, cfg, l_max=16)
+    after = dict(critic.model.backbone.named_parameters())
+    assert set(after) == set(before) and len(before) > 10
+    unmoved = [n for n, p in after.items() if torch.equal(p.detach(), before[n])]
+    assert unmoved == []
+    # the policy's merged model (what the engine reads) is untouched and still frozen
+    assert not any(p.requires_grad for p in lora.merged.parameters())
+
+
+def tiny_granite(logits_scaling: float) -> torch.nn.Module:
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    torch.manual_seed(0)
+    cfg = GraniteConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        logits_scaling=logits_scaling)
+    return GraniteForCausalLM(cfg).float()
+
+
+def test_a_head_that_post_processes_its_logits_is_refused() -> None:
+    """Granite divides its logits by `logits_scaling`: the chunked output layer would be off
+    by that factor, silently. The trainer refuses it at start-up in one line naming the
+    class; with logits_scaling 1 the same model is accepted and its logprobs are exact."""
+    with pytest.raises(ValueError, match=r"^GraniteForCausalLM: its logits are not its output "
+                                         r"layer on the last hidden states \(max difference "):
+        PolicyTrainer(tiny_granite(8.0))
+    model = tiny_granite(1.0)
+    trainer = PolicyTrainer(model)
+    batch = ragged_batch()
+    with torch.no_grad():
+        logp, _ = trainer._forward(model, batch, 1.0)
+        ref, _ = full_logprobs(model, batch)
+    assert torch.allclose(logp, ref, atol=1e-5, rtol=0)
+
+
+def test_no_vocabulary_wide_tensor_beyond_a_chunk() -> None:
+    """Every tensor the forward and backward passes create with the vocabulary as last
+    dimension has at most `chunk_tokens` rows: recorded at the dispatcher (saved-tensor hooks
+    cannot see inside the chunks' non-reentrant checkpoint). Views are not new memory; the
+    output layer's weight-sized tensors ([V, H] and the gradient of its transpose) are the
+    weight's, not the positions'."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = tiny_llama()
+    weight = model.lm_head.weight.numel()
+    rows: list[int] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view:
+                for t in out if isinstance(out, (tuple, list)) else [out]:
+                    if (isinstance(t, torch.Tensor) and t.dim() >= 2 and t.size(-1) == VOCAB
+                            and t.numel() != weight):
+                        rows.append(t.numel() // VOCAB)
+            return out
+
+    batch = ragged_batch((40, 40, 40, 40))
+    with Record():
+        logp, ent = token_logprobs(model, batch, with_entropy=True,
+                                   shape=PassShape(chunk_tokens=8))
+        (logp * batch.loss_mask + ent).sum().backward()
+    assert rows and max(rows) == 8  # 156 predicting positions, never more than 8 at once

@@ -7,7 +7,9 @@ A checkpoint folder holds:
                       checkpoint (`tiller eval` can read it); under model.lora the merged
                       weights
     adapter/          under model.lora only: the adapter as peft saves it
-                      (adapter_config.json, adapter_model.safetensors), what resume loads
+                      (adapter_config.json, adapter_model.safetensors), what resume loads;
+                      while the KL term is on, adapter/reference/ too: the reference
+                      adapter, a frozen copy of the adapter at RL start (the KL reference)
     trainer.pt        the optimizer's state (and the critic's model and optimizer, the
                       reference model's weights while the KL term is on), `torch.save` of
                       tensors and plain values, read back with `weights_only=True`
@@ -102,6 +104,9 @@ def _pause(phase: str) -> None:
     if at == phase:
         time.sleep(float(seconds))
 ADAPTER_DIR = "adapter"  # model.lora: the adapter, as peft saves it, beside the merged model
+# model.lora with the KL term on: the reference adapter (the policy's at RL start), in peft's
+# subfolder for a second adapter; a resume needs it while the KL term is on
+REFERENCE_ADAPTER = f"{ADAPTER_DIR}/reference/adapter_model.safetensors"
 
 
 @dataclass(frozen=True)

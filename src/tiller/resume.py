@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from tiller.algorithms.kl import kl_beta_at
 from tiller.checkpoints import (
     ADAPTER_DIR,
+    REFERENCE_ADAPTER,
     Checkpoint,
     checkpoint_dir,
     load_tensors,
@@ -84,7 +85,7 @@ def check_resume(cfg: Config, ckpt: Checkpoint, run_dir: Path) -> list[str]:
                           f"resume with rl.steps >= {ckpt.step}")
     check_base(cfg, ckpt)
     check_stream(cfg, ckpt)
-    check_tensors(cfg, ckpt.step, ckpt.state["tensors"], ckpt.path)
+    check_tensors(cfg, ckpt, ckpt.state["tensors"])
     metrics, length = run_dir / "metrics.jsonl", ckpt.state["metrics_bytes"]
     size = metrics.stat().st_size if metrics.is_file() else 0
     if size < length:
@@ -174,21 +175,26 @@ def check_stream(cfg: Config, ckpt: Checkpoint) -> None:
     check_drawn(ids, state, f"--resume: checkpoint {ckpt.path.name}")
 
 
-def check_tensors(cfg: Config, step: int, names: list[str], where: Path) -> None:
-    """The trainer's parts a checkpoint after `step` steps holds (`learner_tensors`) must be
-    those the config's learner has: the critic's with rl.algorithm.critic, the reference
-    model's while the KL term is on (a checkpoint written once kl.off_after switched it off
-    has none, and the resumed run needs none; under model.lora the reference is the base with
-    the adapters off, never a copy of its own)."""
-    kl, critic = cfg.rl.algorithm.kl, cfg.rl.algorithm.critic is not None
-    own = cfg.model.lora is None  # the learner's reference is a copy of its own
-    built = own and kl_beta_at(0, kl.beta, kl.off_after) != 0  # it builds one
-    needed = own and kl_beta_at(step, kl.beta, kl.off_after) != 0
-    has_ref, has_critic = "ref" in names, "critic" in names
-    if (needed and not has_ref) or (has_ref and not built) or has_critic != critic:
+def check_tensors(cfg: Config, ckpt: Checkpoint, names: list[str]) -> None:
+    """The trainer's parts checkpoint `ckpt` holds (`names`: trainer.pt's, `learner_tensors`)
+    must be those the config's learner has: the critic's with rl.algorithm.critic, the
+    reference model's while the KL term is on (a checkpoint written once kl.off_after switched
+    it off has none, and the resumed run needs none): a copy in trainer.pt, or under
+    model.lora the reference adapter (`REFERENCE_ADAPTER`, listed and hashed in its
+    marker), never a copy of the base."""
+    kl, critic, step = cfg.rl.algorithm.kl, cfg.rl.algorithm.critic is not None, ckpt.step
+    lora = cfg.model.lora is not None
+    built = kl_beta_at(0, kl.beta, kl.off_after) != 0  # the learner builds a reference
+    needed = kl_beta_at(step, kl.beta, kl.off_after) != 0
+    has_ref = REFERENCE_ADAPTER in ckpt.marker["files"] if lora else "ref" in names
+    has_critic = "critic" in names
+    if ((needed and not has_ref) or (has_ref and not built) or has_critic != critic
+            or (lora and "ref" in names)):
         ref = "needed" if needed else "not needed"
-        raise ConfigError(f"checkpoint {where} holds {', '.join(names)}: it does not fit the "
-                          f"config's learner (reference model {ref} at step {step}, critic "
+        what = "reference adapter" if lora else "reference model"
+        raise ConfigError(f"checkpoint {ckpt.path} holds {', '.join(names)}"
+                          f"{' and ' + REFERENCE_ADAPTER if lora and has_ref else ''}: it does "
+                          f"not fit the config's learner ({what} {ref} at step {step}, critic "
                           f"{'on' if critic else 'off'})")
 
 
@@ -213,14 +219,16 @@ def save_rl(run: Any, learner: Any, rollouts: RolloutManager, record: StepRecord
         run.model.save_pretrained(new / "model", safe_serialization=True,
                                   max_shard_size="1000GB")
         run.tokenizer.save_pretrained(new / "model")
-        if run.lora is not None:
+        if run.lora is not None:  # and the reference adapter while there is one
             run.lora.save(new / ADAPTER_DIR)
         saved = learner_tensors(learner)
         torch.save(saved, new / "trainer.pt")
         py, tensors = rng_state()
         torch.save(tensors, new / "rng.pt")
         manager = manager_state(rollouts, step)
-        holds = ["model", *([ADAPTER_DIR] if run.lora is not None else []), *saved,
+        adapters = ([] if run.lora is None else [ADAPTER_DIR] if not run.lora.has_reference()
+                    else [ADAPTER_DIR, f"{ADAPTER_DIR}/reference"])
+        holds = ["model", *adapters, *saved,
                  f"rng ({', '.join(['python', 'numpy', *tensors])})",
                  f"task stream ({manager['pulled']} drawn, {len(manager['open_tasks'])} "
                  f"open groups)", "ledger", "step counters", "metrics position"]
@@ -249,7 +257,7 @@ def learner_tensors(learner: Any) -> dict[str, Any]:
 
 def _own_ref(learner: Any) -> bool:
     """The learner holds a reference model of its own (a copy; under LoRA the reference is
-    the policy with its adapters off, whose base the adapter's checkpoint does not change)."""
+    the policy with its reference adapter, which the checkpoint's adapter/ folder holds)."""
     return learner.ref is not None and learner.ref is not learner.trainer.model
 
 
@@ -258,13 +266,15 @@ def restore_rl(ckpt: Checkpoint, learner: Any, record: StepRecorder) -> int:
     A checkpoint written once kl.off_after switched the KL term off holds no reference
     model: the learner drops the one it built (`check_tensors` said it is not needed)."""
     saved = load_tensors(ckpt.path / "trainer.pt")
-    check_tensors(learner.cfg, ckpt.step, sorted(saved), ckpt.path)
+    check_tensors(learner.cfg, ckpt, sorted(saved))
     try:
         learner.trainer.optimizer.load_state_dict(saved["optimizer"])
         if "ref" in saved:
             learner.ref.load_state_dict(saved["ref"])
-        elif _own_ref(learner):  # the KL term is off by now (check_tensors)
-            learner.ref = None
+        elif REFERENCE_ADAPTER in ckpt.marker["files"]:  # model.lora: the frozen adapter
+            learner.trainer.lora.load_reference(ckpt.path / ADAPTER_DIR)
+        elif learner.ref is not None:  # the KL term is off by now (check_tensors)
+            learner.drop_reference()
         if learner.critic is not None:
             learner.critic.model.load_state_dict(saved["critic"])
             learner.critic.optimizer.load_state_dict(saved["critic_optimizer"])

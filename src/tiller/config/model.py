@@ -73,8 +73,9 @@ class ModelConfig(Section):
         "the template, hermes when nothing matches (docs/formats.md)")
     lora: LoRAConfig | None = Field(None, description="train low-rank adapters instead of "
                                     "every weight (the lora extra: peft); the KL reference is "
-                                    "the frozen base with the adapters off, the engine gets "
-                                    "merged weights, checkpoints hold the adapter as well "
+                                    "a frozen copy of the adapter at RL start (no copy of the "
+                                    "base), the engine gets merged weights, checkpoints hold "
+                                    "the adapter (and the reference adapter) as well "
                                     "(docs/trainer.md); null = full fine-tuning")
 
     @model_validator(mode="after")

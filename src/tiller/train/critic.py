@@ -46,11 +46,12 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 
 class ValueModel(nn.Module):
     """V(s_t) at every position: the policy's transformer (copied) and a zero-initialized
-    linear head on its last hidden state."""
+    linear head on its last hidden state. The copy trains whatever the policy's tensors say:
+    under model.lora the critic is built from `Lora.merged`, whose tensors are frozen."""
 
     def __init__(self, policy: PreTrainedModel):
         super().__init__()
-        self.backbone = copy.deepcopy(policy.base_model)
+        self.backbone = copy.deepcopy(policy.base_model).requires_grad_(True)
         self.head = nn.Linear(policy.config.hidden_size, 1)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)

@@ -50,14 +50,35 @@ def trunk_and_head(model: nn.Module) -> tuple[Callable[..., Any], nn.Module]:
     a model sharded with FSDP2, the transformer runs inside the root's forward
     (`_through_root`)."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    for key in ("final_logit_softcapping", "logit_scale"):
-        if getattr(inner.config, key, None):
-            raise ValueError(f"{type(inner).__name__} post-processes its logits ({key}); the "
-                             "chunked output layer supports plain linear heads only")
     trunk = inner.base_model
     if isinstance(model, FSDPModule):
         trunk = partial(_through_root, model, trunk)
     return trunk, inner.get_output_embeddings()
+
+
+@torch.no_grad()
+def check_plain_head(model: nn.Module) -> None:
+    """Refuse, in one line naming the model's class, a model whose logits are not its output
+    layer applied to the trunk's last hidden states (softcapping, a logit scale such as
+    Granite's `logits_scaling`, ...): the chunked output layer (`token_logprobs`) would give
+    wrong logprobs silently. One short row through both, at start-up; they must agree to
+    max |difference| <= tol * max(1, max |logits|), tol = max(1e-4, 8 eps of the dtype)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    trunk, head = trunk_and_head(model)
+    was_training = model.training
+    model.eval()
+    try:
+        ids = torch.arange(1, min(9, head.weight.size(0)), device=head.weight.device)[None]
+        full = model(input_ids=ids, use_cache=False).logits.float()
+        chunked = head(trunk(input_ids=ids, use_cache=False).last_hidden_state).float()
+    finally:
+        model.train(was_training)
+    tol = max(1e-4, 8 * torch.finfo(full.dtype).eps) * max(1.0, float(full.abs().max()))
+    gap = float((full - chunked).abs().max())
+    if gap > tol:
+        raise ValueError(f"{type(inner).__name__}: its logits are not its output layer on the "
+                         f"last hidden states (max difference {gap:.3g}; it post-processes "
+                         "them); the chunked output layer supports plain linear heads only")
 
 
 def _through_root(root: nn.Module, trunk: nn.Module, **inputs: Any) -> Any:

@@ -7,9 +7,12 @@ starting at 0, and the layer computes
 
 so only A and B get gradients and optimizer state. Three models share one set of base
 weights, never a second copy of them:
-- the policy the trainer steps: peft's model around the loaded one (`Lora.policy`);
-- the KL reference: the same model with its adapters off (`peft`'s `disable_adapter`, used by
-  `PolicyTrainer`'s reference pass): log pi_ref = log pi_base exactly;
+- the policy the trainer steps: peft's model around the loaded one (`Lora.policy`), its
+  adapter peft's "default";
+- the KL reference: the policy as it was when RL started (after SFT, like full fine-tuning's
+  copy), as a second, frozen adapter "reference" on the same layers holding a copy of the
+  adapter's A and B then (`Lora.freeze_reference`); the reference pass switches to it
+  (`Lora.reference`), so log pi_ref = log pi at RL start exactly, for the adapter's memory;
 - what the engine, weight sync, evaluation and the saved checkpoint read (`Lora.merged`): a
   plain model of the loaded class whose tensors are the base's own, except each targeted
   weight, which holds W + (alpha / r) B A and is recomputed after every optimizer step
@@ -20,7 +23,10 @@ weights, never a second copy of them:
 
 from __future__ import annotations
 
+import copy
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -31,9 +37,11 @@ from torch import nn
 from tiller.config import LoRAConfig
 from tiller.engine.updates import WeightUpdate
 from tiller.errors import ConfigError, require_package
+from tiller.train.batch import Batch
 from tiller.train.trainer import PolicyTrainer
 
 ADAPTER = "default"  # peft's name for a model's one adapter
+REFERENCE = "reference"  # the frozen copy of the adapter at RL start: the KL reference
 
 
 def require_peft() -> ModuleType:
@@ -52,6 +60,7 @@ class Lora:
         from peft.tuners.lora import LoraLayer
         from peft.utils.error import NoMatchingPeftModuleError
 
+        _refuse_tied_targets(model, cfg.target_modules)
         plain = model.state_dict()  # the base tensors under their plain names
         buffers = {k: b for k, b in model.named_buffers() if k not in plain}  # rotary inv_freq
         config = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
@@ -83,31 +92,90 @@ class Lora:
         for name, layer in self.layers.items():
             own[name].copy_(layer.base_layer.weight + layer.get_delta_weight(ADAPTER))
 
+    def has_reference(self) -> bool:
+        return REFERENCE in self.policy.peft_config
+
+    @torch.no_grad()
+    def freeze_reference(self) -> None:
+        """The KL reference := the policy now: the adapter "reference" (added on first use)
+        holds a copy of the trained adapter's A and B, never trained."""
+        if not self.has_reference():
+            self.policy.add_adapter(REFERENCE, copy.deepcopy(self.policy.peft_config[ADAPTER]))
+        for layer in self.layers.values():
+            for part in (layer.lora_A, layer.lora_B):
+                part[REFERENCE].weight.copy_(part[ADAPTER].weight)
+                part[REFERENCE].weight.requires_grad_(False)
+
+    def drop_reference(self) -> None:
+        """The KL term is off for good (`rl.algorithm.kl.off_after`): the reference goes."""
+        if self.has_reference():
+            self.policy.delete_adapter(REFERENCE)
+
+    @contextmanager
+    def reference(self) -> Iterator[None]:
+        """The policy computes with the reference adapter instead of its own inside (for a
+        no-grad pass: every adapter is frozen meanwhile); its own adapter, trainable, after."""
+        if not self.has_reference():
+            raise RuntimeError("under model.lora the KL reference is the adapter frozen at RL "
+                               "start: call Lora.freeze_reference() first")
+        self.policy.set_adapter(REFERENCE, inference_mode=True)
+        try:
+            yield
+        finally:
+            self.policy.set_adapter(ADAPTER)
+
     def save(self, folder: Path) -> None:
-        """The adapter as peft saves it (adapter_config.json, adapter_model.safetensors)."""
-        self.policy.save_pretrained(folder, safe_serialization=True)
+        """The adapter as peft saves it (adapter_config.json, adapter_model.safetensors) and,
+        while there is one, the reference adapter in its subfolder `reference/` (peft's
+        layout for a second adapter)."""
+        names = [ADAPTER, REFERENCE] if self.has_reference() else [ADAPTER]
+        self.policy.save_pretrained(folder, safe_serialization=True, selected_adapters=names)
 
     def load(self, folder: Path) -> None:
         """The adapter `save` wrote into the policy, then `merged` recomputed; every adapter
         tensor must be in the file."""
+        self._load(folder, ADAPTER)
+        self.merge()
+
+    def load_reference(self, folder: Path) -> None:
+        """The reference adapter `save` wrote (`folder`/reference), frozen."""
+        self.freeze_reference()  # it exists, frozen; its values are the file's
+        self._load(folder / REFERENCE, REFERENCE)
+
+    def _load(self, folder: Path, name: str) -> None:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
         saved = json.loads((folder / "adapter_config.json").read_text())
-        ours = self.policy.peft_config[ADAPTER]
+        ours = self.policy.peft_config[name]
         if (saved["r"], saved["lora_alpha"]) != (ours.r, ours.lora_alpha):
             raise ConfigError(f"adapter {folder}: r={saved['r']}, alpha={saved['lora_alpha']}; "
                               f"model.lora has r={ours.r}, alpha={ours.lora_alpha}")
         result = set_peft_model_state_dict(self.policy,
-                                           load_file(folder / "adapter_model.safetensors"))
-        missing = [k for k in result.missing_keys if "lora_" in k]
+                                           load_file(folder / "adapter_model.safetensors"),
+                                           adapter_name=name)
+        missing = [k for k in result.missing_keys if "lora_" in k and f".{name}." in k]
         if missing or result.unexpected_keys:
             raise ConfigError(f"adapter {folder} does not fit the model: missing "
                               f"{missing[:3]}, unexpected {result.unexpected_keys[:3]}")
-        self.merge()
 
     def trainable(self) -> int:
         return sum(p.numel() for p in self.policy.parameters() if p.requires_grad)
+
+
+def _refuse_tied_targets(model: nn.Module, targets: list[str]) -> None:
+    """One line when a target module is the input or output embedding of a model whose two
+    are tied (one tensor): an adapter on one would silently change, or not change, the other,
+    and `Lora.merged` (one merged weight per targeted layer) could not hold both."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    tied = {name for name, module in model.named_modules()
+            if module is model.get_input_embeddings() or module is model.get_output_embeddings()}
+    hit = sorted(t for t in targets for name in tied if name == t or name.endswith(f".{t}"))
+    if hit:
+        raise ConfigError(f"config field model.lora.target_modules: got {targets!r}; {hit[0]} "
+                          f"is a tied embedding of {type(model).__name__} (input and output "
+                          "share one weight): leave it out")
 
 
 class MergedView:
@@ -141,6 +209,15 @@ class LoraTrainer(PolicyTrainer):
 
     def weight_update(self) -> WeightUpdate:
         return WeightUpdate.full(self.lora.merged, self.version)
+
+    def _reference_logprobs(self, ref: nn.Module, batch: Batch, micro_batch_size: int
+                            ) -> torch.Tensor:
+        """The reference pass: the policy with the reference adapter (`Lora.reference`), the
+        adapter frozen when RL started; no second copy of the base."""
+        if ref is not self.model:
+            return super()._reference_logprobs(ref, batch, micro_batch_size)
+        with self.lora.reference():
+            return self._logprobs(self.model, batch, micro_batch_size)
 
     def _step(self, max_grad_norm: float) -> float:
         norm = super()._step(max_grad_norm)

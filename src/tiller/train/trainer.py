@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from tiller.algorithms import (
     ADVANTAGES,
@@ -26,7 +27,12 @@ from tiller.algorithms.offpolicy import correction_stats, mismatch_stats, stalen
 from tiller.config import AlgorithmConfig, RLConfig, TrainConfig
 from tiller.engine.updates import WeightUpdate
 from tiller.train.batch import Batch, micro_batches, minibatches
-from tiller.train.logprobs import PassShape, flag_checkpointed_layers, token_logprobs
+from tiller.train.logprobs import (
+    PassShape,
+    check_plain_head,
+    flag_checkpointed_layers,
+    token_logprobs,
+)
 
 if TYPE_CHECKING:
     from tiller.train.critic import Critic
@@ -161,6 +167,8 @@ class PolicyTrainer:
                  top_p: float = 1.0, dropout: Literal["keep", "off"] = "off",
                  train: TrainConfig | None = None):
         self.model = model
+        if not isinstance(model, FSDPModule):  # a rank's shards: its full model was checked
+            check_plain_head(model)
         self.train = train or TrainConfig()
         self.shape = PassShape(self.train.packing, self.train.logprob_chunk_tokens)
         if self.train.activation_checkpointing:
@@ -287,12 +295,8 @@ class PolicyTrainer:
 
     def _reference_logprobs(self, ref: nn.Module, batch: Batch, micro_batch_size: int
                             ) -> torch.Tensor:
-        """The reference model's logprobs; under LoRA (`train.lora`) the reference is the
-        policy itself with its adapters off (peft's `disable_adapter`): its frozen base, no
-        second copy."""
-        if ref is self.model and hasattr(ref, "disable_adapter"):
-            with ref.disable_adapter():
-                return self._logprobs(ref, batch, micro_batch_size)
+        """The reference model's logprobs (under LoRA the policy with its reference adapter:
+        `train.lora.LoraTrainer`)."""
         return self._logprobs(ref, batch, micro_batch_size)
 
     def rl_step(
