@@ -54,6 +54,10 @@ def test_two_ranks_equal_one_rank_with_the_kl_term(group, tokenizer, placement):
     single, group = pair(group)
     refs = [t.reference() for t in (single, group)]
     assert all(not p.requires_grad for p in refs[1].parameters())
+    # sharded, not replicated: rank 0 holds about half of every tensor (dim 0 cut in two)
+    held = sum(p.to_local().numel() for p in refs[1].parameters())
+    whole = sum(p.numel() for p in refs[0].parameters())
+    assert whole / 2 <= held < 0.51 * whole
     for t in (single, group):
         t.sft_step(batch, 2)
     cfg = RLConfig(micro_batch_size=2, mini_batches=2, max_grad_norm=0.5, algorithm={
