@@ -241,9 +241,8 @@ class PolicyTrainer:
     def reference(self) -> nn.Module:
         """The KL reference: a frozen copy of the policy now (at RL start), in the compute
         dtype (under LoRA the policy with a frozen copy of its adapter: `LoraTrainer`; on
-        trainer ranks a sharded copy: `train.distributed`)."""
-        ref = copy.deepcopy(self.model).to(self.compute_dtype).requires_grad_(False)
-        return self.rows.sharded(ref).eval()
+        trainer ranks a sharded copy: `train.distributed.RankTrainer`)."""
+        return copy.deepcopy(self.model).to(self.compute_dtype).requires_grad_(False).eval()
 
     def drop_reference(self) -> None:
         """The KL term is off for good: what `reference` made is freed (the caller drops its
