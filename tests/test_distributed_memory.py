@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from test_distributed import assert_same_rl_step, batch_of, flat
+from test_distributed import ATOL, assert_same_rl_step, batch_of, flat
 
 from tiller.config import RLConfig, TrainConfig
 from tiller.models import load_model
@@ -45,3 +45,32 @@ def test_packed_budgeted_ranks_equal_one_rank(group, tokenizer):
                    algorithm={"advantage": "dr_grpo", "aggregation": "seq-mean-token-mean"})
     before = flat(single.model)
     assert_same_rl_step(single, group, batch, cfg, before)  # weights: measured 6.6e-6
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_packed_budgeted_ranks_equal_one_rank_with_reference_and_critic(group, tokenizer):
+    """PPO (critic + GAE) with the KL in the loss under the same options: the sharded reference
+    and critic pack, cut by the token budget and (the critic) recompute their layers like the
+    policy, and 2 ranks still equal 1."""
+    batch = batch_of(tokenizer)
+    single = PolicyTrainer(copy.deepcopy(group.publisher.model), train=KNOBS)
+    for t in (single, group):
+        t.set_optimizer(1e-3)
+    cfg = RLConfig(micro_batch_size=4, mini_batches=2, max_grad_norm=0.5, algorithm={
+        "preset": "ppo", "kl": {"beta": 0.5, "placement": "loss", "estimator": "k3"},
+        "critic": {"value_lr": 1e-3}})
+    refs = [t.reference() for t in (single, group)]
+    critics = [t.new_critic(cfg.algorithm.critic) for t in (single, group)]
+    for t in (single, group):
+        t.sft_step(batch, 4)
+    want = single.rl_step(batch, cfg, 8, refs[0], critics[0])
+    got = group.rl_step(batch, cfg, 8, refs[1], critics[1])
+    assert want["kl"] > 1e-3
+    for key in ("loss", "grad_norm", "kl", "value_loss", "value_grad_norm", "value_clip_frac"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    assert torch.allclose(flat(group.publisher.model), flat(single.model), atol=ATOL)
+    state = group.critic_state()
+    gathered = torch.cat([state[k].flatten() for k, _ in critics[0].model.named_parameters()])
+    assert torch.allclose(gathered, flat(critics[0].model), atol=ATOL)

@@ -147,10 +147,14 @@ def test_a_killed_rollout_worker_is_retried_and_the_ledger_is_complete(
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(600)
-def test_trainer_ranks_as_ray_actors(tmp_path, no_ray_left):
-    """`tiller train configs/calculator.yaml cluster.backend=ray train.world_size=2`, tiny."""
+@pytest.mark.parametrize("more", [
+    [], ["model.lora.r=4", "model.lora.alpha=8", "rl.algorithm.preset=ppo",
+         "rl.algorithm.advantage=gae"]], ids=["plain", "lora-ppo"])
+def test_trainer_ranks_as_ray_actors(tmp_path, no_ray_left, more):
+    """`tiller train configs/calculator.yaml cluster.backend=ray train.world_size=2`, tiny; and
+    with the rank actors holding adapters, the reference adapter and a sharded critic."""
     summary = train(load_config("configs/calculator.yaml", [
-        *TINY_RUN, "cluster.backend=ray", "train.world_size=2", "eval.tasks=4"]),
+        *TINY_RUN, "cluster.backend=ray", "train.world_size=2", "eval.tasks=4", *more]),
         tmp_path / "run")
     assert summary["rl"]["ledger"]["trained"] == 2 * 4 * 4
     assert (tmp_path / "run" / "ray_logs").is_dir()  # the local instance's logs, kept

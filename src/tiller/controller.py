@@ -9,7 +9,6 @@ a `Learner` shapes and trains each batch and a step recorder (`observe.steps`) r
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import time
@@ -20,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from tiller.algorithms.kl import kl_beta_at
 from tiller.checkpoints import check_checkpointable, checkpoint_due
@@ -48,8 +46,6 @@ from tiller.rollout.trajectory import Status, Trajectory, is_success
 from tiller.run import Run
 from tiller.tools.executor import ToolReliabilityError
 from tiller.train.batch import Batch
-from tiller.train.critic import Critic
-from tiller.train.lora import LoraTrainer
 from tiller.train.reward_control import RewardControl
 from tiller.train.sft import train_sft
 from tiller.train.shaping import KeyStepFn, judged, rl_batch, train_reward
@@ -239,30 +235,21 @@ class Learner:
         trainer.set_optimizer(rl_cfg.lr, rl_cfg.weight_decay, rl_cfg.adam_betas, rl_cfg.adam_eps)
         # kl.beta = 0 (or switched off from the start): no reference model exists or runs;
         # the reference is the policy now, at RL start (after SFT): a copy, or under
-        # model.lora the policy with a frozen copy of its adapter (no copy of the base)
-        self.ref = (None if not kl_beta_at(0, kl.beta, kl.off_after) else
-                    self._lora_reference() if cfg.model.lora is not None else
-                    copy.deepcopy(trainer.model).to(trainer.compute_dtype).eval())
+        # model.lora the policy with a frozen copy of its adapter (no copy of the base); on
+        # trainer ranks every rank makes its own (`PolicyTrainer.reference`)
+        self.ref = trainer.reference() if kl_beta_at(0, kl.beta, kl.off_after) else None
         # the critic starts from the policy's plain weights (the merged ones under LoRA: frozen
         # there, the critic's own copy trains all of its tensors)
-        self.critic = (Critic(trainer.publisher.model, self.alg.critic, cfg.model.dropout,
-                              cfg.train)
-                       if self.alg.critic is not None else None)
+        self.critic = (trainer.new_critic(self.alg.critic) if self.alg.critic is not None
+                       else None)
         self.control = RewardControl(rl_cfg.reward_control, rl_cfg.reward_control_value,
                                      cfg.seed)
 
-    def _lora_reference(self) -> nn.Module:
-        """Under model.lora: the adapter frozen as the reference (`Lora.freeze_reference`;
-        a resumed run's checkpoint then puts its own back), and the policy that runs it."""
-        assert isinstance(self.trainer, LoraTrainer)
-        self.trainer.lora.freeze_reference()
-        return self.trainer.model
-
     def drop_reference(self) -> None:
         """The KL term is off for good: the reference model (or adapter) is freed."""
-        self.ref = None
-        if isinstance(self.trainer, LoraTrainer):
-            self.trainer.lora.drop_reference()
+        if self.ref is not None:
+            self.ref = None
+            self.trainer.drop_reference()
 
     def reward(self, t: Trajectory, value: float | None = None) -> float:
         """The reward trained on: the verifier's plus the gated judge term (the rollout

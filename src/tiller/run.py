@@ -48,7 +48,7 @@ from tiller.runtime import set_up_threads
 from tiller.tools.sandbox import set_unsafe_fallback
 from tiller.tools.stack import ToolStack
 from tiller.train.conversations import conversation_demos
-from tiller.train.distributed import Leader, TrainerOptions
+from tiller.train.distributed import Leading, TrainerOptions
 from tiller.train.judges import ModelJudge
 from tiller.train.lora import Lora, LoraTrainer
 from tiller.train.ranks import start_ranks
@@ -153,7 +153,7 @@ class Run:
         closes(stack, "env server", self.env_cls.stop)
         self.env_cls.start(self.dir)
         self._build_models()
-        if isinstance(self.trainer, Leader):
+        if isinstance(self.trainer, Leading):
             closes(stack, "trainer ranks", self.trainer.close)
         if self.resume is not None:  # every check passed (the model's too): cut, then append
             cut_run_dir(self.dir, self.resume)
@@ -216,7 +216,7 @@ class Run:
         # train.world_size > 1: the ranks shard a copy; self.model gets its weights each step
         self.trainer = (start_ranks(self.model, cfg.train.world_size, options,
                                     cfg.cluster.backend, cfg.train.rank_timeout_s,
-                                    remote=cfg.cluster.address is not None)
+                                    remote=cfg.cluster.address is not None, lora=self.lora)
                         if cfg.train.world_size > 1 else
                         LoraTrainer(self.lora, **vars(options)) if self.lora is not None else
                         PolicyTrainer(self.model, **vars(options)))

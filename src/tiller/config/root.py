@@ -145,7 +145,6 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _ranks_fit(self) -> Config:
-        alg = self.rl.algorithm
         if self.train.world_size > 1 and self.model.device == "cuda":  # auto: check_cluster
             raise ConfigError(gloo_only(self.train.world_size, "cuda"))
         # not the default (a dumped config holds every field: it must load again)
@@ -154,15 +153,6 @@ class Config(Section):
             raise ConfigError(f"config field train.rank_timeout_s: got "
                               f"{self.train.rank_timeout_s}; it only applies with "
                               f"train.world_size > 1")
-        if self.train.world_size > 1 and self.model.lora is not None:
-            raise ConfigError(f"config field train.world_size: got {self.train.world_size}; "
-                              f"model.lora trains on one rank only (the sharded trainer has no "
-                              f"adapters yet): set train.world_size=1")
-        if self.train.world_size > 1 and (alg.kl.beta > 0 or alg.critic is not None):
-            what = "rl.algorithm.kl.beta > 0" if alg.kl.beta > 0 else "rl.algorithm.critic"
-            raise ConfigError(f"config field train.world_size: got {self.train.world_size}; "
-                              f"{what} trains on one rank only (its reference model or critic "
-                              f"is not sharded yet): set train.world_size=1")
         return self
 
     @model_validator(mode="after")

@@ -19,8 +19,11 @@ class TrainConfig(Section):
                             "(torch.distributed.fsdp.fully_shard, gloo: CPU only, "
                             "model.device cpu; NCCL is not built), "
                             "each optimizer batch split across them by tokens with global loss "
-                            "normalizers and global gradient clipping (docs/scaling.md); every "
-                            "rank uses the train.* options below")
+                            "normalizers and global gradient clipping (docs/scaling.md); the KL "
+                            "reference model and the critic are sharded the same way; under "
+                            "model.lora every rank holds the frozen base and the adapters, "
+                            "their gradients summed over the ranks; every rank uses the "
+                            "train.* options below")
     rank_timeout_s: float = Field(600.0, gt=0, description="the longest any collective between "
                                   "trainer ranks may wait (a rank that died fails the run "
                                   "naming it); only with train.world_size > 1")

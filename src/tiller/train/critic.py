@@ -31,6 +31,7 @@ from tiller.algorithms.advantages import value_loss
 from tiller.config import CriticConfig, RLConfig, TrainConfig
 from tiller.train.batch import Batch, minibatches
 from tiller.train.logprobs import flag_checkpointed_layers, hidden_states
+from tiller.train.trainer import Rows
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
@@ -52,6 +53,8 @@ class ValueModel(nn.Module):
     def __init__(self, policy: PreTrainedModel):
         super().__init__()
         self.backbone = copy.deepcopy(policy.base_model).requires_grad_(True)
+        # the blocks FSDP2 shards one by one on trainer ranks (`train.distributed.shard`)
+        self._no_split_modules = getattr(policy, "_no_split_modules", None)
         self.head = nn.Linear(policy.config.hidden_size, 1)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
@@ -66,14 +69,19 @@ class ValueModel(nn.Module):
 
 class Critic:
     """The value model with its optimizer: `values` before the update (no grad), `update`
-    after the policy's, on the same mini/micro-batch partition and loss aggregation."""
+    after the policy's, on the same mini/micro-batch partition and loss aggregation, walking
+    the rows like the policy (`rows`: the policy trainer's; on trainer ranks each rank runs its
+    share of the rows, its value model sharded like the policy, the normalizers and the
+    gradient clipping global)."""
 
     def __init__(self, policy: PreTrainedModel, cfg: CriticConfig,
-                 dropout: Literal["keep", "off"] = "off", train: TrainConfig | None = None):
+                 dropout: Literal["keep", "off"] = "off", train: TrainConfig | None = None,
+                 rows: Rows | None = None):
         self.cfg = cfg
         self.dropout = dropout  # model.dropout: "off" trains in eval mode, as the policy
         self.train = train or TrainConfig()  # packing, token budget, checkpointing: as the policy
-        self.model = ValueModel(policy).to(policy.device)  # the policy's device
+        self.rows = rows or Rows(self.train)
+        self.model = self.rows.sharded(ValueModel(policy).to(policy.device))  # policy's device
         if self.train.activation_checkpointing:
             self.model.backbone.activation_checkpointing_enable({"use_reentrant": False})
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.value_lr,
@@ -83,29 +91,24 @@ class Critic:
     def device(self) -> torch.device:
         return self.model.head.weight.device
 
-    def _minibatches(self, batch: Batch, mini: int, micro: int, l_max: int = 0
-                     ) -> list[tuple[torch.Tensor, list[torch.Tensor], dict[str, float]]]:
-        """The policy's partition (`minibatches`) with the policy's token budget."""
-        return minibatches(batch, mini, micro, l_max, self.train.micro_batch_tokens,
-                           self.train.packing)
-
     @torch.no_grad()
     def values(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
         self.model.eval()
         out = torch.zeros_like(batch.loss_mask)
-        for _, micros, _ in self._minibatches(batch, 1, micro_batch_size):
-            for rows in micros:
-                mb = batch.rows(rows).to(self.device)
-                v = self.model(mb, self.train.packing)
-                out[rows, : mb.input_ids.size(1)] = v.to(out.device)
-        return out
+        lengths = batch.attention_mask.sum(-1)
+        for rows in self.rows.share(torch.arange(len(lengths)), lengths, micro_batch_size):
+            mb = self.rows.pass_batch(batch, rows, self.device)
+            v = self.model(mb, self.train.packing)
+            out[rows, : mb.input_ids.size(1)] = v.to(out.device)
+        return self.rows.reduce_rows(out)
 
     def update(self, batch: Batch, returns: torch.Tensor, old_values: torch.Tensor,
                cfg: RLConfig, l_max: int) -> dict[str, float]:
         """Clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2), aggregated like the policy
         loss and weighted per row like it (`loss_weight`), over the policy's partition:
         `cfg.ppo_epochs` passes of `cfg.mini_batches` optimizer steps. Logs the loss with the
-        explained variance of the values the advantages used."""
+        explained variance of the values the advantages used, and the gradient norm before
+        clipping (mean over the optimizer steps)."""
         aggregate = AGGREGATIONS[cfg.algorithm.aggregation]
         mask = batch.loss_mask
         dev = self.device
@@ -113,11 +116,13 @@ class Critic:
         self.model.train(self.dropout == "keep")
         if self.train.activation_checkpointing:
             flag_checkpointed_layers(self.model)
-        steps = self._minibatches(batch, cfg.mini_batches, cfg.micro_batch_size, l_max)
+        steps = minibatches(batch, cfg.mini_batches, cfg.micro_batch_size, l_max)
+        lengths = batch.attention_mask.sum(-1)
+        norms = 0.0
         for _epoch in range(cfg.ppo_epochs):
-            for _, micros, totals in steps:
-                for rows in micros:
-                    mb = batch.rows(rows).to(dev)
+            for mini, _, totals in steps:
+                for rows in self.rows.share(mini, lengths, cfg.micro_batch_size):
+                    mb = self.rows.pass_batch(batch, rows, dev)
                     width = mb.input_ids.size(1)
                     v = self.model(mb, self.train.packing)
                     loss_tok, stats = value_loss(v, old_values[rows, :width].to(dev),
@@ -127,12 +132,16 @@ class Critic:
                     loss.backward()
                     sums["value_loss"] += float(loss.detach())
                     sums["clipped"] += float(stats["clipped"].sum())
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+                norms += float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                              cfg.max_grad_norm))
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+        sums = self.rows.reduce(sums)
         n_tok = max(float(mask.sum()), 1.0)
+        updates = cfg.ppo_epochs * len(steps)
         return {
-            "value_loss": sums["value_loss"] / (cfg.ppo_epochs * len(steps)),
+            "value_loss": sums["value_loss"] / updates,
+            "value_grad_norm": norms / updates,
             "value_clip_frac": sums["clipped"] / (n_tok * cfg.ppo_epochs),
             "value_mean": float((old_values * mask).sum()) / n_tok,
             "explained_variance": explained_variance(old_values, returns, mask),

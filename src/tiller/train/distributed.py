@@ -23,23 +23,32 @@ import math
 import shutil
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from tiller.config import TrainConfig
+from tiller.config import CriticConfig, LoRAConfig, TrainConfig
 from tiller.engine.updates import WeightUpdate
 from tiller.errors import RunError
 from tiller.train.batch import Batch, micro_batches
-from tiller.train.trainer import PolicyTrainer
+from tiller.train.lora import Lora, LoraTrainer
+from tiller.train.trainer import PolicyTrainer, Rows
+
+if TYPE_CHECKING:
+    from tiller.train.critic import Critic
 
 log = logging.getLogger(__name__)
 
-STEPS = ("set_optimizer", "sft_step", "rl_step")  # what every rank runs, in the same order
+# what every rank runs, in the same order: the calls that train (the weights move), and those
+# that set up the optimizer, the KL reference model and the critic
+TRAINING = ("sft_step", "rl_step")
+STEPS = ("set_optimizer", "reference", "drop_reference", "new_critic", "critic_state",
+         *TRAINING)
 
 
 def rank_rows(rows: torch.Tensor, lengths: torch.Tensor, world: int, rank: int, size: int,
@@ -99,14 +108,110 @@ class TrainerOptions:
     train: TrainConfig = field(default_factory=TrainConfig)  # the same train.* on every rank
 
 
-class RankTrainer(PolicyTrainer):
-    """One rank's trainer over the sharded policy. `full` is the plain (unsharded) model: on
-    rank 0 it receives the gathered weights after every step (`publisher`)."""
+class RankRows(Rows):
+    """Rank `rank`'s walk over a batch's rows (`rank_rows`): its share of each optimizer batch,
+    passes that add nothing where it is short of rows, metric sums and per-row tensors summed
+    over the ranks, and the models it trains or runs sharded with FSDP2 (`shard`)."""
+
+    def __init__(self, train: TrainConfig, rank: int, world: int):
+        super().__init__(train)
+        self.rank, self.world = rank, world
+        self.owned: set[int] = set()  # the batch rows this rank computed since the last reduce
+
+    def share(self, rows: torch.Tensor, lengths: torch.Tensor, size: int
+              ) -> list[torch.Tensor]:
+        micros = rank_rows(rows, lengths, self.world, self.rank, size,
+                           self.train.micro_batch_tokens, self.train.packing)
+        self.owned.update(int(i) for m in micros for i in m if i >= 0)
+        return micros
+
+    def pass_batch(self, batch: Batch, rows: torch.Tensor, device: torch.device) -> Batch:
+        mb = batch.rows(rows)
+        if bool((rows < 0).any()):  # a rank short of rows: a pass that adds nothing
+            mb.loss_mask = torch.zeros_like(mb.loss_mask)
+        return mb.to(device)
+
+    def reduce(self, sums: dict[str, float]) -> dict[str, float]:
+        keys = sorted(sums)
+        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(values)
+        return dict(zip(keys, values.tolist(), strict=True))
+
+    def reduce_rows(self, per_row: torch.Tensor) -> torch.Tensor:
+        keep = torch.zeros(len(per_row), dtype=torch.bool)
+        keep[list(self.owned)] = True
+        self.owned.clear()
+        out = per_row * keep[:, None]
+        dist.all_reduce(out)
+        return out
+
+    def sharded(self, module: nn.Module) -> nn.Module:
+        return shard(module)
+
+
+class RankSteps:
+    """What a rank's trainer (a `PolicyTrainer` with `RankRows`) adds: `run`, which runs each
+    of `STEPS` as rank 0 sent it, and the reference model and critic this rank holds (rank 0's
+    `Leading` sends flags for them: the modules stay on their ranks)."""
+
+    rows: RankRows
+    optimizer: torch.optim.Optimizer | None
+    ref: nn.Module | None = None
+    critic: Critic | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.rows.rank
+
+    def run(self, name: str, args: tuple, lrs: list[float]) -> Any:
+        """One step of `STEPS` on this rank, at the leader's learning rates (its LR
+        schedule); a step that trains ends with `after_step`."""
+        if name not in STEPS:
+            raise ValueError(f"not a trainer step: {name!r}")
+        # this rank's own method (rank 0's `Leading` sends its calls to every rank first)
+        own = getattr(super(Leading, self) if isinstance(self, Leading) else self, name)
+        if name not in TRAINING:
+            out = own(*args)
+            if name == "reference":
+                self.ref = out
+            elif name == "drop_reference":
+                self.ref = None
+            elif name == "new_critic":
+                self.critic = out
+            return out
+        assert self.optimizer is not None, "call set_optimizer first"
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        self.rows.owned.clear()
+        if name == "rl_step":  # the flags rank 0 sent: this rank's own reference and critic
+            batch, cfg, l_max, with_ref, with_critic, step = args
+            if (with_ref and self.ref is None) or (with_critic and self.critic is None):
+                raise RuntimeError(f"trainer rank {self.rank}: rl_step with a reference or "
+                                   "critic this rank has not made")
+            args = (batch, cfg, l_max, self.ref if with_ref else None,
+                    self.critic if with_critic else None, step)
+        out = own(*args)
+        return self.after_step(out)
+
+    def after_step(self, out: Any) -> Any:
+        return out
+
+    def critic_state(self) -> dict[str, torch.Tensor]:
+        """The critic's value model whole (its state dict) on rank 0, {} on the others (a
+        collective: every rank gathers its shards)."""
+        assert self.critic is not None, "no critic: call new_critic first"
+        return get_model_state_dict(self.critic.model, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True))
+
+
+class RankTrainer(RankSteps, PolicyTrainer):
+    """One rank's trainer over the sharded policy (FSDP2). `full` is the plain (unsharded)
+    model: on rank 0 it receives the gathered weights after every step (`publisher`)."""
 
     def __init__(self, full: nn.Module, rank: int, world: int, options: TrainerOptions):
-        super().__init__(shard(copy.deepcopy(full)), **vars(options))
-        self.full, self.rank, self.world = full, rank, world
-        self.owned: set[int] = set()  # the batch rows this rank computed since the last reduce
+        PolicyTrainer.__init__(self, shard(copy.deepcopy(full)), **vars(options))
+        self.rows = RankRows(self.train, rank, world)
+        self.full = full
         self.view = PolicyTrainer(full, **vars(options))  # rank 0's publisher
 
     @property
@@ -120,20 +225,27 @@ class RankTrainer(PolicyTrainer):
     def score(self, token_ids: list[int]) -> list[float]:
         return self.publisher.score(token_ids)
 
-    def run(self, name: str, args: tuple, lrs: list[float]) -> Any:
-        """One step of `STEPS` on this rank, at the leader's learning rates (its LR
-        schedule), then the full weights gathered into `full` (rank 0 keeps them); a step's
-        metrics gain the gather's seconds and bytes (`train/gather_s`, `train/gather_bytes`:
-        weight sync computes its delta on this gathered copy, not per shard)."""
-        if name not in STEPS:
-            raise ValueError(f"not a trainer step: {name!r}")
-        if name == "set_optimizer":
-            return PolicyTrainer.set_optimizer(self, *args)
-        assert self.optimizer is not None, "call set_optimizer first"
-        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
-            group["lr"] = lr
-        self.owned.clear()
-        out = getattr(PolicyTrainer, name)(self, *args)
+    def reference(self) -> nn.Module:
+        """The KL reference, sharded like the policy: each rank's shards a copy of its policy
+        shards now, in the compute dtype (no communication: FSDP2 cuts every tensor the same
+        way on dim 0, so the two models' local shards line up)."""
+        ref = shard(copy.deepcopy(self.full).to(self.compute_dtype).requires_grad_(False))
+        copy_shards(ref, self.model)
+        return ref.eval()
+
+    def new_critic(self, cfg: CriticConfig) -> Critic:
+        """The critic from the policy now, its value model sharded like the policy: its
+        backbone's shards copied from the policy's (the head starts at zero)."""
+        from tiller.train.critic import Critic
+
+        critic = Critic(self.full, cfg, self.dropout, self.train, self.rows)
+        copy_shards(critic.model.backbone, self.model.base_model)
+        return critic
+
+    def after_step(self, out: Any) -> Any:
+        """The full weights gathered into `full` (rank 0 keeps them); a step's metrics gain
+        the gather's seconds and bytes (`train/gather_s`, `train/gather_bytes`: weight sync
+        computes its delta on this gathered copy, not per shard)."""
         t0 = time.perf_counter()
         gathered = self.gather()
         if isinstance(out, dict):
@@ -151,32 +263,45 @@ class RankTrainer(PolicyTrainer):
         self.view.version = self.version
         return sum(t.numel() * t.element_size() for t in state.values()) if self.rank == 0 else 0
 
-    def _share(self, rows: torch.Tensor, lengths: torch.Tensor, size: int
-               ) -> list[torch.Tensor]:
-        micros = rank_rows(rows, lengths, self.world, self.rank, size,
-                           self.train.micro_batch_tokens, self.train.packing)
-        self.owned.update(int(i) for m in micros for i in m if i >= 0)
-        return micros
 
-    def _pass_batch(self, batch: Batch, rows: torch.Tensor) -> Batch:
-        mb = batch.rows(rows)
-        if bool((rows < 0).any()):  # a rank short of rows: a pass that adds nothing
-            mb.loss_mask = torch.zeros_like(mb.loss_mask)
-        return mb.to(self.device)
+@torch.no_grad()
+def copy_shards(dst: nn.Module, src: nn.Module) -> None:
+    """Each parameter of `dst` := `src`'s of the same name, shard by shard (both sharded by
+    `shard` over the same ranks; cast to `dst`'s dtype)."""
+    params = dict(src.named_parameters())
+    for name, p in dst.named_parameters():
+        p.to_local().copy_(params[name].to_local())
 
-    def _reduce(self, sums: dict[str, float]) -> dict[str, float]:
-        keys = sorted(sums)
-        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(values)
-        return dict(zip(keys, values.tolist(), strict=True))
 
-    def _reduce_rows(self, per_row: torch.Tensor) -> torch.Tensor:
-        keep = torch.zeros(len(per_row), dtype=torch.bool)
-        keep[list(self.owned)] = True
-        self.owned.clear()
-        out = per_row * keep[:, None]
-        dist.all_reduce(out)
-        return out
+class LoraRankTrainer(RankSteps, LoraTrainer):
+    """One rank's trainer under model.lora: every rank holds the frozen base whole and its own
+    `Lora` (the adapters start as rank 0's, broadcast); after each rank's passes the adapters'
+    gradients are summed over the ranks (one all-reduce of them all, what DDP computes), so
+    the clip sees the global norm and every rank takes the same optimizer step. Rank 0's
+    merged model is what weight sync reads: no gather. The KL reference is each rank's own
+    frozen reference adapter, as on one rank."""
+
+    def __init__(self, lora: Lora, rank: int, world: int, options: TrainerOptions):
+        LoraTrainer.__init__(self, lora, **vars(options))
+        self.rows = RankRows(self.train, rank, world)
+        adapters = self._adapters()
+        flat = parameters_to_vector(adapters).detach()
+        dist.broadcast(flat, 0)
+        with torch.no_grad():
+            vector_to_parameters(flat, adapters)
+        lora.merge()
+
+    def _adapters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _step(self, max_grad_norm: float) -> float:
+        adapters = self._adapters()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in adapters]
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat)
+        for p, g in zip(adapters, flat.split([p.numel() for p in adapters]), strict=True):
+            p.grad = g.view_as(p)
+        return super()._step(max_grad_norm)
 
 
 class Rank(Protocol):
@@ -203,13 +328,20 @@ class Rank(Protocol):
     def stop(self) -> None: ...
 
 
-class Leader(RankTrainer):
-    """Rank 0: every step goes to the other ranks first, then runs here."""
+class Leading:
+    """Rank 0: every call goes to the other ranks first, then runs here (mixed into a rank's
+    trainer: `Leader`, `LoraLeader`)."""
 
-    def __init__(self, full: nn.Module, world: int, options: TrainerOptions,
-                 ranks: list[Rank], timeout_s: float, folder: str | None = None):
-        """`folder`: the ranks' rendezvous folder (`ranks.Rendezvous`), removed by `close`."""
-        super().__init__(full, 0, world, options)
+    ranks: list[Rank]
+    timeout_s: float
+    folder: str | None
+    optimizer: torch.optim.Optimizer | None
+
+    def __init__(self, first: Any, world: int, options: TrainerOptions, ranks: list[Rank],
+                 timeout_s: float, folder: str | None = None):
+        """`first`: what the rank's trainer is built from (the full model, or rank 0's `Lora`);
+        `folder`: the ranks' rendezvous folder (`ranks.Rendezvous`), removed by `close`."""
+        super().__init__(first, 0, world, options)  # type: ignore[call-arg]
         self.ranks, self.timeout_s, self.folder = ranks, timeout_s, folder
 
     def _everywhere(self, name: str, args: tuple) -> Any:
@@ -218,7 +350,7 @@ class Leader(RankTrainer):
         for r in self.ranks:
             r.send(name, args, lrs)
         try:
-            out = self.run(name, args, lrs)
+            out = self.run(name, args, lrs)  # type: ignore[attr-defined]
         except Exception as e:  # a collective that failed: a rank that died or failed says which
             for r in self.ranks:
                 if (how := r.ended()) is not None:
@@ -234,11 +366,28 @@ class Leader(RankTrainer):
     def sft_step(self, *args: Any) -> dict:
         return self._everywhere("sft_step", args)
 
+    def reference(self) -> nn.Module:
+        return self._everywhere("reference", ())
+
+    def drop_reference(self) -> None:
+        self._everywhere("drop_reference", ())
+
+    def new_critic(self, cfg: CriticConfig) -> Critic:
+        return self._everywhere("new_critic", (cfg,))
+
+    def critic_state(self) -> dict[str, torch.Tensor]:
+        return self._everywhere("critic_state", ())
+
     def rl_step(self, batch: Batch, cfg: Any, l_max: int, ref_model: nn.Module | None = None,
                 critic: Any = None, step: int = 0) -> dict[str, float]:
-        if ref_model is not None or critic is not None:
-            raise RunError("train.world_size > 1 trains without a reference model or critic")
-        return self._everywhere("rl_step", (batch, cfg, l_max, None, None, step))
+        """Every rank runs it with its own reference model and critic (those `reference` and
+        `new_critic` made on each rank; here rank 0's)."""
+        if (ref_model is not None and ref_model is not self.ref) or (
+                critic is not None and critic is not self.critic):
+            raise RunError("train.world_size > 1: the reference model and critic are the "
+                           "ones the trainer's ranks made (reference, new_critic)")
+        return self._everywhere("rl_step", (batch, cfg, l_max, ref_model is not None,
+                                            critic is not None, step))
 
     def close(self) -> None:
         """Stop every other rank, leave the process group, remove the rendezvous folder."""
@@ -250,3 +399,20 @@ class Leader(RankTrainer):
         finally:
             if self.folder is not None:
                 shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class Leader(Leading, RankTrainer):
+    """Rank 0 over the sharded policy."""
+
+
+class LoraLeader(Leading, LoraRankTrainer):
+    """Rank 0 under model.lora."""
+
+
+def rank_trainer(first: Any, lora: LoRAConfig | None, rank: int, world: int,
+                 options: TrainerOptions) -> RankTrainer | LoraRankTrainer:
+    """Rank `rank`'s (> 0) trainer: over the sharded full model `first`, or under model.lora
+    over its own `Lora` of the base model `first` (a copy; its adapters rank 0's)."""
+    if lora is None:
+        return RankTrainer(first, rank, world, options)
+    return LoraRankTrainer(Lora(copy.deepcopy(first), lora), rank, world, options)

@@ -61,8 +61,10 @@ class Lora:
         from peft.utils.error import NoMatchingPeftModuleError
 
         _refuse_tied_targets(model, cfg.target_modules)
+        self.cfg = cfg
         plain = model.state_dict()  # the base tensors under their plain names
         buffers = {k: b for k, b in model.named_buffers() if k not in plain}  # rotary inv_freq
+        self._base = plain, buffers
         config = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                                  target_modules=cfg.target_modules, task_type="CAUSAL_LM")
         try:
@@ -73,16 +75,24 @@ class Lora:
         # each targeted layer (peft's LoRA linear) by the plain name of its weight
         self.layers = {f"{name}.weight": module for name, module in model.named_modules()
                        if isinstance(module, LoraLayer)}
+        self.merged = self.base({k for k in plain if k in self.layers})
+        self.merge()
+
+    def base(self, cloned: set[str] = frozenset()) -> nn.Module:
+        """A plain model of the loaded class holding the base's own tensors, frozen (those
+        named in `cloned` copied): the other trainer ranks build their own `Lora` from it
+        (`train.distributed`); with the targeted weights cloned, `merged`."""
+        plain, buffers = self._base
+        model = self.policy.get_base_model()
         with torch.device("meta"):
-            self.merged = type(model)(model.config)
-        tensors = {k: t.clone() if k in self.layers else t for k, t in plain.items()}
-        self.merged.load_state_dict(tensors, assign=True, strict=True)
+            out = type(model)(model.config)
+        tensors = {k: t.clone() if k in cloned else t for k, t in plain.items()}
+        out.load_state_dict(tensors, assign=True, strict=True)
         for name, buffer in buffers.items():
             owner, _, leaf = name.rpartition(".")
-            self.merged.get_submodule(owner).register_buffer(leaf, buffer, persistent=False)
-        self.merged.generation_config = model.generation_config
-        self.merged.eval().requires_grad_(False)
-        self.merge()
+            out.get_submodule(owner).register_buffer(leaf, buffer, persistent=False)
+        out.generation_config = model.generation_config
+        return out.eval().requires_grad_(False)
 
     @torch.no_grad()
     def merge(self) -> None:
@@ -209,6 +219,16 @@ class LoraTrainer(PolicyTrainer):
 
     def weight_update(self) -> WeightUpdate:
         return WeightUpdate.full(self.lora.merged, self.version)
+
+    def reference(self) -> nn.Module:
+        """The KL reference: the policy with a frozen copy of its adapter now
+        (`Lora.freeze_reference`), no second copy of the base; a resumed run's checkpoint then
+        puts its own values back."""
+        self.lora.freeze_reference()
+        return self.model
+
+    def drop_reference(self) -> None:
+        self.lora.drop_reference()
 
     def _reference_logprobs(self, ref: nn.Module, batch: Batch, micro_batch_size: int
                             ) -> torch.Tensor:

@@ -21,8 +21,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from tiller.config import LoRAConfig
 from tiller.errors import RunError
-from tiller.train.distributed import Leader, Rank, RankTrainer, TrainerOptions
+from tiller.train.distributed import Leader, LoraLeader, Rank, TrainerOptions, rank_trainer
+from tiller.train.lora import Lora
 
 log = logging.getLogger(__name__)
 
@@ -83,13 +85,16 @@ class Follower:
     """Rank `rank` (> 0): joins the process group and runs each step rank 0 sends."""
 
     def __init__(self, rank: int, world: int, meet: Rendezvous, model: nn.Module,
-                 options: TrainerOptions, threads: int, timeout_s: float):
+                 options: TrainerOptions, threads: int, timeout_s: float,
+                 lora: LoRAConfig | None = None):
+        """`model`: the full model, or under `lora` the base model (`train.distributed.
+        rank_trainer`)."""
         torch.set_num_threads(threads)
         timeout = timedelta(seconds=timeout_s)
         store = meet.store(world, False, timeout)
         store.set(joined_key(rank), "1")  # rank 0 waits for this, watching that this rank lives
         meet.join(store, rank, world, timeout)
-        self.trainer = RankTrainer(model, rank, world, options)
+        self.trainer = rank_trainer(model, lora, rank, world, options)
 
     def run(self, name: str, args: tuple, lrs: list[float]) -> None:
         try:
@@ -274,12 +279,15 @@ def await_joined(store: dist.Store, ranks: list[Rank], timeout_s: float) -> None
 
 
 def start_ranks(full: nn.Module, world: int, options: TrainerOptions, backend: str,
-                timeout_s: float, remote: bool = False) -> Leader:
+                timeout_s: float, remote: bool = False, lora: Lora | None = None
+                ) -> Leader | LoraLeader:
     """Rank 0 (this process) and `world - 1` other ranks (`backend` local: spawned
     processes; ray: Ray actors on the connected cluster), in one gloo process group. On one
     node they meet in a file of a private temporary folder (removed by `Leader.close`) and
     their gloo pairs bind 127.0.0.1 (`Rendezvous`); with `remote` (a Ray cluster at
-    `cluster.address`, whose actors may be on other nodes) at a TCP store on this node's IP."""
+    `cluster.address`, whose actors may be on other nodes) at a TCP store on this node's IP.
+    Under model.lora (`lora`: rank 0's, around `full`) the other ranks get the base model and
+    build their own (`train.distributed.LoraRankTrainer`)."""
     if dist.is_initialized():
         raise RunError("train.world_size > 1: this process already has a torch.distributed "
                        "process group (another run's trainer ranks, still open)")
@@ -290,7 +298,8 @@ def start_ranks(full: nn.Module, world: int, options: TrainerOptions, backend: s
     else:
         meet = Rendezvous(folder=tempfile.mkdtemp(prefix="tiller-ranks-"))  # mode 0700
     timeout = timedelta(seconds=timeout_s)
-    args = (world, meet, full, options, torch.get_num_threads(), timeout_s)
+    model, lora_cfg = (full, None) if lora is None else (lora.base(), lora.cfg)
+    args = (world, meet, model, options, torch.get_num_threads(), timeout_s, lora_cfg)
     ranks: list[Rank] = []
     try:
         store = meet.store(world, True, timeout)
@@ -301,6 +310,8 @@ def start_ranks(full: nn.Module, world: int, options: TrainerOptions, backend: s
                 ranks.append(ProcessRank(r, args))
         await_joined(store, ranks, timeout_s)
         meet.join(store, 0, world, timeout)
+        if lora is not None:
+            return LoraLeader(lora, world, options, ranks, timeout_s, folder=meet.folder)
         return Leader(full, world, options, ranks, timeout_s, folder=meet.folder)
     except BaseException:
         for r in ranks:

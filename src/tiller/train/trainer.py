@@ -3,6 +3,7 @@ optimizes the policy; advantages by the configured estimator, the policy loss, K
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 from collections.abc import Sequence
 from functools import partial
@@ -24,7 +25,7 @@ from tiller.algorithms.credit import turn_credit, turn_sums
 from tiller.algorithms.kl import kl_beta_at, kl_in_reward
 from tiller.algorithms.losses import entropy_bonus
 from tiller.algorithms.offpolicy import correction_stats, mismatch_stats, staleness_stats
-from tiller.config import AlgorithmConfig, RLConfig, TrainConfig
+from tiller.config import AlgorithmConfig, CriticConfig, RLConfig, TrainConfig
 from tiller.engine.updates import WeightUpdate
 from tiller.train.batch import Batch, micro_batches, minibatches
 from tiller.train.logprobs import (
@@ -140,6 +141,39 @@ class _RLInputs(NamedTuple):
     row_staleness: torch.Tensor  # [B] trainer version - sample version (-1: unknown)
 
 
+class Rows:
+    """How a trainer's passes walk a batch's rows (the policy's and the critic's alike): here
+    one process runs every micro-batch. A trainer rank's (`train.distributed.RankRows`) runs its
+    share of them, sums its metrics over the ranks and shards the models it trains."""
+
+    def __init__(self, train: TrainConfig):
+        self.train = train
+
+    def share(self, rows: torch.Tensor, lengths: torch.Tensor, size: int
+              ) -> list[torch.Tensor]:
+        """The micro-batches of `rows` this process runs (at most `size` rows, and
+        `train.micro_batch_tokens` tokens packed or padded, like one rank's)."""
+        return [rows[idx] for idx in micro_batches(lengths[rows], size,
+                                                   self.train.micro_batch_tokens,
+                                                   self.train.packing)]
+
+    def pass_batch(self, batch: Batch, rows: torch.Tensor, device: torch.device) -> Batch:
+        """The batch of one pass, on `device`."""
+        return batch.rows(rows).to(device)
+
+    def reduce(self, sums: dict[str, float]) -> dict[str, float]:
+        """Metric sums over every process that ran passes."""
+        return sums
+
+    def reduce_rows(self, per_row: torch.Tensor) -> torch.Tensor:
+        """A [B, T] tensor whose rows each process filled for the rows it ran, whole."""
+        return per_row
+
+    def sharded(self, module: nn.Module) -> nn.Module:
+        """A model this trainer trains or runs, as its processes hold it."""
+        return module
+
+
 class PolicyTrainer:
     """Owns the policy's optimizer and weight version; runs the SFT and RL steps and publishes
     `WeightUpdate`s. (`tiller.Trainer`, in api.py, is the user's entry point to a whole run.)
@@ -170,6 +204,7 @@ class PolicyTrainer:
         if not isinstance(model, FSDPModule):  # a rank's shards: its full model was checked
             check_plain_head(model)
         self.train = train or TrainConfig()
+        self.rows = Rows(self.train)  # a trainer rank's: its share (`train.distributed`)
         self.shape = PassShape(self.train.packing, self.train.logprob_chunk_tokens)
         if self.train.activation_checkpointing:
             model.activation_checkpointing_enable({"use_reentrant": False})
@@ -203,23 +238,22 @@ class PolicyTrainer:
         sharded trainer's gathered copy: `train.distributed.RankTrainer`)."""
         return self
 
-    # What a trainer rank overrides (`train.distributed.RankTrainer`): the micro-batches of
-    # `rows` this process runs, the batch of one pass, and the sums over every rank.
-    # The micro-batches keep `train.micro_batch_tokens` and `train.packing` on every rank.
-    def _share(self, rows: torch.Tensor, lengths: torch.Tensor, size: int
-               ) -> list[torch.Tensor]:
-        return [rows[idx] for idx in micro_batches(lengths[rows], size,
-                                                   self.train.micro_batch_tokens,
-                                                   self.train.packing)]
+    def reference(self) -> nn.Module:
+        """The KL reference: a frozen copy of the policy now (at RL start), in the compute
+        dtype (under LoRA the policy with a frozen copy of its adapter: `LoraTrainer`; on
+        trainer ranks a sharded copy: `train.distributed.RankTrainer`)."""
+        return copy.deepcopy(self.model).to(self.compute_dtype).requires_grad_(False).eval()
 
-    def _pass_batch(self, batch: Batch, rows: torch.Tensor) -> Batch:
-        return batch.rows(rows).to(self.device)
+    def drop_reference(self) -> None:
+        """The KL term is off for good: what `reference` made is freed (the caller drops its
+        handle; under LoRA the reference adapter goes)."""
 
-    def _reduce(self, sums: dict[str, float]) -> dict[str, float]:
-        return sums
+    def new_critic(self, cfg: CriticConfig) -> Critic:
+        """The critic, from the policy's plain weights now (the merged ones under LoRA),
+        walking this trainer's rows (`Rows`: on trainer ranks each its share, sharded)."""
+        from tiller.train.critic import Critic
 
-    def _reduce_rows(self, per_row: torch.Tensor) -> torch.Tensor:
-        return per_row
+        return Critic(self.publisher.model, cfg, self.dropout, self.train, self.rows)
 
     @torch.no_grad()
     def score(self, token_ids: list[int]) -> list[float]:
@@ -272,14 +306,14 @@ class PolicyTrainer:
         total = float(batch.loss_mask.sum())
         loss_sum = 0.0
         lengths = batch.attention_mask.sum(-1)
-        for idx in self._share(torch.arange(len(lengths)), lengths, micro_batch_size):
-            mb = self._pass_batch(batch, idx)
+        for idx in self.rows.share(torch.arange(len(lengths)), lengths, micro_batch_size):
+            mb = self.rows.pass_batch(batch, idx, self.device)
             # SFT: the data's likelihood at T = 1, untruncated
             logp, _ = self._forward(self.model, mb, 1.0, truncate=False)
             loss = -(logp * mb.loss_mask).sum() / max(total, 1.0)
             loss.backward()
             loss_sum += float(loss.detach())
-        loss_sum = self._reduce({"sft_loss": loss_sum})["sft_loss"]
+        loss_sum = self.rows.reduce({"sft_loss": loss_sum})["sft_loss"]
         return {"sft_loss": loss_sum, "grad_norm": self._step(max_grad_norm), "tokens": total}
 
     @torch.no_grad()
@@ -287,11 +321,11 @@ class PolicyTrainer:
         model.eval()
         out = torch.zeros_like(batch.loss_mask)
         lengths = batch.attention_mask.sum(-1)
-        for idx in self._share(torch.arange(len(lengths)), lengths, micro_batch_size):
-            mb = self._pass_batch(batch, idx)
+        for idx in self.rows.share(torch.arange(len(lengths)), lengths, micro_batch_size):
+            mb = self.rows.pass_batch(batch, idx, self.device)
             out[idx, : mb.input_ids.size(1)] = self._forward(model, mb, self.temperature)[0].to(
                 out.device)
-        return self._reduce_rows(out)
+        return self.rows.reduce_rows(out)
 
     def _reference_logprobs(self, ref: nn.Module, batch: Batch, micro_batch_size: int
                             ) -> torch.Tensor:
@@ -374,15 +408,15 @@ class PolicyTrainer:
         lengths = batch.attention_mask.sum(-1)
         for _epoch in range(cfg.ppo_epochs):
             for mini, _, totals in steps:
-                for rows in self._share(mini, lengths, cfg.micro_batch_size):
-                    terms = self._rl_backward(self._pass_batch(batch, rows), rows, totals,
-                                              cfg.algorithm, x)
+                for rows in self.rows.share(mini, lengths, cfg.micro_batch_size):
+                    mb = self.rows.pass_batch(batch, rows, self.device)
+                    terms = self._rl_backward(mb, rows, totals, cfg.algorithm, x)
                     for key, value in terms.items():
                         sums[key] += value
                 norms += self._step(cfg.max_grad_norm)
         if not x.prepass:  # each rank filled its own rows of logp_old
-            x.logp_old.copy_(self._reduce_rows(x.logp_old))
-        out = defaultdict(float, self._reduce(sums))
+            x.logp_old.copy_(self.rows.reduce_rows(x.logp_old))
+        out = defaultdict(float, self.rows.reduce(sums))
         out["grad_norm"] = norms
         return out, cfg.ppo_epochs * len(steps)
 

@@ -1,0 +1,107 @@
+"""Trainer ranks (`train.world_size`) with the KL reference model and PPO's critic: 2 FSDP2
+ranks equal 1 rank on the same batch (loss, KL, value loss, grad norms, updated policy and
+critic weights). Each rank holds its own reference model and critic, sharded like the policy
+(`train.distributed`)."""
+
+import copy
+
+import pytest
+import torch
+from test_distributed import ATOL, batch_of, flat
+
+from tiller.config import RLConfig
+from tiller.models import load_model
+from tiller.train.distributed import TrainerOptions
+from tiller.train.ranks import start_ranks
+from tiller.train.trainer import PolicyTrainer
+
+# the same keys to the same tolerance as tests/test_distributed.py's RL steps
+STATS = ("loss", "grad_norm", "entropy", "clip_frac", "logp_mismatch_mean",
+         "advantage_abs_mean")
+
+
+@pytest.fixture(scope="module")
+def group(calc_model_dir):
+    """Rank 0 here and rank 1 in a spawned process, over one gloo group."""
+    torch.manual_seed(0)
+    leader = start_ranks(load_model(calc_model_dir), 2, TrainerOptions(), "local", 120.0)
+    yield leader
+    leader.close()
+
+
+def pair(group, lr=1e-3):
+    """A single-rank trainer at the group's current weights, and the group, each with a fresh
+    optimizer."""
+    single = PolicyTrainer(copy.deepcopy(group.publisher.model))
+    for t in (single, group):
+        t.set_optimizer(lr)
+    return single, group
+
+
+def assert_same(got, want, keys):
+    for key in keys:
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("placement", ["loss", "reward"])
+def test_two_ranks_equal_one_rank_with_the_kl_term(group, tokenizer, placement):
+    """The reference is made at the current weights (each rank its own shards), then an SFT
+    step moves the policy off it, so the RL step's KL is well above 0 from its first pass."""
+    batch = batch_of(tokenizer)
+    single, group = pair(group)
+    refs = [t.reference() for t in (single, group)]
+    assert all(not p.requires_grad for p in refs[1].parameters())
+    # sharded, not replicated: rank 0 holds about half of every tensor (dim 0 cut in two)
+    held = sum(p.to_local().numel() for p in refs[1].parameters())
+    whole = sum(p.numel() for p in refs[0].parameters())
+    assert whole / 2 <= held < 0.51 * whole
+    for t in (single, group):
+        t.sft_step(batch, 2)
+    cfg = RLConfig(micro_batch_size=2, mini_batches=2, max_grad_norm=0.5, algorithm={
+        "advantage": "dr_grpo", "kl": {"beta": 0.5, "placement": placement,
+                                       "estimator": "k3" if placement == "loss" else None}})
+    before = flat(single.model)
+    want = single.rl_step(batch, cfg, 8, ref_model=refs[0])
+    got = group.rl_step(batch, cfg, 8, ref_model=refs[1])
+    assert want["kl"] > 1e-3
+    assert_same(got, want, (*STATS, "kl", "kl_beta"))
+    after = flat(group.publisher.model)
+    assert (after - before).abs().max() > 1e-4  # the weights moved
+    assert torch.allclose(after, flat(single.model), atol=ATOL)
+    group.drop_reference()
+    assert group.ref is None
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_two_ranks_equal_one_rank_with_a_critic_and_kl(group, tokenizer):
+    """PPO (critic + GAE, KL in the reward) for two RL steps: the second step's values come
+    from the critic the first trained (its value mean and explained variance compare them),
+    and the critic's gathered weights equal the single rank's after both."""
+    batch = batch_of(tokenizer)
+    single, group = pair(group)
+    cfg = RLConfig(micro_batch_size=2, mini_batches=2, max_grad_norm=0.5, algorithm={
+        "preset": "ppo", "kl": {"beta": 0.1}, "critic": {"value_lr": 1e-3}})
+    refs = [t.reference() for t in (single, group)]
+    critics = [t.new_critic(cfg.algorithm.critic) for t in (single, group)]
+    start = flat(critics[0].model)
+    for step in range(2):
+        want = single.rl_step(batch, cfg, 8, refs[0], critics[0], step)
+        got = group.rl_step(batch, cfg, 8, refs[1], critics[1], step)
+        assert_same(got, want, (*STATS, "kl", "value_loss", "value_grad_norm",
+                                "value_clip_frac", "value_mean"))
+        if step == 1:
+            assert want["explained_variance"] != 0.0  # the head is no longer zero
+            assert got["explained_variance"] == pytest.approx(want["explained_variance"],
+                                                              rel=1e-4)
+    assert torch.allclose(flat(group.publisher.model), flat(single.model), atol=ATOL)
+    state = group.critic_state()
+    trained = dict(critics[0].model.named_parameters())
+    assert sorted(state) == sorted(trained)
+    gathered = torch.cat([state[k].flatten() for k in trained])
+    assert (gathered - start).abs().max() > 1e-4  # the critic moved
+    assert torch.allclose(gathered, flat(critics[0].model), atol=ATOL)
