@@ -490,7 +490,6 @@ def test_resume_after_the_engine_server_died_repushes_the_checkpoint(calc_sft_di
 
 
 @pytest.mark.parametrize("setting, field", [
-    ("rl.curriculum.enabled=true", "rl.curriculum"),
     ("train.world_size=2", "train.world_size > 1"),
 ])
 def test_checkpoints_of_state_they_cannot_hold_are_refused_before_any_work(
