@@ -156,6 +156,52 @@ def test_sync_run_killed_at_seeded_moments_resumes_bit_identically(sync_whole, t
             == {k: v for k, v in ref_summary["heldout_after_sft"].items() if k != "time_s"})
 
 
+# rl.curriculum, each mode set to move within 4 steps of the tiny run: difficulty starts at the
+# top level (3) and steps down while the policy fails; filter's pool of 4 is drawn every step,
+# its failed tasks skipped once (a pass reshuffled by its generator)
+CURRICULUM = {
+    "difficulty": ["env.difficulty=3", "rl.curriculum.enabled=true", "rl.curriculum.start=3",
+                   "rl.curriculum.min_groups=2"],
+    "filter": ["rl.curriculum.enabled=true", "rl.curriculum.mode=filter",
+               "rl.curriculum.pool=4", "rl.curriculum.max_skips=1",
+               "rl.curriculum.min_groups=1"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode, seed, phase", [("difficulty", 11, "files"),
+                                               ("filter", 12, "rename")])
+def test_sync_curriculum_run_killed_at_seeded_moments_resumes_bit_identically(
+        tmp_path, mode, seed, phase):
+    """rl.curriculum's state (level, estimates, tasks taken; filter's generator, pass and
+    skips) comes back from the checkpoint: killed at a seeded moment after step 2's row, then
+    inside a checkpoint write, and resumed, the run ends as the uninterrupted one did (every
+    `curriculum/*` metric included)."""
+    over = [*RUN, *RL_MOVES, *CURRICULUM[mode]]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    finish(tiller("train", "configs/calculator.yaml", *over, "-o", str(ref)))
+    rng = random.Random(seed)
+    proc = tiller("train", "configs/calculator.yaml", *over, "-o", str(run))
+    kill_when(proc, lambda: rl_rows(run) >= 2, rng.uniform(0.0, 0.3))
+    kill_mid_checkpoint(run, phase, rng)
+    resumed_from = verify(complete_checkpoints(run)[0]).state["curriculum"]
+    finish(tiller("train", "--resume", str(run)))
+    a, b = weights(ref), weights(run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert comparable(run) == comparable(ref)
+    rows = [r for r in comparable(ref) if r["phase"] == "rl"]
+    # the curriculum had state to put back: it had moved, or skipped, by the checkpoint
+    if mode == "difficulty":
+        assert rows[-1]["curriculum/moves"] >= 1 and resumed_from["moves"] >= 1, rows[-1]
+    else:
+        assert rows[-1]["curriculum/skipped_total"] > 0 and resumed_from["skipped"] > 0
+    final = verify(complete_checkpoints(run)[0]).state["curriculum"]
+    assert final["draws"] == 4 * 4 and final == verify(complete_checkpoints(ref)[0]).state[
+        "curriculum"]
+
+
 ASYNC = [*RUN, "rl.mode=async", "rl.steps=8"]
 
 
@@ -348,6 +394,31 @@ def test_bad_resumes_stop_in_one_line_and_lose_nothing(two_steps, tmp_path):
     empty.mkdir()
     code, out = cli("train", "--resume", empty)
     assert code == 2 and "not a run folder (no config.yaml)" in out
+
+
+@pytest.fixture(scope="module")
+def curriculum_steps(tmp_path_factory):
+    """A finished tiny run (2 RL steps) under a difficulty curriculum, a checkpoint after
+    each."""
+    run = tmp_path_factory.mktemp("curriculum") / "run"
+    train(load_config("configs/calculator.yaml", [*RUN, "rl.steps=2", "checkpoint.keep=5",
+                                                  *CURRICULUM["difficulty"]]), run)
+    return run
+
+
+@pytest.mark.slow
+def test_a_curriculum_change_on_resume_is_refused_in_one_line(curriculum_steps, tmp_path):
+    """The curriculum's config decides what its saved state means: a change to it is refused
+    in one line naming the field, before any work, the folder left as it was."""
+    run = tmp_path / "run"
+    shutil.copytree(curriculum_steps, run)
+    state = verify(complete_checkpoints(run)[0]).state["curriculum"]
+    assert state["draws"] == 8 and [level for level, _ in state["taken"]][0] == 3
+    refused(run, ["rl.curriculum.window=4"], "config field rl.curriculum.window changed "
+                                             "(8 -> 4)")
+    refused(run, ["rl.curriculum.band=[0.2, 0.8]"], "config field rl.curriculum.band changed")
+    refused(run, ["rl.curriculum.enabled=false"], "config field rl.curriculum.enabled "
+                                                  "changed (True -> False)")
 
 
 @pytest.mark.slow
