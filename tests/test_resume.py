@@ -396,6 +396,38 @@ def test_bad_resumes_stop_in_one_line_and_lose_nothing(two_steps, tmp_path):
     assert code == 2 and "not a run folder (no config.yaml)" in out
 
 
+@pytest.mark.slow
+def test_one_step_off_curriculum_checkpoint_leaves_the_open_groups_results_out(tmp_path):
+    """one_step_off with a difficulty curriculum: a checkpoint holding open groups keeps no
+    estimate of their draws (the resumed run samples them again and records them anew); the
+    run resumed from it draws on from the checkpoint's draw counter, each draw number once."""
+    over = [*RUN, "rl.mode=one_step_off", "checkpoint.keep=10", *CURRICULUM["difficulty"]]
+    whole = tmp_path / "whole"
+    train(load_config("configs/calculator.yaml", over), whole)
+    ckpt = verify(min(complete_checkpoints(whole), key=lambda c: c.step))
+    opened = [t["metadata"]["curriculum_draw"] for t in ckpt.state["manager"]["open_tasks"]]
+    state = ckpt.state["curriculum"]
+    kept = [d for _, results in state["estimates"] for d, _ in results]
+    assert opened and state["draws"] == ckpt.state["manager"]["pulled"] == 4 + len(opened)
+    assert sorted(kept) == list(range(4)) and not set(kept) & set(opened)
+    run = tmp_path / "run"
+    shutil.copytree(whole, run)
+    for c in complete_checkpoints(run):
+        if c.step > ckpt.step:
+            shutil.rmtree(c.path)
+    summary = train(load_config(run / "config.yaml"), resume=run)
+    assert summary["resumed_from"] == "step-000001"
+    end = verify(complete_checkpoints(run)[0]).state
+    assert end["curriculum"]["draws"] == end["manager"]["pulled"]  # no draw number twice
+    assert [r["phase_step"] for r in rl_rows_of(run)] == [1, 2, 3, 4]
+    assert "ledger_unaccounted" not in summary["rl"]
+
+
+def rl_rows_of(run: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if r["phase"] == "rl"]
+
+
 @pytest.fixture(scope="module")
 def curriculum_steps(tmp_path_factory):
     """A finished tiny run (2 RL steps) under a difficulty curriculum, a checkpoint after

@@ -247,8 +247,8 @@ def save_rl(run: Any, learner: Any, rollouts: RolloutManager, record: StepRecord
         torch.save(tensors, new / "rng.pt")
         manager = manager_state(rollouts, step)
         # the open groups' results are left out: the resumed run samples them again
-        reopened = frozenset(t["metadata"][DRAW] for t in manager["open_tasks"])
-        drawing = curriculum.state(reopened) if curriculum is not None else None
+        drawing = (None if curriculum is None else curriculum.state(
+            frozenset(t["metadata"][DRAW] for t in manager["open_tasks"])))
         adapters = ([] if run.lora is None else [ADAPTER_DIR] if not run.lora.has_reference()
                     else [ADAPTER_DIR, f"{ADAPTER_DIR}/reference"])
         holds = ["model", *adapters, *saved,

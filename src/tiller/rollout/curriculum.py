@@ -129,7 +129,7 @@ class Curriculum(Iterator[Task]):
                     "estimates": self.estimates.state(reopened), **self._state()}
 
     def load_state(self, state: dict[str, Any], where: str) -> None:
-        """Put `state` (`state`'s) back, before the first draw; a task the checkpoint drew
+        """Put back what `state` returned, before the first draw; a task the checkpoint drew
         that the env does not make again is one line (`ConfigError`) starting with `where`."""
         with self._lock:
             self.draws, self.skipped = state["draws"], state["skipped"]
