@@ -454,6 +454,24 @@ def test_a_curriculum_change_on_resume_is_refused_in_one_line(curriculum_steps, 
 
 
 @pytest.mark.slow
+def test_more_steps_on_resume_continue_the_same_curriculum(curriculum_steps, tmp_path):
+    """rl.steps raised on resume: each level's tasks are made again for the larger count
+    (the calculator's first tasks do not change with it), and the finished 2-step curriculum
+    run, resumed with rl.steps=3, ends as a 3-step curriculum run does."""
+    whole = tmp_path / "whole"
+    train(load_config("configs/calculator.yaml", [*RUN, "rl.steps=3",
+                                                  *CURRICULUM["difficulty"]]), whole)
+    run = tmp_path / "run"
+    shutil.copytree(curriculum_steps, run)
+    train(load_config(run / "config.yaml", ["rl.steps=3"]), resume=run)
+    a, b = weights(whole), weights(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rl = [[r for r in comparable(d) if r["phase"] == "rl"] for d in (whole, run)]
+    assert rl[0] == rl[1] and len(rl[0]) == 3
+    assert [r["curriculum/difficulty"] for r in rl[0]] == [3, 2, 1]  # it moved each step
+
+
+@pytest.mark.slow
 def test_resume_refused_by_the_runs_preflight_leaves_the_folder_as_it_was(two_steps, tmp_path):
     """A safe change (eval.*) that the run's own preflight (`preflight.check_run`) refuses:
     refused in one line before the run folder is cut back to the checkpoint (the finished
