@@ -66,7 +66,7 @@ def test_verify_accepts_a_whole_checkpoint_of_another_tiller_version(tmp_path):
     (path / MARKER).write_text(json.dumps({**marker(path), "tiller": "0.0.1"}))
     assert newest_checkpoint(tmp_path).state["step"] == 1
     (path / MARKER).write_text(json.dumps({**marker(path), "format": 99}))
-    one_line_error("is of checkpoint format 99 (tiller 0.0.1); this tiller reads format 3",
+    one_line_error("is of checkpoint format 99 (tiller 0.0.1); this tiller reads format 4",
                    newest_checkpoint, tmp_path)
 
 

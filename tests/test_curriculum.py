@@ -184,6 +184,93 @@ def test_a_difficulty_curriculum_on_an_env_without_difficulty_is_one_line():
     config("env.difficulty=1", "rl.curriculum.mode=filter")
 
 
+# ------------------------------------------------------------------ checkpoint state
+def resumed(cur, cfg, tasks_per_level=200):
+    """A curriculum built for the same config with `cur`'s state put back, through JSON (as
+    a checkpoint's state.json carries it)."""
+    state = json.loads(json.dumps(cur.state()))
+    fresh = make_curriculum(cfg, CALC, tasks_per_level)
+    fresh.load_state(state, "--resume: checkpoint step-000003")
+    return fresh, state
+
+
+def test_difficulty_state_round_trips_and_the_resumed_curriculum_draws_the_same():
+    cfg = config("env.difficulty=3", "rl.curriculum.min_groups=2", "rl.curriculum.window=4")
+    cur = make_curriculum(cfg, CALC, 200)
+    # 4 groups at level 1 (0.9: too easy) move it up; 8 at level 2 (0.5) keep it there
+    assert play(cur, {1: 0.9, 2: 0.5, 3: 0.1}, 12) == [1] * 4 + [2] * 8
+    cur.metrics()  # the step's row read its counters
+    fresh, state = resumed(cur, cfg)
+    assert (state["draws"], state["level"], state["entered"], state["moves"]) == (12, 2, 4, 1)
+    assert state["skipped"] == state["skipped_logged"] == 0
+    # the window of 4 per level, by draw number
+    assert state["estimates"] == [[1, [[0, 0.9], [1, 0.9], [2, 0.9], [3, 0.9]]],
+                                  [2, [[8, 0.5], [9, 0.5], [10, 0.5], [11, 0.5]]]]
+    made = {level: [t.id for t in CALC.make_tasks("train", 200, cfg.seed + 3, level)]
+            for level in (1, 2)}
+    assert state["taken"] == [[1, made[1][:4]], [2, made[2][:8]]]
+    assert fresh.state() == state and fresh.metrics() == cur.metrics()
+    # both go on alike: level 2 turns easy (0.9), so both move up to 3, with the same tasks
+    rates = {1: 0.9, 2: 0.9, 3: 0.5}
+    assert play(fresh, rates, 8) == play(cur, rates, 8) == [2] * 4 + [3] * 4
+    a, b = next(cur), next(fresh)
+    assert (a.id, a.metadata) == (b.id, b.metadata) == (a.id, {**a.metadata, DRAW: 20})
+    assert fresh.state() == cur.state() and fresh.metrics() == cur.metrics()
+    # a checkpoint holding groups open (one_step_off, async) leaves their results out: the
+    # resumed run samples them again and records them anew
+    assert cur.state(frozenset({18, 19}))["estimates"][2] == [3, [[16, 0.5], [17, 0.5]]]
+
+
+def test_filter_state_round_trips_with_its_generator_order_and_skips():
+    cfg = config("rl.curriculum.mode=filter", "rl.curriculum.pool=6",
+                 "rl.curriculum.max_skips=2", "rl.curriculum.min_groups=1")
+    cur = make_curriculum(cfg, CALC, 0)
+    first = [next(cur) for _ in range(6)]
+    for t, k in zip(first, [10, 10, 1, 1, 5, 5], strict=True):  # 2 easy, 2 hard, 2 fine
+        cur.record(t, group(k))
+    second = [next(cur) for _ in range(1)]  # the next pass started: 5 of 6 left to draw
+    assert second[0].id in {t.id for t in first[4:]}
+    fresh, state = resumed(cur, cfg)
+    assert state["draws"] == 7 and state["skipped"] == len(state["skips"]) > 0
+    assert len(state["order"]) + 1 + state["skipped"] == 6
+    assert set(state["skips"].values()) == {1}
+    assert state["rng"][0] == 3 and len(state["rng"][1]) == 625
+    assert fresh.state() == state
+    for t in first:  # one more result for each: both hear the same
+        for c in (cur, fresh):
+            c.record(t, group(5))
+    ahead = [[(t.id, t.metadata[DRAW]) for t in (next(c) for _ in range(14))]
+             for c in (cur, fresh)]
+    assert ahead[0] == ahead[1] and cur.state() == fresh.state()
+    assert cur.metrics() == fresh.metrics()
+
+
+def test_a_checkpoints_curriculum_state_the_env_no_longer_makes_is_one_line():
+    cfg = config("env.difficulty=3", "rl.curriculum.min_groups=2")
+    cur = make_curriculum(cfg, CALC, 200)
+    play(cur, {1: 0.9, 2: 0.5, 3: 0.1}, 8)
+    state = cur.state()
+    state["taken"][1][1][0] = "calculator-elsewhere"  # level 2's first task is another one
+    with pytest.raises(ConfigError) as e:
+        make_curriculum(cfg, CALC, 200).load_state(state, "--resume: checkpoint step-000002")
+    assert str(e.value) == (
+        "--resume: checkpoint step-000002: config field rl.steps is 10: the env's first 4 "
+        "train tasks at curriculum level 2 are not those the checkpoint drew there "
+        "(make_tasks gives other first tasks for this config's task count); resume with the "
+        "run's rl.steps")
+    cfg = config("rl.curriculum.mode=filter", "rl.curriculum.pool=6")
+    cur = make_curriculum(cfg, CALC, 0)
+    next(cur)
+    state = cur.state()
+    state["order"][2] = "calculator-elsewhere"
+    with pytest.raises(ConfigError) as e:
+        make_curriculum(cfg, CALC, 0).load_state(state, "--resume: checkpoint step-000001")
+    assert str(e.value) == (
+        "--resume: checkpoint step-000001: the curriculum's pool (rl.curriculum.pool 6 tasks "
+        "of env calculator) no longer holds task 'calculator-elsewhere' the checkpoint's pass "
+        "was to draw: the env's make_tasks changed; resume with the env the run used")
+
+
 # ------------------------------------------------------------------ real runs
 def tiny(sft_dir, *more):
     return load_config(CONFIG, tiny_rl(sft_dir, "rl.steps=3", "rl.curriculum.enabled=true",

@@ -156,6 +156,52 @@ def test_sync_run_killed_at_seeded_moments_resumes_bit_identically(sync_whole, t
             == {k: v for k, v in ref_summary["heldout_after_sft"].items() if k != "time_s"})
 
 
+# rl.curriculum, each mode set to move within 4 steps of the tiny run: difficulty starts at the
+# top level (3) and steps down while the policy fails; filter's pool of 4 is drawn every step,
+# its failed tasks skipped once (a pass reshuffled by its generator)
+CURRICULUM = {
+    "difficulty": ["env.difficulty=3", "rl.curriculum.enabled=true", "rl.curriculum.start=3",
+                   "rl.curriculum.min_groups=2"],
+    "filter": ["rl.curriculum.enabled=true", "rl.curriculum.mode=filter",
+               "rl.curriculum.pool=4", "rl.curriculum.max_skips=1",
+               "rl.curriculum.min_groups=1"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode, seed, phase", [("difficulty", 11, "files"),
+                                               ("filter", 12, "rename")])
+def test_sync_curriculum_run_killed_at_seeded_moments_resumes_bit_identically(
+        tmp_path, mode, seed, phase):
+    """rl.curriculum's state (level, estimates, tasks taken; filter's generator, pass and
+    skips) comes back from the checkpoint: killed at a seeded moment after step 2's row, then
+    inside a checkpoint write, and resumed, the run ends as the uninterrupted one did (every
+    `curriculum/*` metric included)."""
+    over = [*RUN, *RL_MOVES, *CURRICULUM[mode]]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    finish(tiller("train", "configs/calculator.yaml", *over, "-o", str(ref)))
+    rng = random.Random(seed)
+    proc = tiller("train", "configs/calculator.yaml", *over, "-o", str(run))
+    kill_when(proc, lambda: rl_rows(run) >= 2, rng.uniform(0.0, 0.3))
+    kill_mid_checkpoint(run, phase, rng)
+    resumed_from = verify(complete_checkpoints(run)[0]).state["curriculum"]
+    finish(tiller("train", "--resume", str(run)))
+    a, b = weights(ref), weights(run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert comparable(run) == comparable(ref)
+    rows = [r for r in comparable(ref) if r["phase"] == "rl"]
+    # the curriculum had state to put back: it had moved, or skipped, by the checkpoint
+    if mode == "difficulty":
+        assert rows[-1]["curriculum/moves"] >= 1 and resumed_from["moves"] >= 1, rows[-1]
+    else:
+        assert rows[-1]["curriculum/skipped_total"] > 0 and resumed_from["skipped"] > 0
+    final = verify(complete_checkpoints(run)[0]).state["curriculum"]
+    assert final["draws"] == 4 * 4 and final == verify(complete_checkpoints(ref)[0]).state[
+        "curriculum"]
+
+
 ASYNC = [*RUN, "rl.mode=async", "rl.steps=8"]
 
 
@@ -351,6 +397,81 @@ def test_bad_resumes_stop_in_one_line_and_lose_nothing(two_steps, tmp_path):
 
 
 @pytest.mark.slow
+def test_one_step_off_curriculum_checkpoint_leaves_the_open_groups_results_out(tmp_path):
+    """one_step_off with a difficulty curriculum: a checkpoint holding open groups keeps no
+    estimate of their draws (the resumed run samples them again and records them anew); the
+    run resumed from it draws on from the checkpoint's draw counter, each draw number once."""
+    over = [*RUN, "rl.mode=one_step_off", "checkpoint.keep=10", *CURRICULUM["difficulty"]]
+    whole = tmp_path / "whole"
+    train(load_config("configs/calculator.yaml", over), whole)
+    ckpt = verify(min(complete_checkpoints(whole), key=lambda c: c.step))
+    opened = [t["metadata"]["curriculum_draw"] for t in ckpt.state["manager"]["open_tasks"]]
+    state = ckpt.state["curriculum"]
+    kept = [d for _, results in state["estimates"] for d, _ in results]
+    assert opened and state["draws"] == ckpt.state["manager"]["pulled"] == 4 + len(opened)
+    assert sorted(kept) == list(range(4)) and not set(kept) & set(opened)
+    run = tmp_path / "run"
+    shutil.copytree(whole, run)
+    for c in complete_checkpoints(run):
+        if c.step > ckpt.step:
+            shutil.rmtree(c.path)
+    summary = train(load_config(run / "config.yaml"), resume=run)
+    assert summary["resumed_from"] == "step-000001"
+    end = verify(complete_checkpoints(run)[0]).state
+    assert end["curriculum"]["draws"] == end["manager"]["pulled"]  # no draw number twice
+    assert [r["phase_step"] for r in rl_rows_of(run)] == [1, 2, 3, 4]
+    assert "ledger_unaccounted" not in summary["rl"]
+
+
+def rl_rows_of(run: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if r["phase"] == "rl"]
+
+
+@pytest.fixture(scope="module")
+def curriculum_steps(tmp_path_factory):
+    """A finished tiny run (2 RL steps) under a difficulty curriculum, a checkpoint after
+    each."""
+    run = tmp_path_factory.mktemp("curriculum") / "run"
+    train(load_config("configs/calculator.yaml", [*RUN, "rl.steps=2", "checkpoint.keep=5",
+                                                  *CURRICULUM["difficulty"]]), run)
+    return run
+
+
+@pytest.mark.slow
+def test_a_curriculum_change_on_resume_is_refused_in_one_line(curriculum_steps, tmp_path):
+    """The curriculum's config decides what its saved state means: a change to it is refused
+    in one line naming the field, before any work, the folder left as it was."""
+    run = tmp_path / "run"
+    shutil.copytree(curriculum_steps, run)
+    state = verify(complete_checkpoints(run)[0]).state["curriculum"]
+    assert state["draws"] == 8 and [level for level, _ in state["taken"]][0] == 3
+    refused(run, ["rl.curriculum.window=4"], "config field rl.curriculum.window changed "
+                                             "(8 -> 4)")
+    refused(run, ["rl.curriculum.band=[0.2, 0.8]"], "config field rl.curriculum.band changed")
+    refused(run, ["rl.curriculum.enabled=false"], "config field rl.curriculum.enabled "
+                                                  "changed (True -> False)")
+
+
+@pytest.mark.slow
+def test_more_steps_on_resume_continue_the_same_curriculum(curriculum_steps, tmp_path):
+    """rl.steps raised on resume: each level's tasks are made again for the larger count
+    (the calculator's first tasks do not change with it), and the finished 2-step curriculum
+    run, resumed with rl.steps=3, ends as a 3-step curriculum run does."""
+    whole = tmp_path / "whole"
+    train(load_config("configs/calculator.yaml", [*RUN, "rl.steps=3",
+                                                  *CURRICULUM["difficulty"]]), whole)
+    run = tmp_path / "run"
+    shutil.copytree(curriculum_steps, run)
+    train(load_config(run / "config.yaml", ["rl.steps=3"]), resume=run)
+    a, b = weights(whole), weights(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rl = [[r for r in comparable(d) if r["phase"] == "rl"] for d in (whole, run)]
+    assert rl[0] == rl[1] and len(rl[0]) == 3
+    assert [r["curriculum/difficulty"] for r in rl[0]] == [3, 2, 1]  # it moved each step
+
+
+@pytest.mark.slow
 def test_resume_refused_by_the_runs_preflight_leaves_the_folder_as_it_was(two_steps, tmp_path):
     """A safe change (eval.*) that the run's own preflight (`preflight.check_run`) refuses:
     refused in one line before the run folder is cut back to the checkpoint (the finished
@@ -490,7 +611,6 @@ def test_resume_after_the_engine_server_died_repushes_the_checkpoint(calc_sft_di
 
 
 @pytest.mark.parametrize("setting, field", [
-    ("rl.curriculum.enabled=true", "rl.curriculum"),
     ("train.world_size=2", "train.world_size > 1"),
 ])
 def test_checkpoints_of_state_they_cannot_hold_are_refused_before_any_work(

@@ -16,7 +16,8 @@ A checkpoint folder holds:
     rng.pt            torch's CPU (and CUDA) generator states
     state.json        the step, the weight versions, Python's and numpy's RNG states, the
                       rollout manager's state (`rollout.resume`: the task stream's position,
-                      the open groups' tasks, the ledger), the step recorder's counters, the
+                      the open groups' tasks, the ledger), rl.curriculum's state
+                      (`Curriculum.state`; null when it is off), the step recorder's counters, the
                       byte length of metrics.jsonl, the summary so far, the run's config
                       and model.path's fingerprint (`model_fingerprint`)
     complete.json     written last: the format version, the step, the tiller version that
@@ -56,8 +57,8 @@ log = logging.getLogger(__name__)
 
 # what a reader checks: a checkpoint of another format is refused (2: the idle-step count,
 # the trainer's parts and the open groups' draws taken out of the draw counts; 3: the base
-# model's fingerprint and async's refills owed)
-FORMAT_VERSION = 3
+# model's fingerprint and async's refills owed; 4: the curriculum's state)
+FORMAT_VERSION = 4
 MARKER = "complete.json"
 FOLDER = re.compile(r"^step-(\d+)$")
 # the files every checkpoint holds (the model folder holds the tokenizer's files as well)
@@ -74,7 +75,8 @@ PAUSE_ENV = "TILLER_TEST_CHECKPOINT_PAUSE"
 PAUSES = ("files", "marker", "rename", "remove")
 # what state.json holds (`save_rl`); a resume reads each
 STATE_KEYS = ("step", "trainer_version", "engine_version", "rng", "holds", "tensors",
-              "manager", "recorder", "idle_steps", "metrics_bytes", "summary", "config", "base")
+              "manager", "curriculum", "recorder", "idle_steps", "metrics_bytes", "summary",
+              "config", "base")
 # `model_fingerprint`: each weight file is read at this many evenly spaced places (its start,
 # which holds a safetensors file's header, and its end among them), this many bytes each
 WEIGHT_SAMPLES, SAMPLE_BYTES = 64, 1 << 16
@@ -378,8 +380,7 @@ def check_checkpointable(cfg: Config) -> None:
     any work, for a run whose state it cannot."""
     if not cfg.checkpoint.every:
         return
-    why = ("rl.curriculum" if cfg.rl.curriculum.enabled else
-           "train.world_size > 1" if cfg.train.world_size > 1 else
+    why = ("train.world_size > 1" if cfg.train.world_size > 1 else
            "cluster.backend: ray" if cfg.cluster.backend == "ray" else None)
     if why is not None:
         raise ConfigError(f"config field checkpoint.every: got {cfg.checkpoint.every}; "

@@ -186,7 +186,7 @@ def rl(run: Run, after_step: Callable[[int], None] | None = None,
     the next step's groups start in sync (benchmarks evaluate there). A resumable
     checkpoint (with `summary`, the run's so far) is written where `checkpoint_due`."""
     cfg, alg = run.cfg.rl, run.cfg.rl.algorithm
-    learner, record, rollouts, idle, start = rl_parts(run)
+    learner, record, rollouts, idle, start, curriculum = rl_parts(run)
     in_flight = "abort" if run.cfg.rollout.partial == "abort_resume" else "continue"
     with record.running(rollouts, f"RL ({alg.preset or alg.advantage}, {cfg.mode})",
                         cfg.steps, run.cfg.logging.progress):
@@ -202,25 +202,28 @@ def rl(run: Run, after_step: Callable[[int], None] | None = None,
                 after_step(step + 1)
             record.log()
             if checkpoint_due(run.cfg, step + 1):
-                save_rl(run, learner, rollouts, record, step + 1, summary or {}, idle.count)
+                save_rl(run, learner, rollouts, record, step + 1, summary or {}, idle.count,
+                        curriculum)
             rollouts.weights_live(step + 1, run.trainer.version)
     done = record.finish(rollouts, cfg.mode)
     run.timings["rl_s"] = done["wall_s"]
     return done
 
 
-def rl_parts(run: Run) -> tuple[Learner, StepRecorder, Rollouts, IdleSteps, int]:
-    """RL's learner, step recorder, rollouts and idle-step count, and the step it starts at:
-    0, or a resumed run's checkpoint's, its state put back once everything built drew its
-    random numbers."""
+def rl_parts(run: Run) -> tuple[Learner, StepRecorder, Rollouts, IdleSteps, int,
+                                Curriculum | None]:
+    """RL's learner, step recorder, rollouts and idle-step count, the step it starts at (0,
+    or a resumed run's checkpoint's, its state put back once everything built drew its
+    random numbers) and the curriculum (None when rl.curriculum is off)."""
     learner = Learner(run.cfg, run.trainer, run.tokenizer, run.key_steps)
     curriculum = make_curriculum(run.cfg, run.env_cls, rl_task_reserve(run.cfg))
     record = step_recorder(run, curriculum)
-    start = restore_rl(run.resume, learner, record) if run.resume is not None else 0
+    start = (restore_rl(run.resume, learner, record, curriculum) if run.resume is not None
+             else 0)
     rollouts = rl_rollouts(run, learner.reward, curriculum)
     idle = IdleSteps(run.cfg.rl.max_idle_steps, rollouts,
                      run.resume.state["idle_steps"] if run.resume is not None else 0)
-    return learner, record, rollouts, idle, start
+    return learner, record, rollouts, idle, start, curriculum
 
 
 class Learner:
@@ -328,7 +331,8 @@ def rl_rollouts(run: Run, reward: Callable[[Trajectory], float],
     manager = RayRollouts if run.cfg.cluster.backend == "ray" else RolloutManager
     tasks = curriculum if curriculum is not None else run.rl_tasks()
     if run.resume is not None:  # the open groups' tasks, then where the checkpoint left off
-        tasks = resumed_tasks(tasks, run.resume.state["manager"])
+        tasks = resumed_tasks(tasks, run.resume.state["manager"],
+                              restored=curriculum is not None)
     return manager(
         run.cfg, run.engine, run.sampling(run.cfg.sampling.temperature), tasks,
         episode_fn=run.episode_fn, make_env=run.make_env, tokenizer=run.tokenizer,

@@ -39,6 +39,7 @@ from tiller.files import folder_below, refuse_links, refuse_sqlite_links, remove
 from tiller.models import resolve_model_path
 from tiller.plugins import load_env_class
 from tiller.preflight import rl_task_reserve, rl_train_tasks
+from tiller.rollout.curriculum import DRAW, Curriculum, make_curriculum
 from tiller.rollout.resume import check_drawn, manager_state
 
 if TYPE_CHECKING:
@@ -162,7 +163,9 @@ def check_stream(cfg: Config, ckpt: Checkpoint) -> None:
     """The resumed run's train task stream (`preflight.rl_train_tasks`, of the resumed
     config: rl.steps sets its length) must hold the tasks the checkpoint drew, as its first
     ones: one line naming rl.steps when it is shorter, or the env when its first tasks
-    changed (an env whose make_tasks gives other first tasks for another count)."""
+    changed (an env whose make_tasks gives other first tasks for another count). With
+    rl.curriculum the stream is the curriculum: one built for the resumed config must take
+    the checkpoint's state (`load_curriculum`: the tasks it drew per level, or its pool's)."""
     state = ckpt.state["manager"]
     reserve = rl_task_reserve(cfg)
     if reserve < state["pulled"]:
@@ -171,6 +174,10 @@ def check_stream(cfg: Config, ckpt: Checkpoint) -> None:
                           f"checkpoint {ckpt.path.name} drew; resume with the run's rl.steps "
                           f"or more")
     env_cls = load_env_class(cfg.env.name)
+    curriculum = make_curriculum(cfg, env_cls, reserve)
+    if curriculum is not None:
+        load_curriculum(curriculum, ckpt)
+        return
     ids = [t.id for t in itertools.islice(rl_train_tasks(cfg, env_cls), state["pulled"])]
     check_drawn(ids, state, f"--resume: checkpoint {ckpt.path.name}")
 
@@ -209,11 +216,24 @@ def check_no_links(run_dir: Path) -> None:
             dirs[:] = [d for d in dirs if d != "wandb"]
 
 
+def load_curriculum(curriculum: Curriculum, ckpt: Checkpoint) -> None:
+    """The checkpoint's curriculum state into `curriculum` (built for the resumed run); one
+    line when it does not fit (`Curriculum.load_state`)."""
+    where = f"--resume: checkpoint {ckpt.path.name}"
+    try:
+        curriculum.load_state(ckpt.state["curriculum"], where)
+    except (KeyError, ValueError, TypeError) as e:
+        raise ConfigError(f"{where}: its curriculum state does not fit the config's "
+                          f"rl.curriculum ({type(e).__name__}: {e})") from e
+
+
 def save_rl(run: Any, learner: Any, rollouts: RolloutManager, record: StepRecorder,
-            step: int, summary: dict[str, Any], idle_steps: int) -> Path:
+            step: int, summary: dict[str, Any], idle_steps: int,
+            curriculum: Curriculum | None) -> Path:
     """Checkpoint `step` of an RL run (see the module's docstring for what it holds): `run`
     is the `run.Run`, `learner` the `controller.Learner` (this module sits below both),
-    `idle_steps` the steps in a row with nothing trained (`controller.IdleSteps`)."""
+    `idle_steps` the steps in a row with nothing trained (`controller.IdleSteps`),
+    `curriculum` rl.curriculum's (None when it is off)."""
 
     def parts(new: Path) -> dict[str, Any]:
         run.model.save_pretrained(new / "model", safe_serialization=True,
@@ -226,17 +246,24 @@ def save_rl(run: Any, learner: Any, rollouts: RolloutManager, record: StepRecord
         py, tensors = rng_state()
         torch.save(tensors, new / "rng.pt")
         manager = manager_state(rollouts, step)
+        # the open groups' results are left out: the resumed run samples them again
+        drawing = (None if curriculum is None else curriculum.state(
+            frozenset(t["metadata"][DRAW] for t in manager["open_tasks"])))
         adapters = ([] if run.lora is None else [ADAPTER_DIR] if not run.lora.has_reference()
                     else [ADAPTER_DIR, f"{ADAPTER_DIR}/reference"])
         holds = ["model", *adapters, *saved,
                  f"rng ({', '.join(['python', 'numpy', *tensors])})",
                  f"task stream ({manager['pulled']} drawn, {len(manager['open_tasks'])} "
-                 f"open groups)", "ledger", "step counters", "metrics position"]
+                 f"open groups)",
+                 *([] if drawing is None else
+                   [f"curriculum ({run.cfg.rl.curriculum.mode}, {drawing['draws']} drawn)"]),
+                 "ledger", "step counters", "metrics position"]
         # the rows so far on disk before their length is: the checkpoint is fsynced, and a
         # resume after a power loss needs metrics.jsonl at least this long
         return {"step": step, "trainer_version": run.trainer.version,
                 "engine_version": run.engine.version, "rng": py, "holds": holds,
-                "tensors": sorted(saved), "manager": manager, "recorder": record.state(),
+                "tensors": sorted(saved), "manager": manager, "curriculum": drawing,
+                "recorder": record.state(),
                 "idle_steps": idle_steps, "metrics_bytes": run.logger.synced_size(),
                 "summary": summary, "config": run.cfg.model_dump(mode="json"),
                 "base": run.base}
@@ -261,8 +288,10 @@ def _own_ref(learner: Any) -> bool:
     return learner.ref is not None and learner.ref is not learner.trainer.model
 
 
-def restore_rl(ckpt: Checkpoint, learner: Any, record: StepRecorder) -> int:
-    """Put a checkpoint's learner, recorder and RNG states back; the RL step it resumes at.
+def restore_rl(ckpt: Checkpoint, learner: Any, record: StepRecorder,
+               curriculum: Curriculum | None) -> int:
+    """Put a checkpoint's learner, recorder, curriculum and RNG states back; the RL step it
+    resumes at.
     A checkpoint written once kl.off_after switched the KL term off holds no reference
     model: the learner drops the one it built (`check_tensors` said it is not needed)."""
     saved = load_tensors(ckpt.path / "trainer.pt")
@@ -279,6 +308,8 @@ def restore_rl(ckpt: Checkpoint, learner: Any, record: StepRecorder) -> int:
             learner.critic.model.load_state_dict(saved["critic"])
             learner.critic.optimizer.load_state_dict(saved["critic_optimizer"])
         record.load_state(ckpt.state["recorder"])
+        if curriculum is not None:
+            load_curriculum(curriculum, ckpt)
         set_rng_state(ckpt.state["rng"], load_tensors(ckpt.path / "rng.pt"))
     except (KeyError, ValueError) as e:
         raise ConfigError(f"checkpoint {ckpt.path} does not fit this run: "

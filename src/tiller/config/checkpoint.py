@@ -10,11 +10,11 @@ from tiller.config.base import Section
 class CheckpointConfig(Section):
     """When RL writes a resumable checkpoint to RUN_DIR/checkpoints/step-<N>: the model, the
     optimizer, the RNG states, the task stream's position, the rollouts' open groups, the
-    ledger and the metrics' position, so a killed run continues where it stopped."""
+    curriculum's state, the ledger and the metrics' position, so a killed run continues
+    where it stopped."""
 
     every: int = Field(0, ge=0, description="write one after every `every` RL steps (and after "
-                       "the last one); 0: none. Not with rl.curriculum (its state is not "
-                       "saved), train.world_size > 1 or cluster.backend ray: refused before "
-                       "any work")
+                       "the last one); 0: none. Not with train.world_size > 1 or "
+                       "cluster.backend ray: refused before any work")
     keep: int = Field(2, ge=1, description="how many of the newest complete ones to keep; "
                       "older ones are removed once a newer one is complete")

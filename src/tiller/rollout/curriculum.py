@@ -17,16 +17,23 @@ step draws, so the draws depend on the seed only. In one_step_off and async they
 on which groups have finished by then, like everything else there.
 
 Draws come from the rollout thread and `record` too, `metrics` from the trainer's: one lock.
+
+A resumable checkpoint holds a curriculum's whole state (`state`, JSON data: the draw and skip
+counters, the estimates, and difficulty's level and tasks taken per level, or filter's
+generator, pass order and skips in a row); `load_state` puts it back into a curriculum built
+for the resumed run, before it draws (docs/resume.md).
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 from abc import abstractmethod
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from typing import Any
 
 from tiller.config import Config
 from tiller.envs.base import Env, Task
@@ -62,6 +69,16 @@ class _Estimates:
         a level re-entered is judged on what it did since, not on why it was left."""
         fresh = [s for draw, s in self.results.get(key, []) if draw >= since]
         return (sum(fresh) / len(fresh) if fresh else None), len(fresh)
+
+    def state(self, reopened: frozenset[int]) -> list[list[Any]]:
+        """[key, [[draw, success], ...]] per key, without the groups drawn `reopened`."""
+        return [[key, [[d, s] for d, s in results if d not in reopened]]
+                for key, results in self.results.items()]
+
+    def load_state(self, state: list[list[Any]]) -> None:
+        self.results.clear()
+        for key, results in state:
+            self.results[key] = [(d, s) for d, s in results]
 
 
 class Curriculum(Iterator[Task]):
@@ -101,6 +118,32 @@ class Curriculum(Iterator[Task]):
             self._skipped_logged = self.skipped
         return m
 
+    def state(self, reopened: frozenset[int] = frozenset()) -> dict[str, Any]:
+        """Everything the next draws and metrics depend on, as JSON data (a resumable
+        checkpoint's `curriculum`). `reopened`: the draw numbers of the groups a checkpoint
+        holds open (one_step_off, async), whose results are left out of the estimates: the
+        resumed run samples those groups again and records them anew."""
+        with self._lock:
+            return {"draws": self.draws, "skipped": self.skipped,
+                    "skipped_logged": self._skipped_logged,
+                    "estimates": self.estimates.state(reopened), **self._state()}
+
+    def load_state(self, state: dict[str, Any], where: str) -> None:
+        """Put back what `state` returned, before the first draw; a task the checkpoint drew
+        that the env does not make again is one line (`ConfigError`) starting with `where`."""
+        with self._lock:
+            self.draws, self.skipped = state["draws"], state["skipped"]
+            self._skipped_logged = state["skipped_logged"]
+            self.estimates.load_state(state["estimates"])
+            self._load_state(state, where)
+
+    @abstractmethod
+    def _state(self) -> dict[str, Any]:
+        """The mode's own state (under the lock)."""
+
+    @abstractmethod
+    def _load_state(self, state: dict[str, Any], where: str) -> None: ...
+
     @abstractmethod
     def _draw(self) -> tuple[Task, int]:
         """The next task and the level it was made at (under the lock)."""
@@ -129,12 +172,34 @@ class DifficultyCurriculum(Curriculum):
         self.level = c.start or self.levels[0]
         self.entered = 0  # the draw number at which the current level was entered
         self.moves = 0
+        self.steps = cfg.rl.steps  # what sets tasks_per_level (named by `load_state`)
         self._make = lambda level: env_cls.make_tasks("train", tasks_per_level, cfg.seed + 3,
                                                       level)
         self._tasks: dict[int, Iterator[Task]] = {}
+        self._taken: dict[int, list[str]] = defaultdict(list)  # level -> ids drawn, in order
 
     def _key(self, task: Task) -> object:
         return task.metadata[LEVEL]
+
+    def _state(self) -> dict[str, Any]:
+        return {"level": self.level, "entered": self.entered, "moves": self.moves,
+                "taken": [[level, ids] for level, ids in self._taken.items()]}
+
+    def _load_state(self, state: dict[str, Any], where: str) -> None:
+        """Each level visited is made again and the tasks the checkpoint took from it are
+        taken again: they must be the ones it took (`make_tasks` of the resumed config's
+        count, which rl.steps sets, may give other first tasks)."""
+        self.level, self.entered, self.moves = state["level"], state["entered"], state["moves"]
+        for level, ids in state["taken"]:
+            tasks = iter(self._make(level))
+            got = [t.id for t in itertools.islice(tasks, len(ids))]
+            if got != ids:
+                raise ConfigError(f"{where}: config field rl.steps is {self.steps}: the env's "
+                                  f"first {len(ids)} train tasks at curriculum level {level} "
+                                  f"are not those the checkpoint drew there (make_tasks gives "
+                                  f"other first tasks for this config's task count); resume "
+                                  f"with the run's rl.steps")
+            self._tasks[level], self._taken[level] = tasks, list(ids)
 
     def _draw(self) -> tuple[Task, int]:
         estimate, fresh = self.estimates.get(self.level, since=self.entered)
@@ -150,6 +215,7 @@ class DifficultyCurriculum(Curriculum):
         if task is None:  # check_curriculum sized every level for the whole run
             raise ConfigError(f"config field rl.curriculum: level {self.level} ran out of "
                               f"train tasks after {self.draws} draws")
+        self._taken[self.level].append(task.id)
         return task, self.level
 
     def _metrics(self) -> dict[str, float]:
@@ -176,9 +242,32 @@ class FilterCurriculum(Curriculum):
         self._order: list[Task] = []
         self._skips: dict[str, int] = defaultdict(int)  # task id -> skips in a row
         self.difficulty = cfg.env.difficulty
+        self.env = cfg.env.name
 
     def _key(self, task: Task) -> object:
         return task.id
+
+    def _state(self) -> dict[str, Any]:
+        version, internal, gauss = self._rng.getstate()
+        return {"rng": [version, list(internal), gauss],
+                "order": [t.id for t in self._order],
+                "skips": {task_id: n for task_id, n in self._skips.items() if n}}
+
+    def _load_state(self, state: dict[str, Any], where: str) -> None:
+        """The pass order's tasks are the pool's (made again from the config): one the pool
+        no longer holds is one line."""
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))
+        pool = {t.id: t for t in self.pool}
+        lost = [task_id for task_id in state["order"] if task_id not in pool]
+        if lost:
+            raise ConfigError(f"{where}: the curriculum's pool (rl.curriculum.pool "
+                              f"{len(self.pool)} tasks of env {self.env}) no longer holds "
+                              f"task {lost[0]!r} the checkpoint's pass was to draw: the env's "
+                              f"make_tasks changed; resume with the env the run used")
+        self._order = [pool[task_id] for task_id in state["order"]]
+        self._skips.clear()
+        self._skips.update(state["skips"])
 
     def _draw(self) -> tuple[Task, int]:
         while True:

@@ -4,7 +4,8 @@ what it still owes, and its ledger, as plain JSON data.
 A checkpoint is written between RL steps. A group drawn but not yet trained (running, or
 finished and waiting in the buffer) is an *open* group: the checkpoint keeps its task, and on
 resume the task stream starts with the open groups' tasks, then goes on where the checkpoint
-left it. So every task of the stream is drawn once: none skipped, none repeated. In rl.mode
+left it (with rl.curriculum, the curriculum's own state put back: `Curriculum.load_state`).
+So every task of the stream is drawn once: none skipped, none repeated. In rl.mode
 sync a checkpoint is written before the next step's groups start, so there are no open groups
 and the resumed run samples exactly what the uninterrupted one did; in one_step_off and async
 the open groups are sampled again, under the checkpoint's weights (their earlier episodes, and
@@ -75,12 +76,15 @@ def restore_manager(m: Any, state: dict[str, Any]) -> None:
     m._refills.extend((u, r) for u, r in state["refills"])
 
 
-def resumed_tasks(stream: Iterator[Task], state: dict[str, Any]) -> Iterator[Task]:
+def resumed_tasks(stream: Iterator[Task], state: dict[str, Any], restored: bool
+                  ) -> Iterator[Task]:
     """The resumed run's task stream: the open groups' tasks, then `stream` past the
     `state["pulled"]` tasks the checkpointed run had drawn, which must be those it drew
-    (`check_drawn`)."""
-    skipped = [t.id for t in itertools.islice(stream, state["pulled"])]
-    check_drawn(skipped, state, "--resume")
+    (`check_drawn`); `restored`: `stream` is already there (a curriculum, its state put
+    back from the checkpoint), nothing is skipped."""
+    if not restored:
+        skipped = [t.id for t in itertools.islice(stream, state["pulled"])]
+        check_drawn(skipped, state, "--resume")
     return itertools.chain((Task(**t) for t in state["open_tasks"]), stream)
 
 
