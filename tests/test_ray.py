@@ -4,12 +4,15 @@ episodes on the other worker and finishes with a complete ledger; trainer ranks 
 Every test leaves no Ray process behind (`no_ray_left`)."""
 
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from helpers import TINY_RUN
+from helpers import TINY_RUN, gone
 
 from tiller.config import ConfigError, load_config
 from tiller.controller import train
@@ -18,6 +21,7 @@ from tiller.observe.steps import ledger_unaccounted
 from tiller.train.ranks import free_port
 
 TESTS = str(Path(__file__).parent)
+ROOT = Path(__file__).parent.parent
 
 
 def ray_processes() -> list[str]:
@@ -70,6 +74,112 @@ def test_an_address_where_no_cluster_answers_stops_the_run(tmp_path):
     msg = one_line_before_any_work(tmp_path, f"cluster.address=127.0.0.1:{free_port()}")
     assert msg.startswith("config field cluster.address: got '127.0.0.1:")
     assert "ray start --head" in msg
+
+
+@pytest.fixture()
+def silent_port():
+    """An address that accepts TCP and never answers: 127.0.0.2, which Ray dials as given (it
+    replaces only 127.0.0.1 and localhost by this node's IP)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.2", 0))
+        s.listen()
+        yield f"127.0.0.2:{s.getsockname()[1]}"
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_an_address_that_accepts_tcp_but_is_no_cluster_stops_in_bounded_time(
+        tmp_path, monkeypatch, silent_port):
+    """Ray retries a GCS that does not answer for minutes (seen > 5 min); the probe is a child
+    Python stopped at the limit."""
+    monkeypatch.setattr("tiller.rollout.cluster.ADDRESS_TIMEOUT_S", 10.0)
+    t0 = time.monotonic()
+    msg = one_line_before_any_work(tmp_path, f"cluster.address={silent_port}")
+    assert time.monotonic() - t0 < 10 + 10  # the limit, then the child killed
+    assert msg == (f"config field cluster.address: got '{silent_port}'; something accepts TCP "
+                   f"there but no Ray cluster answered within 10 s (give the GCS address "
+                   f"`ray start --head` prints)")
+
+
+def test_the_address_probed_is_the_one_ray_dials(tmp_path):
+    """127.0.0.1:PORT is dialled by Ray at this node's IP: a listener on loopback only does not
+    make the address answer."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        dial = canonicalize_bootstrap_address(f"127.0.0.1:{port}")
+        if dial.startswith("127.0.0.1:"):
+            pytest.skip("this machine has no IP but loopback: Ray dials 127.0.0.1 as given")
+        msg = one_line_before_any_work(tmp_path, f"cluster.address=127.0.0.1:{port}")
+    assert msg.startswith(f"config field cluster.address: got '127.0.0.1:{port}' (Ray dials "
+                          f"{dial}); no Ray cluster answers there (ConnectionRefusedError")
+
+
+def children_with(pid: int, marker: str) -> list[int]:
+    """Live processes whose parent is `pid` and whose command line holds `marker`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes() \
+                    and (entry / "stat").read_text().rsplit(")", 1)[1].split()[1] == str(pid):
+                found.append(int(entry.name))
+        except OSError:  # exited meanwhile
+            pass
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_sigterm_stops_tiller_train_while_it_probes_an_address(tmp_path, silent_port):
+    """`tiller train ... cluster.address=` signalled while the probe waits: the run ends at once
+    as a SIGTERM'd run does (128 + 15), and the probe's child is gone."""
+    out, log = tmp_path / "run", (tmp_path / "train.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tiller", "train", "configs/calculator.yaml", *TINY_RUN,
+         "cluster.backend=ray", f"cluster.address={silent_port}", "-o", str(out)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, stdout=log,
+        stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not (probes := children_with(proc.pid, "tiller-probe")):
+            assert proc.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the run did not start its probe"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+    assert proc.returncode == 128 + signal.SIGTERM, (tmp_path / "train.log").read_text()[-2000:]
+    assert all(gone(pid, 5) for pid in probes)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("address", "why"), [
+    ("ray://10.0.0.1:10001", "Ray Client (ray://) is not supported"),
+    ("auto", "expected HOST:PORT"),
+    ("10.0.0.1", "expected HOST:PORT"),
+])
+def test_address_forms_tiller_cannot_use_refused_in_one_line(address, why):
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/calculator.yaml", [*TINY_RUN, "cluster.backend=ray",
+                                                f"cluster.address={address}"])
+    assert str(e.value) == (f"config field cluster.address: got {address!r}; {why}: give the "
+                            f"cluster's GCS address HOST:PORT, as `ray start --head` prints it "
+                            f"(e.g. 10.0.0.1:6379)")
+
+
+def test_an_ipv6_address_is_taken():
+    cfg = load_config("configs/calculator.yaml", [*TINY_RUN, "cluster.backend=ray",
+                                                  "cluster.address='[::1]:6379'"])
+    assert cfg.cluster.address == "[::1]:6379"
 
 
 def test_more_actors_than_cpus_stops_the_run(tmp_path):
