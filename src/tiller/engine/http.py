@@ -494,8 +494,12 @@ class HttpEngine:
         return True
 
     async def _may_rejoin(self, server: Server, update: WeightUpdate | DeltaUpdate) -> bool:
-        """A down server takes a full update when it answers /health now; otherwise it is
-        skipped (logged, counted in `push_skipped_down`)."""
+        """A down server takes a full update when it answers /health now and, if tiller started
+        it (`managed`: it is never restarted, so its port may now be another process's), its
+        model info reports the boot id it had; otherwise (no answer, an error status, another
+        boot id) it stays down and is skipped (logged, counted in `push_skipped_down`). A
+        server at engine.urls may come back under another boot id: its operator restarted
+        it."""
         if isinstance(update, DeltaUpdate):
             self.counters["push_skipped_down"] += 1
             logger.warning("weight push v%d (a delta): server %s is down; skipped until a "
@@ -503,7 +507,15 @@ class HttpEngine:
             return False
         try:
             await self._post(server, "/health", timeout=HEALTH_TIMEOUT_S)
-        except ServerDown as e:
+            if self.managed is not None and server.boot_id is not None:
+                path = self.dialect.model_info_path
+                info = await self._post(server, path, timeout=HEALTH_TIMEOUT_S)
+                boot = info.get("boot_id") if isinstance(info, dict) else None
+                if boot != server.boot_id:
+                    raise RunError(f"{path} answered boot id {boot!r}, not {server.boot_id!r}: "
+                                   f"another process has its port (tiller does not restart "
+                                   f"the servers it started)")
+        except (ServerDown, RunError) as e:
             server.last_error = str(e)
             self.counters["push_skipped_down"] += 1
             logger.warning("weight push v%d: server %s is still down (%s); skipped",
