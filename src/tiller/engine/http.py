@@ -83,6 +83,9 @@ class HttpEngine:
                  root: str | Path | None = None, managed: Launched | None = None,
                  dialect: TillerDialect = TILLER):
         self.managed = managed  # the servers tiller started, stopped at close
+        # what to do when every server is down, where `_all_down`'s default (restart them or
+        # fix engine.urls) is wrong: a follower's servers that the run's engine started
+        self.down_hint: str | None = None
         if not urls:
             raise ConfigError("config field engine.urls: list at least one server URL")
         self.servers = [Server(u.rstrip("/")) for u in urls]
@@ -188,7 +191,7 @@ class HttpEngine:
         tiller started, the exit code and last log line of each that exited."""
         states = "; ".join(f"{s.url}: {s.last_error}" for s in self.servers)
         exited = self.managed.exited() if self.managed is not None else []
-        hint = ("; ".join(exited) if exited else
+        hint = ("; ".join(exited) if exited else self.down_hint or
                 f"restart them ({self.dialect.name}) or fix engine.urls")
         return RunError(f"every {self.dialect.name} server is down ({states}): {hint}")
 

@@ -29,12 +29,20 @@ CONNECT_TIMEOUT_S = 5.0  # an address that does not accept a TCP connection by t
 ADDRESS_TIMEOUT_S = 60.0
 
 
+def rank_threads(cfg: Config) -> int:
+    """The torch threads of each trainer rank's Ray actor, and the CPUs it reserves:
+    runtime.threads, or 1 where it is auto (rank 0, the run's process, runs auto's choice)."""
+    threads = cfg.runtime.threads
+    return 1 if threads == "auto" else int(threads)
+
+
 def ray_cpus_needed(cfg: Config) -> int:
     """The CPUs the run's Ray actors reserve: one per rollout worker (its engine or its HTTP
-    client, agent loops and envs), one per trainer rank beyond rank 0 (which is the run's own
-    process), and `server_threads` per managed engine server."""
+    client, agent loops and envs), `rank_threads` per trainer rank beyond rank 0 (which is the
+    run's own process), and `server_threads` per managed engine server."""
     servers = cfg.managed_servers * int(cfg.server_threads) if cfg.managed_servers else 0
-    return cfg.cluster.rollout_workers + cfg.train.world_size - 1 + servers
+    return (cfg.cluster.rollout_workers + (cfg.train.world_size - 1) * rank_threads(cfg)
+            + servers)
 
 
 def check_cluster(cfg: Config) -> None:
@@ -102,7 +110,12 @@ try:
              configure_logging=False)
     answer = {"free": ray.available_resources()}
 except (ConnectionError, RuntimeError) as e:
-    answer = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+    causes = [e]
+    while causes[-1].__cause__ is not None:
+        causes.append(causes[-1].__cause__)
+    answer = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+              # Ray's error names it in the text of a cause (a traceback as a message)
+              "auth": any("AuthenticationError" in f"{type(c).__name__}: {c}" for c in causes)}
 finally:
     ray.shutdown()
 print("tiller-probe " + json.dumps(answer))
@@ -146,20 +159,27 @@ def probe_address(address: str) -> dict[str, float]:
         raise ConfigError(f"config field cluster.address: got {where}; the probe of it "
                           f"failed ({last})")
     answer = json.loads(lines[-1].removeprefix("tiller-probe "))
-    if "error" in answer:  # e.g. its token authentication refused us
+    if answer.get("auth"):
+        raise ConfigError(f"config field cluster.address: got {where}; the cluster refused "
+                          f"this machine's token ({answer['error']}): with token "
+                          f"authentication (Ray's default for `ray start`) set "
+                          f"RAY_AUTH_MODE=token and give the cluster's token "
+                          f"(~/.ray/auth_token of its head node; RAY_AUTH_TOKEN or "
+                          f"RAY_AUTH_TOKEN_PATH)")
+    if "error" in answer:
         raise ConfigError(f"config field cluster.address: got {where}; Ray could not connect "
-                          f"({answer['error']}); with token authentication, this machine "
-                          f"needs the cluster's token (RAY_AUTH_TOKEN)")
+                          f"({answer['error']})")
     return answer["free"]
 
 
 def _too_many(cfg: Config, cpus: float, knob: str) -> str:
     servers = (f" and {cfg.managed_servers} engine server(s) of {cfg.server_threads} "
                f"thread(s)" if cfg.managed_servers else "")
+    threads = f" of {rank_threads(cfg)} thread(s)" if rank_threads(cfg) > 1 else ""
     return (f"config field cluster.rollout_workers: {cfg.cluster.rollout_workers} rollout "
             f"workers{',' if servers else ' and'} {cfg.train.world_size - 1} trainer rank(s) "
-            f"beyond rank 0{servers} need {ray_cpus_needed(cfg)} CPUs; the Ray cluster has "
-            f"{cpus:g} ({knob})")
+            f"beyond rank 0{threads}{servers} need {ray_cpus_needed(cfg)} CPUs; the Ray cluster "
+            f"has {cpus:g} ({knob})")
 
 
 class RayCluster:
