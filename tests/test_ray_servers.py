@@ -7,6 +7,7 @@ and with no server left stops in one line. Every test leaves no Ray process behi
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -72,6 +73,7 @@ def local_ray(no_ray_left, request):  # noqa: F811 - the fixture imported above
         yield ray
     finally:
         ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.mark.slow
