@@ -386,8 +386,13 @@ def kill_run(tmp_path, monkeypatch, *overrides):
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("how", ["actor", "process"])
 def test_a_killed_server_actor_is_retried_on_the_other_server(tmp_path, monkeypatch,
-                                                              no_ray_left):  # noqa: F811
+                                                              no_ray_left, how):  # noqa: F811
+    """Server 0 killed mid-step: its Ray actor (`ray.kill`, the server dies with it), or the
+    server process itself (SIGKILL; its actor lives on): the requests on it are retried on
+    server 1, later pushes skip it, and the run finishes with a complete ledger."""
+    monkeypatch.setenv("TILLER_TEST_KILL_HOW", how)
     marker, cfg = kill_run(tmp_path, monkeypatch, "engine.servers=2", "cluster.num_cpus=3")
     run = tmp_path / "run"
     summary = train(cfg, run)
