@@ -12,7 +12,9 @@ is built), and from its summary and metrics.jsonl:
   samples/s       trained episodes per second of RL
   trainer busy    the share of RL's wall time spent in train steps
   train ms/ktok   a train step's seconds per 1,000 trained tokens (prompt + response), mean
-                  over steps: the trainer ranks' cost per token
+                  over steps: the trainer ranks' cost per token. The tokens are estimated as
+                  episode_tokens_mean x groups_kept x group_size (the step's metrics carry no
+                  trainer token count), the same estimate in every variant
   overhead        s/step over the local 1-worker 1-rank variant's with the same engine
                   (`local`, or `local-serve` for the serve variants), minus 1
 
@@ -35,6 +37,7 @@ from typing import Any
 
 from tiller.config import load_config
 from tiller.controller import train
+from tiller.files import write_file
 
 # (name, backend, rollout workers, trainer ranks, engine: embedded or serve)
 VARIANTS = [("local", "local", 1, 1, "embedded"), ("ray-1w", "ray", 1, 1, "embedded"),
@@ -55,7 +58,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(v[0] for v in VARIANTS))
     p.add_argument("--work", default="runs/scaling")
     p.add_argument("--quick", action="store_true", help="a tiny model, 2 steps, 4x4 episodes")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    known = [v[0] for v in VARIANTS]
+    unknown = [name for name in args.variants.split(",") if name not in known]
+    if unknown:  # a typo would otherwise run fewer variants and exit 0
+        p.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(known)})")
+    return args
 
 
 def run_variant(args: argparse.Namespace, backend: str, workers: int, ranks: int, engine: str,
@@ -119,8 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for goal, ok in met.items():
         print(f"goal {goal}: {'met' if ok else 'NOT met' if ok is False else 'not measured'}")
     work.mkdir(parents=True, exist_ok=True)
-    (work / "scaling.json").write_text(json.dumps(
-        {"args": vars(args), "results": results, "goals": met}, indent=2))
+    write_file(work / "scaling.json", json.dumps(
+        {"args": vars(args), "results": results, "goals": met}, indent=2), root=work)
     return 0
 
 

@@ -1,5 +1,6 @@
 """benchmarks/scaling.py's verdict on the issue's two goals, from its measured figures."""
 
+import pytest
 from helpers import load_benchmark
 
 scaling = load_benchmark("scaling")
@@ -16,3 +17,11 @@ def test_each_goal_is_met_missed_or_not_measured():
     assert scaling.goals(results) == {"ray overhead <= 10% of step time": True,
                                       "2-rank train time per token <= 1.3x 1-rank": False}
     assert set(scaling.goals({"local": results["local"]}).values()) == {None}
+
+
+def test_an_unknown_variant_is_an_error_not_skipped(capsys):
+    """A typo used to run only the known names and exit 0 with the goal 'not measured'."""
+    with pytest.raises(SystemExit) as e:
+        scaling.parse_args(["--variants", "local,ray1w"])
+    assert e.value.code == 2
+    assert "--variants: unknown ray1w (known: local, ray-1w, ray-2w," in capsys.readouterr().err

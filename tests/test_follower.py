@@ -9,14 +9,17 @@ from http.server import ThreadingHTTPServer
 
 import pytest
 import torch
+from helpers import TINY_RUN
 from test_http_engine import Recorder, recorders, url
 
+from tiller.config import load_config
 from tiller.engine.api import SamplingParams
-from tiller.engine.follower import adopt, router_state
+from tiller.engine.follower import Followed, adopt, follow_servers, router_state
 from tiller.engine.http import HttpEngine
 from tiller.engine.updates import WeightUpdate
 from tiller.errors import RunError
 from tiller.rollout.ray_http import merged_stats
+from tiller.train.ranks import free_port
 
 URLS = ["http://127.0.0.1:9", "http://127.0.0.1:10"]
 
@@ -126,3 +129,25 @@ def test_a_server_the_follower_saw_die_is_not_adopted_back(tmp_path):
             stats["servers_up"]) == (1, 1, 1, 2)
     assert pusher.counters["push_skipped_down"] == 1
 
+
+
+@pytest.mark.parametrize(("overrides", "hint"), [
+    (["engine.servers=1"], "tiller started them and does not restart them: each server's log "
+     "is in the run folder's servers/"),
+    (["engine.urls=[http://127.0.0.1:9]"], "restart them (tiller serve) or fix engine.urls"),
+])
+def test_a_followers_servers_all_down_say_who_started_them(overrides, hint):
+    """Under ray the episodes' requests go through the workers' followers, which hold no
+    `managed`: for the servers the run started, the line no longer says "fix engine.urls"."""
+    cfg = load_config("configs/calculator.yaml", [*TINY_RUN, "cluster.backend=ray",
+                                                  "engine.backend=http", *overrides])
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    engine = follow_servers(cfg, Followed(urls=[dead], max_context=64))
+    params = SamplingParams(temperature=1.0, max_new_tokens=1, stop_token_ids=(2,))
+    try:
+        with pytest.raises(RunError) as e:
+            asyncio.run(engine.generate([1, 2], params, 0))
+    finally:
+        engine.close()
+    assert str(e.value).startswith(f"every tiller serve server is down ({dead}: ConnectError")
+    assert str(e.value).endswith(f"): {hint}")

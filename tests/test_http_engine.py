@@ -822,6 +822,59 @@ def test_a_server_dying_at_the_sglang_read_back_is_marked_down_not_raised(model,
     assert down.down and "HTTP 503" in down.last_error and down.version == 0
 
 
+class Started:
+    """What marks servers as tiller's own (`HttpEngine(managed=...)`): none has exited, and
+    closing is these recorders' context's job."""
+
+    def exited(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def pushed(version: int, boot: str = "b") -> dict:
+    return {"/update_weights_from_disk": {"success": True, "weight_version": version,
+                                          "boot_id": boot},
+            "/get_model_info": {"weight_version": version, "boot_id": boot}}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("managed", "answers", "rejoins"), [
+    (None, {**pushed(2), "/health": (404, {"detail": "Not Found"})}, False),
+    (Started(), {**pushed(2), "/health": (404, {"detail": "Not Found"})}, False),
+    (Started(), pushed(2, boot="OTHER"), False),  # tiller's server is gone, another took its port
+    (Started(), pushed(2), True),  # the same server, answering again
+    (None, pushed(2, boot="OTHER"), True),  # at engine.urls: its operator restarted it
+], ids=["404-attached", "404-managed", "other-boot-managed", "same-boot-managed",
+        "other-boot-attached"])
+def test_a_down_server_whose_port_answers_otherwise_stays_down(model, tmp_path, managed,
+                                                               answers, rejoins):
+    """A down server's URL, answered at the next full push by what may be another process: a
+    4xx /health, or for a server tiller started another boot id, keeps it down (the push goes
+    on to the others, skipped counted and logged); its own boot id (or, for a server at
+    engine.urls, any healthy answer) lets it rejoin."""
+    model_v1 = WeightUpdate.full(model, 1)
+    with recorders(2, pushed(1)) as srvs, recorders(1, answers) as other:
+        http = engine_for([url(srvs[0]), url(srvs[1])], tmp_path, managed=managed)
+        try:
+            assert http.update_weights(model_v1) == 1
+            http.servers[0].url = url(other[0])  # server 0 died; its port now answers `answers`
+            http._mark_down(http.servers[0], "died")
+            srvs[1].answers.update(pushed(2))
+            assert http.update_weights(WeightUpdate(2, model_v1.tensors)) == 2
+            stats, first = http.stats(), http.servers[0]
+        finally:
+            http.close()
+    assert (stats["servers_rejoined"], stats["push_skipped_down"]) == (
+        (1, 0) if rejoins else (0, 1))
+    assert first.down is not rejoins and first.version == (2 if rejoins else 1)
+    if not rejoins:
+        assert ("HTTP 404" in first.last_error if "/health" in answers else
+                first.last_error == "/get_model_info answered boot id 'OTHER', not 'b': another "
+                "process has its port (tiller does not restart the servers it started)")
+
+
 @pytest.mark.integration
 def test_an_answer_past_the_cap_is_one_line_not_read_whole(tmp_path, monkeypatch):
     monkeypatch.setattr(transport, "MAX_ANSWER_BYTES", 1000)

@@ -3,13 +3,20 @@ run in one line before any work; a run whose rollout worker is killed mid-step r
 episodes on the other worker and finishes with a complete ledger; trainer ranks as Ray actors.
 Every test leaves no Ray process behind (`no_ray_left`)."""
 
+import json
 import os
+import re
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
-from helpers import TINY_RUN
+from helpers import TINY_RUN, gone
 
 from tiller.config import ConfigError, load_config
 from tiller.controller import train
@@ -18,13 +25,37 @@ from tiller.observe.steps import ledger_unaccounted
 from tiller.train.ranks import free_port
 
 TESTS = str(Path(__file__).parent)
+ROOT = Path(__file__).parent.parent
 
 
 def ray_processes() -> list[str]:
-    ps = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
+    """Live Ray processes of this test process's Ray instances: its children that run Ray's
+    code (gcs_server, raylet, monitor.py, log_monitor.py, dashboard.py, `ray::` workers), and
+    any process whose command line names a Ray session this process started (its name ends in
+    this process's pid: what an orphaned worker or agent still shows)."""
     mine = str(os.getpid())
-    return [line for line in ps.splitlines()
-            if ("raylet" in line or "gcs_server" in line) and mine in line.split()[:2]]
+    session = re.compile(rf"session_[0-9_-]+_{mine}\b")
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or entry.name == mine:
+                continue
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # exited meanwhile
+            continue
+        ours = stat[2] == mine and ("/ray/" in args or args.startswith("ray::"))
+        if stat[0] != "Z" and (ours or session.search(args)):
+            found.append(f"{entry.name} {args[:200]}")
+    return found
+
+
+def ray_folders_left() -> list[str]:
+    """The local Ray instances' folders (`RayCluster`'s /tmp/tiller-ray-*) that hold a session
+    of this process: each is removed when its run closes."""
+    mine = str(os.getpid())
+    return [str(d) for d in Path(tempfile.gettempdir()).glob("tiller-ray-*")
+            if any(p.name.endswith(f"_{mine}") for p in d.glob("session_*"))]
 
 
 @pytest.fixture()
@@ -36,9 +67,38 @@ def no_ray_left():
 
     try:
         assert not ray.is_initialized(), "the test left Ray connected"
-        assert not ray_processes(), "the test left Ray processes"
+        assert gone_within(ray_processes, 10), f"the test left Ray processes {ray_processes()}"
+        assert not ray_folders_left(), "the test left its Ray instance's folder"
     finally:
         ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_no_ray_left_sees_a_running_instance(tmp_path):
+    """The check's positive control: while the run's local Ray instance runs, its processes
+    (beyond raylet and gcs_server) and its folder are seen; after `close`, none."""
+    from tiller.rollout.cluster import RayCluster
+
+    cluster = RayCluster(load_config("configs/calculator.yaml", [
+        *TINY_RUN, "cluster.backend=ray", "cluster.num_cpus=1"]), tmp_path).start()
+    try:
+        running = ray_processes()
+        folders = ray_folders_left()
+    finally:
+        cluster.close()
+    names = " ".join(running)
+    assert all(n in names for n in ("gcs_server", "raylet", "log_monitor.py", "monitor.py"))
+    assert folders == [cluster.temp_dir]
+    assert gone_within(ray_processes, 30) and not ray_folders_left()
+
+
+def gone_within(listed, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while listed() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not listed()
 
 
 @pytest.mark.slow
@@ -70,6 +130,112 @@ def test_an_address_where_no_cluster_answers_stops_the_run(tmp_path):
     msg = one_line_before_any_work(tmp_path, f"cluster.address=127.0.0.1:{free_port()}")
     assert msg.startswith("config field cluster.address: got '127.0.0.1:")
     assert "ray start --head" in msg
+
+
+@pytest.fixture()
+def silent_port():
+    """An address that accepts TCP and never answers: 127.0.0.2, which Ray dials as given (it
+    replaces only 127.0.0.1 and localhost by this node's IP)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.2", 0))
+        s.listen()
+        yield f"127.0.0.2:{s.getsockname()[1]}"
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_an_address_that_accepts_tcp_but_is_no_cluster_stops_in_bounded_time(
+        tmp_path, monkeypatch, silent_port):
+    """Ray retries a GCS that does not answer for minutes (seen > 5 min); the probe is a child
+    Python stopped at the limit."""
+    monkeypatch.setattr("tiller.rollout.cluster.ADDRESS_TIMEOUT_S", 10.0)
+    t0 = time.monotonic()
+    msg = one_line_before_any_work(tmp_path, f"cluster.address={silent_port}")
+    assert time.monotonic() - t0 < 10 + 10  # the limit, then the child killed
+    assert msg == (f"config field cluster.address: got '{silent_port}'; something accepts TCP "
+                   f"there but no Ray cluster answered within 10 s (give the GCS address "
+                   f"`ray start --head` prints)")
+
+
+def test_the_address_probed_is_the_one_ray_dials(tmp_path):
+    """127.0.0.1:PORT is dialled by Ray at this node's IP: a listener on loopback only does not
+    make the address answer."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        dial = canonicalize_bootstrap_address(f"127.0.0.1:{port}")
+        if dial.startswith("127.0.0.1:"):
+            pytest.skip("this machine has no IP but loopback: Ray dials 127.0.0.1 as given")
+        msg = one_line_before_any_work(tmp_path, f"cluster.address=127.0.0.1:{port}")
+    assert msg.startswith(f"config field cluster.address: got '127.0.0.1:{port}' (Ray dials "
+                          f"{dial}); no Ray cluster answers there (ConnectionRefusedError")
+
+
+def children_with(pid: int, marker: str) -> list[int]:
+    """Live processes whose parent is `pid` and whose command line holds `marker`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes() \
+                    and (entry / "stat").read_text().rsplit(")", 1)[1].split()[1] == str(pid):
+                found.append(int(entry.name))
+        except OSError:  # exited meanwhile
+            pass
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_sigterm_stops_tiller_train_while_it_probes_an_address(tmp_path, silent_port):
+    """`tiller train ... cluster.address=` signalled while the probe waits: the run ends at once
+    as a SIGTERM'd run does (128 + 15), and the probe's child is gone."""
+    out, log = tmp_path / "run", (tmp_path / "train.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tiller", "train", "configs/calculator.yaml", *TINY_RUN,
+         "cluster.backend=ray", f"cluster.address={silent_port}", "-o", str(out)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, stdout=log,
+        stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not (probes := children_with(proc.pid, "tiller-probe")):
+            assert proc.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the run did not start its probe"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+    assert proc.returncode == 128 + signal.SIGTERM, (tmp_path / "train.log").read_text()[-2000:]
+    assert all(gone(pid, 5) for pid in probes)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("address", "why"), [
+    ("ray://10.0.0.1:10001", "Ray Client (ray://) is not supported"),
+    ("auto", "expected HOST:PORT"),
+    ("10.0.0.1", "expected HOST:PORT"),
+])
+def test_address_forms_tiller_cannot_use_refused_in_one_line(address, why):
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/calculator.yaml", [*TINY_RUN, "cluster.backend=ray",
+                                                f"cluster.address={address}"])
+    assert str(e.value) == (f"config field cluster.address: got {address!r}; {why}: give the "
+                            f"cluster's GCS address HOST:PORT, as `ray start --head` prints it "
+                            f"(e.g. 10.0.0.1:6379)")
+
+
+def test_an_ipv6_address_is_taken():
+    cfg = load_config("configs/calculator.yaml", [*TINY_RUN, "cluster.backend=ray",
+                                                  "cluster.address='[::1]:6379'"])
+    assert cfg.cluster.address == "[::1]:6379"
 
 
 def test_more_actors_than_cpus_stops_the_run(tmp_path):
@@ -117,6 +283,12 @@ def test_ray_knobs_refused_with_the_local_backend():
      "config field env.tools.replay: got mode record; under cluster.backend: ray each rollout "
      "worker has its own tool stack, so one replay file is not shared (use cluster.backend: "
      "local)"),
+    (["engine.backend=vllm", "engine.servers=1", "engine.gpus=1"], "config field engine.gpus: "
+     "got 1; it reserves GPUs only with cluster.backend: ray (with local every server sees the "
+     "run's CUDA_VISIBLE_DEVICES): leave it 0"),
+    (["engine.backend=vllm", "engine.servers=1", "cluster.backend=ray", "engine.gpus=2"],
+     "config field engine.gpus: got 2; vLLM runs a model on one GPU unless told to split it: "
+     "add [--tensor-parallel-size, '2'] to engine.extra_args"),
 ])
 def test_knobs_without_effect_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as e:
@@ -142,6 +314,91 @@ def test_a_killed_rollout_worker_is_retried_and_the_ledger_is_complete(
     assert ledger["started"] == 2 * 4 * 4 and ledger_unaccounted(ledger) == 0
     assert ledger["trained"] + ledger.get("filtered/zero_variance", 0) == ledger["started"]
     assert summary["heldout_after_rl"]["tasks"] == 4  # evaluation after the kill ran
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group `pgid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit():
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if fields[0] != "Z" and fields[2] == str(pgid):
+                    found.append(int(entry.name))
+        except OSError:  # exited meanwhile
+            pass
+    return found
+
+
+@pytest.fixture()
+def head_node():
+    """A cluster as a user starts one: `ray start --head` with 3 CPUs, in a process group of its
+    own, stopped after the test by signalling that group (SIGTERM, then SIGKILL after 10 s):
+    `ray stop` would stop every Ray instance on the machine, other runs' too. Yields its
+    address and the group."""
+    temp = tempfile.mkdtemp(prefix="tray-")  # short: Ray's sockets live below it
+    port = free_port()
+    log = Path(temp) / "start.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={port}",
+             "--num-cpus=3", f"--temp-dir={temp}", "--include-dashboard=false",
+             "--disable-usage-stats"], stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    try:
+        assert proc.wait(120) == 0, log.read_text()[-3000:]
+        yield f"127.0.0.1:{port}", proc.pid
+    finally:
+        for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+            if group_members(proc.pid):
+                os.killpg(proc.pid, sig)
+            deadline = time.monotonic() + wait_s
+            while group_members(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        if proc.poll() is None:
+            proc.wait(10)
+        shutil.rmtree(temp, ignore_errors=True)
+        assert not group_members(proc.pid), "the head node's processes outlived SIGKILL"
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_a_run_on_an_existing_cluster_leaves_it_running(tmp_path, monkeypatch, head_node,
+                                                        no_ray_left):
+    """cluster.address of a `ray start --head` cluster: without RAY_AUTH_MODE=token the run is
+    refused in one line (the cluster's token authentication, Ray's default); with it `tiller
+    train` with 2 trainer ranks (rank 1 an actor that meets rank 0 at its TCP store: the
+    rendezvous of ranks on other nodes) trains, disconnects, and the cluster is up after it
+    with its 3 CPUs free again; a run that needs more CPUs than it has free is refused in one
+    line before any work. The run is a `tiller train` process: Ray reads RAY_AUTH_MODE once
+    per process, as a user's shell sets it."""
+    from tiller.rollout.cluster import probe_address
+
+    address, _ = head_node
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)  # a local ray.init sets it in-process
+    msg = one_line_before_any_work(tmp_path / "no-token", f"cluster.address={address}")
+    assert "the cluster refused this machine's token" in msg and "RAY_AUTH_MODE=token" in msg
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # its token: ~/.ray/auth_token (ray start)
+    out = tmp_path / "run"
+    with (tmp_path / "train.log").open("w") as log:
+        done = subprocess.run(
+            [sys.executable, "-m", "tiller", "train", "configs/calculator.yaml", *TINY_RUN,
+             "cluster.backend=ray", f"cluster.address={address}", "train.world_size=2",
+             "eval.tasks=4", "-o", str(out)],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, stdout=log,
+            stderr=subprocess.STDOUT, timeout=600)
+    assert done.returncode == 0, (tmp_path / "train.log").read_text()[-3000:]
+    ledger = json.loads((out / "summary.json").read_text())["rl"]["ledger"]
+    assert ledger["started"] == 2 * 4 * 4 and ledger_unaccounted(ledger) == 0
+    assert ledger["trained"] + ledger.get("filtered/zero_variance", 0) == ledger["started"]
+    assert not (out / "ray_logs").exists()  # not its instance: its logs stay with it
+    assert probe_address(address)["CPU"] == 3.0  # up, and the run's actors gone
+    msg = one_line_before_any_work(tmp_path / "more", f"cluster.address={address}",
+                                   "cluster.rollout_workers=3", "train.world_size=2")
+    assert msg == (f"config field cluster.rollout_workers: 3 rollout workers and 1 trainer "
+                   f"rank(s) beyond rank 0 need 4 CPUs; the Ray cluster has 3 (free at "
+                   f"{address})")
 
 
 @pytest.mark.slow
@@ -203,6 +460,74 @@ def test_a_trainer_rank_actor_that_dies_fails_the_step_naming_it(calc_model_dir,
     finally:
         leader.close()
         ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_trainer_rank_actor_runs_the_threads_it_reserves(calc_model_dir, no_ray_left,
+                                                           threads):
+    """Rank 0 at 3 torch threads; rank 1's actor reserves `threads` CPUs of Ray's 3 and runs
+    that many torch threads (before: 1 CPU reserved and rank 0's thread count run)."""
+    import ray
+    import torch
+
+    from tiller.models import load_model
+    from tiller.train.distributed import TrainerOptions
+    from tiller.train.ranks import start_ranks
+
+    temp, before = tempfile.mkdtemp(prefix="tray-"), torch.get_num_threads()
+    ray.init(num_cpus=3, include_dashboard=False, object_store_memory=128 * 2**20,
+             _temp_dir=temp, log_to_driver=False, configure_logging=False)
+    try:
+        torch.set_num_threads(3)
+        leader = start_ranks(load_model(calc_model_dir), 2, TrainerOptions(), "ray", 60.0,
+                             actor_threads=threads)
+        try:
+            actor = leader.ranks[0].actor
+            got = ray.get(actor.__ray_call__.remote(lambda _: torch.get_num_threads()),
+                          timeout=60)
+            free = ray.available_resources().get("CPU", 0.0)
+        finally:
+            leader.close()
+    finally:
+        torch.set_num_threads(before)
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+    assert (got, free) == (threads, 3 - threads)
+
+
+def test_two_gpus_with_tensor_parallel_are_taken():
+    cfg = load_config("configs/calculator.yaml", [
+        *TINY_RUN, "engine.backend=vllm", "engine.servers=1", "cluster.backend=ray",
+        "engine.gpus=2", "engine.extra_args=[--tensor-parallel-size, 2]"])
+    assert cfg.server_gpus == 2
+
+
+@pytest.mark.parametrize(("overrides", "want"), [
+    ([], (600.0, "CALL_TIMEOUT_S of tiller/rollout/ray_rollouts.py")),  # embedded engines
+    (["engine.backend=http", "engine.servers=1"], (930.0, "(engine.max_retries + 1) x "
+                                                   "(engine.request_timeout_s=300 + 10 s)")),
+    (["engine.backend=http", "engine.servers=1", "engine.request_timeout_s=100"],
+     (600.0, "CALL_TIMEOUT_S of tiller/rollout/ray_rollouts.py")),
+])
+def test_a_worker_call_waits_at_least_every_try_of_its_request(overrides, want):
+    """Under engine servers the worker's router may take every try of a request; the wait for
+    the worker's answer is not cut shorter (it was a fixed 600 s)."""
+    from tiller.rollout.ray_rollouts import call_timeout
+
+    cfg = load_config("configs/calculator.yaml", [*TINY_RUN, "cluster.backend=ray",
+                                                  *overrides])
+    assert call_timeout(cfg) == want
+
+
+def test_rank_actors_count_runtime_threads_in_the_cpu_check(tmp_path):
+    msg = one_line_before_any_work(tmp_path, "cluster.num_cpus=4", "train.world_size=3",
+                                   "runtime.threads=2")
+    assert msg == ("config field cluster.rollout_workers: 1 rollout workers and 2 trainer "
+                   "rank(s) beyond rank 0 of 2 thread(s) need 5 CPUs; the Ray cluster has 4 "
+                   "(cluster.num_cpus)")
 
 
 @pytest.mark.slow

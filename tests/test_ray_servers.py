@@ -7,6 +7,7 @@ and with no server left stops in one line. Every test leaves no Ray process behi
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -72,6 +73,7 @@ def local_ray(no_ray_left, request):  # noqa: F811 - the fixture imported above
         yield ray
     finally:
         ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.mark.slow
@@ -199,7 +201,7 @@ def test_a_group_the_cluster_cannot_place_fails_within_the_start_up_timeout(tmp_
     with pytest.raises(RunError) as e:
         servers.start()
     took = time.monotonic() - t0
-    assert 3 <= took < 6
+    assert 3 <= took < 3 + 10  # the limit, then removing the group (slow on a loaded machine)
     msg = str(e.value)
     assert "\n" not in msg
     assert re.fullmatch(r"ray: placement group tiller-1-engine-servers-[0-9a-f]{8} \(1 x \{CPU: "
@@ -384,8 +386,13 @@ def kill_run(tmp_path, monkeypatch, *overrides):
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("how", ["actor", "process"])
 def test_a_killed_server_actor_is_retried_on_the_other_server(tmp_path, monkeypatch,
-                                                              no_ray_left):  # noqa: F811
+                                                              no_ray_left, how):  # noqa: F811
+    """Server 0 killed mid-step: its Ray actor (`ray.kill`, the server dies with it), or the
+    server process itself (SIGKILL; its actor lives on): the requests on it are retried on
+    server 1, later pushes skip it, and the run finishes with a complete ledger."""
+    monkeypatch.setenv("TILLER_TEST_KILL_HOW", how)
     marker, cfg = kill_run(tmp_path, monkeypatch, "engine.servers=2", "cluster.num_cpus=3")
     run = tmp_path / "run"
     summary = train(cfg, run)

@@ -39,7 +39,7 @@ from tiller.preflight import check_model, check_run, check_tools, rl_train_tasks
 from tiller.resume import cut_run_dir
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits
 from tiller.rollout.chat import stop_token_ids
-from tiller.rollout.cluster import RayCluster, check_cluster
+from tiller.rollout.cluster import RayCluster, check_cluster, rank_threads
 from tiller.rollout.collect import check_aborted, collect, collect_expert
 from tiller.rollout.memory import MemoryPolicy
 from tiller.rollout.ray_http import ray_engine
@@ -216,7 +216,8 @@ class Run:
         # train.world_size > 1: the ranks shard a copy; self.model gets its weights each step
         self.trainer = (start_ranks(self.model, cfg.train.world_size, options,
                                     cfg.cluster.backend, cfg.train.rank_timeout_s,
-                                    remote=cfg.cluster.address is not None, lora=self.lora)
+                                    remote=cfg.cluster.address is not None, lora=self.lora,
+                                    actor_threads=rank_threads(cfg))
                         if cfg.train.world_size > 1 else
                         LoraTrainer(self.lora, **vars(options)) if self.lora is not None else
                         PolicyTrainer(self.model, **vars(options)))

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from tiller.config.base import Section
+from tiller.errors import ConfigError
 
 
 class ClusterConfig(Section):
@@ -40,3 +41,19 @@ class ClusterConfig(Section):
                                  "runtime.threads says (that sets the run's own process); an "
                                  "episode whose worker dies is retried on another "
                                  "(ledger/retried), at most twice")
+
+    @field_validator("address")
+    @classmethod
+    def _host_port(cls, address: str | None) -> str | None:
+        """HOST:PORT of a cluster's GCS (`[v6]:PORT` too); Ray Client (`ray://`) and Ray's
+        `auto` (the last cluster `ray start` left on this machine) are not taken."""
+        if address is None:
+            return None
+        host, _, port = address.rpartition(":")
+        why = ("Ray Client (ray://) is not supported" if address.startswith("ray://") else
+               None if host.strip("[]") and port.isdigit() else "expected HOST:PORT")
+        if why:
+            raise ConfigError(f"config field cluster.address: got {address!r}; {why}: give "
+                              f"the cluster's GCS address HOST:PORT, as `ray start --head` "
+                              f"prints it (e.g. 10.0.0.1:6379)")
+        return address

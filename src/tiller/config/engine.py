@@ -151,8 +151,10 @@ class VllmEngineConfig(EngineConfig):
         "build, as scripts/setup.sh installs). Under cluster.backend ray each server's "
         "placement bundle reserves this many and Ray sets the server's CUDA_VISIBLE_DEVICES "
         "to them; the run stops before any work when the cluster has fewer GPUs than the "
-        "servers ask for. Under cluster.backend local nothing is reserved: every server sees "
-        "the run's CUDA_VISIBLE_DEVICES")
+        "servers ask for. More than 1 needs --tensor-parallel-size (or -tp) in "
+        "engine.extra_args: vLLM runs a model on one GPU unless told to split it. Refused "
+        "under cluster.backend local (nothing is reserved there: every server sees the run's "
+        "CUDA_VISIBLE_DEVICES)")
     weights_dir: str | None = Field(
         None, description="folder each weight version is written to for the servers to load "
         "(readable by every server); default <run dir>/weights. A folder on tmpfs (e.g. "
@@ -195,6 +197,11 @@ class VllmEngineConfig(EngineConfig):
                 raise ConfigError(f"config field engine.extra_args: got {arg!r}; tiller sets "
                                   f"{', '.join(TILLER_SETS)} itself (the last one given would "
                                   f"win) and --config could set them: use the engine fields")
+        names = {arg.split("=", 1)[0] for arg in self.extra_args}
+        if self.gpus > 1 and not names & {"--tensor-parallel-size", "-tp"}:
+            raise ConfigError(f"config field engine.gpus: got {self.gpus}; vLLM runs a model on "
+                              f"one GPU unless told to split it: add [--tensor-parallel-size, "
+                              f"'{self.gpus}'] to engine.extra_args")
         refuse_when_attached(self, ("servers", "python", "startup_timeout_s", "kv_cache_bytes",
                                     "threads", "gpus", "extra_args"))
         return self

@@ -172,6 +172,11 @@ class Config(Section):
                 raise ConfigError(f"config field cluster.rollout_workers: got "
                                   f"{c.rollout_workers}; it only applies with cluster.backend: "
                                   f"ray")
+            if getattr(self.engine, "gpus", 0):
+                raise ConfigError(f"config field engine.gpus: got {self.engine.gpus}; it "
+                                  f"reserves GPUs only with cluster.backend: ray (with local "
+                                  f"every server sees the run's CUDA_VISIBLE_DEVICES): leave it "
+                                  f"0")
             return self
         if self.agent.program is not None:
             raise ConfigError("config field cluster.backend: got 'ray' with agent.program; an "

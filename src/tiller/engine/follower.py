@@ -120,4 +120,7 @@ def follow_servers(cfg: Config, servers: Followed) -> HttpEngine:
         engine = HttpEngine(servers.urls, api_key=key, **common,
                             dialect=SglangDialect() if e.backend == "sglang" else TILLER)
     engine.max_context = servers.max_context
+    if cfg.managed_servers:  # the run's engine started them: no engine.urls to fix
+        engine.down_hint = ("tiller started them and does not restart them: each server's "
+                            "log is in the run folder's servers/")
     return engine

@@ -83,6 +83,9 @@ class HttpEngine:
                  root: str | Path | None = None, managed: Launched | None = None,
                  dialect: TillerDialect = TILLER):
         self.managed = managed  # the servers tiller started, stopped at close
+        # what to do when every server is down, where `_all_down`'s default (restart them or
+        # fix engine.urls) is wrong: a follower's servers that the run's engine started
+        self.down_hint: str | None = None
         if not urls:
             raise ConfigError("config field engine.urls: list at least one server URL")
         self.servers = [Server(u.rstrip("/")) for u in urls]
@@ -188,7 +191,7 @@ class HttpEngine:
         tiller started, the exit code and last log line of each that exited."""
         states = "; ".join(f"{s.url}: {s.last_error}" for s in self.servers)
         exited = self.managed.exited() if self.managed is not None else []
-        hint = ("; ".join(exited) if exited else
+        hint = ("; ".join(exited) if exited else self.down_hint or
                 f"restart them ({self.dialect.name}) or fix engine.urls")
         return RunError(f"every {self.dialect.name} server is down ({states}): {hint}")
 
@@ -494,8 +497,12 @@ class HttpEngine:
         return True
 
     async def _may_rejoin(self, server: Server, update: WeightUpdate | DeltaUpdate) -> bool:
-        """A down server takes a full update when it answers /health now; otherwise it is
-        skipped (logged, counted in `push_skipped_down`)."""
+        """A down server takes a full update when it answers /health now and, if tiller started
+        it (`managed`: it is never restarted, so its port may now be another process's), its
+        model info reports the boot id it had; otherwise (no answer, an error status, another
+        boot id) it stays down and is skipped (logged, counted in `push_skipped_down`). A
+        server at engine.urls may come back under another boot id: its operator restarted
+        it."""
         if isinstance(update, DeltaUpdate):
             self.counters["push_skipped_down"] += 1
             logger.warning("weight push v%d (a delta): server %s is down; skipped until a "
@@ -503,7 +510,15 @@ class HttpEngine:
             return False
         try:
             await self._post(server, "/health", timeout=HEALTH_TIMEOUT_S)
-        except ServerDown as e:
+            if self.managed is not None and server.boot_id is not None:
+                path = self.dialect.model_info_path
+                info = await self._post(server, path, timeout=HEALTH_TIMEOUT_S)
+                boot = info.get("boot_id") if isinstance(info, dict) else None
+                if boot != server.boot_id:
+                    raise RunError(f"{path} answered boot id {boot!r}, not {server.boot_id!r}: "
+                                   f"another process has its port (tiller does not restart "
+                                   f"the servers it started)")
+        except (ServerDown, RunError) as e:
             server.last_error = str(e)
             self.counters["push_skipped_down"] += 1
             logger.warning("weight push v%d: server %s is still down (%s); skipped",

@@ -5,10 +5,14 @@ and stopped with it. Every bad input says so in one line before any work."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,14 +24,25 @@ from tiller.errors import ConfigError
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0  # an address that does not accept a TCP connection by then is refused
+# connecting to cluster.address and reading its free resources, a child Python's start and
+# Ray's import included (seconds on a loaded machine)
+ADDRESS_TIMEOUT_S = 60.0
+
+
+def rank_threads(cfg: Config) -> int:
+    """The torch threads of each trainer rank's Ray actor, and the CPUs it reserves:
+    runtime.threads, or 1 where it is auto (rank 0, the run's process, runs auto's choice)."""
+    threads = cfg.runtime.threads
+    return 1 if threads == "auto" else int(threads)
 
 
 def ray_cpus_needed(cfg: Config) -> int:
     """The CPUs the run's Ray actors reserve: one per rollout worker (its engine or its HTTP
-    client, agent loops and envs), one per trainer rank beyond rank 0 (which is the run's own
-    process), and `server_threads` per managed engine server."""
+    client, agent loops and envs), `rank_threads` per trainer rank beyond rank 0 (which is the
+    run's own process), and `server_threads` per managed engine server."""
     servers = cfg.managed_servers * int(cfg.server_threads) if cfg.managed_servers else 0
-    return cfg.cluster.rollout_workers + cfg.train.world_size - 1 + servers
+    return (cfg.cluster.rollout_workers + (cfg.train.world_size - 1) * rank_threads(cfg)
+            + servers)
 
 
 def check_cluster(cfg: Config) -> None:
@@ -51,13 +66,6 @@ def check_cluster(cfg: Config) -> None:
         raise ConfigError("cluster.backend=ray needs Ray: pip install -c constraints.txt "
                           "'tiller[ray]' (ray 2.60)")
     if c.address is not None:
-        host, _, port = c.address.rpartition(":")
-        try:
-            socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"config field cluster.address: got {c.address!r}; no Ray cluster "
-                              f"answers there ({type(e).__name__}: {e}); start one with "
-                              f"`ray start --head` or leave cluster.address unset") from e
         check_address(cfg)
         return
     cpus = c.num_cpus or os.cpu_count() or 1
@@ -81,23 +89,9 @@ def check_gpus(cfg: Config, gpus: float, where: str) -> None:
 
 
 def check_address(cfg: Config) -> None:
-    """The cluster at `cluster.address` has a free CPU for every actor (`available_resources`:
-    what other jobs leave); connected only for this check."""
-    import ray
-
-    try:
-        ray.init(address=cfg.cluster.address, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
-    except (ConnectionError, RuntimeError) as e:  # e.g. its token authentication refused us
-        raise ConfigError(f"config field cluster.address: got {cfg.cluster.address!r}; Ray "
-                          f"could not connect ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}); with token "
-                          f"authentication, this machine needs the cluster's token "
-                          f"(RAY_AUTH_TOKEN)") from e
-    try:
-        free = ray.available_resources()
-    finally:
-        ray.shutdown()
+    """The cluster at `cluster.address` answers and has a free CPU for every actor
+    (`available_resources`: what other jobs leave): `probe_address`."""
+    free = probe_address(cfg.cluster.address)
     cpus = free.get("CPU", 0.0)
     if ray_cpus_needed(cfg) > cpus:
         raise ConfigError(_too_many(cfg, cpus, f"free at {cfg.cluster.address}"))
@@ -105,13 +99,87 @@ def check_address(cfg: Config) -> None:
         check_gpus(cfg, free.get("GPU", 0.0), f"free at {cfg.cluster.address}")
 
 
+# A child Python connects and prints the cluster's free resources: Ray retries a GCS that
+# does not answer for many minutes and acts on signals only between its retries, so the wait
+# is bounded, and Ctrl-C / SIGTERM acted on, by the run's process that waits for the child.
+PROBE = """
+import json, sys
+import ray
+try:
+    ray.init(address=sys.argv[1], include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    answer = {"free": ray.available_resources()}
+except (ConnectionError, RuntimeError) as e:
+    causes = [e]
+    while causes[-1].__cause__ is not None:
+        causes.append(causes[-1].__cause__)
+    answer = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+              # Ray's error names it in the text of a cause (a traceback as a message)
+              "auth": any("AuthenticationError" in f"{type(c).__name__}: {c}" for c in causes)}
+finally:
+    ray.shutdown()
+print("tiller-probe " + json.dumps(answer))
+"""
+
+
+def probe_address(address: str) -> dict[str, float]:
+    """The free resources of the Ray cluster at `address`, read by a child Python
+    (`PROBE`) within ADDRESS_TIMEOUT_S; first a TCP connection to the address Ray dials
+    (it replaces 127.0.0.1 and localhost by this node's IP). Else a one-line ConfigError
+    naming the address."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    dial = canonicalize_bootstrap_address(address)
+    host, _, port = dial.rpartition(":")
+    where = f"{address!r}" + (f" (Ray dials {dial})" if dial != address else "")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)),
+                                 timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise ConfigError(f"config field cluster.address: got {where}; no Ray cluster answers "
+                          f"there ({type(e).__name__}: {e}); start one with `ray start --head` "
+                          f"or leave cluster.address unset") from e
+    proc = subprocess.Popen([sys.executable, "-c", PROBE, address], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=ADDRESS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        out = None
+    finally:  # on the timeout, Ctrl-C, SIGTERM: the child and anything it started
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    if out is None:
+        raise ConfigError(f"config field cluster.address: got {where}; something accepts TCP "
+                          f"there but no Ray cluster answered within {ADDRESS_TIMEOUT_S:g} s "
+                          f"(give the GCS address `ray start --head` prints)")
+    lines = [line for line in out.splitlines() if line.startswith("tiller-probe ")]
+    if not lines:
+        last = err.strip().splitlines()[-1] if err.strip() else f"exit code {proc.returncode}"
+        raise ConfigError(f"config field cluster.address: got {where}; the probe of it "
+                          f"failed ({last})")
+    answer = json.loads(lines[-1].removeprefix("tiller-probe "))
+    if answer.get("auth"):
+        raise ConfigError(f"config field cluster.address: got {where}; the cluster refused "
+                          f"this machine's token ({answer['error']}): with token "
+                          f"authentication (Ray's default for `ray start`) set "
+                          f"RAY_AUTH_MODE=token and give the cluster's token "
+                          f"(~/.ray/auth_token of its head node; RAY_AUTH_TOKEN or "
+                          f"RAY_AUTH_TOKEN_PATH)")
+    if "error" in answer:
+        raise ConfigError(f"config field cluster.address: got {where}; Ray could not connect "
+                          f"({answer['error']})")
+    return answer["free"]
+
+
 def _too_many(cfg: Config, cpus: float, knob: str) -> str:
     servers = (f" and {cfg.managed_servers} engine server(s) of {cfg.server_threads} "
                f"thread(s)" if cfg.managed_servers else "")
+    threads = f" of {rank_threads(cfg)} thread(s)" if rank_threads(cfg) > 1 else ""
     return (f"config field cluster.rollout_workers: {cfg.cluster.rollout_workers} rollout "
             f"workers{',' if servers else ' and'} {cfg.train.world_size - 1} trainer rank(s) "
-            f"beyond rank 0{servers} need {ray_cpus_needed(cfg)} CPUs; the Ray cluster has "
-            f"{cpus:g} ({knob})")
+            f"beyond rank 0{threads}{servers} need {ray_cpus_needed(cfg)} CPUs; the Ray cluster "
+            f"has {cpus:g} ({knob})")
 
 
 class RayCluster:

@@ -43,6 +43,21 @@ CALL_TIMEOUT_S = 600.0  # a call to a worker given no timeout (generate, abort, 
 MAX_EPISODE_RETRIES = 2  # an episode (or eval generation) whose worker died, run again at most
 
 
+def call_timeout(cfg: Config) -> tuple[float, str]:
+    """How long a call to a worker given no timeout may take, and why: CALL_TIMEOUT_S, or with
+    engine servers (whose requests the worker's own router times out and retries) at least
+    every try of a request: (engine.max_retries + 1) x (engine.request_timeout_s + 10 s)."""
+    e = cfg.engine
+    tries = getattr(e, "max_retries", None)
+    if tries is None:
+        return CALL_TIMEOUT_S, "CALL_TIMEOUT_S of tiller/rollout/ray_rollouts.py"
+    need = (tries + 1) * (e.request_timeout_s + 10.0)
+    if need <= CALL_TIMEOUT_S:
+        return CALL_TIMEOUT_S, "CALL_TIMEOUT_S of tiller/rollout/ray_rollouts.py"
+    return need, (f"(engine.max_retries + 1) x (engine.request_timeout_s="
+                  f"{e.request_timeout_s:g} + 10 s)")
+
+
 class WorkerDied(RunError):
     """An episode whose workers died `MAX_EPISODE_RETRIES` + 1 times: dropped, and the run
     stops (ledger `dropped/worker_died`)."""
@@ -71,6 +86,7 @@ class RayWorkers:
         self.retried = 0
         self.version = 0
         self.unanswered = 0  # calls at the end (stop, close) a worker did not answer in time
+        self.call_timeout_s, self.call_timeout_why = call_timeout(cfg)
         deadline = time.monotonic() + READY_TIMEOUT_S
         try:
             self.group = place_group([self.bundle()] * n, f"{n} rollout workers",
@@ -127,9 +143,10 @@ class RayWorkers:
     def wait_all(self, what: str, call: Callable[[Any], Any], timeout_s: float | None
                  ) -> dict[int, Any]:
         """`call(worker)` on every live worker, within `timeout_s` in all (None:
-        `CALL_TIMEOUT_S`): each answer by worker. A worker that died is marked dead (`dead`);
+        `call_timeout`): each answer by worker. A worker that died is marked dead (`dead`);
         one that does not answer in time fails the run naming it."""
-        timeout_s = CALL_TIMEOUT_S if timeout_s is None else timeout_s
+        why = self.call_timeout_why if timeout_s is None else "the caller's timeout"
+        timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
         refs = {i: call(self.workers[i]) for i in list(self.live)}
         deadline, out = time.monotonic() + timeout_s, {}
         for i, ref in refs.items():
@@ -139,7 +156,7 @@ class RayWorkers:
                 self.dead(i, e)
             except self.ray.exceptions.GetTimeoutError as e:
                 raise RunError(f"ray: rollout worker {i}'s {what} did not finish within "
-                               f"{timeout_s:g}s") from e
+                               f"{timeout_s:g}s ({why})") from e
         return out
 
     def dead(self, i: int, error: BaseException) -> None:
@@ -162,7 +179,7 @@ class RayWorkers:
     async def generate(self, prompt_ids: list[int], params: SamplingParams, seed: int, *,
                        session_id: str | None = None, request_id: str | None = None,
                        cache_scope: str | None = None) -> Generation:
-        """On one live worker within `CALL_TIMEOUT_S`; when it dies, again on another (at most
+        """On one live worker within `call_timeout`; when it dies, again on another (at most
         `MAX_EPISODE_RETRIES` times, counted in `retried`)."""
         for attempt in range(MAX_EPISODE_RETRIES + 1):
             i = self.pick(session_id or request_id or str(seed))
@@ -170,10 +187,10 @@ class RayWorkers:
                 prompt_ids, params, seed, session_id=session_id, request_id=request_id,
                 cache_scope=cache_scope)
             try:
-                return await asyncio.wait_for(ref, CALL_TIMEOUT_S)
+                return await asyncio.wait_for(ref, self.call_timeout_s)
             except TimeoutError as e:
                 raise RunError(f"ray: rollout worker {i}'s generation did not finish within "
-                               f"{CALL_TIMEOUT_S:g}s") from e
+                               f"{self.call_timeout_s:g}s ({self.call_timeout_why})") from e
             except self.ray.exceptions.RayActorError as e:
                 self.dead(i, e)
                 if attempt < MAX_EPISODE_RETRIES:

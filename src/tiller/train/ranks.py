@@ -198,11 +198,11 @@ class ProcessRank:
 class RayRank:
     """Rank `rank` in a Ray actor; its steps are actor calls."""
 
-    def __init__(self, rank: int, args: tuple):
+    def __init__(self, rank: int, args: tuple, cpus: int):
         import ray
 
         self._ray, self.rank, self.name = ray, rank, ""
-        self.actor = ray.remote(num_cpus=1, max_restarts=0)(Follower).remote(rank, *args)
+        self.actor = ray.remote(num_cpus=cpus, max_restarts=0)(Follower).remote(rank, *args)
         self.ready = self.actor.__ray_ready__.remote()  # ends when __init__ ends (or fails)
         self.pending: Any = None
 
@@ -279,10 +279,12 @@ def await_joined(store: dist.Store, ranks: list[Rank], timeout_s: float) -> None
 
 
 def start_ranks(full: nn.Module, world: int, options: TrainerOptions, backend: str,
-                timeout_s: float, remote: bool = False, lora: Lora | None = None
-                ) -> Leader | LoraLeader:
+                timeout_s: float, remote: bool = False, lora: Lora | None = None,
+                actor_threads: int = 1) -> Leader | LoraLeader:
     """Rank 0 (this process) and `world - 1` other ranks (`backend` local: spawned
-    processes; ray: Ray actors on the connected cluster), in one gloo process group. On one
+    processes at this process's torch threads; ray: Ray actors on the connected cluster, each
+    reserving `actor_threads` CPUs and running as many torch threads), in one gloo process
+    group. On one
     node they meet in a file of a private temporary folder (removed by `Leader.close`) and
     their gloo pairs bind 127.0.0.1 (`Rendezvous`); with `remote` (a Ray cluster at
     `cluster.address`, whose actors may be on other nodes) at a TCP store on this node's IP.
@@ -299,15 +301,17 @@ def start_ranks(full: nn.Module, world: int, options: TrainerOptions, backend: s
         meet = Rendezvous(folder=tempfile.mkdtemp(prefix="tiller-ranks-"))  # mode 0700
     timeout = timedelta(seconds=timeout_s)
     model, lora_cfg = (full, None) if lora is None else (lora.base(), lora.cfg)
-    args = (world, meet, model, options, torch.get_num_threads(), timeout_s, lora_cfg)
+    common = (world, meet, model, options)
     ranks: list[Rank] = []
     try:
         store = meet.store(world, True, timeout)
         for r in range(1, world):
             if backend == "ray":
-                ranks.append(RayRank(r, args))
+                ranks.append(RayRank(r, (*common, actor_threads, timeout_s, lora_cfg),
+                                     actor_threads))
             else:
-                ranks.append(ProcessRank(r, args))
+                ranks.append(ProcessRank(r, (*common, torch.get_num_threads(), timeout_s,
+                                                 lora_cfg)))
         await_joined(store, ranks, timeout_s)
         meet.join(store, 0, world, timeout)
         if lora is not None:
