@@ -28,6 +28,7 @@ from test_resume import (
     ROOT,
     RUN,
     comparable,
+    drawn_once,
     finish,
     kill_mid_checkpoint,
     kill_when,
@@ -37,6 +38,7 @@ from test_resume import (
 )
 
 from tiller.checkpoints import PAUSES, complete_checkpoints, verify
+from tiller.rollout import ray_reaper
 from tiller.rollout.ray_reaper import INSTANCE_ENV, REAP_TIMEOUT_S
 
 RAY = [*RUN, *RL_MOVES, "cluster.backend=ray", "cluster.rollout_workers=2"]
@@ -137,3 +139,59 @@ def test_ray_run_killed_at_seeded_moments_resumes_bit_identically(ray_whole, ray
     assert summary["resumed_from"] == ckpt.path.name
     assert summary["rl"]["ledger"] == ref_summary["rl"]["ledger"]
     assert summary["heldout_after_rl"]["success"] == ref_summary["heldout_after_rl"]["success"]
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_one_step_off_ray_run_killed_with_open_groups_draws_every_task_once(ray_tmp, tmp_path):
+    """one_step_off under ray: the checkpoint holds the next step's groups open (their
+    episodes were running in the workers); the resumed run samples them again first, with
+    their first seeds, and draws every task of the stream once."""
+    run, over = tmp_path / "run", [*RAY, "rl.mode=one_step_off", "rl.steps=8"]
+    proc = tiller("train", "configs/calculator.yaml", *over, "-o", str(run))
+    kill_when(proc, lambda: rl_rows(run) >= 1, random.Random(6).uniform(0.0, 0.5))
+    nothing_left(ray_tmp)
+    killed_at = verify(complete_checkpoints(run)[0]).state
+    assert killed_at["manager"]["open_tasks"]  # resumed with groups still open
+    finish(tiller("train", "--resume", str(run)))
+    nothing_left(ray_tmp)
+    drawn_once(run, over, "one_step_off", killed_at)
+
+
+def test_the_guard_kills_the_instances_processes_and_only_them(tmp_path):
+    """`ray_reaper` once its pipe ends: the processes marked with its instance's folder are
+    killed and the folder removed, a process marked with another folder (or not at all) is
+    left, and what it did is one line of its log; status 1 (it killed some)."""
+    folder, log = tmp_path / "tiller-ray-x", tmp_path / "ray_reaper.log"
+    folder.mkdir()
+    guard = subprocess.Popen([sys.executable, "-I", ray_reaper.__file__, str(folder), str(log)],
+                             stdin=subprocess.PIPE)
+    sleepers = {name: subprocess.Popen(["sleep", "60"], env={**os.environ, **marks})
+                for name, marks in [("ours", {INSTANCE_ENV: str(folder)}),
+                                    ("other", {INSTANCE_ENV: f"{folder}-other"}),
+                                    ("unmarked", {})]}
+    try:
+        guard.stdin.close()
+        assert guard.wait(timeout=REAP_TIMEOUT_S + 10) == 1
+        assert sleepers["ours"].wait(timeout=10) == -9
+        assert sleepers["other"].poll() is None and sleepers["unmarked"].poll() is None
+        assert not folder.exists()
+        assert re.fullmatch(rf"\S+ Ray instance {re.escape(str(folder))}: the run's process "
+                            rf"ended; 1 of its processes left were killed "
+                            rf"\[{sleepers['ours'].pid}\]; its folder removed\n",
+                            log.read_text())
+    finally:
+        for p in [guard, *sleepers.values()]:
+            p.kill()
+            p.wait(timeout=10)
+
+
+def test_the_guard_after_an_orderly_shutdown_kills_nothing_and_logs_nothing(tmp_path):
+    folder, log = tmp_path / "tiller-ray-x", tmp_path / "ray_reaper.log"
+    folder.mkdir()
+    guard = subprocess.Popen([sys.executable, "-I", ray_reaper.__file__, str(folder), str(log)],
+                             stdin=subprocess.PIPE)
+    guard.stdin.close()
+    assert guard.wait(timeout=REAP_TIMEOUT_S + 10) == 0
+    assert not folder.exists() and not log.exists()
