@@ -37,7 +37,7 @@ from test_resume import (
     weights,
 )
 
-from tiller.checkpoints import PAUSES, complete_checkpoints, verify
+from tiller.checkpoints import complete_checkpoints, verify
 from tiller.rollout import ray_reaper
 from tiller.rollout.ray_reaper import INSTANCE_ENV, REAP_TIMEOUT_S
 
@@ -105,19 +105,21 @@ def resume_logged(run: Path) -> str:
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("seed", [24, 5])
+@pytest.mark.parametrize("seed, phases", [(24, ("files", "rename")), (5, ("marker", "remove"))])
 def test_ray_run_killed_at_seeded_moments_resumes_bit_identically(ray_whole, ray_tmp,
-                                                                  tmp_path, seed):
-    """Two kills, each asserted to land: at a seeded moment after step 2's row (step 3's
-    rollouts in the workers, its train step, or checkpoint 2's write), then inside a
-    checkpoint write at a seeded phase of the test hook; then the resume."""
+                                                                  tmp_path, seed, phases):
+    """Three kills, each asserted to land: at a seeded moment after step 2's row (step 3's
+    rollouts in the workers, its train step, or checkpoint 2's write), then inside two
+    checkpoint writes at phases of the test hook (the four over the two seeds), each at a
+    seeded moment of the pause; then the resume."""
     ref, run = ray_whole, tmp_path / "run"
     rng = random.Random(seed)
     proc = tiller("train", "configs/calculator.yaml", *RAY, "-o", str(run))
     kill_when(proc, lambda: rl_rows(run) >= 2, rng.uniform(0.0, 0.3))
     nothing_left(ray_tmp)
-    kill_mid_checkpoint(run, rng.choice(PAUSES), rng)
-    nothing_left(ray_tmp)
+    for phase in phases:
+        kill_mid_checkpoint(run, phase, rng)
+        nothing_left(ray_tmp)
     assert "of its processes left were killed" in (run / "ray_reaper.log").read_text()
     ckpt = verify(complete_checkpoints(run)[0])
     out = resume_logged(run)
