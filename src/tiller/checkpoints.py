@@ -380,8 +380,7 @@ def check_checkpointable(cfg: Config) -> None:
     any work, for a run whose state it cannot."""
     if not cfg.checkpoint.every:
         return
-    why = ("train.world_size > 1" if cfg.train.world_size > 1 else
-           "cluster.backend: ray" if cfg.cluster.backend == "ray" else None)
+    why = "train.world_size > 1" if cfg.train.world_size > 1 else None
     if why is not None:
         raise ConfigError(f"config field checkpoint.every: got {cfg.checkpoint.every}; "
                           f"resumable checkpoints do not yet hold the state of {why} "

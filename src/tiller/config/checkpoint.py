@@ -14,7 +14,9 @@ class CheckpointConfig(Section):
     where it stopped."""
 
     every: int = Field(0, ge=0, description="write one after every `every` RL steps (and after "
-                       "the last one); 0: none. Not with train.world_size > 1 or "
-                       "cluster.backend ray: refused before any work")
+                       "the last one); 0: none. Not with train.world_size > 1: refused "
+                       "before any work. Under cluster.backend ray a resume starts a fresh Ray "
+                       "instance (or connects to cluster.address) and new rollout workers, and "
+                       "pushes the checkpoint's weights to every engine (docs/resume.md)")
     keep: int = Field(2, ge=1, description="how many of the newest complete ones to keep; "
                       "older ones are removed once a newer one is complete")

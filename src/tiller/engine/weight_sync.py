@@ -203,4 +203,6 @@ class WeightSync:
                     f"{self.cfg.parity_tol:g} (max {peak:.4g}, {len(got)} probe tokens): the "
                     f"engine does not hold the trainer's weights")
             worst_mean, worst_max = max(worst_mean, mean), max(worst_max, peak)
+        logger.info("weight sync v%d: parity checked on %s (mean |logprob difference| at most "
+                    "%.3g)", version, ", ".join(scored), worst_mean)
         return {"sync/parity_mean_abs": worst_mean, "sync/parity_max_abs": worst_max}

@@ -19,7 +19,9 @@ from pathlib import Path
 
 from tiller.config import Config
 from tiller.config.root import gloo_only
-from tiller.errors import ConfigError
+from tiller.errors import ConfigError, RunError
+from tiller.rollout import ray_reaper
+from tiller.rollout.ray_reaper import INSTANCE_ENV, REAP_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -183,13 +185,25 @@ def _too_many(cfg: Config, cpus: float, knob: str) -> str:
 
 
 class RayCluster:
-    """The run's Ray session: `start` connects or starts, `close` disconnects or stops."""
+    """The run's Ray session: `start` connects or starts, `close` disconnects or stops. A local
+    instance is guarded by `ray_reaper` (started first, told to act by `close` or by the run's
+    process's death): nothing of it outlives the run, even a SIGKILLed one."""
 
     def __init__(self, cfg: Config, run_dir: Path):
         self.cfg, self.run_dir = cfg, run_dir
         self.temp_dir: str | None = None
+        self.reaper: subprocess.Popen | None = None
 
     def start(self) -> RayCluster:
+        """Connect, or start the local instance (and its guard); a start that fails stops
+        what it started."""
+        try:
+            return self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> RayCluster:
         import ray
 
         c = self.cfg.cluster
@@ -200,9 +214,18 @@ class RayCluster:
         else:
             # a short folder: Ray's sockets live below it (a run folder's path may be too long)
             self.temp_dir = tempfile.mkdtemp(prefix="tiller-ray-")
-            ray.init(num_cpus=c.num_cpus or os.cpu_count(), include_dashboard=False,
-                     object_store_memory=c.object_store_mb * 2**20, _temp_dir=self.temp_dir,
-                     log_to_driver=False, configure_logging=False)
+            # its own session: a Ctrl-C to the run's terminal does not reach it
+            self.reaper = subprocess.Popen(
+                [sys.executable, "-I", ray_reaper.__file__, self.temp_dir,
+                 str(self.run_dir / "ray_reaper.log")], stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            os.environ[INSTANCE_ENV] = self.temp_dir  # inherited by every process of it
+            try:
+                ray.init(num_cpus=c.num_cpus or os.cpu_count(), include_dashboard=False,
+                         object_store_memory=c.object_store_mb * 2**20,
+                         _temp_dir=self.temp_dir, log_to_driver=False, configure_logging=False)
+            finally:
+                del os.environ[INSTANCE_ENV]
         log.info("ray: %s in %.1fs (%s)", "connected" if c.address else "started",
                  time.perf_counter() - t0, ray.cluster_resources())
         return self
@@ -215,9 +238,29 @@ class RayCluster:
         try:
             ray.shutdown()
         finally:
-            if self.temp_dir is not None:
-                logs = Path(self.temp_dir) / "session_latest" / "logs"
-                if logs.is_dir():
-                    shutil.copytree(logs, self.run_dir / "ray_logs", dirs_exist_ok=True,
-                                    ignore_dangling_symlinks=True, symlinks=False)
-                shutil.rmtree(self.temp_dir, ignore_errors=True)
+            try:
+                if self.temp_dir is not None:
+                    logs = Path(self.temp_dir) / "session_latest" / "logs"
+                    if logs.is_dir():
+                        shutil.copytree(logs, self.run_dir / "ray_logs", dirs_exist_ok=True,
+                                        ignore_dangling_symlinks=True, symlinks=False)
+                    shutil.rmtree(self.temp_dir, ignore_errors=True)
+            finally:
+                if self.reaper is not None:
+                    self._reap()
+
+    def _reap(self) -> None:
+        """Tell the guard the run is done with the instance and wait for it: a process of the
+        instance that `ray.shutdown` left is killed, logged and counted (`ray_reaper.log`)."""
+        reaper, self.reaper = self.reaper, None
+        assert reaper is not None and reaper.stdin is not None
+        reaper.stdin.close()
+        try:
+            code = reaper.wait(timeout=REAP_TIMEOUT_S + 10)
+        except subprocess.TimeoutExpired as e:
+            reaper.kill()
+            raise RunError(f"ray: the local instance's guard did not finish within "
+                           f"{REAP_TIMEOUT_S + 10:g}s") from e
+        if code:
+            log.warning("ray: processes of the local instance outlived ray.shutdown and were "
+                        "killed: %s", self.run_dir / "ray_reaper.log")
