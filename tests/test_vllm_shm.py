@@ -6,6 +6,7 @@ or truncated segment refused in one line with the server still serving the old w
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -90,11 +91,25 @@ def test_a_vllm_env_without_the_plugin_is_one_config_line(tmp_path: Path,
     assert not (tmp_path / "run").exists()  # nothing saved, nothing started
 
 
-def test_a_failed_write_leaves_no_segment() -> None:
-    before = segments()
-    with pytest.raises(ValueError, match="int64 cannot go through shared memory"):
-        write_segment({"a": torch.ones(2), "b": torch.ones(2, dtype=torch.int64)})
-    assert segments() == before
+class FullDisk(torch.Tensor):
+    """A tensor whose copy into the segment fails as a full tmpfs would (ENOSPC), i.e. after
+    `write_segment` has created or opened the file."""
+
+    def detach(self) -> torch.Tensor:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_failed_write_leaves_no_segment(tmp_path: Path) -> None:
+    with pytest.raises(OSError, match="No space left on device"):
+        write_segment({"a": torch.ones(2), "b": torch.ones(2).as_subclass(FullDisk)},
+                      folder=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    # reuse=: the kept segment of the last push is removed (the next push writes a fresh one)
+    kept = write_segment({"a": torch.ones(2)}, folder=tmp_path)["path"]
+    assert [p.name for p in tmp_path.iterdir()] == [Path(kept).name]
+    with pytest.raises(OSError, match="No space left on device"):
+        write_segment({"a": torch.ones(2).as_subclass(FullDisk)}, folder=tmp_path, reuse=kept)
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.fixture(scope="module")
