@@ -377,6 +377,26 @@ def server_specs(python: str, model_dir: Path, count: int, *, max_context: int, 
     return [ServerSpec(f"vllm-{i}", argv, env) for i in range(count)]
 
 
+def managed_flags() -> tuple[str, ...]:
+    """Every flag of the argv `server_specs` emits (under shm, which adds one), in order."""
+    argv = server_specs("python", Path("model"), 1, max_context=1, dtype="float32",
+                        kv_cache_bytes=1, threads=1, extra_args=[], transfer="shm")[0].argv
+    return tuple(a for a in argv if a.startswith("--"))
+
+
+def refused_flag(arg: str) -> str | None:
+    """The flag of `managed_flags` (or --config, which could set them) that the extra argument
+    `arg` would rebind, in its --x or --no-x form or a prefix argparse takes for it; None if
+    none. Given after tiller's, it would win (argparse: the last one given)."""
+    name = arg.split("=", 1)[0].replace("_", "-")
+    for flag in (*managed_flags(), "--config"):
+        bare = flag.removeprefix("--").removeprefix("no-")
+        if any(name == form or (len(name) > 4 and form.startswith(name))
+               for form in (f"--{bare}", f"--no-{bare}")):
+            return flag
+    return None
+
+
 def probe(engine: VllmEngine, token_id: int, deadline: float) -> None:
     """One one-token generate on every server at once, within what is left until `deadline`
     (`time.monotonic()`; at least 1 s): vLLM answers /health before it has run the model, and
