@@ -63,7 +63,13 @@ from tiller.engine.http import _SKIPPED, HEALTH_TIMEOUT_S, HttpEngine, Server, S
 from tiller.engine.servers import Launched, Launcher, ManagedServers, ServerSpec, last_line
 from tiller.engine.updates import WeightSyncError, WeightUpdate
 from tiller.engine.vllm_shm import BACKEND as SHM_BACKEND
-from tiller.engine.vllm_shm import SHM_DIR, plugin_installed, remove_segment, write_segment
+from tiller.engine.vllm_shm import (
+    SHM_DIR,
+    plugin_installed,
+    remove_segment,
+    remove_stale_segments,
+    write_segment,
+)
 from tiller.engine.wire import TillerDialect, short
 from tiller.errors import ConfigError, RunError
 
@@ -106,8 +112,15 @@ class VllmEngine(HttpEngine):
         self.shapes = shapes
         self.transfer = transfer  # engine.weight_transfer: disk | shm
         self._segment: dict[str, Any] | None = None  # shm: the last push's segment
-        self.counters.update(servers_restarted=0, resume_failures=0)
+        self.counters.update(servers_restarted=0, resume_failures=0, stale_segments_removed=0,
+                             segments_rewritten=0)
         self._versioned: set[str] = set()  # servers whose weight version tiller set
+        if transfer == "shm":
+            stale = remove_stale_segments()
+            self.counters["stale_segments_removed"] = len(stale)
+            if stale:
+                logger.warning("removed %d shared-memory weight segment(s) of trainers that no "
+                               "longer run from %s: %s", len(stale), SHM_DIR, ", ".join(stale))
 
     # ------------------------------------------------------------------ generate
     def _request(self, prompt_ids: list[int], params: SamplingParams, max_new: int, seed: int,
@@ -216,7 +229,16 @@ class VllmEngine(HttpEngine):
         if self.transfer == "shm":
             # a write that fails leaves `_segment` set: `update_weights` removes the file
             reuse = self._segment["path"] if self._segment else None
-            self._segment = write_segment(tensors, reuse=reuse)
+            try:
+                self._segment = write_segment(tensors, reuse=reuse)
+            except FileNotFoundError:  # removed under the run (e.g. systemd's RemoveIPC)
+                if reuse is None:
+                    raise
+                self._segment = None
+                self.counters["segments_rewritten"] += 1
+                logger.warning("the last push's weight segment %s is gone; writing v%d into a "
+                               "new one", reuse, update.version)
+                self._segment = write_segment(tensors)
         else:
             save_file(tensors, str(folder / "model.safetensors"))
 
