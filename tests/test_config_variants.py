@@ -26,6 +26,7 @@ from tiller.config import (
     load_config,
 )
 from tiller.config.engine import TILLER_SETS
+from tiller.engine.follower import run_api_key
 from tiller.engine.vllm import managed_flags
 
 ROOT = Path(__file__).parent.parent
@@ -212,3 +213,13 @@ def test_the_python_api_takes_variant_instances():
     assert Config.model_validate(cfg.model_dump()).engine.urls == ["http://127.0.0.1:1"]
     assert AsyncRLConfig(max_staleness=3).algorithm.off_policy == "mis"  # stale: corrected
     assert SyncRLConfig().algorithm.off_policy == "none"
+
+
+def test_the_vllm_api_key_is_hidden_in_dumps_and_handed_to_followers(monkeypatch):
+    monkeypatch.delenv("TILLER_API_KEY", raising=False)
+    cfg = load_config(CONFIG, ["engine.backend=vllm", "engine.api_key=s7-key-0123456789"])
+    assert cfg.engine.model_dump()["api_key"] == "**********"
+    assert run_api_key(cfg).get_secret_value() == "s7-key-0123456789"  # Ray workers send it
+    monkeypatch.setenv("TILLER_API_KEY", "from-the-env-012345")
+    assert run_api_key(load_config(CONFIG, ["engine.backend=vllm"])).get_secret_value() == (
+        "from-the-env-012345")

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -512,3 +513,29 @@ def test_a_push_with_in_flight_abort_ends_the_running_turn_with_abort(served) ->
     assert 0 < len(out.token_ids) < 500  # type: ignore[attr-defined]
     assert set(out.versions) == {version - 1}  # type: ignore[attr-defined]
     assert gen(engine, [1, 2], 0, max_new_tokens=2).version == version
+
+
+def test_engine_api_key_starts_managed_servers_with_it_and_is_sent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine.api_key: a managed server is started with it (VLLM_API_KEY, not on argv) and
+    every /v1 request carries it; a request or an attached engine without it gets vLLM's 401,
+    one line naming the server and the field to set."""
+    monkeypatch.delenv("TILLER_API_KEY", raising=False)
+    _, model, tok = tiny(tmp_path / "m", heads=4)
+    key = "s7-test-key-0123456789"
+    engine = connect_vllm(cfg(api_key=key), model, tok, run_dir=tmp_path / "run",
+                          initial=WeightUpdate.full(model, 0), dtype="float32")
+    try:
+        assert engine.managed is not None
+        (spec,) = engine.managed.specs
+        assert spec.env["VLLM_API_KEY"] == key and key not in " ".join(spec.argv)
+        assert len(gen(engine, [1, 2, 3], 0, max_new_tokens=4).token_ids) == 4
+        url = engine.servers[0].url
+        body = {"model": "tiller", "prompt": [1, 2], "max_tokens": 1}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 401
+        with pytest.raises(RunError, match=rf"^vLLM server {url} cannot run the model .*HTTP "
+                           r"401.*\(set engine.api_key or TILLER_API_KEY\)"):
+            connect_vllm(cfg(urls=[url]), model, tok, run_dir=tmp_path / "attached",
+                         initial=WeightUpdate.full(model, 0), dtype="float32")
+    finally:
+        engine.close()

@@ -171,12 +171,22 @@ class VllmEngineConfig(EngineConfig):
         "`python -m vllm.entrypoints.openai.api_server` (e.g. [--max-num-seqs, 8]; numbers are "
         "taken as strings); not a flag tiller sets, in its --x or --no-x form (" +
         ", ".join(TILLER_SETS) + "), nor --config")
+    api_key: SecretStr | None = Field(
+        None, description="bearer token sent to the vLLM servers (attached: the one they were "
+        "started with, --api-key; managed: tiller starts them with it, as VLLM_API_KEY in "
+        "their environment); default: the TILLER_API_KEY environment variable, if set. vLLM "
+        "checks it only on its /v1 routes: the control routes of VLLM_SERVER_DEV_MODE stay "
+        "open to every local user (docs/engines.md)")
     request_timeout_s: float = Field(
         300.0, gt=0, description="seconds one generate or control request may take before it "
         "fails (and is retried on another server, up to max_retries)")
     max_retries: int = Field(
         2, ge=0, description="times a request that failed on a dead or unreachable server is "
         "retried on another (each counted and logged)")
+
+    @field_serializer("api_key")
+    def _hide_key(self, key: SecretStr | None) -> str | None:
+        return None if key is None else "**********"  # dumps never carry the key
 
     @field_validator("extra_args", mode="before")
     @classmethod

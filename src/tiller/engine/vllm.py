@@ -382,7 +382,7 @@ class VllmEngine(HttpEngine):
 
 def server_specs(python: str, model_dir: Path, count: int, *, max_context: int, dtype: str,
                  kv_cache_bytes: int, threads: int, extra_args: list[str],
-                 transfer: str = "disk") -> list[ServerSpec]:
+                 transfer: str = "disk", api_key: str | None = None) -> list[ServerSpec]:
     """The commands of `count` managed vLLM servers of the model saved in `model_dir`; with
     `transfer` shm each loads pushes through tiller's `tiller_shm` weight-transfer engine,
     imported from this tiller's source (first on the server's PYTHONPATH)."""
@@ -392,6 +392,8 @@ def server_specs(python: str, model_dir: Path, count: int, *, max_context: int, 
             "--kv-cache-memory-bytes", str(kv_cache_bytes), "--enforce-eager",
             "--logprobs-mode", "processed_logprobs", "--no-enable-chunked-prefill", *extra_args]
     env = {**SERVER_ENV, "OMP_NUM_THREADS": str(threads)}
+    if api_key:  # the environment, not argv: argv is readable by every local user
+        env["VLLM_API_KEY"] = api_key
     if transfer == "shm":
         argv += ["--weight-transfer-config", json.dumps({"backend": SHM_BACKEND})]
         src = str(Path(__file__).resolve().parents[2])
@@ -504,6 +506,8 @@ def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, 
     what was started and is one error line."""
     deadline = time.monotonic() + (cfg.request_timeout_s if cfg.urls else cfg.startup_timeout_s)
     shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    api_key = cfg.api_key.get_secret_value() if cfg.api_key else \
+        os.environ.get("TILLER_API_KEY")
     max_context = int(model.config.max_position_embeddings)
     max_context = min(max_context, context or max_context)
     managed: Launched | None = None
@@ -521,7 +525,7 @@ def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, 
         specs = server_specs(str(python), model_dir, cfg.servers, max_context=max_context,
                              dtype=dtype, kv_cache_bytes=cfg.kv_cache_bytes,
                              threads=cfg.threads, extra_args=cfg.extra_args,
-                             transfer=cfg.weight_transfer)
+                             transfer=cfg.weight_transfer, api_key=api_key)
         if cfg.weight_transfer == "shm" and not plugin_installed(str(python), specs[0].env):
             raise ConfigError(f"config field engine.weight_transfer: shm needs tiller's vLLM "
                               f"plugin (entry point tiller_shm) in {python}'s environment; "
@@ -536,7 +540,7 @@ def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, 
                             root=None if cfg.weights_dir else run_dir, shapes=shapes,
                             transfer=cfg.weight_transfer, managed=managed,
                             request_timeout_s=cfg.request_timeout_s,
-                            max_retries=cfg.max_retries)
+                            max_retries=cfg.max_retries, api_key=api_key)
     except BaseException:
         if managed is not None:
             managed.close()
