@@ -10,6 +10,7 @@ import errno
 import logging
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -273,3 +274,28 @@ def test_a_bad_segment_is_one_line_and_the_server_keeps_the_old_weights(
     new = perturbed(model, 3)
     assert engine.update_weights(WeightUpdate(held + 1, new.state_dict())) == held + 1
     assert parity(engine, new) < 1e-4
+
+
+def test_a_slow_vllm_environment_check_is_one_line_within_its_bound(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    slow = tmp_path / "python"
+    slow.write_text("#!/bin/sh\nexec sleep 30\n")
+    slow.chmod(0o755)
+    monkeypatch.setattr(vllm_shm, "PLUGIN_CHECK_S", 1.0)
+    start = time.monotonic()
+    with pytest.raises(RunError, match=rf"^engine.weight_transfer: shm: checking {slow}'s "
+                       r"environment for tiller's vLLM plugin took more than 1 s$"):
+        plugin_installed(str(slow), {})
+    assert time.monotonic() - start < 10
+
+
+def test_a_model_with_tensors_a_segment_cannot_carry_is_refused_before_start(
+        tmp_path: Path) -> None:
+    _, model, tok = tiny(tmp_path / "m", heads=4)
+    tensors = {**model.state_dict(), "step": torch.zeros(1, dtype=torch.int64)}
+    with pytest.raises(ConfigError, match=r"^config field engine.weight_transfer: shm carries "
+                       r"float32, bfloat16, float16 tensors only, and the model has step "
+                       r"\(int64\); use disk$"):
+        connect_vllm(cfg(weight_transfer="shm"), model, tok, run_dir=tmp_path / "run",
+                     initial=WeightUpdate(0, tensors), dtype="float32")
+    assert not (tmp_path / "run").exists()  # nothing saved, nothing started

@@ -64,10 +64,12 @@ from tiller.engine.servers import Launched, Launcher, ManagedServers, ServerSpec
 from tiller.engine.updates import WeightSyncError, WeightUpdate
 from tiller.engine.vllm_shm import BACKEND as SHM_BACKEND
 from tiller.engine.vllm_shm import (
+    DTYPES,
     SHM_DIR,
     plugin_installed,
     remove_segment,
     remove_stale_segments,
+    unfit_dtypes,
     write_segment,
 )
 from tiller.engine.wire import TillerDialect, short
@@ -515,6 +517,9 @@ def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, 
     if cfg.weight_transfer == "shm" and not SHM_DIR.is_dir():
         raise ConfigError(f"config field engine.weight_transfer: shm needs {SHM_DIR}, which "
                           "this machine lacks; use disk")
+    if cfg.weight_transfer == "shm" and (unfit := unfit_dtypes(initial.tensors)):
+        raise ConfigError(f"config field engine.weight_transfer: shm carries {', '.join(DTYPES)}"
+                          f" tensors only, and the model has {', '.join(unfit[:4])}; use disk")
     if not urls:
         python = Path(cfg.python) if cfg.python else default_python()
         if not python.is_file():

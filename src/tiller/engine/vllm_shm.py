@@ -28,9 +28,12 @@ from typing import Any
 
 import torch
 
+from tiller.errors import RunError
+
 BACKEND = "tiller_shm"  # the name in vLLM's factory and in --weight-transfer-config
 ENTRY_POINT = "tiller.engine.vllm_shm_server:register"  # pyproject.toml's vllm.general_plugins
 SHM_DIR = Path("/dev/shm")
+PLUGIN_CHECK_S = 60.0  # seconds `plugin_installed` may take
 PREFIX = "tiller-weights-"  # + the trainer's pid + "-" + a random part
 ALIGN = 64  # bytes; every tensor starts at a multiple of it (any dtype view is aligned)
 MAX_TENSORS = 100_000  # manifest entries the server reads at most
@@ -54,6 +57,12 @@ class Entry:
         for d in self.shape:
             numel *= d
         return numel * DTYPES[self.dtype].itemsize
+
+
+def unfit_dtypes(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """'name (dtype)' of each tensor a segment cannot carry (not one of `DTYPES`)."""
+    return [f"{n} ({str(t.dtype).removeprefix('torch.')})" for n, t in tensors.items()
+            if str(t.dtype).removeprefix("torch.") not in DTYPES]
 
 
 def layout(tensors: dict[str, torch.Tensor]) -> tuple[list[Entry], int]:
@@ -87,7 +96,8 @@ def write_segment(tensors: dict[str, torch.Tensor], folder: Path = SHM_DIR,
         with os.fdopen(fd, "r+b") as f:
             for e, t in zip(entries, tensors.values(), strict=True):
                 f.seek(e.offset)
-                f.write(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
+                # .cpu(): a no-op for the CPU trainer; a CUDA one's tensors are copied out
+                f.write(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy())
             f.truncate(size)
     except BaseException:
         remove_segment(path)
@@ -104,8 +114,13 @@ def plugin_installed(python: str, env: dict[str, str]) -> bool:
     code = ("import sys; from importlib.metadata import entry_points as e; sys.exit(0 if any("
             f"p.name == {BACKEND!r} and p.value == {ENTRY_POINT!r} "
             "for p in e(group='vllm.general_plugins')) else 3)")
-    done = subprocess.run([python, "-c", code], env={**os.environ, **env}, timeout=60,
-                          stdin=subprocess.DEVNULL, capture_output=True)
+    try:
+        done = subprocess.run([python, "-c", code], env={**os.environ, **env},
+                              timeout=PLUGIN_CHECK_S, stdin=subprocess.DEVNULL,
+                              capture_output=True)
+    except subprocess.TimeoutExpired as e:
+        raise RunError(f"engine.weight_transfer: shm: checking {python}'s environment for "
+                       f"tiller's vLLM plugin took more than {PLUGIN_CHECK_S:g} s") from e
     return done.returncode == 0
 
 
