@@ -185,7 +185,10 @@ class VllmEngine(HttpEngine):
 
     def check_servers(self, vocab_size: int, max_context: int, dtype: str | None = None) -> None:
         """Every server serves `SERVED_NAME` with a context length of at least `max_context`
-        (`/v1/models`); else one RunError naming it. Turns are then bounded by the smallest."""
+        (`/v1/models`); else one RunError naming it. Turns are then bounded by the smallest.
+        `vocab_size` and `dtype` (the `HttpEngine` signature) are not checked: vLLM's
+        `/v1/models` reports neither; a server of another vocabulary fails the logprobs-mode
+        check at connect (`check_logprobs_mode`) and a push's shapes (`_save`)."""
         served = []
         for server in self.servers:
             info = self._call(self._post(server, "/v1/models"), f"/v1/models on {server.url}")
