@@ -188,7 +188,7 @@ class VllmEngine(HttpEngine):
         (`/v1/models`); else one RunError naming it. Turns are then bounded by the smallest.
         `vocab_size` and `dtype` (the `HttpEngine` signature) are not checked: vLLM's
         `/v1/models` reports neither; a server of another vocabulary fails the logprobs-mode
-        check at connect (`check_logprobs_mode`) and a push's shapes (`_save`)."""
+        check at connect (`check_logprobs_mode`)."""
         served = []
         for server in self.servers:
             info = self._call(self._post(server, "/v1/models"), f"/v1/models on {server.url}")
