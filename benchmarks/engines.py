@@ -57,12 +57,12 @@ from tiller.engine.http import HttpEngine, connect  # noqa: E402
 from tiller.engine.servers import ManagedServers, tiller_serve_specs  # noqa: E402
 from tiller.engine.updates import WeightUpdate  # noqa: E402
 from tiller.engine.vllm import connect_vllm  # noqa: E402
-from tiller.models import build_tiny_model  # noqa: E402
+from tiller.models import build_tiny_model, models_dir  # noqa: E402
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits  # noqa: E402
 from tiller.rollout.chat import end_of_turn_token  # noqa: E402
 
 BUILT = {"demo": (128, 2, 4), "25m": (512, 8, 8)}  # hidden, layers, heads
-FETCHED = Path.home() / ".cache/tiller/models/smollm2-135m-instruct"
+FETCHED = "smollm2-135m-instruct"  # in models_dir(): $TILLER_MODELS_DIR, else ~/.cache
 BACKENDS = ("hf", "embedded", "serve", "vllm")
 RL_SHORT = ["sft.tasks=128", "sft.epochs=1", "eval.tasks=8",
             "rl.tasks_per_step=4", "rl.group_size=4", "logging.progress=false",
@@ -96,7 +96,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def model_dir(name: str, work: Path) -> Path:
     if name == "135m":
-        return FETCHED
+        return models_dir() / FETCHED
     hidden, layers, heads = BUILT[name]
     path = work / f"model-{name}"
     if not path.exists():

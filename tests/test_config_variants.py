@@ -25,6 +25,9 @@ from tiller.config import (
     SyncRLConfig,
     load_config,
 )
+from tiller.config.engine import TILLER_SETS
+from tiller.engine.follower import run_api_key
+from tiller.engine.vllm import managed_flags
 
 ROOT = Path(__file__).parent.parent
 CONFIG = ROOT / "configs" / "calculator.yaml"
@@ -114,17 +117,34 @@ def test_the_choice_picks_the_type_and_it_round_trips(overrides, section, varian
      "out)"),
     # arguments tiller sets itself: the last one given would win (argparse), rebinding it
     *[(["engine.backend=vllm", f"engine.extra_args=[{arg}]"], "config field engine.extra_args: "
-       f"got {arg.split(',')[0]!r}; tiller sets --model, --served-model-name, --host, --port, "
-       "--dtype, --max-model-len, --kv-cache-memory-bytes, --logprobs-mode itself (the last "
-       "one given would win) and --config could set them: use the engine fields")
-      for arg in ["--host,0.0.0.0", "--host=0.0.0.0", "--port,1", "--model,/m",
-                  "--served_model_name,x", "--logprobs-mode,raw_logprobs", "--hos,0.0.0.0",
-                  "--config,c.yaml"]],
+       f"got {arg.split(',')[0]!r}, which would rebind {flag}; tiller sets --model, "
+       "--served-model-name, --host, --port, --dtype, --max-model-len, "
+       "--kv-cache-memory-bytes, --enforce-eager, --logprobs-mode, "
+       "--no-enable-chunked-prefill, --weight-transfer-config itself (the last one given "
+       "would win) and --config could set them: use the engine fields")
+      for arg, flag in [("--host=0.0.0.0", "--host"), ("--served_model_name,x",
+                                                       "--served-model-name"),
+                        ("--hos,0.0.0.0", "--host"), ("--config,c.yaml", "--config")]],
 ])
 def test_a_key_of_another_variant_is_one_line_naming_it(overrides, message):
     with pytest.raises(ConfigError) as e:
         load_config(CONFIG, overrides)
     assert str(e.value) == message
+
+
+def test_every_flag_of_the_managed_argv_is_refused_in_extra_args_in_both_forms():
+    flags = managed_flags()  # from server_specs' own argv
+    assert set(flags) == set(TILLER_SETS)  # the list the description and the error name
+    assert "--no-enable-chunked-prefill" in flags and "--enforce-eager" in flags
+    for flag in flags:
+        bare = flag.removeprefix("--").removeprefix("no-")
+        for form in (f"--{bare}", f"--no-{bare}", f"--{bare}=x"):
+            with pytest.raises(ConfigError, match=f"^config field engine.extra_args: got "
+                               f"'{form}', which would rebind {flag}; "):
+                load_config(CONFIG, ["engine.backend=vllm", f"engine.extra_args=[{form}]"])
+    for form in ("--enable-chunked-prefill", "--no-enforce-eager"):  # the review's case
+        with pytest.raises(ConfigError, match="which would rebind"):
+            load_config(CONFIG, ["engine.backend=vllm", f"engine.extra_args=[{form}]"])
 
 
 def test_vllm_extra_args_take_numbers_and_attached_defaults_load():
@@ -193,3 +213,13 @@ def test_the_python_api_takes_variant_instances():
     assert Config.model_validate(cfg.model_dump()).engine.urls == ["http://127.0.0.1:1"]
     assert AsyncRLConfig(max_staleness=3).algorithm.off_policy == "mis"  # stale: corrected
     assert SyncRLConfig().algorithm.off_policy == "none"
+
+
+def test_the_vllm_api_key_is_hidden_in_dumps_and_handed_to_followers(monkeypatch):
+    monkeypatch.delenv("TILLER_API_KEY", raising=False)
+    cfg = load_config(CONFIG, ["engine.backend=vllm", "engine.api_key=s7-key-0123456789"])
+    assert cfg.engine.model_dump()["api_key"] == "**********"
+    assert run_api_key(cfg).get_secret_value() == "s7-key-0123456789"  # Ray workers send it
+    monkeypatch.setenv("TILLER_API_KEY", "from-the-env-012345")
+    assert run_api_key(load_config(CONFIG, ["engine.backend=vllm"])).get_secret_value() == (
+        "from-the-env-012345")

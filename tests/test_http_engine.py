@@ -31,7 +31,7 @@ from tiller.controller import rl
 from tiller.engine import transport
 from tiller.engine.api import SamplingParams
 from tiller.engine.embedded import EmbeddedEngine
-from tiller.engine.http import HttpEngine, connect
+from tiller.engine.http import HttpEngine, ServerDown, connect
 from tiller.engine.sglang import SglangDialect
 from tiller.engine.updates import WeightUpdate
 from tiller.envs import ENVS
@@ -441,7 +441,17 @@ class Recorder(BaseHTTPRequestHandler):
         self._answer(self.server.answers.get(self.path, {"status": "ok"}))
 
     def _answer(self, answer) -> None:
-        """`answer`: a JSON body with 200, or (status, body)."""
+        """`answer`: a JSON body with 200, or (status, body); a list: its answers in turn (the
+        last one repeats); "drop": the connection closed unanswered; a float: that many
+        seconds' wait, then 200."""
+        if isinstance(answer, list):
+            answer = answer.pop(0) if len(answer) > 1 else answer[0]
+        if answer == "drop":
+            self.close_connection = True
+            return
+        if isinstance(answer, float):
+            time.sleep(answer)
+            answer = {"status": "ok"}
         status, answer = answer if isinstance(answer, tuple) else (200, answer)
         data = json.dumps(answer).encode()
         self.send_response(status)
@@ -628,6 +638,43 @@ def test_a_500_of_a_healthy_server_fails_only_that_request(params, tmp_path):
         assert gen.token_ids == [4]
         assert (stats["retries"], stats["servers_marked_down"], stats["failed_requests"]) == (
             1, 1, 0)
+
+
+@pytest.mark.integration
+def test_the_health_check_after_a_500_is_retried_once_counted_and_within_the_budget(
+        tmp_path, caplog):
+    """After a 500, /health decides whether the server is down; a first /health on a broken
+    connection is tried once more (counted in health_retries, a warning), and both checks fit
+    in what is left of the request's own timeout (not HEALTH_TIMEOUT_S each)."""
+    broken = {"/collective_rpc": (500, {"error": "x"}), "/health": ["drop", {"status": "ok"}]}
+    with recorders(1, broken) as srvs:
+        http = engine_for([url(srvs[0])], tmp_path)
+        try:
+            with caplog.at_level(logging.WARNING, logger="tiller.engine.http"), \
+                    pytest.raises(RunError, match=r"/collective_rpc answered HTTP 500"):
+                asyncio.run(http._post(http.servers[0], "/collective_rpc", {}, timeout=5.0))
+            stats = http.stats()
+        finally:
+            http.close()
+    assert [p for p, _, _ in srvs[0].calls] == ["/collective_rpc", "/health", "/health"]
+    assert stats["health_retries"] == 1 and stats["servers_up"] == 1
+    assert [r.getMessage() for r in caplog.records if "once more" in r.getMessage()] == [
+        f"server {url(srvs[0])}: /collective_rpc answered HTTP 500 and /health then failed "
+        f"(RemoteProtocolError: Server disconnected without sending a response.); trying "
+        f"/health once more"]
+
+    hanging = {"/collective_rpc": (500, {"error": "x"}), "/health": 8.0}
+    with recorders(1, hanging) as srvs:
+        http = engine_for([url(srvs[0])], tmp_path)
+        try:
+            start = time.monotonic()
+            with pytest.raises(ServerDown, match=r"^HTTP 500: .*; then /health: /health: no "
+                               r"answer within 1\.\d+ s"):
+                asyncio.run(http._post(http.servers[0], "/collective_rpc", {}, timeout=1.5))
+            took = time.monotonic() - start
+        finally:
+            http.close()
+    assert took < 2.5, took  # the request's 1.5 s, not 5 s more for /health
 
 
 # ---------------------------------------------------------------- training runs

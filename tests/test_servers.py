@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -167,9 +165,12 @@ def test_a_server_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
     """A tiller killed by SIGKILL (or the OOM killer) runs no cleanup: the kernel must end its
     servers (PR_SET_PDEATHSIG), though each runs in a session of its own."""
     pid_file = tmp_path / "server.pid"
+    own_tmp = tmp_path / "tmp"
+    own_tmp.mkdir()
     parent = subprocess.Popen(
         [sys.executable, "-c", PARENT, SERVER, str(tmp_path / "logs"), str(pid_file)],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"),
+             "TMPDIR": str(own_tmp)})  # the server's TMPDIR below it: only ours is removed
     server = 0
     try:
         deadline = time.monotonic() + 30
@@ -189,9 +190,8 @@ def test_a_server_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
         if server:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(server, signal.SIGKILL)
-        # what the killed parent could not remove (a SIGKILLed tiller leaves it too)
-        for tmp in Path(tempfile.gettempdir()).glob("tiller-pdeathsig-*"):
-            shutil.rmtree(tmp)
+        # what the killed parent could not remove (a SIGKILLed tiller leaves it too) lies
+        # in own_tmp, which pytest removes with tmp_path
 
 
 # the parent of test_a_server_dies_with_the_process_that_started_it: starts one server, writes

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -189,29 +190,6 @@ def test_a_weight_push_changes_outputs_and_keeps_parity(served) -> None:
     # back to the trainer's weights for the other tests
     assert engine.update_weights(WeightUpdate(2, model.state_dict())) == 2
     assert gen(engine, prompt, 3, max_new_tokens=12).token_ids == before.token_ids
-
-
-def test_an_aborting_push_ends_the_running_turn_with_its_tokens(served) -> None:
-    """`update_weights(in_flight="abort")` (rollout.partial: abort_resume) pauses with
-    mode=abort: a turn being generated ends with finish "abort" and the tokens sampled so far,
-    under the old version, which the actor resumes under the new weights."""
-    engine, model, _ = served
-    done: list[object] = []
-    worker = threading.Thread(target=lambda: done.append(gen(
-        engine, [9, 9, 9], 1, max_new_tokens=500, rid="cut-by-push")))
-    worker.start()
-    deadline = time.monotonic() + 30
-    while "cut-by-push" not in engine._rids and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.1)  # a few tokens in
-    version = engine.version + 1
-    assert engine.update_weights(WeightUpdate(version, model.state_dict()),
-                                 in_flight="abort") == version
-    worker.join(30)
-    (out,) = done
-    assert out.finish_reason == "abort", out.finish_reason  # type: ignore[attr-defined]
-    assert 0 < len(out.token_ids) < 500  # type: ignore[attr-defined]
-    assert set(out.versions) == {version - 1}  # type: ignore[attr-defined]
 
 
 def test_an_update_that_does_not_fit_is_refused_before_it_is_sent(served) -> None:
@@ -512,7 +490,10 @@ def test_the_start_up_probe_runs_on_every_server_at_once_within_the_deadline(
 
 def test_a_push_with_in_flight_abort_ends_the_running_turn_with_abort(served) -> None:
     """rollout.partial: abort_resume pushes with in_flight="abort" (`/pause?mode=abort`): a
-    turn being generated comes back partial with finish reason abort, and the push lands."""
+    turn being generated comes back partial with finish reason abort and the tokens sampled so
+    far, all under the old version (the actor resumes it under the new weights), and the push
+    lands. The stop token is one the turn never samples (`long_turn_stop`), so the turn cannot
+    end by itself before the push."""
     engine, model, _ = served
     stop = long_turn_stop(engine, [9, 8, 7], 2)
     done: list[object] = []
@@ -528,5 +509,33 @@ def test_a_push_with_in_flight_abort_ends_the_running_turn_with_abort(served) ->
                                  in_flight="abort") == version
     worker.join(30)
     (out,) = done
-    assert out.finish_reason == "abort" and len(out.token_ids) < 500  # type: ignore[attr-defined]
+    assert out.finish_reason == "abort", out.finish_reason  # type: ignore[attr-defined]
+    assert 0 < len(out.token_ids) < 500  # type: ignore[attr-defined]
+    assert set(out.versions) == {version - 1}  # type: ignore[attr-defined]
     assert gen(engine, [1, 2], 0, max_new_tokens=2).version == version
+
+
+def test_engine_api_key_starts_managed_servers_with_it_and_is_sent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine.api_key: a managed server is started with it (VLLM_API_KEY, not on argv) and
+    every /v1 request carries it; a request or an attached engine without it gets vLLM's 401,
+    one line naming the server and the field to set."""
+    monkeypatch.delenv("TILLER_API_KEY", raising=False)
+    _, model, tok = tiny(tmp_path / "m", heads=4)
+    key = "s7-test-key-0123456789"
+    engine = connect_vllm(cfg(api_key=key), model, tok, run_dir=tmp_path / "run",
+                          initial=WeightUpdate.full(model, 0), dtype="float32")
+    try:
+        assert engine.managed is not None
+        (spec,) = engine.managed.specs
+        assert spec.env["VLLM_API_KEY"] == key and key not in " ".join(spec.argv)
+        assert len(gen(engine, [1, 2, 3], 0, max_new_tokens=4).token_ids) == 4
+        url = engine.servers[0].url
+        body = {"model": "tiller", "prompt": [1, 2], "max_tokens": 1}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 401
+        with pytest.raises(RunError, match=rf"^vLLM server {url} cannot run the model .*HTTP "
+                           r"401.*\(set engine.api_key or TILLER_API_KEY\)"):
+            connect_vllm(cfg(urls=[url]), model, tok, run_dir=tmp_path / "attached",
+                         initial=WeightUpdate.full(model, 0), dtype="float32")
+    finally:
+        engine.close()

@@ -6,7 +6,11 @@ or truncated segment refused in one line with the server still serving the old w
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -17,15 +21,17 @@ from transformers import AutoModelForCausalLM
 from tiller.engine import vllm as vllm_mod
 from tiller.engine import vllm_shm
 from tiller.engine.updates import WeightUpdate
-from tiller.engine.vllm import connect_vllm, default_python, server_specs
+from tiller.engine.vllm import VllmEngine, connect_vllm, default_python, server_specs
 from tiller.engine.vllm_shm import (
     ALIGN,
     MAX_TENSORS,
     SHM_DIR,
+    checked_segment,
     layout,
     plugin_installed,
     read_manifest,
     remove_segment,
+    remove_stale_segments,
     write_segment,
 )
 from tiller.errors import ConfigError, RunError
@@ -90,11 +96,100 @@ def test_a_vllm_env_without_the_plugin_is_one_config_line(tmp_path: Path,
     assert not (tmp_path / "run").exists()  # nothing saved, nothing started
 
 
-def test_a_failed_write_leaves_no_segment() -> None:
-    before = segments()
-    with pytest.raises(ValueError, match="int64 cannot go through shared memory"):
-        write_segment({"a": torch.ones(2), "b": torch.ones(2, dtype=torch.int64)})
-    assert segments() == before
+class FullDisk(torch.Tensor):
+    """A tensor whose copy into the segment fails as a full tmpfs would (ENOSPC), i.e. after
+    `write_segment` has created or opened the file."""
+
+    def detach(self) -> torch.Tensor:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_failed_write_leaves_no_segment(tmp_path: Path) -> None:
+    with pytest.raises(OSError, match="No space left on device"):
+        write_segment({"a": torch.ones(2), "b": torch.ones(2).as_subclass(FullDisk)},
+                      folder=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    # reuse=: the kept segment of the last push is removed (the next push writes a fresh one)
+    kept = write_segment({"a": torch.ones(2)}, folder=tmp_path)["path"]
+    assert [p.name for p in tmp_path.iterdir()] == [Path(kept).name]
+    with pytest.raises(OSError, match="No space left on device"):
+        write_segment({"a": torch.ones(2).as_subclass(FullDisk)}, folder=tmp_path, reuse=kept)
+    assert list(tmp_path.iterdir()) == []
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (reaped)."""
+    child = subprocess.Popen(["true"])
+    child.wait(10)
+    return child.pid
+
+
+def test_segment_names_carry_the_pid_and_stale_ones_of_dead_trainers_are_removed(
+        tmp_path: Path) -> None:
+    info = write_segment({"a": torch.ones(2)}, folder=tmp_path)
+    mine = Path(info["path"]).name
+    assert mine.startswith(f"tiller-weights-{os.getpid()}-")
+    dead = f"tiller-weights-{dead_pid()}-abc"
+    running = "tiller-weights-1-abc"  # init runs
+    no_pid = "tiller-weights-abc"  # left: whose it is cannot be told
+    for name in (dead, running, no_pid):
+        (tmp_path / name).write_bytes(b"x" * 64)
+    other = f"tiller-weights-{dead_pid()}-other-user"
+    (tmp_path / other).write_bytes(b"x")
+    os.chown(tmp_path / other, 12345, 12345)  # another user's (the tests run as root here)
+    assert remove_stale_segments(tmp_path) == [dead]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine, running, no_pid, other])
+
+
+def test_connect_removes_stale_segments_and_a_gone_segment_is_written_anew(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """At start (VllmEngine with transfer shm, as connect_vllm makes it) the segments of dead
+    trainers in /dev/shm are removed, counted and logged; a push whose kept segment was
+    removed under the run writes a new one (counted, logged) instead of failing."""
+    _, model, _ = tiny(tmp_path / "m", heads=4)
+    stale = SHM_DIR / f"tiller-weights-{dead_pid()}-s7test"
+    stale.write_bytes(b"x" * 64)
+    with caplog.at_level(logging.WARNING, logger="tiller.engine.vllm"):
+        engine = VllmEngine(["http://127.0.0.1:9"], weights_dir=tmp_path / "w",
+                            transfer="shm", shapes={n: tuple(t.shape)
+                                                    for n, t in model.state_dict().items()})
+    try:
+        assert not stale.exists()
+        assert engine.counters["stale_segments_removed"] >= 1  # others' dead runs count too
+        assert any(stale.name in r.getMessage() for r in caplog.records)
+        gone = str(SHM_DIR / f"tiller-weights-{os.getpid()}-gone")
+        engine._segment = {"path": gone}
+        engine._save(WeightUpdate.full(model, 1), tmp_path / "w" / "v1")
+        assert engine.counters["segments_rewritten"] == 1
+        fresh = Path(engine._segment["path"])
+        assert fresh.name.startswith(f"tiller-weights-{os.getpid()}-") and fresh.exists()
+        assert not Path(gone).exists()
+        assert any(f"segment {gone} is gone; writing v1 into a new one" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        engine.close()
+    assert not fresh.exists()
+
+
+def test_the_server_opens_only_its_users_regular_segment_files_not_links() -> None:
+    info = write_segment({"a": torch.ones(2)})
+    path = Path(info["path"])
+    link = SHM_DIR / f"tiller-weights-{os.getpid()}-link"
+    try:
+        fd, entries, size = checked_segment(info)
+        os.close(fd)
+        assert ([e.name for e in entries], size) == (["a"], 8)
+        link.symlink_to(path)
+        with pytest.raises(ValueError, match=rf"^tiller shm segment {link}: a symbolic link, "
+                           r"refused$"):
+            checked_segment({**info, "path": str(link)})
+        os.chown(path, 12345, 12345)  # another local user's file (the tests run as root)
+        with pytest.raises(ValueError, match=rf"^tiller shm segment {path}: owned by uid 12345,"
+                           rf" not this server's user \({os.getuid()}\), refused$"):
+            checked_segment(info)
+    finally:
+        link.unlink(missing_ok=True)
+        remove_segment(str(path))
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +274,28 @@ def test_a_bad_segment_is_one_line_and_the_server_keeps_the_old_weights(
     new = perturbed(model, 3)
     assert engine.update_weights(WeightUpdate(held + 1, new.state_dict())) == held + 1
     assert parity(engine, new) < 1e-4
+
+
+def test_a_slow_vllm_environment_check_is_one_line_within_its_bound(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    slow = tmp_path / "python"
+    slow.write_text("#!/bin/sh\nexec sleep 30\n")
+    slow.chmod(0o755)
+    monkeypatch.setattr(vllm_shm, "PLUGIN_CHECK_S", 1.0)
+    start = time.monotonic()
+    with pytest.raises(RunError, match=rf"^engine.weight_transfer: shm: checking {slow}'s "
+                       r"environment for tiller's vLLM plugin took more than 1 s$"):
+        plugin_installed(str(slow), {})
+    assert time.monotonic() - start < 10
+
+
+def test_a_model_with_tensors_a_segment_cannot_carry_is_refused_before_start(
+        tmp_path: Path) -> None:
+    _, model, tok = tiny(tmp_path / "m", heads=4)
+    tensors = {**model.state_dict(), "step": torch.zeros(1, dtype=torch.int64)}
+    with pytest.raises(ConfigError, match=r"^config field engine.weight_transfer: shm carries "
+                       r"float32, bfloat16, float16 tensors only, and the model has step "
+                       r"\(int64\); use disk$"):
+        connect_vllm(cfg(weight_transfer="shm"), model, tok, run_dir=tmp_path / "run",
+                     initial=WeightUpdate(0, tensors), dtype="float32")
+    assert not (tmp_path / "run").exists()  # nothing saved, nothing started

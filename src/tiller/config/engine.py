@@ -115,9 +115,11 @@ class HttpEngineConfig(EngineConfig):
         return self
 
 
-# the arguments of a managed vLLM server that tiller sets (engine/vllm.py server_specs)
+# the flags of a managed vLLM server that tiller sets, as engine/vllm.py server_specs emits them
+# (the config test checks this list against `managed_flags()`, the argv's own)
 TILLER_SETS = ("--model", "--served-model-name", "--host", "--port", "--dtype",
-               "--max-model-len", "--kv-cache-memory-bytes", "--logprobs-mode")
+               "--max-model-len", "--kv-cache-memory-bytes", "--enforce-eager",
+               "--logprobs-mode", "--no-enable-chunked-prefill", "--weight-transfer-config")
 
 
 class VllmEngineConfig(EngineConfig):
@@ -169,14 +171,24 @@ class VllmEngineConfig(EngineConfig):
     extra_args: list[str] = Field(
         default_factory=list, description="more arguments for each managed server's "
         "`python -m vllm.entrypoints.openai.api_server` (e.g. [--max-num-seqs, 8]; numbers are "
-        "taken as strings); not the ones tiller sets (" + ", ".join(TILLER_SETS) + ", "
-        "--config)")
+        "taken as strings); not a flag tiller sets, in its --x or --no-x form (" +
+        ", ".join(TILLER_SETS) + "), nor --config")
+    api_key: SecretStr | None = Field(
+        None, description="bearer token sent to the vLLM servers (attached: the one they were "
+        "started with, --api-key; managed: tiller starts them with it, as VLLM_API_KEY in "
+        "their environment); default: the TILLER_API_KEY environment variable, if set. vLLM "
+        "checks it only on its /v1 routes: the control routes of VLLM_SERVER_DEV_MODE stay "
+        "open to every local user (docs/engines.md)")
     request_timeout_s: float = Field(
         300.0, gt=0, description="seconds one generate or control request may take before it "
         "fails (and is retried on another server, up to max_retries)")
     max_retries: int = Field(
         2, ge=0, description="times a request that failed on a dead or unreachable server is "
         "retried on another (each counted and logged)")
+
+    @field_serializer("api_key")
+    def _hide_key(self, key: SecretStr | None) -> str | None:
+        return None if key is None else "**********"  # dumps never carry the key
 
     @field_validator("extra_args", mode="before")
     @classmethod
@@ -189,14 +201,16 @@ class VllmEngineConfig(EngineConfig):
 
     @model_validator(mode="after")
     def _managed_fields(self) -> VllmEngineConfig:
-        for arg in self.extra_args:
-            name = arg.split("=", 1)[0].replace("_", "-")
-            # argparse also takes a unique prefix (--hos = --host)
-            if name == "--config" or any(len(name) > 4 and flag.startswith(name)
-                                         for flag in TILLER_SETS):
-                raise ConfigError(f"config field engine.extra_args: got {arg!r}; tiller sets "
-                                  f"{', '.join(TILLER_SETS)} itself (the last one given would "
-                                  f"win) and --config could set them: use the engine fields")
+        if self.extra_args:
+            from tiller.engine.vllm import refused_flag  # it imports this module
+
+            for arg in self.extra_args:
+                flag = refused_flag(arg)
+                if flag is not None:
+                    raise ConfigError(
+                        f"config field engine.extra_args: got {arg!r}, which would rebind "
+                        f"{flag}; tiller sets {', '.join(TILLER_SETS)} itself (the last one "
+                        f"given would win) and --config could set them: use the engine fields")
         names = {arg.split("=", 1)[0] for arg in self.extra_args}
         if self.gpus > 1 and not names & {"--tensor-parallel-size", "-tp"}:
             raise ConfigError(f"config field engine.gpus: got {self.gpus}; vLLM runs a model on "

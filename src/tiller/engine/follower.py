@@ -90,8 +90,6 @@ def run_api_key(cfg: Config) -> SecretStr | None:
     """The key the run's engine sends (engine.api_key, else this process's TILLER_API_KEY:
     `http.connect`): resolved in the run's process and handed to each follower, whose own
     environment (a Ray worker's: the raylet's) is not the run's."""
-    if cfg.engine.backend == "vllm":
-        return None  # tiller sends vLLM no key
     e = cfg.engine
     if e.api_key:
         return e.api_key
@@ -113,10 +111,10 @@ def follow_servers(cfg: Config, servers: Followed) -> HttpEngine:
                                   request_timeout_s=e.request_timeout_s,
                                   max_retries=e.max_retries)
     engine: HttpEngine
+    key = servers.api_key.get_secret_value() if servers.api_key else None
     if e.backend == "vllm":
-        engine = VllmEngine(servers.urls, shapes={}, **common)
+        engine = VllmEngine(servers.urls, shapes={}, api_key=key, **common)
     else:
-        key = servers.api_key.get_secret_value() if servers.api_key else None
         engine = HttpEngine(servers.urls, api_key=key, **common,
                             dialect=SglangDialect() if e.backend == "sglang" else TILLER)
     engine.max_context = servers.max_context

@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
@@ -100,7 +101,7 @@ class HttpEngine:
         self.counters = dict.fromkeys(
             ("requests", "retries", "failed_requests", "session_moves", "servers_marked_down",
              "stale_answers", "weight_pushes", "push_skipped_down", "servers_rejoined",
-             "control_skipped_down", "weight_removal_failures"), 0)
+             "control_skipped_down", "weight_removal_failures", "health_retries"), 0)
         self._sessions: OrderedDict[str, Server] = OrderedDict()
         self._rids: dict[str, Server] = {}  # request id -> the server it is running on
         self._written: list[Path] = []  # weight folders this engine wrote (only these are removed)
@@ -140,6 +141,8 @@ class HttpEngine:
         request = self._client.build_request(
             "GET" if body is None else "POST", server.url + path, json=body,
             **({} if timeout is None else {"timeout": timeout}))
+        budget = self.request_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + budget  # the /health checks after a 500 included
         try:
             r = await self._client.send(request, stream=True)
             try:
@@ -156,17 +159,25 @@ class HttpEngine:
             raise ServerDown(f"HTTP {r.status_code}: {short(text)}")
         if r.status_code == 500 and path != "/health":
             # the request broke something, or the server is breaking down? A second try on a
-            # transport error: after an exception uvicorn closes the connection its 500 came
-            # on, and httpx may hand /health that connection (ReadError, server healthy)
+            # transport error (counted, logged): after an exception uvicorn closes the
+            # connection its 500 came on, and httpx may hand /health that connection
+            # (ReadError, server healthy). Both within the request's own time budget.
             for attempt in (1, 2):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ServerDown(f"HTTP 500: {short(text)}; then no time left for /health "
+                                     f"within the request's {budget:g} s")
                 try:
-                    await self._post(server, "/health", timeout=HEALTH_TIMEOUT_S)
+                    await self._post(server, "/health", timeout=min(HEALTH_TIMEOUT_S, left))
                     break
                 except (ServerDown, RunError) as e:
                     cause = e.__cause__  # a timeout is not retried
                     if attempt == 2 or not isinstance(cause, httpx.TransportError) \
                             or isinstance(cause, httpx.TimeoutException):
                         raise ServerDown(f"HTTP 500: {short(text)}; then /health: {e}") from e
+                    self.counters["health_retries"] += 1
+                    logger.warning("server %s: %s answered HTTP 500 and /health then failed "
+                                   "(%s); trying /health once more", server.url, path, e)
         if r.status_code == 404 and missing_ok:
             return None
         if r.status_code >= 400:

@@ -32,7 +32,6 @@ import ctypes
 import inspect
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -47,6 +46,7 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from tiller.errors import RunError
+from tiller.files import remove_tree
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ class ManagedServers:
                                     preexec_fn=_die_with_parent(os.getpid()))
         except OSError as e:
             log_file.close()
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(tmp)  # what it cannot remove: a warning each, counted
             raise RunError(f"server {spec.name}: could not start {argv[0]!r} ({e}); log "
                            f"{log}") from e
         logger.info("started server %s (pid %d) on port %d; log %s", spec.name, proc.pid, port,
@@ -360,5 +360,5 @@ def _stop(r: _Running, grace_s: float) -> None:
             finally:
                 r.watch.close()
         r.log_file.close()
-        shutil.rmtree(r.tmp, ignore_errors=True)
+        remove_tree(r.tmp)  # what it cannot remove: a warning each, counted
     logger.info("stopped server %s (exit code %s)", r.spec.name, r.proc.returncode)

@@ -63,7 +63,15 @@ from tiller.engine.http import _SKIPPED, HEALTH_TIMEOUT_S, HttpEngine, Server, S
 from tiller.engine.servers import Launched, Launcher, ManagedServers, ServerSpec, last_line
 from tiller.engine.updates import WeightSyncError, WeightUpdate
 from tiller.engine.vllm_shm import BACKEND as SHM_BACKEND
-from tiller.engine.vllm_shm import SHM_DIR, plugin_installed, remove_segment, write_segment
+from tiller.engine.vllm_shm import (
+    DTYPES,
+    SHM_DIR,
+    plugin_installed,
+    remove_segment,
+    remove_stale_segments,
+    unfit_dtypes,
+    write_segment,
+)
 from tiller.engine.wire import TillerDialect, short
 from tiller.errors import ConfigError, RunError
 
@@ -106,8 +114,15 @@ class VllmEngine(HttpEngine):
         self.shapes = shapes
         self.transfer = transfer  # engine.weight_transfer: disk | shm
         self._segment: dict[str, Any] | None = None  # shm: the last push's segment
-        self.counters.update(servers_restarted=0, resume_failures=0)
+        self.counters.update(servers_restarted=0, resume_failures=0, stale_segments_removed=0,
+                             segments_rewritten=0)
         self._versioned: set[str] = set()  # servers whose weight version tiller set
+        if transfer == "shm":
+            stale = remove_stale_segments()
+            self.counters["stale_segments_removed"] = len(stale)
+            if stale:
+                logger.warning("removed %d shared-memory weight segment(s) of trainers that no "
+                               "longer run from %s: %s", len(stale), SHM_DIR, ", ".join(stale))
 
     # ------------------------------------------------------------------ generate
     def _request(self, prompt_ids: list[int], params: SamplingParams, max_new: int, seed: int,
@@ -170,7 +185,10 @@ class VllmEngine(HttpEngine):
 
     def check_servers(self, vocab_size: int, max_context: int, dtype: str | None = None) -> None:
         """Every server serves `SERVED_NAME` with a context length of at least `max_context`
-        (`/v1/models`); else one RunError naming it. Turns are then bounded by the smallest."""
+        (`/v1/models`); else one RunError naming it. Turns are then bounded by the smallest.
+        `vocab_size` and `dtype` (the `HttpEngine` signature) are not checked: vLLM's
+        `/v1/models` reports neither; a server of another vocabulary fails the logprobs-mode
+        check at connect (`check_logprobs_mode`)."""
         served = []
         for server in self.servers:
             info = self._call(self._post(server, "/v1/models"), f"/v1/models on {server.url}")
@@ -216,7 +234,16 @@ class VllmEngine(HttpEngine):
         if self.transfer == "shm":
             # a write that fails leaves `_segment` set: `update_weights` removes the file
             reuse = self._segment["path"] if self._segment else None
-            self._segment = write_segment(tensors, reuse=reuse)
+            try:
+                self._segment = write_segment(tensors, reuse=reuse)
+            except FileNotFoundError:  # removed under the run (e.g. systemd's RemoveIPC)
+                if reuse is None:
+                    raise
+                self._segment = None
+                self.counters["segments_rewritten"] += 1
+                logger.warning("the last push's weight segment %s is gone; writing v%d into a "
+                               "new one", reuse, update.version)
+                self._segment = write_segment(tensors)
         else:
             save_file(tensors, str(folder / "model.safetensors"))
 
@@ -360,7 +387,7 @@ class VllmEngine(HttpEngine):
 
 def server_specs(python: str, model_dir: Path, count: int, *, max_context: int, dtype: str,
                  kv_cache_bytes: int, threads: int, extra_args: list[str],
-                 transfer: str = "disk") -> list[ServerSpec]:
+                 transfer: str = "disk", api_key: str | None = None) -> list[ServerSpec]:
     """The commands of `count` managed vLLM servers of the model saved in `model_dir`; with
     `transfer` shm each loads pushes through tiller's `tiller_shm` weight-transfer engine,
     imported from this tiller's source (first on the server's PYTHONPATH)."""
@@ -370,11 +397,33 @@ def server_specs(python: str, model_dir: Path, count: int, *, max_context: int, 
             "--kv-cache-memory-bytes", str(kv_cache_bytes), "--enforce-eager",
             "--logprobs-mode", "processed_logprobs", "--no-enable-chunked-prefill", *extra_args]
     env = {**SERVER_ENV, "OMP_NUM_THREADS": str(threads)}
+    if api_key:  # the environment, not argv: argv is readable by every local user
+        env["VLLM_API_KEY"] = api_key
     if transfer == "shm":
         argv += ["--weight-transfer-config", json.dumps({"backend": SHM_BACKEND})]
         src = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
     return [ServerSpec(f"vllm-{i}", argv, env) for i in range(count)]
+
+
+def managed_flags() -> tuple[str, ...]:
+    """Every flag of the argv `server_specs` emits (under shm, which adds one), in order."""
+    argv = server_specs("python", Path("model"), 1, max_context=1, dtype="float32",
+                        kv_cache_bytes=1, threads=1, extra_args=[], transfer="shm")[0].argv
+    return tuple(a for a in argv if a.startswith("--"))
+
+
+def refused_flag(arg: str) -> str | None:
+    """The flag of `managed_flags` (or --config, which could set them) that the extra argument
+    `arg` would rebind, in its --x or --no-x form or a prefix argparse takes for it; None if
+    none. Given after tiller's, it would win (argparse: the last one given)."""
+    name = arg.split("=", 1)[0].replace("_", "-")
+    for flag in (*managed_flags(), "--config"):
+        bare = flag.removeprefix("--").removeprefix("no-")
+        if any(name == form or (len(name) > 4 and form.startswith(name))
+               for form in (f"--{bare}", f"--no-{bare}")):
+            return flag
+    return None
 
 
 def probe(engine: VllmEngine, token_id: int, deadline: float) -> None:
@@ -462,6 +511,8 @@ def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, 
     what was started and is one error line."""
     deadline = time.monotonic() + (cfg.request_timeout_s if cfg.urls else cfg.startup_timeout_s)
     shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    api_key = cfg.api_key.get_secret_value() if cfg.api_key else \
+        os.environ.get("TILLER_API_KEY")
     max_context = int(model.config.max_position_embeddings)
     max_context = min(max_context, context or max_context)
     managed: Launched | None = None
@@ -469,6 +520,9 @@ def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, 
     if cfg.weight_transfer == "shm" and not SHM_DIR.is_dir():
         raise ConfigError(f"config field engine.weight_transfer: shm needs {SHM_DIR}, which "
                           "this machine lacks; use disk")
+    if cfg.weight_transfer == "shm" and (unfit := unfit_dtypes(initial.tensors)):
+        raise ConfigError(f"config field engine.weight_transfer: shm carries {', '.join(DTYPES)}"
+                          f" tensors only, and the model has {', '.join(unfit[:4])}; use disk")
     if not urls:
         python = Path(cfg.python) if cfg.python else default_python()
         if not python.is_file():
@@ -479,7 +533,7 @@ def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, 
         specs = server_specs(str(python), model_dir, cfg.servers, max_context=max_context,
                              dtype=dtype, kv_cache_bytes=cfg.kv_cache_bytes,
                              threads=cfg.threads, extra_args=cfg.extra_args,
-                             transfer=cfg.weight_transfer)
+                             transfer=cfg.weight_transfer, api_key=api_key)
         if cfg.weight_transfer == "shm" and not plugin_installed(str(python), specs[0].env):
             raise ConfigError(f"config field engine.weight_transfer: shm needs tiller's vLLM "
                               f"plugin (entry point tiller_shm) in {python}'s environment; "
@@ -494,7 +548,7 @@ def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, 
                             root=None if cfg.weights_dir else run_dir, shapes=shapes,
                             transfer=cfg.weight_transfer, managed=managed,
                             request_timeout_s=cfg.request_timeout_s,
-                            max_retries=cfg.max_retries)
+                            max_retries=cfg.max_retries, api_key=api_key)
     except BaseException:
         if managed is not None:
             managed.close()

@@ -17,7 +17,9 @@ This module imports no vLLM: the trainer uses it, and so does the server-side en
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -26,9 +28,13 @@ from typing import Any
 
 import torch
 
+from tiller.errors import RunError
+
 BACKEND = "tiller_shm"  # the name in vLLM's factory and in --weight-transfer-config
 ENTRY_POINT = "tiller.engine.vllm_shm_server:register"  # pyproject.toml's vllm.general_plugins
 SHM_DIR = Path("/dev/shm")
+PLUGIN_CHECK_S = 60.0  # seconds `plugin_installed` may take
+PREFIX = "tiller-weights-"  # + the trainer's pid + "-" + a random part
 ALIGN = 64  # bytes; every tensor starts at a multiple of it (any dtype view is aligned)
 MAX_TENSORS = 100_000  # manifest entries the server reads at most
 MAX_NAME = 512  # characters of one tensor name
@@ -53,6 +59,12 @@ class Entry:
         return numel * DTYPES[self.dtype].itemsize
 
 
+def unfit_dtypes(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """'name (dtype)' of each tensor a segment cannot carry (not one of `DTYPES`)."""
+    return [f"{n} ({str(t.dtype).removeprefix('torch.')})" for n, t in tensors.items()
+            if str(t.dtype).removeprefix("torch.") not in DTYPES]
+
+
 def layout(tensors: dict[str, torch.Tensor]) -> tuple[list[Entry], int]:
     """The entries of `tensors` in order, each at the next multiple of `ALIGN`, and the
     segment's size: offset_i = ceil((offset_{i-1} + nbytes_{i-1}) / ALIGN) * ALIGN."""
@@ -72,18 +84,20 @@ def write_segment(tensors: dict[str, torch.Tensor], folder: Path = SHM_DIR,
                   reuse: str | None = None) -> dict[str, Any]:
     """Write `tensors` into the segment at `reuse` (the last push's: its pages are allocated,
     so the write is a copy only) or a new file of `folder` (mode 0600, a name no other process
-    holds) and return the `/update_weights` info: {"path", "size", "names", "dtypes",
-    "shapes", "offsets"}. The file is removed when the write fails (e.g. tmpfs full)."""
+    holds, `tiller-weights-<this pid>-*`) and return the `/update_weights` info: {"path",
+    "size", "names", "dtypes", "shapes", "offsets"}. The file is removed when the write fails
+    (e.g. tmpfs full); a `reuse` file that is gone raises FileNotFoundError."""
     entries, size = layout(tensors)
-    if reuse is not None:
-        fd, path = os.open(reuse, os.O_RDWR), reuse
+    if reuse is not None:  # FileNotFoundError when it was removed under the run
+        fd, path = os.open(reuse, os.O_RDWR | os.O_NOFOLLOW), reuse
     else:
-        fd, path = tempfile.mkstemp(prefix="tiller-weights-", dir=folder)
+        fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", dir=folder)
     try:
         with os.fdopen(fd, "r+b") as f:
             for e, t in zip(entries, tensors.values(), strict=True):
                 f.seek(e.offset)
-                f.write(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
+                # .cpu(): a no-op for the CPU trainer; a CUDA one's tensors are copied out
+                f.write(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy())
             f.truncate(size)
     except BaseException:
         remove_segment(path)
@@ -100,14 +114,76 @@ def plugin_installed(python: str, env: dict[str, str]) -> bool:
     code = ("import sys; from importlib.metadata import entry_points as e; sys.exit(0 if any("
             f"p.name == {BACKEND!r} and p.value == {ENTRY_POINT!r} "
             "for p in e(group='vllm.general_plugins')) else 3)")
-    done = subprocess.run([python, "-c", code], env={**os.environ, **env}, timeout=60,
-                          stdin=subprocess.DEVNULL, capture_output=True)
+    try:
+        done = subprocess.run([python, "-c", code], env={**os.environ, **env},
+                              timeout=PLUGIN_CHECK_S, stdin=subprocess.DEVNULL,
+                              capture_output=True)
+    except subprocess.TimeoutExpired as e:
+        raise RunError(f"engine.weight_transfer: shm: checking {python}'s environment for "
+                       f"tiller's vLLM plugin took more than {PLUGIN_CHECK_S:g} s") from e
     return done.returncode == 0
 
 
 def remove_segment(path: str) -> None:
     """Remove the segment at `path` (gone already is fine)."""
     Path(path).unlink(missing_ok=True)
+
+
+def remove_stale_segments(folder: Path = SHM_DIR) -> list[str]:
+    """Remove this user's segments `tiller-weights-<pid>-*` of `folder` whose trainer `pid` no
+    longer runs (a trainer killed by SIGKILL or the OOM killer cannot remove its own; tmpfs
+    holds them in RAM until reboot) and return their names. Segments of running processes, of
+    other users and names without a pid are left."""
+    removed = []
+    for p in sorted(folder.glob(f"{PREFIX}*")):
+        pid = p.name.removeprefix(PREFIX).split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # running
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # running, another user's
+        try:
+            if p.lstat().st_uid != os.getuid():
+                continue
+            p.unlink()
+        except FileNotFoundError:
+            continue  # removed meanwhile
+        removed.append(p.name)
+    return removed
+
+
+def checked_segment(info: Any, folder: Path = SHM_DIR) -> tuple[int, list[Entry], int]:
+    """An open read-only descriptor of the segment an `/update_weights` info names, its entries
+    and size after `read_manifest`: the path must name a regular file `tiller-weights-*`
+    directly in `folder`, not a link (opened with O_NOFOLLOW, checked on the open file), owned
+    by this process's user (another local user's file would load their weights). Else one
+    ValueError line. The caller closes the descriptor."""
+    path = info.get("path") if isinstance(info, dict) else None
+    if not (isinstance(path, str) and os.path.dirname(path) == str(folder)
+            and os.path.basename(path).startswith(PREFIX)):
+        raise ValueError(f"tiller shm segment: path {str(path)[:200]!r} is not a "
+                         f"{folder}/{PREFIX}* file")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        what = "a symbolic link, refused" if e.errno == errno.ELOOP else \
+            f"{type(e).__name__}: {e}"
+        raise ValueError(f"tiller shm segment {path}: {what}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"tiller shm segment {path}: not a regular file")
+        if st.st_uid != os.getuid():
+            raise ValueError(f"tiller shm segment {path}: owned by uid {st.st_uid}, not this "
+                             f"server's user ({os.getuid()}), refused")
+        return fd, read_manifest(info, st.st_size), st.st_size
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def read_manifest(info: dict[str, Any], file_size: int) -> list[Entry]:
