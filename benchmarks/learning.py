@@ -4,6 +4,12 @@ two controls and what RL changed in behaviour.
 
     .venv/bin/python benchmarks/learning.py --env calculator      # configs/learning/<env>.yaml
     .venv/bin/python benchmarks/learning.py --env search --seeds 0 1 2 --jobs 2
+    .venv/bin/python benchmarks/learning.py --env calculator --model smollm2   # a real model
+
+`--model smollm2` runs configs/smollm2_calculator.yaml (SmolLM2-135M-Instruct, fetched once with
+`tiller models fetch smollm2-135m-instruct`): one run at a time by default (each wants both
+cores and ~7 GB) and no no-SFT control unless --cold-seeds names seeds (as shipped the model
+writes no tool call, issue 23, so RL alone has nothing to reinforce).
 
 Per seed S it runs, each a `tiller train` subprocess into OUT/seed<S>/<run>:
 
@@ -12,7 +18,7 @@ Per seed S it runs, each a `tiller train` subprocess into OUT/seed<S>/<run>:
   rl.reward_control=random (the verifier's rewards shuffled across each step's episodes: same
   mean, no link to behaviour);
 - cold (--cold-seeds, default the first): RL with no SFT, from main's built model
-  (OUT/seed<S>/main/base_model).
+  (OUT/seed<S>/main/base_model), or from the config's model.path where it names one.
 
 Every run evaluates its starting model and its RL model on the config's eval.sets, the seed
 picking the tasks, so every comparison is paired on the same tasks (`tiller compare`: paired
@@ -51,6 +57,8 @@ from tiller.observe.traces import connect, read_episode  # noqa: E402
 from tiller.runtime import thread_env  # noqa: E402
 
 ENVS = ("calculator", "search", "sql")
+# --model: the config each names and its default --jobs; smollm2 is a calculator config only
+MODELS = {"tiny": None, "smollm2": ROOT / "configs" / "smollm2_calculator.yaml"}
 # A tiny model and budget: the pipeline in seconds (tests/test_benchmarks_learning.py).
 QUICK = ["model.build.hidden_size=64", "model.build.vocab_size=600",
          "model.build.corpus_tasks=60", "sft.tasks=64", "sft.epochs=1", "sft.batch_size=32",
@@ -77,7 +85,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seeds that get the random-reward control (default: every seed)")
     p.add_argument("--cold-seeds", type=int, nargs="*",
                    help="seeds that get the no-SFT control (default: the first seed)")
-    p.add_argument("--jobs", type=int, default=2, help="runs at once")
+    p.add_argument("--model", choices=list(MODELS), default="tiny",
+                   help="tiny: the env's configs/learning/<env>.yaml (a model built from "
+                        "scratch); smollm2: configs/smollm2_calculator.yaml (calculator only)")
+    p.add_argument("--jobs", type=int,
+                   help="runs at once (default 2; 1 with --model smollm2)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every run (repeatable)")
     p.add_argument("--run-timeout", type=float, default=3600.0,
@@ -85,10 +97,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a tiny model: seconds, learns nothing")
     p.add_argument("--out", type=Path, help="default runs/learning/<env>")
     args = p.parse_args(argv)
-    args.config = args.config or ROOT / "configs" / "learning" / f"{args.env}.yaml"
-    args.out = args.out or ROOT / "runs" / "learning" / args.env
+    real = args.model != "tiny"
+    if real and args.env != "calculator":
+        p.error(f"--model {args.model}: its config is for --env calculator only")
+    if real and args.quick:
+        p.error(f"--quick builds a tiny model: not with --model {args.model}")
+    args.config = args.config or MODELS[args.model] or (
+        ROOT / "configs" / "learning" / f"{args.env}.yaml")
+    args.out = args.out or ROOT / "runs" / "learning" / (
+        f"{args.env}-{args.model}" if real else args.env)
+    args.jobs = (1 if real else 2) if args.jobs is None else args.jobs
     args.random_seeds = args.seeds if args.random_seeds is None else args.random_seeds
-    args.cold_seeds = args.seeds[:1] if args.cold_seeds is None else args.cold_seeds
+    if args.cold_seeds is None:
+        args.cold_seeds = [] if real else args.seeds[:1]
     if not {*args.random_seeds, *args.cold_seeds} <= set(args.seeds):
         p.error("--random-seeds and --cold-seeds must be among --seeds")
     if args.jobs < 1:
@@ -106,7 +127,9 @@ def overrides(args: argparse.Namespace, seed: int, kind: str) -> list[str]:
     common = [*(QUICK if args.quick else []), f"seed={seed}", *QUIET, *args.set]
     if kind == "main":
         return common
-    start = main / ("checkpoints/sft" if kind == "random" else "base_model")
+    pretrained = load_config(args.config).model.path
+    start = (main / "checkpoints/sft" if kind == "random" else
+             main / "base_model" if pretrained is None else pretrained)
     extra = ["rl.reward_control=random"] if kind == "random" else []
     return [*common, f"model.path={json.dumps(str(start))}", "model.build=null",
             "sft.enabled=false", *extra]
@@ -246,8 +269,8 @@ def tables(args: argparse.Namespace, rows: list[dict]) -> str:
              "sign-test p", "",
              "| seed | set | tasks | SFT | SFT + RL | RL - SFT | random reward | random - SFT "
              "| within SFT CI | RL - random | no SFT (RL only) | RL - no SFT "
-             "| CPU-min (whole main run) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| CPU-min (whole main run) | wall-min (whole main run) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         rand = ((fmt(r["random"]), fmt_diff(r["random_vs_sft"]),
                  "yes" if r["random_within_sft_ci"] else "**no**", fmt_diff(r["rl_vs_random"]))
@@ -256,7 +279,8 @@ def tables(args: argparse.Namespace, rows: list[dict]) -> str:
         lines.append(f"| {r['seed']} | {r['set']} | {r['sft']['tasks']} | {fmt(r['sft'])} | "
                      f"{fmt(r['rl'])} | {fmt_diff(r['rl_vs_sft'])} | {' | '.join(rand)} | "
                      f"{' | '.join(cold)} | "
-                     f"{'-' if r['cpu_min'] is None else format(r['cpu_min'], '.1f')} |")
+                     f"{'-' if r['cpu_min'] is None else format(r['cpu_min'], '.1f')} | "
+                     f"{r['wall_min']:.1f} |")
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     lines += ["", "| set | mean SFT | mean SFT + RL | mean gain | seeds with p < 0.05 "
               f"| gain >= {GOAL_GAIN:.2f} |", "|---|---|---|---|---|---|"]

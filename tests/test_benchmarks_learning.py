@@ -78,8 +78,29 @@ def test_a_failing_run_stops_the_benchmark_naming_it_and_its_log(tmp_path):
     (["--set", "rl.reward_control=random"], "--set rl.reward_control=random"),
     (["--seeds", "0", "0"], "--seeds: each seed once"),
     (["--random-seeds", "5"], "--random-seeds and --cold-seeds must be among --seeds"),
+    (["--model", "smollm2", "--quick"], "--quick builds a tiny model: not with --model smollm2"),
 ])
 def test_options_that_would_make_the_runs_something_else_are_refused(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
         load_benchmark("learning").parse_args(["--env", "calculator", *argv])
     assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_model_smollm2_runs_the_real_model_config_one_run_at_a_time_without_the_cold_control(
+        capsys):
+    bench = load_benchmark("learning")
+    args = bench.parse_args(["--env", "calculator", "--model", "smollm2"])
+    assert args.config == bench.ROOT / "configs/smollm2_calculator.yaml"
+    assert args.out == bench.ROOT / "runs/learning/calculator-smollm2"
+    assert (args.jobs, args.seeds, args.random_seeds, args.cold_seeds) == (1, [0, 1, 2],
+                                                                         [0, 1, 2], [])
+    # a cold control asked for starts from the config's pretrained model, not a built one
+    args = bench.parse_args(["--env", "calculator", "--model", "smollm2", "--cold-seeds", "0"])
+    cold = bench.overrides(args, 0, "cold")
+    assert 'model.path="smollm2-135m-instruct"' in cold and "sft.enabled=false" in cold
+    random = bench.overrides(args, 0, "random")
+    assert f'model.path="{args.out / "seed0/main/checkpoints/sft"}"' in random
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--env", "search", "--model", "smollm2"])
+    assert e.value.code == 2
+    assert "--model smollm2: its config is for --env calculator only" in capsys.readouterr().err
