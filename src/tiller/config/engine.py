@@ -122,6 +122,19 @@ TILLER_SETS = ("--model", "--served-model-name", "--host", "--port", "--dtype",
                "--logprobs-mode", "--no-enable-chunked-prefill", "--weight-transfer-config")
 
 
+def refused_flag(arg: str) -> str | None:
+    """The flag of `TILLER_SETS` (or --config, which could set them) that the extra argument
+    `arg` would rebind, in its --x or --no-x form or a prefix argparse takes for it; None if
+    none. Given after tiller's, it would win (argparse: the last one given)."""
+    name = arg.split("=", 1)[0].replace("_", "-")
+    for flag in (*TILLER_SETS, "--config"):
+        bare = flag.removeprefix("--").removeprefix("no-")
+        if any(name == form or (len(name) > 4 and form.startswith(name))
+               for form in (f"--{bare}", f"--no-{bare}")):
+            return flag
+    return None
+
+
 class VllmEngineConfig(EngineConfig):
     """vLLM servers (engine/vllm.py): started by tiller from their own Python environment
     (`bash scripts/setup.sh` builds .venv-vllm) and stopped at the end of the run, or attached
@@ -202,8 +215,6 @@ class VllmEngineConfig(EngineConfig):
     @model_validator(mode="after")
     def _managed_fields(self) -> VllmEngineConfig:
         if self.extra_args:
-            from tiller.engine.vllm import refused_flag  # it imports this module
-
             for arg in self.extra_args:
                 flag = refused_flag(arg)
                 if flag is not None:

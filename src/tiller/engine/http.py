@@ -1,32 +1,14 @@
 """The HTTP backend: the engine protocol over servers (`tiller serve`, SGLang, vLLM), each
 spoken to in its dialect (`tiller.engine.wire`; vLLM's engine overrides the request hooks).
 
-Token in, token out: a request carries the prompt's token ids and asks for the logprob of each
-sampled token; the answer's `output_ids` are appended to the trajectory as they are, and the
-token ids inside `output_token_logprobs` must equal them (a server that detokenised and
-re-tokenised, or mixed up requests, is a loud error, never a silent drift).
+Token in, token out: a request carries the prompt's token ids and asks for each sampled
+token's logprob; the answer's `output_ids` are appended as they are and must equal the ids in
+`output_token_logprobs` (a server that re-tokenised or mixed up requests is a loud error).
 
-The router spreads requests over the servers:
-- a session (an episode) sticks to the server that served its first turn, whose prefix cache
-  holds the conversation so far; a new session goes to the server with the fewest requests in
-  flight (ties: the first listed);
-- a request that fails on a server (connection error, timeout, HTTP 502/503/504) marks the
-  server down and is retried on another, up to `max_retries` times, each retry counted in
-  `stats()` and logged; the session moves with it (it re-prefills there: correct, only
-  slower). With the same seed the retried request samples the same tokens, when the servers
-  hold the same weights;
-- an answer from another weight version than the one pushed to that server, or with another
-  boot id than the server reported at the push (`tiller serve` draws one at every start: a
-  restarted server reports the version its checkpoint starts at, which may equal the pushed
-  one), comes from a server that restarted with other weights: it is dropped, and the server
-  is marked down and the request retried, as for a dead server;
-- an HTTP 500 is about the request when the server still answers `GET /health`: it fails
-  (RunError naming the server and its message, counted in `failed_requests`), not retried
-  (every server would fail it alike); if /health does not answer, the server is down;
-- a server marked down gets no new requests; it is probed (`GET /health`) at the next weight
-  push and rejoins only if it takes the new weights (back from a crash, it holds stale ones);
-- when every server is down, a request fails with one line naming each server and its last error.
-
+The router (docs/engine.md, "Routing"): sessions stick to their first server, new ones go to
+the least loaded; a request failing on a dead or restarted server (another version or boot id)
+marks it down and is retried elsewhere (counted, logged); a 500 while /health answers fails
+the request; a down server is probed at the next push; all down: one line naming each.
 All HTTP runs on one event loop in a thread the engine owns, so `generate` may be awaited from
 any event loop (`asyncio.run` makes a new one per collection) and the control calls (`abort`,
 `update_weights`, ...) may come from any thread; each waits at most `request_timeout_s`.

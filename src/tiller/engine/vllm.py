@@ -413,19 +413,6 @@ def managed_flags() -> tuple[str, ...]:
     return tuple(a for a in argv if a.startswith("--"))
 
 
-def refused_flag(arg: str) -> str | None:
-    """The flag of `managed_flags` (or --config, which could set them) that the extra argument
-    `arg` would rebind, in its --x or --no-x form or a prefix argparse takes for it; None if
-    none. Given after tiller's, it would win (argparse: the last one given)."""
-    name = arg.split("=", 1)[0].replace("_", "-")
-    for flag in (*managed_flags(), "--config"):
-        bare = flag.removeprefix("--").removeprefix("no-")
-        if any(name == form or (len(name) > 4 and form.startswith(name))
-               for form in (f"--{bare}", f"--no-{bare}")):
-            return flag
-    return None
-
-
 def probe(engine: VllmEngine, token_id: int, deadline: float) -> None:
     """One one-token generate on every server at once, within what is left until `deadline`
     (`time.monotonic()`; at least 1 s): vLLM answers /health before it has run the model, and

@@ -31,7 +31,7 @@ from tiller.algorithms.advantages import value_loss
 from tiller.config import CriticConfig, RLConfig, TrainConfig
 from tiller.train.batch import Batch, minibatches
 from tiller.train.logprobs import flag_checkpointed_layers, hidden_states
-from tiller.train.trainer import Rows
+from tiller.train.rows import Rows
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:

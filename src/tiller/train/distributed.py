@@ -37,7 +37,8 @@ from tiller.engine.updates import WeightUpdate
 from tiller.errors import RunError
 from tiller.train.batch import Batch, micro_batches
 from tiller.train.lora import Lora, LoraTrainer
-from tiller.train.trainer import PolicyTrainer, Rows
+from tiller.train.rows import Rows
+from tiller.train.trainer import PolicyTrainer
 
 if TYPE_CHECKING:
     from tiller.train.critic import Critic

@@ -27,13 +27,14 @@ from tiller.algorithms.losses import entropy_bonus
 from tiller.algorithms.offpolicy import correction_stats, mismatch_stats, staleness_stats
 from tiller.config import AlgorithmConfig, CriticConfig, RLConfig, TrainConfig
 from tiller.engine.updates import WeightUpdate
-from tiller.train.batch import Batch, micro_batches, minibatches
+from tiller.train.batch import Batch, minibatches
 from tiller.train.logprobs import (
     PassShape,
     check_plain_head,
     flag_checkpointed_layers,
     token_logprobs,
 )
+from tiller.train.rows import Rows
 
 if TYPE_CHECKING:
     from tiller.train.critic import Critic
@@ -139,39 +140,6 @@ class _RLInputs(NamedTuple):
     advantages: torch.Tensor  # 0 off the loss mask
     returns: torch.Tensor | None  # the critic's value targets
     row_staleness: torch.Tensor  # [B] trainer version - sample version (-1: unknown)
-
-
-class Rows:
-    """How a trainer's passes walk a batch's rows (the policy's and the critic's alike): here
-    one process runs every micro-batch. A trainer rank's (`train.distributed.RankRows`) runs its
-    share of them, sums its metrics over the ranks and shards the models it trains."""
-
-    def __init__(self, train: TrainConfig):
-        self.train = train
-
-    def share(self, rows: torch.Tensor, lengths: torch.Tensor, size: int
-              ) -> list[torch.Tensor]:
-        """The micro-batches of `rows` this process runs (at most `size` rows, and
-        `train.micro_batch_tokens` tokens packed or padded, like one rank's)."""
-        return [rows[idx] for idx in micro_batches(lengths[rows], size,
-                                                   self.train.micro_batch_tokens,
-                                                   self.train.packing)]
-
-    def pass_batch(self, batch: Batch, rows: torch.Tensor, device: torch.device) -> Batch:
-        """The batch of one pass, on `device`."""
-        return batch.rows(rows).to(device)
-
-    def reduce(self, sums: dict[str, float]) -> dict[str, float]:
-        """Metric sums over every process that ran passes."""
-        return sums
-
-    def reduce_rows(self, per_row: torch.Tensor) -> torch.Tensor:
-        """A [B, T] tensor whose rows each process filled for the rows it ran, whole."""
-        return per_row
-
-    def sharded(self, module: nn.Module) -> nn.Module:
-        """A model this trainer trains or runs, as its processes hold it."""
-        return module
 
 
 class PolicyTrainer:
