@@ -40,6 +40,7 @@ from tiller.models import resolve_model_path
 from tiller.plugins import load_env_class
 from tiller.preflight import rl_task_reserve, rl_train_tasks
 from tiller.rollout.resume import check_drawn, manager_state
+from tiller.train.distributed import Leader
 
 if TYPE_CHECKING:
     from tiller.observe.steps import StepRecorder
@@ -221,15 +222,22 @@ def save_rl(run: Any, learner: Any, rollouts: RolloutManager, record: StepRecord
         run.tokenizer.save_pretrained(new / "model")
         if run.lora is not None:  # and the reference adapter while there is one
             run.lora.save(new / ADAPTER_DIR)
-        saved = learner_tensors(learner)
+        ranks = (learner.trainer.checkpoint_state() if isinstance(learner.trainer, Leader)
+                 else None)  # every rank's optimizer shard and RNG states, gathered here
+        saved = learner_tensors(learner, None if ranks is None else ranks[0])
         torch.save(saved, new / "trainer.pt")
         py, tensors = rng_state()
+        if ranks is not None:  # rank 0's are this process's
+            py["ranks"] = [rank_py for rank_py, _ in ranks[1][1:]]
+            tensors.update({f"rank{r}/{k}": t for r, (_, rank_tensors) in
+                            enumerate(ranks[1]) if r for k, t in rank_tensors.items()})
         torch.save(tensors, new / "rng.pt")
         manager = manager_state(rollouts, step)
         adapters = ([] if run.lora is None else [ADAPTER_DIR] if not run.lora.has_reference()
                     else [ADAPTER_DIR, f"{ADAPTER_DIR}/reference"])
         holds = ["model", *adapters, *saved,
-                 f"rng ({', '.join(['python', 'numpy', *tensors])})",
+                 f"rng ({', '.join(['python', 'numpy', *tensors])})"
+                 + (f", of each of {len(ranks[1])} trainer ranks" if ranks else ""),
                  f"task stream ({manager['pulled']} drawn, {len(manager['open_tasks'])} "
                  f"open groups)", "ledger", "step counters", "metrics position"]
         # the rows so far on disk before their length is: the checkpoint is fsynced, and a
@@ -244,9 +252,11 @@ def save_rl(run: Any, learner: Any, rollouts: RolloutManager, record: StepRecord
     return write_checkpoint(run.dir, step, run.cfg.checkpoint.keep, parts)
 
 
-def learner_tensors(learner: Any) -> dict[str, Any]:
-    """The optimizer's state, and the reference model's and critic's when they exist."""
-    out: dict[str, Any] = {"optimizer": learner.trainer.optimizer.state_dict()}
+def learner_tensors(learner: Any, optimizer: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The optimizer's state (`optimizer`: the full one of train.world_size > 1, gathered from
+    the ranks), and the reference model's and critic's when they exist."""
+    out: dict[str, Any] = {"optimizer": optimizer if optimizer is not None
+                           else learner.trainer.optimizer.state_dict()}
     if _own_ref(learner):
         out["ref"] = learner.ref.state_dict()
     if learner.critic is not None:
@@ -268,7 +278,15 @@ def restore_rl(ckpt: Checkpoint, learner: Any, record: StepRecorder) -> int:
     saved = load_tensors(ckpt.path / "trainer.pt")
     check_tensors(learner.cfg, ckpt, sorted(saved))
     try:
-        learner.trainer.optimizer.load_state_dict(saved["optimizer"])
+        if isinstance(learner.trainer, Leader):  # each rank its shard and RNG states
+            rng = load_tensors(ckpt.path / "rng.pt")
+            ranks = [None, *((py, {k.split("/", 1)[1]: t for k, t in rng.items()
+                                   if k.startswith(f"rank{r}/")})
+                             for r, py in enumerate(ckpt.state["rng"]["ranks"], start=1))]
+            learner.trainer.load_checkpoint_state(saved["optimizer"], ranks,
+                                                  ckpt.state["trainer_version"])
+        else:
+            learner.trainer.optimizer.load_state_dict(saved["optimizer"])
         if "ref" in saved:
             learner.ref.load_state_dict(saved["ref"])
         elif REFERENCE_ADAPTER in ckpt.marker["files"]:  # model.lora: the frozen adapter
