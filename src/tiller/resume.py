@@ -227,6 +227,8 @@ def save_rl(run: Any, learner: Any, rollouts: RolloutManager, record: StepRecord
         saved = learner_tensors(learner, None if ranks is None else ranks[0])
         torch.save(saved, new / "trainer.pt")
         py, tensors = rng_state()
+        rng = (f"rng ({', '.join(['python', 'numpy', *tensors])})"
+               + (f" of each of the {len(ranks[1])} trainer ranks" if ranks else ""))
         if ranks is not None:  # rank 0's are this process's
             py["ranks"] = [rank_py for rank_py, _ in ranks[1][1:]]
             tensors.update({f"rank{r}/{k}": t for r, (_, rank_tensors) in
@@ -235,9 +237,7 @@ def save_rl(run: Any, learner: Any, rollouts: RolloutManager, record: StepRecord
         manager = manager_state(rollouts, step)
         adapters = ([] if run.lora is None else [ADAPTER_DIR] if not run.lora.has_reference()
                     else [ADAPTER_DIR, f"{ADAPTER_DIR}/reference"])
-        holds = ["model", *adapters, *saved,
-                 f"rng ({', '.join(['python', 'numpy', *tensors])})"
-                 + (f", of each of {len(ranks[1])} trainer ranks" if ranks else ""),
+        holds = ["model", *adapters, *saved, rng,
                  f"task stream ({manager['pulled']} drawn, {len(manager['open_tasks'])} "
                  f"open groups)", "ledger", "step counters", "metrics position"]
         # the rows so far on disk before their length is: the checkpoint is fsynced, and a

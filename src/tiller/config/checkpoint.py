@@ -14,7 +14,8 @@ class CheckpointConfig(Section):
 
     every: int = Field(0, ge=0, description="write one after every `every` RL steps (and after "
                        "the last one); 0: none. Not with rl.curriculum (its state is not "
-                       "saved), train.world_size > 1 or cluster.backend ray: refused before "
-                       "any work")
+                       "saved) or cluster.backend ray: refused before "
+                       "any work. With train.world_size > 1 every rank's optimizer state is "
+                       "gathered to rank 0 into it (docs/resume.md)")
     keep: int = Field(2, ge=1, description="how many of the newest complete ones to keep; "
                       "older ones are removed once a newer one is complete")
