@@ -718,7 +718,8 @@ def test_resume_after_the_engine_server_died_repushes_the_checkpoint(calc_sft_di
 @pytest.mark.parametrize("setting, field", [
     (["train.world_size=2", "rl.algorithm.kl.beta=0.05"],
      "rl.algorithm.kl with train.world_size > 1"),
-    (["train.world_size=2", "rl.algorithm.preset=ppo", "rl.algorithm.advantage=gae"],
+    (["train.world_size=2", "rl.algorithm.preset=ppo", "rl.algorithm.advantage=gae",
+      "rl.algorithm.kl.beta=0"],
      "rl.algorithm.critic with train.world_size > 1"),
 ])
 def test_checkpoints_of_state_they_cannot_hold_are_refused_before_any_work(
