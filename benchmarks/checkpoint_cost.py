@@ -12,6 +12,14 @@ state.json is a few KB more (the task ids drawn so far). Reading back is `verify
 every file) plus `load_weights` and the optimizer's `load_state_dict`, of the checkpoint just
 written: its files are in the page cache (hot), so the read-back time leaves out the disk's.
 A last row times `model_fingerprint` over the fetched SmolLM2-135M, when it is fetched.
+
+With `--ranks N` (N > 1) each model is measured once more on N trainer ranks (FSDP2 over
+gloo, `train.ranks.start_ranks`, spawned processes) after one SFT step on random tokens:
+writing includes the gather of every rank's optimizer shard and RNG states to rank 0
+(`Leader.checkpoint_state`, also timed alone as `gather_s_median`), reading back includes
+handing them to the ranks again (`Leader.load_checkpoint_state`).
+
+    .venv/bin/python benchmarks/checkpoint_cost.py --ranks 2
 """
 
 from __future__ import annotations
@@ -42,6 +50,9 @@ from tiller.checkpoints import (  # noqa: E402
 from tiller.config import load_config  # noqa: E402
 from tiller.models import build_env_model, load_model, load_tokenizer, models_dir  # noqa: E402
 from tiller.plugins import load_env_class  # noqa: E402
+from tiller.train.batch import Batch  # noqa: E402
+from tiller.train.distributed import TrainerOptions  # noqa: E402
+from tiller.train.ranks import start_ranks  # noqa: E402
 
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -104,6 +115,64 @@ def measure(name: str, model: torch.nn.Module, tokenizer: object, run_dir: Path,
             "read_s_median": round(sorted(reads)[len(reads) // 2], 2)}
 
 
+def measure_ranks(name: str, model: torch.nn.Module, tokenizer: object, run_dir: Path,
+                  repeats: int, world: int) -> dict[str, float | str]:
+    """`measure` on `world` trainer ranks: what `resume.save_rl` and `restore_rl` do with
+    them, after one SFT step (both AdamW moments in every rank's shard)."""
+    leader = start_ranks(model, world, TrainerOptions(), "local", 600.0)
+    try:
+        leader.set_optimizer(1e-5)
+        torch.manual_seed(0)
+        ids = torch.randint(0, model.config.vocab_size, (2 * world, 64))
+        ones = torch.ones(ids.shape)
+        leader.sft_step(Batch(input_ids=ids, attention_mask=torch.ones_like(ids),
+                              loss_mask=ones, rollout_logprobs=torch.zeros(ids.shape),
+                              rewards=torch.zeros(len(ids)),
+                              group_index=torch.zeros(len(ids), dtype=torch.long)), 2)
+        gathers: list[float] = []
+
+        def parts(new: Path) -> dict:
+            step = int(new.name.removeprefix("step-"))
+            model.save_pretrained(new / "model", safe_serialization=True,
+                                  max_shard_size="1000GB")
+            if tokenizer is not None:
+                tokenizer.save_pretrained(new / "model")
+            t0 = time.perf_counter()
+            optim, rngs = leader.checkpoint_state()
+            gathers.append(time.perf_counter() - t0)
+            torch.save({"optimizer": optim}, new / "trainer.pt")
+            py, tensors = rng_state()
+            py["ranks"] = [r[0] for r in rngs[1:]]
+            tensors.update({f"rank{r}/torch": rngs[r][1]["torch"] for r in range(1, world)})
+            torch.save(tensors, new / "rng.pt")
+            return {"step": step, "rng": py}
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text("{}\n")
+        writes, reads = [], []
+        for i in range(repeats):
+            t0 = time.perf_counter()
+            write_checkpoint(run_dir, i + 1, 1, parts)
+            writes.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            ckpt = verify(complete_checkpoints(run_dir)[0], keys=("step",))
+            load_weights(model, ckpt)
+            rng = load_tensors(ckpt.path / "rng.pt")
+            rngs = [None, *((py, {"torch": rng[f"rank{r}/torch"]})
+                            for r, py in enumerate(ckpt.state["rng"]["ranks"], start=1))]
+            leader.load_checkpoint_state(load_tensors(ckpt.path / "trainer.pt")["optimizer"],
+                                         rngs, 1)
+            reads.append(time.perf_counter() - t0)
+    finally:
+        leader.close()
+    params = sum(p.numel() for p in model.parameters())
+    return {"model": f"{name}, {world} ranks", "params_M": round(params / 1e6, 2),
+            "size_MiB": round(ckpt.size / 2**20, 1),
+            "write_s_median": round(sorted(writes)[len(writes) // 2], 2),
+            "gather_s_median": round(sorted(gathers)[len(gathers) // 2], 2),
+            "read_s_median": round(sorted(reads)[len(reads) // 2], 2)}
+
+
 def fingerprint_cost(name: str = "smollm2-135m-instruct") -> dict[str, float | str] | None:
     """`model_fingerprint` (what a checkpoint records of model.path, read at each
     checkpointed run's start and each resume) of the fetched SmolLM2-135M, against SHA-256
@@ -129,13 +198,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None, help="folder to write in (default: temp)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ranks", type=int, default=1,
+                    help="N > 1: each model measured on N trainer ranks as well")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(dir=args.out) as tmp:
         root = Path(tmp)
-        rows = [measure("demo (configs/calculator.yaml)", *demo_model(root / "demo"),
-                        root / "demo", args.repeats),
-                measure("random Llama, SmolLM2-135M shape", *llama_135m(), root / "llama",
-                        args.repeats)]
+        rows = []
+        for name, make, folder in (("demo (configs/calculator.yaml)", demo_model, "demo"),
+                                   ("random Llama, SmolLM2-135M shape",
+                                    lambda _: llama_135m(), "llama")):
+            rows.append(measure(name, *make(root / folder), root / folder, args.repeats))
+            if args.ranks > 1:  # a fresh model: `measure` stepped the one before
+                ranks = root / f"{folder}-ranks"
+                rows.append(measure_ranks(name, *make(ranks), ranks, args.repeats,
+                                          args.ranks))
     for row in [*rows, fingerprint_cost()]:
         if row is not None:
             print(json.dumps(row))

@@ -208,6 +208,72 @@ def test_two_ranks_equal_one_rank_without_prepass_or_rows(group, tokenizer, mini
     assert torch.allclose(flat(group.publisher.model), flat(single.model), atol=ATOL)
 
 
+def optimizer_by_name(trainer: PolicyTrainer) -> dict[str, dict[str, torch.Tensor]]:
+    """A single-rank optimizer's state keyed by parameter name, as the ranks' full state is."""
+    names = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    return {names[i]: s for i, s in trainer.optimizer.state_dict()["state"].items()}
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_the_ranks_optimizer_and_rng_states_round_trip(group, tokenizer):
+    """A checkpoint's share of the ranks (`Leader.checkpoint_state`): the optimizer's full state
+    gathered from both shards equals the single-rank optimizer's after the same two steps
+    (both AdamW moments of every parameter within ATOL, the step count exact), with every
+    rank's RNG states. Put back into fresh optimizers with other RNG states for rank 1
+    (`load_checkpoint_state`), the state gathered again is the same bit for bit and rank 1
+    has the RNG states it was given; the next step then equals the single rank's."""
+    import random
+
+    import numpy as np
+
+    batch = batch_of(tokenizer)
+    single = one_rank(group)
+    for t in (single, group):
+        t.set_optimizer(1e-3, 0.01)
+    for _ in range(2):
+        single.sft_step(batch, micro_batch_size=2)
+        group.sft_step(batch, 2)
+    optim, rngs = group.checkpoint_state()
+    want = optimizer_by_name(single)
+    assert set(optim["state"]) == set(want) and len(want) == len(list(single.model.parameters()))
+    for name, moments in want.items():
+        got = optim["state"][name]
+        assert float(got["step"]) == float(moments["step"]) == 2.0
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert got[key].shape == moments[key].shape and not got[key].is_meta, (name, key)
+            assert torch.allclose(got[key], moments[key], atol=ATOL, rtol=1e-4), (name, key)
+    assert optim["param_groups"][0]["lr"] == 1e-3
+    assert optim["param_groups"][0]["weight_decay"] == 0.01
+    assert len(rngs) == 2 and all(set(r[0]) == {"python", "numpy"} and "torch" in r[1]
+                                  for r in rngs)
+    # rank 1 is given other RNG states than it had: it must keep these
+    other = (random.Random(7).getstate(), np.random.RandomState(7).get_state(),
+             torch.Generator().manual_seed(7).get_state())
+    given = ({"python": [other[0][0], list(other[0][1]), other[0][2]],
+              "numpy": [other[1][0], other[1][1].tolist(), *other[1][2:]]},
+             {"torch": other[2]})
+    assert not torch.equal(given[1]["torch"], rngs[1][1]["torch"])
+    group.set_optimizer(1e-2)  # fresh, empty optimizers at another rate
+    group.load_checkpoint_state(optim, [None, given], version=7)
+    assert group.version == group.publisher.version == 7
+    again, rngs_again = group.checkpoint_state()
+    for name, moments in optim["state"].items():
+        assert all(torch.equal(again["state"][name][k], v) for k, v in moments.items()), name
+    # (the betas come back as a list, not a tuple: AdamW reads them alike)
+    assert [{**g, "betas": tuple(g["betas"])} for g in again["param_groups"]] == optim[
+        "param_groups"]
+    assert rngs_again[1][0] == given[0]
+    assert torch.equal(rngs_again[1][1]["torch"], given[1]["torch"])
+    want_step = single.sft_step(batch, micro_batch_size=2)
+    got_step = group.sft_step(batch, 2)
+    assert got_step["sft_loss"] == pytest.approx(want_step["sft_loss"], rel=1e-5)
+    assert torch.allclose(flat(group.publisher.model), flat(single.model), atol=ATOL)
+    with pytest.raises(ValueError, match="1 ranks' RNG states for 2 ranks"):
+        group.load_checkpoint_state(optim, [None], version=7)
+
+
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(300)

@@ -87,16 +87,20 @@ def appeared(run: Path, pattern: str):
     return lambda: bool(set(folder.glob(pattern)) - old)
 
 
-def kill_mid_checkpoint(run: Path, phase: str, rng: random.Random, *args: str) -> None:
+def kill_mid_checkpoint(run: Path, phase: str, rng: random.Random, *args: str,
+                        ranks: bool = False) -> None:
     """Resume `run` (or start it with `args`) with each checkpoint write paused 3 s at
     `phase`, and SIGKILL it inside the pause of its first write once a checkpoint is
     complete: the newest complete checkpoint is the one before (with "remove": the new one,
-    whose old one was renamed aside) and it verifies whole."""
+    whose old one was renamed aside) and it verifies whole. With `ranks` (a run of
+    train.world_size > 1) its other trainer ranks exit by themselves."""
     before = [c.step for c in complete_checkpoints(run)]
     # a checkpoint's private folder (.step-N.<random>.tmp), or an old one renamed aside
     new = appeared(run, ".step-*.removing.tmp" if phase == "remove" else ".step-*.*.tmp")
     proc = tiller("train", *(args or ("--resume", str(run))), pause=f"{phase}:3")
+    others = rank_pids(proc) if ranks else []
     kill_when(proc, lambda: new() and bool(complete_checkpoints(run)), rng.uniform(0.3, 1.5))
+    gone(others)
     newest = verify(complete_checkpoints(run)[0])  # resumable
     if phase == "remove":
         assert newest.step > before[0] and list((run / "checkpoints").glob(".*.removing.tmp"))
@@ -168,6 +172,55 @@ CURRICULUM = {
 }
 
 
+# the same run on 2 trainer ranks (FSDP2 over gloo); a collective left waiting on a dead rank
+# fails within a minute, not the default 10
+RANKS = [*RUN, "train.world_size=2", "train.rank_timeout_s=60"]
+
+
+def rank_pids(proc: subprocess.Popen) -> list[int]:
+    """The trainer ranks `proc` spawned (`train.ranks.ProcessRank`: multiprocessing's spawn),
+    once they are there: its children running `spawn_main`."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        found = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+                cmd = (stat.parent / "cmdline").read_bytes()
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                continue
+            if ppid == proc.pid and b"spawn_main" in cmd:
+                found.append(int(stat.parent.name))
+        if found:
+            return found
+        assert proc.poll() is None, "the run ended before its ranks started"
+        assert time.monotonic() < deadline, "the run's trainer ranks never started"
+        time.sleep(0.05)
+
+
+def gone(pids: list[int], timeout_s: float = 60.0) -> None:
+    """Every process of `pids` exits within `timeout_s` (a rank whose rank 0 was killed)."""
+    deadline = time.monotonic() + timeout_s
+    while any(Path(f"/proc/{p}").exists() and "zombie" not in _state(p) for p in pids):
+        assert time.monotonic() < deadline, f"trainer ranks {pids} outlived their rank 0"
+        time.sleep(0.1)
+
+
+def _state(pid: int) -> str:
+    try:
+        return (Path(f"/proc/{pid}") / "status").read_text().split("State:", 1)[1].split("\n")[0]
+    except (OSError, IndexError):
+        return "zombie"  # gone
+
+
+@pytest.fixture(scope="module")
+def ranks_whole(tmp_path_factory) -> Path:
+    """The uninterrupted 2-rank run the killed one is compared with."""
+    ref = tmp_path_factory.mktemp("ranks") / "ref"
+    finish(tiller("train", "configs/calculator.yaml", *RANKS, "-o", str(ref)))
+    return ref
+
+
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(900)
@@ -200,6 +253,58 @@ def test_sync_curriculum_run_killed_at_seeded_moments_resumes_bit_identically(
     final = verify(complete_checkpoints(run)[0]).state["curriculum"]
     assert final["draws"] == 4 * 4 and final == verify(complete_checkpoints(ref)[0]).state[
         "curriculum"]
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(1500)
+def test_two_rank_run_killed_at_seeded_moments_resumes_bit_identically(ranks_whole, tmp_path):
+    """train.world_size=2, sync, embedded engine: rank 0 (the run's process) SIGKILLed at a
+    seeded moment after step 2's row, then inside a checkpoint write while the ranks'
+    optimizer and RNG states are gathered (its other rank exits by itself each time), then
+    rank 1 SIGKILLed there (the run fails naming it, and the previous checkpoint stays
+    whole), then a resume with another world size refused in one line; resumed, the run ends
+    with the weights, metrics, ledger and held-out success of the 2-rank run that was never
+    stopped."""
+    ref, run = ranks_whole, tmp_path / "run"
+    rng = random.Random(22)
+    proc = tiller("train", "configs/calculator.yaml", *RANKS, "-o", str(run))
+    ranks = rank_pids(proc)
+    kill_when(proc, lambda: rl_rows(run) >= 2, rng.uniform(0.0, 0.3))
+    gone(ranks)
+    # rank 0 dies while rank 1 waits in the gather (the phases after it are a 1-rank run's)
+    kill_mid_checkpoint(run, "ranks", rng, ranks=True)
+    # rank 1 dies while rank 0 waits to join the gather (the test hook's "ranks" phase)
+    before = verify(complete_checkpoints(run)[0])
+    new = appeared(run, ".step-*.*.tmp")
+    proc = tiller("train", "--resume", str(run), pause="ranks:3")
+    (rank1,) = rank_pids(proc)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not new():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+        time.sleep(0.02)
+    time.sleep(rng.uniform(0.3, 1.5))
+    os.kill(rank1, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode != 0, out[-2000:]
+    assert "trainer rank 1 died (exit code -9) during state" in out, out[-2000:]
+    newest = verify(complete_checkpoints(run)[0])
+    assert newest.step == before.step and newest.marker == before.marker
+    assert not list((run / "checkpoints").glob(".step-*.tmp"))  # its write, removed
+    # another world size: refused in one line naming the field, the folder left as it was
+    refused(run, ["train.world_size=3"], "config field train.world_size changed (2 -> 3)")
+    finish(tiller("train", "--resume", str(run)))
+    a, b = weights(ref), weights(run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert comparable(run) == comparable(ref)
+    assert [c.step for c in complete_checkpoints(run)] == [4, 3]
+    state = verify(complete_checkpoints(run)[0]).state
+    assert len(state["rng"]["ranks"]) == 1 and "rng (python, numpy, torch) of each of the 2 " \
+        "trainer ranks" in state["holds"]
+    summary = json.loads((run / "summary.json").read_text())
+    ref_summary = json.loads((ref / "summary.json").read_text())
+    assert summary["rl"]["ledger"] == ref_summary["rl"]["ledger"]
+    assert summary["heldout_after_rl"]["success"] == ref_summary["heldout_after_rl"]["success"]
 
 
 ASYNC = [*RUN, "rl.mode=async", "rl.steps=8"]
@@ -611,11 +716,15 @@ def test_resume_after_the_engine_server_died_repushes_the_checkpoint(calc_sft_di
 
 
 @pytest.mark.parametrize("setting, field", [
-    ("train.world_size=2", "train.world_size > 1"),
+    (["train.world_size=2", "rl.algorithm.kl.beta=0.05"],
+     "rl.algorithm.kl with train.world_size > 1"),
+    (["train.world_size=2", "rl.algorithm.preset=ppo", "rl.algorithm.advantage=gae",
+      "rl.algorithm.kl.beta=0"],
+     "rl.algorithm.critic with train.world_size > 1"),
 ])
 def test_checkpoints_of_state_they_cannot_hold_are_refused_before_any_work(
         tmp_path, setting, field):
-    cfg = load_config("configs/calculator.yaml", [*RUN, setting])
+    cfg = load_config("configs/calculator.yaml", [*RUN, *setting])
     with pytest.raises(ConfigError, match=re.escape(f"do not yet hold the state of {field}")):
         train(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()

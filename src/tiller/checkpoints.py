@@ -12,9 +12,13 @@ A checkpoint folder holds:
                       adapter, a frozen copy of the adapter at RL start (the KL reference)
     trainer.pt        the optimizer's state (and the critic's model and optimizer, the
                       reference model's weights while the KL term is on), `torch.save` of
-                      tensors and plain values, read back with `weights_only=True`
-    rng.pt            torch's CPU (and CUDA) generator states
-    state.json        the step, the weight versions, Python's and numpy's RNG states, the
+                      tensors and plain values, read back with `weights_only=True`; with
+                      train.world_size > 1 the optimizer's full state gathered from every
+                      rank, keyed by parameter name (`train.distributed`)
+    rng.pt            torch's CPU (and CUDA) generator states; with train.world_size > 1
+                      each other rank's too ("rank<r>/torch")
+    state.json        the step, the weight versions, Python's and numpy's RNG states (with
+                      train.world_size > 1 each other rank's too, in order, as "ranks"), the
                       rollout manager's state (`rollout.resume`: the task stream's position,
                       the open groups' tasks, the ledger), rl.curriculum's state
                       (`Curriculum.state`; null when it is off), the step recorder's counters, the
@@ -67,12 +71,14 @@ REQUIRED = ("model/model.safetensors", "model/config.json", "trainer.pt", "rng.p
 # and, of a run under model.lora (its state.json's config), the adapter resume loads
 ADAPTER_FILES = ("adapter/adapter_config.json", "adapter/adapter_model.safetensors")
 # Test hook (tests/test_resume.py), not a setting: "PHASE:SECONDS" makes each checkpoint write
-# sleep SECONDS at PHASE, so a test can SIGKILL the run there. The phases, in order: "files"
+# sleep SECONDS at PHASE, so a test can SIGKILL the run (or a trainer rank) there. The phases,
+# in order: "ranks" (train.world_size > 1: the model written, rank 0 about to join the gather
+# of the ranks' optimizer and RNG states, the other ranks in it: `train.distributed`), "files"
 # (the weights and tensors written, state.json not yet), "marker" (everything but the
 # marker written), "rename" (the folder whole and fsynced, not yet renamed into place),
 # "remove" (an old checkpoint past checkpoint.keep renamed aside, not yet removed).
 PAUSE_ENV = "TILLER_TEST_CHECKPOINT_PAUSE"
-PAUSES = ("files", "marker", "rename", "remove")
+PAUSES = ("ranks", "files", "marker", "rename", "remove")
 # what state.json holds (`save_rl`); a resume reads each
 STATE_KEYS = ("step", "trainer_version", "engine_version", "rng", "holds", "tensors",
               "manager", "curriculum", "recorder", "idle_steps", "metrics_bytes", "summary",
@@ -95,7 +101,7 @@ def tiller_version() -> str:
         return "unknown"
 
 
-def _pause(phase: str) -> None:
+def pause(phase: str) -> None:
     """The test hook's sleep at `phase` (PAUSE_ENV); a value it cannot read stops loudly."""
     value = os.environ.get(PAUSE_ENV, "")
     if not value:
@@ -162,22 +168,22 @@ def write_checkpoint(run_dir: Path, step: int, keep: int,
     with replacing(out, root=run_dir) as new:
         new.mkdir()
         state = write_parts(new)
-        _pause("files")
+        pause("files")
         (new / "state.json").write_text(json.dumps(state))
-        _pause("marker")
+        pause("marker")
         files = {str(p.relative_to(new)): _describe(p) for p in sorted(new.rglob("*"))
                  if p.is_file()}
         marker = {"format": FORMAT_VERSION, "tiller": tiller_version(), "step": step,
                   "time": time.time(), "files": files}
         (new / MARKER).write_text(json.dumps(marker, indent=1))
         _fsync_tree(new)
-        _pause("rename")
+        pause("rename")
     _fsync(out.parent)
     removed = [c.path.name for c in _readable_checkpoints(run_dir)[keep:]]
     for name in removed:  # renamed first: a kill while it is removed leaves no half folder
         gone = checkpoint_dir(run_dir) / f".{name}.removing.tmp"
         os.replace(checkpoint_dir(run_dir) / name, gone)
-        _pause("remove")
+        pause("remove")
         remove_tree(gone)
     log.info("checkpoint %s written in %.2fs%s", out, time.perf_counter() - t0,
              f"; removed {', '.join(removed)}" if removed else "")
@@ -380,7 +386,11 @@ def check_checkpointable(cfg: Config) -> None:
     any work, for a run whose state it cannot."""
     if not cfg.checkpoint.every:
         return
-    why = "train.world_size > 1" if cfg.train.world_size > 1 else None
+    alg = cfg.rl.algorithm
+    why = (None if cfg.train.world_size == 1 else
+           "model.lora with train.world_size > 1" if cfg.model.lora is not None else
+           "rl.algorithm.kl with train.world_size > 1" if alg.kl.beta > 0 else
+           "rl.algorithm.critic with train.world_size > 1" if alg.critic is not None else None)
     if why is not None:
         raise ConfigError(f"config field checkpoint.every: got {cfg.checkpoint.every}; "
                           f"resumable checkpoints do not yet hold the state of {why} "

@@ -41,6 +41,7 @@ from tiller.plugins import load_env_class
 from tiller.preflight import rl_task_reserve, rl_train_tasks
 from tiller.rollout.curriculum import DRAW, Curriculum, make_curriculum
 from tiller.rollout.resume import check_drawn, manager_state
+from tiller.train.distributed import Leader
 
 if TYPE_CHECKING:
     from tiller.observe.steps import StepRecorder
@@ -241,9 +242,17 @@ def save_rl(run: Any, learner: Any, rollouts: RolloutManager, record: StepRecord
         run.tokenizer.save_pretrained(new / "model")
         if run.lora is not None:  # and the reference adapter while there is one
             run.lora.save(new / ADAPTER_DIR)
-        saved = learner_tensors(learner)
+        ranks = (learner.trainer.checkpoint_state() if isinstance(learner.trainer, Leader)
+                 else None)  # every rank's optimizer shard and RNG states, gathered here
+        saved = learner_tensors(learner, None if ranks is None else ranks[0])
         torch.save(saved, new / "trainer.pt")
         py, tensors = rng_state()
+        rng = (f"rng ({', '.join(['python', 'numpy', *tensors])})"
+               + (f" of each of the {len(ranks[1])} trainer ranks" if ranks else ""))
+        if ranks is not None:  # rank 0's are this process's
+            py["ranks"] = [rank_py for rank_py, _ in ranks[1][1:]]
+            tensors.update({f"rank{r}/{k}": t for r, (_, rank_tensors) in
+                            enumerate(ranks[1]) if r for k, t in rank_tensors.items()})
         torch.save(tensors, new / "rng.pt")
         manager = manager_state(rollouts, step)
         # the open groups' results are left out: the resumed run samples them again
@@ -251,8 +260,7 @@ def save_rl(run: Any, learner: Any, rollouts: RolloutManager, record: StepRecord
             frozenset(t["metadata"][DRAW] for t in manager["open_tasks"])))
         adapters = ([] if run.lora is None else [ADAPTER_DIR] if not run.lora.has_reference()
                     else [ADAPTER_DIR, f"{ADAPTER_DIR}/reference"])
-        holds = ["model", *adapters, *saved,
-                 f"rng ({', '.join(['python', 'numpy', *tensors])})",
+        holds = ["model", *adapters, *saved, rng,
                  f"task stream ({manager['pulled']} drawn, {len(manager['open_tasks'])} "
                  f"open groups)",
                  *([] if drawing is None else
@@ -271,9 +279,11 @@ def save_rl(run: Any, learner: Any, rollouts: RolloutManager, record: StepRecord
     return write_checkpoint(run.dir, step, run.cfg.checkpoint.keep, parts)
 
 
-def learner_tensors(learner: Any) -> dict[str, Any]:
-    """The optimizer's state, and the reference model's and critic's when they exist."""
-    out: dict[str, Any] = {"optimizer": learner.trainer.optimizer.state_dict()}
+def learner_tensors(learner: Any, optimizer: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The optimizer's state (`optimizer`: the full one of train.world_size > 1, gathered from
+    the ranks), and the reference model's and critic's when they exist."""
+    out: dict[str, Any] = {"optimizer": optimizer if optimizer is not None
+                           else learner.trainer.optimizer.state_dict()}
     if _own_ref(learner):
         out["ref"] = learner.ref.state_dict()
     if learner.critic is not None:
@@ -297,7 +307,15 @@ def restore_rl(ckpt: Checkpoint, learner: Any, record: StepRecorder,
     saved = load_tensors(ckpt.path / "trainer.pt")
     check_tensors(learner.cfg, ckpt, sorted(saved))
     try:
-        learner.trainer.optimizer.load_state_dict(saved["optimizer"])
+        if isinstance(learner.trainer, Leader):  # each rank its shard and RNG states
+            rng = load_tensors(ckpt.path / "rng.pt")
+            ranks = [None, *((py, {k.split("/", 1)[1]: t for k, t in rng.items()
+                                   if k.startswith(f"rank{r}/")})
+                             for r, py in enumerate(ckpt.state["rng"]["ranks"], start=1))]
+            learner.trainer.load_checkpoint_state(saved["optimizer"], ranks,
+                                                  ckpt.state["trainer_version"])
+        else:
+            learner.trainer.optimizer.load_state_dict(saved["optimizer"])
         if "ref" in saved:
             learner.ref.load_state_dict(saved["ref"])
         elif REFERENCE_ADAPTER in ckpt.marker["files"]:  # model.lora: the frozen adapter

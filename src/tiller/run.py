@@ -221,8 +221,9 @@ class Run:
                         if cfg.train.world_size > 1 else
                         LoraTrainer(self.lora, **vars(options)) if self.lora is not None else
                         PolicyTrainer(self.model, **vars(options)))
-        if self.resume is not None:
-            self.trainer.version = self.resume.state["trainer_version"]
+        if self.resume is not None:  # and the copy weight sync pushes (ranks: the gathered one)
+            self.trainer.version = self.trainer.publisher.version = self.resume.state[
+                "trainer_version"]
 
     def _start_engine(self, stack: ExitStack) -> None:
         """The engine, registered on `stack`, and its first weights checked."""

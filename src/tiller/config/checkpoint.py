@@ -14,9 +14,12 @@ class CheckpointConfig(Section):
     where it stopped."""
 
     every: int = Field(0, ge=0, description="write one after every `every` RL steps (and after "
-                       "the last one); 0: none. Not with train.world_size > 1: refused "
-                       "before any work. Under cluster.backend ray a resume starts a fresh Ray "
-                       "instance (or connects to cluster.address) and new rollout workers, and "
-                       "pushes the checkpoint's weights to every engine (docs/resume.md)")
+                       "the last one); 0: none. With train.world_size > 1 every rank's "
+                       "optimizer state is gathered to rank 0 into it; not yet with "
+                       "train.world_size > 1 together with model.lora, the KL term or a critic "
+                       "(their sharded state is not saved): refused before any work. Under "
+                       "cluster.backend ray a resume starts a fresh Ray instance (or connects "
+                       "to cluster.address) and new rollout workers, and pushes the "
+                       "checkpoint's weights to every engine (docs/resume.md)")
     keep: int = Field(2, ge=1, description="how many of the newest complete ones to keep; "
                       "older ones are removed once a newer one is complete")

@@ -13,6 +13,11 @@ equals the single-rank gradient in every aggregation mode, and `clip_grad_norm_`
 sharded gradients clips by the global norm. After each step the full weights are gathered into
 rank 0's plain copy (`publisher`), which weight sync pushes to the engine, the parity check
 scores and `Run.save` writes.
+
+A checkpoint (`resume.save_rl`) gathers the rest of the ranks' state to rank 0 (`state`): the
+optimizer's, full (`get_optimizer_state_dict(full_state_dict=True)`, keyed by parameter
+name), and every rank's RNG states; a resume hands it back (`load_state`): the optimizer's
+broadcast from rank 0 and resharded, each rank its own RNG states and the weight version.
 """
 
 from __future__ import annotations
@@ -28,10 +33,16 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from tiller.checkpoints import pause, rng_state, set_rng_state
 from tiller.config import CriticConfig, LoRAConfig, TrainConfig
 from tiller.engine.updates import WeightUpdate
 from tiller.errors import RunError
@@ -45,11 +56,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# what every rank runs, in the same order: the calls that train (the weights move), and those
-# that set up the optimizer, the KL reference model and the critic
+# what every rank runs, in the same order: the calls that train (the weights move), those
+# that set up the optimizer, the KL reference model and the critic, and a checkpoint's gather
+# and a resume's load of the ranks' state
 TRAINING = ("sft_step", "rl_step")
 STEPS = ("set_optimizer", "reference", "drop_reference", "new_critic", "critic_state",
-         *TRAINING)
+         "state", "load_state", *TRAINING)
+# RankState: what a checkpoint holds of one rank besides the weights: its Python and numpy
+# RNG states (JSON) and torch's (tensors), as `checkpoints.rng_state` gives them
+RankState = tuple[dict[str, Any], dict[str, torch.Tensor]]
 
 
 def rank_rows(rows: torch.Tensor, lengths: torch.Tensor, world: int, rank: int, size: int,
@@ -164,6 +179,10 @@ class RankSteps:
     def rank(self) -> int:
         return self.rows.rank
 
+    @property
+    def world(self) -> int:
+        return self.rows.world
+
     def run(self, name: str, args: tuple, lrs: list[float]) -> Any:
         """One step of `STEPS` on this rank, at the leader's learning rates (its LR
         schedule); a step that trains ends with `after_step`."""
@@ -264,6 +283,35 @@ class RankTrainer(RankSteps, PolicyTrainer):
         self.view.version = self.version
         return sum(t.numel() * t.element_size() for t in state.values()) if self.rank == 0 else 0
 
+    def state(self) -> tuple[dict[str, Any], list[RankState]] | None:
+        """A checkpoint's share of this rank (a collective: every rank calls it): on rank 0
+        the optimizer's full state (each tensor whole, on the CPU, keyed by parameter name)
+        and every rank's RNG states, by rank; None on the others. Rank 0 first waits at the
+        checkpoint test hook's "ranks" phase (`checkpoints.PAUSE_ENV`), the others already in
+        the gather."""
+        assert self.optimizer is not None, "call set_optimizer first"
+        if self.rank == 0:
+            pause("ranks")
+        optim = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True))
+        rngs: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(rng_state(), rngs, dst=0)
+        return (optim, rngs) if rngs is not None else None
+
+    def load_state(self, optim: dict[str, Any] | None, rng: RankState | None,
+                   version: int) -> None:
+        """A resume's share of this rank (a collective): the optimizer's full state `optim`
+        (`state`'s; rank 0's, None on the others) broadcast from rank 0, each rank keeping
+        its shard; this rank's RNG states `rng` (rank 0's are put back with the run's, None
+        here) and the checkpoint's weight version (what staleness is measured against)."""
+        assert self.optimizer is not None, "call set_optimizer first"
+        set_optimizer_state_dict(self.model, self.optimizer, optim or {},
+                                 options=StateDictOptions(full_state_dict=True,
+                                                          broadcast_from_rank0=True))
+        if rng is not None:
+            set_rng_state(*rng)
+        self.version = self.view.version = version
+
 
 @torch.no_grad()
 def copy_shards(dst: nn.Module, src: nn.Module) -> None:
@@ -345,13 +393,14 @@ class Leading:
         super().__init__(first, 0, world, options)  # type: ignore[call-arg]
         self.ranks, self.timeout_s, self.folder = ranks, timeout_s, folder
 
-    def _everywhere(self, name: str, args: tuple) -> Any:
+    def _everywhere(self, name: str, args: tuple, by_rank: list[tuple] | None = None) -> Any:
+        """`name` run on every rank, with `args`, or with `by_rank[r]` on rank r."""
         lrs = ([g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None
                else [])
         for r in self.ranks:
-            r.send(name, args, lrs)
+            r.send(name, args if by_rank is None else by_rank[r.rank], lrs)
         try:
-            out = self.run(name, args, lrs)  # type: ignore[attr-defined]
+            out = self.run(name, args if by_rank is None else by_rank[0], lrs)
         except Exception as e:  # a collective that failed: a rank that died or failed says which
             for r in self.ranks:
                 if (how := r.ended()) is not None:
@@ -389,6 +438,22 @@ class Leading:
                            "ones the trainer's ranks made (reference, new_critic)")
         return self._everywhere("rl_step", (batch, cfg, l_max, ref_model is not None,
                                             critic is not None, step))
+
+    def checkpoint_state(self) -> tuple[dict[str, Any], list[RankState]]:
+        """The optimizer's full state and every rank's RNG states (`RankTrainer.state`),
+        gathered here from every rank."""
+        return self._everywhere("state", ())
+
+    def load_checkpoint_state(self, optim: dict[str, Any], rngs: list[RankState | None],
+                              version: int) -> None:
+        """`checkpoint_state`'s `optim` and `rngs` (rank 0's entry None: the run puts its RNG
+        states back itself) and the weight version, put back on every rank; a checkpoint of
+        another world size does not get here (`resume.check_config` refuses
+        train.world_size changed)."""
+        if len(rngs) != self.world:
+            raise ValueError(f"{len(rngs)} ranks' RNG states for {self.world} ranks")
+        self._everywhere("load_state", (), [(optim if r == 0 else None, rngs[r], version)
+                                            for r in range(self.world)])
 
     def close(self) -> None:
         """Stop every other rank, leave the process group, remove the rendezvous folder."""
