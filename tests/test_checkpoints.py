@@ -17,7 +17,6 @@ from helpers import cli
 from tiller.checkpoints import (
     KEEP_SKIPPED,
     MARKER,
-    PAUSE_ENV,
     STATE_KEYS,
     complete_checkpoints,
     describe,
@@ -29,6 +28,7 @@ from tiller.checkpoints import (
 from tiller.errors import ConfigError
 from tiller.observe.metrics import MetricsLogger
 from tiller.rollout.resume import check_drawn
+from tiller.train.process_state import PAUSE_ENV
 
 FILES = ("model/model.safetensors", "model/config.json", "trainer.pt", "rng.pt")
 

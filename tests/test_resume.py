@@ -26,13 +26,14 @@ import torch
 from helpers import RL_MOVES, TINY_RUN, cli, numbers, tiny_rl
 from safetensors.torch import load_file
 
-from tiller.checkpoints import MARKER, PAUSE_ENV, complete_checkpoints, verify
+from tiller.checkpoints import MARKER, complete_checkpoints, verify
 from tiller.config import load_config
 from tiller.controller import train
 from tiller.errors import ConfigError, RunError
 from tiller.plugins import load_env_class
 from tiller.preflight import rl_task_count
 from tiller.seeds import derive_seed
+from tiller.train.process_state import PAUSE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 # a tiny calculator run: SFT, 4 RL steps (a checkpoint after each) and the final eval

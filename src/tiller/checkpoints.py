@@ -41,7 +41,6 @@ import importlib.metadata
 import json
 import logging
 import os
-import random
 import re
 import time
 from collections import Counter
@@ -50,12 +49,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from tiller.config import Config
 from tiller.errors import ConfigError
 from tiller.files import remove_tree, replacing
+from tiller.train.process_state import pause
 
 log = logging.getLogger(__name__)
 
@@ -70,15 +69,6 @@ REQUIRED = ("model/model.safetensors", "model/config.json", "trainer.pt", "rng.p
             "state.json")
 # and, of a run under model.lora (its state.json's config), the adapter resume loads
 ADAPTER_FILES = ("adapter/adapter_config.json", "adapter/adapter_model.safetensors")
-# Test hook (tests/test_resume.py), not a setting: "PHASE:SECONDS" makes each checkpoint write
-# sleep SECONDS at PHASE, so a test can SIGKILL the run (or a trainer rank) there. The phases,
-# in order: "ranks" (train.world_size > 1: the model written, rank 0 about to join the gather
-# of the ranks' optimizer and RNG states, the other ranks in it: `train.distributed`), "files"
-# (the weights and tensors written, state.json not yet), "marker" (everything but the
-# marker written), "rename" (the folder whole and fsynced, not yet renamed into place),
-# "remove" (an old checkpoint past checkpoint.keep renamed aside, not yet removed).
-PAUSE_ENV = "TILLER_TEST_CHECKPOINT_PAUSE"
-PAUSES = ("ranks", "files", "marker", "rename", "remove")
 # what state.json holds (`save_rl`); a resume reads each
 STATE_KEYS = ("step", "trainer_version", "engine_version", "rng", "holds", "tensors",
               "manager", "curriculum", "recorder", "idle_steps", "metrics_bytes", "summary",
@@ -101,16 +91,6 @@ def tiller_version() -> str:
         return "unknown"
 
 
-def pause(phase: str) -> None:
-    """The test hook's sleep at `phase` (PAUSE_ENV); a value it cannot read stops loudly."""
-    value = os.environ.get(PAUSE_ENV, "")
-    if not value:
-        return
-    at, _, seconds = value.partition(":")
-    if at not in PAUSES:
-        raise ValueError(f"{PAUSE_ENV}={value!r}: PHASE:SECONDS, PHASE one of {PAUSES}")
-    if at == phase:
-        time.sleep(float(seconds))
 ADAPTER_DIR = "adapter"  # model.lora: the adapter, as peft saves it, beside the merged model
 # model.lora with the KL term on: the reference adapter (the policy's at RL start), in peft's
 # subfolder for a second adapter; a resume needs it while the KL term is on
@@ -337,29 +317,6 @@ def newest_checkpoint(run_dir: Path) -> Checkpoint:
                           f"{checkpoint_dir(run_dir)} (a run writes them with "
                           f"checkpoint.every > 0)")
     return verify(_read_marker(*marked[0]))
-
-
-def rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Python's and numpy's generator states (JSON) and torch's (tensors)."""
-    version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    py = {"python": [version, list(internal), gauss],
-          "numpy": [name, keys.tolist(), pos, has_gauss, cached]}
-    tensors = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        tensors.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    return py, tensors
-
-
-def set_rng_state(py: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-    version, internal, gauss = py["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = py["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(tensors["torch"])
-    cuda = [tensors[f"cuda{i}"] for i in range(torch.cuda.device_count()) if f"cuda{i}" in tensors]
-    if cuda:
-        torch.cuda.set_rng_state_all(cuda)
 
 
 def load_tensors(path: Path) -> Any:

@@ -27,8 +27,6 @@ from tiller.checkpoints import (
     load_tensors,
     model_fingerprint,
     newest_checkpoint,
-    rng_state,
-    set_rng_state,
     write_checkpoint,
 )
 from tiller.config import Config
@@ -42,6 +40,7 @@ from tiller.preflight import rl_task_reserve, rl_train_tasks
 from tiller.rollout.curriculum import DRAW, Curriculum, make_curriculum
 from tiller.rollout.resume import check_drawn, manager_state
 from tiller.train.distributed import Leader
+from tiller.train.process_state import rng_state, set_rng_state
 
 if TYPE_CHECKING:
     from tiller.observe.steps import StepRecorder

@@ -42,12 +42,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from tiller.checkpoints import pause, rng_state, set_rng_state
 from tiller.config import CriticConfig, LoRAConfig, TrainConfig
 from tiller.engine.updates import WeightUpdate
 from tiller.errors import RunError
 from tiller.train.batch import Batch, micro_batches
 from tiller.train.lora import Lora, LoraTrainer
+from tiller.train.process_state import pause, rng_state, set_rng_state
 from tiller.train.rows import Rows
 from tiller.train.trainer import PolicyTrainer
 
@@ -63,7 +63,7 @@ TRAINING = ("sft_step", "rl_step")
 STEPS = ("set_optimizer", "reference", "drop_reference", "new_critic", "critic_state",
          "state", "load_state", *TRAINING)
 # RankState: what a checkpoint holds of one rank besides the weights: its Python and numpy
-# RNG states (JSON) and torch's (tensors), as `checkpoints.rng_state` gives them
+# RNG states (JSON) and torch's (tensors), as `train.process_state.rng_state` gives them
 RankState = tuple[dict[str, Any], dict[str, torch.Tensor]]
 
 
@@ -287,8 +287,8 @@ class RankTrainer(RankSteps, PolicyTrainer):
         """A checkpoint's share of this rank (a collective: every rank calls it): on rank 0
         the optimizer's full state (each tensor whole, on the CPU, keyed by parameter name)
         and every rank's RNG states, by rank; None on the others. Rank 0 first waits at the
-        checkpoint test hook's "ranks" phase (`checkpoints.PAUSE_ENV`), the others already in
-        the gather."""
+        checkpoint test hook's "ranks" phase (`train.process_state.PAUSE_ENV`), the others
+        already in the gather."""
         assert self.optimizer is not None, "call set_optimizer first"
         if self.rank == 0:
             pause("ranks")

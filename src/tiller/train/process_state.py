@@ -1,0 +1,57 @@
+"""What a checkpoint takes from each trainer process besides the weights: its generators'
+states (`rng_state`, `set_rng_state`), and the checkpoint writes' test hook (`pause`). Here,
+below `tiller.checkpoints`, so that trainer ranks (`train.distributed`) use them too."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+# Test hook (tests/test_resume.py), not a setting: "PHASE:SECONDS" makes each checkpoint write
+# sleep SECONDS at PHASE, so a test can SIGKILL the run (or a trainer rank) there. The phases,
+# in order: "ranks" (train.world_size > 1: the model written, rank 0 about to join the gather
+# of the ranks' optimizer and RNG states, the other ranks in it: `train.distributed`), "files"
+# (the weights and tensors written, state.json not yet), "marker" (everything but the
+# marker written), "rename" (the folder whole and fsynced, not yet renamed into place),
+# "remove" (an old checkpoint past checkpoint.keep renamed aside, not yet removed).
+PAUSE_ENV = "TILLER_TEST_CHECKPOINT_PAUSE"
+PAUSES = ("ranks", "files", "marker", "rename", "remove")
+
+def pause(phase: str) -> None:
+    """The test hook's sleep at `phase` (PAUSE_ENV); a value it cannot read stops loudly."""
+    value = os.environ.get(PAUSE_ENV, "")
+    if not value:
+        return
+    at, _, seconds = value.partition(":")
+    if at not in PAUSES:
+        raise ValueError(f"{PAUSE_ENV}={value!r}: PHASE:SECONDS, PHASE one of {PAUSES}")
+    if at == phase:
+        time.sleep(float(seconds))
+
+
+def rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Python's and numpy's generator states (JSON) and torch's (tensors)."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    py = {"python": [version, list(internal), gauss],
+          "numpy": [name, keys.tolist(), pos, has_gauss, cached]}
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return py, tensors
+
+
+def set_rng_state(py: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    version, internal, gauss = py["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = py["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(tensors["torch"])
+    cuda = [tensors[f"cuda{i}"] for i in range(torch.cuda.device_count()) if f"cuda{i}" in tensors]
+    if cuda:
+        torch.cuda.set_rng_state_all(cuda)
