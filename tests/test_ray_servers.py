@@ -262,12 +262,12 @@ def test_vllm_servers_on_cuda_without_a_gpu_stop_the_run(tmp_path):
 def test_a_server_on_cuda_is_placed_with_a_gpu(tmp_path, local_ray):
     """vLLM on CUDA (engine.gpus=1) under ray: each server's bundle reserves a GPU (1 GPU
     declared to the local instance; no GPU here), the server process gets it as
-    CUDA_VISIBLE_DEVICES; `tiller serve` (CPU only), vLLM on CPU, or vLLM under
-    cluster.backend local reserve none."""
+    CUDA_VISIBLE_DEVICES; `tiller serve` (CPU only) and vLLM on CPU reserve none (under
+    cluster.backend local engine.gpus is refused: test_knobs_without_effect_refused_in_one_line)."""
     base = [*TINY_RUN, "cluster.backend=ray", *VLLM]
     assert launcher(load_config("configs/calculator.yaml", [*base, CUDA])).keywords == {
         "cpus": 1, "gpus": 1}
-    for other in (base, [*TINY_RUN, *HTTP, "engine.servers=1"], [*TINY_RUN, *VLLM, CUDA]):
+    for other in (base, [*TINY_RUN, *HTTP, "engine.servers=1"]):
         assert load_config("configs/calculator.yaml", other).server_gpus == 0
     servers = RayServers([spec("serve-0")], log_dir=tmp_path, startup_timeout_s=30, cpus=1,
                          gpus=1)
