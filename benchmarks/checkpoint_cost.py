@@ -30,6 +30,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,11 +40,11 @@ import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from tiller.checkpoints import (  # noqa: E402
+    Checkpoint,
     complete_checkpoints,
     load_tensors,
     load_weights,
     model_fingerprint,
-    rng_state,
     verify,
     write_checkpoint,
 )
@@ -52,6 +53,7 @@ from tiller.models import build_env_model, load_model, load_tokenizer, models_di
 from tiller.plugins import load_env_class  # noqa: E402
 from tiller.train.batch import Batch  # noqa: E402
 from tiller.train.distributed import TrainerOptions  # noqa: E402
+from tiller.train.process_state import add_rank_states, rank_states, rng_state  # noqa: E402
 from tiller.train.ranks import start_ranks  # noqa: E402
 
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -82,6 +84,25 @@ def stepped_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return opt
 
 
+def timed_round_trips(run_dir: Path, repeats: int, parts: Callable[[Path], dict],
+                      load: Callable[[Checkpoint], None]
+                      ) -> tuple[list[float], list[float], Checkpoint]:
+    """`repeats` checkpoints written with `parts` (timed), each verified and read back with
+    `load` (timed); the write and read seconds and the last checkpoint."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text("{}\n")
+    writes, reads = [], []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        write_checkpoint(run_dir, i + 1, 1, parts)
+        writes.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        ckpt = verify(complete_checkpoints(run_dir)[0], keys=("step",))
+        load(ckpt)
+        reads.append(time.perf_counter() - t0)
+    return writes, reads, ckpt
+
+
 def measure(name: str, model: torch.nn.Module, tokenizer: object, run_dir: Path,
             repeats: int) -> dict[str, float | str]:
     opt = stepped_optimizer(model)
@@ -96,18 +117,11 @@ def measure(name: str, model: torch.nn.Module, tokenizer: object, run_dir: Path,
         torch.save(tensors, new / "rng.pt")
         return {"step": step, "rng": py}
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text("{}\n")
-    writes, reads = [], []
-    for i in range(repeats):
-        t0 = time.perf_counter()
-        write_checkpoint(run_dir, i + 1, 1, parts)
-        writes.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        ckpt = verify(complete_checkpoints(run_dir)[0], keys=("step",))
+    def load(ckpt: Checkpoint) -> None:
         load_weights(model, ckpt)
         opt.load_state_dict(load_tensors(ckpt.path / "trainer.pt")["optimizer"])
-        reads.append(time.perf_counter() - t0)
+
+    writes, reads, ckpt = timed_round_trips(run_dir, repeats, parts, load)
     params = sum(p.numel() for p in model.parameters())
     return {"model": name, "params_M": round(params / 1e6, 2),
             "size_MiB": round(ckpt.size / 2**20, 1),
@@ -142,27 +156,17 @@ def measure_ranks(name: str, model: torch.nn.Module, tokenizer: object, run_dir:
             gathers.append(time.perf_counter() - t0)
             torch.save({"optimizer": optim}, new / "trainer.pt")
             py, tensors = rng_state()
-            py["ranks"] = [r[0] for r in rngs[1:]]
-            tensors.update({f"rank{r}/torch": rngs[r][1]["torch"] for r in range(1, world)})
+            add_rank_states(py, tensors, rngs)
             torch.save(tensors, new / "rng.pt")
             return {"step": step, "rng": py}
 
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text("{}\n")
-        writes, reads = [], []
-        for i in range(repeats):
-            t0 = time.perf_counter()
-            write_checkpoint(run_dir, i + 1, 1, parts)
-            writes.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            ckpt = verify(complete_checkpoints(run_dir)[0], keys=("step",))
+        def load(ckpt: Checkpoint) -> None:
             load_weights(model, ckpt)
-            rng = load_tensors(ckpt.path / "rng.pt")
-            rngs = [None, *((py, {"torch": rng[f"rank{r}/torch"]})
-                            for r, py in enumerate(ckpt.state["rng"]["ranks"], start=1))]
             leader.load_checkpoint_state(load_tensors(ckpt.path / "trainer.pt")["optimizer"],
-                                         rngs, 1)
-            reads.append(time.perf_counter() - t0)
+                                         rank_states(ckpt.state["rng"],
+                                                     load_tensors(ckpt.path / "rng.pt")), 1)
+
+        writes, reads, ckpt = timed_round_trips(run_dir, repeats, parts, load)
     finally:
         leader.close()
     params = sum(p.numel() for p in model.parameters())

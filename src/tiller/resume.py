@@ -40,7 +40,7 @@ from tiller.preflight import rl_task_reserve, rl_train_tasks
 from tiller.rollout.curriculum import DRAW, Curriculum, make_curriculum
 from tiller.rollout.resume import check_drawn, manager_state
 from tiller.train.distributed import Leader
-from tiller.train.process_state import rng_state, set_rng_state
+from tiller.train.process_state import add_rank_states, rank_states, rng_state, set_rng_state
 
 if TYPE_CHECKING:
     from tiller.observe.steps import StepRecorder
@@ -249,9 +249,7 @@ def save_rl(run: Any, learner: Any, rollouts: RolloutManager, record: StepRecord
         rng = (f"rng ({', '.join(['python', 'numpy', *tensors])})"
                + (f" of each of the {len(ranks[1])} trainer ranks" if ranks else ""))
         if ranks is not None:  # rank 0's are this process's
-            py["ranks"] = [rank_py for rank_py, _ in ranks[1][1:]]
-            tensors.update({f"rank{r}/{k}": t for r, (_, rank_tensors) in
-                            enumerate(ranks[1]) if r for k, t in rank_tensors.items()})
+            add_rank_states(py, tensors, ranks[1])
         torch.save(tensors, new / "rng.pt")
         manager = manager_state(rollouts, step)
         # the open groups' results are left out: the resumed run samples them again
@@ -307,10 +305,7 @@ def restore_rl(ckpt: Checkpoint, learner: Any, record: StepRecorder,
     check_tensors(learner.cfg, ckpt, sorted(saved))
     try:
         if isinstance(learner.trainer, Leader):  # each rank its shard and RNG states
-            rng = load_tensors(ckpt.path / "rng.pt")
-            ranks = [None, *((py, {k.split("/", 1)[1]: t for k, t in rng.items()
-                                   if k.startswith(f"rank{r}/")})
-                             for r, py in enumerate(ckpt.state["rng"]["ranks"], start=1))]
+            ranks = rank_states(ckpt.state["rng"], load_tensors(ckpt.path / "rng.pt"))
             learner.trainer.load_checkpoint_state(saved["optimizer"], ranks,
                                                   ckpt.state["trainer_version"])
         else:

@@ -55,3 +55,21 @@ def set_rng_state(py: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
     cuda = [tensors[f"cuda{i}"] for i in range(torch.cuda.device_count()) if f"cuda{i}" in tensors]
     if cuda:
         torch.cuda.set_rng_state_all(cuda)
+
+
+def add_rank_states(py: dict[str, Any], tensors: dict[str, torch.Tensor],
+                    ranks: list[tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> None:
+    """Every other trainer rank's states (`ranks[r]`, rank 0's being this process's, already in
+    `py` and `tensors`) added to them: `py["ranks"]` in rank order, tensors as `rank<r>/<k>`."""
+    py["ranks"] = [rank_py for rank_py, _ in ranks[1:]]
+    tensors.update({f"rank{r}/{k}": t for r, (_, rank_tensors) in enumerate(ranks) if r
+                    for k, t in rank_tensors.items()})
+
+
+def rank_states(py: dict[str, Any], tensors: dict[str, torch.Tensor]
+                ) -> list[tuple[dict[str, Any], dict[str, torch.Tensor]] | None]:
+    """`add_rank_states`'s ranks read back: None for rank 0 (this process's, put back with the
+    run's), then each other rank's (python/numpy, tensors)."""
+    return [None, *((rank_py, {k.split("/", 1)[1]: t for k, t in tensors.items()
+                               if k.startswith(f"rank{r}/")})
+                    for r, rank_py in enumerate(py["ranks"], start=1))]
