@@ -199,6 +199,10 @@ class MergedView:
     def version(self) -> int:
         return self.trainer.version
 
+    @version.setter
+    def version(self, value: int) -> None:  # a resume sets the trainer's and its publisher's
+        self.trainer.version = value
+
     def score(self, token_ids: list[int]) -> list[float]:
         return self.trainer.score(token_ids)
 
