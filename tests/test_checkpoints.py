@@ -18,6 +18,8 @@ from tiller.checkpoints import (
     KEEP_SKIPPED,
     MARKER,
     STATE_KEYS,
+    check_steps_free,
+    checkpoint_dir,
     complete_checkpoints,
     describe,
     newest_checkpoint,
@@ -120,6 +122,24 @@ def test_a_lora_checkpoint_without_its_adapter_is_refused_in_one_line(tmp_path):
     assert newest_checkpoint(tmp_path / "c").step == 1
     write(tmp_path / "d", 1, config={"model": {"lora": None}})  # no adapter without LoRA
     assert newest_checkpoint(tmp_path / "d").step == 1
+
+
+def test_a_checkpoint_is_never_written_over_an_existing_folder(tmp_path):
+    """Putting a folder over a full one takes two renames (the old aside, the new in): a kill
+    between them would leave neither. A step folder already there is refused in one line,
+    left as it was, and nothing of the new checkpoint is left behind."""
+    write(tmp_path, 1)
+    taken = checkpoint_dir(tmp_path) / "step-000002"
+    taken.mkdir()
+    (taken / "theirs").write_text("kept")
+    one_line_error(f"{taken} already exists: tiller does not write a checkpoint over an "
+                   f"existing folder", write, tmp_path, 2)
+    assert [p.name for p in taken.iterdir()] == ["theirs"]
+    assert sorted(p.name for p in checkpoint_dir(tmp_path).iterdir()) == ["step-000001",
+                                                                          "step-000002"]
+    one_line_error(f"{checkpoint_dir(tmp_path)} already holds step-000002 (why)",
+                   check_steps_free, tmp_path, 1, "why")
+    check_steps_free(tmp_path, 2, "why")  # none past step 2
 
 
 def test_verify_names_a_state_key_that_is_missing(tmp_path):

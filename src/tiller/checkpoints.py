@@ -30,8 +30,11 @@ A checkpoint folder holds:
 
 Each is written in a private temporary folder, every file and the folder fsynced, then the
 folder renamed into place (`files.replacing`) and its parent fsynced: a kill during a write
-leaves the previous checkpoint as it was. Nothing here runs code from a run folder: weights go
-through safetensors and `torch.load(weights_only=True)`, the rest is JSON.
+leaves the previous checkpoint as it was. A checkpoint is never written over an existing step
+folder (`check_steps_free`: a run, fresh or resumed, refuses one past its start before any
+work), so that rename is always one `rename(2)` onto a free name. Nothing here runs code
+from a run folder: weights go through safetensors and `torch.load(weights_only=True)`, the
+rest is JSON.
 """
 
 from __future__ import annotations
@@ -145,6 +148,9 @@ def write_checkpoint(run_dir: Path, step: int, keep: int,
     rename. Older complete checkpoints past the newest `keep` are then removed."""
     t0 = time.perf_counter()
     out = checkpoint_dir(run_dir) / f"step-{step:06d}"
+    if out.is_symlink() or out.exists():  # made while the run ran: refused at its start
+        raise ConfigError(f"{out} already exists: tiller does not write a checkpoint over an "
+                          f"existing folder (`check_steps_free`); move it away")
     with replacing(out, root=run_dir) as new:
         new.mkdir()
         state = write_parts(new)
@@ -168,6 +174,20 @@ def write_checkpoint(run_dir: Path, step: int, keep: int,
     log.info("checkpoint %s written in %.2fs%s", out, time.perf_counter() - t0,
              f"; removed {', '.join(removed)}" if removed else "")
     return out
+
+
+def check_steps_free(run_dir: Path, after: int, why: str) -> None:
+    """One line (`ConfigError`) when `run_dir`'s checkpoints folder holds a step folder past
+    step `after`, complete or not: the run writes its checkpoints under those names, and a
+    checkpoint is never written over an existing folder (no single rename can put a folder
+    over a full one, so a kill there could leave no checkpoint at all)."""
+    folder = checkpoint_dir(run_dir)
+    taken = sorted(p.name for p in (folder.iterdir() if folder.is_dir() else ())
+                   if (m := FOLDER.match(p.name)) and int(m.group(1)) > after)
+    if taken:
+        raise ConfigError(f"{folder} already holds {', '.join(taken[:3])}"
+                          f"{' and more' if len(taken) > 3 else ''} ({why}): tiller does not "
+                          f"write a checkpoint over an existing folder; move it away")
 
 
 def _describe(path: Path) -> dict[str, Any]:
