@@ -56,7 +56,7 @@ import torch
 
 from tiller.config import Config
 from tiller.errors import ConfigError
-from tiller.files import remove_tree, replacing
+from tiller.files import refuse_links, remove_tree, replacing
 from tiller.train.process_state import pause
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,9 @@ STATE_KEYS = ("step", "trainer_version", "engine_version", "rng", "holds", "tens
 # which holds a safetensors file's header, and its end among them), this many bytes each
 WEIGHT_SAMPLES, SAMPLE_BYTES = 64, 1 << 16
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# the most a checkpoint's complete.json or state.json may hold: a run folder is data, and a
+# larger one (hand-made, or not a checkpoint's) is refused as corrupt rather than read whole
+MAX_JSON_BYTES = 256 << 20
 # old checkpoints checkpoint.keep left in place because their marker could not be read
 # (another format, corrupt), in this process; each logged
 KEEP_SKIPPED: Counter[str] = Counter()
@@ -221,6 +224,10 @@ def _marked(run_dir: Path) -> list[tuple[Path, int]]:
         m = FOLDER.match(path.name)
         if m is None or not path.is_dir():
             continue
+        if path.is_symlink():  # never read, counted among the kept, or removed through
+            log.warning("checkpoint %s is a symbolic link (to %r): skipped", path,
+                        os.readlink(path))
+            continue
         if not (path / MARKER).is_file():
             log.warning("checkpoint %s has no %s (it was not written whole): skipped", path,
                         MARKER)
@@ -251,9 +258,19 @@ def _readable_checkpoints(run_dir: Path) -> list[Checkpoint]:
     return sorted(found, key=lambda c: c.step, reverse=True)
 
 
+def read_json(path: Path) -> Any:
+    """A checkpoint's JSON file, parsed; a ValueError when it is over MAX_JSON_BYTES (it is
+    not read then)."""
+    size = path.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise ValueError(f"{path.name} is {size} bytes, over the {MAX_JSON_BYTES} a "
+                         f"checkpoint's holds")
+    return json.loads(path.read_text())
+
+
 def _read_marker(path: Path, step: int) -> Checkpoint:
     try:
-        marker = json.loads((path / MARKER).read_text())
+        marker = read_json(path / MARKER)
         fmt, files, marked = marker["format"], marker["files"], marker["step"]
         if not isinstance(files, dict):
             raise TypeError(f"files is a {type(files).__name__}")
@@ -303,7 +320,7 @@ def verify(ckpt: Checkpoint, keys: tuple[str, ...] = STATE_KEYS) -> Checkpoint:
             why = "is missing" if got is None else "does not match its size and SHA-256"
             raise corrupt(f"{name} {why} in {MARKER}")
     try:
-        state = json.loads((ckpt.path / "state.json").read_text())
+        state = read_json(ckpt.path / "state.json")
         missing = [k for k in keys if k not in state]
     except (ValueError, TypeError) as e:
         raise corrupt(f"state.json does not parse ({e})") from e
@@ -329,6 +346,7 @@ def newest_checkpoint(run_dir: Path) -> Checkpoint:
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"--resume {str(run_dir)!r}: not a run folder (no config.yaml)")
+    refuse_links(checkpoint_dir(run_dir))  # before a file is read through it
     # only the newest marker is read: an older checkpoint checkpoint.keep left in place
     # (another format, a marker that does not parse) does not block the resume
     marked = sorted(_marked(run_dir), key=lambda found: found[1], reverse=True)
@@ -391,6 +409,10 @@ def describe(run_dir: Path) -> list[dict[str, Any]]:
         m = FOLDER.match(path.name)
         if m is None or not path.is_dir():
             continue
+        if path.is_symlink():  # not read through
+            rows.append({"name": path.name, "step": int(m.group(1)), "bytes": 0, "holds": [],
+                         "status": f"a symbolic link (to {os.readlink(path)!r}): not read"})
+            continue
         size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
         row = {"name": path.name, "step": int(m.group(1)), "bytes": size, "holds": []}
         try:
@@ -408,7 +430,7 @@ def _holds(path: Path) -> list[str]:
     """state.json's `holds` (what the checkpoint holds, as names), for `describe`; one line
     (`ConfigError`) when state.json does not parse or holds is not a list of names."""
     try:
-        holds = json.loads(path.read_text())["holds"]
+        holds = read_json(path)["holds"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"corrupt: state.json does not parse ({type(e).__name__}: "
                           f"{e})") from e
