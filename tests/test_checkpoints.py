@@ -143,6 +143,10 @@ def test_a_checkpoint_is_never_written_over_an_existing_folder(tmp_path):
     one_line_error(f"{checkpoint_dir(tmp_path)} already holds step-000002 (why)",
                    check_steps_free, tmp_path, 1, "why")
     check_steps_free(tmp_path, 2, "why")  # none past step 2
+    # a resume from step 1 would write its step 2 there
+    one_line_error(f"{checkpoint_dir(tmp_path)} already holds step-000002 (not a complete "
+                   f"checkpoint, past step-000001 the run resumes from)", newest_checkpoint,
+                   tmp_path)
 
 
 def test_verify_names_a_state_key_that_is_missing(tmp_path):

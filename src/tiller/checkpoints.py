@@ -215,9 +215,9 @@ def _fsync_tree(folder: Path) -> None:
     _fsync(folder)
 
 
-def _marked(run_dir: Path) -> list[tuple[Path, int]]:
+def _marked(run_dir: Path, warn: bool = True) -> list[tuple[Path, int]]:
     """The step folders with a marker, and their steps; a folder without one (a copy cut
-    short) is skipped with a warning."""
+    short) is skipped, with a warning when `warn`."""
     found = []
     folder = checkpoint_dir(run_dir)
     for path in folder.iterdir() if folder.is_dir() else ():
@@ -229,8 +229,9 @@ def _marked(run_dir: Path) -> list[tuple[Path, int]]:
                         os.readlink(path))
             continue
         if not (path / MARKER).is_file():
-            log.warning("checkpoint %s has no %s (it was not written whole): skipped", path,
-                        MARKER)
+            if warn:
+                log.warning("checkpoint %s has no %s (it was not written whole): skipped",
+                            path, MARKER)
             continue
         found.append((path, int(m.group(1))))
     return found
@@ -342,19 +343,25 @@ def _lora(state: dict[str, Any]) -> bool:
 
 
 def newest_checkpoint(run_dir: Path) -> Checkpoint:
-    """The newest complete checkpoint of `run_dir`, verified; one line when there is none."""
+    """The newest complete checkpoint of `run_dir`, verified; one line when there is none, or
+    when a step folder without a marker lies past it (`check_steps_free`)."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"--resume {str(run_dir)!r}: not a run folder (no config.yaml)")
     refuse_links(checkpoint_dir(run_dir))  # before a file is read through it
     # only the newest marker is read: an older checkpoint checkpoint.keep left in place
     # (another format, a marker that does not parse) does not block the resume
-    marked = sorted(_marked(run_dir), key=lambda found: found[1], reverse=True)
+    marked = sorted(_marked(run_dir, warn=False), key=lambda found: found[1], reverse=True)
     if not marked:
         raise ConfigError(f"--resume {str(run_dir)!r}: no complete checkpoint in "
                           f"{checkpoint_dir(run_dir)} (a run writes them with "
                           f"checkpoint.every > 0)")
-    return verify(_read_marker(*marked[0]))
+    # the resumed run writes its checkpoints past it: none may be there (a folder without a
+    # marker, a copy cut short), as none is written over a folder
+    path, step = marked[0]
+    check_steps_free(run_dir, step, f"not a complete checkpoint, past {path.name} the run "
+                                    f"resumes from")
+    return verify(_read_marker(path, step))
 
 
 def load_tensors(path: Path) -> Any:

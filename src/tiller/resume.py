@@ -23,7 +23,6 @@ from tiller.checkpoints import (
     ADAPTER_DIR,
     REFERENCE_ADAPTER,
     Checkpoint,
-    check_steps_free,
     checkpoint_dir,
     load_tensors,
     model_fingerprint,
@@ -80,9 +79,8 @@ def check_resume(cfg: Config, ckpt: Checkpoint, run_dir: Path) -> list[str]:
     run folder is touched: checkpoint.every 0, a config change that breaks the run
     (`check_config`), rl.steps below the checkpoint's step or a task stream that no longer
     holds the tasks it drew (`check_stream`), trainer parts the config does not fit
-    (`check_tensors`), a metrics.jsonl shorter than at the checkpoint, a step folder past the
-    checkpoint (`check_steps_free`: the resumed run writes its checkpoints there), or a
-    symbolic link in the run folder (`check_no_links`). The safe config changes."""
+    (`check_tensors`), a metrics.jsonl shorter than at the checkpoint, or a symbolic link
+    in the run folder (`check_no_links`). The safe config changes."""
     if not cfg.checkpoint.every:
         raise ConfigError("--resume: config field checkpoint.every is 0; resume with the "
                           "run's config (its checkpoint.every)")
@@ -100,8 +98,6 @@ def check_resume(cfg: Config, ckpt: Checkpoint, run_dir: Path) -> list[str]:
     if size < length:
         raise ConfigError(f"--resume: {metrics} is shorter ({size} bytes) than when "
                           f"checkpoint {ckpt.path.name} was written ({length} bytes)")
-    check_steps_free(run_dir, ckpt.step, f"not a complete checkpoint, past "
-                     f"{ckpt.path.name} the run resumes from")
     check_no_links(run_dir)
     return changes
 
