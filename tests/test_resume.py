@@ -29,7 +29,6 @@ from safetensors.torch import load_file
 from tiller.checkpoints import MARKER, complete_checkpoints, verify
 from tiller.config import load_config
 from tiller.controller import train
-from tiller.engine.servers import WATCH_TAG
 from tiller.errors import ConfigError, RunError
 from tiller.plugins import load_env_class
 from tiller.preflight import rl_task_count
@@ -117,6 +116,22 @@ def kill_mid_checkpoint(run: Path, phase: str, rng: random.Random, *args: str,
         assert list((run / "checkpoints").glob(".step-*.*.tmp"))  # the half-written one
 
 
+def kill_in_train_step(run: Path, rng: random.Random) -> None:
+    """Resume `run` with each RL step paused 3 s between its batch shaped and its optimizer
+    step (the test hook's phase "train"), and SIGKILL it inside the first pause: the kill
+    lands in a train step, the checkpoint resumed from stays the newest."""
+    before = [c.step for c in complete_checkpoints(run)]
+    proc = tiller("train", "--resume", str(run), pause="train:3")
+    said: list[str] = []  # what the run printed so far, read as it comes
+    reader = threading.Thread(target=lambda: said.extend(iter(proc.stdout.readline, "")),
+                              daemon=True)
+    reader.start()
+    kill_when(proc, lambda: any(f"{PAUSE_ENV}: 3 s at train" in line for line in said),
+              rng.uniform(0.3, 1.5))
+    reader.join(30)
+    assert [c.step for c in complete_checkpoints(run)] == before
+
+
 def weights(run: Path) -> dict[str, torch.Tensor]:
     return load_file(run / "checkpoints" / "final" / "model.safetensors")
 
@@ -140,18 +155,20 @@ def sync_whole(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("seed, phases", [(24, ("files", "rename")), (5, ("marker", "remove"))])
 def test_sync_run_killed_at_seeded_moments_resumes_bit_identically(sync_whole, tmp_path, seed,
                                                                    phases):
-    """Three kills, each asserted to land: one at a seeded moment after step 2's row (step
-    3's rollouts or train step, or checkpoint 2's write), then two inside checkpoint writes,
-    at the phases of the test hook (the seed's two of: while the files are written, before
-    the marker, before the rename, while an old checkpoint is removed)."""
+    """Four kills, each asserted to land: one at a seeded moment after step 2's row (step
+    3's rollouts or train step, or checkpoint 2's write), one inside a train step (its batch
+    shaped, its optimizer step not taken), then two inside checkpoint writes, at the phases
+    of the test hook (the seed's two of: while the files are written, before the marker,
+    before the rename, while an old checkpoint is removed)."""
     ref, run = sync_whole, tmp_path / "run"
     rng = random.Random(seed)  # where each kill lands
     proc = tiller("train", "configs/calculator.yaml", *RUN, "-o", str(run))
     kill_when(proc, lambda: rl_rows(run) >= 2, rng.uniform(0.0, 0.3))
+    kill_in_train_step(run, rng)
     for phase in phases:
         kill_mid_checkpoint(run, phase, rng)
     finish(tiller("train", "--resume", str(run)))
@@ -792,21 +809,6 @@ MANAGED = [*RUN, "engine.backend=http", "engine.servers=1", "runtime.threads=1",
 MANAGED_TIMEOUT_S = 900
 
 
-def watches(groups: list[int]) -> list[int]:
-    """The processes watching the server process groups `groups` (engine.servers' `_watch`:
-    detached from the run, they kill a group whose run is gone)."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().split(b"\0")
-        except OSError:  # gone meanwhile
-            continue
-        tag = WATCH_TAG.encode()
-        if tag in args and int(args[args.index(tag) - 2]) in groups:
-            found.append(int(cmdline.parent.name))
-    return found
-
-
 def started(launch: list[str]) -> int:
     """The server process's pid, from its launch's lines (uvicorn's start-up line)."""
     return int(next(re.search(r"Started server process \[(\d+)\]", line)[1]
@@ -838,20 +840,18 @@ def test_resume_after_the_runs_managed_server_died_with_it(tmp_path):
            MANAGED_TIMEOUT_S)
     proc = tiller("train", "configs/calculator.yaml", *MANAGED, "-o", str(run))
     below: list[int] = []
-    watch: list[int] = []
 
     def ready() -> bool:  # step 2 logged: its server is up; its processes noted
         if rl_rows(run) < 2:
             return False
         below.extend(descendants(proc.pid))
-        watch.extend(watches(below))  # each server's watch, which runs on its own
         return True
 
     kill_when(proc, ready, rng.uniform(0.0, 0.3), MANAGED_TIMEOUT_S)
     (first,) = launches(run / "servers" / "serve-0.log")
     server = started(first)
-    assert server in below and len(watch) == 1, (server, below, watch)
-    gone(below + watch, timeout_s=30)  # the server (and its watch) died with the run
+    assert server in below, (server, below)
+    gone(below, timeout_s=30)  # the server (PR_SET_PDEATHSIG) died with the run
     killed_at = verify(complete_checkpoints(run)[0]).state
     assert killed_at["step"] >= 1
     finish(tiller("train", "--resume", str(run)), MANAGED_TIMEOUT_S)

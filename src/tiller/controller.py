@@ -46,6 +46,7 @@ from tiller.rollout.trajectory import Status, Trajectory, is_success
 from tiller.run import Run
 from tiller.tools.executor import ToolReliabilityError
 from tiller.train.batch import Batch
+from tiller.train.process_state import pause
 from tiller.train.reward_control import RewardControl
 from tiller.train.sft import train_sft
 from tiller.train.shaping import KeyStepFn, judged, rl_batch, train_reward
@@ -195,6 +196,7 @@ def rl(run: Run, after_step: Callable[[int], None] | None = None,
             taken = record.taken(rollouts.next_batch(step))
             if idle.trainable(step, taken):
                 batch, shaping = learner.shape(taken, step)
+                pause("train")  # the test hook (tests/test_resume.py)
                 record.trained(batch, shaping, learner.train(batch, step))
                 record.pushed(run.push_weights(in_flight))
             record.end(rollouts)
