@@ -11,7 +11,9 @@ trainer.pt (the optimizer's state), rng.pt and a state.json. The rollout state i
 state.json is a few KB more (the task ids drawn so far). Reading back is `verify` (hashing
 every file) plus `load_weights` and the optimizer's `load_state_dict`, of the checkpoint just
 written: its files are in the page cache (hot), so the read-back time leaves out the disk's.
-A last row times `model_fingerprint` over the fetched SmolLM2-135M, when it is fetched.
+When SmolLM2-135M-Instruct is fetched (in `tiller.models.models_dir()`: $TILLER_MODELS_DIR,
+else ~/.cache/tiller/models) it is measured as well, and a last row times `model_fingerprint`
+over it; when it is not, a line on stderr says both rows are skipped.
 
 With `--ranks N` (N > 1) each model is measured once more on N trainer ranks (FSDP2 over
 gloo, `train.ranks.start_ranks`, spawned processes) after one SFT step on random tokens:
@@ -56,6 +58,7 @@ from tiller.train.distributed import TrainerOptions  # noqa: E402
 from tiller.train.process_state import add_rank_states, rank_states, rng_state  # noqa: E402
 from tiller.train.ranks import start_ranks  # noqa: E402
 
+SMOLLM2_NAME = "smollm2-135m-instruct"  # in models_dir() once `tiller fetch`ed
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                     head_dim=64, tie_word_embeddings=True, max_position_embeddings=8192)
@@ -177,7 +180,7 @@ def measure_ranks(name: str, model: torch.nn.Module, tokenizer: object, run_dir:
             "read_s_median": round(sorted(reads)[len(reads) // 2], 2)}
 
 
-def fingerprint_cost(name: str = "smollm2-135m-instruct") -> dict[str, float | str] | None:
+def fingerprint_cost(name: str = SMOLLM2_NAME) -> dict[str, float | str] | None:
     """`model_fingerprint` (what a checkpoint records of model.path, read at each
     checkpointed run's start and each resume) of the fetched SmolLM2-135M, against SHA-256
     of its files whole; page cache hot (read once first). None when it is not fetched."""
@@ -216,6 +219,13 @@ def main() -> None:
                 ranks = root / f"{folder}-ranks"
                 rows.append(measure_ranks(name, *make(ranks), ranks, args.repeats,
                                           args.ranks))
+        smollm2 = models_dir() / SMOLLM2_NAME
+        if (smollm2 / "config.json").is_file():  # the real ~135M model, fetched
+            rows.append(measure(f"{SMOLLM2_NAME} (fetched)", load_model(smollm2, torch.float32),
+                                load_tokenizer(smollm2), root / "smollm2", args.repeats))
+        else:
+            print(f"{SMOLLM2_NAME} rows skipped: not fetched in {models_dir()} (tiller fetch "
+                  f"{SMOLLM2_NAME}, or TILLER_MODELS_DIR)", file=sys.stderr)
     for row in [*rows, fingerprint_cost()]:
         if row is not None:
             print(json.dumps(row))

@@ -14,10 +14,14 @@ from pathlib import Path
 import pytest
 from helpers import cli
 
+from tiller import checkpoints
 from tiller.checkpoints import (
     KEEP_SKIPPED,
     MARKER,
     STATE_KEYS,
+    Checkpoint,
+    check_steps_free,
+    checkpoint_dir,
     complete_checkpoints,
     describe,
     newest_checkpoint,
@@ -27,7 +31,8 @@ from tiller.checkpoints import (
 )
 from tiller.errors import ConfigError
 from tiller.observe.metrics import MetricsLogger
-from tiller.rollout.resume import check_drawn
+from tiller.resume import prepare_run_dir
+from tiller.rollout.resume import check_drawn, check_state
 from tiller.train.process_state import PAUSE_ENV
 
 FILES = ("model/model.safetensors", "model/config.json", "trainer.pt", "rng.pt")
@@ -122,6 +127,28 @@ def test_a_lora_checkpoint_without_its_adapter_is_refused_in_one_line(tmp_path):
     assert newest_checkpoint(tmp_path / "d").step == 1
 
 
+def test_a_checkpoint_is_never_written_over_an_existing_folder(tmp_path):
+    """Putting a folder over a full one takes two renames (the old aside, the new in): a kill
+    between them would leave neither. A step folder already there is refused in one line,
+    left as it was, and nothing of the new checkpoint is left behind."""
+    write(tmp_path, 1)
+    taken = checkpoint_dir(tmp_path) / "step-000002"
+    taken.mkdir()
+    (taken / "theirs").write_text("kept")
+    one_line_error(f"{taken} already exists: tiller does not write a checkpoint over an "
+                   f"existing folder", write, tmp_path, 2)
+    assert [p.name for p in taken.iterdir()] == ["theirs"]
+    assert sorted(p.name for p in checkpoint_dir(tmp_path).iterdir()) == ["step-000001",
+                                                                          "step-000002"]
+    one_line_error(f"{checkpoint_dir(tmp_path)} already holds step-000002 (why)",
+                   check_steps_free, tmp_path, 1, "why")
+    check_steps_free(tmp_path, 2, "why")  # none past step 2
+    # a resume from step 1 would write its step 2 there
+    one_line_error(f"{checkpoint_dir(tmp_path)} already holds step-000002 (not a complete "
+                   f"checkpoint, past step-000001 the run resumes from)", newest_checkpoint,
+                   tmp_path)
+
+
 def test_verify_names_a_state_key_that_is_missing(tmp_path):
     (tmp_path / "config.yaml").write_text("{}\n")
 
@@ -212,6 +239,94 @@ def test_metrics_are_on_disk_before_a_checkpoint_records_their_length(tmp_path, 
     logger.close()
     assert synced == [str(tmp_path / "metrics.jsonl")]
     assert size == (tmp_path / "metrics.jsonl").stat().st_size > 0
+
+
+def test_a_json_file_over_the_cap_is_refused_unread(tmp_path, monkeypatch):
+    """complete.json and state.json are read whole: one larger than MAX_JSON_BYTES (a run
+    folder is data) is refused as corrupt in one line, not read into memory."""
+    path = write(tmp_path, 1)
+    cap = max((path / MARKER).stat().st_size, (path / "state.json").stat().st_size) - 1
+    monkeypatch.setattr(checkpoints, "MAX_JSON_BYTES", cap)
+    read = []
+    monkeypatch.setattr(Path, "read_text", lambda p, *a, **k: read.append(p))
+    one_line_error(f"complete.json does not parse (ValueError: complete.json is "
+                   f"{(path / MARKER).stat().st_size} bytes, over the {cap}",
+                   newest_checkpoint, tmp_path)
+    assert [p.name for p in read] == []
+    assert "over the" in describe(tmp_path)[0]["status"]
+
+
+def test_links_in_the_checkpoints_folder_are_not_read_through(tmp_path, monkeypatch, caplog):
+    """`checkpoints/` a link: refused before any file below it is read or hashed. A step
+    folder that is a link: never a checkpoint (not resumed from, not counted or removed by
+    checkpoint.keep), shown as a link by `tiller checkpoints`."""
+    elsewhere = tmp_path / "elsewhere"
+    write(elsewhere, 1)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("{}\n")
+    (run / "checkpoints").symlink_to(elsewhere / "checkpoints")
+    hashed = []
+    monkeypatch.setattr(checkpoints, "_describe", hashed.append)
+    one_line_error(f"{run / 'checkpoints'} is a symbolic link", newest_checkpoint, run)
+    assert hashed == []
+    monkeypatch.undo()
+    (run / "checkpoints").unlink()
+    write(run, 1)
+    (run / "checkpoints" / "step-000002").symlink_to(elsewhere / "checkpoints" / "step-000001")
+    assert [c.step for c in complete_checkpoints(run)] == [1]
+    assert "is a symbolic link" in caplog.text
+    write(run, 3, keep=1)  # keep: step 1 removed, the link neither counted nor removed
+    assert sorted(p.name for p in checkpoint_dir(run).iterdir()) == ["step-000002",
+                                                                     "step-000003"]
+    assert (elsewhere / "checkpoints" / "step-000001" / MARKER).is_file()
+    assert describe(run)[0]["status"].startswith("a symbolic link (to ")
+
+
+def test_a_resume_killed_while_cutting_the_run_folder_discards_each_row_once(tmp_path):
+    """prepare_run_dir moves metrics.jsonl's rows past the checkpoint to
+    metrics.discarded.jsonl, then cuts metrics.jsonl: a resume killed between the two, and
+    the next one, record those rows once."""
+    rows = [json.dumps({"phase": "rl", "step": i, "time": 1000.0 + i}) + "\n"
+            for i in range(4)]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(rows))
+    kept = len("".join(rows[:2]).encode())
+    ckpt = Checkpoint(tmp_path, 2, {"metrics_bytes": kept,
+                                     "manager": {"open_groups": []}}, {})
+    (tmp_path / "checkpoints").mkdir()
+    prepare_run_dir(tmp_path, ckpt)
+    discarded = tmp_path / "metrics.discarded.jsonl"
+    assert discarded.read_text() == "".join(rows[2:])
+    metrics.write_text("".join(rows))  # as if killed before the cut
+    assert prepare_run_dir(tmp_path, ckpt)["metrics_rows_discarded"] == 2
+    assert discarded.read_text() == "".join(rows[2:])
+    assert metrics.read_text() == "".join(rows[:2])
+    # a later resume's rows (other times) are added
+    later = json.dumps({"phase": "rl", "step": 2, "time": 2000.0}) + "\n"
+    metrics.write_text("".join(rows[:2]) + later)
+    prepare_run_dir(tmp_path, ckpt)
+    assert discarded.read_text() == "".join(rows[2:]) + later
+
+
+MANAGER = {"pulled": 2, "next_unit": 1, "slots": 0, "steps_trained": 1, "max_ahead": 1,
+           "draw_ids": ["a", "b"], "open_tasks": [], "open_groups": [], "ledger": {"x": 1},
+           "draws": [[[0], "a", 1]], "refills": []}
+
+
+@pytest.mark.parametrize("edit, match", [
+    ({"draws": "abc"}, "ValueError: not enough values to unpack"),
+    ({"pulled": "2"}, "TypeError: pulled is a str, not an int"),
+    ({"ledger": {"x": "1"}}, "TypeError: ledger or draws holds a count that is not an int"),
+    ({"open_tasks": [{"id": "a", "nonsense": 1}]}, "TypeError:"),
+    ({"refills": None}, "TypeError:"),
+])
+def test_a_manager_state_of_another_shape_is_one_line(edit, match):
+    """A checkpoint's hashes say it is whole, not that a hand-edited state.json is tiller's:
+    the rollout manager's state is checked for the shape the resume reads before any work."""
+    check_state(MANAGER, "checkpoint c")
+    one_line_error(f"checkpoint c is corrupt: its state.json's manager state does not fit "
+                   f"({match}", check_state, {**MANAGER, **edit}, "checkpoint c")
 
 
 def test_a_stream_that_changed_its_first_tasks_is_refused():

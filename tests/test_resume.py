@@ -39,7 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # a tiny calculator run: SFT, 4 RL steps (a checkpoint after each) and the final eval
 RUN = [*TINY_RUN, "sft.tasks=32", "rl.steps=4", "checkpoint.every=1", "checkpoint.keep=2",
        "eval.tasks=8"]
-TIMEOUT_S = 180  # one tiller process, start to end
+# one tiller process, start to end: minutes on a shared machine whose other jobs hold its
+# cores (a tiny run took 2 minutes there at load 10)
+TIMEOUT_S = 600
 
 
 def tiller(*args: str, pause: str = "") -> subprocess.Popen:
@@ -52,19 +54,23 @@ def tiller(*args: str, pause: str = "") -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def finish(proc: subprocess.Popen) -> str:
-    out, _ = proc.communicate(timeout=TIMEOUT_S)
+def finish(proc: subprocess.Popen, timeout_s: float = TIMEOUT_S) -> str:
+    out, _ = proc.communicate(timeout=timeout_s)
     assert proc.returncode == 0, out[-3000:]
     return out
 
 
-def kill_when(proc: subprocess.Popen, ready, delay_s: float) -> None:
+def kill_when(proc: subprocess.Popen, ready, delay_s: float,
+              timeout_s: float = TIMEOUT_S) -> None:
     """SIGKILL `proc` `delay_s` after `ready()` first holds; the kill must land (the process
     still running then)."""
-    deadline = time.monotonic() + TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     while not ready():
         assert proc.poll() is None, "the run ended before the kill point: " + proc.stdout.read()
-        assert time.monotonic() < deadline, "the run never reached the kill point"
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("the run never reached the kill point: "
+                                 + proc.communicate(timeout=30)[0][-3000:])
         time.sleep(0.02)
     time.sleep(delay_s)
     assert proc.poll() is None, "the run ended before the kill: " + proc.stdout.read()[-2000:]
@@ -110,6 +116,22 @@ def kill_mid_checkpoint(run: Path, phase: str, rng: random.Random, *args: str,
         assert list((run / "checkpoints").glob(".step-*.*.tmp"))  # the half-written one
 
 
+def kill_in_train_step(run: Path, rng: random.Random) -> None:
+    """Resume `run` with each RL step paused 3 s between its batch shaped and its optimizer
+    step (the test hook's phase "train"), and SIGKILL it inside the first pause: the kill
+    lands in a train step, the checkpoint resumed from stays the newest."""
+    before = [c.step for c in complete_checkpoints(run)]
+    proc = tiller("train", "--resume", str(run), pause="train:3")
+    said: list[str] = []  # what the run printed so far, read as it comes
+    reader = threading.Thread(target=lambda: said.extend(iter(proc.stdout.readline, "")),
+                              daemon=True)
+    reader.start()
+    kill_when(proc, lambda: any(f"{PAUSE_ENV}: 3 s at train" in line for line in said),
+              rng.uniform(0.3, 1.5))
+    reader.join(30)
+    assert [c.step for c in complete_checkpoints(run)] == before
+
+
 def weights(run: Path) -> dict[str, torch.Tensor]:
     return load_file(run / "checkpoints" / "final" / "model.safetensors")
 
@@ -133,18 +155,20 @@ def sync_whole(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("seed, phases", [(24, ("files", "rename")), (5, ("marker", "remove"))])
 def test_sync_run_killed_at_seeded_moments_resumes_bit_identically(sync_whole, tmp_path, seed,
                                                                    phases):
-    """Three kills, each asserted to land: one at a seeded moment after step 2's row (step
-    3's rollouts or train step, or checkpoint 2's write), then two inside checkpoint writes,
-    at the phases of the test hook (the seed's two of: while the files are written, before
-    the marker, before the rename, while an old checkpoint is removed)."""
+    """Four kills, each asserted to land: one at a seeded moment after step 2's row (step
+    3's rollouts or train step, or checkpoint 2's write), one inside a train step (its batch
+    shaped, its optimizer step not taken), then two inside checkpoint writes, at the phases
+    of the test hook (the seed's two of: while the files are written, before the marker,
+    before the rename, while an old checkpoint is removed)."""
     ref, run = sync_whole, tmp_path / "run"
     rng = random.Random(seed)  # where each kill lands
     proc = tiller("train", "configs/calculator.yaml", *RUN, "-o", str(run))
     kill_when(proc, lambda: rl_rows(run) >= 2, rng.uniform(0.0, 0.3))
+    kill_in_train_step(run, rng)
     for phase in phases:
         kill_mid_checkpoint(run, phase, rng)
     finish(tiller("train", "--resume", str(run)))
@@ -200,11 +224,28 @@ def rank_pids(proc: subprocess.Popen) -> list[int]:
 
 
 def gone(pids: list[int], timeout_s: float = 60.0) -> None:
-    """Every process of `pids` exits within `timeout_s` (a rank whose rank 0 was killed)."""
+    """Every process of `pids` exits within `timeout_s` (a rank whose rank 0 was killed, a
+    server whose run was)."""
     deadline = time.monotonic() + timeout_s
     while any(Path(f"/proc/{p}").exists() and "zombie" not in _state(p) for p in pids):
-        assert time.monotonic() < deadline, f"trainer ranks {pids} outlived their rank 0"
+        left = [p for p in pids if Path(f"/proc/{p}").exists() and "zombie" not in _state(p)]
+        assert time.monotonic() < deadline, f"processes {left} of {pids} outlived their owner"
         time.sleep(0.1)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` now (its children, theirs, ...), from /proc."""
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+    below, more = [], [pid]
+    while more:
+        more = [p for p, pp in parent.items() if pp in more]
+        below += more
+    return below
 
 
 def _state(pid: int) -> str:
@@ -322,7 +363,7 @@ def async_whole(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("seed, kill", [(6, 1), (7, 5), (8, "marker")])
 def test_async_run_killed_at_seeded_moments_draws_every_task_once(async_whole, tmp_path, seed,
                                                                   kill):
@@ -339,8 +380,12 @@ def test_async_run_killed_at_seeded_moments_draws_every_task_once(async_whole, t
     killed_at = verify(complete_checkpoints(run)[0]).state
     finish(tiller("train", "--resume", str(run)))
     drawn_once(run, ASYNC, "async", killed_at)
+    reopened_and_trained(run, killed_at)
     got = json.loads((run / "summary.json").read_text())["heldout_after_rl"]
     ref = json.loads((async_whole / "summary.json").read_text())["heldout_after_rl"]
+    print(f"seed {seed}: resumed from step {killed_at['step']} with "
+          f"{len(killed_at['manager']['open_tasks'])} open groups; held-out {got['success']} "
+          f"in [{ref['ci_low']}, {ref['ci_high']}] ({ref['success']})")
     assert ref["ci_low"] <= got["success"] <= ref["ci_high"], (got, ref)
 
 
@@ -395,6 +440,20 @@ def test_async_refill_owed_at_a_checkpoint_is_owed_again_on_resume(tmp_path, mon
     assert killed_at["manager"]["refills"]  # kept, and started by the resumed run
 
 
+def reopened_and_trained(run: Path, killed_at: dict, group_size: int = 4) -> None:
+    """The checkpoint the run resumed from held groups open, and the resumed run sampled
+    each again and trained it: traces.sqlite holds `group_size` RL episodes of each of their
+    tasks (those traced before the kill deleted by the resume), each trained after the
+    checkpoint's step."""
+    ids = [t["id"] for t in killed_at["manager"]["open_tasks"]]
+    assert ids, "the checkpoint resumed from held no open groups"
+    with closing(sqlite3.connect(run / "traces.sqlite")) as con:
+        rows = con.execute(f"SELECT task_id, trained_step FROM episodes WHERE phase = 'rl' "
+                           f"AND task_id IN ({', '.join('?' * len(ids))})", ids).fetchall()
+    assert Counter(task for task, _ in rows) == dict.fromkeys(ids, group_size), rows
+    assert all(s is not None and s > killed_at["step"] for _, s in rows), rows
+
+
 def drawn_once(run: Path, over: list[str], mode: str, killed_at: dict) -> None:
     """The resumed run drew every task of its stream once (none skipped, none repeated) and
     each group's task once under its tag (a reopened group drawn again with its first
@@ -430,6 +489,7 @@ def test_one_step_off_run_killed_with_open_groups_draws_every_task_once(tmp_path
     assert killed_at["manager"]["open_tasks"]  # resumed with groups still open
     finish(tiller("train", "--resume", str(run)))
     drawn_once(run, over, "one_step_off", killed_at)
+    reopened_and_trained(run, killed_at)
 
 
 @pytest.fixture(scope="module")
@@ -480,8 +540,23 @@ def test_bad_resumes_stop_in_one_line_and_lose_nothing(two_steps, tmp_path):
     (run / "eval" / "elsewhere").symlink_to(tmp_path)
     refused(run, [], f"{run / 'eval' / 'elsewhere'} is a symbolic link")
     (run / "eval" / "elsewhere").unlink()
-    # a corrupt file in the newest checkpoint: named, and the checkpoint kept for a look
     newest = run / "checkpoints" / "step-000002"
+    # a state.json edited by hand, its marker re-hashed: whole, but not of the shape tiller
+    # writes (review-i24 F11: a traceback before)
+    state_bytes, marker_bytes = (newest / "state.json").read_bytes(), (newest / MARKER).read_bytes()
+    state = json.loads(state_bytes)
+    state["manager"]["draws"] = "abc"
+    (newest / "state.json").write_text(json.dumps(state))
+    marker = json.loads(marker_bytes)
+    marker["files"]["state.json"] = {"size": (newest / "state.json").stat().st_size, "sha256":
+                                     hashlib.sha256((newest / "state.json").read_bytes())
+                                     .hexdigest()}
+    (newest / MARKER).write_text(json.dumps(marker))
+    refused(run, [], "step-000002 is corrupt: its state.json's manager state does not fit "
+                     "(ValueError: not enough values to unpack")
+    (newest / "state.json").write_bytes(state_bytes)
+    (newest / MARKER).write_bytes(marker_bytes)
+    # a corrupt file in the newest checkpoint: named, and the checkpoint kept for a look
     data = bytearray((newest / "trainer.pt").read_bytes())
     data[len(data) // 2] ^= 0xFF
     (newest / "trainer.pt").write_bytes(bytes(data))
@@ -490,9 +565,20 @@ def test_bad_resumes_stop_in_one_line_and_lose_nothing(two_steps, tmp_path):
     marker = json.loads((newest / MARKER).read_text())
     (newest / MARKER).write_text(json.dumps({**marker, "format": 99}))
     refused(run, [], "checkpoint format 99")
-    # a partial one (no marker: never renamed into place whole) is skipped: step 1 is used
+    # a partial one (no marker: never renamed into place whole) is skipped: step 1 is used,
+    # but the resumed run would write its step 2 over that folder (two renames, not one: a
+    # kill between them would leave no step 2 at all), so it is refused until moved away
     (newest / MARKER).unlink()
     assert [c.step for c in complete_checkpoints(run)] == [1]
+    refused(run, [], f"{run / 'checkpoints'} already holds step-000002 (not a complete "
+                     f"checkpoint, past step-000001 the run resumes from)")
+    # a fresh run into a folder with checkpoints: a later --resume would take the other
+    # run's, and its own would be written over theirs
+    before = snapshot(run)
+    code, out = cli("train", "configs/calculator.yaml", *RUN, "-o", run)
+    assert code == 2 and f"{run / 'checkpoints'} already holds step-000001, step-000002 " \
+        "(another run's checkpoints: resume that run with --resume)" in out, out
+    assert snapshot(run) == before
     shutil.rmtree(run / "checkpoints" / "step-000001")
     shutil.rmtree(newest)
     refused(run, [], "no complete checkpoint")
@@ -714,6 +800,75 @@ def test_resume_after_the_engine_server_died_repushes_the_checkpoint(calc_sft_di
     resumed = weights(run)
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
     assert comparable(run) == rows
+
+
+# the servers' start-up waited for longer: `tiller serve` imports torch, which takes minutes
+# on a loaded machine
+MANAGED = [*RUN, "engine.backend=http", "engine.servers=1", "runtime.threads=1",
+           "engine.startup_timeout_s=600"]
+MANAGED_TIMEOUT_S = 900
+
+
+def started(launch: list[str]) -> int:
+    """The server process's pid, from its launch's lines (uvicorn's start-up line)."""
+    return int(next(re.search(r"Started server process \[(\d+)\]", line)[1]
+                    for line in launch if "Started server process" in line))
+
+
+def launches(log: Path) -> list[list[str]]:
+    """A managed server's log (appended to by each run that starts it), one list of lines
+    per start: each begins with the `$ argv` line ManagedServers writes."""
+    out: list[list[str]] = []
+    for line in log.read_text().splitlines():
+        if line.startswith("$ "):
+            out.append([])
+        out[-1].append(line)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(4 * MANAGED_TIMEOUT_S)
+def test_resume_after_the_runs_managed_server_died_with_it(tmp_path):
+    """engine.servers: the run starts its own `tiller serve`. SIGKILLed at a seeded moment,
+    the run takes its server (and every other process it started) with it; `--resume` starts
+    a new server, pushes it the checkpoint's weights and version and checks parity before its
+    first rollout, and ends with the metrics and bit-identical weights of a run that was never
+    stopped."""
+    ref, run, rng = tmp_path / "ref", tmp_path / "run", random.Random(25)
+    finish(tiller("train", "configs/calculator.yaml", *MANAGED, "-o", str(ref)),
+           MANAGED_TIMEOUT_S)
+    proc = tiller("train", "configs/calculator.yaml", *MANAGED, "-o", str(run))
+    below: list[int] = []
+
+    def ready() -> bool:  # step 2 logged: its server is up; its processes noted
+        if rl_rows(run) < 2:
+            return False
+        below.extend(descendants(proc.pid))
+        return True
+
+    kill_when(proc, ready, rng.uniform(0.0, 0.3), MANAGED_TIMEOUT_S)
+    (first,) = launches(run / "servers" / "serve-0.log")
+    server = started(first)
+    assert server in below, (server, below)
+    gone(below, timeout_s=30)  # the server (PR_SET_PDEATHSIG) died with the run
+    killed_at = verify(complete_checkpoints(run)[0]).state
+    assert killed_at["step"] >= 1
+    finish(tiller("train", "--resume", str(run)), MANAGED_TIMEOUT_S)
+    first, second = launches(run / "servers" / "serve-0.log")  # a new server
+    gone([started(second)], timeout_s=30)  # stopped when the resumed run ended
+    upto = next(i for i, line in enumerate(second) if '"POST /generate' in line)
+    pushed = [i for i, line in enumerate(second[:upto])
+              if line.endswith(f"to version {killed_at['trainer_version']}")]
+    # the checkpoint's weights and version pushed, then scored (parity), before any rollout
+    assert pushed and any('"POST /score' in line for line in second[pushed[0]:upto]), second
+    assert not any("to version" in line for line in second[:upto]
+                   if not line.endswith(f"to version {killed_at['trainer_version']}")), second
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_from"] == f"step-{killed_at['step']:06d}"
+    assert comparable(run) == comparable(ref)
+    whole, resumed = weights(ref), weights(run)
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
 
 
 @pytest.mark.parametrize("setting, field", [

@@ -32,6 +32,7 @@ from tiller.errors import ConfigError
 from tiller.run import Run
 from tiller.tools.replay import ReplayStore
 from tiller.tools.stack import ToolsConfig, ToolStack
+from tiller.trust import run_config_requests
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs/calculator.yaml")
@@ -331,6 +332,17 @@ def test_each_setting_a_run_folder_may_not_hold_is_one_line(tmp_path, trusted_mo
     assert line.startswith(f"error: config field {field}: got ") and line.endswith(
         "pass --trust-run-config if you trust whoever wrote it"), line
     assert not trusted_module.exists()
+
+
+def test_managed_tiller_serve_servers_are_not_a_setting_to_trust():
+    """engine.servers starts `tiller serve` on loopback (no program or URL of the run
+    folder's): a resume of such a run needs no --trust-run-config (it was refused as
+    `engine.urls: got []`)."""
+    cfg = load_config("configs/calculator.yaml", ["engine.backend=http", "engine.servers=1"])
+    assert run_config_requests(cfg) == []
+    cfg = load_config("configs/calculator.yaml", ["engine.backend=http",
+                                                  "engine.urls=[http://127.0.0.1:1]"])
+    assert [field for field, *_ in run_config_requests(cfg)] == ["engine.urls"]
 
 
 def test_a_data_rows_tools_column_is_refused_as_it_is_read(tmp_path, trusted_module):

@@ -30,8 +30,11 @@ A checkpoint folder holds:
 
 Each is written in a private temporary folder, every file and the folder fsynced, then the
 folder renamed into place (`files.replacing`) and its parent fsynced: a kill during a write
-leaves the previous checkpoint as it was. Nothing here runs code from a run folder: weights go
-through safetensors and `torch.load(weights_only=True)`, the rest is JSON.
+leaves the previous checkpoint as it was. A checkpoint is never written over an existing step
+folder (`check_steps_free`: a run, fresh or resumed, refuses one past its start before any
+work), so that rename is always one `rename(2)` onto a free name. Nothing here runs code
+from a run folder: weights go through safetensors and `torch.load(weights_only=True)`, the
+rest is JSON.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ import torch
 
 from tiller.config import Config
 from tiller.errors import ConfigError
-from tiller.files import remove_tree, replacing
+from tiller.files import refuse_links, remove_tree, replacing
 from tiller.train.process_state import pause
 
 log = logging.getLogger(__name__)
@@ -77,6 +80,9 @@ STATE_KEYS = ("step", "trainer_version", "engine_version", "rng", "holds", "tens
 # which holds a safetensors file's header, and its end among them), this many bytes each
 WEIGHT_SAMPLES, SAMPLE_BYTES = 64, 1 << 16
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# the most a checkpoint's complete.json or state.json may hold: a run folder is data, and a
+# larger one (hand-made, or not a checkpoint's) is refused as corrupt rather than read whole
+MAX_JSON_BYTES = 256 << 20
 # old checkpoints checkpoint.keep left in place because their marker could not be read
 # (another format, corrupt), in this process; each logged
 KEEP_SKIPPED: Counter[str] = Counter()
@@ -145,6 +151,9 @@ def write_checkpoint(run_dir: Path, step: int, keep: int,
     rename. Older complete checkpoints past the newest `keep` are then removed."""
     t0 = time.perf_counter()
     out = checkpoint_dir(run_dir) / f"step-{step:06d}"
+    if out.is_symlink() or out.exists():  # made while the run ran: refused at its start
+        raise ConfigError(f"{out} already exists: tiller does not write a checkpoint over an "
+                          f"existing folder (`check_steps_free`); move it away")
     with replacing(out, root=run_dir) as new:
         new.mkdir()
         state = write_parts(new)
@@ -170,6 +179,20 @@ def write_checkpoint(run_dir: Path, step: int, keep: int,
     return out
 
 
+def check_steps_free(run_dir: Path, after: int, why: str) -> None:
+    """One line (`ConfigError`) when `run_dir`'s checkpoints folder holds a step folder past
+    step `after`, complete or not: the run writes its checkpoints under those names, and a
+    checkpoint is never written over an existing folder (no single rename can put a folder
+    over a full one, so a kill there could leave no checkpoint at all)."""
+    folder = checkpoint_dir(run_dir)
+    taken = sorted(p.name for p in (folder.iterdir() if folder.is_dir() else ())
+                   if (m := FOLDER.match(p.name)) and int(m.group(1)) > after)
+    if taken:
+        raise ConfigError(f"{folder} already holds {', '.join(taken[:3])}"
+                          f"{' and more' if len(taken) > 3 else ''} ({why}): tiller does not "
+                          f"write a checkpoint over an existing folder; move it away")
+
+
 def _describe(path: Path) -> dict[str, Any]:
     digest = hashlib.sha256()
     with path.open("rb") as f:
@@ -192,18 +215,23 @@ def _fsync_tree(folder: Path) -> None:
     _fsync(folder)
 
 
-def _marked(run_dir: Path) -> list[tuple[Path, int]]:
+def _marked(run_dir: Path, warn: bool = True) -> list[tuple[Path, int]]:
     """The step folders with a marker, and their steps; a folder without one (a copy cut
-    short) is skipped with a warning."""
+    short) is skipped, with a warning when `warn`."""
     found = []
     folder = checkpoint_dir(run_dir)
     for path in folder.iterdir() if folder.is_dir() else ():
         m = FOLDER.match(path.name)
         if m is None or not path.is_dir():
             continue
+        if path.is_symlink():  # never read, counted among the kept, or removed through
+            log.warning("checkpoint %s is a symbolic link (to %r): skipped", path,
+                        os.readlink(path))
+            continue
         if not (path / MARKER).is_file():
-            log.warning("checkpoint %s has no %s (it was not written whole): skipped", path,
-                        MARKER)
+            if warn:
+                log.warning("checkpoint %s has no %s (it was not written whole): skipped",
+                            path, MARKER)
             continue
         found.append((path, int(m.group(1))))
     return found
@@ -231,9 +259,19 @@ def _readable_checkpoints(run_dir: Path) -> list[Checkpoint]:
     return sorted(found, key=lambda c: c.step, reverse=True)
 
 
+def read_json(path: Path) -> Any:
+    """A checkpoint's JSON file, parsed; a ValueError when it is over MAX_JSON_BYTES (it is
+    not read then)."""
+    size = path.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise ValueError(f"{path.name} is {size} bytes, over the {MAX_JSON_BYTES} a "
+                         f"checkpoint's holds")
+    return json.loads(path.read_text())
+
+
 def _read_marker(path: Path, step: int) -> Checkpoint:
     try:
-        marker = json.loads((path / MARKER).read_text())
+        marker = read_json(path / MARKER)
         fmt, files, marked = marker["format"], marker["files"], marker["step"]
         if not isinstance(files, dict):
             raise TypeError(f"files is a {type(files).__name__}")
@@ -283,7 +321,7 @@ def verify(ckpt: Checkpoint, keys: tuple[str, ...] = STATE_KEYS) -> Checkpoint:
             why = "is missing" if got is None else "does not match its size and SHA-256"
             raise corrupt(f"{name} {why} in {MARKER}")
     try:
-        state = json.loads((ckpt.path / "state.json").read_text())
+        state = read_json(ckpt.path / "state.json")
         missing = [k for k in keys if k not in state]
     except (ValueError, TypeError) as e:
         raise corrupt(f"state.json does not parse ({e})") from e
@@ -305,18 +343,25 @@ def _lora(state: dict[str, Any]) -> bool:
 
 
 def newest_checkpoint(run_dir: Path) -> Checkpoint:
-    """The newest complete checkpoint of `run_dir`, verified; one line when there is none."""
+    """The newest complete checkpoint of `run_dir`, verified; one line when there is none, or
+    when a step folder without a marker lies past it (`check_steps_free`)."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"--resume {str(run_dir)!r}: not a run folder (no config.yaml)")
+    refuse_links(checkpoint_dir(run_dir))  # before a file is read through it
     # only the newest marker is read: an older checkpoint checkpoint.keep left in place
     # (another format, a marker that does not parse) does not block the resume
-    marked = sorted(_marked(run_dir), key=lambda found: found[1], reverse=True)
+    marked = sorted(_marked(run_dir, warn=False), key=lambda found: found[1], reverse=True)
     if not marked:
         raise ConfigError(f"--resume {str(run_dir)!r}: no complete checkpoint in "
                           f"{checkpoint_dir(run_dir)} (a run writes them with "
                           f"checkpoint.every > 0)")
-    return verify(_read_marker(*marked[0]))
+    # the resumed run writes its checkpoints past it: none may be there (a folder without a
+    # marker, a copy cut short), as none is written over a folder
+    path, step = marked[0]
+    check_steps_free(run_dir, step, f"not a complete checkpoint, past {path.name} the run "
+                                    f"resumes from")
+    return verify(_read_marker(path, step))
 
 
 def load_tensors(path: Path) -> Any:
@@ -371,6 +416,10 @@ def describe(run_dir: Path) -> list[dict[str, Any]]:
         m = FOLDER.match(path.name)
         if m is None or not path.is_dir():
             continue
+        if path.is_symlink():  # not read through
+            rows.append({"name": path.name, "step": int(m.group(1)), "bytes": 0, "holds": [],
+                         "status": f"a symbolic link (to {os.readlink(path)!r}): not read"})
+            continue
         size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
         row = {"name": path.name, "step": int(m.group(1)), "bytes": size, "holds": []}
         try:
@@ -388,7 +437,7 @@ def _holds(path: Path) -> list[str]:
     """state.json's `holds` (what the checkpoint holds, as names), for `describe`; one line
     (`ConfigError`) when state.json does not parse or holds is not a list of names."""
     try:
-        holds = json.loads(path.read_text())["holds"]
+        holds = read_json(path)["holds"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"corrupt: state.json does not parse ({type(e).__name__}: "
                           f"{e})") from e

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tiller.algorithms.kl import kl_beta_at
-from tiller.checkpoints import check_checkpointable, checkpoint_due
+from tiller.checkpoints import check_checkpointable, check_steps_free, checkpoint_due
 from tiller.config import Config, JudgeConfig
 from tiller.errors import ConfigError, RunError
 from tiller.files import write_file
@@ -46,6 +46,7 @@ from tiller.rollout.trajectory import Status, Trajectory, is_success
 from tiller.run import Run
 from tiller.tools.executor import ToolReliabilityError
 from tiller.train.batch import Batch
+from tiller.train.process_state import pause
 from tiller.train.reward_control import RewardControl
 from tiller.train.sft import train_sft
 from tiller.train.shaping import KeyStepFn, judged, rl_batch, train_reward
@@ -195,6 +196,7 @@ def rl(run: Run, after_step: Callable[[int], None] | None = None,
             taken = record.taken(rollouts.next_batch(step))
             if idle.trainable(step, taken):
                 batch, shaping = learner.shape(taken, step)
+                pause("train")  # the test hook (tests/test_resume.py)
                 record.trained(batch, shaping, learner.train(batch, step))
                 record.pushed(run.push_weights(in_flight))
             record.end(rollouts)
@@ -366,6 +368,9 @@ def train(cfg: Config, output_dir: str | Path | None = None,
     check_report(cfg)  # before any work
     check_checkpointable(cfg)
     ckpt = start_resume(cfg, Path(resume)) if resume is not None else None
+    if ckpt is None and cfg.checkpoint.every and (output_dir or cfg.output_dir):
+        check_steps_free(Path(output_dir or cfg.output_dir), 0,
+                         "another run's checkpoints: resume that run with --resume")
     run = Run(cfg, resume if resume is not None else output_dir, resume=ckpt)
     summary: dict[str, Any] = {"run_dir": str(run.dir), "seed": cfg.seed,
                                "runtime": run.runtime}

@@ -58,7 +58,10 @@ def folder_below(root: str | Path, folder: str | Path, *, make: bool = True) -> 
 def replacing(path: str | Path, *, root: str | Path) -> Iterator[Path]:
     """A fresh path to write `path`'s new content to (a file, or a folder such as a
     checkpoint), renamed over `path` when the block ends without an error (on an error `path`
-    is left as it was). Whatever was at `path` (a file, a link, a folder) is replaced. `root`
+    is left as it was). Whatever was at `path` (a file, a link, a folder) is replaced: a file
+    or link in one rename; a folder in two (rename(2) puts a folder only over a missing name
+    or an empty folder), so a kill between them leaves nothing at `path` (checkpoints are
+    never written over a folder: `checkpoints.check_steps_free`). `root`
     is the folder written below (the run folder): a link among the folders between it and
     `path` is refused (`folder_below`)."""
     path = folder_below(root, Path(path).parent) / Path(path).name

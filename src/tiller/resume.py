@@ -38,7 +38,7 @@ from tiller.models import resolve_model_path
 from tiller.plugins import load_env_class
 from tiller.preflight import rl_task_reserve, rl_train_tasks
 from tiller.rollout.curriculum import DRAW, Curriculum, make_curriculum
-from tiller.rollout.resume import check_drawn, manager_state
+from tiller.rollout.resume import check_drawn, check_state, manager_state
 from tiller.train.distributed import Leader
 from tiller.train.process_state import add_rank_states, rank_states, rng_state, set_rng_state
 
@@ -54,7 +54,13 @@ def start_resume(cfg: Config, run_dir: Path) -> Checkpoint:
     folder is not touched: `run.Run` cuts it back (`cut_run_dir`) once its own checks passed
     too."""
     ckpt = newest_checkpoint(run_dir)
-    for change in check_resume(cfg, ckpt, Path(run_dir)):
+    try:
+        changes = check_resume(cfg, ckpt, Path(run_dir))
+    except (KeyError, TypeError, AttributeError) as e:  # a value of another kind
+        raise ConfigError(f"checkpoint {ckpt.path} is corrupt: its state.json does not fit "
+                          f"({type(e).__name__}: {e}); move it away to resume from an older "
+                          f"one") from e
+    for change in changes:
         log.info("--resume: config changed (safe): %s", change)
     return ckpt
 
@@ -167,6 +173,7 @@ def check_stream(cfg: Config, ckpt: Checkpoint) -> None:
     rl.curriculum the stream is the curriculum: one built for the resumed config must take
     the checkpoint's state (`load_curriculum`: the tasks it drew per level, or its pool's)."""
     state = ckpt.state["manager"]
+    check_state(state, f"checkpoint {ckpt.path}")
     reserve = rl_task_reserve(cfg)
     if reserve < state["pulled"]:
         raise ConfigError(f"--resume: config field rl.steps is {cfg.rl.steps}: its task "
@@ -323,7 +330,7 @@ def restore_rl(ckpt: Checkpoint, learner: Any, record: StepRecorder,
         if curriculum is not None:
             load_curriculum(curriculum, ckpt)
         set_rng_state(ckpt.state["rng"], load_tensors(ckpt.path / "rng.pt"))
-    except (KeyError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ConfigError(f"checkpoint {ckpt.path} does not fit this run: "
                           f"{type(e).__name__}: {e}") from e
     return ckpt.step
@@ -372,7 +379,11 @@ def prepare_run_dir(run_dir: Path, ckpt: Checkpoint) -> dict[str, int]:
         tail = data[length:]
         done["metrics_rows_discarded"] = tail.count(b"\n")
         old = run_dir / "metrics.discarded.jsonl"
-        write_file(old, (old.read_bytes() if old.is_file() else b"") + tail, root=run_dir)
+        kept = old.read_bytes() if old.is_file() else b""
+        # a resume killed after this write, before the cut below, wrote this tail already (its
+        # rows carry their times: another run's tail is never the same bytes)
+        if not kept.endswith(tail):
+            write_file(old, kept + tail, root=run_dir)
         write_file(metrics, data[:length], root=run_dir)
     traces = run_dir / "traces.sqlite"
     if traces.is_file():

@@ -75,8 +75,9 @@ def run_config_requests(cfg: Config) -> list[tuple[str, Any, str]]:
         if engine.weights_dir is not None:
             found.append(("engine.weights_dir", engine.weights_dir,
                           "writes outside the output folder"))
-        found.append(("engine.urls", engine.urls, "sends the checkpoint, the prompts and "
-                      "TILLER_API_KEY to those servers"))
+        if engine.urls:  # none: engine.servers, `tiller serve` on loopback, started by tiller
+            found.append(("engine.urls", engine.urls, "sends the checkpoint, the prompts and "
+                          "TILLER_API_KEY to those servers"))
     if isinstance(engine, VllmEngineConfig):
         if engine.weights_dir is not None:
             found.append(("engine.weights_dir", engine.weights_dir,

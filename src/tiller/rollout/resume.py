@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import types
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -86,6 +87,27 @@ def resumed_tasks(stream: Iterator[Task], state: dict[str, Any], restored: bool
         skipped = [t.id for t in itertools.islice(stream, state["pulled"])]
         check_drawn(skipped, state, "--resume")
     return itertools.chain((Task(**t) for t in state["open_tasks"]), stream)
+
+
+def check_state(state: Any, where: str) -> None:
+    """`state` (a checkpoint's, as its state.json gives it) is of the shape `restore_manager`
+    and `resumed_tasks` read, before any work: one line saying what is not otherwise (the
+    checkpoint's hashes say it is whole, not that a hand-edited one is tiller's)."""
+    try:
+        for key in ("pulled", "next_unit", "slots", "steps_trained", "max_ahead"):
+            if type(state[key]) is not int:
+                raise TypeError(f"{key} is a {type(state[key]).__name__}, not an int")
+        probe = types.SimpleNamespace(ledger=Counter(), _draws=Counter(), _refills=[])
+        restore_manager(probe, state)
+        counts = [*probe.ledger.values(), *probe._draws.values()]
+        if not all(type(n) is int for n in counts):
+            raise TypeError("ledger or draws holds a count that is not an int")
+        for t in state["open_tasks"]:
+            Task(**t)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{where} is corrupt: its state.json's manager state does not fit "
+                          f"({type(e).__name__}: {e}); move it away to resume from an older "
+                          f"one") from e
 
 
 def check_drawn(ids: list[str], state: dict[str, Any], where: str) -> None:

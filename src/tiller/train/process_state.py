@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import time
 from typing import Any
 
@@ -13,14 +14,16 @@ import numpy as np
 import torch
 
 # Test hook (tests/test_resume.py), not a setting: "PHASE:SECONDS" makes each checkpoint write
-# sleep SECONDS at PHASE, so a test can SIGKILL the run (or a trainer rank) there. The phases,
-# in order: "ranks" (train.world_size > 1: the model written, rank 0 about to join the gather
-# of the ranks' optimizer and RNG states, the other ranks in it: `train.distributed`), "files"
-# (the weights and tensors written, state.json not yet), "marker" (everything but the
-# marker written), "rename" (the folder whole and fsynced, not yet renamed into place),
-# "remove" (an old checkpoint past checkpoint.keep renamed aside, not yet removed).
+# (or RL step) sleep SECONDS at PHASE, saying so on stderr, so a test can SIGKILL the run (or a
+# trainer rank) there. The phases: "train" (an RL step's batch shaped, its optimizer step not
+# taken yet: `controller.rl`); those of a checkpoint write, in order: "ranks"
+# (train.world_size > 1: the model written, rank 0 about to join the gather of the ranks'
+# optimizer and RNG states, the other ranks in it: `train.distributed`), "files" (the weights
+# and tensors written, state.json not yet), "marker" (everything but the marker written),
+# "rename" (the folder whole and fsynced, not yet renamed into place), "remove" (an old
+# checkpoint past checkpoint.keep renamed aside, not yet removed).
 PAUSE_ENV = "TILLER_TEST_CHECKPOINT_PAUSE"
-PAUSES = ("ranks", "files", "marker", "rename", "remove")
+PAUSES = ("train", "ranks", "files", "marker", "rename", "remove")
 
 def pause(phase: str) -> None:
     """The test hook's sleep at `phase` (PAUSE_ENV); a value it cannot read stops loudly."""
@@ -31,6 +34,7 @@ def pause(phase: str) -> None:
     if at not in PAUSES:
         raise ValueError(f"{PAUSE_ENV}={value!r}: PHASE:SECONDS, PHASE one of {PAUSES}")
     if at == phase:
+        print(f"{PAUSE_ENV}: {seconds} s at {phase}", file=sys.stderr, flush=True)
         time.sleep(float(seconds))
 
 
