@@ -224,12 +224,13 @@ class VllmEngine(HttpEngine):
                                   f"servers' model (not sent): {'; '.join(problems[:8])}")
         folder.mkdir(parents=True, exist_ok=True)  # shm: empty, kept for the push's bookkeeping
         # each name its own storage: safetensors refuses shared ones, and vLLM must get lm_head
-        # (tied to the embedding) as a tensor of its own; only the second name is copied
+        # (tied to the embedding) as a tensor of its own; only the second name is copied (a
+        # segment holds each name's bytes at its own offset already: no copy for shm)
         seen: set[int] = set()
         tensors = {}
         for n, t in update.tensors.items():
             t = t.detach().contiguous()
-            tensors[n] = t.clone() if t.data_ptr() in seen else t
+            tensors[n] = t.clone() if t.data_ptr() in seen and self.transfer != "shm" else t
             seen.add(t.data_ptr())
         if self.transfer == "shm":
             # a write that fails leaves `_segment` set: `update_weights` removes the file
