@@ -21,7 +21,9 @@ Per cell (model x backend), fp32, temperature 1:
 Weight sync (`--sync`, needs vllm in the backends): a full push into the vLLM server
 (`VllmEngine.update_weights`, benchmarks/vllm_sync.py's `push_times`) from a folder on disk and
 through a /dev/shm segment (`engine.weight_transfer: shm`), alternating on the same server,
-against `save_pretrained` of the same model to local disk; medians of --repeats, per model.
+against `save_pretrained` of the same model to local disk; medians of --repeats, per model,
+and the medians of each part of a push (`vllm_sync.CallTimes`: the checks and write, and each
+HTTP call of the push by path).
 RL step (`--rl-steps N`): `tiller train` of configs/calculator.yaml (heads 4: head_dim 32) with a
 short SFT and N RL steps per backend; the per-step rollout/train/sync seconds from metrics.jsonl.
 
@@ -239,16 +241,19 @@ def sync_times(engine: Any, model: Any, run_dir: Path, args: argparse.Namespace)
     med = statistics.median
     save = [vllm_sync.timed(lambda: model.save_pretrained(run_dir / "hf-save"))
             for _ in range(args.repeats)]
-    times: dict[str, tuple[list[float], list[float]]] = {"disk": ([], []), "shm": ([], [])}
+    times: dict[str, tuple[list, list, list]] = {"disk": ([], [], []), "shm": ([], [], [])}
+    calls = vllm_sync.CallTimes(engine)
     for i in range(args.repeats):
         for j, transfer in enumerate(times):
-            push, write = vllm_sync.push_times(engine, model, run_dir / "weights",
-                                               1 + 2 * i + j, 1, transfer)
-            times[transfer][0].extend(push)
-            times[transfer][1].extend(write)
-    out = {"save_s": med(save)}
-    for transfer, (push, write) in times.items():
-        out |= {f"{transfer}_push_s": med(push), f"{transfer}_write_s": med(write)}
+            for got, more in zip(times[transfer], vllm_sync.push_times(
+                    engine, model, run_dir / "weights", 1 + 2 * i + j, 1, transfer, calls),
+                    strict=True):
+                got.extend(more)
+    out: dict[str, Any] = {"save_s": med(save)}
+    for transfer, (push, write, parts) in times.items():
+        out |= {f"{transfer}_push_s": med(push), f"{transfer}_write_s": med(write),
+                f"{transfer}_parts": {k: med(p.get(k, 0.0) for p in parts)
+                                      for k in dict.fromkeys(k for p in parts for k in p)}}
     return out
 
 
@@ -286,6 +291,10 @@ def tables(rows: list[dict], sync: dict) -> str:
                 f"{s['shm_push_s']:.3f} ({s['shm_write_s']:.3f}) | "
                 f"{s['disk_push_s'] / s['save_s']:.2f}x | {s['shm_push_s'] / s['save_s']:.2f}x | "
                 f"{s['shm_push_s'] / s['disk_push_s']:.2f}x |" for m, s in sync.items()]
+        out += ["", "Parts of a push (medians, s): `_save` (checks and write) and each HTTP call",
+                "", "| model | path | parts |", "|---|---|---|"]
+        out += [f"| {m} | {t} | " + ", ".join(f"{k} {v:.3f}" for k, v in s[f"{t}_parts"].items())
+                + " |" for m, s in sync.items() for t in ("disk", "shm")]
     return "\n".join(out)
 
 

@@ -20,6 +20,7 @@ import argparse
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -38,18 +39,57 @@ def timed(fn) -> float:  # noqa: ANN001 - any callable
     return time.perf_counter() - start
 
 
+class CallTimes:
+    """Seconds of each part of the pushes of `engine` since the last `take`: its `_save` (the
+    checks and the write, as "save") and each HTTP call by path (query dropped), summed per
+    push."""
+
+    def __init__(self, engine: VllmEngine):
+        self.calls: dict[str, float] = {}
+        post, save = engine._post, engine._save
+
+        async def timed_post(server: Any, path: str, *a: Any, **k: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return await post(server, path, *a, **k)
+            finally:
+                self._add(path.split("?")[0], time.perf_counter() - start)
+
+        def timed_save(*a: Any, **k: Any) -> None:
+            start = time.perf_counter()
+            try:
+                save(*a, **k)
+            finally:
+                self._add("save", time.perf_counter() - start)
+
+        engine._post, engine._save = timed_post, timed_save  # type: ignore[method-assign]
+
+    def _add(self, key: str, s: float) -> None:
+        self.calls[key] = self.calls.get(key, 0.0) + s
+
+    def take(self) -> dict[str, float]:
+        calls, self.calls = self.calls, {}
+        return calls
+
+
 def push_times(engine: VllmEngine, model: torch.nn.Module, folder: Path, first: int,
-               repeats: int, transfer: str = "disk") -> tuple[list[float], list[float]]:
-    """(total, write) seconds of `repeats` full pushes through `folder` (`transfer` disk) or
-    a /dev/shm segment (shm; the server must run tiller's `tiller_shm` engine)."""
+               repeats: int, transfer: str = "disk", calls: CallTimes | None = None
+               ) -> tuple[list[float], list[float], list[dict[str, float]]]:
+    """(total, write, parts) of `repeats` full pushes through `folder` (`transfer` disk) or a
+    /dev/shm segment (shm; the server must run tiller's `tiller_shm` engine): seconds of each
+    push, of a write of the same update before it, and of the push's parts (`calls`, when
+    given: a `CallTimes` of `engine`)."""
     engine.weights_dir, engine.root, engine.transfer = folder, folder, transfer
-    totals, writes = [], []
+    totals, writes, parts = [], [], []
     for i in range(repeats):
         update = WeightUpdate(first + i, {k: v.detach() for k, v in model.state_dict().items()})
         # shm: the push writes into the segment this timed write left, as in a run
         writes.append(timed(lambda u=update: engine._save(u, folder / "probe")))
+        if calls is not None:
+            calls.take()
         totals.append(timed(lambda u=update: engine.update_weights(u)))
-    return totals, writes
+        parts.append(calls.take() if calls is not None else {})
+    return totals, writes, parts
 
 
 def main() -> None:
@@ -74,9 +114,10 @@ def main() -> None:
                           run_dir=work / "run", initial=WeightUpdate.full(model, 0),
                           dtype="float32")
     try:
-        disk = push_times(engine, model, work / "run" / "weights", 1, args.repeats)
-        tmpfs = push_times(engine, model, Path("/dev/shm/tiller-vllm-sync"), 100, args.repeats)
-        shm = push_times(engine, model, work / "run" / "weights", 200, args.repeats, "shm")
+        disk = push_times(engine, model, work / "run" / "weights", 1, args.repeats)[:2]
+        tmpfs = push_times(engine, model, Path("/dev/shm/tiller-vllm-sync"), 100,
+                           args.repeats)[:2]
+        shm = push_times(engine, model, work / "run" / "weights", 200, args.repeats, "shm")[:2]
         probe = list(range(1, 65))
         ours = torch.log_softmax(model(torch.tensor([probe])).logits[0, :-1], -1)
         ref = ours.gather(1, torch.tensor(probe[1:])[:, None])[:, 0]

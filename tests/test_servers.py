@@ -297,3 +297,63 @@ def test_a_watch_does_not_kill_a_group_that_took_its_number(tmp_path: Path) -> N
         if other.poll() is None:
             other.kill()
             other.wait()
+
+
+def test_a_port_another_process_took_is_not_a_healthy_server(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between `free_port` and the server's bind (vLLM: 20-50 s of start-up) another process
+    may take the port and answer /health (another run's server of the same model): that is a
+    start-up failure naming the server, not a server tiller then pushes weights into."""
+    port = free_port()
+    other = subprocess.Popen([sys.executable, SERVER, "--port", str(port)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not servers_mod._healthy(f"http://127.0.0.1:{port}/health"):
+            assert other.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        monkeypatch.setattr(servers_mod, "free_port", lambda host: port)
+        late = ManagedServers([spec("late", "--delay", "60")], log_dir=tmp_path,
+                              startup_timeout_s=30)
+        with pytest.raises(RunError, match=rf"^server late \(http://127.0.0.1:{port}\): port "
+                           rf"{port} answers /health, but from a socket of another process"):
+            late.start()
+        assert late.running == []  # stopped
+        assert other.poll() is None  # not ours: untouched
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_server_that_binds_its_port_itself_is_found_as_the_listener(tmp_path: Path) -> None:
+    with ManagedServers([spec("own")], log_dir=tmp_path, startup_timeout_s=30) as m:
+        r = m.running[0]
+        port = int(r.url.rsplit(":", 1)[1])
+        found = servers_mod.listeners(port, "127.0.0.1")
+        assert found and found <= servers_mod.session_sockets(r.proc.pid)
+
+
+def test_servers_are_started_from_the_main_thread_only(tmp_path: Path) -> None:
+    """The kernel sends PR_SET_PDEATHSIG's SIGKILL when the thread that forked the server
+    exits: a server started from a short-lived thread would die with it. Refused, and nothing
+    is started."""
+    errors: list[BaseException] = []
+    managed = ManagedServers([spec("t")], log_dir=tmp_path / "logs", startup_timeout_s=30)
+
+    def start() -> None:
+        try:
+            managed.start()
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=start, name="starter")
+    thread.start()
+    thread.join(60)
+    try:
+        assert len(errors) == 1 and isinstance(errors[0], RunError), errors
+        assert str(errors[0]) == ("managed servers are started from the main thread only, not "
+                                  "from thread 'starter': the kernel kills a server "
+                                  "(PR_SET_PDEATHSIG) when the thread that started it exits")
+        assert managed.running == [] and not (tmp_path / "logs").exists()
+    finally:
+        managed.close()

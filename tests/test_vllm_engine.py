@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiller.config import VllmEngineConfig, load_config
 from tiller.engine import servers as servers_mod
+from tiller.engine import vllm as vllm_mod
 from tiller.engine.api import SamplingParams
 from tiller.engine.factory import make_engine
 from tiller.engine.sampling import kept_set, truncated_logprobs
@@ -376,6 +377,43 @@ def test_the_shipped_smollm2_config_starts_vllm_with_the_default_kv_cache(tmp_pa
     finally:
         engine.close()
     assert "--max-model-len 768" in (tmp_path / "servers" / "vllm-0.log").read_text()
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_the_logprobs_mode_check_passes_bf16_servers_and_refuses_raw_logprobs(
+        tmp_path: Path, which: str) -> None:
+    """The check at connect must not refuse a correct bf16 server: on SmolLM2-135M a bf16
+    server's top logprobs at T = 0.5 are 2.2 (mean) from a bf16 trainer's, which the former
+    check (against the trainer, tolerance 0.1) refused. The spread ratio of the server's own
+    logprobs (T = 0.5 against T = 1) is 2 in processed_logprobs and 1 in raw_logprobs, in bf16
+    as in fp32. Two bf16 servers of the model, one per mode (a bf16 SmolLM2 server's first
+    generate took over 60 s at load 16 here: the calls get the start-up bound)."""
+    if which == "tiny":
+        path = tiny(tmp_path / "m", heads=4)[0]
+    else:
+        try:
+            path = Path(load_model(load_config("configs/smollm2_calculator.yaml").model.path,
+                                   torch.float32).name_or_path)
+        except (OSError, ConfigError, ModelLoadError) as e:
+            pytest.skip(f"smollm2-135m-instruct is not fetched here ({e}): tiller models fetch")
+    spec = server_specs(str(default_python()), path, 1, max_context=512, dtype="bfloat16",
+                        kv_cache_bytes=64 << 20, threads=1, extra_args=[])[0]
+    raw = servers_mod.ServerSpec("raw", [a.replace("processed_logprobs", "raw_logprobs")
+                                         for a in spec.argv], spec.env)
+    with ManagedServers([spec, raw], log_dir=tmp_path / "s", startup_timeout_s=START_S) as m:
+        engines = [VllmEngine([u], weights_dir=tmp_path / "w", shapes={}) for u in m.urls]
+        try:
+            ratios = [vllm_mod.logprobs_spread_ratios(e, START_S)[u]
+                      for e, u in zip(engines, m.urls, strict=True)]
+            assert abs(ratios[0] - 2.0) < 0.01 and abs(ratios[1] - 1.0) < 0.01, ratios
+            vllm_mod.check_logprobs_mode(engines[0], START_S)  # passes
+            with pytest.raises(RunError, match=rf"^vLLM server {m.urls[1]}: its logprobs at "
+                               r"temperature 0.5 are 1.000x as spread as at temperature 1, "
+                               r"not 2x"):
+                vllm_mod.check_logprobs_mode(engines[1], START_S)
+        finally:
+            for e in engines:
+                e.close()
 
 
 # ---------------------------------------------------------------- a stub of vLLM's control API

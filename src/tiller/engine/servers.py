@@ -8,18 +8,22 @@ interrupt while stopping one still stops the others before it is raised. On Linu
 also gets SIGKILL from the kernel when the thread that started it dies (`prctl
 PR_SET_PDEATHSIG`), so a tiller killed by SIGKILL or the OOM killer, which runs no cleanup,
 leaves no server running (only its temporary folder; the processes a server spawned are its to
-stop; vLLM's engine core runs in the server's process here, `engine/vllm.py` SERVER_ENV). Start
-servers from a thread that lives as long as they should: the main thread.
+stop; vLLM's engine core runs in the server's process here, `engine/vllm.py` SERVER_ENV). The
+request is made by a small exec wrapper (`PDEATHSIG_EXEC`), not a `preexec_fn`, which is not
+safe in a process with threads. The kernel sends that signal when the thread that started the
+server exits, so servers are started from the main thread only (another is refused).
 
 Its stdout and stderr go to `<log_dir>/<name>.log`; its temporary files (TMPDIR) go to a fresh
 `tiller-<name>-*` folder in the system temp folder (short: vLLM puts its ZMQ sockets there, and a
 socket path is at most 107 bytes), removed when it stops.
 
-Start-up waits for `GET <url><health_path>` to answer 200, at most `startup_timeout_s` for all
-servers together; a server that exits meanwhile is reported at once, not at the timeout. Either
-failure is one line naming the server, its URL, its log file and the log's last line, and every
-server started is stopped before it is raised. `ManagedServers` is a context manager and is what
-an engine's `close` (registered on the run's ExitStack: success, error, Ctrl-C) stops.
+Start-up waits for `GET <url><health_path>` to answer 200 from a socket of the server's own
+processes (on Linux, by /proc: a port taken by another process before the server bound it is an
+error, not a healthy server), at most `startup_timeout_s` for all servers together; a server
+that exits meanwhile is reported at once, not at the timeout. Either failure is one line naming
+the server, its URL, its log file and the log's last line, and every server started is stopped
+before it is raised. `ManagedServers` is a context manager and is what an engine's `close`
+(registered on the run's ExitStack: success, error, Ctrl-C) stops.
 
 The command of a server is any argv with `{port}` where its port goes: the vLLM backend starts
 `python -m vllm.entrypoints.openai.api_server`; `tiller serve` can be started the same way.
@@ -28,19 +32,21 @@ The command of a server is any argv with `{port}` where its port goes: the vLLM 
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import errno
 import inspect
 import logging
 import os
+import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
@@ -53,8 +59,18 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.25  # how often start-up checks health and whether a server exited
 STOP_GRACE_S = 10.0  # after SIGTERM, how long a server may take to exit before SIGKILL
 PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h): the signal a child gets when its parent dies
-# loaded here, not in the forked child: an import there could deadlock on a lock another thread held
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+# What a server's process runs first on Linux, instead of a `preexec_fn` (not safe in a process
+# with threads: the forked child could deadlock before exec): a Python of its own that asks the
+# kernel for SIGKILL when its parent dies (kept across exec), dies now if that parent (argv[1])
+# already has, and execs the server's argv (argv[2:]). A failed prctl or exec is a line in the
+# server's log and a non-zero exit, reported as any start-up exit.
+PDEATHSIG_EXEC = f"""import ctypes, os, signal, sys
+if ctypes.CDLL(None, use_errno=True).prctl({PR_SET_PDEATHSIG}, signal.SIGKILL, 0, 0, 0) != 0:
+    sys.exit("prctl(PR_SET_PDEATHSIG) failed: " + os.strerror(ctypes.get_errno()))
+if os.getppid() != int(sys.argv[1]):
+    os.kill(os.getpid(), signal.SIGKILL)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
 
 
 def start_time(pid: int) -> int | None:
@@ -196,7 +212,9 @@ class ManagedServers:
     def start(self) -> list[str]:
         """Start every server and wait until each answers its health path; on any failure
         (one exits, the timeout passes, Ctrl-C) every server started is stopped first, then
-        one RunError naming the server, URL and log file is raised."""
+        one RunError naming the server, URL and log file is raised. From the main thread only
+        (`_check_main_thread`)."""
+        _check_main_thread()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             for spec in self.specs:
@@ -217,9 +235,11 @@ class ManagedServers:
         log_file.flush()
         env = {**os.environ, **spec.env, "TMPDIR": str(tmp)}
         try:
-            proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                                    preexec_fn=_die_with_parent(os.getpid()))
+            if shutil.which(argv[0], path=env.get("PATH")) is None:  # before the wrapper runs
+                raise FileNotFoundError(errno.ENOENT, "no such executable", argv[0])
+            proc = subprocess.Popen(_dying_with_this_process(argv), stdout=log_file,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True)
         except OSError as e:
             log_file.close()
             remove_tree(tmp)  # what it cannot remove: a warning each, counted
@@ -247,7 +267,7 @@ class ManagedServers:
                 if code is not None:
                     raise RunError(f"server {r.spec.name} ({r.url}) exited with code {code} "
                                    f"during start-up; log {r.log}: {last_line(r.log)}")
-                if _healthy(r.url + r.spec.health_path):
+                if _healthy(r.url + r.spec.health_path) and self._owns_port(r):
                     waiting.remove(r)
             if waiting and time.monotonic() > deadline:
                 r = waiting[0]
@@ -256,6 +276,24 @@ class ManagedServers:
                                f"{r.log}: {last_line(r.log)}")
             if waiting:
                 time.sleep(POLL_S)
+
+    def _owns_port(self, r: _Running) -> bool:
+        """Whether what answered `r`'s health path listens from `r`'s own processes (its
+        session): `free_port` picks a port that is free then, the server binds it only after
+        its start-up, and meanwhile another process (another run's server of the same model)
+        may take it and answer. Another process's listener is a RunError; none found (it
+        closed meanwhile) is not yet (False); no /proc to tell by: True."""
+        port = int(r.url.rsplit(":", 1)[1])
+        found = listeners(port, self.host)
+        if found is None:
+            return True
+        theirs = found - session_sockets(r.proc.pid)
+        if theirs:
+            raise RunError(f"server {r.spec.name} ({r.url}): port {port} answers "
+                           f"{r.spec.health_path}, but from a socket of another process, not "
+                           f"the server's (another process took the port before the server "
+                           f"bound it); log {r.log}: {last_line(r.log)}")
+        return bool(found)
 
     def exited(self) -> list[str]:
         """One line per server that has exited: its name, URL, exit code, log and the log's
@@ -293,6 +331,50 @@ class ManagedServers:
         self.close()
 
 
+def listeners(port: int, host: str) -> set[int] | None:
+    """The inodes of the TCP sockets that listen on `port` at `host` or at any address (IPv4
+    and IPv6; every address when `host` is not an IPv4 literal), from /proc/net/tcp and tcp6;
+    None where neither can be read."""
+    try:  # /proc/net/tcp writes each 32-bit word of an address in host byte order
+        word = f"{struct.unpack('=I', socket.inet_aton(host))[0]:08X}"
+        mine: set[str] | None = {word, "0" * 8, "0" * 32, "0" * 16 + "FFFF0000" + word}
+    except OSError:
+        mine = None
+    found, read = set(), False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        read = True
+        for row in rows:  # sl local_address rem_address st ... inode
+            f = row.split()
+            address, _, hex_port = f[1].rpartition(":")
+            if f[3] == "0A" and int(hex_port, 16) == port and (mine is None or address in mine):
+                found.add(int(f[9]))
+    return found if read else None
+
+
+def session_sockets(sid: int) -> set[int]:
+    """The inodes of the sockets open in the processes of session `sid` (those this user may
+    read: a session tiller started is its user's)."""
+    found = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            with open(proc / "stat") as f:  # pid (comm) state ppid pgrp session ...
+                if int(f.read().rsplit(")", 1)[1].split()[3]) != sid:
+                    continue
+            for fd in (proc / "fd").iterdir():
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    found.add(int(link[8:-1]))
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile, or not ours to read
+    return found
+
+
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2.0) as r:  # noqa: S310 - our loopback URL
@@ -301,18 +383,21 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _die_with_parent(parent: int) -> Callable[[], None] | None:
-    """What the child runs before exec (Linux): ask the kernel for SIGKILL when its parent
-    dies, and die now if the parent `parent` already has (it died before the request)."""
-    if _LIBC is None:
-        return None
-    libc = _LIBC
+def _dying_with_this_process(argv: list[str]) -> list[str]:
+    """`argv` run by `PDEATHSIG_EXEC` on Linux (elsewhere as it is)."""
+    if sys.platform != "linux":
+        return argv
+    return [sys.executable, "-I", "-S", "-c", PDEATHSIG_EXEC, str(os.getpid()), *argv]
 
-    def child() -> None:
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGKILL)
-    return child
+
+def _check_main_thread() -> None:
+    """The kernel sends PR_SET_PDEATHSIG's signal when the *thread* that started a server
+    exits, so on Linux only the main thread, which lives as long as the process, may start
+    servers: from another thread, one RunError."""
+    if sys.platform == "linux" and threading.current_thread() is not threading.main_thread():
+        raise RunError(f"managed servers are started from the main thread only, not from "
+                       f"thread {threading.current_thread().name!r}: the kernel kills a "
+                       f"server (PR_SET_PDEATHSIG) when the thread that started it exits")
 
 
 def _watch(pgid: int, started: int | None) -> IO[bytes]:

@@ -10,7 +10,8 @@ marked down, bounded waits) speaking vLLM's API instead of SGLang's:
   (after temperature, top-k and top-p), i.e. `sampling.logprobs: sampled` (untruncated is
   refused). vLLM's default mode (raw_logprobs, before temperature) would make every run at a
   temperature other than 1 silently off-policy, so at connect each server samples one token at
-  temperature 0.5 and its top logprobs are compared with the trainer's (`check_logprobs_mode`).
+  temperature 0.5 and one at 1, and the spread of its top logprobs must be twice as large at
+  0.5 (`check_logprobs_mode`).
   Servers run with `--no-enable-chunked-prefill`: vLLM 0.32's CPU runner rewinds the generator
   of a seeded request whose prefill was split across steps, which a CPU generator cannot do,
   and its engine dies ("CPU Generator does not use offset"); unsplit, every prompt is
@@ -31,7 +32,7 @@ marked down, bounded waits) speaking vLLM's API instead of SGLang's:
   against the names and shapes of the trainer's model (a tensor vLLM cannot place kills the
   server); vLLM's HTTP API exposes no tensor shapes of the served model (its own tensors are
   fused: qkv_proj, gate_up_proj), so an attached server of another model is caught by
-  /v1/models (context length), the logprobs check and the parity check, not by shapes.
+  /v1/models (context length) and the parity check of the first sync, not by shapes.
 - parity: `prompt_logprobs` of the probe at temperature 1 (`score`).
 vLLM's /v1/completions reports no weight version: every token of an answer gets the version its
 request started under, as the HTTP backend records a server that reports none (a turn spanning
@@ -52,7 +53,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
@@ -82,11 +82,13 @@ FINISH = {"stop": "stop", "length": "length", "abort": "abort"}  # vLLM's reason
 # process (one process group to stop, faster start-up), no CPU pinning (it shares the machine)
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
               "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-# the logprobs-mode check at connect: one token sampled at MODE_T, the logprobs of its
-# MODE_TOP most likely tokens against the trainer's log softmax(logits / MODE_T); a mean
-# |difference| above MODE_TOL is another mode (raw_logprobs, vLLM's default, is at T = 1: off
-# by about |logprob| per token, far above bf16's ~0.02)
-MODE_T, MODE_TOP, MODE_TOL = 0.5, 5, 0.1
+# the logprobs-mode check at connect (`logprobs_spread_ratios`): one token sampled at MODE_T
+# and at 1, the logprobs of the MODE_TOP most likely tokens of each; their spread at MODE_T
+# over that at 1 must be 1/MODE_T (2; raw_logprobs, vLLM's default, gives 1) within MODE_TOL.
+# Not against the trainer's logprobs: a bf16 server's are up to 2.2 from a bf16 trainer's on
+# SmolLM2-135M (mean over the top 5 at T = 0.5), more than raw and processed differ by
+MODE_T, MODE_TOP, MODE_TOL = 0.5, 5, 0.25
+MODE_MIN_SPREAD = 1e-3  # sum of (top - logprob) at T = 1 below which the ratio means nothing
 MODE_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 Step = Callable[[str, dict | None], Awaitable[Any]]  # one call of a push (VllmEngine._step)
 
@@ -187,8 +189,8 @@ class VllmEngine(HttpEngine):
         """Every server serves `SERVED_NAME` with a context length of at least `max_context`
         (`/v1/models`); else one RunError naming it. Turns are then bounded by the smallest.
         `vocab_size` and `dtype` (the `HttpEngine` signature) are not checked: vLLM's
-        `/v1/models` reports neither; a server of another vocabulary fails the logprobs-mode
-        check at connect (`check_logprobs_mode`)."""
+        `/v1/models` reports neither; a server of another model or vocabulary fails the parity
+        check of the first weight sync (`weight_sync`)."""
         served = []
         for server in self.servers:
             info = self._call(self._post(server, "/v1/models"), f"/v1/models on {server.url}")
@@ -224,12 +226,13 @@ class VllmEngine(HttpEngine):
                                   f"servers' model (not sent): {'; '.join(problems[:8])}")
         folder.mkdir(parents=True, exist_ok=True)  # shm: empty, kept for the push's bookkeeping
         # each name its own storage: safetensors refuses shared ones, and vLLM must get lm_head
-        # (tied to the embedding) as a tensor of its own; only the second name is copied
+        # (tied to the embedding) as a tensor of its own; only the second name is copied (a
+        # segment holds each name's bytes at its own offset already: no copy for shm)
         seen: set[int] = set()
         tensors = {}
         for n, t in update.tensors.items():
             t = t.detach().contiguous()
-            tensors[n] = t.clone() if t.data_ptr() in seen else t
+            tensors[n] = t.clone() if t.data_ptr() in seen and self.transfer != "shm" else t
             seen.add(t.data_ptr())
         if self.transfer == "shm":
             # a write that fails leaves `_segment` set: `update_weights` removes the file
@@ -435,48 +438,63 @@ def probe(engine: VllmEngine, token_id: int, deadline: float) -> None:
     engine._on_each(engine.servers, one, "the start-up probe", left + 5.0)
 
 
-@torch.no_grad()
-def next_token_logprobs(model: PreTrainedModel, prompt: list[int], temperature: float
-                        ) -> torch.Tensor:
-    """The trainer's log softmax(logits / temperature) [V] of the token after `prompt`, in
-    eval mode (no dropout), on the CPU."""
-    training = model.training
-    model.eval()
-    try:
-        ids = torch.tensor([prompt], device=next(model.parameters()).device)
-        logits = model(ids).logits[0, -1].float()
-    finally:
-        model.train(training)
-    return torch.log_softmax(logits / temperature, -1).cpu()
+def logprobs_spread_ratios(engine: VllmEngine, timeout_s: float) -> dict[str, float]:
+    """By server URL: how much more spread its logprobs are at temperature `MODE_T` than at
+    temperature 1. Each server samples one token after `MODE_PROMPT` at both temperatures with
+    the logprobs of its `MODE_TOP` most likely tokens; the ratio is sum(top - lp_i) at `MODE_T`
+    over the same at 1, over the tokens of both answers. Both answers come from the same logits
+    z (the server's own), so it is exact whatever the precision: 1/`MODE_T` for logprobs of
+    softmax(z / T) (processed_logprobs), 1 for vLLM's default raw_logprobs (softmax(z), before
+    temperature). A failed generate, an answer without top logprobs, values that are no
+    logprobs (their probabilities sum past 1: logits modes) or top tokens of equal logprobs (no
+    spread to compare) are one RunError naming the server."""
+    def body(temperature: float) -> dict:
+        return {"model": SERVED_NAME, "prompt": MODE_PROMPT, "max_tokens": 1, "seed": 0,
+                "temperature": temperature, "logprobs": MODE_TOP,
+                "return_tokens_as_token_ids": True}
 
+    ratios: dict[str, float] = {}
 
-def check_logprobs_mode(engine: VllmEngine, model: PreTrainedModel, timeout_s: float) -> None:
-    """Every server samples one token after `MODE_PROMPT` at temperature `MODE_T` with the
-    logprobs of its `MODE_TOP` most likely tokens, which must be the trainer's log
-    softmax(logits / T) within `MODE_TOL` (mean |difference|): a server of another
-    --logprobs-mode (vLLM's default raw_logprobs is before temperature) would make every run
-    at T != 1 off-policy without an error. Needs the trainer's weights on the servers. Else one
-    RunError naming the server."""
-    ours = next_token_logprobs(model, MODE_PROMPT, MODE_T)
-    body = {"model": SERVED_NAME, "prompt": MODE_PROMPT, "max_tokens": 1, "seed": 0,
-            "temperature": MODE_T, "logprobs": MODE_TOP, "return_tokens_as_token_ids": True}
-
-    async def one(server: Server) -> None:
+    async def top(server: Server, temperature: float) -> dict[int, float]:
         try:
-            answer = await engine._post(server, "/v1/completions", body, timeout=timeout_s)
-            top = answer["choices"][0]["logprobs"]["top_logprobs"][0]
-            theirs = {int(k.rsplit(":", 1)[1]): float(v) for k, v in top.items()}
+            answer = await engine._post(server, "/v1/completions", body(temperature),
+                                        timeout=timeout_s)
+            got = answer["choices"][0]["logprobs"]["top_logprobs"][0]
+            values = {int(k.rsplit(":", 1)[1]): float(v) for k, v in got.items()}
         except (ServerDown, KeyError, TypeError, IndexError, ValueError) as e:
             raise RunError(f"vLLM server {server.url}: the logprobs-mode check's one-token "
                            f"generate failed: {type(e).__name__}: {short(str(e), 150)}") from e
-        gap = sum(abs(v - float(ours[t])) for t, v in theirs.items()) / max(len(theirs), 1)
-        if not theirs or gap > MODE_TOL:
-            raise RunError(f"vLLM server {server.url}: its logprobs at temperature {MODE_T} "
-                           f"are {gap:.3f} from the trainer's (mean over its top "
-                           f"{len(theirs)} tokens; vLLM's default raw_logprobs are before "
-                           f"temperature): start it with --logprobs-mode processed_logprobs")
+        if not values or sum(math.exp(min(v, 50.0)) for v in values.values()) > 1.0 + 1e-3:
+            raise RunError(f"vLLM server {server.url}: the logprobs-mode check got "
+                           f"{short(values)} at temperature {temperature:g}, which are no "
+                           f"logprobs: start it with --logprobs-mode processed_logprobs")
+        return values
 
-    engine._on_each(engine.servers, one, "the logprobs-mode check", timeout_s + 5.0)
+    async def one(server: Server) -> None:
+        at_t, at_1 = await top(server, MODE_T), await top(server, 1.0)
+        both = at_t.keys() & at_1.keys()
+        spread_t = sum(max(at_t.values()) - at_t[k] for k in both)
+        spread_1 = sum(max(at_1.values()) - at_1[k] for k in both)
+        if spread_1 < MODE_MIN_SPREAD:
+            raise RunError(f"vLLM server {server.url}: the logprobs-mode check cannot tell the "
+                           f"mode: the top {len(both)} logprobs after {MODE_PROMPT} are within "
+                           f"{spread_1:.2g} of each other")
+        ratios[server.url] = spread_t / spread_1
+
+    engine._on_each(engine.servers, one, "the logprobs-mode check", 2 * timeout_s + 5.0)
+    return ratios
+
+
+def check_logprobs_mode(engine: VllmEngine, timeout_s: float) -> None:
+    """Every server's `logprobs_spread_ratios` must be 1/`MODE_T` within `MODE_TOL`: a server of
+    another --logprobs-mode (vLLM's default raw_logprobs is before temperature: 1) would make
+    every run at T != 1 off-policy without an error. Else one RunError naming the server."""
+    for url, ratio in logprobs_spread_ratios(engine, timeout_s).items():
+        if abs(ratio - 1 / MODE_T) > MODE_TOL:
+            raise RunError(f"vLLM server {url}: its logprobs at temperature {MODE_T} are "
+                           f"{ratio:.3f}x as spread as at temperature 1, not {1 / MODE_T:g}x "
+                           f"(vLLM's default raw_logprobs are before temperature: 1x): start it "
+                           f"with --logprobs-mode processed_logprobs")
 
 
 def default_python() -> Path:
@@ -544,7 +562,7 @@ def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, 
         probe(engine, 0, deadline)
         engine.check_servers(int(model.config.vocab_size), max_context)
         engine.update_weights(initial)
-        check_logprobs_mode(engine, model, cfg.request_timeout_s)
+        check_logprobs_mode(engine, cfg.request_timeout_s)
     except BaseException:
         engine.close()
         raise
