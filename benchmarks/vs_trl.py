@@ -200,6 +200,9 @@ def tiller_round(args: argparse.Namespace, model: Path, max_prompt: int, out: Pa
         f"rl.steps={args.steps}", f"rl.tasks_per_step={args.tasks_per_step}",
         f"rl.group_size={args.group_size}", f"rl.lr={args.lr}",
         f"rl.micro_batch_size={args.micro_batch_size}", "rl.mini_batches=1", "rl.ppo_epochs=1",
+        f"train.packing={str(args.packing).lower()}",
+        f"train.micro_batch_tokens={args.micro_batch_tokens or 'null'}",
+        f"train.activation_checkpointing={str(args.activation_checkpointing).lower()}",
         f"seed={args.seed}", "logging.progress=false", "logging.tensorboard=false",
         f"runtime.threads={args.threads}"])
     run = Run(cfg, out)
@@ -217,12 +220,37 @@ def tiller_round(args: argparse.Namespace, model: Path, max_prompt: int, out: Pa
 # ------------------------------------------------------------------------------------- TRL
 
 
+def set_response_template(tokenizer: Any) -> str:
+    """Give TRL the parser of the model's generated turns: TRL's own for the chat templates it
+    knows by their text; for one it does not know that writes Hermes `<tool_call>` JSON in
+    ChatML turns (tiller's template, SmolLM2's as `tiller models fetch` installs it), TRL's
+    Qwen3 parser, which reads exactly that layout. Returns which; refuses any other template.
+    """
+    from trl.chat_template_utils import add_response_schema, qwen3_template
+
+    try:
+        add_response_schema(tokenizer)
+        return "TRL's own"
+    except ValueError:  # a template TRL does not know by its text
+        pass
+    family = ChatFormat(tokenizer).family
+    generation_prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False)
+    if family not in ("hermes", "qwen3") or not generation_prompt.endswith(
+            "<|im_start|>assistant\n"):
+        raise SystemExit(f"error: TRL has no response parser for this chat template (tiller "
+                         f"reads it as {family}); only ChatML templates with Hermes "
+                         "<tool_call> JSON are mapped to one here")
+    tokenizer.response_template = qwen3_template
+    return "TRL's qwen3 (Hermes tool calls in ChatML)"
+
+
+
 def trl_round(args: argparse.Namespace, model_dir: Path, tasks: list[Task], out: Path
               ) -> list[dict[str, float]]:
     from datasets import Dataset
     from transformers import PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-    from trl.chat_template_utils import qwen3_template
 
     episodes: list[dict[str, float]] = []  # this rollout's episodes, filled by `reward`
 
@@ -272,9 +300,7 @@ def trl_round(args: argparse.Namespace, model_dir: Path, tasks: list[Task], out:
 
     tokenizer = load_tokenizer(model_dir)
     tokenizer.padding_side = "left"
-    # tiller's template writes tool calls as Qwen3 does; TRL parses them with a response
-    # template, which it sets itself only for the chat templates it knows by their text
-    tokenizer.response_template = qwen3_template
+    set_response_template(tokenizer)
     rows = [{"prompt": opening(t), "answer": t.answer} for t in tasks]
     per_step = args.tasks_per_step * args.group_size
     config = GRPOConfig(
@@ -289,7 +315,8 @@ def trl_round(args: argparse.Namespace, model_dir: Path, tasks: list[Task], out:
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
         adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.0, max_grad_norm=1.0,  # tiller's AdamW
         beta=0.0, num_iterations=1, epsilon=0.2, loss_type="dapo",  # token-mean PPO clip
-        scale_rewards="group", activation_checkpointing=False, bf16=False,
+        scale_rewards="group", bf16=False,  # fp32 as tiller's model.dtype
+        activation_checkpointing=args.activation_checkpointing,  # TRL's default is on
         logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
         dataloader_num_workers=0)
     clock = StepClock()
@@ -344,11 +371,24 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--adapt-tasks", type=int, default=1024,
                    help="expert episodes of SFT on the long prompts before the runs (0: none)")
     p.add_argument("--sides", default="tiller,trl", help="comma-separated: tiller, trl")
-    p.add_argument("--steps", type=int, default=5, help="RL steps per run (first is warm-up)")
+    p.add_argument("--steps", type=int, default=5, help="RL steps per run")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="first steps of each run not counted (0: count every step; each "
+                   "step's seconds are in results.json)")
     p.add_argument("--rounds", type=int, default=2, help="runs of each side, alternating")
     p.add_argument("--tasks-per-step", type=int, default=4)
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--micro-batch-size", type=int, default=32)
+    p.add_argument("--micro-batch-size", type=int, default=32,
+                   help="rows per forward/backward on both sides (tiller: rl.micro_batch_size)")
+    p.add_argument("--packing", action="store_true",
+                   help="tiller packs each micro-batch into one row (train.packing); TRL has no "
+                   "packing in GRPO and pads each micro-batch to its longest row")
+    p.add_argument("--micro-batch-tokens", type=int,
+                   help="tiller also closes a micro-batch at this many tokens "
+                   "(train.micro_batch_tokens); TRL has none: its micro-batches are rows only")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="both sides (train.activation_checkpointing; TRL's "
+                   "activation_checkpointing)")
     p.add_argument("--prompt-tokens", type=int, default=800, help="prompt length to reach")
     p.add_argument("--max-new-tokens", type=int, default=48, help="per turn")
     p.add_argument("--max-turns", type=int, default=6, help="generated turns per episode")
@@ -372,8 +412,9 @@ def parse_args() -> argparse.Namespace:
                          f"tasks-per-step x group-size = {per_step} (TRL accumulates whole "
                          "micro-batches into one optimizer step)")
     args.micro_batch_size = min(args.micro_batch_size, per_step)
-    if args.steps < 2:
-        raise SystemExit("error: --steps must be at least 2 (the first step is a warm-up)")
+    if not 0 <= args.warmup < args.steps:
+        raise SystemExit(f"error: --warmup {args.warmup} must be at least 0 and below --steps "
+                         f"{args.steps} (no step would be counted)")
     args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     if not args.sides or set(args.sides) - {"tiller", "trl"}:
         raise SystemExit(f"error: --sides {','.join(args.sides)}: choose from tiller, trl")
@@ -452,7 +493,7 @@ def main() -> None:
             t0 = time.perf_counter()
             rows = (tiller_round(args, model, max(lengths), out / f"tiller-{r}") if side == "tiller"
                     else trl_round(args, model, tasks, out / f"trl-{r}"))
-            steps[side] += rows[1:]  # the first step of a run warms up
+            steps[side] += rows[args.warmup:]  # the first steps of a run warm up
             print(f"round {r + 1} {side}: {len(rows)} steps in {time.perf_counter() - t0:.1f}s, "
                   f"step s {[round(x['step_s'], 3) for x in rows]}", flush=True)
     result = {side: medians(rows) for side, rows in steps.items()}
@@ -463,7 +504,8 @@ def main() -> None:
          "prompt_tokens": [min(lengths), max(lengths)], "medians": result, "steps": steps},
         indent=2, default=str))
     print(md)
-    print(f"\nmedians over {args.rounds} x {args.steps - 1} steps per side after warm-up; "
+    print(f"\nmedians over {args.rounds} x {args.steps - args.warmup} steps per side after "
+          f"{args.warmup} warm-up step(s) per run; "
           f"results: {out / 'results.md'}")
 
 
