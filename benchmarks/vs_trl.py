@@ -1,12 +1,17 @@
 """tiller's RL step against Hugging Face TRL's GRPOTrainer on the same multi-turn tool work.
 
-Both sides train the same small Qwen3 with GRPO on the calculator task: the same tasks in the
+Both sides train the same model with GRPO on the calculator task: the same tasks in the
 same order, the same ~800-token prompts (a tool manual of worked examples before the
 calculator's system prompt; every step's prompt token ids are checked to be identical on both
 sides), the calculator tool, group size, prompts per step, max new tokens per turn, turns,
 completion budget, temperature (top-p 1, top-k off), lr, AdamW (betas 0.9/0.99, no weight
 decay, grad norm clip 1, constant lr), token-mean PPO-clip loss (eps 0.2, no KL) on
-group-normalized advantages, and one optimizer step per RL step over the same micro-batches.
+group-normalized advantages, fp32, activation checkpointing on or off on both sides
+(`--activation-checkpointing`; off unless given, where TRL's own default is on), and one
+optimizer step per RL step over micro-batches of the same rows (`--micro-batch-size`).
+tiller's trainer may also pack each micro-batch into one row (`--packing`, train.packing) and
+close a micro-batch at a token budget (`--micro-batch-tokens`, train.micro_batch_tokens): GRPO
+in TRL has neither, so its micro-batches are padded to their longest row (its default).
 
 - tiller runs its real code path: `tiller.run.Run` + `tiller.controller.rl` (the continuous
   batching engine, KV kept across an episode's turns), timed from the run's metrics
@@ -18,7 +23,7 @@ group-normalized advantages, and one optimizer step per RL step over the same mi
 "rollout" is generation plus tool calls and reward scoring (the tool takes microseconds);
 "train" is the rest of the step. The sides alternate (tiller, TRL, TRL, tiller, ...) for
 `--rounds` rounds of `--steps` steps in this process, with `--threads` torch threads;
-the first step of each run is a warm-up and not counted. Prints a table of medians (also
+the first `--warmup` steps of each run (default 1) are not counted. Prints a table of medians (also
 `results.md` / `results.json` in the output folder) and the ratio TRL / tiller (above 1:
 tiller is faster).
 
@@ -29,10 +34,22 @@ short SFT on the expert's long-prompt episodes (`--adapt-tasks`: 64 steps of 16 
 about 8 minutes on one busy CPU core here); reuse the result with
 `--model <printed path> --adapt-tasks 0`.
 
+`--model` takes any local Hugging Face causal LM folder whose chat template renders the tool
+schemas (the prompt-id check refuses one that renders them unlike tiller) and whose turns TRL
+can parse: TRL's own parser for the templates it knows by their text, else, for ChatML turns
+with Hermes `<tool_call>` JSON (tiller's template and SmolLM2's as `tiller models fetch`
+installs it), TRL's Qwen3 parser, which reads that layout. SmolLM2-135M-Instruct as shipped
+never writes a tool call; start from a checkpoint after the SmolLM2 recipe's SFT
+(configs/smollm2_calculator.yaml), which does behind the manual, with no adaptation:
+
     # seconds-long smoke run: a tiny untrained model (it hardly calls the tool), short prompts
     .venv/bin/python benchmarks/vs_trl.py --quick
     # the comparison (needs TRL: pip install -e .[bench]; run it on a quiet machine)
     .venv/bin/python benchmarks/vs_trl.py
+    # the 135M model (~900-token prompts in its tokens; tiller packs, 2,048-token micro-batches)
+    .venv/bin/python benchmarks/vs_trl.py --model <smollm2 sft checkpoint> --adapt-tasks 0 \
+        --tasks-per-step 2 --group-size 4 --micro-batch-size 2 --packing \
+        --micro-batch-tokens 2048 --max-new-tokens 64 --lr 2e-6 --steps 1 --warmup 0 --rounds 2
 
 Not matched, by the peer's design: TRL samples with its own RNG, so the episodes (and the
 generated token counts: see "rollout ms/generated token") differ; a malformed tool call ends a
@@ -46,6 +63,7 @@ budget, so the two bind at the same length up to the few tokens of prompt-length
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -67,6 +85,7 @@ from tiller.controller import rl, sft  # noqa: E402
 from tiller.envs import calculator  # noqa: E402
 from tiller.envs.actions import ParsedTurn  # noqa: E402
 from tiller.envs.base import Task, register_env  # noqa: E402
+from tiller.files import write_file  # noqa: E402
 from tiller.models import build_env_model, load_model, load_tokenizer  # noqa: E402
 from tiller.rollout.chat import ChatFormat  # noqa: E402
 from tiller.run import Run  # noqa: E402
@@ -188,6 +207,37 @@ def check_prompts(tokenizer: Any, tasks: list[Task]) -> list[int]:
 # ---------------------------------------------------------------------------------- tiller
 
 
+@contextlib.contextmanager
+def cpu_clock() -> Any:
+    """While it lasts, tiller's RL step rows also hold this process's CPU seconds (every
+    thread: the engine's worker and the agent loop's included) for the step (`step_cpu_s`) and
+    its rollout (`rollout_cpu_s`), on the clocks of its wall times: on a shared CPU the wall
+    seconds count the other processes' load, the CPU seconds only this side's own work."""
+    from tiller.observe.steps import StepRecorder
+
+    begin, taken, end = StepRecorder.begin, StepRecorder.taken, StepRecorder.end
+
+    def timed_begin(self: Any, step: int) -> None:
+        begin(self, step)
+        self.cpu0 = time.process_time()
+
+    def timed_taken(self: Any, batch: Any) -> Any:
+        out = taken(self, batch)
+        self.metrics["rollout_cpu_s"] = time.process_time() - self.cpu0
+        return out
+
+    def timed_end(self: Any, rollouts: Any) -> None:
+        end(self, rollouts)
+        self.metrics["step_cpu_s"] = time.process_time() - self.cpu0
+
+    StepRecorder.begin, StepRecorder.taken, StepRecorder.end = (timed_begin, timed_taken,
+                                                                timed_end)
+    try:
+        yield
+    finally:
+        StepRecorder.begin, StepRecorder.taken, StepRecorder.end = begin, taken, end
+
+
 def tiller_round(args: argparse.Namespace, model: Path, max_prompt: int, out: Path
                  ) -> list[dict[str, float]]:
     cfg = load_config(CONFIG, [
@@ -200,16 +250,22 @@ def tiller_round(args: argparse.Namespace, model: Path, max_prompt: int, out: Pa
         f"rl.steps={args.steps}", f"rl.tasks_per_step={args.tasks_per_step}",
         f"rl.group_size={args.group_size}", f"rl.lr={args.lr}",
         f"rl.micro_batch_size={args.micro_batch_size}", "rl.mini_batches=1", "rl.ppo_epochs=1",
+        f"train.packing={str(args.packing).lower()}",
+        f"train.micro_batch_tokens={args.micro_batch_tokens or 'null'}",
+        f"train.activation_checkpointing={str(args.activation_checkpointing).lower()}",
         f"seed={args.seed}", "logging.progress=false", "logging.tensorboard=false",
         f"runtime.threads={args.threads}"])
     run = Run(cfg, out)
     try:
-        rl(run)
+        with cpu_clock():
+            rl(run)
     finally:
         run.close()
     rows = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines()]
     return [{"step_s": r["step_s"], "rollout_s": r["rollout_s"],
-             "train_s": r["step_s"] - r["rollout_s"], "tokens": r["rollout_tokens"],
+             "train_s": r["step_s"] - r["rollout_s"], "step_cpu_s": r["step_cpu_s"],
+             "rollout_cpu_s": r["rollout_cpu_s"],
+             "train_cpu_s": r["step_cpu_s"] - r["rollout_cpu_s"], "tokens": r["rollout_tokens"],
              "turns": r["turns_mean"], "tool_calls": r["tool_calls_per_episode"],
              "reward": r["reward_mean"]} for r in rows if r["phase"] == "rl"]
 
@@ -217,12 +273,37 @@ def tiller_round(args: argparse.Namespace, model: Path, max_prompt: int, out: Pa
 # ------------------------------------------------------------------------------------- TRL
 
 
+def set_response_template(tokenizer: Any) -> str:
+    """Give TRL the parser of the model's generated turns: TRL's own for the chat templates it
+    knows by their text; for one it does not know that writes Hermes `<tool_call>` JSON in
+    ChatML turns (tiller's template, SmolLM2's as `tiller models fetch` installs it), TRL's
+    Qwen3 parser, which reads exactly that layout. Returns which; refuses any other template.
+    """
+    from trl.chat_template_utils import add_response_schema, qwen3_template
+
+    try:
+        add_response_schema(tokenizer)
+        return "TRL's own"
+    except ValueError:  # a template TRL does not know by its text
+        pass
+    family = ChatFormat(tokenizer).family
+    generation_prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False)
+    if family not in ("hermes", "qwen3") or not generation_prompt.endswith(
+            "<|im_start|>assistant\n"):
+        raise SystemExit(f"error: TRL has no response parser for this chat template (tiller "
+                         f"reads it as {family}); only ChatML templates with Hermes "
+                         "<tool_call> JSON are mapped to one here")
+    tokenizer.response_template = qwen3_template
+    return "TRL's qwen3 (Hermes tool calls in ChatML)"
+
+
+
 def trl_round(args: argparse.Namespace, model_dir: Path, tasks: list[Task], out: Path
               ) -> list[dict[str, float]]:
     from datasets import Dataset
     from transformers import PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-    from trl.chat_template_utils import qwen3_template
 
     episodes: list[dict[str, float]] = []  # this rollout's episodes, filled by `reward`
 
@@ -246,35 +327,34 @@ def trl_round(args: argparse.Namespace, model_dir: Path, tasks: list[Task], out:
         rollouts: list[dict[str, float]]  # set before train()
 
         def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             batch = super()._generate_and_score_completions(inputs)
-            seconds = time.perf_counter() - t0
+            seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
             mask = batch["completion_mask"]
             if batch.get("tool_mask") is not None:  # tool results are not generated tokens
                 mask = mask * batch["tool_mask"]
             row = {k: statistics.fmean(e[k] for e in episodes) for k in episodes[0]}
-            self.rollouts.append({"rollout_s": seconds, "tokens": float(mask.sum()), **row})
+            self.rollouts.append({"rollout_s": seconds, "rollout_cpu_s": cpu,
+                                  "tokens": float(mask.sum()), **row})
             episodes.clear()
             return batch
 
     class StepClock(TrainerCallback):
-        """Seconds from each optimizer step's first micro-batch to its end."""
+        """Wall and CPU seconds from each optimizer step's first micro-batch to its end."""
 
         def __init__(self) -> None:
-            self.steps: list[float] = []
-            self.t0 = 0.0
+            self.steps: list[tuple[float, float]] = []
+            self.t0 = self.c0 = 0.0
 
         def on_step_begin(self, *_: Any, **__: Any) -> None:
-            self.t0 = time.perf_counter()
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *_: Any, **__: Any) -> None:
-            self.steps.append(time.perf_counter() - self.t0)
+            self.steps.append((time.perf_counter() - self.t0, time.process_time() - self.c0))
 
     tokenizer = load_tokenizer(model_dir)
     tokenizer.padding_side = "left"
-    # tiller's template writes tool calls as Qwen3 does; TRL parses them with a response
-    # template, which it sets itself only for the chat templates it knows by their text
-    tokenizer.response_template = qwen3_template
+    set_response_template(tokenizer)
     rows = [{"prompt": opening(t), "answer": t.answer} for t in tasks]
     per_step = args.tasks_per_step * args.group_size
     config = GRPOConfig(
@@ -289,7 +369,8 @@ def trl_round(args: argparse.Namespace, model_dir: Path, tasks: list[Task], out:
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
         adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.0, max_grad_norm=1.0,  # tiller's AdamW
         beta=0.0, num_iterations=1, epsilon=0.2, loss_type="dapo",  # token-mean PPO clip
-        scale_rewards="group", activation_checkpointing=False, bf16=False,
+        scale_rewards="group", bf16=False,  # fp32 as tiller's model.dtype
+        activation_checkpointing=args.activation_checkpointing,  # TRL's default is on
         logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
         dataloader_num_workers=0)
     clock = StepClock()
@@ -302,17 +383,24 @@ def trl_round(args: argparse.Namespace, model_dir: Path, tasks: list[Task], out:
     if len(clock.steps) != args.steps or len(trainer.rollouts) != args.steps:
         raise SystemExit(f"error: TRL ran {len(clock.steps)} steps with {len(trainer.rollouts)} "
                          f"rollouts; expected {args.steps} of each (one generation per step)")
-    return [{"step_s": step_s, "train_s": step_s - r["rollout_s"], **r}
-            for step_s, r in zip(clock.steps, trainer.rollouts, strict=True)]
+    return [{"step_s": step_s, "train_s": step_s - r["rollout_s"], "step_cpu_s": cpu,
+             "train_cpu_s": cpu - r["rollout_cpu_s"], **r}
+            for (step_s, cpu), r in zip(clock.steps, trainer.rollouts, strict=True)]
 
 
 # ----------------------------------------------------------------------------------- table
 
 COLUMNS = [("step_s", "s/step", "{:.3f}"), ("rollout_s", "rollout s/step", "{:.3f}"),
-           ("train_s", "train s/step", "{:.3f}"), ("tokens", "generated tokens/step", "{:.0f}"),
+           ("train_s", "train s/step", "{:.3f}"), ("step_cpu_s", "CPU s/step", "{:.3f}"),
+           ("rollout_cpu_s", "rollout CPU s/step", "{:.3f}"),
+           ("train_cpu_s", "train CPU s/step", "{:.3f}"),
+           ("tokens", "generated tokens/step", "{:.0f}"),
            ("rollout_ms_per_token", "rollout ms/generated token", "{:.2f}"),
            ("turns", "turns/episode", "{:.2f}"), ("tool_calls", "tool calls/episode", "{:.2f}"),
            ("reward", "reward", "{:.2f}")]
+
+
+RATIOS = 8  # the columns the ratio row compares: times, CPU times, tokens, ms per token
 
 
 def medians(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -332,8 +420,9 @@ def table(result: dict[str, dict[str, float]]) -> str:
             lines.append(f"| {side} | " + " | ".join(cells) + " |")
     if {"tiller", "trl"} <= result.keys():
         t, p = result["tiller"], result["trl"]
-        cells = [f"{p[k] / t[k]:.2f}x" if t[k] else "-" for k, _, _ in COLUMNS[:5]]
-        lines.append("| TRL / tiller | " + " | ".join(cells) + " |" + " |" * (len(COLUMNS) - 5))
+        cells = [f"{p[k] / t[k]:.2f}x" if t[k] else "-" for k, _, _ in COLUMNS[:RATIOS]]
+        lines.append("| TRL / tiller | " + " | ".join(cells) + " |"
+                     + " |" * (len(COLUMNS) - RATIOS))
     return "\n".join(lines)
 
 
@@ -344,11 +433,24 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--adapt-tasks", type=int, default=1024,
                    help="expert episodes of SFT on the long prompts before the runs (0: none)")
     p.add_argument("--sides", default="tiller,trl", help="comma-separated: tiller, trl")
-    p.add_argument("--steps", type=int, default=5, help="RL steps per run (first is warm-up)")
+    p.add_argument("--steps", type=int, default=5, help="RL steps per run")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="first steps of each run not counted (0: count every step; each "
+                   "step's seconds are in results.json)")
     p.add_argument("--rounds", type=int, default=2, help="runs of each side, alternating")
     p.add_argument("--tasks-per-step", type=int, default=4)
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--micro-batch-size", type=int, default=32)
+    p.add_argument("--micro-batch-size", type=int, default=32,
+                   help="rows per forward/backward on both sides (tiller: rl.micro_batch_size)")
+    p.add_argument("--packing", action="store_true",
+                   help="tiller packs each micro-batch into one row (train.packing); TRL has no "
+                   "packing in GRPO and pads each micro-batch to its longest row")
+    p.add_argument("--micro-batch-tokens", type=int,
+                   help="tiller also closes a micro-batch at this many tokens "
+                   "(train.micro_batch_tokens); TRL has none: its micro-batches are rows only")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="both sides (train.activation_checkpointing; TRL's "
+                   "activation_checkpointing)")
     p.add_argument("--prompt-tokens", type=int, default=800, help="prompt length to reach")
     p.add_argument("--max-new-tokens", type=int, default=48, help="per turn")
     p.add_argument("--max-turns", type=int, default=6, help="generated turns per episode")
@@ -372,8 +474,9 @@ def parse_args() -> argparse.Namespace:
                          f"tasks-per-step x group-size = {per_step} (TRL accumulates whole "
                          "micro-batches into one optimizer step)")
     args.micro_batch_size = min(args.micro_batch_size, per_step)
-    if args.steps < 2:
-        raise SystemExit("error: --steps must be at least 2 (the first step is a warm-up)")
+    if not 0 <= args.warmup < args.steps:
+        raise SystemExit(f"error: --warmup {args.warmup} must be at least 0 and below --steps "
+                         f"{args.steps} (no step would be counted)")
     args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     if not args.sides or set(args.sides) - {"tiller", "trl"}:
         raise SystemExit(f"error: --sides {','.join(args.sides)}: choose from tiller, trl")
@@ -425,6 +528,20 @@ def adapt(args: argparse.Namespace, base: Path, max_prompt: int, out: Path) -> P
         run.close()
 
 
+def write_results(out: Path, args: argparse.Namespace, model: Path, lengths: list[int],
+                  steps: dict[str, list[dict[str, float]]]) -> str:
+    """results.md (the table of the sides with counted steps so far) and results.json (every
+    counted step), each by temp file + rename; returns the table."""
+    result = {side: medians(rows) for side, rows in steps.items() if rows}
+    md = table(result)
+    write_file(out / "results.md", md + "\n", root=out)
+    write_file(out / "results.json", json.dumps(
+        {"args": {k: v for k, v in vars(args).items()}, "model": str(model),
+         "prompt_tokens": [min(lengths), max(lengths)], "medians": result, "steps": steps},
+        indent=2, default=str), root=out)
+    return md
+
+
 def main() -> None:
     args = parse_args()
     apply_threads(args.threads)
@@ -452,18 +569,14 @@ def main() -> None:
             t0 = time.perf_counter()
             rows = (tiller_round(args, model, max(lengths), out / f"tiller-{r}") if side == "tiller"
                     else trl_round(args, model, tasks, out / f"trl-{r}"))
-            steps[side] += rows[1:]  # the first step of a run warms up
+            steps[side] += rows[args.warmup:]  # the first steps of a run warm up
             print(f"round {r + 1} {side}: {len(rows)} steps in {time.perf_counter() - t0:.1f}s, "
                   f"step s {[round(x['step_s'], 3) for x in rows]}", flush=True)
-    result = {side: medians(rows) for side, rows in steps.items()}
-    md = table(result)
-    (out / "results.md").write_text(md + "\n")
-    (out / "results.json").write_text(json.dumps(
-        {"args": {k: v for k, v in vars(args).items()}, "model": str(model),
-         "prompt_tokens": [min(lengths), max(lengths)], "medians": result, "steps": steps},
-        indent=2, default=str))
+            # after every run: a long run stopped early keeps the table of the runs done
+            md = write_results(out, args, model, lengths, steps)
     print(md)
-    print(f"\nmedians over {args.rounds} x {args.steps - 1} steps per side after warm-up; "
+    print(f"\nmedians over {args.rounds} x {args.steps - args.warmup} steps per side after "
+          f"{args.warmup} warm-up step(s) per run; "
           f"results: {out / 'results.md'}")
 
 

@@ -39,6 +39,36 @@ def test_the_sides_prefill_the_same_prompts_of_the_asked_length(vs_trl, calc_mod
     assert tool("2 ^ 3") == "error: expected one operation 'a op b' with op in + - *, got '2 ^ 3'"
 
 
+CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "2 * 21"}}\n</tool_call>'
+
+
+def assert_trl_reads_hermes_calls(vs_trl, tokenizer):
+    """TRL gets a parser for a template it does not know by its text, and reads with it the
+    tool call tiller's parser reads."""
+    assert vs_trl.set_response_template(tokenizer) == "TRL's qwen3 (Hermes tool calls in ChatML)"
+    prefix = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                           add_generation_prompt=True, tokenize=False)
+    parsed = tokenizer.parse_response(CALL + "<|im_end|>", prefix=prefix)
+    assert parsed["tool_calls"] == [{"type": "function", "function": {
+        "name": "calculate", "arguments": {"expression": "2 * 21"}}}]
+
+
+def test_trl_parses_the_demo_templates_tool_calls(vs_trl, calc_model_dir):
+    assert_trl_reads_hermes_calls(vs_trl, load_tokenizer(calc_model_dir))
+
+
+@pytest.mark.slow
+def test_smollm2_prompts_are_identical_and_its_calls_parsed(vs_trl, smollm2_dir):
+    """SmolLM2-135M-Instruct's own template (ChatML, tool schemas in the system turn): the
+    same ids on both sides at ~800 tokens, and TRL reads its Hermes calls."""
+    tokenizer = load_tokenizer(smollm2_dir)
+    assert vs_trl.size_preamble(tokenizer, 800) == 8  # its tokens per example: more than the demo's
+    lengths = vs_trl.check_prompts(tokenizer, vs_trl.PaddedCalculatorEnv.make_tasks(
+        "train", 8, 3, 2))
+    assert min(lengths) >= 800 and max(lengths) < 950
+    assert_trl_reads_hermes_calls(vs_trl, tokenizer)
+
+
 @pytest.mark.slow
 @pytest.mark.integration
 def test_quick_runs_both_sides_to_a_table(tmp_path):
