@@ -12,7 +12,10 @@ the whole optimizer batch (`batch.minibatches`), so with the gradients summed ov
 equals the single-rank gradient in every aggregation mode, and `clip_grad_norm_` over the
 sharded gradients clips by the global norm. After each step the full weights are gathered into
 rank 0's plain copy (`publisher`), which weight sync pushes to the engine, the parity check
-scores and `Run.save` writes.
+scores and `Run.save` writes; with weight_sync.shards per_rank (`use_parts`) no step gathers:
+each rank writes its own shard's part of every version (`write_part`, `engine.parts`), the
+probe is scored by the sharded model (`score_probe`) and the copy is gathered only before it is
+saved (`Leader.gathered`).
 
 A checkpoint (`resume.save_rl`) gathers the rest of the ranks' state to rank 0 (`state`): the
 optimizer's, full (`get_optimizer_state_dict(full_state_dict=True)`, keyed by parameter
