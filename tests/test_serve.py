@@ -435,6 +435,9 @@ MALFORMED_META = {  # name -> tiller_version.json; each was a 500 or silently ta
     "meta_kind": '{"kind": "sparse"}',
     "meta_extra": '{"kind": "full", "weights": "all"}',
     "meta_newline_key": '{"kind": "delta", "base_version": 0, "numel": {"a\\nb": "1"}}',
+    "meta_parts_none": '{"kind": "parts"}',
+    "meta_parts_zero": '{"kind": "parts", "parts": 0}',
+    "meta_parts_missing": '{"kind": "parts", "parts": 2}',  # valid, and no part file beside it
 }
 
 
@@ -455,6 +458,8 @@ MALFORMED_META = {  # name -> tiller_version.json; each was a 500 or silently ta
     ("meta_link", 403, "tiller_version.json links outside --weights-root"),
     ("meta_fifo", 400, "tiller_version.json is not a regular file"),
     ("meta_huge", 400, f"tiller_version.json has {META_MAX_BYTES + 1} bytes"),
+    ("meta_parts_missing", 400, "the part of trainer rank(s) [0, 1] (part-0.safetensors, "
+                                "part-1.safetensors) is missing: nothing applied"),
     *[(name, 400, f"tiller_version.json is malformed: {why}") for name, why in [
         ("meta_array", "the file: Input should be an object"),
         ("meta_numel_array", "numel: Input should be an object"),
@@ -463,7 +468,9 @@ MALFORMED_META = {  # name -> tiller_version.json; each was a 500 or silently ta
         ("meta_no_base", "the file: Value error, a delta needs base_version and numel"),
         ("meta_checksums_text", "checksums: Input should be an object"),
         ("meta_deep", "the file: Invalid JSON: recursion limit exceeded"),
-        ("meta_kind", "kind: Input should be 'full' or 'delta'"),
+        ("meta_kind", "kind: Input should be 'full', 'delta' or 'parts'"),
+        ("meta_parts_none", "the file: Value error, parts is the count of kind 'parts'"),
+        ("meta_parts_zero", "parts: Input should be greater than or equal to 1"),
         ("meta_extra", "weights: Extra inputs are not permitted"),
         ("meta_newline_key", "numel.a b: Input should be a valid integer"),
     ]],

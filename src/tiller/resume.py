@@ -243,6 +243,7 @@ def save_rl(run: Any, learner: Any, rollouts: RolloutManager, record: StepRecord
     `curriculum` rl.curriculum's (None when it is off)."""
 
     def parts(new: Path) -> dict[str, Any]:
+        run.full_weights()
         run.model.save_pretrained(new / "model", safe_serialization=True,
                                   max_shard_size="1000GB")
         run.tokenizer.save_pretrained(new / "model")

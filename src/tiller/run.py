@@ -22,7 +22,7 @@ from tiller.checkpoints import ADAPTER_DIR, Checkpoint, load_weights, model_fing
 from tiller.config import Config, ModelJudgeConfig, dump_config
 from tiller.engine.api import SamplingParams
 from tiller.engine.factory import make_engine
-from tiller.engine.weight_sync import WeightSync
+from tiller.engine.weight_sync import ShardedSync, WeightSync
 from tiller.envs import Env, Task, ToolEnv
 from tiller.files import replacing, write_file
 from tiller.gateway.program import ProgramEpisode
@@ -48,7 +48,7 @@ from tiller.runtime import set_up_threads
 from tiller.tools.sandbox import set_unsafe_fallback
 from tiller.tools.stack import ToolStack
 from tiller.train.conversations import conversation_demos
-from tiller.train.distributed import Leading, TrainerOptions
+from tiller.train.distributed import Leader, Leading, TrainerOptions
 from tiller.train.judges import ModelJudge
 from tiller.train.lora import Lora, LoraTrainer
 from tiller.train.ranks import start_ranks
@@ -239,8 +239,11 @@ class Run:
                                    run_dir=self.dir, initial=self.trainer.weight_update,
                                    tokenizer=self.tokenizer))
         closes(stack, "engine", self.engine.close)
-        self.weight_sync = WeightSync(self.trainer.publisher, self.engine, cfg.weight_sync,
-                                      getattr(torch, cfg.model.dtype))
+        dtype = getattr(torch, cfg.model.dtype)
+        self.weight_sync = (ShardedSync(self.trainer, self.engine, cfg.weight_sync, dtype)
+                            if cfg.weight_sync.shards == "per_rank" else
+                            WeightSync(self.trainer.publisher, self.engine, cfg.weight_sync,
+                                       dtype))
         # the engine's first weights (a copy, or the servers' start-up push) are checked like
         # every later sync's
         self.weight_sync.check_parity(self.trainer.version)
@@ -308,12 +311,19 @@ class Run:
 
     def save(self, name: str = "final") -> Path:
         out = self.dir / "checkpoints" / name
+        self.full_weights()
         with replacing(out, root=self.dir) as new:
             self.model.save_pretrained(new, safe_serialization=True)  # merged under LoRA
             self.tokenizer.save_pretrained(new)
             if self.lora is not None:
                 self.lora.save(new / ADAPTER_DIR)
         return out
+
+    def full_weights(self) -> None:
+        """`model` at the trainer's version: with per-rank weight sync the ranks' shards are
+        gathered into it now (no step did)."""
+        if isinstance(self.trainer, Leader):
+            self.trainer.gathered()
 
     def close(self) -> None:
         """Close every part the run opened, in reverse order: the gateway, the engine, the

@@ -284,6 +284,15 @@ class WeightSyncConfig(Section):
         "fewer bytes (logged as sync/kind). Default: full for the embedded engine (an "
         "in-memory copy is faster than building a delta), vllm and sglang (they load full "
         "checkpoints only); auto for engine.backend http (tiller serve)")
+    shards: Literal["gathered", "per_rank"] = Field(
+        "gathered", description="with train.world_size > 1, where a version comes from. "
+        "gathered: the full weights are gathered into rank 0 after every step and synced from "
+        "there (full or delta, as with one rank); per_rank: each rank writes its own shard's "
+        "part (full, or a delta against what it last synced, as weight_sync.mode says) and a "
+        "server applies the version only once every rank's part is there; no per-step "
+        "gather (the full copy is gathered when a checkpoint is saved), the parity probe is "
+        "scored by the sharded model. per_rank needs engine.backend http (tiller serve), on "
+        "the run's node (no cluster.address), without model.lora (docs/scaling.md)")
     parity_tol: float = Field(
         0.05, gt=0, description="after every sync the engine and the trainer score a fixed "
         "probe sequence; a mean |logprob difference| above this is a WeightSyncError")

@@ -156,6 +156,24 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _parts_fit(self) -> Config:
+        """weight_sync.shards per_rank: sharded ranks writing parts a tiller serve can read."""
+        if self.weight_sync.shards == "gathered":
+            return self
+        why = ("train.world_size is 1 (nothing is sharded)" if self.train.world_size == 1 else
+               f"engine.backend {self.engine.backend} (only tiller serve, engine.backend "
+               f"http, applies per-rank parts; vLLM and SGLang load full checkpoints)"
+               if self.engine.backend != "http" else
+               "model.lora (every rank holds the base whole; rank 0's merged model is synced)"
+               if self.model.lora is not None else
+               "cluster.address (the ranks write their parts into the run folder, which ranks "
+               "on other nodes cannot reach)" if self.cluster.address is not None else None)
+        if why is not None:
+            raise ConfigError(f"config field weight_sync.shards: got per_rank with {why}; use "
+                              f"weight_sync.shards: gathered")
+        return self
+
+    @model_validator(mode="after")
     def _cluster_fits(self) -> Config:
         c = self.cluster
         store_set = c.object_store_mb != ClusterConfig.model_fields["object_store_mb"].default

@@ -9,9 +9,8 @@ The router (docs/engine.md, "Routing"): sessions stick to their first server, ne
 the least loaded; a request failing on a dead or restarted server (another version or boot id)
 marks it down and is retried elsewhere (counted, logged); a 500 while /health answers fails
 the request; a down server is probed at the next push; all down: one line naming each.
-All HTTP runs on one event loop in a thread the engine owns, so `generate` may be awaited from
-any event loop (`asyncio.run` makes a new one per collection) and the control calls (`abort`,
-`update_weights`, ...) may come from any thread; each waits at most `request_timeout_s`.
+All HTTP runs on one event loop in a thread the engine owns (`generate` may be awaited from
+any event loop, control calls come from any thread); each waits at most `request_timeout_s`.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ import httpx
 
 from tiller.engine.api import Generation, SamplingParams
 from tiller.engine.delta import DeltaUpdate
+from tiller.engine.parts import PartsUpdate
 from tiller.engine.servers import Launched
 from tiller.engine.transport import DOWN_STATUSES, Server, each_server, read_capped
 from tiller.engine.updates import WeightUpdate
@@ -50,6 +50,7 @@ from tiller.files import folder_below, remove_tree
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+Update = WeightUpdate | DeltaUpdate | PartsUpdate  # what a push writes and sends
 
 MAX_SESSIONS = 1 << 16  # sticky sessions remembered (LRU); a forgotten one is just placed again
 HEALTH_TIMEOUT_S = 5.0  # a down server that cannot answer /health within this stays down
@@ -345,8 +346,7 @@ class HttpEngine:
             return _SKIPPED
 
     def _fan_out(self, path: str, body: dict | None = None) -> list[Any]:
-        """POST to every up server at once (`_control`) and return the answers of those that
-        answered; none answering is a RunError."""
+        """The answers of every up server to a POST to each at once (`_control`); none: RunError."""
         act = partial(self._control, path=path, body=body if body is not None else {})
         return [answer for _, answer in self._on_up(act, path)]
 
@@ -404,7 +404,7 @@ class HttpEngine:
                                   f"model with {name}={info[name]}, the trainer's has "
                                   f"{ours}: serve the run's model (model.path)")
 
-    def update_weights(self, update: WeightUpdate | DeltaUpdate, *, in_flight: str = "continue",
+    def update_weights(self, update: Update, *, in_flight: str = "continue",
                        timeout_s: float | None = None) -> int:
         """Write `update` to `<weights_dir>/v<version>` and have every server load it (all at
         once, each waited for at most `timeout_s`, default `request_timeout_s`), each echoing
@@ -412,18 +412,16 @@ class HttpEngine:
         down missed versions; it rejoins at the next full update). A server that answers
         otherwise (an error, 4xx, another version) is a RunError naming it: it holds weights the
         trainer does not know. A dead one (no answer, timeout, 502/503/504, a 500 and no
-        /health) is marked down and skipped, logged and counted in `push_skipped_down`, like a
-        server already down that does not answer /health; one that does answer loads the
-        weights and rejoins. No server taking the weights is a RunError, and the folder is
-        removed. Older versions this engine wrote are removed afterwards."""
+        /health) is marked down and skipped (`push_skipped_down`), like a server already down
+        that does not answer /health; one that does loads the weights and rejoins. No server
+        taking them is a RunError, and the folder (`weights_folder`: per-rank parts are
+        written there first) is removed. Older versions this engine wrote are removed after."""
         if in_flight not in ("continue", "abort"):
             raise ValueError(f"in_flight must be 'continue' or 'abort', got {in_flight!r}")
-        if isinstance(update, DeltaUpdate) and not self.takes_deltas:
+        if isinstance(update, DeltaUpdate | PartsUpdate) and not self.takes_deltas:
             raise RunError(f"weight push v{update.version}: {self.dialect.name} loads full "
-                           f"checkpoints only; set weight_sync.mode: full")
-        # a link planted there, or at a folder above it in the run folder, would be written
-        # through, and removed with what it points to
-        folder = folder_below(self.root, self.weights_dir / f"v{update.version}").resolve()
+                           "checkpoints only; set weight_sync.mode: full, shards: gathered")
+        folder = self.weights_folder(update.version)
         fresh = folder not in self._written  # a failed push removes only a folder it wrote
         self._save(update, folder)
         body = self.dialect.push_body(str(folder), update.version, in_flight == "abort")
@@ -446,11 +444,13 @@ class HttpEngine:
         self.version = update.version
         return update.version
 
-    def _save(self, update: WeightUpdate | DeltaUpdate, folder: Path) -> None:
-        """Write `update` where the servers load it from (`WeightUpdate.save`)."""
-        update.save(folder)
+    def weights_folder(self, version: int) -> Path:  # made; links on the way refused
+        return folder_below(self.root, self.weights_dir / f"v{version}").resolve()
 
-    async def _push(self, server: Server, *, update: WeightUpdate | DeltaUpdate, body: dict,
+    def _save(self, update: Update, folder: Path) -> None:
+        update.save(folder)  # where the servers load it from
+
+    async def _push(self, server: Server, *, update: Update, body: dict,
                     timeout_s: float | None) -> bool:
         """Have `server` load the saved `update` (`body`): True when it did, False when it was
         skipped as down (`update_weights`)."""
@@ -489,14 +489,14 @@ class HttpEngine:
                            server.url)
         return True
 
-    async def _may_rejoin(self, server: Server, update: WeightUpdate | DeltaUpdate) -> bool:
+    async def _may_rejoin(self, server: Server, update: Update) -> bool:
         """A down server takes a full update when it answers /health now and, if tiller started
         it (`managed`: it is never restarted, so its port may now be another process's), its
         model info reports the boot id it had; otherwise (no answer, an error status, another
         boot id) it stays down and is skipped (logged, counted in `push_skipped_down`). A
         server at engine.urls may come back under another boot id: its operator restarted
         it."""
-        if isinstance(update, DeltaUpdate):
+        if getattr(update, "base_version", None) is not None:  # a delta, or parts with one
             self.counters["push_skipped_down"] += 1
             logger.warning("weight push v%d (a delta): server %s is down; skipped until a "
                            "full update", update.version, server.url)

@@ -105,6 +105,17 @@ def _resources(res: dict[str, float]) -> str:
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in shown.items()) + "}"
 
 
+def finished(refs: list[Any], timeout_s: float) -> set[Any]:
+    """Those of the Ray object refs `refs` that are ready (a value or an error) within one
+    deadline of `timeout_s` over them all: N hung actors cost one timeout, not N."""
+    import ray
+
+    if not refs:
+        return set()
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)
+    return set(done)
+
+
 def first_line(e: BaseException) -> str:
     """`Type: first line of the message` of `e` (Ray's errors span many lines)."""
     text = str(e).strip().splitlines()
@@ -193,44 +204,51 @@ class RayServers:
 
     def exited(self) -> list[str]:
         """One line per server that has exited or whose actor died (it took its server with
-        it) or did not answer within `EXITED_TIMEOUT_S`: its name, URL and log."""
+        it) or did not answer within `EXITED_TIMEOUT_S` (one deadline over all the actors):
+        its name, URL and log."""
         import ray
 
+        refs = [a.exited.remote() for a in self.actors]
+        done = finished(refs, EXITED_TIMEOUT_S)
         lines = []
-        for spec, url, actor in zip(self.specs, self.urls, self.actors, strict=False):
+        for spec, url, ref in zip(self.specs, self.urls, refs, strict=False):
             log_file = self.log_dir / f"{spec.name}.log"
+            if ref not in done:
+                lines.append(f"server {spec.name} ({url}): its Ray actor did not answer within "
+                             f"{EXITED_TIMEOUT_S:g} s; log {log_file}")
+                continue
             try:
-                lines += ray.get(actor.exited.remote(), timeout=EXITED_TIMEOUT_S)
+                lines += ray.get(ref, timeout=0)
             except ray.exceptions.RayActorError:
                 lines.append(f"server {spec.name} ({url}): its Ray actor died, and the server "
                              f"with it; log {log_file}: {last_line(log_file)}")
-            except ray.exceptions.GetTimeoutError:
-                lines.append(f"server {spec.name} ({url}): its Ray actor did not answer within "
-                             f"{EXITED_TIMEOUT_S:g} s; log {log_file}")
         return lines
 
     def close(self) -> None:
-        """Stop each server through its actor (a dead actor took its server with it; one that
-        does not answer within `CLOSE_TIMEOUT_S` is logged, and its server dies with it when
-        it is killed: the watch), then kill the actors and remove the group. Idempotent."""
+        """Stop each server through its actor (a dead actor took its server with it; those
+        that do not answer within `CLOSE_TIMEOUT_S`, one deadline over all, are logged, and
+        their servers die with them when they are killed: the watch), then kill the actors
+        and remove the group. Idempotent."""
         import ray
 
         actors, self.actors = self.actors, []
         try:
             refs = [a.close.remote() for a in actors]
+            done = finished(refs, CLOSE_TIMEOUT_S)
             for spec, ref in zip(self.specs, refs, strict=False):
+                if ref not in done:
+                    log.error("ray: engine server %s's actor did not stop it within %gs; the "
+                              "actor is killed, and its server with it", spec.name,
+                              CLOSE_TIMEOUT_S)
+                    continue
                 try:
-                    ray.get(ref, timeout=CLOSE_TIMEOUT_S)
+                    ray.get(ref, timeout=0)
                 except ray.exceptions.RayTaskError as e:  # the others are still stopped
                     log.error("ray: engine server %s's actor failed to stop it: %s", spec.name,
                               e.cause if e.cause is not None else e)
                 except ray.exceptions.RayActorError:
                     log.warning("ray: engine server %s's actor had died; its server with it",
                                 spec.name)
-                except ray.exceptions.GetTimeoutError:
-                    log.error("ray: engine server %s's actor did not stop it within %gs; the "
-                              "actor is killed, and its server with it", spec.name,
-                              CLOSE_TIMEOUT_S)
         finally:
             for a in actors:
                 ray.kill(a)

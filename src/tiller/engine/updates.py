@@ -244,11 +244,12 @@ class VersionFile(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     version: Count | None = None  # the sender's; `tiller serve` takes the request's
-    kind: Literal["full", "delta"] = "full"
+    kind: Literal["full", "delta", "parts"] = "full"
     partial: bool = False  # full: the tensors not named keep their values (a delta always)
-    base_version: Count | None = None  # delta: the version it changes
+    base_version: Count | None = None  # delta (and parts with a delta part): what it changes
     numel: dict[str, Count] | None = None  # delta: element count of each tensor it changes
     checksums: dict[str, float] | None = None  # per tensor (see `checksums`)
+    parts: Annotated[int, Field(ge=1, le=4096)] | None = None  # parts: one per trainer rank
 
     @model_validator(mode="after")
     def _fields_of_its_kind(self) -> VersionFile:
@@ -257,6 +258,10 @@ class VersionFile(BaseModel):
             raise ValueError("a delta needs base_version and numel")
         if self.kind == "full" and delta_fields != (None, None):
             raise ValueError("base_version and numel are a delta's (kind 'delta')")
+        if (self.kind == "parts") != (self.parts is not None):
+            raise ValueError("parts is the count of kind 'parts' (per-rank parts), and only it")
+        if self.kind == "parts" and (self.numel, self.checksums) != (None, None):
+            raise ValueError("numel and checksums of kind 'parts' are in each part")
         return self
 
     @classmethod

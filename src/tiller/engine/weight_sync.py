@@ -27,8 +27,10 @@ from torch import nn
 
 from tiller.config import WeightSyncConfig
 from tiller.engine.delta import DeltaUpdate, TensorDelta, bits, encode_gaps
+from tiller.engine.parts import PartsUpdate
 from tiller.engine.updates import WeightSyncError, WeightUpdate, checksums
 from tiller.errors import ConfigError, RunError
+from tiller.files import remove_tree
 
 logger = logging.getLogger(__name__)
 
@@ -182,10 +184,13 @@ class WeightSync:
         metrics["sync/time_s"] = time.perf_counter() - t0
         return {k: float(v) for k, v in metrics.items()}
 
+    def trainer_scores(self) -> list[float]:
+        return self.trainer.score(self.probe)
+
     def check_parity(self, version: int) -> dict[str, float]:
         """Score the probe on the trainer and on the engine (each HTTP server); raise
         `WeightSyncError` when the mean |logprob difference| on any is above `parity_tol`."""
-        want = np.array(self.trainer.score(self.probe))
+        want = np.array(self.trainer_scores())
         if hasattr(self.engine, "score_servers"):
             scored = self.engine.score_servers(self.probe, timeout_s=self.cfg.timeout_s)
         else:
@@ -206,3 +211,68 @@ class WeightSync:
         logger.info("weight sync v%d: parity checked on %s (mean |logprob difference| at most "
                     "%.3g)", version, ", ".join(scored), worst_mean)
         return {"sync/parity_mean_abs": worst_mean, "sync/parity_max_abs": worst_max}
+
+
+class Ranks(Protocol):
+    """The trainer's ranks as per-rank parts need them (`train.distributed.Leading`)."""
+
+    version: int
+    publisher: Publisher
+
+    def use_parts(self) -> None: ...
+
+    def write_parts(self, folder: str, version: int, base: int | None, dtype: torch.dtype,
+                    mode: str) -> list[dict[str, float]]: ...
+
+    def score_probe(self, token_ids: list[int]) -> list[float]: ...
+
+
+class ShardedSync(WeightSync):
+    """weight_sync.shards: per_rank. Each trainer rank writes its own shard's part of every
+    version (full, or a delta against what it last synced: `engine.parts`) into the version's
+    folder of the engine's servers (`tiller serve` over HTTP: `weights_folder`), with no gather
+    to rank 0; rank 0 then has every server load the version, which each applies only with
+    every rank's part there (`engine.parts.PartsUpdate`). The parity probe is scored by the
+    sharded model. Metrics as `WeightSync`'s, plus per rank `sync/part{r}_bytes` and
+    `sync/part{r}_s` (its diff and write)."""
+
+    def __init__(self, ranks: Ranks, engine: Any, cfg: WeightSyncConfig,
+                 engine_dtype: torch.dtype):
+        if not (getattr(engine, "takes_deltas", False) and hasattr(engine, "weights_folder")):
+            raise ConfigError(f"config field weight_sync.shards: got per_rank with "
+                              f"{type(engine).__name__}; per-rank parts go to tiller serve "
+                              f"servers over HTTP only (use shards: gathered)")
+        super().__init__(ranks.publisher, engine, cfg, engine_dtype)
+        # the version pushed is the ranks' (rank 0's full copy lags until `gathered`)
+        self.trainer = self.ranks = ranks  # type: ignore[assignment]
+        ranks.use_parts()
+        self.synced_once = False  # whether every rank holds a synced copy of its shard
+
+    def _engine_may_lack_base(self) -> bool:
+        down = any(s.down for s in self.engine.servers)
+        return not self.synced_once or self.base != self.engine.version or down
+
+    def trainer_scores(self) -> list[float]:
+        return self.ranks.score_probe(self.probe)
+
+    @torch.no_grad()
+    def build(self, version: int) -> tuple[PartsUpdate, dict[str, float]]:  # type: ignore[override]
+        full = self.mode == "full" or self._engine_may_lack_base()
+        base = None if full else self.base
+        folder = self.engine.weights_folder(version)
+        try:
+            stats = self.ranks.write_parts(str(folder), version, base, self.dtype, self.mode)
+        except BaseException:
+            self.synced_once = False
+            remove_tree(folder)
+            raise
+        self.synced_once = True
+        delta = any(st["delta"] for st in stats)
+        metrics = {"sync/bytes": sum(st["bytes"] for st in stats),
+                   "sync/full_bytes": sum(st["full_bytes"] for st in stats),
+                   "sync/kind": float(delta),
+                   "sync/changed_frac": sum(st["changed"] for st in stats) / max(
+                       1.0, sum(st["numel"] for st in stats))}
+        for r, st in enumerate(stats):
+            metrics[f"sync/part{r}_bytes"], metrics[f"sync/part{r}_s"] = st["bytes"], st["seconds"]
+        return PartsUpdate(version, base if delta else None, len(stats)), metrics

@@ -27,7 +27,7 @@ from torch import nn
 from tiller.config import Config
 from tiller.engine.api import Generation, SamplingParams
 from tiller.engine.follower import Followed
-from tiller.engine.ray_servers import actor_cause, first_line, place_group
+from tiller.engine.ray_servers import actor_cause, finished, first_line, place_group
 from tiller.envs import Env, Task
 from tiller.errors import RunError
 from tiller.rollout.agent_loop import EpisodeFn, EpisodeLimits
@@ -245,16 +245,20 @@ class RayWorkers:
     def at_end(self, what: str, call: Callable[[Any], Any], timeout_s: float) -> None:
         """`call(worker)` on every live worker at the end of RL or of the run: a worker that
         died is marked dead, one that does not answer in time is logged and counted
-        (`unanswered`), and the rest still get the call."""
-        for i in list(self.live):
-            try:
-                self.ray.get(call(self.workers[i]), timeout=timeout_s)
-            except self.ray.exceptions.RayActorError as e:
-                self.dead(i, e)
-            except self.ray.exceptions.GetTimeoutError:
+        (`unanswered`), and the rest still get the call; one deadline of `timeout_s` over
+        them all."""
+        refs = {i: call(self.workers[i]) for i in list(self.live)}
+        done = finished(list(refs.values()), timeout_s)
+        for i, ref in refs.items():
+            if ref not in done:
                 self.unanswered += 1
                 log.error("ray: rollout worker %d did not answer its %s within %gs (%d "
                           "unanswered)", i, what, timeout_s, self.unanswered)
+                continue
+            try:
+                self.ray.get(ref, timeout=0)
+            except self.ray.exceptions.RayActorError as e:
+                self.dead(i, e)
 
     def close(self) -> None:
         """Close every live worker's engine and tools, then end the actors and their group."""

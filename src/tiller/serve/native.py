@@ -15,6 +15,7 @@ from fastapi import Request
 from safetensors import SafetensorError
 
 from tiller.engine.delta import DeltaUpdate
+from tiller.engine.parts import PartsUpdate
 from tiller.engine.updates import VersionFile, WeightsInconsistent, WeightSyncError, WeightUpdate
 from tiller.serve.guard import opened_below, read_below, resolve_below
 from tiller.serve.protocol import (
@@ -77,25 +78,33 @@ def _generate_inputs(server: Server, raw: bytes) -> tuple[GenerateRequest, list[
 
 
 def _read_update(root: Path, folder: Path, files: dict[str, Path], version: int, engine: Any
-                 ) -> WeightUpdate | DeltaUpdate:
-    """The update in `folder`: a delta when its tiller_version.json says so (refused unless the
-    engine holds its base version), else a full checkpoint; with the sender's checksums when the
-    json has them. The json is read under the rules of --weights-root (`read_below`) and
-    validated (`VersionFile`: a malformed one is a WeightSyncError, so a 400); every tensor file
-    is read from the descriptor of the checked file (`opened_below`), never looked up again by
-    name. `engine.update_weights` checks the whole update before writing anything."""
+                 ) -> WeightUpdate | DeltaUpdate | PartsUpdate:
+    """The update in `folder`: a delta when its tiller_version.json says so, per-rank parts
+    (kind parts: every rank's part file must be there) or else a full checkpoint; a delta, or
+    parts with a delta among them, is refused unless the engine holds its base version; with
+    the sender's checksums when the json (or the parts) have them. The json is read under the
+    rules of --weights-root (`read_below`) and validated (`VersionFile`: a malformed one is a
+    WeightSyncError, so a 400); every tensor file is read from the descriptor of the checked
+    file (`opened_below`), never looked up again by name. `engine.update_weights` checks the
+    whole update before writing anything."""
     meta = VersionFile.parse(read_below(root, folder / "tiller_version.json"))
+    update: DeltaUpdate | PartsUpdate
     with ExitStack() as opened:
         if meta.kind == "full":
             paths = [opened.enter_context(opened_below(root, f)) for f in files.values()]
             return WeightUpdate.load(folder, version, engine.model, files=paths,
                                      checksums=meta.checksums, partial=meta.partial)
-        if "delta.safetensors" not in files:
+        if meta.kind == "parts":  # every rank's part read now, from the checked files
+            update = PartsUpdate.load(meta, {
+                name: opened.enter_context(opened_below(root, f))
+                for name, f in files.items() if name.startswith("part-")}, version)
+        elif "delta.safetensors" not in files:
             raise WeightSyncError("tiller_version.json says kind 'delta' and there is no "
                                   "delta.safetensors beside it")
-        update = DeltaUpdate.load(opened.enter_context(opened_below(
-            root, files["delta.safetensors"])), meta, version)
-    if update.base_version != engine.version:
+        else:
+            update = DeltaUpdate.load(opened.enter_context(opened_below(
+                root, files["delta.safetensors"])), meta, version)
+    if update.base_version is not None and update.base_version != engine.version:
         raise WeightSyncError(f"delta update v{version} is against base version "
                               f"v{update.base_version}, but this server holds "
                               f"v{engine.version}: push a full update")

@@ -12,7 +12,10 @@ the whole optimizer batch (`batch.minibatches`), so with the gradients summed ov
 equals the single-rank gradient in every aggregation mode, and `clip_grad_norm_` over the
 sharded gradients clips by the global norm. After each step the full weights are gathered into
 rank 0's plain copy (`publisher`), which weight sync pushes to the engine, the parity check
-scores and `Run.save` writes.
+scores and `Run.save` writes; with weight_sync.shards per_rank (`use_parts`) no step gathers:
+each rank writes its own shard's part of every version (`write_part`, `engine.parts`), the
+probe is scored by the sharded model (`score_probe`) and the copy is gathered only before it is
+saved (`Leader.gathered`).
 
 A checkpoint (`resume.save_rl`) gathers the rest of the ranks' state to rank 0 (`state`): the
 optimizer's, full (`get_optimizer_state_dict(full_state_dict=True)`, keyed by parameter
@@ -28,6 +31,7 @@ import math
 import shutil
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
@@ -43,6 +47,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from tiller.config import CriticConfig, LoRAConfig, TrainConfig
+from tiller.engine.parts import ShardCopy, part_name
 from tiller.engine.updates import WeightUpdate
 from tiller.errors import RunError
 from tiller.train.batch import Batch, micro_batches
@@ -61,7 +66,7 @@ log = logging.getLogger(__name__)
 # and a resume's load of the ranks' state
 TRAINING = ("sft_step", "rl_step")
 STEPS = ("set_optimizer", "reference", "drop_reference", "new_critic", "critic_state",
-         "state", "load_state", *TRAINING)
+         "state", "load_state", "use_parts", "write_part", "score_probe", "gather", *TRAINING)
 # RankState: what a checkpoint holds of one rank besides the weights: its Python and numpy
 # RNG states (JSON) and torch's (tensors), as `train.process_state.rng_state` gives them
 RankState = tuple[dict[str, Any], dict[str, torch.Tensor]]
@@ -233,6 +238,7 @@ class RankTrainer(RankSteps, PolicyTrainer):
         self.rows = RankRows(self.train, rank, world)
         self.full = full
         self.view = PolicyTrainer(full, **vars(options))  # rank 0's publisher
+        self.parts: ShardCopy | None = None  # weight_sync.shards per_rank: what was synced
 
     @property
     def publisher(self) -> PolicyTrainer:
@@ -265,7 +271,10 @@ class RankTrainer(RankSteps, PolicyTrainer):
     def after_step(self, out: Any) -> Any:
         """The full weights gathered into `full` (rank 0 keeps them); a step's metrics gain
         the gather's seconds and bytes (`train/gather_s`, `train/gather_bytes`: weight sync
-        computes its delta on this gathered copy, not per shard)."""
+        computes its delta on this gathered copy). Not with per-rank parts (`use_parts`):
+        `Leading.gathered` gathers when the full copy is read."""
+        if self.parts is not None:
+            return out
         t0 = time.perf_counter()
         gathered = self.gather()
         if isinstance(out, dict):
@@ -282,6 +291,30 @@ class RankTrainer(RankSteps, PolicyTrainer):
             self.full.load_state_dict(state)
         self.view.version = self.version
         return sum(t.numel() * t.element_size() for t in state.values()) if self.rank == 0 else 0
+
+    def use_parts(self) -> None:
+        """weight_sync.shards per_rank: from now on each rank writes its own part of every
+        version (`write_part`) and no step gathers the full weights."""
+        self.parts = ShardCopy(self.model, self.rank, self.world)
+
+    def write_part(self, folder: str, version: int, base: int | None, dtype: torch.dtype,
+                   mode: str) -> list[dict[str, float]] | None:
+        """This rank's part of `version` into `folder` (`engine.parts.ShardCopy.write`: full
+        when `base` is None), then every rank's figures (and the seconds it took) gathered
+        to rank 0, by rank (a collective); None on the others."""
+        assert self.parts is not None, "call use_parts first"
+        t0 = time.perf_counter()
+        path = Path(folder) / part_name(self.rank)
+        stats = self.parts.write(path, Path(folder), version, base, dtype, mode)
+        stats["seconds"] = time.perf_counter() - t0
+        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(stats, out, dst=0)
+        return out
+
+    def score_probe(self, token_ids: list[int]) -> list[float]:
+        """The parity probe scored by the sharded model (a collective: every rank runs the
+        forward), for per-rank parts, where rank 0's full copy is not kept current."""
+        return PolicyTrainer.score(self, token_ids)
 
     def state(self) -> tuple[dict[str, Any], list[RankState]] | None:
         """A checkpoint's share of this rank (a collective: every rank calls it): on rank 0
@@ -439,6 +472,17 @@ class Leading:
         return self._everywhere("rl_step", (batch, cfg, l_max, ref_model is not None,
                                             critic is not None, step))
 
+    def use_parts(self) -> None:
+        self._everywhere("use_parts", ())
+
+    def write_parts(self, folder: str, version: int, base: int | None, dtype: torch.dtype,
+                    mode: str) -> list[dict[str, float]]:
+        """Every rank's part of `version` written into `folder`; their figures, by rank."""
+        return self._everywhere("write_part", (folder, version, base, dtype, mode))
+
+    def score_probe(self, token_ids: list[int]) -> list[float]:
+        return self._everywhere("score_probe", (token_ids,))
+
     def checkpoint_state(self) -> tuple[dict[str, Any], list[RankState]]:
         """The optimizer's full state and every rank's RNG states (`RankTrainer.state`),
         gathered here from every rank."""
@@ -469,6 +513,12 @@ class Leading:
 
 class Leader(Leading, RankTrainer):
     """Rank 0 over the sharded policy."""
+
+    def gathered(self) -> None:
+        """The full weights gathered into rank 0's copy when a step since moved them (with
+        per-rank parts no step gathers): before the copy is saved."""
+        if self.publisher.version != self.version:
+            self._everywhere("gather", ())
 
 
 class LoraLeader(Leading, LoraRankTrainer):

@@ -32,6 +32,7 @@ STOP_TIMEOUT_S = 30.0  # a rank told to stop that has not exited by then is kill
 JOIN_POLL_S = 0.2  # how often rank 0 checks, during start, that the other ranks still live
 EXIT_AFTER_ERROR_S = 1.0  # a rank whose step raised exits this long after answering
 LOOPBACK = "lo"  # Linux's loopback interface: on one node the ranks' gloo pairs bind its 127.0.0.1
+LOOPBACK_GLOO = "tiller_gloo_lo"  # gloo with its device there, registered as a backend
 
 
 def free_port() -> int:
@@ -65,20 +66,26 @@ class Rendezvous:
         return store
 
     def join(self, store: dist.Store, rank: int, world: int, timeout: timedelta) -> None:
-        """`init_process_group` (gloo) of `rank`; on one node with GLOO_SOCKET_IFNAME set to the
-        loopback interface while gloo makes its device (this process's environment is as it
-        was after)."""
-        before = os.environ.get("GLOO_SOCKET_IFNAME")
+        """`init_process_group` of `rank`: gloo, on one node with its device on the loopback
+        interface (`LOOPBACK_GLOO`: given to gloo directly, no process-wide environment
+        variable written while this process's other threads run)."""
+        backend = "gloo"
         if self.folder is not None:
-            os.environ["GLOO_SOCKET_IFNAME"] = LOOPBACK
-        try:
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                    timeout=timeout)
-        finally:
-            if before is None:
-                os.environ.pop("GLOO_SOCKET_IFNAME", None)
-            else:
-                os.environ["GLOO_SOCKET_IFNAME"] = before
+            backend = LOOPBACK_GLOO
+            if not hasattr(dist.Backend, LOOPBACK_GLOO.upper()):  # once per process
+                dist.Backend.register_backend(LOOPBACK_GLOO, _loopback_gloo, devices=["cpu"])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=timeout)
+
+
+def _loopback_gloo(store: dist.Store, rank: int, size: int, timeout: timedelta
+                   ) -> dist.ProcessGroupGloo:
+    """A gloo process group whose one device is on the loopback interface: its pairs bind
+    127.0.0.1 (what GLOO_SOCKET_IFNAME=lo would do)."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(interface=LOOPBACK)]
+    return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
 class Follower:

@@ -1,0 +1,176 @@
+"""Per-rank weight sync (weight_sync.shards: per_rank) from 2 trainer ranks to a real `tiller
+serve`: every rank writes its own shard's part, the server applies a version only with every
+part there; after N steps what the parts give equals the gathered copy bit for bit; a part
+missing or a rank dead fails the sync in one line naming them, without a hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+from helpers import TINY_RUN
+from test_distributed import batch_of
+from test_http_engine import server_version, servers
+
+from tiller.config import WeightSyncConfig, load_config
+from tiller.controller import train
+from tiller.engine.http import HttpEngine
+from tiller.engine.parts import part_name
+from tiller.engine.updates import WeightUpdate
+from tiller.engine.weight_sync import ShardedSync
+from tiller.errors import ConfigError, RunError
+from tiller.models import load_model
+from tiller.serve.guard import resolve_below
+from tiller.serve.native import _read_update
+from tiller.train.distributed import TrainerOptions
+from tiller.train.ranks import start_ranks
+
+STEPS = 3
+
+
+class Mirror:
+    """A model fed each version's folder through the server's own reader (`_read_update`) and
+    apply: what the server holds, to compare bit for bit (the server shows only checksums)."""
+
+    def __init__(self, model_dir):
+        self.model, self.version = load_model(model_dir), 0
+
+    def take(self, root, folder, version: int) -> None:
+        real, files = resolve_below(root, str(folder))
+        update = _read_update(root, real, files, version, self)
+        update.stage(self.model).apply()
+        self.version = version
+
+
+@pytest.fixture()
+def setup(calc_model_dir, tmp_path):
+    torch.manual_seed(0)
+    leader = start_ranks(load_model(calc_model_dir), 2, TrainerOptions(), "local", 120.0)
+    try:
+        with servers(calc_model_dir, 1, tmp_path / "servers") as srv:
+            root = srv.root.resolve()
+            engine = HttpEngine(srv.urls, weights_dir=root / "weights", request_timeout_s=60.0)
+            try:
+                engine.update_weights(WeightUpdate.full(load_model(calc_model_dir), 0))
+                yield leader, engine, srv, root
+            finally:
+                engine.close()
+    finally:
+        leader.close()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["delta", "full"])
+def test_per_rank_parts_equal_the_gathered_copy_bit_for_bit(setup, calc_model_dir, tokenizer,
+                                                            mode):
+    leader, engine, srv, root = setup
+    sync = ShardedSync(leader, engine, WeightSyncConfig(mode=mode), torch.float32)
+    mirror = Mirror(calc_model_dir)
+    leader.set_optimizer(1e-3)
+    kinds = []
+    for step in range(STEPS):
+        out = leader.sft_step(batch_of(tokenizer), 2)
+        assert "train/gather_s" not in out  # no per-step gather with per-rank parts
+        metrics = sync.push()
+        v = step + 1
+        assert server_version(srv.urls[0]) == v == leader.version
+        mirror.take(root, engine.weights_folder(v), v)
+        kinds.append(metrics["sync/kind"])
+        parts = [metrics[f"sync/part{r}_bytes"] for r in range(2)]
+        assert sum(parts) == metrics["sync/bytes"] and min(parts) > 0
+        assert all(metrics[f"sync/part{r}_s"] > 0 for r in range(2))
+        assert metrics["sync/parity_mean_abs"] < 1e-5
+    # the first sync is full (no rank holds a synced copy), the later ones are deltas
+    assert kinds == ([0.0, 1.0, 1.0] if mode == "delta" else [0.0] * STEPS)
+    assert leader.publisher.version == 0  # nothing gathered yet: the copy lags
+    leader.gathered()
+    assert leader.publisher.version == STEPS
+    want, got = leader.publisher.model.state_dict(), mirror.model.state_dict()
+    for name, t in want.items():
+        assert torch.equal(got[name].view(torch.int32), t.view(torch.int32)), name
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_missing_part_or_a_dead_rank_fails_the_sync_in_one_line(setup, tokenizer):
+    leader, engine, srv, root = setup
+    sync = ShardedSync(leader, engine, WeightSyncConfig(mode="delta"), torch.float32)
+    leader.set_optimizer(1e-3)
+    leader.sft_step(batch_of(tokenizer), 2)
+    update, _ = sync.build(1)
+    os.remove(engine.weights_folder(1) / part_name(1))  # rank 1's part never arrived
+    with pytest.raises(RunError) as e:
+        engine.update_weights(update)
+    line = str(e.value)
+    assert "\n" not in line and srv.urls[0] in line and "trainer rank(s) [1]" in line, line
+    assert server_version(srv.urls[0]) == 0  # nothing applied
+    assert not engine.weights_folder(1).exists() or not any(engine.weights_folder(1).iterdir())
+    # rank 1 dies: the next sync fails naming it, bounded (no wait for its part)
+    os.kill(leader.ranks[0].proc.pid, signal.SIGKILL)
+    leader.ranks[0].proc.join(30)
+    t0 = time.monotonic()
+    with pytest.raises(RunError, match=r"^trainer rank 1 died \(exit code -9\) (before|during) "
+                                       r"write_part$"):
+        sync.push()
+    assert time.monotonic() - t0 < 60
+    assert server_version(srv.urls[0]) == 0
+
+
+@pytest.mark.parametrize("overrides, why", [
+    ([], "train.world_size is 1"),
+    (["train.world_size=2", "engine.backend=vllm"], "engine.backend vllm"),
+    (["train.world_size=2", "engine.backend=http", "engine.servers=1", "model.lora.r=4"],
+     "model.lora"),
+    (["train.world_size=2", "engine.backend=http", "engine.servers=1", "cluster.backend=ray",
+      "cluster.address=127.0.0.1:6379"], "cluster.address"),
+])
+def test_per_rank_parts_where_they_cannot_run_are_refused_in_one_line(overrides, why):
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/calculator.yaml",
+                    [*TINY_RUN, "weight_sync.shards=per_rank", *overrides])
+    line = str(e.value)
+    assert line.startswith(f"config field weight_sync.shards: got per_rank with {why}")
+    assert "\n" not in line and line.endswith("use weight_sync.shards: gathered")
+
+
+def test_per_rank_parts_load_with_tiller_serve_and_ranks():
+    cfg = load_config("configs/calculator.yaml", [
+        *TINY_RUN, "weight_sync.shards=per_rank", "train.world_size=2", "engine.backend=http",
+        "engine.servers=1"])
+    assert cfg.weight_sync.shards == "per_rank"
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_a_run_syncs_per_rank_parts_and_saves_the_gathered_weights(tmp_path):
+    """The demo over one managed tiller serve with 2 ranks and per-rank parts: every RL step's
+    sync is logged per rank, the parity check passes at each, and the checkpoint after the
+    last step and the final model (both gathered when saved, not after each step) hold the
+    trained weights, not the SFT ones."""
+    cfg = load_config("configs/calculator.yaml", [
+        *TINY_RUN, "engine.backend=http", "engine.servers=1", "runtime.threads=1",
+        "train.world_size=2", "weight_sync.shards=per_rank", "checkpoint.every=2"])
+    train(cfg, tmp_path)
+    every = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in every if r["phase"] == "rl"]
+    assert len(rl) == 2
+    for r in rl:
+        assert r["sync/part0_bytes"] > 0 and r["sync/part1_bytes"] > 0
+        assert r["sync/bytes"] == r["sync/part0_bytes"] + r["sync/part1_bytes"]
+        assert r["sync/parity_mean_abs"] <= cfg.weight_sync.parity_tol
+        assert "train/gather_s" not in r
+    (final,) = [r for r in every if r["phase"] == "rl_summary"]
+    assert final["ledger/started"] == final["ledger/trained"] > 0
+    ckpt = load_model(tmp_path / "checkpoints" / "step-000002" / "model").state_dict()
+    last = load_model(tmp_path / "checkpoints" / "final").state_dict()
+    sft = load_model(tmp_path / "checkpoints" / "sft").state_dict()
+    assert all(torch.equal(ckpt[k], last[k]) for k in last)
+    assert any(not torch.equal(sft[k], last[k]) for k in last)
