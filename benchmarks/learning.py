@@ -29,7 +29,9 @@ the sections that differ), so an interrupted benchmark resumes; a folder without
 is an attempt that did not finish and is deleted and rerun. CPU-minutes are each process's
 own user + system time (os.wait4); a run made by hand (no cpu.json) shows "-".
 Writes OUT/table.md (printed), OUT/table.json and OUT/examples.md (seed 0's held-out tasks
-that SFT failed and RL solved, both conversations).
+that SFT failed and RL solved, both conversations). The table splits each evaluation by whether
+the episode called a tool (from the main run's traces.sqlite): a gain made by answering
+without the tool shows there.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from tiller.config import Config, load_config  # noqa: E402
+from tiller.controller import EvalNames  # noqa: E402
 from tiller.observe.compare import compare, load_outcomes  # noqa: E402
 from tiller.observe.compare import format_diff as fmt_diff  # noqa: E402
 from tiller.observe.compare import format_success as fmt  # noqa: E402
@@ -233,6 +236,34 @@ def behaviour(result: dict) -> dict[str, float]:
     return {k: r[k] for k in BEHAVIOUR}
 
 
+def tool_use(run: Path, name: str, label: str, seed: int) -> dict[str, float | None]:
+    """Set `name`'s evaluation at `label` in run folder `run`, split by whether each episode
+    called a tool (its tool-call count in traces.sqlite, its success in eval/<label>.jsonl):
+    the episodes and successes on each side. `seed`: the run's, the eval seed of an episode
+    whose tag names none."""
+    _, rows = load_outcomes(f"{run}:{label}")
+    success = {(r["task_id"], r["seed"], r["sample"]): r["success"]
+               for r in rows if r["set"] == name}
+    con = connect(run / "traces.sqlite")
+    try:
+        episodes = con.execute("SELECT task_id, sample_index, tag, tool_calls FROM episodes "
+                               "WHERE phase = ?", (EvalNames(label, name).phase,)).fetchall()
+    finally:
+        con.close()
+    if len(episodes) != len(success):
+        raise RuntimeError(f"{run}: {len(episodes)} traced episodes of set {name} at {label} "
+                           f"for {len(success)} outcomes: were traces sampled or off?")
+    sides: dict[bool, list[bool]] = {True: [], False: []}
+    for task, sample, tag, calls in episodes:
+        last = json.loads(tag)[-1]  # with several eval seeds the tag ends in seed<S>
+        eval_seed = int(last[4:]) if str(last).startswith("seed") else seed
+        sides[calls > 0].append(success[(task, eval_seed, sample)])
+    rate = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    return {"with_tool": len(sides[True]), "success_with_tool": rate(sides[True]),
+            "without_tool": len(sides[False]), "success_without_tool": rate(sides[False]),
+            "correct_without_tool": sum(sides[False])}
+
+
 def seed_rows(args: argparse.Namespace, seed: int, runs: dict[str, dict]) -> list[dict]:
     """One row per eval set: SFT, RL, the paired test, and the controls on the same tasks."""
     folder = args.out / f"seed{seed}"
@@ -245,6 +276,7 @@ def seed_rows(args: argparse.Namespace, seed: int, runs: dict[str, dict]) -> lis
         row = {"seed": seed, "set": name, "sft": sft, "rl": rl,
                "rl_vs_sft": compare(sft_rows, rl_rows, name, seed),
                "behaviour": {"sft": behaviour(sft), "rl": behaviour(rl)},
+               "tool_use": {x: tool_use(folder / "main", name, x, seed) for x in ("sft", "rl")},
                "cpu_min": None if main["cpu_s"] is None else main["cpu_s"] / 60,
                "wall_min": main["wall_s"] / 60}
         if "random" in runs:
@@ -298,6 +330,17 @@ def tables(args: argparse.Namespace, rows: list[dict]) -> str:
     lines.append("| " + " | ".join(
         f"{mean([r['behaviour']['sft'][k] for r in first]):.2f} -> "
         f"{mean([r['behaviour']['rl'][k] for r in first]):.2f}" for k in BEHAVIOUR) + " |")
+    rate = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    lines += ["", "Tool use per set (SFT -> SFT + RL): episodes that called a tool and their "
+              "success, episodes that did not and how many of them were correct:", "",
+              "| seed | set | with a tool call | success with | without | correct without |",
+              "|---|---|---|---|---|---|"]
+    for r in rows:
+        a, b = r["tool_use"]["sft"], r["tool_use"]["rl"]
+        lines.append(f"| {r['seed']} | {r['set']} | {a['with_tool']} -> {b['with_tool']} | "
+                     f"{rate(a['success_with_tool'])} -> {rate(b['success_with_tool'])} | "
+                     f"{a['without_tool']} -> {b['without_tool']} | "
+                     f"{a['correct_without_tool']} -> {b['correct_without_tool']} |")
     return "\n".join(lines)
 
 

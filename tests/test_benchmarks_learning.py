@@ -33,7 +33,10 @@ def test_quick_run_writes_the_table_pairs_the_controls_and_resumes(tmp_path, cap
             r["sft"]["ci_low"] <= r["random"]["success"] <= r["sft"]["ci_high"])
         assert r["sft"]["tasks"] == r["rl_vs_sft"]["tasks"] == 8
         assert r["cpu_min"] > 0 and set(r["behaviour"]["sft"]) == set(bench.BEHAVIOUR)
+        for split in r["tool_use"].values():  # every episode of the set, on one side
+            assert split["with_tool"] + split["without_tool"] == 8
     assert "| 0 | heldout | 8 |" in out and "| heldout | 0." in out and "tool calls" in out
+    assert "| seed | set | with a tool call | success with | without | correct without |" in out
     assert r["rl_vs_random"]["success_b"] == r["rl"]["success"] == r["rl_vs_cold"]["success_b"]
     seed = tmp_path / "seed0"
     random_cfg = yaml.safe_load((seed / "random/config.yaml").read_text())
@@ -104,3 +107,19 @@ def test_model_smollm2_runs_the_real_model_config_one_run_at_a_time_without_the_
         bench.parse_args(["--env", "search", "--model", "smollm2"])
     assert e.value.code == 2
     assert "--model smollm2: its config is for --env calculator only" in capsys.readouterr().err
+
+
+def test_tool_use_splits_each_evaluation_by_whether_the_episode_called_a_tool(tiny_run):
+    """Every evaluated episode is on one side, and the two sides' successes add up to the
+    evaluation's success rate; the episodes without a tool call are counted by traces."""
+    bench = load_benchmark("learning")
+    run, summary = tiny_run
+    for label in ("sft", "rl"):
+        split = bench.tool_use(run, "heldout", label, summary["seed"])
+        n, result = split["with_tool"] + split["without_tool"], summary[f"heldout_after_{label}"]
+        assert n == result["tasks"] == 16
+        correct = sum(split[f"success_{side}"] * split[side] for side in
+                      ("with_tool", "without_tool") if split[side])
+        assert correct == pytest.approx(result["success"] * n)
+        assert split["correct_without_tool"] == pytest.approx(
+            (split["success_without_tool"] or 0.0) * split["without_tool"])

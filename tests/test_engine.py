@@ -194,6 +194,45 @@ def test_a_request_arriving_mid_decode_joins_without_waiting(model):
         long.result(timeout=10)
 
 
+def test_close_stops_a_forward_before_its_next_layer_and_fails_its_requests(model):
+    """Ctrl-C or SIGTERM during an evaluation closes the engine while its worker may be deep in
+    a prefill (minutes for a batch of thousands of tokens through a 135M model on a loaded CPU:
+    a SIGTERM'd SmolLM2 run went on for over 100 s, issue 23). Close stops the forward before
+    its next layer, fails the request, and takes the engine's hooks off the model."""
+    layers = list(model.model.layers)
+    assert len(layers) == 2
+    in_first, release, ran_after_close = threading.Event(), threading.Event(), []
+
+    def hold(module, args, output):  # the first forward waits in its first layer for close
+        if not in_first.is_set():
+            in_first.set()
+            assert release.wait(30), "the test never released the forward"
+
+    def count(module, args):  # runs after the engine's own hook: only if that let it through
+        if release.is_set():
+            ran_after_close.append(layers.index(module))
+
+    engine = EmbeddedEngine(model, pad_token_id=0)
+    ours = [layers[0].register_forward_hook(hold),
+            *(layer.register_forward_pre_hook(count) for layer in layers)]
+    try:
+        request = engine.submit(PROMPTS[0], sampling(max_new_tokens=50), seed=1)
+        assert in_first.wait(30), "the prefill never started"
+        closing = threading.Thread(target=engine.close)
+        closing.start()
+        wait_until(lambda: engine._closed, "close to begin")
+        release.set()
+        closing.join(10)
+        assert not closing.is_alive(), "close still waits for the forward"
+        assert ran_after_close == []  # without the stop, layer 1 ran: [1]
+        with pytest.raises(RuntimeError, match="the engine was closed"):
+            request.result(timeout=5)
+        assert [len(layer._forward_pre_hooks) for layer in layers] == [1, 1]  # ours alone
+    finally:
+        for hook in ours:
+            hook.remove()
+
+
 def test_requests_with_different_sampling_params_share_a_batch(model):
     engine = EmbeddedEngine(model, pad_token_id=0)
     kinds = [sampling(temperature=0.0, max_new_tokens=9), sampling(temperature=0.7, top_k=5),

@@ -23,7 +23,9 @@ version it records: that version's weights computed its logits and every key and
 attended to.
 
 The running batch's KV slots and forward passes are in `slots`, the worker thread and
-its safe points in `worker`. Logprobs are those of the sampled tokens under
+its safe points in `worker`. A forward pre-hook on each of the model's layers lets `close` stop
+a forward between two layers (`Worker._check_closing`), so closing (Ctrl-C, SIGTERM) never
+waits for a long prefill to end. Logprobs are those of the sampled tokens under
 softmax(logits / T); see `tiller.engine.sampling` for how top-k / top-p relate to them.
 """
 
@@ -118,6 +120,10 @@ class EmbeddedEngine(Worker, SlotBatch):
             "failed_batches", "failed_requests")}
         self.max_rows = 0
         self._bursts: dict[asyncio.AbstractEventLoop, list[_Request]] = {}
+        # the layers: the children of the model's ModuleLists (a decoder's blocks)
+        self._hooks = [layer.register_forward_pre_hook(lambda *_: self._check_closing())
+                       for m in model.modules() if isinstance(m, torch.nn.ModuleList)
+                       for layer in m]
 
     # ----- the API (any thread) -----
 
@@ -278,8 +284,11 @@ class EmbeddedEngine(Worker, SlotBatch):
                 "cache_evictions": self.cache.evictions, "version": self.version}
 
     def close(self) -> None:
-        """Stop the worker; queued and running requests fail with RuntimeError."""
+        """Stop the worker (a forward in progress stops at its next layer); queued and running
+        requests fail with RuntimeError."""
         self._stop_worker()
+        for hook in self._hooks:  # the model may outlive its engine (tests, `tiller serve`)
+            hook.remove()
         self._fail_all(RuntimeError("the engine was closed"))
 
     # ----- the worker -----
@@ -298,6 +307,12 @@ class EmbeddedEngine(Worker, SlotBatch):
         """Hand the failure to every request of the batch."""
         logger.exception("engine iteration failed; its %d rows get the error", len(self._rows))
         self.counters["failed_batches"] += 1
+        for r in {id(r): r for r in self._rows + self._admitting}.values():
+            self._resolve(r, error=error)
+        self._reset_batch()
+
+    def _abandon_iteration(self) -> None:
+        error = RuntimeError("the engine was closed")
         for r in {id(r): r for r in self._rows + self._admitting}.values():
             self._resolve(r, error=error)
         self._reset_batch()

@@ -7,8 +7,15 @@ safe point, never inside a forward), and waited for with a timeout that names it
 asyncio callers go through an outbox, delivered once per event loop per iteration: one wake-up
 of each loop instead of one per finished request.
 
+Closing the engine does not wait for the forward in progress to end: the work calls
+`_check_closing` between the layers of each forward (the embedded engine's forward pre-hooks),
+which raises `Closing` in the worker once the engine is closing, so a close waits at most one
+layer. A prefill of thousands of tokens through a 135M model on a loaded CPU takes minutes, and
+a Ctrl-C or SIGTERM during an evaluation waited that long (issue 23).
+
 `Worker` is this machinery; `EmbeddedEngine` subclasses it and supplies the work
-(`_has_work`, `_iterate`, `_fail_iteration`, `_idle`) and the `counters` it keeps.
+(`_has_work`, `_iterate`, `_fail_iteration`, `_abandon_iteration`, `_idle`) and the `counters`
+it keeps.
 """
 
 from __future__ import annotations
@@ -23,6 +30,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
+
+
+class Closing(BaseException):
+    """Raised in the worker between two layers of a forward once the engine is closing: the
+    forward stops there. A BaseException, so the handlers of a failed prefill or iteration
+    (which fail requests and let the engine go on) do not take it."""
 
 
 @dataclass
@@ -63,6 +76,10 @@ class Worker:
         """An iteration raised `error`: hand it to whoever was waiting on that work."""
         raise NotImplementedError
 
+    def _abandon_iteration(self) -> None:
+        """`close` stopped an iteration between two layers: fail the requests it was running
+        (those still queued are failed by close)."""
+
     def _idle(self) -> None:
         """The worker exits after a second idle: free what only a running worker needs."""
 
@@ -101,9 +118,24 @@ class Worker:
                 raise TimeoutError(f"embedded engine: {what} started but did not finish within "
                                    f"{timeout + min(timeout, 5.0):g}s") from None
 
+    def _check_closing(self) -> None:
+        """Called by the work between two layers of a forward: in the worker of an engine that
+        is closing, stop the forward (`Closing`)."""
+        if self._closed and threading.current_thread() is self._worker:
+            raise Closing()
+
     def _loop(self) -> None:
         """The worker: iterate while there is work; exit after a second idle (it is restarted
-        by the next call), so an engine nobody closes leaves no thread behind."""
+        by the next call), so an engine nobody closes leaves no thread behind; exit within a
+        layer of a forward when the engine closes."""
+        try:
+            self._serve()
+        except Closing:
+            logger.info("engine: closed during a forward; it stopped between two layers")
+            self._abandon_iteration()
+            self._flush_outbox()
+
+    def _serve(self) -> None:
         while True:
             with self._cond:
                 while not self._closed and not self._controls and not (
@@ -124,6 +156,9 @@ class Worker:
                     op.done.set_result(op.apply())
                 except Exception as e:  # the caller gets the error; the engine goes on
                     op.done.set_exception(e)
+                except Closing:  # a scoring or recompute forward stopped by close
+                    op.done.set_exception(RuntimeError("the engine was closed"))
+                    raise
             self._flush_outbox()
             if self._paused:
                 continue
