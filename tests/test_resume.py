@@ -310,11 +310,13 @@ def test_two_rank_run_killed_at_seeded_moments_resumes_bit_identically(ranks_who
 
 # what the 2 trainer ranks hold besides the policy: the KL reference model or PPO's critic
 # (each sharded like the policy), or model.lora's adapters with the reference adapter; and
-# the parts of trainer.pt the checkpoint holds then, named as a single rank's
+# the parts of trainer.pt the checkpoint holds then, named as a single rank's. (PPO keeps its
+# KL in the reward: the tiny run's episodes all fail, and without it the critic's returns
+# are all 0, so it would never move from its zero head)
 HELD = {
     "kl": (["rl.algorithm.kl.beta=0.05", *RL_MOVES], ["optimizer", "ref"]),
-    "critic": (["rl.algorithm.preset=ppo", "rl.algorithm.advantage=gae",
-                "rl.algorithm.kl.beta=0"], ["critic", "critic_optimizer", "optimizer"]),
+    "critic": (["rl.algorithm.preset=ppo", "rl.algorithm.advantage=gae", *RL_MOVES],
+               ["critic", "critic_optimizer", "optimizer", "ref"]),
     "lora": (["model.lora.r=4", "model.lora.alpha=8", "rl.algorithm.kl.beta=0.05",
               "rl.algorithm.kl.placement=loss", "rl.algorithm.kl.estimator=k3", *RL_MOVES],
              ["optimizer"]),
