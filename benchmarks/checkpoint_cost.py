@@ -155,9 +155,9 @@ def measure_ranks(name: str, model: torch.nn.Module, tokenizer: object, run_dir:
             if tokenizer is not None:
                 tokenizer.save_pretrained(new / "model")
             t0 = time.perf_counter()
-            optim, rngs = leader.checkpoint_state()
+            saved, rngs = leader.checkpoint_state()
             gathers.append(time.perf_counter() - t0)
-            torch.save({"optimizer": optim}, new / "trainer.pt")
+            torch.save(saved, new / "trainer.pt")
             py, tensors = rng_state()
             add_rank_states(py, tensors, rngs)
             torch.save(tensors, new / "rng.pt")
@@ -165,7 +165,7 @@ def measure_ranks(name: str, model: torch.nn.Module, tokenizer: object, run_dir:
 
         def load(ckpt: Checkpoint) -> None:
             load_weights(model, ckpt)
-            leader.load_checkpoint_state(load_tensors(ckpt.path / "trainer.pt")["optimizer"],
+            leader.load_checkpoint_state(load_tensors(ckpt.path / "trainer.pt"),
                                          rank_states(ckpt.state["rng"],
                                                      load_tensors(ckpt.path / "rng.pt")), 1)
 

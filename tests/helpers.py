@@ -9,6 +9,7 @@ import json
 import random
 import sqlite3
 import string
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +37,13 @@ def load_benchmark(name: str):
     sys.modules[spec.name] = module  # dataclasses in the module look themselves up there
     spec.loader.exec_module(module)
     return module
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (reaped)."""
+    child = subprocess.Popen(["true"])
+    child.wait(10)
+    return child.pid
 
 
 # Logging that writes only metrics.jsonl and the log: no progress bar, no TensorBoard files.

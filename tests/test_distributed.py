@@ -7,9 +7,12 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+from helpers import dead_pid
 from test_trainer import make_traj
 
 from tiller.algorithms import AGGREGATIONS
@@ -18,7 +21,12 @@ from tiller.errors import RunError
 from tiller.models import load_model
 from tiller.train.batch import Batch
 from tiller.train.distributed import TrainerOptions, rank_rows
-from tiller.train.ranks import start_ranks
+from tiller.train.ranks import (
+    RENDEZVOUS_PREFIX,
+    STALE_RENDEZVOUS,
+    remove_stale_rendezvous,
+    start_ranks,
+)
 from tiller.train.trainer import PolicyTrainer
 
 # fp32 sums in another order (each rank's share, then the all-reduce): the updated weights'
@@ -115,11 +123,20 @@ def test_a_run_trains_on_two_ranks(calc_model_dir, tmp_path):
     assert flat(saved).ne(flat(load_model(calc_model_dir))).any()  # trained weights saved
 
 
+# a rendezvous folder a SIGKILLed rank 0 left in the temporary folder (`group` plants it)
+STALE = Path(tempfile.gettempdir()) / f"{RENDEZVOUS_PREFIX}{dead_pid()}-s8test"
+
+
 @pytest.fixture(scope="module")
 def group(calc_model_dir):
-    """Rank 0 here and rank 1 in a spawned process, over one gloo group."""
+    """Rank 0 here and rank 1 in a spawned process, over one gloo group (started after a
+    stale rendezvous folder, `STALE`, was left in the temporary folder)."""
+    STALE.mkdir()
+    (STALE / "store").write_bytes(b"x")
     torch.manual_seed(0)
+    before = STALE_RENDEZVOUS["removed"]
     leader = start_ranks(load_model(calc_model_dir), 2, TrainerOptions(), "local", 120.0)
+    leader.stale_removed = STALE_RENDEZVOUS["removed"] - before
     yield leader
     leader.close()
 
@@ -142,6 +159,36 @@ def test_the_ranks_of_one_node_listen_on_loopback_only(group):
     found = listening([os.getpid(), *(r.proc.pid for r in group.ranks)])
     assert len(found) >= 2 and all(a.startswith("127.0.0.1:") for a in found), found
     assert os.stat(group.folder).st_mode & 0o777 == 0o700
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_the_ranks_start_removes_stale_rendezvous_folders(group):
+    """The rendezvous folder is named after rank 0's pid; the ranks' start removed (and
+    counted) the folder of a rank 0 that no longer runs."""
+    assert Path(group.folder).name.startswith(f"{RENDEZVOUS_PREFIX}{os.getpid()}-")
+    assert not STALE.exists() and group.stale_removed == 1
+
+
+def test_stale_rendezvous_folders_are_those_of_this_users_dead_rank_0s(tmp_path):
+    """Removed: this user's folders `tiller-ranks-<pid>-*` whose pid no longer runs. Left: a
+    running pid's (init's, this process's), a name without a pid, another user's, a link to a
+    folder and a file."""
+    dead = f"{RENDEZVOUS_PREFIX}{dead_pid()}-abc"
+    left = [f"{RENDEZVOUS_PREFIX}1-abc", f"{RENDEZVOUS_PREFIX}{os.getpid()}-abc",
+            f"{RENDEZVOUS_PREFIX}abc12345", f"{RENDEZVOUS_PREFIX}{dead_pid()}-other-user"]
+    for name in (dead, *left):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "store").write_bytes(b"x")
+    os.chown(tmp_path / left[-1], 12345, 12345)  # another user's (the tests run as root here)
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    links = [f"{RENDEZVOUS_PREFIX}{dead_pid()}-link", f"{RENDEZVOUS_PREFIX}{dead_pid()}-file"]
+    (tmp_path / links[0]).symlink_to(target)
+    (tmp_path / links[1]).write_bytes(b"x")
+    assert remove_stale_rendezvous(tmp_path) == [dead]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*left, *links, "elsewhere"])
 
 
 def one_rank(group):
@@ -235,7 +282,9 @@ def test_the_ranks_optimizer_and_rng_states_round_trip(group, tokenizer):
     for _ in range(2):
         single.sft_step(batch, micro_batch_size=2)
         group.sft_step(batch, 2)
-    optim, rngs = group.checkpoint_state()
+    saved, rngs = group.checkpoint_state()
+    optim = saved["optimizer"]
+    assert set(saved) == {"optimizer"}  # no reference model or critic on these ranks
     want = optimizer_by_name(single)
     assert set(optim["state"]) == set(want) and len(want) == len(list(single.model.parameters()))
     for name, moments in want.items():
@@ -256,9 +305,10 @@ def test_the_ranks_optimizer_and_rng_states_round_trip(group, tokenizer):
              {"torch": other[2]})
     assert not torch.equal(given[1]["torch"], rngs[1][1]["torch"])
     group.set_optimizer(1e-2)  # fresh, empty optimizers at another rate
-    group.load_checkpoint_state(optim, [None, given], version=7)
+    group.load_checkpoint_state(saved, [None, given], version=7)
     assert group.version == group.publisher.version == 7
     again, rngs_again = group.checkpoint_state()
+    again = again["optimizer"]
     for name, moments in optim["state"].items():
         assert all(torch.equal(again["state"][name][k], v) for k, v in moments.items()), name
     # (the betas come back as a list, not a tuple: AdamW reads them alike)
@@ -271,7 +321,7 @@ def test_the_ranks_optimizer_and_rng_states_round_trip(group, tokenizer):
     assert got_step["sft_loss"] == pytest.approx(want_step["sft_loss"], rel=1e-5)
     assert torch.allclose(flat(group.publisher.model), flat(single.model), atol=ATOL)
     with pytest.raises(ValueError, match="1 ranks' RNG states for 2 ranks"):
-        group.load_checkpoint_state(optim, [None], version=7)
+        group.load_checkpoint_state(saved, [None], version=7)
 
 
 @pytest.mark.slow

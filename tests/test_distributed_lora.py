@@ -7,7 +7,7 @@ import pytest
 import torch
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from test_distributed import ATOL, batch_of, flat
-from test_distributed_rl import STATS, assert_same
+from test_distributed_rl import STATS, assert_same, same
 from test_lora import LORA, lora_of
 
 from tiller.config import RLConfig
@@ -90,3 +90,45 @@ def test_two_lora_ranks_equal_one_rank_with_the_reference_adapter_and_a_critic(
     assert torch.allclose(gathered, flat(critics[0].model), atol=ATOL)
     group.drop_reference()
     assert not group.lora.has_reference()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_the_lora_ranks_optimizer_reference_adapter_and_critic_round_trip(
+        group, calc_model_dir, tokenizer, tmp_path):
+    """A checkpoint's share of the LoRA ranks (`checkpoint_state`): the adapters' optimizer
+    state (keyed by parameter name) and PPO's critic; the reference adapter is rank 0's, which
+    the checkpoint's adapter/ folder holds. Put back into ranks whose optimizers, critic and
+    reference adapters have moved on since (rank 0's reference adapter loaded from the saved
+    folder first, as a resume does), they gather again bit for bit the same, and every rank's
+    reference adapter is the saved one: an RL step's KL (taken before the update) equals a
+    single rank's at the same adapters and reference."""
+    batch = batch_of(tokenizer)
+    group.set_optimizer(1e-2)
+    cfg = RLConfig(micro_batch_size=2, mini_batches=2, max_grad_norm=0.5, algorithm={
+        "preset": "ppo", "kl": {"beta": 0.5, "placement": "loss", "estimator": "k3"},
+        "critic": {"value_lr": 1e-3}})
+    group.reference()
+    critic = group.new_critic(cfg.algorithm.critic)
+    group.sft_step(batch, 2)
+    group.rl_step(batch, cfg, 8, group.model, critic, 0)
+    saved, rngs = group.checkpoint_state()
+    assert sorted(saved) == ["critic", "critic_optimizer", "optimizer"]
+    assert set(saved["optimizer"]["state"]) == {n for n, p in group.model.named_parameters()
+                                                if p.requires_grad}
+    group.lora.save(tmp_path / "adapter")
+    group.rl_step(batch, cfg, 8, group.model, critic, 1)  # the optimizers and critic move on
+    group.reference()  # every rank's reference adapter := its adapters now
+    group.lora.load_reference(tmp_path / "adapter")
+    group.load_checkpoint_state(saved, [None, rngs[1]], version=3)
+    again, _ = group.checkpoint_state()
+    assert same(again, saved)
+    single, group = pair(group, calc_model_dir)
+    single.lora.load_reference(tmp_path / "adapter")
+    kl = RLConfig(micro_batch_size=2, mini_batches=1, algorithm={
+        "advantage": "dr_grpo", "kl": {"beta": 0.5, "placement": "loss", "estimator": "k3"}})
+    want = single.rl_step(batch, kl, 8, single.model)
+    got = group.rl_step(batch, kl, 8, group.model)
+    assert want["kl"] > 1e-4 and got["kl"] == pytest.approx(want["kl"], rel=1e-5)
+    group.drop_reference()

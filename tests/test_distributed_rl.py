@@ -105,3 +105,48 @@ def test_two_ranks_equal_one_rank_with_a_critic_and_kl(group, tokenizer):
     gathered = torch.cat([state[k].flatten() for k in trained])
     assert (gathered - start).abs().max() > 1e-4  # the critic moved
     assert torch.allclose(gathered, flat(critics[0].model), atol=ATOL)
+
+
+def same(a, b) -> bool:
+    """`a` and `b` (state dicts, nested) equal bit for bit, tensor by tensor."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_the_ranks_reference_model_and_critic_round_trip(group, tokenizer):
+    """A checkpoint's share of the ranks with the KL reference model and PPO's critic
+    (`checkpoint_state`): trainer.pt's parts, the reference model's and the critic's weights
+    whole under a single rank's names and equal to its (the format does not depend on
+    train.world_size). Put back (`load_checkpoint_state`) into ranks whose optimizers, critic
+    and reference model have moved on since, they gather again bit for bit the same."""
+    batch = batch_of(tokenizer)
+    single, group = pair(group)
+    cfg = RLConfig(micro_batch_size=2, mini_batches=2, max_grad_norm=0.5, algorithm={
+        "preset": "ppo", "kl": {"beta": 0.1}, "critic": {"value_lr": 1e-3}})
+    refs = [t.reference() for t in (single, group)]
+    critics = [t.new_critic(cfg.algorithm.critic) for t in (single, group)]
+    for t, ref, critic in zip((single, group), refs, critics, strict=True):
+        t.rl_step(batch, cfg, 8, ref, critic, 0)
+    saved, rngs = group.checkpoint_state()
+    assert sorted(saved) == ["critic", "critic_optimizer", "optimizer", "ref"]
+    for name, model in (("ref", refs[0]), ("critic", critics[0].model)):
+        want = model.state_dict()
+        assert saved[name].keys() == want.keys(), name
+        assert all(torch.allclose(saved[name][k], want[k], atol=ATOL) for k in want), name
+    assert set(saved["critic_optimizer"]["state"]) == set(dict(critics[0].model
+                                                               .named_parameters()))
+    group.rl_step(batch, cfg, 8, refs[1], critics[1], 1)  # the optimizers and critic move on
+    refs[1].reshard()  # (its forward passes left the root's parameters whole)
+    with torch.no_grad():
+        for p in refs[1].parameters():
+            p.to_local().add_(1.0)
+    group.load_checkpoint_state(saved, [None, rngs[1]], version=3)
+    again, _ = group.checkpoint_state()
+    assert same(again, saved)
+    group.drop_reference()

@@ -9,12 +9,12 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import dead_pid
 from test_vllm_engine import cfg, tiny, trainer_logprobs
 from transformers import AutoModelForCausalLM
 
@@ -115,13 +115,6 @@ def test_a_failed_write_leaves_no_segment(tmp_path: Path) -> None:
     with pytest.raises(OSError, match="No space left on device"):
         write_segment({"a": torch.ones(2).as_subclass(FullDisk)}, folder=tmp_path, reuse=kept)
     assert list(tmp_path.iterdir()) == []
-
-
-def dead_pid() -> int:
-    """The pid of a process that has exited (reaped)."""
-    child = subprocess.Popen(["true"])
-    child.wait(10)
-    return child.pid
 
 
 def test_segment_names_carry_the_pid_and_stale_ones_of_dead_trainers_are_removed(

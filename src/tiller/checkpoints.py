@@ -383,22 +383,6 @@ def load_weights(model: torch.nn.Module, ckpt: Checkpoint) -> None:
                           f"{untied[:3]}, unexpected {unexpected[:3]}")
 
 
-def check_checkpointable(cfg: Config) -> None:
-    """Checkpoints (checkpoint.every > 0) hold what this tiller can put back: one line, before
-    any work, for a run whose state it cannot."""
-    if not cfg.checkpoint.every:
-        return
-    alg = cfg.rl.algorithm
-    why = (None if cfg.train.world_size == 1 else
-           "model.lora with train.world_size > 1" if cfg.model.lora is not None else
-           "rl.algorithm.kl with train.world_size > 1" if alg.kl.beta > 0 else
-           "rl.algorithm.critic with train.world_size > 1" if alg.critic is not None else None)
-    if why is not None:
-        raise ConfigError(f"config field checkpoint.every: got {cfg.checkpoint.every}; "
-                          f"resumable checkpoints do not yet hold the state of {why} "
-                          f"(docs/resume.md): set checkpoint.every=0")
-
-
 def checkpoint_due(cfg: Config, steps_trained: int) -> bool:
     """After every checkpoint.every RL steps, and after the last."""
     every = cfg.checkpoint.every

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tiller.algorithms.kl import kl_beta_at
-from tiller.checkpoints import check_checkpointable, check_steps_free, checkpoint_due
+from tiller.checkpoints import check_steps_free, checkpoint_due
 from tiller.config import Config, JudgeConfig
 from tiller.errors import ConfigError, RunError
 from tiller.files import write_file
@@ -366,7 +366,6 @@ def train(cfg: Config, output_dir: str | Path | None = None,
     folder) the run goes on from the folder's newest complete checkpoint, in that folder."""
     t0 = time.perf_counter()
     check_report(cfg)  # before any work
-    check_checkpointable(cfg)
     ckpt = start_resume(cfg, Path(resume)) if resume is not None else None
     if ckpt is None and cfg.checkpoint.every and (output_dir or cfg.output_dir):
         check_steps_free(Path(output_dir or cfg.output_dir), 0,

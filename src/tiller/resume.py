@@ -39,7 +39,7 @@ from tiller.plugins import load_env_class
 from tiller.preflight import rl_task_reserve, rl_train_tasks
 from tiller.rollout.curriculum import DRAW, Curriculum, make_curriculum
 from tiller.rollout.resume import check_drawn, check_state, manager_state
-from tiller.train.distributed import Leader
+from tiller.train.distributed import Leading
 from tiller.train.process_state import add_rank_states, rank_states, rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -249,9 +249,10 @@ def save_rl(run: Any, learner: Any, rollouts: RolloutManager, record: StepRecord
         run.tokenizer.save_pretrained(new / "model")
         if run.lora is not None:  # and the reference adapter while there is one
             run.lora.save(new / ADAPTER_DIR)
-        ranks = (learner.trainer.checkpoint_state() if isinstance(learner.trainer, Leader)
-                 else None)  # every rank's optimizer shard and RNG states, gathered here
-        saved = learner_tensors(learner, None if ranks is None else ranks[0])
+        # train.world_size > 1: trainer.pt's parts and every rank's RNG states, gathered here
+        ranks = (learner.trainer.checkpoint_state() if isinstance(learner.trainer, Leading)
+                 else None)
+        saved = learner_tensors(learner) if ranks is None else ranks[0]
         torch.save(saved, new / "trainer.pt")
         py, tensors = rng_state()
         rng = (f"rng ({', '.join(['python', 'numpy', *tensors])})"
@@ -284,11 +285,10 @@ def save_rl(run: Any, learner: Any, rollouts: RolloutManager, record: StepRecord
     return write_checkpoint(run.dir, step, run.cfg.checkpoint.keep, parts)
 
 
-def learner_tensors(learner: Any, optimizer: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The optimizer's state (`optimizer`: the full one of train.world_size > 1, gathered from
-    the ranks), and the reference model's and critic's when they exist."""
-    out: dict[str, Any] = {"optimizer": optimizer if optimizer is not None
-                           else learner.trainer.optimizer.state_dict()}
+def learner_tensors(learner: Any) -> dict[str, Any]:
+    """The optimizer's state, and the reference model's and critic's when they exist (with
+    train.world_size > 1 the ranks' gather gives the same parts: `RankSteps.state`)."""
+    out: dict[str, Any] = {"optimizer": learner.trainer.optimizer.state_dict()}
     if _own_ref(learner):
         out["ref"] = learner.ref.state_dict()
     if learner.critic is not None:
@@ -312,21 +312,20 @@ def restore_rl(ckpt: Checkpoint, learner: Any, record: StepRecorder,
     saved = load_tensors(ckpt.path / "trainer.pt")
     check_tensors(learner.cfg, ckpt, sorted(saved))
     try:
-        if isinstance(learner.trainer, Leader):  # each rank its shard and RNG states
+        if REFERENCE_ADAPTER in ckpt.marker["files"]:  # model.lora: the frozen adapter
+            learner.trainer.lora.load_reference(ckpt.path / ADAPTER_DIR)
+        elif "ref" not in saved and learner.ref is not None:  # the KL term is off by now
+            learner.drop_reference()  # (check_tensors)
+        if isinstance(learner.trainer, Leading):  # each rank its shards and RNG states
             ranks = rank_states(ckpt.state["rng"], load_tensors(ckpt.path / "rng.pt"))
-            learner.trainer.load_checkpoint_state(saved["optimizer"], ranks,
-                                                  ckpt.state["trainer_version"])
+            learner.trainer.load_checkpoint_state(saved, ranks, ckpt.state["trainer_version"])
         else:
             learner.trainer.optimizer.load_state_dict(saved["optimizer"])
-        if "ref" in saved:
-            learner.ref.load_state_dict(saved["ref"])
-        elif REFERENCE_ADAPTER in ckpt.marker["files"]:  # model.lora: the frozen adapter
-            learner.trainer.lora.load_reference(ckpt.path / ADAPTER_DIR)
-        elif learner.ref is not None:  # the KL term is off by now (check_tensors)
-            learner.drop_reference()
-        if learner.critic is not None:
-            learner.critic.model.load_state_dict(saved["critic"])
-            learner.critic.optimizer.load_state_dict(saved["critic_optimizer"])
+            if "ref" in saved:
+                learner.ref.load_state_dict(saved["ref"])
+            if learner.critic is not None:
+                learner.critic.model.load_state_dict(saved["critic"])
+                learner.critic.optimizer.load_state_dict(saved["critic_optimizer"])
         record.load_state(ckpt.state["recorder"])
         if curriculum is not None:
             load_curriculum(curriculum, ckpt)

@@ -14,10 +14,10 @@ class CheckpointConfig(Section):
     where it stopped."""
 
     every: int = Field(0, ge=0, description="write one after every `every` RL steps (and after "
-                       "the last one); 0: none. With train.world_size > 1 every rank's "
-                       "optimizer state is gathered to rank 0 into it; not yet with "
-                       "train.world_size > 1 together with model.lora, the KL term or a critic "
-                       "(their sharded state is not saved): refused before any work. Under "
+                       "the last one); 0: none. With train.world_size > 1 the ranks' "
+                       "sharded state (the optimizer's, the KL reference model's, the critic's) "
+                       "is gathered to rank 0 into it, and a resume hands it back to every "
+                       "rank (under model.lora rank 0's reference adapter too). Under "
                        "cluster.backend ray a resume starts a fresh Ray instance (or connects "
                        "to cluster.address) and new rollout workers, and pushes the "
                        "checkpoint's weights to every engine (docs/resume.md)")

@@ -19,8 +19,10 @@ saved (`Leader.gathered`).
 
 A checkpoint (`resume.save_rl`) gathers the rest of the ranks' state to rank 0 (`state`): the
 optimizer's, full (`get_optimizer_state_dict(full_state_dict=True)`, keyed by parameter
-name), and every rank's RNG states; a resume hands it back (`load_state`): the optimizer's
-broadcast from rank 0 and resharded, each rank its own RNG states and the weight version.
+name), the sharded KL reference model's and critic's (value model and optimizer) whole, and
+every rank's RNG states; a resume hands it back (`load_state`): each broadcast from rank 0
+and resharded, under model.lora rank 0's reference adapter too, each rank its own RNG states
+and the weight version.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -51,7 +54,7 @@ from tiller.engine.parts import ShardCopy, part_name
 from tiller.engine.updates import WeightUpdate
 from tiller.errors import RunError
 from tiller.train.batch import Batch, micro_batches
-from tiller.train.lora import Lora, LoraTrainer
+from tiller.train.lora import REFERENCE, Lora, LoraTrainer
 from tiller.train.process_state import pause, rng_state, set_rng_state
 from tiller.train.rows import Rows
 from tiller.train.trainer import PolicyTrainer
@@ -70,6 +73,10 @@ STEPS = ("set_optimizer", "reference", "drop_reference", "new_critic", "critic_s
 # RankState: what a checkpoint holds of one rank besides the weights: its Python and numpy
 # RNG states (JSON) and torch's (tensors), as `train.process_state.rng_state` gives them
 RankState = tuple[dict[str, Any], dict[str, torch.Tensor]]
+# a checkpoint's gather: each tensor whole on rank 0, on the CPU; a resume's load: broadcast
+# from rank 0, each rank keeping its shard
+WHOLE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
 def rank_rows(rows: torch.Tensor, lengths: torch.Tensor, world: int, rank: int, size: int,
@@ -225,8 +232,68 @@ class RankSteps:
         """The critic's value model whole (its state dict) on rank 0, {} on the others (a
         collective: every rank gathers its shards)."""
         assert self.critic is not None, "no critic: call new_critic first"
-        return get_model_state_dict(self.critic.model, options=StateDictOptions(
-            full_state_dict=True, cpu_offload=True))
+        return get_model_state_dict(self.critic.model, options=WHOLE)
+
+    def own_ref(self) -> bool:
+        """This rank holds a reference model of its own (sharded like the policy); under
+        model.lora the reference is the policy with its reference adapter."""
+        return self.ref is not None and self.ref is not self.model
+
+    def state(self) -> tuple[dict[str, Any], list[RankState]] | None:
+        """A checkpoint's share of this rank (a collective: every rank calls it): on rank 0
+        trainer.pt's parts (`resume.learner_tensors`' names), each tensor whole on the CPU:
+        the optimizer's state ("optimizer", keyed by parameter name:
+        `get_optimizer_state_dict(full_state_dict=True)`), the reference model's weights
+        ("ref", while the ranks hold one: as a single rank's checkpoint holds them), the
+        critic's ("critic", as one rank's, and "critic_optimizer", keyed by parameter name);
+        and every rank's RNG states, by rank. None on the others. Rank 0 first waits at the
+        checkpoint test hook's "ranks" phase (`train.process_state.PAUSE_ENV`), the others
+        already in the gather."""
+        assert self.optimizer is not None, "call set_optimizer first"
+        if self.rank == 0:
+            pause("ranks")
+        parts = {"optimizer": get_optimizer_state_dict(resharded(self.model), self.optimizer,
+                                                       options=WHOLE)}
+        if self.own_ref():
+            parts["ref"] = get_model_state_dict(resharded(self.ref), options=WHOLE)
+        if self.critic is not None:
+            # (not `critic_state`: rank 0's sends it to every rank)
+            parts["critic"] = get_model_state_dict(resharded(self.critic.model), options=WHOLE)
+            parts["critic_optimizer"] = get_optimizer_state_dict(
+                self.critic.model, self.critic.optimizer, options=WHOLE)
+        rngs: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(rng_state(), rngs, dst=0)
+        return (parts, rngs) if rngs is not None else None
+
+    def load_state(self, parts: dict[str, Any] | None, rng: RankState | None,
+                   version: int) -> None:
+        """A resume's share of this rank (a collective): `state`'s `parts` (rank 0's, None on
+        the others) broadcast from rank 0, each rank keeping its shards: the optimizer's, and
+        the reference model's and critic's where this rank holds them (the ranks built them
+        as the checkpointed run did; `resume.check_tensors` checked the parts fit); under
+        model.lora rank 0's reference adapter (`load_reference`); this rank's RNG states
+        `rng` (rank 0's are put back with the run's, None here) and the checkpoint's weight
+        version (what staleness is measured against)."""
+        assert self.optimizer is not None, "call set_optimizer first"
+        parts = parts or {}
+        set_optimizer_state_dict(resharded(self.model), self.optimizer,
+                                 parts.get("optimizer", {}), options=FROM_RANK0)
+        # (copies: loading a model's puts this rank's shards into the dict it is given)
+        if self.own_ref():
+            set_model_state_dict(resharded(self.ref), dict(parts.get("ref", {})),
+                                 options=FROM_RANK0)
+        self.load_reference()
+        if self.critic is not None:
+            set_model_state_dict(resharded(self.critic.model), dict(parts.get("critic", {})),
+                                 options=FROM_RANK0)
+            set_optimizer_state_dict(self.critic.model, self.critic.optimizer,
+                                     parts.get("critic_optimizer", {}), options=FROM_RANK0)
+        if rng is not None:
+            set_rng_state(*rng)
+        self.version = self.publisher.version = version
+
+    def load_reference(self) -> None:
+        """A resume's reference adapter (model.lora: `LoraRankTrainer`); nothing here."""
 
 
 class RankTrainer(RankSteps, PolicyTrainer):
@@ -285,8 +352,7 @@ class RankTrainer(RankSteps, PolicyTrainer):
     def gather(self) -> int:
         """The full weights into `full` on rank 0 (a collective: every rank calls it); the
         bytes gathered there."""
-        state = get_model_state_dict(self.model, options=StateDictOptions(
-            full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(self.model, options=WHOLE)
         if self.rank == 0:
             self.full.load_state_dict(state)
         self.view.version = self.version
@@ -316,34 +382,16 @@ class RankTrainer(RankSteps, PolicyTrainer):
         forward), for per-rank parts, where rank 0's full copy is not kept current."""
         return PolicyTrainer.score(self, token_ids)
 
-    def state(self) -> tuple[dict[str, Any], list[RankState]] | None:
-        """A checkpoint's share of this rank (a collective: every rank calls it): on rank 0
-        the optimizer's full state (each tensor whole, on the CPU, keyed by parameter name)
-        and every rank's RNG states, by rank; None on the others. Rank 0 first waits at the
-        checkpoint test hook's "ranks" phase (`train.process_state.PAUSE_ENV`), the others
-        already in the gather."""
-        assert self.optimizer is not None, "call set_optimizer first"
-        if self.rank == 0:
-            pause("ranks")
-        optim = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(
-            full_state_dict=True, cpu_offload=True))
-        rngs: list[Any] | None = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(rng_state(), rngs, dst=0)
-        return (optim, rngs) if rngs is not None else None
 
-    def load_state(self, optim: dict[str, Any] | None, rng: RankState | None,
-                   version: int) -> None:
-        """A resume's share of this rank (a collective): the optimizer's full state `optim`
-        (`state`'s; rank 0's, None on the others) broadcast from rank 0, each rank keeping
-        its shard; this rank's RNG states `rng` (rank 0's are put back with the run's, None
-        here) and the checkpoint's weight version (what staleness is measured against)."""
-        assert self.optimizer is not None, "call set_optimizer first"
-        set_optimizer_state_dict(self.model, self.optimizer, optim or {},
-                                 options=StateDictOptions(full_state_dict=True,
-                                                          broadcast_from_rank0=True))
-        if rng is not None:
-            set_rng_state(*rng)
-        self.version = self.view.version = version
+def resharded(module: nn.Module) -> nn.Module:
+    """`module` with the parameters of each of its FSDP2 units sharded (a module `shard` did
+    not shard, such as a LoRA rank's policy, is left as it is): a forward pass with no backward
+    after it (the KL reference's, the logprob prepass) leaves the root unit's whole, and a
+    state dict loaded into them then fails (whole tensors where the dict holds shards)."""
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+    return module
 
 
 @torch.no_grad()
@@ -353,6 +401,14 @@ def copy_shards(dst: nn.Module, src: nn.Module) -> None:
     params = dict(src.named_parameters())
     for name, p in dst.named_parameters():
         p.to_local().copy_(params[name].to_local())
+
+
+@torch.no_grad()
+def broadcast_from_rank0(params: list[nn.Parameter]) -> None:
+    """Every rank's `params` := rank 0's (a collective: one broadcast of them all)."""
+    flat = parameters_to_vector(params).detach()
+    dist.broadcast(flat, 0)
+    vector_to_parameters(flat, params)
 
 
 class LoraRankTrainer(RankSteps, LoraTrainer):
@@ -366,15 +422,17 @@ class LoraRankTrainer(RankSteps, LoraTrainer):
     def __init__(self, lora: Lora, rank: int, world: int, options: TrainerOptions):
         LoraTrainer.__init__(self, lora, **vars(options))
         self.rows = RankRows(self.train, rank, world)
-        adapters = self._adapters()
-        flat = parameters_to_vector(adapters).detach()
-        dist.broadcast(flat, 0)
-        with torch.no_grad():
-            vector_to_parameters(flat, adapters)
+        broadcast_from_rank0(self._adapters())
         lora.merge()
 
     def _adapters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    def load_reference(self) -> None:
+        """Rank 0's reference adapter (a resume loaded the checkpoint's there) on every rank,
+        while there is one (each rank made its own: `reference`)."""
+        if self.lora.has_reference():
+            broadcast_from_rank0(self.lora.adapter_weights(REFERENCE))
 
     def _step(self, max_grad_norm: float) -> float:
         adapters = self._adapters()
@@ -484,19 +542,21 @@ class Leading:
         return self._everywhere("score_probe", (token_ids,))
 
     def checkpoint_state(self) -> tuple[dict[str, Any], list[RankState]]:
-        """The optimizer's full state and every rank's RNG states (`RankTrainer.state`),
-        gathered here from every rank."""
+        """trainer.pt's parts (the optimizer's full state, the reference model's and the
+        critic's) and every rank's RNG states (`RankSteps.state`), gathered here from every
+        rank."""
         return self._everywhere("state", ())
 
-    def load_checkpoint_state(self, optim: dict[str, Any], rngs: list[RankState | None],
+    def load_checkpoint_state(self, parts: dict[str, Any], rngs: list[RankState | None],
                               version: int) -> None:
-        """`checkpoint_state`'s `optim` and `rngs` (rank 0's entry None: the run puts its RNG
-        states back itself) and the weight version, put back on every rank; a checkpoint of
+        """`checkpoint_state`'s `parts` and `rngs` (rank 0's entry None: the run puts its RNG
+        states back itself) and the weight version, put back on every rank (under model.lora
+        with rank 0's reference adapter: a resume loads it there first); a checkpoint of
         another world size does not get here (`resume.check_config` refuses
         train.world_size changed)."""
         if len(rngs) != self.world:
             raise ValueError(f"{len(rngs)} ranks' RNG states for {self.world} ranks")
-        self._everywhere("load_state", (), [(optim if r == 0 else None, rngs[r], version)
+        self._everywhere("load_state", (), [(parts if r == 0 else None, rngs[r], version)
                                             for r in range(self.world)])
 
     def close(self) -> None:

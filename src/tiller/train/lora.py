@@ -111,10 +111,16 @@ class Lora:
         holds a copy of the trained adapter's A and B, never trained."""
         if not self.has_reference():
             self.policy.add_adapter(REFERENCE, copy.deepcopy(self.policy.peft_config[ADAPTER]))
-        for layer in self.layers.values():
-            for part in (layer.lora_A, layer.lora_B):
-                part[REFERENCE].weight.copy_(part[ADAPTER].weight)
-                part[REFERENCE].weight.requires_grad_(False)
+        for own, ref in zip(self.adapter_weights(ADAPTER), self.adapter_weights(REFERENCE),
+                            strict=True):
+            ref.copy_(own)
+            ref.requires_grad_(False)
+
+    def adapter_weights(self, name: str) -> list[nn.Parameter]:
+        """Adapter `name`'s A and B of every targeted layer, in layer order (a resume hands
+        the reference adapter's from rank 0 to the other trainer ranks)."""
+        return [part[name].weight for layer in self.layers.values()
+                for part in (layer.lora_A, layer.lora_B)]
 
     def drop_reference(self) -> None:
         """The KL term is off for good (`rl.algorithm.kl.off_after`): the reference goes."""

@@ -8,12 +8,15 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +36,11 @@ JOIN_POLL_S = 0.2  # how often rank 0 checks, during start, that the other ranks
 EXIT_AFTER_ERROR_S = 1.0  # a rank whose step raised exits this long after answering
 LOOPBACK = "lo"  # Linux's loopback interface: on one node the ranks' gloo pairs bind its 127.0.0.1
 LOOPBACK_GLOO = "tiller_gloo_lo"  # gloo with its device there, registered as a backend
+# the rendezvous folder of one node's ranks, in the temporary folder: + rank 0's pid + "-" + a
+# random part (`tempfile.mkdtemp`)
+RENDEZVOUS_PREFIX = "tiller-ranks-"
+# rendezvous folders of rank 0s that no longer ran, removed at ranks' starts in this process
+STALE_RENDEZVOUS: Counter[str] = Counter()
 
 
 def free_port() -> int:
@@ -268,6 +276,44 @@ class RayRank:
         ray.kill(self.actor)
 
 
+def remove_stale_rendezvous(folder: Path | None = None) -> list[str]:
+    """Remove this user's rendezvous folders `tiller-ranks-<pid>-*` of `folder` (default the
+    temporary folder) whose rank 0 `pid` no longer runs (a rank 0 killed by SIGKILL or the OOM
+    killer cannot remove its own: `Leading.close` does) and return their names. Folders of
+    running processes and of other users, links, files and names without a pid are left; one
+    that cannot be removed is left with a warning."""
+    removed = []
+    for p in sorted(Path(folder or tempfile.gettempdir()).glob(f"{RENDEZVOUS_PREFIX}*")):
+        pid, dash, _ = p.name.removeprefix(RENDEZVOUS_PREFIX).partition("-")
+        if not (pid.isdigit() and dash) or int(pid) == os.getpid() or _runs(int(pid)):
+            continue
+        try:
+            st = p.lstat()
+        except FileNotFoundError:  # removed meanwhile
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            continue
+        try:
+            shutil.rmtree(p)
+        except OSError as e:  # left, said: the next start tries again
+            log.warning("could not remove the stale rendezvous folder %s: %s: %s", p,
+                        type(e).__name__, e)
+            continue
+        removed.append(p.name)
+    return removed
+
+
+def _runs(pid: int) -> bool:
+    """Whether process `pid` runs (another user's included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def await_joined(store: dist.Store, ranks: list[Rank], timeout_s: float) -> None:
     """Until every other rank has reached the process group (its key in `store`): a rank that
     dies before fails the start at once, naming it, not after `timeout_s`."""
@@ -305,7 +351,13 @@ def start_ranks(full: nn.Module, world: int, options: TrainerOptions, backend: s
 
         meet = Rendezvous(host=ray.util.get_node_ip_address(), port=free_port())
     else:
-        meet = Rendezvous(folder=tempfile.mkdtemp(prefix="tiller-ranks-"))  # mode 0700
+        stale = remove_stale_rendezvous()
+        if stale:
+            STALE_RENDEZVOUS["removed"] += len(stale)
+            log.warning("removed %d trainer-rank rendezvous folder(s) of runs that no longer "
+                        "run from %s: %s", len(stale), tempfile.gettempdir(), ", ".join(stale))
+        meet = Rendezvous(folder=tempfile.mkdtemp(  # mode 0700
+            prefix=f"{RENDEZVOUS_PREFIX}{os.getpid()}-"))
     timeout = timedelta(seconds=timeout_s)
     model, lora_cfg = (full, None) if lora is None else (lora.base(), lora.cfg)
     common = (world, meet, model, options)
