@@ -196,7 +196,6 @@ def rl(run: Run, after_step: Callable[[int], None] | None = None,
             taken = record.taken(rollouts.next_batch(step))
             if idle.trainable(step, taken):
                 batch, shaping = learner.shape(taken, step)
-                pause("train")  # the test hook (tests/test_resume.py)
                 record.trained(batch, shaping, learner.train(batch, step))
                 record.pushed(run.push_weights(in_flight))
             record.end(rollouts)
@@ -276,7 +275,9 @@ class Learner:
         return batch, {**self.control.metrics(real, values), **stats}
 
     def train(self, batch: Batch, step: int) -> dict[str, float]:
-        """One optimizer step on `batch`; its metrics."""
+        """One optimizer step on `batch`; its metrics. First the test hook's "train" phase
+        (tests/test_resume.py: a kill inside a train step)."""
+        pause("train")
         if kl_beta_at(step, self.alg.kl.beta, self.alg.kl.off_after) == 0:
             self.drop_reference()  # the schedule switched the KL off: free the copy
         return self.trainer.rl_step(batch, self.cfg.rl, self.cfg.l_max, self.ref, self.critic,
