@@ -686,3 +686,40 @@ def test_sampling_params_need_ints_and_the_engine_its_own_masks(model):
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="needs attn_implementation 'sdpa' or 'eager'"):
         EmbeddedEngine(model, pad_token_id=0)
+
+
+def test_close_during_a_control_forward_fails_the_control_ops_queued_behind_it(model):
+    """A control op (here a scoring forward) stopped between layers by close fails, and so do
+    the ops taken with it that had not run yet: their callers learn at once that the engine
+    was closed, instead of waiting out control_timeout_s (review s8 F0)."""
+    from tiller.engine.worker import ControlOp
+
+    layers = list(model.model.layers)
+    in_first, release = threading.Event(), threading.Event()
+
+    def hold(module, args, output):  # the scoring forward waits in its first layer for close
+        if not in_first.is_set():
+            in_first.set()
+            assert release.wait(30), "the test never released the forward"
+
+    engine = EmbeddedEngine(model, pad_token_id=0, control_timeout_s=600.0)
+    hook = layers[0].register_forward_hook(hold)
+    forward = torch.inference_mode()(lambda: model(input_ids=torch.tensor([PROMPTS[0]])))
+    ops = [ControlOp(forward), ControlOp(lambda: "applied")]
+    try:
+        with engine._cond:  # both in one batch of the worker
+            engine._controls.extend(ops)
+            engine._ensure_worker()
+            engine._cond.notify_all()
+        assert in_first.wait(30), "the scoring forward never started"
+        closing = threading.Thread(target=engine.close)
+        closing.start()
+        wait_until(lambda: engine._closed, "close to begin")
+        release.set()
+        closing.join(10)
+        assert not closing.is_alive(), "close still waits for the forward"
+        for op in ops:  # without the fix the second one waited 600 s
+            with pytest.raises(RuntimeError, match="the engine was closed"):
+                op.done.result(timeout=5)
+    finally:
+        hook.remove()

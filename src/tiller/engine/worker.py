@@ -149,15 +149,19 @@ class Worker:
                     return
                 controls = list(self._controls)
                 self._controls.clear()
-            for op in controls:
+            for i, op in enumerate(controls):
                 if not op.done.set_running_or_notify_cancel():
                     continue  # its caller timed out and cancelled it
                 try:
                     op.done.set_result(op.apply())
                 except Exception as e:  # the caller gets the error; the engine goes on
                     op.done.set_exception(e)
-                except Closing:  # a scoring or recompute forward stopped by close
-                    op.done.set_exception(RuntimeError("the engine was closed"))
+                except Closing:  # a scoring or recompute forward stopped by close: it and
+                    closed = RuntimeError("the engine was closed")  # the ops not run yet
+                    op.done.set_exception(closed)
+                    for rest in controls[i + 1:]:
+                        if rest.done.set_running_or_notify_cancel():
+                            rest.done.set_exception(closed)
                     raise
             self._flush_outbox()
             if self._paused:
