@@ -19,8 +19,8 @@ from test_http_engine import server_version, servers
 from tiller.config import WeightSyncConfig, load_config
 from tiller.controller import train
 from tiller.engine.http import HttpEngine
-from tiller.engine.parts import part_name
-from tiller.engine.updates import WeightUpdate
+from tiller.engine.parts import check_tiled, part_name
+from tiller.engine.updates import WeightSyncError, WeightUpdate
 from tiller.engine.weight_sync import ShardedSync
 from tiller.errors import ConfigError, RunError
 from tiller.models import load_model
@@ -174,3 +174,18 @@ def test_a_run_syncs_per_rank_parts_and_saves_the_gathered_weights(tmp_path):
     sft = load_model(tmp_path / "checkpoints" / "sft").state_dict()
     assert all(torch.equal(ckpt[k], last[k]) for k in last)
     assert any(not torch.equal(sft[k], last[k]) for k in last)
+
+
+@pytest.mark.parametrize("ranges, ok", [
+    ([(0, 6), (6, 4)], True), ([(6, 4), (0, 6)], True), ([(0, 10), (0, 10)], False),
+    ([(0, 4), (2, 2), (4, 6)], False), ([(0, 4), (5, 5)], False), ([(0, 9)], False),
+])
+def test_the_parts_ranges_must_tile_each_tensor_exactly_once(ranges, ok):
+    """A gap, a short cover or an overlap (review s8 F2: [(0, 10), (0, 10)] passed) is refused:
+    nothing is applied."""
+    own = {"w": torch.zeros(10)}
+    if ok:
+        check_tiled(own, {"w": ranges}, version=3)
+    else:
+        with pytest.raises(WeightSyncError, match="do not cover the model exactly"):
+            check_tiled(own, {"w": ranges}, version=3)

@@ -274,7 +274,8 @@ def check_tiled(own: dict[str, torch.Tensor], covered: dict[str, list[tuple[int,
             continue
         at = 0
         for start, count in sorted(covered[given[0]]):
-            if start != at:
+            if start != at:  # a gap or an overlap
+                at = -1
                 break
             at += count
         if at != own[given[0]].numel():
