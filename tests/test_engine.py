@@ -194,6 +194,19 @@ def test_a_request_arriving_mid_decode_joins_without_waiting(model):
         long.result(timeout=10)
 
 
+def close_in_forward(engine: EmbeddedEngine, in_first: threading.Event,
+                     release: threading.Event, what: str) -> None:
+    """Once `what` (a forward held by a hook until `release`) has begun, close the engine from
+    another thread, let the forward go on, and require close to return within 10 s."""
+    assert in_first.wait(30), f"{what} never started"
+    closing = threading.Thread(target=engine.close)
+    closing.start()
+    wait_until(lambda: engine._closed, "close to begin")
+    release.set()
+    closing.join(10)
+    assert not closing.is_alive(), "close still waits for the forward"
+
+
 def test_close_stops_a_forward_before_its_next_layer_and_fails_its_requests(model):
     """Ctrl-C or SIGTERM during an evaluation closes the engine while its worker may be deep in
     a prefill (minutes for a batch of thousands of tokens through a 135M model on a loaded CPU:
@@ -217,13 +230,7 @@ def test_close_stops_a_forward_before_its_next_layer_and_fails_its_requests(mode
             *(layer.register_forward_pre_hook(count) for layer in layers)]
     try:
         request = engine.submit(PROMPTS[0], sampling(max_new_tokens=50), seed=1)
-        assert in_first.wait(30), "the prefill never started"
-        closing = threading.Thread(target=engine.close)
-        closing.start()
-        wait_until(lambda: engine._closed, "close to begin")
-        release.set()
-        closing.join(10)
-        assert not closing.is_alive(), "close still waits for the forward"
+        close_in_forward(engine, in_first, release, "the prefill")
         assert ran_after_close == []  # without the stop, layer 1 ran: [1]
         with pytest.raises(RuntimeError, match="the engine was closed"):
             request.result(timeout=5)
@@ -711,13 +718,7 @@ def test_close_during_a_control_forward_fails_the_control_ops_queued_behind_it(m
             engine._controls.extend(ops)
             engine._ensure_worker()
             engine._cond.notify_all()
-        assert in_first.wait(30), "the scoring forward never started"
-        closing = threading.Thread(target=engine.close)
-        closing.start()
-        wait_until(lambda: engine._closed, "close to begin")
-        release.set()
-        closing.join(10)
-        assert not closing.is_alive(), "close still waits for the forward"
+        close_in_forward(engine, in_first, release, "the scoring forward")
         for op in ops:  # without the fix the second one waited 600 s
             with pytest.raises(RuntimeError, match="the engine was closed"):
                 op.done.result(timeout=5)
