@@ -307,12 +307,13 @@ class EmbeddedEngine(Worker, SlotBatch):
         """Hand the failure to every request of the batch."""
         logger.exception("engine iteration failed; its %d rows get the error", len(self._rows))
         self.counters["failed_batches"] += 1
-        for r in {id(r): r for r in self._rows + self._admitting}.values():
-            self._resolve(r, error=error)
-        self._reset_batch()
+        self._fail_batch(error)
 
     def _abandon_iteration(self) -> None:
-        error = RuntimeError("the engine was closed")
+        self._fail_batch(RuntimeError("the engine was closed"))
+
+    def _fail_batch(self, error: Exception) -> None:
+        """`error` to every request of the batch (running or being admitted); the batch reset."""
         for r in {id(r): r for r in self._rows + self._admitting}.values():
             self._resolve(r, error=error)
         self._reset_batch()
