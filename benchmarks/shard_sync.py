@@ -19,23 +19,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 from engine import big_model  # benchmarks/engine.py's ~25M Qwen3 (this folder)
 from weight_sync import demo_model, loss_batch, millions
 
 from tiller.config import WeightSyncConfig
 from tiller.engine.http import HttpEngine
+from tiller.engine.servers import ManagedServers, tiller_serve_specs
 from tiller.engine.updates import WeightUpdate
 from tiller.engine.weight_sync import ShardedSync, WeightSync
 from tiller.files import write_file
@@ -63,37 +59,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 @contextmanager
 def tiller_serve(model_dir: Path, root: Path) -> Iterator[str]:
-    """One `tiller serve` (bf16, 1 thread) reading weights below `root`; stopped after."""
-    with socket.create_server(("127.0.0.1", 0)) as s:
-        port = s.getsockname()[1]
+    """One managed `tiller serve` (bf16, 1 thread) reading weights below `root`; stopped after."""
     root.mkdir(parents=True, exist_ok=True)
-    log = open(root / "server.log", "w")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen([sys.executable, "-m", "tiller", "serve", str(model_dir), "--port",
-                             str(port), "--weights-root", str(root), "--dtype", "bfloat16",
-                             "--threads", "1"], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"tiller serve exited ({proc.returncode}): {root}/server.log")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"tiller serve not up within {START_TIMEOUT_S} s")
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    specs = tiller_serve_specs(model_dir, 1, weights_root=root, dtype="bfloat16", threads=1)
+    with ManagedServers(specs, log_dir=root, startup_timeout_s=START_TIMEOUT_S) as managed:
+        yield managed.urls[0]
 
 
 def median(rows: list[dict[str, float]], key: str) -> float:
