@@ -75,6 +75,18 @@ def test_two_ranks_equal_one_rank_with_the_kl_term(group, tokenizer, placement):
     assert group.ref is None
 
 
+def ppo_pair(group, tokenizer):
+    """The batch, a single rank and the group (`pair`), PPO's config with the KL term, and each
+    trainer's reference model and critic."""
+    batch = batch_of(tokenizer)
+    single, group = pair(group)
+    cfg = RLConfig(micro_batch_size=2, mini_batches=2, max_grad_norm=0.5, algorithm={
+        "preset": "ppo", "kl": {"beta": 0.1}, "critic": {"value_lr": 1e-3}})
+    refs = [t.reference() for t in (single, group)]
+    critics = [t.new_critic(cfg.algorithm.critic) for t in (single, group)]
+    return batch, single, group, cfg, refs, critics
+
+
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(300)
@@ -82,12 +94,7 @@ def test_two_ranks_equal_one_rank_with_a_critic_and_kl(group, tokenizer):
     """PPO (critic + GAE, KL in the reward) for two RL steps: the second step's values come
     from the critic the first trained (its value mean and explained variance compare them),
     and the critic's gathered weights equal the single rank's after both."""
-    batch = batch_of(tokenizer)
-    single, group = pair(group)
-    cfg = RLConfig(micro_batch_size=2, mini_batches=2, max_grad_norm=0.5, algorithm={
-        "preset": "ppo", "kl": {"beta": 0.1}, "critic": {"value_lr": 1e-3}})
-    refs = [t.reference() for t in (single, group)]
-    critics = [t.new_critic(cfg.algorithm.critic) for t in (single, group)]
+    batch, single, group, cfg, refs, critics = ppo_pair(group, tokenizer)
     start = flat(critics[0].model)
     for step in range(2):
         want = single.rl_step(batch, cfg, 8, refs[0], critics[0], step)
@@ -125,12 +132,7 @@ def test_the_ranks_reference_model_and_critic_round_trip(group, tokenizer):
     whole under a single rank's names and equal to its (the format does not depend on
     train.world_size). Put back (`load_checkpoint_state`) into ranks whose optimizers, critic
     and reference model have moved on since, they gather again bit for bit the same."""
-    batch = batch_of(tokenizer)
-    single, group = pair(group)
-    cfg = RLConfig(micro_batch_size=2, mini_batches=2, max_grad_norm=0.5, algorithm={
-        "preset": "ppo", "kl": {"beta": 0.1}, "critic": {"value_lr": 1e-3}})
-    refs = [t.reference() for t in (single, group)]
-    critics = [t.new_critic(cfg.algorithm.critic) for t in (single, group)]
+    batch, single, group, cfg, refs, critics = ppo_pair(group, tokenizer)
     for t, ref, critic in zip((single, group), refs, critics, strict=True):
         t.rl_step(batch, cfg, 8, ref, critic, 0)
     saved, rngs = group.checkpoint_state()

@@ -297,6 +297,17 @@ def test_sync_curriculum_run_killed_at_seeded_moments_resumes_bit_identically(
         "curriculum"]
 
 
+def kill_two_rank_run(run: Path, over: list[str], rng: random.Random) -> None:
+    """A 2-rank run (`over`) into `run`: rank 0 SIGKILLed at a seeded moment after step 2's row
+    (its other rank exits by itself), then inside a checkpoint write while rank 1 waits in the
+    gather of the ranks' state (the phases after it are a 1-rank run's)."""
+    proc = tiller("train", "configs/calculator.yaml", *over, "-o", str(run))
+    ranks = rank_pids(proc)
+    kill_when(proc, lambda: rl_rows(run) >= 2, rng.uniform(0.0, 0.3))
+    gone(ranks)
+    kill_mid_checkpoint(run, "ranks", rng, ranks=True)
+
+
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(1500)
@@ -310,12 +321,7 @@ def test_two_rank_run_killed_at_seeded_moments_resumes_bit_identically(ranks_who
     stopped."""
     ref, run = ranks_whole, tmp_path / "run"
     rng = random.Random(22)
-    proc = tiller("train", "configs/calculator.yaml", *RANKS, "-o", str(run))
-    ranks = rank_pids(proc)
-    kill_when(proc, lambda: rl_rows(run) >= 2, rng.uniform(0.0, 0.3))
-    gone(ranks)
-    # rank 0 dies while rank 1 waits in the gather (the phases after it are a 1-rank run's)
-    kill_mid_checkpoint(run, "ranks", rng, ranks=True)
+    kill_two_rank_run(run, RANKS, rng)
     # rank 1 dies while rank 0 waits to join the gather (the test hook's "ranks" phase)
     before = verify(complete_checkpoints(run)[0])
     new = appeared(run, ".step-*.*.tmp")
@@ -381,11 +387,7 @@ def test_two_rank_run_with_a_reference_critic_or_lora_killed_resumes_bit_identic
     ref, run = tmp_path / "ref", tmp_path / "run"
     finish(tiller("train", "configs/calculator.yaml", *over, "-o", str(ref)))
     rng = random.Random(seed)
-    proc = tiller("train", "configs/calculator.yaml", *over, "-o", str(run))
-    ranks = rank_pids(proc)
-    kill_when(proc, lambda: rl_rows(run) >= 2, rng.uniform(0.0, 0.3))
-    gone(ranks)
-    kill_mid_checkpoint(run, "ranks", rng, ranks=True)
+    kill_two_rank_run(run, over, rng)
     resumed_from = verify(complete_checkpoints(run)[0])
     assert resumed_from.state["tensors"] == HELD[held][1]
     assert (REFERENCE_ADAPTER in resumed_from.marker["files"]) == (held == "lora")
