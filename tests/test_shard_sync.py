@@ -6,6 +6,7 @@ missing or a rank dead fails the sync in one line naming them, without a hang.""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import time
@@ -121,6 +122,38 @@ def test_a_missing_part_or_a_dead_rank_fails_the_sync_in_one_line(setup, tokeniz
         sync.push()
     assert time.monotonic() - t0 < 60
     assert server_version(srv.urls[0]) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_refused_delta_of_parts_falls_back_to_full_parts(setup, tokenizer, caplog):
+    """A tiller serve restarted behind the run's back (engine.urls) holds v0 and refuses the
+    next version's delta parts ("is against base version"): the sync pushes every rank's part
+    full instead, counted (sync/delta_refused) and logged, as the gathered path does (review
+    s8 F1: the run failed); the sync after it is a delta again."""
+    leader, engine, srv, root = setup
+    sync = ShardedSync(leader, engine, WeightSyncConfig(mode="delta"), torch.float32)
+    leader.set_optimizer(1e-3)
+    leader.sft_step(batch_of(tokenizer), 2)
+    assert sync.push()["sync/kind"] == 0.0  # v1, full: no rank holds a synced copy yet
+    srv.restart(0)  # back at v0 with the model's own weights
+    assert server_version(srv.urls[0]) == 0
+    leader.sft_step(batch_of(tokenizer), 2)
+    with caplog.at_level(logging.WARNING, logger="tiller.engine.weight_sync"):
+        metrics = sync.push()
+    assert metrics["sync/delta_refused"] == 1.0 and metrics["sync/kind"] == 0.0
+    assert metrics["sync/bytes"] == metrics["sync/full_bytes"] > 0
+    assert metrics["sync/parity_mean_abs"] < 1e-5
+    assert server_version(srv.urls[0]) == 2 == leader.version
+    (warned,) = [r.getMessage() for r in caplog.records if "was refused" in r.getMessage()]
+    assert warned.startswith("weight sync v2: the delta was refused (") and (
+        "delta update v2 is against base version v1, but this server holds v0" in warned)
+    assert warned.endswith("); pushing a full update instead")
+    leader.sft_step(batch_of(tokenizer), 2)
+    metrics = sync.push()
+    assert metrics["sync/kind"] == 1.0 and "sync/delta_refused" not in metrics
+    assert server_version(srv.urls[0]) == 3 and metrics["sync/parity_mean_abs"] < 1e-5
 
 
 @pytest.mark.parametrize("overrides, why", [
