@@ -8,14 +8,18 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
 from helpers import TINY_RUN
 from test_distributed import batch_of
 from test_http_engine import server_version, servers
+from test_ray import no_ray_left  # noqa: F401 - a fixture
 
 from tiller.config import WeightSyncConfig, load_config
 from tiller.controller import train
@@ -47,29 +51,34 @@ class Mirror:
         self.version = version
 
 
+@contextmanager
+def engine_of(leader, calc_model_dir, tmp_path):
+    """One real `tiller serve` at the model's weights as v0, and the engine to it."""
+    with servers(calc_model_dir, 1, tmp_path / "servers") as srv:
+        root = srv.root.resolve()
+        engine = HttpEngine(srv.urls, weights_dir=root / "weights", request_timeout_s=60.0)
+        try:
+            engine.update_weights(WeightUpdate.full(load_model(calc_model_dir), 0))
+            yield leader, engine, srv, root
+        finally:
+            engine.close()
+
+
 @pytest.fixture()
 def setup(calc_model_dir, tmp_path):
     torch.manual_seed(0)
     leader = start_ranks(load_model(calc_model_dir), 2, TrainerOptions(), "local", 120.0)
     try:
-        with servers(calc_model_dir, 1, tmp_path / "servers") as srv:
-            root = srv.root.resolve()
-            engine = HttpEngine(srv.urls, weights_dir=root / "weights", request_timeout_s=60.0)
-            try:
-                engine.update_weights(WeightUpdate.full(load_model(calc_model_dir), 0))
-                yield leader, engine, srv, root
-            finally:
-                engine.close()
+        with engine_of(leader, calc_model_dir, tmp_path) as ready:
+            yield ready
     finally:
         leader.close()
 
 
-@pytest.mark.slow
-@pytest.mark.integration
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode", ["delta", "full"])
-def test_per_rank_parts_equal_the_gathered_copy_bit_for_bit(setup, calc_model_dir, tokenizer,
-                                                            mode):
+def equal_the_gathered_copy(setup, calc_model_dir, tokenizer, mode: str) -> None:
+    """STEPS SFT steps, each synced per rank: every version applied by the server, full then
+    deltas (mode delta) or full each time, parity checked; then the server's weights (as the
+    parts give them: `Mirror`) equal rank 0's gathered copy bit for bit."""
     leader, engine, srv, root = setup
     sync = ShardedSync(leader, engine, WeightSyncConfig(mode=mode), torch.float32)
     mirror = Mirror(calc_model_dir)
@@ -95,6 +104,44 @@ def test_per_rank_parts_equal_the_gathered_copy_bit_for_bit(setup, calc_model_di
     want, got = leader.publisher.model.state_dict(), mirror.model.state_dict()
     for name, t in want.items():
         assert torch.equal(got[name].view(torch.int32), t.view(torch.int32)), name
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["delta", "full"])
+def test_per_rank_parts_equal_the_gathered_copy_bit_for_bit(setup, calc_model_dir, tokenizer,
+                                                            mode):
+    equal_the_gathered_copy(setup, calc_model_dir, tokenizer, mode)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_per_rank_parts_from_ray_rank_actors(calc_model_dir, tokenizer, tmp_path,
+                                             no_ray_left):  # noqa: F811 - the fixture
+    """cluster.backend ray: rank 1 is a Ray actor (a local Ray instance, 2 CPUs) that writes
+    its own part in its own process; full then delta versions apply, parity holds, and the
+    server's weights equal the gathered copy bit for bit, as with spawned ranks."""
+    import ray
+
+    temp = tempfile.mkdtemp(prefix="tray-")
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20,
+             _temp_dir=temp, log_to_driver=False, configure_logging=False)
+    try:
+        torch.manual_seed(0)
+        leader = start_ranks(load_model(calc_model_dir), 2, TrainerOptions(), "ray", 120.0)
+        try:
+            pid = ray.get(leader.ranks[0].actor.__ray_call__.remote(lambda _: os.getpid()),
+                          timeout=60)
+            assert pid != os.getpid()  # rank 1 runs in the actor's process
+            with engine_of(leader, calc_model_dir, tmp_path) as ready:
+                equal_the_gathered_copy(ready, calc_model_dir, tokenizer, "delta")
+        finally:
+            leader.close()
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.mark.slow
