@@ -203,10 +203,12 @@ def read_part(path: Path, rank: int) -> Part:
             raise WeightSyncError(f"{what}: its tensors are not its ranges' "
                                   f"{'/idx and /val' if delta else '/val'}: {'; '.join(odd)}")
         for name, (_, _, count) in meta.ranges.items():
-            # a full part: every value of its range; a delta: at most that, in varints
-            for kind, most in (("val", count), ("idx", MAX_VARINT_BYTES * count))[:1 + delta]:
+            # a full part: every value of its range; a delta: at most that, and its positions
+            # in varints of at most MAX_VARINT_BYTES each
+            most = {"val": count, **({"idx": MAX_VARINT_BYTES * count} if delta else {})}
+            for kind, limit in most.items():
                 shape = f.get_slice(f"{name}/{kind}").get_shape()
-                if len(shape) != 1 or shape[0] > most or not delta and shape[0] != most:
+                if len(shape) != 1 or shape[0] > limit or not delta and shape[0] != limit:
                     raise WeightSyncError(f"{what}: {name}/{kind} has shape {shape} for a "
                                           f"range of {count} elements")
         tensors = {k: f.get_tensor(k) for k in keys}
