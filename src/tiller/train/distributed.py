@@ -60,7 +60,6 @@ from tiller.train.trainer import PolicyTrainer
 
 if TYPE_CHECKING:
     from tiller.train.critic import Critic
-    from tiller.train.ranks import RendezvousFolder
 
 log = logging.getLogger(__name__)
 
@@ -468,20 +467,26 @@ class Rank(Protocol):
     def stop(self) -> None: ...
 
 
+class HeldFolder(Protocol):
+    """The ranks' rendezvous folder on one node, held by rank 0 (`ranks.RendezvousFolder`)."""
+
+    path: str
+    def remove(self) -> None: ...
+
+
 class Leading:
     """Rank 0: every call goes to the other ranks first, then runs here (mixed into a rank's
     trainer: `Leader`, `LoraLeader`)."""
 
     ranks: list[Rank]
     timeout_s: float
-    rendezvous: RendezvousFolder | None
+    rendezvous: HeldFolder | None
     optimizer: torch.optim.Optimizer | None
 
     def __init__(self, first: Any, world: int, options: TrainerOptions, ranks: list[Rank],
-                 timeout_s: float, rendezvous: RendezvousFolder | None = None):
+                 timeout_s: float, rendezvous: HeldFolder | None = None):
         """`first`: what the rank's trainer is built from (the full model, or rank 0's `Lora`);
-        `rendezvous`: the ranks' rendezvous folder (`ranks.RendezvousFolder`, one node's),
-        removed by `close`."""
+        `rendezvous`: the ranks' rendezvous folder on one node, removed by `close`."""
         super().__init__(first, 0, world, options)  # type: ignore[call-arg]
         self.ranks, self.timeout_s, self.rendezvous = ranks, timeout_s, rendezvous
 
