@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -22,8 +23,10 @@ from tiller.models import load_model
 from tiller.train.batch import Batch
 from tiller.train.distributed import TrainerOptions, rank_rows
 from tiller.train.ranks import (
+    RENDEZVOUS_LOCK,
     RENDEZVOUS_PREFIX,
     STALE_RENDEZVOUS,
+    RendezvousFolder,
     remove_stale_rendezvous,
     start_ranks,
 )
@@ -133,6 +136,7 @@ def group(calc_model_dir):
     stale rendezvous folder, `STALE`, was left in the temporary folder)."""
     STALE.mkdir()
     (STALE / "store").write_bytes(b"x")
+    (STALE / RENDEZVOUS_LOCK).write_bytes(b"")  # its rank 0's lock: gone with it
     torch.manual_seed(0)
     before = STALE_RENDEZVOUS["removed"]
     leader = start_ranks(load_model(calc_model_dir), 2, TrainerOptions(), "local", 120.0)
@@ -158,7 +162,7 @@ def test_the_ranks_of_one_node_listen_on_loopback_only(group):
     compare steps from the group's first weights.)"""
     found = listening([os.getpid(), *(r.proc.pid for r in group.ranks)])
     assert len(found) >= 2 and all(a.startswith("127.0.0.1:") for a in found), found
-    assert os.stat(group.folder).st_mode & 0o777 == 0o700
+    assert os.stat(group.rendezvous.path).st_mode & 0o777 == 0o700
 
 
 @pytest.mark.slow
@@ -166,29 +170,66 @@ def test_the_ranks_of_one_node_listen_on_loopback_only(group):
 @pytest.mark.timeout(300)
 def test_the_ranks_start_removes_stale_rendezvous_folders(group):
     """The rendezvous folder is named after rank 0's pid; the ranks' start removed (and
-    counted) the folder of a rank 0 that no longer runs."""
-    assert Path(group.folder).name.startswith(f"{RENDEZVOUS_PREFIX}{os.getpid()}-")
+    counted) the folder of a rank 0 that no longer runs; the live group's own is left (its
+    lock is held)."""
+    folder = Path(group.rendezvous.path)
+    assert folder.name.startswith(f"{RENDEZVOUS_PREFIX}{os.getpid()}-")
     assert not STALE.exists() and group.stale_removed == 1
+    assert folder.name not in remove_stale_rendezvous(folder.parent)
+    assert (folder / "store").exists() and (folder / RENDEZVOUS_LOCK).exists()
 
 
-def test_stale_rendezvous_folders_are_those_of_this_users_dead_rank_0s(tmp_path):
-    """Removed: this user's folders `tiller-ranks-<pid>-*` whose pid no longer runs. Left: a
-    running pid's (init's, this process's), a name without a pid, another user's, a link to a
-    folder and a file."""
-    dead = f"{RENDEZVOUS_PREFIX}{dead_pid()}-abc"
-    left = [f"{RENDEZVOUS_PREFIX}1-abc", f"{RENDEZVOUS_PREFIX}{os.getpid()}-abc",
-            f"{RENDEZVOUS_PREFIX}abc12345", f"{RENDEZVOUS_PREFIX}{dead_pid()}-other-user"]
-    for name in (dead, *left):
+HOLD_LOCK = """import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.timeout(60)  # the holder's "locked" line included
+def test_stale_rendezvous_folders_are_those_whose_lock_is_free(tmp_path):
+    """Removed: this user's folders `tiller-ranks-*` whose lock file nobody holds, whatever
+    pid their name gives (one that runs here: a reused pid). Left: one whose lock another live
+    process holds although the pid in its name runs nowhere here (its rank 0 runs in another
+    PID namespace sharing the temporary folder: review s8 F4, it was removed), one this process
+    holds (`RendezvousFolder`), one without a lock file, one whose lock is a link or a folder,
+    another user's, a link to a folder and a file."""
+    dead = dead_pid()
+    removed = [f"{RENDEZVOUS_PREFIX}{dead}-abc", f"{RENDEZVOUS_PREFIX}1-reused"]
+    foreign = f"{RENDEZVOUS_PREFIX}{dead}-other-namespace"
+    left = [foreign, f"{RENDEZVOUS_PREFIX}{dead}-no-lock", f"{RENDEZVOUS_PREFIX}{dead}-link",
+            f"{RENDEZVOUS_PREFIX}{dead}-dir", f"{RENDEZVOUS_PREFIX}{dead}-other-user"]
+    for name in (*removed, *left):
         (tmp_path / name).mkdir()
         (tmp_path / name / "store").write_bytes(b"x")
+    for name in (*removed, foreign, left[-1]):
+        (tmp_path / name / RENDEZVOUS_LOCK).write_bytes(b"")
+    (tmp_path / left[2] / RENDEZVOUS_LOCK).symlink_to(tmp_path / removed[0] / RENDEZVOUS_LOCK)
+    (tmp_path / left[3] / RENDEZVOUS_LOCK).mkdir()
     os.chown(tmp_path / left[-1], 12345, 12345)  # another user's (the tests run as root here)
     target = tmp_path / "elsewhere"
     target.mkdir()
-    links = [f"{RENDEZVOUS_PREFIX}{dead_pid()}-link", f"{RENDEZVOUS_PREFIX}{dead_pid()}-file"]
+    links = [f"{RENDEZVOUS_PREFIX}{dead}-link-to-folder", f"{RENDEZVOUS_PREFIX}{dead}-file"]
     (tmp_path / links[0]).symlink_to(target)
     (tmp_path / links[1]).write_bytes(b"x")
-    assert remove_stale_rendezvous(tmp_path) == [dead]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*left, *links, "elsewhere"])
+    own = RendezvousFolder(tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK,
+                               str(tmp_path / foreign / RENDEZVOUS_LOCK)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"  # EOF (a dead holder) fails it at once
+        assert remove_stale_rendezvous(tmp_path) == sorted(removed)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            [*left, *links, "elsewhere", Path(own.path).name])
+        assert (tmp_path / foreign / "store").read_bytes() == b"x"
+    finally:
+        holder.stdin.close()
+        holder.wait(30)
+        own.remove()
+    assert not os.path.exists(own.path)
+    # once its rank 0 has ended (here: the holder), the foreign folder goes too
+    assert remove_stale_rendezvous(tmp_path) == [foreign]
 
 
 def one_rank(group):

@@ -21,9 +21,12 @@ import torch.nn.functional as F
 import uvicorn
 from fastapi.testclient import TestClient
 from helpers import cli, free_port, serve_process
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from tiller.engine.delta import DeltaUpdate
 from tiller.engine.embedded import EmbeddedEngine
+from tiller.engine.parts import PartsUpdate, ShardCopy, part_name
 from tiller.engine.updates import WeightUpdate
 from tiller.envs import ENVS
 from tiller.models import load_model, load_tokenizer
@@ -421,7 +424,32 @@ def checkpoints(tool_model_dir, weights_root, tmp_path_factory):
         WeightUpdate.full(model, 0).save(weights_root / name)
         DeltaUpdate(1, 0, {}).save(weights_root / name)
         (weights_root / name / "tiller_version.json").write_text(text)
+    for name, change in MALFORMED_PARTS.items():  # a valid part of the served weights, changed
+        folder = weights_root / name
+        folder.mkdir()
+        ShardCopy(model, 0, 1).write(folder / part_name(0), weights_root, 1, None,
+                                     torch.float32, "full")
+        PartsUpdate(1, None, 1).save(folder, root=weights_root)
+        with safe_open(str(folder / part_name(0)), "pt") as f:
+            meta = json.loads(f.metadata()["tiller_part"])
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+        change(meta, tensors)
+        save_file(tensors, str(folder / part_name(0)),
+                  metadata={"tiller_part": json.dumps(meta)})
     return outside
+
+
+NORM = "model.norm.weight"
+MALFORMED_PARTS = {  # name -> a change of a part's metadata or tensors: a 500 or taken before
+    "part_ranges_list": lambda meta, _: meta.update(ranges=list(meta["ranges"].values())),
+    "part_range_short": lambda meta, _: meta["ranges"][NORM].pop(),
+    "part_start_text": lambda meta, _: meta["ranges"][NORM].__setitem__(1, "0"),
+    "part_no_checksum": lambda meta, _: meta["checksums"].pop(NORM),
+    "part_extra_tensor": lambda _, tensors: tensors.update({"extra/val": torch.zeros(1)}),
+    "part_val_short": lambda _, tensors: tensors.update(
+        {f"{NORM}/val": tensors[f"{NORM}/val"][:-1].clone()}),
+}
+PART = "part-0.safetensors (trainer rank 0's part)"
 
 
 MALFORMED_META = {  # name -> tiller_version.json; each was a 500 or silently taken before
@@ -460,6 +488,16 @@ MALFORMED_META = {  # name -> tiller_version.json; each was a 500 or silently ta
     ("meta_huge", 400, f"tiller_version.json has {META_MAX_BYTES + 1} bytes"),
     ("meta_parts_missing", 400, "the part of trainer rank(s) [0, 1] (part-0.safetensors, "
                                 "part-1.safetensors) is missing: nothing applied"),
+    *[(name, 400, f"{PART} tiller_part metadata is malformed: {why}") for name, why in [
+        ("part_ranges_list", "ranges: Input should be an object"),
+        ("part_range_short", f"ranges.{NORM}.2: Field required"),
+        ("part_start_text", f"ranges.{NORM}.1: Input should be a valid integer"),
+        ("part_no_checksum", f"the metadata: Value error, ranges and checksums name other "
+                             f"tensors ({NORM})"),
+    ]],
+    ("part_extra_tensor", 400, f"{PART}: its tensors are not its ranges' /val: unexpected "
+                               "extra/val"),
+    ("part_val_short", 400, f"{PART}: {NORM}/val has shape ["),
     *[(name, 400, f"tiller_version.json is malformed: {why}") for name, why in [
         ("meta_array", "the file: Input should be an object"),
         ("meta_numel_array", "numel: Input should be an object"),

@@ -6,15 +6,20 @@ missing or a rank dead fails the sync in one line naming them, without a hang.""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import signal
+import tempfile
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
 from helpers import TINY_RUN
 from test_distributed import batch_of
 from test_http_engine import server_version, servers
+from test_ray import no_ray_left  # noqa: F401 - a fixture
 
 from tiller.config import WeightSyncConfig, load_config
 from tiller.controller import train
@@ -46,29 +51,34 @@ class Mirror:
         self.version = version
 
 
+@contextmanager
+def engine_of(leader, calc_model_dir, tmp_path):
+    """One real `tiller serve` at the model's weights as v0, and the engine to it."""
+    with servers(calc_model_dir, 1, tmp_path / "servers") as srv:
+        root = srv.root.resolve()
+        engine = HttpEngine(srv.urls, weights_dir=root / "weights", request_timeout_s=60.0)
+        try:
+            engine.update_weights(WeightUpdate.full(load_model(calc_model_dir), 0))
+            yield leader, engine, srv, root
+        finally:
+            engine.close()
+
+
 @pytest.fixture()
 def setup(calc_model_dir, tmp_path):
     torch.manual_seed(0)
     leader = start_ranks(load_model(calc_model_dir), 2, TrainerOptions(), "local", 120.0)
     try:
-        with servers(calc_model_dir, 1, tmp_path / "servers") as srv:
-            root = srv.root.resolve()
-            engine = HttpEngine(srv.urls, weights_dir=root / "weights", request_timeout_s=60.0)
-            try:
-                engine.update_weights(WeightUpdate.full(load_model(calc_model_dir), 0))
-                yield leader, engine, srv, root
-            finally:
-                engine.close()
+        with engine_of(leader, calc_model_dir, tmp_path) as ready:
+            yield ready
     finally:
         leader.close()
 
 
-@pytest.mark.slow
-@pytest.mark.integration
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode", ["delta", "full"])
-def test_per_rank_parts_equal_the_gathered_copy_bit_for_bit(setup, calc_model_dir, tokenizer,
-                                                            mode):
+def equal_the_gathered_copy(setup, calc_model_dir, tokenizer, mode: str) -> None:
+    """STEPS SFT steps, each synced per rank: every version applied by the server, full then
+    deltas (mode delta) or full each time, parity checked; then the server's weights (as the
+    parts give them: `Mirror`) equal rank 0's gathered copy bit for bit."""
     leader, engine, srv, root = setup
     sync = ShardedSync(leader, engine, WeightSyncConfig(mode=mode), torch.float32)
     mirror = Mirror(calc_model_dir)
@@ -99,6 +109,44 @@ def test_per_rank_parts_equal_the_gathered_copy_bit_for_bit(setup, calc_model_di
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["delta", "full"])
+def test_per_rank_parts_equal_the_gathered_copy_bit_for_bit(setup, calc_model_dir, tokenizer,
+                                                            mode):
+    equal_the_gathered_copy(setup, calc_model_dir, tokenizer, mode)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_per_rank_parts_from_ray_rank_actors(calc_model_dir, tokenizer, tmp_path,
+                                             no_ray_left):  # noqa: F811 - the fixture
+    """cluster.backend ray: rank 1 is a Ray actor (a local Ray instance, 2 CPUs) that writes
+    its own part in its own process; full then delta versions apply, parity holds, and the
+    server's weights equal the gathered copy bit for bit, as with spawned ranks."""
+    import ray
+
+    temp = tempfile.mkdtemp(prefix="tray-")
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20,
+             _temp_dir=temp, log_to_driver=False, configure_logging=False)
+    try:
+        torch.manual_seed(0)
+        leader = start_ranks(load_model(calc_model_dir), 2, TrainerOptions(), "ray", 120.0)
+        try:
+            pid = ray.get(leader.ranks[0].actor.__ray_call__.remote(lambda _: os.getpid()),
+                          timeout=60)
+            assert pid != os.getpid()  # rank 1 runs in the actor's process
+            with engine_of(leader, calc_model_dir, tmp_path) as ready:
+                equal_the_gathered_copy(ready, calc_model_dir, tokenizer, "delta")
+        finally:
+            leader.close()
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(600)
 def test_a_missing_part_or_a_dead_rank_fails_the_sync_in_one_line(setup, tokenizer):
     leader, engine, srv, root = setup
     sync = ShardedSync(leader, engine, WeightSyncConfig(mode="delta"), torch.float32)
@@ -121,6 +169,38 @@ def test_a_missing_part_or_a_dead_rank_fails_the_sync_in_one_line(setup, tokeniz
         sync.push()
     assert time.monotonic() - t0 < 60
     assert server_version(srv.urls[0]) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_refused_delta_of_parts_falls_back_to_full_parts(setup, tokenizer, caplog):
+    """A tiller serve restarted behind the run's back (engine.urls) holds v0 and refuses the
+    next version's delta parts ("is against base version"): the sync pushes every rank's part
+    full instead, counted (sync/delta_refused) and logged, as the gathered path does (review
+    s8 F1: the run failed); the sync after it is a delta again."""
+    leader, engine, srv, root = setup
+    sync = ShardedSync(leader, engine, WeightSyncConfig(mode="delta"), torch.float32)
+    leader.set_optimizer(1e-3)
+    leader.sft_step(batch_of(tokenizer), 2)
+    assert sync.push()["sync/kind"] == 0.0  # v1, full: no rank holds a synced copy yet
+    srv.restart(0)  # back at v0 with the model's own weights
+    assert server_version(srv.urls[0]) == 0
+    leader.sft_step(batch_of(tokenizer), 2)
+    with caplog.at_level(logging.WARNING, logger="tiller.engine.weight_sync"):
+        metrics = sync.push()
+    assert metrics["sync/delta_refused"] == 1.0 and metrics["sync/kind"] == 0.0
+    assert metrics["sync/bytes"] == metrics["sync/full_bytes"] > 0
+    assert metrics["sync/parity_mean_abs"] < 1e-5
+    assert server_version(srv.urls[0]) == 2 == leader.version
+    (warned,) = [r.getMessage() for r in caplog.records if "was refused" in r.getMessage()]
+    assert warned.startswith("weight sync v2: the delta was refused (") and (
+        "delta update v2 is against base version v1, but this server holds v0" in warned)
+    assert warned.endswith("); pushing a full update instead")
+    leader.sft_step(batch_of(tokenizer), 2)
+    metrics = sync.push()
+    assert metrics["sync/kind"] == 1.0 and "sync/delta_refused" not in metrics
+    assert server_version(srv.urls[0]) == 3 and metrics["sync/parity_mean_abs"] < 1e-5
 
 
 @pytest.mark.parametrize("overrides, why", [

@@ -26,18 +26,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from tiller.engine.delta import TensorDelta, bits, encode_gaps
+from tiller.engine.delta import MAX_VARINT_BYTES, TensorDelta, bits, encode_gaps
 from tiller.engine.updates import (
+    Count,
     StagedUpdate,
     VersionFile,
     WeightSyncError,
     Write,
     _names,
     checksum_positions,
+    malformed,
 )
 from tiller.files import replacing, write_file
 
@@ -142,22 +145,73 @@ def range_sum(flat: torch.Tensor, where: Range) -> float:
     return float(flat[inside].to(torch.float64).sum())
 
 
+class PartMeta(BaseModel):
+    """A part's `tiller_part` metadata, as `ShardCopy.write` writes it. Strict: a wrong type or
+    shape, an unknown key, a range past its tensor's end, a tensor with a range and no checksum
+    (or the reverse) is refused, never guessed."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    rank: Count
+    version: Count
+    base_version: Count | None  # None: a full part; else the version its delta changes
+    ranges: dict[str, tuple[Count, Count, Count]]  # per tensor: numel, start, count
+    checksums: dict[str, float]  # per tensor: its share of the tensor's checksum
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PartMeta:
+        if set(self.ranges) != set(self.checksums):
+            odd = sorted(set(self.ranges) ^ set(self.checksums))
+            raise ValueError(f"ranges and checksums name other tensors ({_names(odd)})")
+        past = [n for n, (numel, start, count) in self.ranges.items() if start + count > numel]
+        if past:
+            raise ValueError(f"the range of {_names(past)} ends past the tensor's numel")
+        return self
+
+
 @dataclass(frozen=True)
 class Part:
     """One rank's part as read from its file: its metadata and tensors."""
 
-    meta: dict
+    meta: PartMeta
     tensors: dict[str, torch.Tensor]
 
 
 def read_part(path: Path, rank: int) -> Part:
-    """Rank `rank`'s part in the file at `path` (WeightSyncError when it is not one)."""
+    """Rank `rank`'s part in the file at `path`: its metadata validated (`PartMeta`) and its
+    tensors' names and sizes checked against it from the file's header before any is read
+    (`/val` per tensor, and `/idx` in a delta part); WeightSyncError naming the file and the
+    first problems otherwise."""
+    what = f"{part_name(rank)} (trainer rank {rank}'s part)"
     with safe_open(str(path), "pt") as f:
         raw = (f.metadata() or {}).get("tiller_part")
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
-    meta = json.loads(raw) if raw else None
-    if not isinstance(meta, dict) or meta.get("rank") != rank:
-        raise WeightSyncError(f"{part_name(rank)} is not trainer rank {rank}'s part")
+        if raw is None:
+            raise WeightSyncError(f"{what} has no tiller_part metadata")
+        try:
+            meta = PartMeta.model_validate_json(raw)
+        except ValidationError as e:
+            raise WeightSyncError(malformed(f"{what} tiller_part metadata", e,
+                                            "the metadata")) from e
+        if meta.rank != rank:
+            raise WeightSyncError(f"{what} says it is trainer rank {meta.rank}'s")
+        delta = meta.base_version is not None
+        keys = set(f.keys())
+        want = {f"{n}/{kind}" for n in meta.ranges for kind in (("val", "idx") if delta
+                                                                 else ("val",))}
+        if keys != want:
+            odd = [f"{which} {_names(sorted(names))}" for which, names in
+                   (("missing", want - keys), ("unexpected", keys - want)) if names]
+            raise WeightSyncError(f"{what}: its tensors are not its ranges' "
+                                  f"{'/idx and /val' if delta else '/val'}: {'; '.join(odd)}")
+        for name, (_, _, count) in meta.ranges.items():
+            # a full part: every value of its range; a delta: at most that, and its positions
+            # in varints of at most MAX_VARINT_BYTES each
+            most = {"val": count, **({"idx": MAX_VARINT_BYTES * count} if delta else {})}
+            for kind, limit in most.items():
+                shape = f.get_slice(f"{name}/{kind}").get_shape()
+                if len(shape) != 1 or shape[0] > limit or not delta and shape[0] != limit:
+                    raise WeightSyncError(f"{what}: {name}/{kind} has shape {shape} for a "
+                                          f"range of {count} elements")
+        tensors = {k: f.get_tensor(k) for k in keys}
     return Part(meta, tensors)
 
 
@@ -210,25 +264,25 @@ class PartsUpdate:
         covered: dict[str, list[tuple[int, int]]] = {}
         for rank, part in enumerate(self.loaded):
             meta = part.meta
-            if self.sent is not None and meta.get("version") != self.sent:
+            if self.sent is not None and meta.version != self.sent:
                 raise WeightSyncError(f"update v{self.version}: trainer rank {rank}'s part is "
-                                      f"of v{meta.get('version')}, not v{self.sent}")
-            base = meta.get("base_version")
+                                      f"of v{meta.version}, not v{self.sent}")
+            base = meta.base_version
             if base is not None and base != self.base_version:
                 raise WeightSyncError(f"update v{self.version}: trainer rank {rank}'s part is "
                                       f"a delta against v{base}, the update's base is "
                                       f"v{self.base_version}")
-            for name, (numel, start, count) in meta["ranges"].items():
+            for name, (numel, start, count) in meta.ranges.items():
                 if name not in own:
                     raise WeightSyncError(f"update v{self.version}: trainer rank {rank}'s part "
                                           f"names {name}, which the model lacks")
                 target = own[name]
-                if numel != target.numel() or start < 0 or count < 0 or start + count > numel:
+                if numel != target.numel():  # inside [0, numel]: `PartMeta`
                     raise WeightSyncError(f"update v{self.version}: trainer rank {rank}'s "
                                           f"range of {name} does not fit its "
                                           f"{target.numel()} elements")
                 covered.setdefault(name, []).append((start, count))
-                sums[name] = sums.get(name, 0.0) + float(meta["checksums"][name])
+                sums[name] = sums.get(name, 0.0) + meta.checksums[name]
                 write = part_write(part, name, target, Range(numel, start, count),
                                    base is not None, rank)
                 if write is not None:

@@ -273,10 +273,15 @@ class VersionFile(BaseModel):
         try:
             return cls.model_validate_json(raw)
         except ValidationError as e:
-            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'the file'}: "
-                                 f"{err['msg']}" for err in e.errors()[:3])
-            raise WeightSyncError(" ".join(f"tiller_version.json is malformed: {problems}"
-                                           .split())) from e  # its keys may hold newlines
+            raise WeightSyncError(malformed("tiller_version.json", e)) from e
+
+
+def malformed(what: str, e: ValidationError, whole: str = "the file") -> str:
+    """One line naming `what` and the first problems `e` found in it (`whole`: where a
+    problem of no one key is; a key may hold newlines)."""
+    problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or whole}: {err['msg']}"
+                         for err in e.errors()[:3])
+    return " ".join(f"{what} is malformed: {problems}".split())
 
 
 @dataclass(frozen=True)

@@ -157,11 +157,13 @@ class WeightSync:
                                                      timeout_s=self.cfg.timeout_s)
             except (WeightSyncError, RunError) as e:
                 # the receivers' refusal of a delta whose base they do not hold says "is
-                # against" (the embedded engine, and tiller serve through the HTTP error)
-                if not isinstance(update, DeltaUpdate) or "is against" not in str(e):
+                # against" (the embedded engine, and tiller serve through the HTTP error), for
+                # a gathered delta and for per-rank parts with a delta among them alike
+                if getattr(update, "base_version", None) is None or "is against" not in str(e):
                     raise
                 # e.g. a server restarted behind our back refuses a delta against a base it
-                # does not hold: one full update brings every engine to the version
+                # does not hold: one full update brings every engine to the version (with
+                # `base` None, `build` writes full: every rank's part, under per_rank)
                 logger.warning("weight sync v%d: the delta was refused (%s); pushing a full "
                                "update instead", version, e)
                 self.base = None

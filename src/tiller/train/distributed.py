@@ -30,7 +30,6 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -468,21 +467,28 @@ class Rank(Protocol):
     def stop(self) -> None: ...
 
 
+class HeldFolder(Protocol):
+    """The ranks' rendezvous folder on one node, held by rank 0 (`ranks.RendezvousFolder`)."""
+
+    path: str
+    def remove(self) -> None: ...
+
+
 class Leading:
     """Rank 0: every call goes to the other ranks first, then runs here (mixed into a rank's
     trainer: `Leader`, `LoraLeader`)."""
 
     ranks: list[Rank]
     timeout_s: float
-    folder: str | None
+    rendezvous: HeldFolder | None
     optimizer: torch.optim.Optimizer | None
 
     def __init__(self, first: Any, world: int, options: TrainerOptions, ranks: list[Rank],
-                 timeout_s: float, folder: str | None = None):
+                 timeout_s: float, rendezvous: HeldFolder | None = None):
         """`first`: what the rank's trainer is built from (the full model, or rank 0's `Lora`);
-        `folder`: the ranks' rendezvous folder (`ranks.Rendezvous`), removed by `close`."""
+        `rendezvous`: the ranks' rendezvous folder on one node, removed by `close`."""
         super().__init__(first, 0, world, options)  # type: ignore[call-arg]
-        self.ranks, self.timeout_s, self.folder = ranks, timeout_s, folder
+        self.ranks, self.timeout_s, self.rendezvous = ranks, timeout_s, rendezvous
 
     def _everywhere(self, name: str, args: tuple, by_rank: list[tuple] | None = None) -> Any:
         """`name` run on every rank, with `args`, or with `by_rank[r]` on rank r."""
@@ -567,8 +573,8 @@ class Leading:
             if dist.is_initialized():
                 dist.destroy_process_group()
         finally:
-            if self.folder is not None:
-                shutil.rmtree(self.folder, ignore_errors=True)
+            if self.rendezvous is not None:
+                self.rendezvous.remove()
 
 
 class Leader(Leading, RankTrainer):

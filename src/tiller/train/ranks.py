@@ -4,6 +4,7 @@ actors (`ray`), each a `Follower` that runs rank 0's steps on its shard (`train.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
@@ -39,6 +40,7 @@ LOOPBACK_GLOO = "tiller_gloo_lo"  # gloo with its device there, registered as a 
 # the rendezvous folder of one node's ranks, in the temporary folder: + rank 0's pid + "-" + a
 # random part (`tempfile.mkdtemp`)
 RENDEZVOUS_PREFIX = "tiller-ranks-"
+RENDEZVOUS_LOCK = "lock"  # in it: flock'd by its rank 0 for as long as that runs
 # rendezvous folders of rank 0s that no longer ran, removed at ranks' starts in this process
 STALE_RENDEZVOUS: Counter[str] = Counter()
 
@@ -276,17 +278,47 @@ class RayRank:
         ray.kill(self.actor)
 
 
+class RendezvousFolder:
+    """Rank 0's private rendezvous folder, `tiller-ranks-<pid>-<random>` in `parent` (default
+    the temporary folder; mode 0700), whose file `RENDEZVOUS_LOCK` this process holds an
+    exclusive `flock` on until `remove`: the kernel drops the lock when the process ends, however
+    it ends, so `remove_stale_rendezvous` knows a live run's folder by its lock, whatever PID
+    namespace the run is in. The lock file is made under another name, locked, then renamed:
+    under its name it is never unlocked while its rank 0 runs."""
+
+    def __init__(self, parent: Path | None = None):
+        self.path = tempfile.mkdtemp(prefix=f"{RENDEZVOUS_PREFIX}{os.getpid()}-", dir=parent)
+        try:
+            new = os.path.join(self.path, f".{RENDEZVOUS_LOCK}-new")
+            self.fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except BaseException:
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(new, os.path.join(self.path, RENDEZVOUS_LOCK))
+        except BaseException:
+            self.remove()
+            raise
+
+    def remove(self) -> None:
+        """The folder removed, then the lock given up."""
+        try:
+            shutil.rmtree(self.path, ignore_errors=True)
+        finally:
+            os.close(self.fd)
+
+
 def remove_stale_rendezvous(folder: Path | None = None) -> list[str]:
-    """Remove this user's rendezvous folders `tiller-ranks-<pid>-*` of `folder` (default the
-    temporary folder) whose rank 0 `pid` no longer runs (a rank 0 killed by SIGKILL or the OOM
-    killer cannot remove its own: `Leading.close` does) and return their names. Folders of
-    running processes and of other users, links, files and names without a pid are left; one
-    that cannot be removed is left with a warning."""
+    """Remove this user's rendezvous folders `tiller-ranks-*` of `folder` (default the
+    temporary folder) whose rank 0 no longer runs (a rank 0 killed by SIGKILL or the OOM killer
+    cannot remove its own: `Leading.close` does): those whose lock file (`RendezvousFolder`)
+    this process can lock now, without waiting; it holds the lock while it removes the folder.
+    Return their names. Folders whose lock is held (a live run's, in any PID namespace), without
+    a lock file (one being made, or a tiller's from before the lock), of other users, links and
+    files are left; one that cannot be removed is left with a warning."""
     removed = []
     for p in sorted(Path(folder or tempfile.gettempdir()).glob(f"{RENDEZVOUS_PREFIX}*")):
-        pid, dash, _ = p.name.removeprefix(RENDEZVOUS_PREFIX).partition("-")
-        if not (pid.isdigit() and dash) or int(pid) == os.getpid() or _runs(int(pid)):
-            continue
         try:
             st = p.lstat()
         except FileNotFoundError:  # removed meanwhile
@@ -294,24 +326,28 @@ def remove_stale_rendezvous(folder: Path | None = None) -> list[str]:
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
             continue
         try:
-            shutil.rmtree(p)
-        except OSError as e:  # left, said: the next start tries again
-            log.warning("could not remove the stale rendezvous folder %s: %s: %s", p,
-                        type(e).__name__, e)
+            fd = os.open(p / RENDEZVOUS_LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:  # no lock file (or a link, or removed meanwhile): left
             continue
-        removed.append(p.name)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # held: its rank 0 runs
+                continue
+            try:
+                shutil.rmtree(p)
+            except FileNotFoundError:  # another start removed it meanwhile
+                continue
+            except OSError as e:  # left, said: the next start tries again
+                log.warning("could not remove the stale rendezvous folder %s: %s: %s", p,
+                            type(e).__name__, e)
+                continue
+            removed.append(p.name)
+        finally:
+            os.close(fd)
     return removed
-
-
-def _runs(pid: int) -> bool:
-    """Whether process `pid` runs (another user's included)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def await_joined(store: dist.Store, ranks: list[Rank], timeout_s: float) -> None:
@@ -346,6 +382,7 @@ def start_ranks(full: nn.Module, world: int, options: TrainerOptions, backend: s
     if dist.is_initialized():
         raise RunError("train.world_size > 1: this process already has a torch.distributed "
                        "process group (another run's trainer ranks, still open)")
+    held: RendezvousFolder | None = None
     if remote:
         import ray
 
@@ -356,8 +393,8 @@ def start_ranks(full: nn.Module, world: int, options: TrainerOptions, backend: s
             STALE_RENDEZVOUS["removed"] += len(stale)
             log.warning("removed %d trainer-rank rendezvous folder(s) of runs that no longer "
                         "run from %s: %s", len(stale), tempfile.gettempdir(), ", ".join(stale))
-        meet = Rendezvous(folder=tempfile.mkdtemp(  # mode 0700
-            prefix=f"{RENDEZVOUS_PREFIX}{os.getpid()}-"))
+        held = RendezvousFolder()
+        meet = Rendezvous(folder=held.path)
     timeout = timedelta(seconds=timeout_s)
     model, lora_cfg = (full, None) if lora is None else (lora.base(), lora.cfg)
     common = (world, meet, model, options)
@@ -374,13 +411,13 @@ def start_ranks(full: nn.Module, world: int, options: TrainerOptions, backend: s
         await_joined(store, ranks, timeout_s)
         meet.join(store, 0, world, timeout)
         if lora is not None:
-            return LoraLeader(lora, world, options, ranks, timeout_s, folder=meet.folder)
-        return Leader(full, world, options, ranks, timeout_s, folder=meet.folder)
+            return LoraLeader(lora, world, options, ranks, timeout_s, rendezvous=held)
+        return Leader(full, world, options, ranks, timeout_s, rendezvous=held)
     except BaseException:
         for r in ranks:
             r.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
-        if meet.folder is not None:
-            shutil.rmtree(meet.folder, ignore_errors=True)
+        if held is not None:
+            held.remove()
         raise
