@@ -101,11 +101,12 @@ def held_at_every_line(out, write) -> list[str]:
             held.append(seen())
         return trace
 
+    before = sys.gettrace()  # a coverage tool's, if any: put back after
     sys.settrace(trace)
     try:
         write()
     finally:
-        sys.settrace(None)
+        sys.settrace(before)
     held.append(seen())
     return held
 
