@@ -33,7 +33,7 @@ from tiller.errors import ConfigError
 from tiller.observe.metrics import MetricsLogger
 from tiller.resume import prepare_run_dir
 from tiller.rollout.resume import check_drawn, check_state
-from tiller.train.process_state import PAUSE_ENV
+from tiller.train.process_state import PAUSE_ENV, rng_state
 
 FILES = ("model/model.safetensors", "model/config.json", "trainer.pt", "rng.pt")
 
@@ -348,3 +348,76 @@ def test_a_stream_that_changed_its_first_tasks_is_refused():
 def test_trust_run_config_where_it_does_nothing_is_refused(tmp_path, args, match):
     code, out = cli("train", *[str(tmp_path) if a == "RUN" else a for a in args])
     assert code == 2 and match in out and len(out.strip().splitlines()) == 1, out
+
+
+def recorder_state() -> dict:
+    return {"staleness": [[0, 4]], "env_errors": [[1, [0, 4]]], "env_error_rising": False,
+            "trainer_s": 1.5, "judge_history": [[0.5, 0.25]], "judge_suspected": False,
+            "judge_warnings": 0}
+
+
+PY_RNG = rng_state()[0]  # Python's and numpy's generator states, as state.json holds them
+
+
+def whole_state(cfg) -> dict:
+    """A state.json of every field's shape (`resume.STATE_TYPES`), of a run with `cfg` at
+    step 1 that drew nothing yet."""
+    return {"step": 1, "trainer_version": 1, "engine_version": 1, "rng": PY_RNG,
+            "holds": ["model"], "tensors": ["optimizer"], "manager": dict(MANAGER, pulled=0,
+                                                                          draw_ids=[], draws=[]),
+            "curriculum": None, "recorder": recorder_state(), "idle_steps": 0,
+            "metrics_bytes": 0, "summary": {}, "config": cfg.model_dump(mode="json"),
+            "base": None}
+
+
+@pytest.mark.parametrize("edit, match", [
+    ({"trainer_version": "1"}, "TypeError: trainer_version is a str"),
+    ({"idle_steps": True}, "TypeError: idle_steps is a bool"),
+    ({"tensors": ["optimizer", 3]}, "TypeError: tensors is not a list of names"),
+    ({"config": []}, "TypeError: config is a list"),
+    ({"rng": {"python": [3, [1, 2], None]}}, "ValueError: state vector is the wrong size"),
+    ({"rng": {"python": PY_RNG["python"]}}, "KeyError: 'numpy'"),
+    ({"rng": {**PY_RNG, "numpy": ["MT19937", [1, 2], 0, 0, 0.0]}}, "IndexError:"),
+    ({"rng": {**PY_RNG, "numpy": ["MT19937", [2**40] * 624, 0, 0, 0.0]}}, "OverflowError:"),
+    ({"rng": {**PY_RNG, "ranks": [{"python": PY_RNG["python"]}]}}, "KeyError: 'numpy'"),
+    ({"recorder": {**recorder_state(), "env_errors": [[1, [0]]]}},
+     "TypeError: the recorder's env_errors holds counts that are not two ints"),
+    ({"recorder": {**recorder_state(), "trainer_s": "1.5"}},
+     "TypeError: the recorder's trainer_s is a str"),
+    ({"recorder": {**recorder_state(), "staleness": {"0": 4}}},
+     "TypeError: the recorder's staleness is not a list of pairs"),
+])
+def test_a_state_json_of_another_shape_is_one_line_before_any_work(tmp_path, edit, match):
+    """Review s8 F7: a hand-edited state.json (its marker re-hashed: whole) of another shape
+    is found by `check_state_shape` before any of it is used, in one line blaming the
+    checkpoint; the fields' types are those of every field tiller writes."""
+    from tiller.config import load_config
+    from tiller.resume import STATE_TYPES, check_state_shape
+
+    assert set(STATE_TYPES) == set(STATE_KEYS)
+    cfg = load_config(None, ["model.build.vocab_size=600", "checkpoint.every=1"])
+    state = whole_state(cfg)
+    check_state_shape(Checkpoint(Path("c"), 1, state, {}))
+    one_line_error(f"checkpoint c is corrupt: its state.json does not fit ({match}",
+                   check_state_shape, Checkpoint(Path("c"), 1, {**state, **edit}, {}))
+
+
+def test_a_bug_in_the_resumes_own_checks_is_raised_as_itself(tmp_path, monkeypatch):
+    """Review s8 F7: `start_resume` called any KeyError, TypeError or AttributeError of its
+    checks a corrupt checkpoint ("move it away"), so a bug of tiller's own (here an attribute
+    renamed, in the model check) had users discard good checkpoints. Past the state's shape
+    check, it is raised as itself."""
+    from tiller import resume
+    from tiller.config import load_config
+
+    cfg = load_config(None, ["model.build.vocab_size=600", "checkpoint.every=1"])
+    run = tmp_path / "run"
+    write(run, 1, **whole_state(cfg))
+    assert resume.start_resume(cfg, run).step == 1  # the checkpoint fits
+
+    def renamed(cfg, ckpt):
+        return cfg.model.pth  # a typo of tiller's own
+
+    monkeypatch.setattr(resume, "check_base", renamed)
+    with pytest.raises(AttributeError, match="has no attribute 'pth'"):
+        resume.start_resume(cfg, run)

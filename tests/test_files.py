@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
+from pathlib import Path
 
 import pytest
 
+from tiller import files
 from tiller.errors import ConfigError
 from tiller.files import (
     REMOVE_FAILURES,
@@ -78,6 +81,84 @@ def test_a_folder_replaces_a_link_or_an_old_folder(tmp_path, before):
         "model.safetensors"]
     assert sorted(p.name for p in victim.iterdir()) == ["keep"]
     assert sorted(p.name for p in out.parent.iterdir()) == ["final"]
+
+
+def held_at_every_line(out, write) -> list[str]:
+    """Run `write()` (a `replacing` of the folder `out`) with every line tiller.files executes
+    traced, and return what `out` held at each: a kill lands between two lines, so this is
+    what a kill could leave at its name ("old", "new", or "nothing")."""
+    held: list[str] = []
+    files_py = str(Path(files.__file__))
+
+    def seen() -> str:
+        names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+        return {("old.bin",): "old", ("new.bin",): "new"}.get(tuple(names), "nothing")
+
+    def trace(frame, event, arg):
+        if frame.f_code.co_filename != files_py:
+            return None
+        if event == "line":
+            held.append(seen())
+        return trace
+
+    before = sys.gettrace()  # a coverage tool's, if any: put back after
+    sys.settrace(trace)
+    try:
+        write()
+    finally:
+        sys.settrace(before)
+    held.append(seen())
+    return held
+
+
+def write_new(out, root):
+    with replacing(out, root=root) as new:
+        new.mkdir()
+        (new / "new.bin").write_text("new weights")
+
+
+def test_a_folder_over_a_folder_leaves_one_of_the_two_at_its_name_at_every_moment(tmp_path,
+                                                                                   caplog):
+    """Review s8 F6: checkpoints/final and checkpoints/sft are written over the folder of
+    the run before (a resumed run's). rename(2) cannot put a folder over a full one; two
+    renames (the old aside, the new in) left nothing at the name between them, where a kill
+    lost both. One renameat2(RENAME_EXCHANGE) swaps them: at each line executed the name holds
+    the old folder or the new one, and then only the new one is left."""
+    out = tmp_path / "checkpoints" / "final"
+    out.mkdir(parents=True)
+    (out / "old.bin").write_text("old weights")
+    held = held_at_every_line(out, lambda: write_new(out, tmp_path))
+    assert "nothing" not in held and held[0] == "old" and held[-1] == "new", held
+    assert sorted(p.name for p in out.parent.iterdir()) == ["final"]
+    assert not [r for r in caplog.records if "two renames" in r.getMessage()]
+
+
+def test_without_an_exchange_a_folder_is_replaced_in_two_renames_with_a_warning(
+        tmp_path, monkeypatch, caplog):
+    """A system or file system without renameat2's exchange (`exchange` says why): the two
+    renames, each time a warning naming the folder and why; the name holds nothing between
+    them."""
+    monkeypatch.setattr(files, "exchange", lambda a, b: "renameat2 RENAME_EXCHANGE: EINVAL")
+    out = tmp_path / "checkpoints" / "sft"
+    out.mkdir(parents=True)
+    (out / "old.bin").write_text("old weights")
+    held = held_at_every_line(out, lambda: write_new(out, tmp_path))
+    assert held[0] == "old" and "nothing" in held and held[-1] == "new", held
+    assert sorted(p.name for p in out.parent.iterdir()) == ["sft"]
+    assert [r.getMessage() for r in caplog.records if "two renames" in r.getMessage()] == [
+        f"{out} is replaced in two renames (renameat2 RENAME_EXCHANGE: EINVAL): a kill "
+        f"between them leaves nothing at its name"]
+
+
+def test_exchange_swaps_two_folders_and_says_why_not_for_a_missing_one(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "x").write_text("a")
+    assert files.exchange(a, b) is None
+    assert [p.name for p in a.iterdir()] == [] and [p.name for p in b.iterdir()] == ["x"]
+    with pytest.raises(FileNotFoundError):  # an error other than "no exchange here" raises
+        files.exchange(a, tmp_path / "missing")
 
 
 def test_open_append_refuses_a_link_in_one_line(tmp_path):

@@ -426,6 +426,51 @@ def test_deltas_over_http_reach_tiller_serve_and_another_base_is_refused(model, 
 
 @pytest.mark.slow
 @pytest.mark.integration  # a live `tiller serve` (test_http_engine.servers)
+def test_a_version_folder_a_killed_run_left_is_written_again_from_empty(model, calc_model_dir,
+                                                                       tmp_path, caplog):
+    """Issue 24: a run killed after it pushed version 2 as a delta (and checkpointed it) left
+    weights/v2 holding delta.safetensors; the resumed run's engine pushes the checkpoint's
+    version 2 again, full, into that folder. The folder is emptied first, so the server reads
+    only the full update's files (before, it read the delta's `<name>/idx` tensors too and
+    refused the update: "tensors the model lacks"), and the warning names what was removed."""
+    with servers(calc_model_dir, 1, tmp_path / "root") as s:
+        killed = HttpEngine(s.urls, weights_dir=s.root / "w", request_timeout_s=60)
+        try:
+            sync = syncer(model, killed, torch.float32, mode="delta", timeout_s=60)
+            step(sync)
+            sync.push()  # v1, full
+            torch.manual_seed(2)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_((torch.rand_like(p) < 0.02) * 0.05 * torch.randn_like(p))
+            step(sync)
+            assert sync.push()["sync/kind"] == 1.0  # v2, a delta
+        finally:
+            killed.close()
+        folder = s.root / "w" / "v2"
+        assert sorted(p.name for p in folder.iterdir()) == ["delta.safetensors",
+                                                            "tiller_version.json"]
+        resumed = HttpEngine(s.urls, weights_dir=s.root / "w", request_timeout_s=60)
+        try:
+            trainer = PolicyTrainer(model)
+            trainer.version = 2  # the checkpoint's
+            again = WeightSync(trainer, resumed, WeightSyncConfig(timeout_s=60), torch.float32)
+            m = again.push()
+            assert m["sync/kind"] == 0.0 and m["sync/parity_max_abs"] < 1e-4
+            assert resumed.version == 2
+            assert sorted(p.name for p in folder.iterdir()) == ["model.safetensors",
+                                                                "tiller_version.json"]
+        finally:
+            resumed.close()
+    removed = [r.getMessage() for r in caplog.records if "this engine did not write" in
+               r.getMessage()]
+    assert removed == [f"weight push v2: {folder.resolve()} holds files this engine did not "
+                       f"write (delta.safetensors, tiller_version.json: a killed run's?); "
+                       f"removed before the version is written"], removed
+
+
+@pytest.mark.slow
+@pytest.mark.integration  # a live `tiller serve` (test_http_engine.servers)
 def test_tiller_serve_refuses_a_malformed_update_whole(model, calc_model_dir, tmp_path):
     """Through a live `tiller serve` (float32): a delta whose first tensor is fine and whose
     second has a position past its end, and a full checkpoint with every tensor new but one of

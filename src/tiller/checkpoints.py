@@ -182,8 +182,8 @@ def write_checkpoint(run_dir: Path, step: int, keep: int,
 def check_steps_free(run_dir: Path, after: int, why: str) -> None:
     """One line (`ConfigError`) when `run_dir`'s checkpoints folder holds a step folder past
     step `after`, complete or not: the run writes its checkpoints under those names, and a
-    checkpoint is never written over an existing folder (no single rename can put a folder
-    over a full one, so a kill there could leave no checkpoint at all)."""
+    checkpoint is never written over an existing folder (another run's, or a copy cut short:
+    its rename into place is always one `rename(2)` onto a free name)."""
     folder = checkpoint_dir(run_dir)
     taken = sorted(p.name for p in (folder.iterdir() if folder.is_dir() else ())
                    if (m := FOLDER.match(p.name)) and int(m.group(1)) > after)

@@ -17,6 +17,7 @@ keep run folders where only you can write (docs/security.md).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -59,25 +60,67 @@ def replacing(path: str | Path, *, root: str | Path) -> Iterator[Path]:
     """A fresh path to write `path`'s new content to (a file, or a folder such as a
     checkpoint), renamed over `path` when the block ends without an error (on an error `path`
     is left as it was). Whatever was at `path` (a file, a link, a folder) is replaced: a file
-    or link in one rename; a folder in two (rename(2) puts a folder only over a missing name
-    or an empty folder), so a kill between them leaves nothing at `path` (checkpoints are
-    never written over a folder: `checkpoints.check_steps_free`). `root`
-    is the folder written below (the run folder): a link among the folders between it and
-    `path` is refused (`folder_below`)."""
+    or link in one rename; a folder over a folder in one exchange (`exchange`), so `path`
+    holds the old folder or the new one at every moment and a kill leaves one of them there.
+    Where the system cannot exchange (`exchange` says why) it takes two renames, the old
+    folder aside and the new one in (rename(2) puts a folder only over a missing name or an
+    empty folder): a kill between them leaves nothing at `path`, so each time is a warning.
+    `root` is the folder written below (the run folder): a link among the folders between it
+    and `path` is refused (`folder_below`)."""
     path = folder_below(root, Path(path).parent) / Path(path).name
     private = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         new = private / path.name
         yield new
-        if new.is_dir() and (path.is_symlink() or path.exists()):
-            # rename(2) puts a folder only over a missing name or an empty folder
-            if path.is_symlink() or not path.is_dir():
-                path.unlink()
-            else:  # the old folder goes with the private one
-                os.replace(path, private / f"{path.name}.old")
-        os.replace(new, path)
+        if new.is_dir() and path.is_dir() and not path.is_symlink():
+            _folder_over_folder(new, path)  # the old one is left in `private`
+        else:
+            if new.is_dir() and (path.is_symlink() or path.exists()):
+                path.unlink()  # a file or link: rename(2) puts a folder over no other entry
+            os.replace(new, path)
     finally:
         remove_tree(private)
+
+
+def _folder_over_folder(new: Path, path: Path) -> None:
+    """The folder `new` put at `path`, where a folder is, the old folder left beside `new`:
+    swapped in one `exchange`, or where there is none in two renames (a warning)."""
+    why = exchange(new, path)
+    if why is None:
+        return  # the old folder is at `new` now
+    logger.warning("%s is replaced in two renames (%s): a kill between them leaves nothing at "
+                   "its name", path, why)
+    os.replace(path, new.with_name(f"{path.name}.old"))
+    os.replace(new, path)
+
+
+RENAME_EXCHANGE = 2  # renameat2(2)'s flag, from <linux/fs.h>
+AT_FDCWD = -100  # <fcntl.h>: a relative path is relative to the working directory
+# what renameat2 answers where the kernel, the C library's caller or the file system has no
+# exchange (ENOSYS: before Linux 3.15; EINVAL: a file system without it, e.g. NFS)
+NO_EXCHANGE = frozenset({errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP})
+
+
+def exchange(a: Path, b: Path) -> str | None:
+    """Swap the entries at `a` and `b` (both existing, on one file system) in one
+    renameat2(RENAME_EXCHANGE) (Linux 3.15 and glibc 2.28 or later; ext4, xfs, btrfs, tmpfs
+    and overlayfs have it): None when done; why not, in a few words, when this system or file
+    system has no exchange (nothing was changed). Any other error raises OSError."""
+    if not sys.platform.startswith("linux"):
+        return f"no renameat2 on {sys.platform}"
+    libc = ctypes.CDLL(None, use_errno=True)
+    call = getattr(libc, "renameat2", None)
+    if call is None:
+        return "the C library has no renameat2"
+    call.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                     ctypes.c_uint]
+    call.restype = ctypes.c_int
+    if call(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return None
+    err = ctypes.get_errno()
+    if err in NO_EXCHANGE:
+        return f"renameat2 RENAME_EXCHANGE: {errno.errorcode.get(err, err)}"
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
 def remove_tree(path: str | Path) -> int:

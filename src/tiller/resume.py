@@ -35,12 +35,19 @@ from tiller.config.root import first_error
 from tiller.errors import ConfigError
 from tiller.files import folder_below, refuse_links, refuse_sqlite_links, remove_tree, write_file
 from tiller.models import resolve_model_path
+from tiller.observe.steps import check_recorder_state
 from tiller.plugins import load_env_class
 from tiller.preflight import rl_task_reserve, rl_train_tasks
 from tiller.rollout.curriculum import DRAW, Curriculum, make_curriculum
 from tiller.rollout.resume import check_drawn, check_state, manager_state
 from tiller.train.distributed import Leading
-from tiller.train.process_state import add_rank_states, rank_states, rng_state, set_rng_state
+from tiller.train.process_state import (
+    add_rank_states,
+    check_rng_state,
+    rank_states,
+    rng_state,
+    set_rng_state,
+)
 
 if TYPE_CHECKING:
     from tiller.observe.steps import StepRecorder
@@ -54,12 +61,7 @@ def start_resume(cfg: Config, run_dir: Path) -> Checkpoint:
     folder is not touched: `run.Run` cuts it back (`cut_run_dir`) once its own checks passed
     too."""
     ckpt = newest_checkpoint(run_dir)
-    try:
-        changes = check_resume(cfg, ckpt, Path(run_dir))
-    except (KeyError, TypeError, AttributeError) as e:  # a value of another kind
-        raise ConfigError(f"checkpoint {ckpt.path} is corrupt: its state.json does not fit "
-                          f"({type(e).__name__}: {e}); move it away to resume from an older "
-                          f"one") from e
+    changes = check_resume(cfg, ckpt, Path(run_dir))
     for change in changes:
         log.info("--resume: config changed (safe): %s", change)
     return ckpt
@@ -76,11 +78,14 @@ def cut_run_dir(run_dir: Path, ckpt: Checkpoint) -> None:
 
 def check_resume(cfg: Config, ckpt: Checkpoint, run_dir: Path) -> list[str]:
     """Every reason `cfg` cannot go on from `ckpt`, each one line (`ConfigError`), before the
-    run folder is touched: checkpoint.every 0, a config change that breaks the run
+    run folder is touched: a state.json of another shape (`check_state_shape`: past it, an
+    error reading the state is tiller's own and raised as it is, never called the
+    checkpoint's), checkpoint.every 0, a config change that breaks the run
     (`check_config`), rl.steps below the checkpoint's step or a task stream that no longer
     holds the tasks it drew (`check_stream`), trainer parts the config does not fit
     (`check_tensors`), a metrics.jsonl shorter than at the checkpoint, or a symbolic link
     in the run folder (`check_no_links`). The safe config changes."""
+    check_state_shape(ckpt)
     if not cfg.checkpoint.every:
         raise ConfigError("--resume: config field checkpoint.every is 0; resume with the "
                           "run's config (its checkpoint.every)")
@@ -100,6 +105,42 @@ def check_resume(cfg: Config, ckpt: Checkpoint, run_dir: Path) -> list[str]:
                           f"checkpoint {ckpt.path.name} was written ({length} bytes)")
     check_no_links(run_dir)
     return changes
+
+
+# state.json's fields (`save_rl`) and the JSON types a resume reads them as
+STATE_TYPES: dict[str, type | tuple[type, ...]] = {
+    "step": int, "trainer_version": int, "engine_version": int, "rng": dict, "holds": list,
+    "tensors": list, "manager": dict, "curriculum": (dict, type(None)), "recorder": dict,
+    "idle_steps": int, "metrics_bytes": int, "summary": dict, "config": dict,
+    "base": (str, type(None))}
+
+
+def check_state_shape(ckpt: Checkpoint) -> None:
+    """`ckpt`'s state.json of the shape a resume reads (its hashes say the checkpoint is
+    whole, not that a hand-edited one is tiller's), before any of it is used: each field of
+    its JSON type (`STATE_TYPES`), trainer.pt's parts a list of names, the RNG states (each
+    trainer rank's) put into throwaway generators (`check_rng_state`), the step recorder's
+    counters of their types (`check_recorder_state`); the manager's and the curriculum's
+    state are `check_stream`'s. One line naming the first field that is not."""
+    state = ckpt.state
+    try:
+        for key, kind in STATE_TYPES.items():
+            if not isinstance(state[key], kind) or (kind is int and type(state[key]) is bool):
+                raise TypeError(f"{key} is a {type(state[key]).__name__}")
+        if not all(isinstance(name, str) for name in state["tensors"]):
+            raise TypeError("tensors is not a list of names")
+        ranks = state["rng"].get("ranks", [])
+        if not isinstance(ranks, list) or not all(isinstance(r, dict) for r in ranks):
+            raise TypeError("rng's ranks is not a list of objects")
+        for py in [state["rng"], *ranks]:
+            check_rng_state(py)
+        check_recorder_state(state["recorder"])
+    # of the checks and the throwaway generators above only (what they raise for data of
+    # another shape: a list too short, a number out of a C type's range)
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError) as e:
+        raise ConfigError(f"checkpoint {ckpt.path} is corrupt: its state.json does not fit "
+                          f"({type(e).__name__}: {e}); move it away to resume from an older "
+                          f"one") from e
 
 
 def check_known_fields(ckpt: Checkpoint) -> None:
@@ -202,6 +243,12 @@ def check_tensors(cfg: Config, ckpt: Checkpoint, names: list[str]) -> None:
     needed = kl_beta_at(step, kl.beta, kl.off_after) != 0
     has_ref = REFERENCE_ADAPTER in ckpt.marker["files"] if lora else "ref" in names
     has_critic = "critic" in names
+    lacks = [k for k in ("optimizer", *(["critic_optimizer"] if has_critic else []))
+             if k not in names]
+    if lacks:
+        raise ConfigError(f"checkpoint {ckpt.path} is corrupt: its trainer.pt holds no "
+                          f"{' and no '.join(lacks)} ({', '.join(names)}); move it away to "
+                          f"resume from an older one")
     if ((needed and not has_ref) or (has_ref and not built) or has_critic != critic
             or (lora and "ref" in names)):
         ref = "needed" if needed else "not needed"
@@ -311,11 +358,11 @@ def restore_rl(ckpt: Checkpoint, learner: Any, record: StepRecorder,
     model: the learner drops the one it built (`check_tensors` said it is not needed)."""
     saved = load_tensors(ckpt.path / "trainer.pt")
     check_tensors(learner.cfg, ckpt, sorted(saved))
-    try:
-        if REFERENCE_ADAPTER in ckpt.marker["files"]:  # model.lora: the frozen adapter
-            learner.trainer.lora.load_reference(ckpt.path / ADAPTER_DIR)
-        elif "ref" not in saved and learner.ref is not None:  # the KL term is off by now
-            learner.drop_reference()  # (check_tensors)
+    if REFERENCE_ADAPTER in ckpt.marker["files"]:  # model.lora: the frozen adapter
+        learner.trainer.lora.load_reference(ckpt.path / ADAPTER_DIR)
+    elif "ref" not in saved and learner.ref is not None:  # the KL term is off by now
+        learner.drop_reference()  # (check_tensors)
+    try:  # torch's check of a saved optimizer state against this run's parameter groups
         if isinstance(learner.trainer, Leading):  # each rank its shards and RNG states
             ranks = rank_states(ckpt.state["rng"], load_tensors(ckpt.path / "rng.pt"))
             learner.trainer.load_checkpoint_state(saved, ranks, ckpt.state["trainer_version"])
@@ -326,13 +373,14 @@ def restore_rl(ckpt: Checkpoint, learner: Any, record: StepRecorder,
             if learner.critic is not None:
                 learner.critic.model.load_state_dict(saved["critic"])
                 learner.critic.optimizer.load_state_dict(saved["critic_optimizer"])
-        record.load_state(ckpt.state["recorder"])
-        if curriculum is not None:
-            load_curriculum(curriculum, ckpt)
-        set_rng_state(ckpt.state["rng"], load_tensors(ckpt.path / "rng.pt"))
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except ValueError as e:
         raise ConfigError(f"checkpoint {ckpt.path} does not fit this run: "
                           f"{type(e).__name__}: {e}") from e
+    # their shapes checked before any work (`check_state_shape`, `check_stream`)
+    record.load_state(ckpt.state["recorder"])
+    if curriculum is not None:
+        load_curriculum(curriculum, ckpt)
+    set_rng_state(ckpt.state["rng"], load_tensors(ckpt.path / "rng.pt"))
     return ckpt.step
 
 

@@ -406,22 +406,25 @@ class HttpEngine:
 
     def update_weights(self, update: Update, *, in_flight: str = "continue",
                        timeout_s: float | None = None) -> int:
-        """Write `update` to `<weights_dir>/v<version>` and have every server load it (all at
-        once, each waited for at most `timeout_s`, default `request_timeout_s`), each echoing
-        success and the version. A delta goes only to the servers up now (a server that was
-        down missed versions; it rejoins at the next full update). A server that answers
-        otherwise (an error, 4xx, another version) is a RunError naming it: it holds weights the
-        trainer does not know. A dead one (no answer, timeout, 502/503/504, a 500 and no
-        /health) is marked down and skipped (`push_skipped_down`), like a server already down
-        that does not answer /health; one that does loads the weights and rejoins. No server
-        taking them is a RunError, and the folder (`weights_folder`: per-rank parts are
-        written there first) is removed. Older versions this engine wrote are removed after."""
+        """Write `update` to `<weights_dir>/v<version>` (emptied first: `new_weights_folder`)
+        and have every server load it (all at once, each waited for at most `timeout_s`,
+        default `request_timeout_s`), each echoing success and the version. A delta goes only
+        to the servers up now (a server that was down missed versions; it rejoins at the next
+        full update). A server that answers otherwise (an error, 4xx, another version) is a
+        RunError naming it: it holds weights the trainer does not know. A dead one (no answer,
+        timeout, 502/503/504, a 500 and no /health) is marked down and skipped
+        (`push_skipped_down`), like a server already down that does not answer /health; one
+        that does loads the weights and rejoins. No server taking them is a RunError, and the
+        folder (per-rank parts are written there first) is removed. Older versions this
+        engine wrote are removed after."""
         if in_flight not in ("continue", "abort"):
             raise ValueError(f"in_flight must be 'continue' or 'abort', got {in_flight!r}")
         if isinstance(update, DeltaUpdate | PartsUpdate) and not self.takes_deltas:
             raise RunError(f"weight push v{update.version}: {self.dialect.name} loads full "
                            "checkpoints only; set weight_sync.mode: full, shards: gathered")
-        folder = self.weights_folder(update.version)
+        # per-rank parts: the ranks wrote them into the folder `new_weights_folder` gave
+        folder = (self.weights_folder(update.version) if isinstance(update, PartsUpdate)
+                  else self.new_weights_folder(update.version))
         fresh = folder not in self._written  # a failed push removes only a folder it wrote
         self._save(update, folder)
         body = self.dialect.push_body(str(folder), update.version, in_flight == "abort")
@@ -446,6 +449,29 @@ class HttpEngine:
 
     def weights_folder(self, version: int) -> Path:  # made; links on the way refused
         return folder_below(self.root, self.weights_dir / f"v{version}").resolve()
+
+    def new_weights_folder(self, version: int) -> Path:
+        """`weights_folder(version)`, emptied: a push writes its version from nothing, so a
+        server reads only that push's files. Whatever is there is removed first: this engine's
+        own earlier write of the version, or files it did not write (logged), such as the
+        folder of a killed run, whose resumed run pushes the checkpoint's version again: a
+        delta's or per-rank parts' `*.safetensors` left beside a full update would be read as
+        tensors of it. A RunError when the folder cannot be emptied."""
+        folder = self.weights_folder(version)
+        left = sorted(p.name for p in folder.iterdir())
+        if not left:
+            return folder
+        if folder not in self._written:
+            logger.warning("weight push v%d: %s holds files this engine did not write (%s: a "
+                           "killed run's?); removed before the version is written", version,
+                           folder, ", ".join(left))
+        failures = remove_tree(folder)
+        if failures:
+            self.counters["weight_removal_failures"] += failures
+            raise RunError(f"weight push v{version}: could not empty {folder} ({failures} "
+                           f"entries not removed, each logged): a server would read what is "
+                           f"left there as part of the version")
+        return self.weights_folder(version)
 
     def _save(self, update: Update, folder: Path) -> None:
         update.save(folder)  # where the servers load it from

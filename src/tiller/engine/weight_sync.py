@@ -232,7 +232,7 @@ class Ranks(Protocol):
 class ShardedSync(WeightSync):
     """weight_sync.shards: per_rank. Each trainer rank writes its own shard's part of every
     version (full, or a delta against what it last synced: `engine.parts`) into the version's
-    folder of the engine's servers (`tiller serve` over HTTP: `weights_folder`), with no gather
+    folder of the engine's servers (`tiller serve` over HTTP: `new_weights_folder`), with no gather
     to rank 0; rank 0 then has every server load the version, which each applies only with
     every rank's part there (`engine.parts.PartsUpdate`). The parity probe is scored by the
     sharded model. Metrics as `WeightSync`'s, plus per rank `sync/part{r}_bytes` and
@@ -240,7 +240,8 @@ class ShardedSync(WeightSync):
 
     def __init__(self, ranks: Ranks, engine: Any, cfg: WeightSyncConfig,
                  engine_dtype: torch.dtype):
-        if not (getattr(engine, "takes_deltas", False) and hasattr(engine, "weights_folder")):
+        if not (getattr(engine, "takes_deltas", False)
+                and hasattr(engine, "new_weights_folder")):
             raise ConfigError(f"config field weight_sync.shards: got per_rank with "
                               f"{type(engine).__name__}; per-rank parts go to tiller serve "
                               f"servers over HTTP only (use shards: gathered)")
@@ -261,7 +262,7 @@ class ShardedSync(WeightSync):
     def build(self, version: int) -> tuple[PartsUpdate, dict[str, float]]:  # type: ignore[override]
         full = self.mode == "full" or self._engine_may_lack_base()
         base = None if full else self.base
-        folder = self.engine.weights_folder(version)
+        folder = self.engine.new_weights_folder(version)  # what a killed run left removed
         try:
             stats = self.ranks.write_parts(str(folder), version, base, self.dtype, self.mode)
         except BaseException:

@@ -26,6 +26,33 @@ log = logging.getLogger(__name__)
 Stats = Callable[[], dict[str, float]]
 
 
+NUMBER = (int, float)
+# `StepRecorder.state`'s lists of pairs: the types of each pair's two items
+RECORDER_PAIRS = {"staleness": (int, int), "env_errors": (int, list),
+                  "judge_history": (NUMBER, NUMBER)}
+RECORDER_SCALARS = {"env_error_rising": bool, "trainer_s": NUMBER, "judge_suspected": bool,
+                    "judge_warnings": int}
+
+
+def check_recorder_state(state: Any) -> None:
+    """`state` (a checkpoint's, as `StepRecorder.state` gave it, read back from JSON) of the
+    shape `StepRecorder.load_state` reads: a KeyError or TypeError naming the first field that
+    is not."""
+    if not isinstance(state, dict):
+        raise TypeError(f"the recorder's state is a {type(state).__name__}, not an object")
+    for key, (first, second) in RECORDER_PAIRS.items():
+        rows = state[key]
+        if not (isinstance(rows, list) and all(
+                isinstance(r, list) and len(r) == 2 and isinstance(r[0], first)
+                and isinstance(r[1], second) for r in rows)):
+            raise TypeError(f"the recorder's {key} is not a list of pairs")
+    if not all(len(c) == 2 and all(type(n) is int for n in c) for _, c in state["env_errors"]):
+        raise TypeError("the recorder's env_errors holds counts that are not two ints")
+    for key, kind in RECORDER_SCALARS.items():
+        if not isinstance(state[key], kind):
+            raise TypeError(f"the recorder's {key} is a {type(state[key]).__name__}")
+
+
 class StepRecorder:
     """Per-step metrics, trace writes and progress of one RL run, and its summary.
 
@@ -151,7 +178,7 @@ class StepRecorder:
                 "judge_warnings": h.warnings}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        """Put back what `state` returned."""
+        """Put back what `state` returned (`check_recorder_state` checked its shape)."""
         self.staleness.update({s: n for s, n in state["staleness"]})
         self.trend.counts.update({v: list(c) for v, c in state["env_errors"]})
         self.trend.rising, self.trainer_s = state["env_error_rising"], state["trainer_s"]

@@ -66,8 +66,8 @@ class RayHttpWorkers(RayWorkers):
     def takes_deltas(self) -> bool:
         return self.engine.takes_deltas
 
-    def weights_folder(self, version: int) -> Path:
-        return self.engine.weights_folder(version)
+    def new_weights_folder(self, version: int) -> Path:
+        return self.engine.new_weights_folder(version)
 
     def adopt_all(self, what: str, state: dict[str, Any], timeout_s: float | None) -> None:
         self.wait_all(f"router state at {what}", lambda w: w.adopt.remote(state), timeout_s)

@@ -50,11 +50,27 @@ def rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     return py, tensors
 
 
-def set_rng_state(py: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+def _python_state(py: dict[str, Any]) -> tuple[Any, ...]:
     version, internal, gauss = py["python"]
-    random.setstate((version, tuple(internal), gauss))
+    return version, tuple(internal), gauss
+
+
+def _numpy_state(py: dict[str, Any]) -> tuple[Any, ...]:
     name, keys, pos, has_gauss, cached = py["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    return name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached
+
+
+def check_rng_state(py: dict[str, Any]) -> None:
+    """`py` (Python's and numpy's states as `rng_state` gives them, read back from JSON) put
+    into throwaway generators: a KeyError, TypeError, ValueError, IndexError or OverflowError
+    when it is not of that shape, and this process's generators untouched."""
+    random.Random().setstate(_python_state(py))
+    np.random.RandomState().set_state(_numpy_state(py))
+
+
+def set_rng_state(py: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    random.setstate(_python_state(py))
+    np.random.set_state(_numpy_state(py))
     torch.set_rng_state(tensors["torch"])
     cuda = [tensors[f"cuda{i}"] for i in range(torch.cuda.device_count()) if f"cuda{i}" in tensors]
     if cuda:
