@@ -25,13 +25,13 @@ import torch
 from helpers import RL_MOVES
 from safetensors.torch import load_file
 from test_resume import (
-    ROOT,
     RUN,
     comparable,
     drawn_once,
     finish,
     kill_mid_checkpoint,
     kill_when,
+    resume_logged,
     rl_rows,
     tiller,
     weights,
@@ -89,17 +89,6 @@ def ray_whole(tmp_path_factory, ray_tmp) -> Path:
     nothing_left(ray_tmp)
     assert not (ref / "ray_reaper.log").exists()  # an orderly shutdown leaves nothing to kill
     return ref
-
-
-def resume_logged(run: Path) -> str:
-    """`tiller train --resume run` with INFO logging (`tiller train` sets none): its output."""
-    code = ("import logging, runpy, sys; logging.basicConfig(level=logging.INFO); "
-            f"sys.argv = ['tiller', 'train', '--resume', {str(run)!r}]; "
-            "runpy.run_module('tiller', run_name='__main__')")
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    return finish(proc)
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -25,6 +26,7 @@ import pytest
 import torch
 from helpers import RL_MOVES, TINY_RUN, cli, numbers, tiny_rl
 from safetensors.torch import load_file
+from test_vllm_demo import VLLM
 
 from tiller.checkpoints import MARKER, REFERENCE_ADAPTER, complete_checkpoints, verify
 from tiller.config import load_config
@@ -58,6 +60,17 @@ def finish(proc: subprocess.Popen, timeout_s: float = TIMEOUT_S) -> str:
     out, _ = proc.communicate(timeout=timeout_s)
     assert proc.returncode == 0, out[-3000:]
     return out
+
+
+def resume_logged(run: Path) -> str:
+    """`tiller train --resume run` with INFO logging (`tiller train` sets none): its output."""
+    code = ("import logging, runpy, sys; logging.basicConfig(level=logging.INFO); "
+            f"sys.argv = ['tiller', 'train', '--resume', {str(run)!r}]; "
+            "runpy.run_module('tiller', run_name='__main__')")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return finish(proc)
 
 
 def kill_when(proc: subprocess.Popen, ready, delay_s: float,
@@ -512,19 +525,20 @@ def drawn_once(run: Path, over: list[str], mode: str, killed_at: dict) -> None:
     """The resumed run drew every task of its stream once (none skipped, none repeated) and
     each group's task once under its tag (a reopened group drawn again with its first
     seeds)."""
+    cfg = load_config("configs/calculator.yaml", over)
+    steps = cfg.rl.steps
     last = max(complete_checkpoints(run), key=lambda c: c.step)
     state = json.loads((last.path / "state.json").read_text())["manager"]
-    assert last.step == 8 and killed_at["step"] < 8
+    assert last.step == steps and killed_at["step"] < steps
     assert state["pulled"] >= killed_at["manager"]["pulled"]  # async may have drawn them all
     # the stream the run draws from (run.rl_tasks: the tasks, then async's reserve)
-    cfg = load_config("configs/calculator.yaml", over)
     env, n = load_env_class(cfg.env.name), rl_task_count(cfg)
     stream = [t.id for seed in ((3, 5) if mode == "async" else (3,))
               for t in env.make_tasks("train", n, cfg.seed + seed, cfg.env.difficulty)]
     drawn = state["draw_ids"] + [t["id"] for t in state["open_tasks"]]
     # every task up to the stream's position drawn exactly once: none skipped, none repeated
     assert sorted(drawn) == sorted(stream[: state["pulled"]])
-    assert state["pulled"] >= 8 * 4  # at least the 8 steps' groups
+    assert state["pulled"] >= steps * cfg.rl.tasks_per_step  # at least the steps' groups
     assert {n for _, _, n in state["draws"]} == {1}, state["draws"]
     summary = json.loads((run / "summary.json").read_text())
     assert "ledger_unaccounted" not in summary["rl"] and summary["rl"]["ledger"]["trained"]
@@ -975,6 +989,85 @@ def test_resume_after_the_runs_managed_server_died_with_it(tmp_path):
     assert comparable(run) == comparable(ref)
     whole, resumed = weights(ref), weights(run)
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+# the demo through one managed vLLM CPU server (test_vllm_demo's model: vLLM's CPU attention
+# has no head size 16), a checkpoint after each of its 2 RL steps
+VLLM_RUN = [*RUN, *VLLM, *RL_MOVES, "rl.steps=2", "eval.tasks=4"]
+
+
+def temp_users(temp: Path) -> list[int]:
+    """This user's processes whose TMPDIR lies below `temp`: managed servers (each gets a
+    TMPDIR folder of its own in the temp folder, `engine/servers.py`) and every process they
+    spawned, whatever its command line."""
+    prefix = f"TMPDIR={temp}{os.sep}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and any(v.startswith(prefix) for v in
+                                            (entry / "environ").read_bytes().split(b"\0")):
+                found.append(int(entry.name))
+        except OSError:  # gone, or not ours
+            continue
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_resume_of_a_vllm_run_pushes_the_checkpoint_to_its_new_server(tmp_path, monkeypatch):
+    """engine.backend vllm: the run starts its own vLLM server. SIGKILLed after its first
+    checkpoint, it takes the server with it, the server's engine core process included;
+    `--resume` starts a new server, pushes it the checkpoint's weights and version and checks
+    parity before its first rollout, draws every task once and ends with every step."""
+    run, temp = tmp_path / "run", Path(tempfile.mkdtemp(prefix="tv-", dir="/tmp"))
+    # the servers' TMPDIR folders (short: vLLM's socket paths) go below a folder of our own
+    monkeypatch.setenv("TMPDIR", str(temp))
+    try:
+        proc = tiller("train", "configs/calculator.yaml", *VLLM_RUN, "-o", str(run))
+        below: list[int] = []
+
+        def ready() -> bool:  # checkpoint 1 written: the server's processes noted
+            if not complete_checkpoints(run):
+                return False
+            below.extend(temp_users(temp))
+            return True
+
+        kill_when(proc, ready, random.Random(24).uniform(0.0, 0.3))
+        # the server, its engine core and multiprocessing's resource tracker died with the run
+        assert started(launches(run / "servers" / "vllm-0.log")[0]) in below \
+            and len(below) == 3, below
+        gone(below, timeout_s=30)
+        killed_at = verify(complete_checkpoints(run)[0]).state
+        assert killed_at["step"] == 1
+        out = resume_logged(run)
+        assert not temp_users(temp)  # the new server stopped with its run
+        # what a SIGKILL leaves (docs/engines.md): the killed server's temp folder, only it
+        assert len(list(temp.glob("tiller-vllm-0-*"))) == 1
+    finally:
+        shutil.rmtree(temp)
+    first, second = launches(run / "servers" / "vllm-0.log")  # a new server
+    assert started(first) != started(second)
+
+    def logged(line: str, after: int = 0) -> int:  # where `line` is first logged after
+        at = out.find(line, after)
+        assert at >= 0, f"not logged: {line!r}\n{out[-4000:]}"
+        return at
+
+    # from the new server's start: its connect (a probe, the logprobs-mode check's 2 samples,
+    # the parity of its start-up weights, the checkpoint's), then the push of the checkpoint's
+    # weights and version and its parity check (1 request), and only then the rollouts
+    v = killed_at["trainer_version"]
+    at = logged(f"started server vllm-0 (pid {started(second)})")
+    push = logged(f"weight sync v{v}: full, ", at)
+    checked = logged(f"weight sync v{v}: parity checked on http://127.0.0.1:", push)
+    completions = [m.start() for m in re.finditer(r"POST http://\S+/v1/completions", out)]
+    assert [sum(at < c < push for c in completions), sum(push < c < checked
+                                                         for c in completions)] == [4, 1], out
+    assert "weight sync v" not in out[at:push].replace(f"weight sync v{v}:", ""), out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_from"] == "step-000001" and rl_rows(run) == 2
+    drawn_once(run, VLLM_RUN, "sync", killed_at)
 
 
 @pytest.mark.slow

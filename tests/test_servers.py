@@ -227,7 +227,7 @@ OWNER = """import sys, time
 from tiller.engine.servers import ManagedServers, ServerSpec
 m = ManagedServers([ServerSpec("a", [sys.executable, sys.argv[1], "--port", "{port}",
                                      "--child-pid", sys.argv[2]])],
-                   log_dir=sys.argv[3], startup_timeout_s=30, die_with_owner=True)
+                   log_dir=sys.argv[3], startup_timeout_s=30)
 m.start()
 print(m.running[0].proc.pid, flush=True)
 time.sleep(600)
@@ -235,7 +235,7 @@ time.sleep(600)
 
 
 def test_an_owner_killed_without_close_takes_the_servers_group_with_it(tmp_path: Path) -> None:
-    """die_with_owner (a Ray actor's servers): SIGKILL of the process that started the server
+    """Every managed server (a run's, a Ray actor's): SIGKILL of the process that started it
     ends the server and the child it started (its group), which outlive a plain kill."""
     child = tmp_path / "child.pid"
     owner = subprocess.Popen([sys.executable, "-c", OWNER, SERVER, str(child), str(tmp_path)],
@@ -263,7 +263,7 @@ def test_an_owner_killed_without_close_takes_the_servers_group_with_it(tmp_path:
 
 
 def test_an_orderly_close_ends_the_watch_too(tmp_path: Path) -> None:
-    m = ManagedServers([spec("a")], log_dir=tmp_path, startup_timeout_s=30, die_with_owner=True)
+    m = ManagedServers([spec("a")], log_dir=tmp_path, startup_timeout_s=30)
     with m:
         pid = m.running[0].proc.pid
         assert len(watches_of(pid)) == 1

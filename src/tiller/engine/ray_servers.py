@@ -7,11 +7,10 @@ server on CUDA).
 The servers bind loopback, so every bundle is pinned to the run's node (Ray's `node:<ip>`
 resource): the run's engine pushes weights to them and reads their answers there, and the
 rollout workers are pinned there too (`rollout/ray_http.py`). A server's whole process group
-gets SIGKILL when its actor's process dies, however it dies (`ManagedServers(die_with_owner=
-True)`: a watch process that is not one of the actor's children, which Ray kills with it).
-`close`
-stops each server through its actor (SIGTERM to its group, a grace period, SIGKILL), then kills
-the actors and removes the group."""
+gets SIGKILL when its actor's process dies, however it dies (`ManagedServers`' watch process,
+which is not one of the actor's children, which Ray kills with it). `close` stops each server
+through its actor (SIGTERM to its group, a grace period, SIGKILL), then kills the actors and
+removes the group."""
 
 from __future__ import annotations
 
@@ -39,7 +38,7 @@ class ServerActor:
 
     def __init__(self, spec: ServerSpec, log_dir: Path, startup_timeout_s: float):
         self.servers = ManagedServers([spec], log_dir=log_dir,
-                                      startup_timeout_s=startup_timeout_s, die_with_owner=True)
+                                      startup_timeout_s=startup_timeout_s)
 
     def start(self) -> str:
         """Its URL once healthy (`ManagedServers.start`'s errors, one line, otherwise)."""

@@ -4,11 +4,14 @@ Each server runs in its own process group (its session), so stopping it reaches 
 spawned (vLLM's engine core, its workers): SIGTERM to the group, a grace period, then SIGKILL to
 the group (always, even when an interrupt such as a second Ctrl-C cuts the grace period short),
 and the leader is reaped. A server is dropped from `running` only once it is stopped, and an
-interrupt while stopping one still stops the others before it is raised. On Linux the leader
-also gets SIGKILL from the kernel when the thread that started it dies (`prctl
-PR_SET_PDEATHSIG`), so a tiller killed by SIGKILL or the OOM killer, which runs no cleanup,
-leaves no server running (only its temporary folder; the processes a server spawned are its to
-stop; vLLM's engine core runs in the server's process here, `engine/vllm.py` SERVER_ENV). The
+interrupt while stopping one still stops the others before it is raised. A tiller killed by
+SIGKILL or the OOM killer runs no cleanup, and leaves no server process running (only its
+temporary folder): on Linux the leader gets SIGKILL from the kernel when the thread that
+started it dies (`prctl PR_SET_PDEATHSIG`), and the whole group gets SIGKILL from the server's
+watch process (`WATCH`) when the process that started it has died. The leader's signal alone
+would leave what it spawned: vLLM's API server runs its engine core in a process of its own
+(`VLLM::EngineCore`, whatever VLLM_ENABLE_V1_MULTIPROCESSING says; it and multiprocessing's
+resource tracker outlived a SIGKILLed run by minutes, tests/test_resume.py). The
 request is made by a small exec wrapper (`PDEATHSIG_EXEC`), not a `preexec_fn`, which is not
 safe in a process with threads. The kernel sends that signal when the thread that started the
 server exits, so servers are started from the main thread only (another is refused).
@@ -97,12 +100,13 @@ def kill_group(pgid: int, started: int | None, sig: int) -> bool:
     return True
 
 
-# The watch of a server owned by a process that may be killed (a Ray actor): a process outside
-# the owner's children (it forks and its parent exits: Ray kills an actor's direct children
-# with it) and outside the server's process group, in a session of its own, that blocks on a
-# pipe only the owner writes. EOF without the stop byte: the owner died, so the server's group
-# (argv[1], its leader started at argv[2]), whatever of it lives, gets SIGKILL (`kill_group`:
-# not a group that took its number since). The byte: an orderly stop, nothing to do.
+# The watch of a server, whose owner (the process that started it: a run, a Ray actor) may be
+# killed: a process outside the owner's children (it forks and its parent exits: Ray kills an
+# actor's direct children with it) and outside the server's process group, in a session of
+# its own, that blocks on a pipe only the owner writes. EOF without the stop byte: the owner
+# died, so the server's group (argv[1], its leader started at argv[2]), whatever of it lives,
+# gets SIGKILL (`kill_group`: not a group that took its number since). The byte: an orderly
+# stop, nothing to do.
 WATCH = "\n".join(["import contextlib, os, signal, sys", inspect.getsource(start_time),
                    inspect.getsource(kill_group), """if os.fork():
     os._exit(0)
@@ -134,7 +138,7 @@ class _Running:
     proc: subprocess.Popen[bytes]
     log_file: IO[bytes]
     started: int | None = None  # its leader's `start_time` (None: no /proc)
-    watch: IO[bytes] | None = None  # the pipe to its watch (`WATCH`), when it has one
+    watch: IO[bytes] | None = None  # the pipe to its watch (`WATCH`), once it started
 
 
 def tiller_serve_specs(model_dir: Path, count: int, *, weights_root: Path, dtype: str,
@@ -188,18 +192,16 @@ class Launcher(Protocol):
 
 class ManagedServers:
     """The servers of `specs`, each on a free loopback port of `host`; `start()` returns their
-    base URLs once every one is healthy, `close()` stops them (idempotent). `die_with_owner`:
-    each server's process group gets SIGKILL when this process dies without running `close`
-    (a Ray actor killed or crashed), by a watch process (`WATCH`)."""
+    base URLs once every one is healthy, `close()` stops them (idempotent). Each server's
+    process group gets SIGKILL when this process dies without running `close` (a run or a Ray
+    actor killed or crashed), by a watch process (`WATCH`)."""
 
     def __init__(self, specs: list[ServerSpec], *, log_dir: str | Path,
-                 startup_timeout_s: float = 300.0, host: str = "127.0.0.1",
-                 die_with_owner: bool = False):
+                 startup_timeout_s: float = 300.0, host: str = "127.0.0.1"):
         self.specs = list(specs)
         self.log_dir = Path(log_dir)
         self.startup_timeout_s = startup_timeout_s
         self.host = host
-        self.die_with_owner = die_with_owner
         self.running: list[_Running] = []
 
     @property
@@ -250,12 +252,11 @@ class ManagedServers:
         # not reaped yet (a zombie at worst): /proc/<pid> is this server's
         running = _Running(spec, f"http://{self.host}:{port}", log, tmp, proc, log_file,
                            start_time(proc.pid))
-        if self.die_with_owner:
-            try:
-                running.watch = _watch(proc.pid, running.started)
-            except BaseException:
-                _stop(running, STOP_GRACE_S)
-                raise
+        try:
+            running.watch = _watch(proc.pid, running.started)
+        except BaseException:
+            _stop(running, STOP_GRACE_S)
+            raise
         return running
 
     def _wait_healthy(self) -> None:

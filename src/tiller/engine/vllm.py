@@ -78,8 +78,11 @@ from tiller.errors import ConfigError, RunError
 logger = logging.getLogger(__name__)
 SERVED_NAME = "tiller"  # --served-model-name: the `model` of every request
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}  # vLLM's reasons -> tiller's
-# the environment of a managed server: the RL endpoints, the engine core in the API server's
-# process (one process group to stop, faster start-up), no CPU pinning (it shares the machine)
+# the environment of a managed server: the RL endpoints, the model's worker in the engine
+# core's process (without VLLM_ENABLE_V1_MULTIPROCESSING=0 a server is 4 processes, with it 3:
+# the API server, its `VLLM::EngineCore` process, which vLLM 0.32's API server starts whatever
+# this says, and multiprocessing's resource tracker; all in the server's process group, which
+# its stop and its watch end, `servers.py`), no CPU pinning (it shares the machine)
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
               "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 # the logprobs-mode check at connect (`logprobs_spread_ratios`): one token sampled at MODE_T
