@@ -359,9 +359,16 @@ def test_an_attached_server_in_vllms_default_logprobs_mode_is_refused_and_a_rest
 def test_the_shipped_smollm2_config_starts_vllm_with_the_default_kv_cache(tmp_path: Path
                                                                         ) -> None:
     """SmolLM2-135M's context is 8192 tokens, whose KV (fp32) is more than the default 256 MiB
-    kv_cache_bytes: the servers get the run's context (env.max_episode_tokens) instead."""
-    cfg_ = load_config("configs/smollm2_calculator.yaml",
-                       ["engine.backend=vllm", f"engine.startup_timeout_s={START_S}"])
+    kv_cache_bytes: the servers get the run's context (env.max_episode_tokens) instead. The
+    config sets two embedded-only keys, which a switch to vLLM drops with `=null` (as its
+    comment and the error say)."""
+    with pytest.raises(ConfigError, match=r"^config field engine.max_batch_size: got 32; it "
+                       r"only applies with engine.backend: embedded \(engine.backend is vllm\): "
+                       r"leave it out, or drop it with engine.max_batch_size=null$"):
+        load_config("configs/smollm2_calculator.yaml", ["engine.backend=vllm"])
+    cfg_ = load_config("configs/smollm2_calculator.yaml", [
+        "engine.backend=vllm", "engine.max_batch_size=null", "engine.cache_bytes=null",
+        f"engine.startup_timeout_s={START_S}"])
     try:
         model = load_model(cfg_.model.path, torch.float32)
     except (OSError, ConfigError, ModelLoadError) as e:
