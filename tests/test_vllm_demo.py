@@ -61,8 +61,8 @@ HOLD_S = 1.0  # a turn that ended before the pause has its answer back in millis
 @pytest.fixture
 def hold_turns(monkeypatch: pytest.MonkeyPatch) -> list[tuple[RolloutManager, int]]:
     """With rollout.partial: abort_resume, a push finding a turn on the server is made certain
-    instead of likely (whether one runs when the trainer pushes is a race the test once
-    lost): once the first batch is taken, the server is paused in vLLM's keep mode, so no
+    instead of likely (whether one runs when the trainer pushes is a race, which the test lost
+    in CI): once the first batch is taken, the server is paused in vLLM's keep mode, so no
     turn on it can end, and the trainer waits (at most 60 s) until one of the actor's
     requests has been in flight HOLD_S since the pause: on the server, held. The step's push
     (`/pause?mode=abort`, which aborts every request on the server) must end those turns with
@@ -136,9 +136,10 @@ def test_the_shipped_demo_learns_through_vllm_as_embedded(tmp_path):
     full run's RL phase; only the engine differs). vLLM's held-out success after GRPO lies in
     the embedded run's 95% CI (`success_summary`: bootstrap over the tasks), and both runs
     learn: after GRPO above their own after-SFT CI.
-    Measured with two SFTs (one torch thread; 2 cores shared, load average 4 to 11): held-out
-    after SFT -> after GRPO, embedded 0.309 [0.254, 0.363] -> 0.723 [0.664, 0.773], vLLM 0.316
-    [0.262, 0.371] -> 0.719 [0.660, 0.770] (docs/engines.md)."""
+    Measured (one torch thread; 2 cores shared, load average 4 to 7): held-out after SFT ->
+    after GRPO, embedded 0.406 [0.344, 0.465] -> 0.715 [0.656, 0.770], vLLM 0.410 [0.352,
+    0.473] -> 0.734 [0.680, 0.789], the vLLM figures the same as after a second SFT; 608 s
+    (1136 s with two SFTs; docs/engines.md)."""
     quiet = ["logging.progress=false", "logging.report=false"]
     embedded = train(load_config("configs/calculator.yaml", [*quiet, "engine.backend=embedded"]),
                      tmp_path / "embedded")
