@@ -38,8 +38,9 @@ def rows(run_dir, phase):
 @pytest.mark.parametrize("mode", [["rl.mode=sync"],
                                   ["rl.mode=async", "rl.max_staleness=1", "rl.steps=3",
                                    "rollout.partial=continue"],
-                                  # 4 groups in flight at a time: after the first batch,
-                                  # 48 of the 64 episodes are still to run (`hold_turns`)
+                                  # 4 groups in flight at a time: when the first batch is
+                                  # taken, most of the 64 episodes have yet to run
+                                  # (`hold_turns`)
                                   ["rl.mode=async", "rl.max_staleness=4", "rl.steps=4",
                                    "rollout.partial=abort_resume", "rollout.max_inflight=16",
                                    "sampling.max_new_tokens=96", "env.max_episode_tokens=600"]])
