@@ -46,7 +46,7 @@ def test_config_show_errors_are_one_line():
     assert code == 2
     assert out.strip().splitlines() == [
         "error: config field engine.cache_bytes: got 0; it only applies with engine.backend: "
-        "embedded (engine.backend is http)"]
+        "embedded (engine.backend is http): leave it out, or drop it with engine.cache_bytes=null"]
 
 
 def test_config_show_prints_the_config_yaml_a_run_writes(calc_sft_dir, tmp_path):

@@ -71,23 +71,27 @@ def test_the_choice_picks_the_type_and_it_round_trips(overrides, section, varian
 
 @pytest.mark.parametrize("overrides, message", [
     ([*HTTP, "engine.cache_bytes=0"], "config field engine.cache_bytes: got 0; it only applies "
-     "with engine.backend: embedded (engine.backend is http)"),
+     "with engine.backend: embedded (engine.backend is http): leave it out, or drop it with "
+     "engine.cache_bytes=null"),
     # before the split the embedded engine silently ignored these two
     (["engine.request_timeout_s=5"], "config field engine.request_timeout_s: got 5; it only "
      "applies with engine.backend: http or engine.backend: vllm or engine.backend: sglang "
-     "(engine.backend is embedded)"),
+     "(engine.backend is embedded): leave it out, or drop it with engine.request_timeout_s=null"),
     (["engine.max_retries=0"], "config field engine.max_retries: got 0; it only applies with "
      "engine.backend: http or engine.backend: vllm or engine.backend: sglang (engine.backend is "
-     "embedded)"),
+     "embedded): leave it out, or drop it with engine.max_retries=null"),
     (["rl.mode=one_step_off", "rl.max_staleness=1"], "config field rl.max_staleness: got 1; it "
-     "only applies with rl.mode: async (rl.mode is one_step_off)"),
+     "only applies with rl.mode: async (rl.mode is one_step_off): leave it out, or drop it with "
+     "rl.max_staleness=null"),
     (["rl.curriculum.mode=filter", "rl.curriculum.min_level=1"], "config field "
      "rl.curriculum.min_level: got 1; it only applies with rl.curriculum.mode: difficulty "
-     "(rl.curriculum.mode is filter)"),
+     "(rl.curriculum.mode is filter): leave it out, or drop it with "
+     "rl.curriculum.min_level=null"),
     (["rl.judge.fn=tiller.train.judges:grounded_answer", "rl.judge.prompt='{answer}'"],
-     "config field rl.judge.prompt: got '{answer}'; it only applies with rl.judge.model"),
+     "config field rl.judge.prompt: got '{answer}'; it only applies with rl.judge.model: leave it "
+     "out, or drop it with rl.judge.prompt=null"),
     (["rl.judge.margin=0.2"], "config field rl.judge.margin: got 0.2; it only applies with "
-     "rl.judge.fn or rl.judge.model"),
+     "rl.judge.fn or rl.judge.model: leave it out, or drop it with rl.judge.margin=null"),
     (["engine.backend=trt"], "config field engine.backend: got 'trt'; expected one of: "
      "embedded, http, vllm, sglang"),
     # vLLM reloads full checkpoints: a delta mode fails here, not at the first push

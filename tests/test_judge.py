@@ -215,11 +215,13 @@ def test_model_judge_config_errors_are_one_line(calc_model_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"^config field rl.judge.prompt: KeyError: 'x'"):
         load_config(CONFIG, [*base, judge, "rl.judge.prompt='{answer} {x}'"])
     with pytest.raises(ConfigError, match=r"^config field rl.judge.prompt: got .*; it only "
-                       "applies with rl.judge.model$"):
+                       "applies with rl.judge.model: leave it out, or drop it with "
+                       r"rl.judge.prompt=null$"):
         load_config(CONFIG, [*base, "rl.judge.prompt='{answer}?'"])
     for knob in ("weight=0.3", "window=5", "margin=0.1"):
         with pytest.raises(ConfigError, match=rf"^config field rl.judge.{knob.split('=')[0]}: "
-                           r"got .*; it only applies with rl.judge.fn or rl.judge.model$"):
+                           r"got .*; it only applies with rl.judge.fn or rl.judge.model: "
+                           rf"leave it out, or drop it with rl.judge.{knob.split('=')[0]}=null$"):
             load_config(CONFIG, [*base, f"rl.judge.{knob}"])
     with pytest.raises(ConfigError, match=r"^config field rl.judge.model: got .* "
                        "rl.reward_control: random"):

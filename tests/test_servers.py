@@ -325,6 +325,38 @@ def test_a_port_another_process_took_is_not_a_healthy_server(
         other.wait()
 
 
+def test_a_server_whose_listener_leaves_the_session_is_refused_naming_the_fix(
+        tmp_path: Path) -> None:
+    """review s8 F9: a command that hands the port to a process outside the session tiller
+    starts (`setsid -w`: the server runs in a session of its own) cannot be told apart from
+    another process on the port, nor stopped with the session: refused at start-up, in one line
+    that names such wrappers and engine.urls."""
+    m = ManagedServers([ServerSpec("wrapped", ["setsid", "-w", sys.executable, SERVER,
+                                               "--port", "{port}"])],
+                       log_dir=tmp_path, startup_timeout_s=30)
+    with pytest.raises(RunError) as e:
+        m.start()
+    port = str(e.value).split("http://127.0.0.1:", 1)[1].split(")", 1)[0]
+    escaped = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+               if f"{SERVER}\0--port\0{port}\0" in read_cmdline(pid)]
+    for pid in escaped:  # setsid's child left the stopped session: this test stops it
+        os.kill(pid, signal.SIGKILL)
+    assert len(escaped) == 1 and m.running == []
+    msg = str(e.value)
+    assert msg.startswith(f"server wrapped (http://127.0.0.1:{port}): port {port} answers "
+                          "/health, but from a socket of another process, not one of the "
+                          "session tiller started: ") and "\n" not in msg
+    assert "(docker run -p, setsid, systemd-run, a daemonising supervisor; start such a " \
+        "server yourself and attach it with engine.urls)" in msg
+
+
+def read_cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:  # exited meanwhile, or not ours to read
+        return ""
+
+
 def test_a_server_that_binds_its_port_itself_is_found_as_the_listener(tmp_path: Path) -> None:
     with ManagedServers([spec("own")], log_dir=tmp_path, startup_timeout_s=30) as m:
         r = m.running[0]

@@ -359,9 +359,16 @@ def test_an_attached_server_in_vllms_default_logprobs_mode_is_refused_and_a_rest
 def test_the_shipped_smollm2_config_starts_vllm_with_the_default_kv_cache(tmp_path: Path
                                                                         ) -> None:
     """SmolLM2-135M's context is 8192 tokens, whose KV (fp32) is more than the default 256 MiB
-    kv_cache_bytes: the servers get the run's context (env.max_episode_tokens) instead."""
-    cfg_ = load_config("configs/smollm2_calculator.yaml",
-                       ["engine.backend=vllm", f"engine.startup_timeout_s={START_S}"])
+    kv_cache_bytes: the servers get the run's context (env.max_episode_tokens) instead. The
+    config sets two embedded-only keys, which a switch to vLLM drops with `=null` (as its
+    comment and the error say)."""
+    with pytest.raises(ConfigError, match=r"^config field engine.max_batch_size: got 32; it "
+                       r"only applies with engine.backend: embedded \(engine.backend is vllm\): "
+                       r"leave it out, or drop it with engine.max_batch_size=null$"):
+        load_config("configs/smollm2_calculator.yaml", ["engine.backend=vllm"])
+    cfg_ = load_config("configs/smollm2_calculator.yaml", [
+        "engine.backend=vllm", "engine.max_batch_size=null", "engine.cache_bytes=null",
+        f"engine.startup_timeout_s={START_S}"])
     try:
         model = load_model(cfg_.model.path, torch.float32)
     except (OSError, ConfigError, ModelLoadError) as e:
@@ -420,7 +427,8 @@ def test_the_logprobs_mode_check_passes_bf16_servers_and_refuses_raw_logprobs(
 class Stub(BaseHTTPRequestHandler):
     """vLLM's RL routes as tiller calls them, each answered after `server.delay[path]` s
     with `server.answers[path]` ((status, body)); /update_weight_version sets what /weight_info
-    reports. Every path called is recorded in `server.calls`."""
+    reports; /v1/completions answers `server.completions(request body)` where set. Every path
+    called is recorded in `server.calls`."""
 
     def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
         self._reply(None)
@@ -437,6 +445,8 @@ class Stub(BaseHTTPRequestHandler):
         status, answer = srv.answers.get(path, (200, {"success": True}))  # type: ignore
         if path == "/weight_info":
             answer = {"weight_version": srv.version}  # type: ignore[attr-defined]
+        if path == "/v1/completions" and srv.completions is not None:  # type: ignore
+            answer = srv.completions(body)  # type: ignore[attr-defined]
         data = json.dumps(answer).encode()
         try:
             self.send_response(status)
@@ -460,6 +470,7 @@ def stubs(n: int, answers: dict | None = None, delay: dict | None = None):
             srv.daemon_threads = True
             srv.calls, srv.answers, srv.delay, srv.version = [], answers or {}, delay or {}, \
                 "default"
+            srv.completions = None
             threading.Thread(target=srv.serve_forever, daemon=True).start()
             made.append(srv)
         yield made, [f"http://127.0.0.1:{s.server_address[1]}" for s in made]
@@ -477,6 +488,50 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
 def stub_engine(urls: list[str], tmp_path: Path, model: torch.nn.Module) -> VllmEngine:
     return VllmEngine(urls, weights_dir=tmp_path / "w", request_timeout_s=10,
                       shapes={n: tuple(t.shape) for n, t in model.state_dict().items()})
+
+
+@pytest.mark.parametrize("mode", ["processed_logprobs", "processed_logits"])
+def test_the_logprobs_mode_check_refuses_logits_that_pass_for_probabilities(
+        small, tmp_path: Path, mode: str) -> None:
+    """review s8 F3: logits z / T (processed_logits) whose top ones all lie below about -1.8
+    sum to under 1 as probabilities and are twice as spread at T = 0.5 as at 1, like logprobs;
+    their shift tells them apart: exactly twice those at 1, where logprobs of softmax(z / T)
+    lie -log sum(p^2) above it (`logprobs_shift_bounds`). A stub answers the check's two
+    generates from fixed logits (600 tokens, all below -1.8) in either mode."""
+    z = torch.randn(600, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    z = z * 0.3 - 3.0
+    assert z.max() < -1.8
+
+    def values(temperature: float) -> torch.Tensor:
+        return torch.log_softmax(z / temperature, -1) if mode == "processed_logprobs" \
+            else z / temperature
+
+    def completions(body: dict) -> dict:
+        top = torch.topk(values(body["temperature"]), body["logprobs"])
+        return {"choices": [{"logprobs": {"top_logprobs": [{
+            f"token_id:{int(i)}": float(v) for v, i in zip(top.values, top.indices,
+                                                           strict=True)}]}}]}
+
+    top_1 = torch.topk(values(1.0), 5).values
+    assert float(top_1.exp().sum()) < 1.0  # what the sum test lets through, in both modes
+    spread = [float((t.max() - t).sum()) for t in (torch.topk(values(0.5), 5).values, top_1)]
+    assert spread[0] / spread[1] == pytest.approx(2.0)  # and the spread ratio
+    with stubs(1) as (srvs, urls):
+        srvs[0].completions = completions
+        engine = stub_engine(urls, tmp_path, small)
+        try:
+            if mode == "processed_logprobs":
+                vllm_mod.check_logprobs_mode(engine, 10)
+            else:
+                with pytest.raises(RunError) as e:
+                    vllm_mod.check_logprobs_mode(engine, 10)
+        finally:
+            engine.close()
+    if mode == "processed_logits":
+        assert str(e.value) == (
+            f"vLLM server {urls[0]}: its top values at temperature 0.5 lie 0 above 2x those at "
+            "1, where logprobs lie in [2.18, 2.82] (logits: 0), so they are no logprobs: start "
+            "it with --logprobs-mode processed_logprobs")
 
 
 def test_a_failed_reload_still_resumes_the_server(small, tmp_path: Path) -> None:

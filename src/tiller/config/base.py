@@ -22,9 +22,11 @@ class Variant(Section):
     `rl.curriculum.mode`, `rl.judge`): each variant is its own type holding only its own keys,
     and `variants` joins a family of them into the section's field type.
 
-    A key of another variant of the family is a ConfigError naming the key, its value and the
-    choice it applies with. Such a key left empty (null, []) or at that variant's default says
-    nothing and is dropped: configs saved before the split hold every key of the section.
+    A key of another variant of the family is a ConfigError naming the key, its value, the
+    choice it applies with and how to drop it (`key=null`). Such a key left empty (null, []) or
+    at that variant's default says nothing and is dropped: configs saved before the split hold
+    every key of the section, and a config whose YAML sets one variant's keys runs on another
+    with those keys overridden to null.
 
     The base a family shares (`RLConfig`, `EngineConfig`, ...) holds only the keys every
     variant has: given a variant's key in Python, it is a ConfigError naming the variant
@@ -56,7 +58,8 @@ class Variant(Section):
             elif not _says_nothing(value, key, owners):
                 raise ConfigError(f"config field {cls.where}.{key}: got {value!r}; it only "
                                   f"applies with {' or '.join(v.chosen_by for v in owners)}"
-                                  f"{cls.now()}")
+                                  f"{cls.now()}: leave it out, or drop it with "
+                                  f"{cls.where}.{key}=null")
         return kept
 
 

@@ -177,7 +177,11 @@ def render() -> str:
         "dropped, so a run's config.yaml saved before a section was split into variants "
         "(it holds every key of the section) still loads. For example, with "
         "`engine.backend: http`, `engine.max_batch_size: 128` (the embedded default) is "
-        "dropped and `engine.max_batch_size: 64` is an error.",
+        "dropped and `engine.max_batch_size: 64` is an error. So a config whose YAML sets "
+        "one variant's keys runs on another with those keys overridden to null: "
+        "configs/smollm2_calculator.yaml sets two embedded-engine keys, and runs on vLLM "
+        "with `engine.backend=vllm engine.max_batch_size=null engine.cache_bytes=null` "
+        "(the error names the override).",
         "", f"Generated from the config models by `{COMMAND}`; do not edit it by hand (a test "
         "checks that it is current).", ""]
     for table in sections():

@@ -29,7 +29,13 @@ before it is raised. `ManagedServers` is a context manager and is what an engine
 (registered on the run's ExitStack: success, error, Ctrl-C) stops.
 
 The command of a server is any argv with `{port}` where its port goes: the vLLM backend starts
-`python -m vllm.entrypoints.openai.api_server`; `tiller serve` can be started the same way.
+`python -m vllm.entrypoints.openai.api_server`; `tiller serve` can be started the same way. The
+process that listens on the port must be one of the session tiller starts (the command or a
+process it spawned that stays in its session): a wrapper that hands the port to a process
+elsewhere (`docker run -p`, whose listener is docker-proxy's; `setsid`, `systemd-run`, a
+supervisor that daemonises) is refused at start-up like another process on the port, as tiller
+could neither tell its server apart nor stop it; start such a server yourself and attach it
+with `engine.urls`.
 """
 
 from __future__ import annotations
@@ -292,8 +298,12 @@ class ManagedServers:
         if theirs:
             raise RunError(f"server {r.spec.name} ({r.url}): port {port} answers "
                            f"{r.spec.health_path}, but from a socket of another process, not "
-                           f"the server's (another process took the port before the server "
-                           f"bound it); log {r.log}: {last_line(r.log)}")
+                           f"one of the session tiller started: another process took the port "
+                           f"before the server bound it, or the server's command hands its "
+                           f"port to a process outside that session (docker run -p, setsid, "
+                           f"systemd-run, a daemonising supervisor; start such a server "
+                           f"yourself and attach it with engine.urls); log {r.log}: "
+                           f"{last_line(r.log)}")
         return bool(found)
 
     def exited(self) -> list[str]:

@@ -92,6 +92,10 @@ SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"
 # SmolLM2-135M (mean over the top 5 at T = 0.5), more than raw and processed differ by
 MODE_T, MODE_TOP, MODE_TOL = 0.5, 5, 0.25
 MODE_MIN_SPREAD = 1e-3  # sum of (top - logprob) at T = 1 below which the ratio means nothing
+# logprobs at MODE_T = 0.5 lie -log sum(p^2) above twice those at 1 (p = softmax(z)), which the
+# top logprobs at 1 bound; logits (processed_logits: z / T) lie exactly on twice: the check
+# allows MODE_SHIFT_TOL around the bounds (values from the same fp32 logits agree to ~1e-5)
+MODE_SHIFT_TOL = 0.05
 MODE_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 Step = Callable[[str, dict | None], Awaitable[Any]]  # one call of a push (VllmEngine._step)
 
@@ -449,8 +453,9 @@ def logprobs_spread_ratios(engine: VllmEngine, timeout_s: float) -> dict[str, fl
     z (the server's own), so it is exact whatever the precision: 1/`MODE_T` for logprobs of
     softmax(z / T) (processed_logprobs), 1 for vLLM's default raw_logprobs (softmax(z), before
     temperature). A failed generate, an answer without top logprobs, values that are no
-    logprobs (their probabilities sum past 1: logits modes) or top tokens of equal logprobs (no
-    spread to compare) are one RunError naming the server."""
+    logprobs (their probabilities sum past 1, or, at `MODE_T` against 1, not shifted as
+    logprobs are: `logprobs_shift_bounds`; vLLM's logits modes) or top tokens of equal logprobs
+    (no spread to compare) are one RunError naming the server."""
     def body(temperature: float) -> dict:
         return {"model": SERVED_NAME, "prompt": MODE_PROMPT, "max_tokens": 1, "seed": 0,
                 "temperature": temperature, "logprobs": MODE_TOP,
@@ -482,10 +487,31 @@ def logprobs_spread_ratios(engine: VllmEngine, timeout_s: float) -> dict[str, fl
             raise RunError(f"vLLM server {server.url}: the logprobs-mode check cannot tell the "
                            f"mode: the top {len(both)} logprobs after {MODE_PROMPT} are within "
                            f"{spread_1:.2g} of each other")
+        shift = sum(at_t[k] - at_1[k] / MODE_T for k in both) / len(both)
+        low, high = logprobs_shift_bounds(list(at_1.values()))
+        if not low - MODE_SHIFT_TOL <= shift <= high + MODE_SHIFT_TOL:
+            raise RunError(f"vLLM server {server.url}: its top values at temperature {MODE_T:g} "
+                           f"lie {shift:.3g} above {1 / MODE_T:g}x those at 1, where logprobs "
+                           f"lie in [{low:.3g}, {high:.3g}] (logits: 0), so they are no "
+                           f"logprobs: start it with --logprobs-mode processed_logprobs")
         ratios[server.url] = spread_t / spread_1
 
     engine._on_each(engine.servers, one, "the logprobs-mode check", 2 * timeout_s + 5.0)
     return ratios
+
+
+def logprobs_shift_bounds(top_at_1: list[float]) -> tuple[float, float]:
+    """Bounds on how far logprobs at temperature `MODE_T` = 0.5 lie above twice those at 1,
+    from the top logprobs at 1. With p = softmax(z): log softmax(2z) - 2 log softmax(z) =
+    2 LSE(z) - LSE(2z) = -log sum(p^2), the same for every token, 0 only for one certain
+    token; the top k give sum(p^2) >= sum(top p^2) and <= sum(top p^2) + (1 - sum(top p)) *
+    max(p) (the rest are each at most the largest). Logits (z / T) lie on twice exactly: shift
+    0, outside these bounds unless the top token is nearly certain."""
+    p = [math.exp(min(v, 0.0)) for v in top_at_1]
+    squares, rest = sum(x * x for x in p), max(0.0, 1.0 - sum(p))
+    if squares == 0.0:  # every value -inf (or below exp's range): nothing to bound by
+        return math.inf, math.inf
+    return -math.log(squares + rest * max(p)), -math.log(squares)
 
 
 def check_logprobs_mode(engine: VllmEngine, timeout_s: float) -> None:
