@@ -235,6 +235,12 @@ class RayWorkers:
         return {**self.engine_stats(per), "retried": self.retried,
                 "workers_live": float(len(self.live)), "unanswered": float(self.unanswered)}
 
+    def tool_stats(self) -> list[dict[str, float]]:
+        """Each live worker's tool counters since the last call (the RL episodes' tools run
+        in the workers' tool stacks): `tools.stack.merged_stats` adds them up."""
+        return list(self.wait_all("tool stats", lambda w: w.tool_stats.remote(),
+                                  CLOSE_TIMEOUT_S).values())
+
     def engine_stats(self, per: list[dict[str, float]]) -> dict[str, float]:
         """The live workers' engine counters summed (version: the oldest)."""
         out: Counter[str] = Counter()
