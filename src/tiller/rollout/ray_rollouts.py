@@ -68,6 +68,8 @@ class WorkerDied(RunError):
 class RayWorkers:
     """The rollout workers, and the `Engine` the run's process sees over them."""
 
+    ships_updates = True  # a weight update reaches the workers through Ray's object store
+
     def __init__(self, cfg: Config, model: nn.Module | None, tokenizer: Any,
                  env_cls: type[Env], episode_fn: EpisodeFn, limits: EpisodeLimits,
                  run_dir: Path, servers: Followed | None = None):
