@@ -177,6 +177,40 @@ def test_an_address_that_accepts_tcp_but_is_no_cluster_stops_in_bounded_time(
                    f"`ray start --head` prints)")
 
 
+CONNECT = """
+import sys, time
+from tiller.config import load_config
+from tiller.errors import RunError
+from tiller.rollout import cluster
+cluster.ADDRESS_TIMEOUT_S = 3.0
+c = cluster.RayCluster(load_config("configs/calculator.yaml", [
+    "cluster.backend=ray", f"cluster.address={sys.argv[1]}"]), sys.argv[2])
+t0 = time.monotonic()
+try:
+    c.start()
+except RunError as e:
+    print(f"{time.monotonic() - t0:.1f}", e, flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_the_runs_own_connection_to_an_address_is_bounded(tmp_path, silent_port):
+    """A cluster that answered the probe and stops answering before the run connects: the
+    run's `ray.init` (which Ray retries for minutes) fails the run at ADDRESS_TIMEOUT_S in one
+    line naming the address. In a child Python: its connecting thread ends with it."""
+    done = subprocess.run([sys.executable, "-c", CONNECT, silent_port, str(tmp_path)], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+                          capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr[-3000:]
+    took, msg = done.stdout.strip().split(" ", 1)
+    assert 3.0 <= float(took) < 3.0 + 5, took
+    assert msg == (f"ray: the run's connection to the cluster at cluster.address "
+                   f"'{silent_port}' did not finish within 3 s (it answered the probe before "
+                   f"the run started)")
+
+
 def test_the_address_probed_is_the_one_ray_dials(tmp_path):
     """127.0.0.1:PORT is dialled by Ray at this node's IP: a listener on loopback only does not
     make the address answer."""
