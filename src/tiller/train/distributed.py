@@ -63,10 +63,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+STOP_TIMEOUT_S = 30.0  # how long `Leading.close` gives the idle ranks, together, to exit
 # what every rank runs, in the same order: the calls that train (the weights move), those
 # that set up the optimizer, the KL reference model and the critic, and a checkpoint's gather
 # and a resume's load of the ranks' state
-STOP_TIMEOUT_S = 30.0  # how long `Leading.close` gives the idle ranks, together, to exit
 TRAINING = ("sft_step", "rl_step")
 STEPS = ("set_optimizer", "reference", "drop_reference", "new_critic", "critic_state",
          "state", "load_state", "use_parts", "write_part", "score_probe", "gather", *TRAINING)

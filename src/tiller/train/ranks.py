@@ -214,8 +214,8 @@ class ProcessRank:
                 log.warning("trainer rank %d: its pipe closed before stop", self.rank)
             self.proc.join(max(0.0, deadline - time.monotonic()))
             if self.proc.is_alive():
-                log.error("trainer rank %d did not stop within %.0f s: killed", self.rank,
-                          STOP_TIMEOUT_S)
+                log.error("trainer rank %d did not stop within close's %.0f s: killed",
+                          self.rank, STOP_TIMEOUT_S)
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(STOP_TIMEOUT_S)
