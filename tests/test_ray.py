@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TINY_RUN, gone
+from helpers import TINY_RUN, gone, rl_rows
 
 from tiller.config import ConfigError, load_config
 from tiller.controller import train
@@ -51,11 +51,14 @@ def ray_processes() -> list[str]:
 
 
 def ray_folders_left() -> list[str]:
-    """The local Ray instances' folders (`RayCluster`'s /tmp/tiller-ray-*) that hold a session
-    of this process: each is removed when its run closes."""
+    """The local Ray instances' folders (`RayCluster`'s /tmp/tiller-ray-*, and `ray_2cpus`')
+    that hold a session of this process, each removed when its run or test ends; and this
+    process's sessions in Ray's default folder (/tmp/ray: a `ray.init` given no folder)."""
     mine = str(os.getpid())
-    return [str(d) for d in Path(tempfile.gettempdir()).glob("tiller-ray-*")
-            if any(p.name.endswith(f"_{mine}") for p in d.glob("session_*"))]
+    tmp = Path(tempfile.gettempdir())
+    return [*(str(d) for d in tmp.glob("tiller-ray-*")
+              if any(p.name.endswith(f"_{mine}") for p in d.glob("session_*"))),
+            *map(str, (tmp / "ray").glob(f"session_*_{mine}"))]
 
 
 @pytest.fixture()
@@ -71,6 +74,22 @@ def no_ray_left():
         assert not ray_folders_left(), "the test left its Ray instance's folder"
     finally:
         ray.shutdown()
+
+
+@pytest.fixture()
+def ray_2cpus(no_ray_left):
+    """A local Ray instance of 2 CPUs in a folder of its own (`tiller-ray-*`, which
+    `no_ray_left` checks), stopped and its folder removed after the test."""
+    import ray
+
+    temp = tempfile.mkdtemp(prefix="tiller-ray-")
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20,
+                 _temp_dir=temp, log_to_driver=False, configure_logging=False)
+        yield ray
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.mark.slow
@@ -156,6 +175,40 @@ def test_an_address_that_accepts_tcp_but_is_no_cluster_stops_in_bounded_time(
     assert msg == (f"config field cluster.address: got '{silent_port}'; something accepts TCP "
                    f"there but no Ray cluster answered within 10 s (give the GCS address "
                    f"`ray start --head` prints)")
+
+
+CONNECT = """
+import sys, time
+from tiller.config import load_config
+from tiller.errors import RunError
+from tiller.rollout import cluster
+cluster.ADDRESS_TIMEOUT_S = 3.0
+c = cluster.RayCluster(load_config("configs/calculator.yaml", [
+    "cluster.backend=ray", f"cluster.address={sys.argv[1]}"]), sys.argv[2])
+t0 = time.monotonic()
+try:
+    c.start()
+except RunError as e:
+    print(f"{time.monotonic() - t0:.1f}", e, flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_the_runs_own_connection_to_an_address_is_bounded(tmp_path, silent_port):
+    """A cluster that answered the probe and stops answering before the run connects: the
+    run's `ray.init` (which Ray retries for minutes) fails the run at ADDRESS_TIMEOUT_S in one
+    line naming the address. In a child Python: its connecting thread ends with it."""
+    done = subprocess.run([sys.executable, "-c", CONNECT, silent_port, str(tmp_path)], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+                          capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr[-3000:]
+    took, msg = done.stdout.strip().split(" ", 1)
+    assert 3.0 <= float(took) < 3.0 + 5, took
+    assert msg == (f"ray: the run's connection to the cluster at cluster.address "
+                   f"'{silent_port}' did not finish within 3 s (it answered the probe before "
+                   f"the run started)")
 
 
 def test_the_address_probed_is_the_one_ray_dials(tmp_path):
@@ -407,14 +460,27 @@ def test_a_run_on_an_existing_cluster_leaves_it_running(tmp_path, monkeypatch, h
 @pytest.mark.parametrize("more", [
     [], ["model.lora.r=4", "model.lora.alpha=8", "rl.algorithm.preset=ppo",
          "rl.algorithm.advantage=gae"]], ids=["plain", "lora-ppo"])
-def test_trainer_ranks_as_ray_actors(tmp_path, no_ray_left, more):
+def test_trainer_ranks_as_ray_actors(tmp_path, monkeypatch, no_ray_left, more):
     """`tiller train configs/calculator.yaml cluster.backend=ray train.world_size=2`, tiny; and
-    with the rank actors holding adapters, the reference adapter and a sharded critic."""
+    with the rank actors holding adapters, the reference adapter and a sharded critic. Rank 1
+    ran as a Ray actor (its worker's log, kept with the instance's, names `Follower`); the RL
+    steps' tool counters are the rollout workers' (where the episodes call the tool: half of
+    them the scripted expert's, `half_expert_loop`)."""
+    # the workers import half_expert_loop (the episode function travels by name)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
     summary = train(load_config("configs/calculator.yaml", [
-        *TINY_RUN, "cluster.backend=ray", "train.world_size=2", "eval.tasks=4", *more]),
-        tmp_path / "run")
+        *TINY_RUN, "cluster.backend=ray", "train.world_size=2", "eval.tasks=4",
+        "agent.loop=half_expert_loop:run_episode", *more]), tmp_path / "run")
     assert summary["rl"]["ledger"]["trained"] == 2 * 4 * 4
-    assert (tmp_path / "run" / "ray_logs").is_dir()  # the local instance's logs, kept
+    logs = tmp_path / "run" / "ray_logs"  # the local instance's logs, kept
+    actors = [line for f in sorted(logs.glob("worker-*.out"))
+              for line in f.read_text().splitlines() if line.startswith(":actor_name:")]
+    assert sorted(actors) == [":actor_name:Follower", ":actor_name:RolloutWorker"]
+    for row in rl_rows(tmp_path / "run"):
+        # every episode of a sync step is trained: the calls its trajectories made, counted
+        # by the workers' tool stacks
+        assert row["tool_calls/calculate"] == row["tool_calls_per_episode"] * 4 * 4, row
+    assert sum(r["tool_calls/calculate"] for r in rl_rows(tmp_path / "run")) > 0
 
 
 @pytest.mark.slow
@@ -440,16 +506,14 @@ def test_the_demo_learns_under_ray_like_local(tmp_path, no_ray_left):
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_a_trainer_rank_actor_that_dies_fails_the_step_naming_it(calc_model_dir, tokenizer,
-                                                                 no_ray_left):
-    import ray
+                                                                 ray_2cpus):
+    ray = ray_2cpus
     from test_distributed import batch_of
 
     from tiller.models import load_model
     from tiller.train.distributed import TrainerOptions
     from tiller.train.ranks import start_ranks
 
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20,
-             log_to_driver=False, configure_logging=False)
     leader = start_ranks(load_model(calc_model_dir), 2, TrainerOptions(), "ray", 60.0)
     try:
         leader.set_optimizer(1e-3)
@@ -459,7 +523,6 @@ def test_a_trainer_rank_actor_that_dies_fails_the_step_naming_it(calc_model_dir,
             leader.sft_step(batch_of(tokenizer), 2)
     finally:
         leader.close()
-        ray.shutdown()
 
 
 @pytest.mark.slow
@@ -534,20 +597,17 @@ def test_rank_actors_count_runtime_threads_in_the_cpu_check(tmp_path):
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_a_trainer_rank_actor_that_fails_ends_rank_0s_wait(calc_model_dir, tokenizer,
-                                                           no_ray_left):
+                                                           ray_2cpus):
     """The actor stays alive after its step raised; it leaves the process group, so rank 0's
     collective ends at once, not at train.rank_timeout_s (120 s)."""
     import time
 
-    import ray
     from test_distributed import batch_of
 
     from tiller.models import load_model
     from tiller.train.distributed import TrainerOptions
     from tiller.train.ranks import RayRank, start_ranks
 
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20,
-             log_to_driver=False, configure_logging=False)
     leader = start_ranks(load_model(calc_model_dir), 2, TrainerOptions(), "ray", 120.0)
     try:
         leader.set_optimizer(1e-3)
@@ -561,27 +621,65 @@ def test_a_trainer_rank_actor_that_fails_ends_rank_0s_wait(calc_model_dir, token
                                 "no attribute 'loss_mask') during sft_step")
     finally:
         leader.close()
-        ray.shutdown()
 
 
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-def test_a_trainer_rank_actor_that_dies_during_start_fails_it_at_once(no_ray_left):
+def test_a_hung_trainer_rank_actor_is_named_and_killed_at_close(calc_model_dir, tokenizer,
+                                                                ray_2cpus, caplog):
+    """Rank 1's actor alive but busy elsewhere (a 120 s sleep, not the step): rank 0's
+    collective times out and the step fails naming rank 1, the step and the setting; close
+    kills the actor at once rather than queueing its close behind the sleep."""
+    import logging
+    from datetime import timedelta
+
+    from test_distributed import batch_of
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    from tiller.models import load_model
+    from tiller.train.distributed import TrainerOptions
+    from tiller.train.ranks import start_ranks
+
+    leader = start_ranks(load_model(calc_model_dir), 2, TrainerOptions(), "ray", 120.0)
+    try:
+        leader.set_optimizer(1e-3)
+        _set_pg_timeout(timedelta(seconds=2))  # rank 0's side, as the setting would make it
+        leader.timeout_s = 2.0
+        rank = leader.ranks[0]
+
+        def hang(name, args, lrs):
+            rank.name = name
+            rank.pending = rank.actor.__ray_call__.remote(lambda _: time.sleep(120))
+
+        rank.send = hang
+        with pytest.raises(RunError) as e:
+            leader.sft_step(batch_of(tokenizer), 2)
+        assert str(e.value).startswith(
+            "trainer rank(s) [1] did not take part in sft_step within train.rank_timeout_s=2 "
+            "(alive, not answering; ")
+    finally:
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="tiller.train.distributed"):
+            leader.close()
+        closed_s = time.monotonic() - t0
+    assert closed_s < 5, closed_s
+    assert "closing: 1 trainer rank(s) [1] still in a call rank 0 has left: killed" in [
+        r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_trainer_rank_actor_that_dies_during_start_fails_it_at_once(ray_2cpus):
     import time
 
-    import ray
     from test_rank_failures import DiesWhenLoaded
 
     from tiller.train.distributed import TrainerOptions
     from tiller.train.ranks import start_ranks
 
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20,
-             log_to_driver=False, configure_logging=False)
-    try:
-        t0 = time.monotonic()
-        with pytest.raises(RunError, match=r"^trainer rank 1 died during start: Ray actor: "):
-            start_ranks(DiesWhenLoaded(2, 2), 2, TrainerOptions(), "ray", 120.0)
-        assert time.monotonic() - t0 < 60
-    finally:
-        ray.shutdown()
+    t0 = time.monotonic()
+    with pytest.raises(RunError, match=r"^trainer rank 1 died during start: Ray actor: "):
+        start_ranks(DiesWhenLoaded(2, 2), 2, TrainerOptions(), "ray", 120.0)
+    assert time.monotonic() - t0 < 60

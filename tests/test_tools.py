@@ -1,5 +1,7 @@
 import asyncio
 
+import pytest
+
 from tiller.tools.registry import ToolCall, ToolError, ToolOutcome, ToolRegistry, tool
 
 
@@ -166,3 +168,24 @@ def test_a_tool_overrides_the_rule_per_exception_class():
                                             "QuotaExceeded: 101 records is over the quota of 100")
     assert malformed.outcome is ToolOutcome.ENV_ERROR  # the default would blame the policy
     assert malformed.content == "fetch failed: ValueError: the service sent a malformed page"
+
+
+def test_tool_stacks_stats_merge_as_one_stacks():
+    """The run's and its Ray rollout workers' tool counters as one stack's: counts summed, the
+    outcome rates weighted by each stack's calls, peak concurrency the largest of one stack's."""
+    from tiller.tools.stack import merged_stats
+
+    run = {"tool_calls/calculate": 0.0, "ok_rate/calculate": 0.0, "env_error_rate/calculate": 0.0,
+           "tool_timeouts/calculate": 0.0, "tool_peak_concurrency/calculate": 0.0,
+           "tool_abandoned_threads": 0.0}
+    w0 = {"tool_calls/calculate": 3.0, "ok_rate/calculate": 2 / 3,
+          "env_error_rate/calculate": 1 / 3, "tool_timeouts/calculate": 1.0,
+          "tool_peak_concurrency/calculate": 2.0, "tool_abandoned_threads": 1.0}
+    w1 = {"tool_calls/calculate": 1.0, "ok_rate/calculate": 1.0, "env_error_rate/calculate": 0.0,
+          "tool_timeouts/calculate": 0.0, "tool_peak_concurrency/calculate": 1.0,
+          "tool_abandoned_threads": 0.0}
+    assert merged_stats([run, w0, w1]) == pytest.approx({
+        "tool_calls/calculate": 4.0, "ok_rate/calculate": 0.75,
+        "env_error_rate/calculate": 0.25, "tool_timeouts/calculate": 1.0,
+        "tool_peak_concurrency/calculate": 2.0, "tool_abandoned_threads": 1.0})
+    assert merged_stats([run]) == run

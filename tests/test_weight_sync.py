@@ -6,6 +6,7 @@ engines timing out with an error naming what was waited for, and deltas over HTT
 from __future__ import annotations
 
 import copy
+import pickle
 import re
 import socket
 import threading
@@ -612,3 +613,19 @@ def test_the_default_mode_is_full_in_memory(model):
         assert sync.push()["sync/kind"] == 0.0
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("engine_dtype", [torch.bfloat16, torch.float32])
+def test_a_full_update_to_ray_workers_ships_what_sync_bytes_counts(model, engine_dtype):
+    """Under cluster.backend ray the full update is pickled into Ray's object store for the
+    rollout workers: it holds the engine-dtype tensors, so its pickled size is sync/bytes (plus
+    the pickle's names and headers), not the fp32 master weights' (2x under bf16 before)."""
+    from tiller.rollout.ray_rollouts import RayWorkers
+
+    sync = WeightSync(PolicyTrainer(model), RayWorkers.__new__(RayWorkers),
+                      WeightSyncConfig(), engine_dtype)
+    update, m = sync.build(1)
+    shipped = len(pickle.dumps(update, protocol=5))
+    assert m["sync/bytes"] == m["sync/full_bytes"] == sum(
+        t.nbytes for t in {t.data_ptr(): t for t in update.tensors.values()}.values())
+    assert m["sync/bytes"] < shipped < 1.05 * m["sync/bytes"], (shipped, m)

@@ -40,11 +40,12 @@ from tiller.rollout.collect import rollout_metrics
 from tiller.rollout.curriculum import Curriculum, make_curriculum
 from tiller.rollout.manager import RolloutManager
 from tiller.rollout.protocol import Rollouts, Taken
-from tiller.rollout.ray_rollouts import RayRollouts
+from tiller.rollout.ray_rollouts import RayRollouts, RayWorkers
 from tiller.rollout.resume import resumed_tasks
 from tiller.rollout.trajectory import Status, Trajectory, is_success
 from tiller.run import Run
 from tiller.tools.executor import ToolReliabilityError
+from tiller.tools.stack import merged_stats
 from tiller.train.batch import Batch
 from tiller.train.process_state import pause
 from tiller.train.reward_control import RewardControl
@@ -316,8 +317,16 @@ def step_recorder(run: Run, curriculum: Curriculum | None) -> StepRecorder:
     judge = run.cfg.rl.judge
     hacking = (JudgeHackingTrend(judge.window, judge.margin) if isinstance(judge, JudgeConfig)
                else None)
+    def tools() -> dict[str, float]:
+        """The run's tool counters (evaluation's episodes, and RL's with cluster.backend
+        local), with ray plus the rollout workers' (RL's episodes): reset every step."""
+        own = run.tools.stats(reset=True)
+        if not isinstance(run.engine, RayWorkers):
+            return own
+        return merged_stats([own, *run.engine.tool_stats()])
+
     return StepRecorder(run.log, run.traces, run.trainer,
-                        tools=lambda: run.tools.stats(reset=True), engine=run.engine.stats,
+                        tools=tools, engine=run.engine.stats,
                         others=others, judge_weight=judge_weight(run.cfg), hacking=hacking)
 
 

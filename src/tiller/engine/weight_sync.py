@@ -54,7 +54,10 @@ class WeightSync:
     def __init__(self, trainer: Publisher, engine: Any, cfg: WeightSyncConfig,
                  engine_dtype: torch.dtype):
         self.trainer, self.engine, self.cfg, self.dtype = trainer, engine, cfg, engine_dtype
-        self.http = hasattr(engine, "servers")
+        # the update leaves this process (a file an HTTP server loads; Ray's object store, to
+        # the rollout workers): cast to the engine dtype first, so what crosses is what
+        # sync/bytes counts
+        self.ships = hasattr(engine, "servers") or getattr(engine, "ships_updates", False)
         # auto where deltas can go (tiller serve); full for the embedded engine, vLLM and SGLang
         self.mode = cfg.mode or ("auto" if getattr(engine, "takes_deltas", False) else "full")
         config = trainer.model.config
@@ -103,9 +106,9 @@ class WeightSync:
         if self.mode == "full":
             sums = checksums({k: self.own[k] for k in dict.fromkeys(self.aliases.values())},
                              self.dtype)
-            # embedded: the live tensors by reference, no copy here; HTTP: in the engine's
-            # dtype, so the file holds (and sync/bytes counts) what the server keeps
-            if self.http:  # cast once per storage: tied names stay one tensor
+            # embedded in this process: the live tensors by reference, no copy here; shipped
+            # (HTTP, Ray): in the engine's dtype, so what crosses is what sync/bytes counts
+            if self.ships:  # cast once per storage: tied names stay one tensor
                 cast = {k: self._engine_form(self.own[k]) for k in set(self.aliases.values())}
                 own = {name: cast[first] for name, first in self.aliases.items()}
             else:

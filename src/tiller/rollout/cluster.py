@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0  # an address that does not accept a TCP connection by then is refused
 # connecting to cluster.address and reading its free resources, a child Python's start and
-# Ray's import included (seconds on a loaded machine)
+# Ray's import included (seconds on a loaded machine); and the run's own connection after it
 ADDRESS_TIMEOUT_S = 60.0
 
 
@@ -174,6 +175,36 @@ def probe_address(address: str) -> dict[str, float]:
     return answer["free"]
 
 
+def connect(address: str) -> None:
+    """The run's own connection to the cluster at `address` (`ray.init`), within
+    ADDRESS_TIMEOUT_S.
+    Ray retries a GCS that does not answer for minutes and acts on signals only between its
+    retries (`PROBE`), so `ray.init` runs in a daemon thread this process waits for: Ctrl-C
+    and SIGTERM are acted on at once, and a cluster that stopped answering since its probe
+    fails the run in one line naming the address (the thread, still retrying, is left to end
+    with the process)."""
+    import ray
+
+    failed: list[BaseException] = []
+
+    def init() -> None:
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+        except BaseException as e:  # raised in the run's thread below
+            failed.append(e)
+
+    thread = threading.Thread(target=init, name="tiller-ray-connect", daemon=True)
+    thread.start()
+    thread.join(ADDRESS_TIMEOUT_S)
+    if thread.is_alive():
+        raise RunError(f"ray: the run's connection to the cluster at cluster.address "
+                       f"{address!r} did not finish within {ADDRESS_TIMEOUT_S:g} s (it "
+                       f"answered the probe before the run started)")
+    if failed:
+        raise failed[0]
+
+
 def _too_many(cfg: Config, cpus: float, knob: str) -> str:
     servers = (f" and {cfg.managed_servers} engine server(s) of {cfg.server_threads} "
                f"thread(s)" if cfg.managed_servers else "")
@@ -209,8 +240,7 @@ class RayCluster:
         c = self.cfg.cluster
         t0 = time.perf_counter()
         if c.address is not None:
-            ray.init(address=c.address, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)  # its CPUs checked before any work
+            connect(c.address)  # its CPUs checked before any work
         else:
             # a short folder: Ray's sockets live below it (a run folder's path may be too long)
             self.temp_dir = tempfile.mkdtemp(prefix="tiller-ray-")

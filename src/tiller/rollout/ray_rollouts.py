@@ -68,6 +68,8 @@ class WorkerDied(RunError):
 class RayWorkers:
     """The rollout workers, and the `Engine` the run's process sees over them."""
 
+    ships_updates = True  # a weight update reaches the workers through Ray's object store
+
     def __init__(self, cfg: Config, model: nn.Module | None, tokenizer: Any,
                  env_cls: type[Env], episode_fn: EpisodeFn, limits: EpisodeLimits,
                  run_dir: Path, servers: Followed | None = None):
@@ -234,6 +236,12 @@ class RayWorkers:
         per = list(self.wait_all("stats", lambda w: w.stats.remote(), CLOSE_TIMEOUT_S).values())
         return {**self.engine_stats(per), "retried": self.retried,
                 "workers_live": float(len(self.live)), "unanswered": float(self.unanswered)}
+
+    def tool_stats(self) -> list[dict[str, float]]:
+        """Each live worker's tool counters since the last call (the RL episodes' tools run
+        in the workers' tool stacks): `tools.stack.merged_stats` adds them up."""
+        return list(self.wait_all("tool stats", lambda w: w.tool_stats.remote(),
+                                  CLOSE_TIMEOUT_S).values())
 
     def engine_stats(self, per: list[dict[str, float]]) -> dict[str, float]:
         """The live workers' engine counters summed (version: the oldest)."""

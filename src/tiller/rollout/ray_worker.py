@@ -110,6 +110,10 @@ class RolloutWorker:
     def stats(self) -> dict[str, float]:
         return self.engine.stats()
 
+    def tool_stats(self) -> dict[str, float]:
+        """This worker's tool counters since the last call (`ToolStack.stats`, reset)."""
+        return self.tools.stats(reset=True)
+
     def close(self) -> None:
         try:
             self.engine.close()

@@ -178,6 +178,30 @@ class ToolStack:
                 self.store.close()
 
 
+RATES = tuple(f"{o.value}_rate" for o in ToolOutcome)  # `ToolExecutor.stats`'s rate keys
+
+
+def merged_stats(per: list[dict[str, float]]) -> dict[str, float]:
+    """Several tool stacks' `ToolStack.stats` as one stack's (the run's and its Ray rollout
+    workers'): counts summed, `tool_peak_concurrency/<tool>` the largest of one stack's, the
+    outcome rates weighted by each stack's calls of the tool."""
+    out: dict[str, float] = {}
+    for s in per:
+        for k, v in s.items():
+            kind, _, tool = k.partition("/")
+            if kind == "tool_peak_concurrency":
+                out[k] = max(out.get(k, 0.0), v)
+            elif kind in RATES:
+                out[k] = out.get(k, 0.0) + v * s[f"tool_calls/{tool}"]
+            else:
+                out[k] = out.get(k, 0.0) + v
+    for k in out:
+        kind, _, tool = k.partition("/")
+        if kind in RATES:
+            out[k] /= max(out[f"tool_calls/{tool}"], 1.0)
+    return out
+
+
 def _check_unique(functions: list[Tool], mcp: list[Tool]) -> None:
     clash = sorted({t.name for t in functions} & {t.name for t in mcp})
     if clash:

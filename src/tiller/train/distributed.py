@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+STOP_TIMEOUT_S = 30.0  # how long `Leading.close` gives the idle ranks, together, to exit
 # what every rank runs, in the same order: the calls that train (the weights move), those
 # that set up the optimizer, the KL reference model and the critic, and a checkpoint's gather
 # and a resume's load of the ranks' state
@@ -464,7 +465,15 @@ class Rank(Protocol):
         ...)"), or None while it runs or when it succeeded."""
         ...
 
-    def stop(self) -> None: ...
+    def answered(self) -> bool:
+        """Whether the last call (if any) has answered, or the rank is gone; without waiting."""
+        ...
+
+    def stop(self, deadline: float) -> None:
+        """The rank stopped: told to stop and given until `deadline` (`time.monotonic`) to
+        exit when idle, killed at once while its last call has not answered (it waits in a
+        collective rank 0 has left, until train.rank_timeout_s, and would not read the stop)."""
+        ...
 
 
 class HeldFolder(Protocol):
@@ -496,12 +505,19 @@ class Leading:
                else [])
         for r in self.ranks:
             r.send(name, args if by_rank is None else by_rank[r.rank], lrs)
+        t0 = time.monotonic()
         try:
             out = self.run(name, args if by_rank is None else by_rank[0], lrs)
         except Exception as e:  # a collective that failed: a rank that died or failed says which
             for r in self.ranks:
                 if (how := r.ended()) is not None:
                     raise RunError(f"trainer rank {r.rank} {how} during {name}") from e
+            silent = [r.rank for r in self.ranks if not r.answered()]
+            if silent and time.monotonic() - t0 >= self.timeout_s:  # a collective timed out
+                first = str(e).splitlines()[0] if str(e) else ""
+                raise RunError(f"trainer rank(s) {silent} did not take part in {name} within "
+                               f"train.rank_timeout_s={self.timeout_s:g} (alive, not "
+                               f"answering; {type(e).__name__}: {first})") from e
             raise
         for r in self.ranks:
             r.wait(self.timeout_s)
@@ -566,10 +582,16 @@ class Leading:
                                             for r in range(self.world)])
 
     def close(self) -> None:
-        """Stop every other rank, leave the process group, remove the rendezvous folder."""
+        """Stop every other rank (under one deadline, `STOP_TIMEOUT_S`; those still in a call
+        killed at once), leave the process group, remove the rendezvous folder."""
         try:
+            busy = [r.rank for r in self.ranks if not r.answered()]
+            if busy:
+                log.warning("closing: %d trainer rank(s) %s still in a call rank 0 has left: "
+                            "killed", len(busy), busy)
+            deadline = time.monotonic() + STOP_TIMEOUT_S
             for r in self.ranks:
-                r.stop()
+                r.stop(deadline)
             if dist.is_initialized():
                 dist.destroy_process_group()
         finally:

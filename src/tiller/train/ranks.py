@@ -27,12 +27,18 @@ from torch import nn
 
 from tiller.config import LoRAConfig
 from tiller.errors import RunError
-from tiller.train.distributed import Leader, LoraLeader, Rank, TrainerOptions, rank_trainer
+from tiller.train.distributed import (
+    STOP_TIMEOUT_S,
+    Leader,
+    LoraLeader,
+    Rank,
+    TrainerOptions,
+    rank_trainer,
+)
 from tiller.train.lora import Lora
 
 log = logging.getLogger(__name__)
 
-STOP_TIMEOUT_S = 30.0  # a rank told to stop that has not exited by then is killed
 JOIN_POLL_S = 0.2  # how often rank 0 checks, during start, that the other ranks still live
 EXIT_AFTER_ERROR_S = 1.0  # a rank whose step raised exits this long after answering
 LOOPBACK = "lo"  # Linux's loopback interface: on one node the ranks' gloo pairs bind its 127.0.0.1
@@ -197,18 +203,22 @@ class ProcessRank:
     def died_starting(self) -> str | None:
         return None if self.proc.is_alive() else f"exit code {self.proc.exitcode}"
 
-    def stop(self) -> None:
-        if self.proc.is_alive():
+    def answered(self) -> bool:
+        return not self.name or self._answered(0) or not self.proc.is_alive()
+
+    def stop(self, deadline: float) -> None:
+        if self.proc.is_alive() and self.answered():
             try:
                 self.conn.send(None)
             except (BrokenPipeError, ConnectionResetError):
                 log.warning("trainer rank %d: its pipe closed before stop", self.rank)
-            self.proc.join(STOP_TIMEOUT_S)
+            self.proc.join(max(0.0, deadline - time.monotonic()))
+            if self.proc.is_alive():
+                log.error("trainer rank %d did not stop within close's %.0f s: killed",
+                          self.rank, STOP_TIMEOUT_S)
         if self.proc.is_alive():
-            log.error("trainer rank %d did not stop within %.0f s: killed", self.rank,
-                      STOP_TIMEOUT_S)
             self.proc.kill()
-            self.proc.join()
+            self.proc.join(STOP_TIMEOUT_S)
         self.conn.close()
 
 
@@ -267,14 +277,19 @@ class RayRank:
             return f"Ray actor: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         return None
 
-    def stop(self) -> None:
+    def answered(self) -> bool:
+        return self.pending is None or bool(self._ray.wait([self.pending], timeout=0)[0])
+
+    def stop(self, deadline: float) -> None:
         ray = self._ray
-        try:
-            ray.get(self.actor.close.remote(), timeout=STOP_TIMEOUT_S)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
-                ray.exceptions.RayTaskError) as e:
-            log.warning("trainer rank %d did not close cleanly (%s); killed", self.rank,
-                        type(e).__name__)
+        if self.answered():
+            try:
+                ray.get(self.actor.close.remote(),
+                        timeout=max(0.0, deadline - time.monotonic()))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
+                    ray.exceptions.RayTaskError) as e:
+                log.warning("trainer rank %d did not close cleanly (%s); killed", self.rank,
+                            type(e).__name__)
         ray.kill(self.actor)
 
 
@@ -414,8 +429,9 @@ def start_ranks(full: nn.Module, world: int, options: TrainerOptions, backend: s
             return LoraLeader(lora, world, options, ranks, timeout_s, rendezvous=held)
         return Leader(full, world, options, ranks, timeout_s, rendezvous=held)
     except BaseException:
+        deadline = time.monotonic() + STOP_TIMEOUT_S
         for r in ranks:
-            r.stop()
+            r.stop(deadline)
         if dist.is_initialized():
             dist.destroy_process_group()
         if held is not None:
