@@ -55,6 +55,7 @@ Update = WeightUpdate | DeltaUpdate | PartsUpdate  # what a push writes and send
 MAX_SESSIONS = 1 << 16  # sticky sessions remembered (LRU); a forgotten one is just placed again
 HEALTH_TIMEOUT_S = 5.0  # a down server that cannot answer /health within this stays down
 KEEPALIVE_S = 2.0  # idle connections kept this long: under the servers' keep-alive timeout
+EXIT_WAIT_S = 3.0  # every server down: how long the started ones get to show their exit
 
 
 class HttpEngine:
@@ -70,6 +71,7 @@ class HttpEngine:
         # what to do when every server is down, where `_all_down`'s default (restart them or
         # fix engine.urls) is wrong: a follower's servers that the run's engine started
         self.down_hint: str | None = None
+        self.exit_waited = False  # `_all_down` gave the started servers `EXIT_WAIT_S` once
         if not urls:
             raise ConfigError("config field engine.urls: list at least one server URL")
         self.servers = [Server(u.rstrip("/")) for u in urls]
@@ -182,9 +184,13 @@ class HttpEngine:
 
     def _all_down(self) -> RunError:
         """Every server is down: one line with each one's last error and, for the servers
-        tiller started, the exit code and last log line of each that exited."""
+        tiller started, the exit code and last log line of each that exited. The first time,
+        they get up to `EXIT_WAIT_S` to show their exit (a killed server's connections fail
+        just before its exit can be seen); later calls (the other requests in flight, on the
+        event loop) do not wait again."""
         states = "; ".join(f"{s.url}: {s.last_error}" for s in self.servers)
-        exited = self.managed.exited() if self.managed is not None else []
+        wait_s, self.exit_waited = (0.0 if self.exit_waited else EXIT_WAIT_S), True
+        exited = self.managed.exited(wait_s) if self.managed is not None else []
         hint = ("; ".join(exited) if exited else self.down_hint or
                 f"restart them ({self.dialect.name}) or fix engine.urls")
         return RunError(f"every {self.dialect.name} server is down ({states}): {hint}")

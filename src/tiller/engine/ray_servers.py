@@ -48,9 +48,9 @@ class ServerActor:
         """The server process's id (its process group's)."""
         return self.servers.running[0].proc.pid
 
-    def exited(self) -> list[str]:
+    def exited(self, wait_s: float = 0.0) -> list[str]:
         """`ManagedServers.exited` of its server."""
-        return self.servers.exited()
+        return self.servers.exited(wait_s)
 
     def close(self) -> None:
         self.servers.close()
@@ -201,14 +201,14 @@ class RayServers:
         return {url: self.log_dir / f"{spec.name}.log"
                 for url, spec in zip(self.urls, self.specs, strict=False)}
 
-    def exited(self) -> list[str]:
+    def exited(self, wait_s: float = 0.0) -> list[str]:
         """One line per server that has exited or whose actor died (it took its server with
-        it) or did not answer within `EXITED_TIMEOUT_S` (one deadline over all the actors):
-        its name, URL and log."""
+        it) or did not answer within `EXITED_TIMEOUT_S` past `wait_s` (one deadline over all
+        the actors; `ManagedServers.exited`'s `wait_s` in each): its name, URL and log."""
         import ray
 
-        refs = [a.exited.remote() for a in self.actors]
-        done = finished(refs, EXITED_TIMEOUT_S)
+        refs = [a.exited.remote(wait_s) for a in self.actors]
+        done = finished(refs, EXITED_TIMEOUT_S + wait_s)
         lines = []
         for spec, url, ref in zip(self.specs, self.urls, refs, strict=False):
             log_file = self.log_dir / f"{spec.name}.log"

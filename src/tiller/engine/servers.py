@@ -185,7 +185,7 @@ class Launched(Protocol):
 
     def start(self) -> list[str]: ...
     def logs(self) -> dict[str, Path]: ...
-    def exited(self) -> list[str]: ...
+    def exited(self, wait_s: float = 0.0) -> list[str]: ...
     def close(self) -> None: ...
 
 
@@ -306,9 +306,15 @@ class ManagedServers:
                            f"{last_line(r.log)}")
         return bool(found)
 
-    def exited(self) -> list[str]:
+    def exited(self, wait_s: float = 0.0) -> list[str]:
         """One line per server that has exited: its name, URL, exit code, log and the log's
-        last line."""
+        last line. `wait_s`: first wait up to that long (one deadline over all) for servers
+        still running to exit; a SIGKILLed server closes its sockets before its exit can be
+        reaped, so a caller that saw every server's connection fail asks with a few seconds."""
+        deadline = time.monotonic() + wait_s
+        for r in self.running if wait_s > 0 else []:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # still running: not exited
+                r.proc.wait(max(0.0, deadline - time.monotonic()))
         return [f"server {r.spec.name} ({r.url}) exited with code {r.proc.poll()}; log "
                 f"{r.log}: {last_line(r.log)}" for r in self.running if r.proc.poll() is not None]
 
