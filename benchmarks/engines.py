@@ -55,7 +55,8 @@ from tiller.config import VllmEngineConfig, load_config  # noqa: E402
 from tiller.controller import train  # noqa: E402
 from tiller.engine.api import Generation  # noqa: E402
 from tiller.engine.embedded import EmbeddedEngine  # noqa: E402
-from tiller.engine.http import HttpEngine, connect  # noqa: E402
+from tiller.engine.factory import connect  # noqa: E402
+from tiller.engine.http import HttpEngine  # noqa: E402
 from tiller.engine.servers import ManagedServers, tiller_serve_specs  # noqa: E402
 from tiller.engine.updates import WeightUpdate  # noqa: E402
 from tiller.engine.vllm import connect_vllm  # noqa: E402

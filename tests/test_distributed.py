@@ -21,7 +21,7 @@ from tiller.config import RLConfig
 from tiller.errors import RunError
 from tiller.models import load_model
 from tiller.train.batch import Batch
-from tiller.train.distributed import TrainerOptions, rank_rows
+from tiller.train.distributed import TrainerOptions
 from tiller.train.ranks import (
     RENDEZVOUS_LOCK,
     RENDEZVOUS_PREFIX,
@@ -30,6 +30,7 @@ from tiller.train.ranks import (
     remove_stale_rendezvous,
     start_ranks,
 )
+from tiller.train.sharding import rank_rows
 from tiller.train.trainer import PolicyTrainer
 
 # fp32 sums in another order (each rank's share, then the all-reduce): the updated weights'

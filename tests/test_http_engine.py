@@ -31,7 +31,8 @@ from tiller.controller import rl
 from tiller.engine import transport
 from tiller.engine.api import SamplingParams
 from tiller.engine.embedded import EmbeddedEngine
-from tiller.engine.http import HttpEngine, ServerDown, connect
+from tiller.engine.factory import connect
+from tiller.engine.http import HttpEngine, ServerDown
 from tiller.engine.sglang import SglangDialect
 from tiller.engine.updates import WeightUpdate
 from tiller.envs import ENVS

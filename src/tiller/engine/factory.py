@@ -1,12 +1,14 @@
-"""`make_engine`: the engine backend the config names, holding the trainer's weights."""
+"""`make_engine`: the engine backend the config names, holding the trainer's weights; `connect`:
+the HTTP backend over running servers, checked against the model and holding its weights."""
 
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedModel
@@ -14,9 +16,13 @@ from transformers import PreTrainedModel
 from tiller.config import Config
 from tiller.engine.api import Engine
 from tiller.engine.embedded import EmbeddedEngine
-from tiller.engine.servers import Launcher, ManagedServers, tiller_serve_specs
+from tiller.engine.servers import Launched, Launcher, ManagedServers, tiller_serve_specs
 from tiller.engine.updates import WeightUpdate
+from tiller.engine.wire import TILLER, TillerDialect
 from tiller.errors import require_package
+
+if TYPE_CHECKING:
+    from tiller.engine.http import HttpEngine
 
 
 def make_engine(cfg: Config, model: PreTrainedModel, pad_token_id: int, *, run_dir: Path,
@@ -41,9 +47,7 @@ def make_engine(cfg: Config, model: PreTrainedModel, pad_token_id: int, *, run_d
                             dtype=cfg.model.dtype, context=context, launch=launcher(cfg))
     if e.backend in ("http", "sglang"):
         require_package("httpx", "serve", f"engine.backend={e.backend}")
-        from tiller.engine.http import connect  # httpx is an optional extra
         from tiller.engine.sglang import SglangDialect
-        from tiller.engine.wire import TILLER
 
         # a weights_dir of the config is the user's; the default is in the run folder
         weights_dir = Path(e.weights_dir) if e.weights_dir else run_dir / "weights"
@@ -79,3 +83,32 @@ def launcher(cfg: Config) -> Launcher:
     from tiller.engine.ray_servers import RayServers
 
     return partial(RayServers, cpus=int(cfg.server_threads), gpus=cfg.server_gpus)
+
+
+def connect(urls: list[str], *, weights_dir: str | Path, api_key: str | None,
+            request_timeout_s: float, max_retries: int, vocab_size: int, max_context: int,
+            initial: WeightUpdate, dtype: str | None = None,
+            root: str | Path | None = None, managed: Launched | None = None,
+            dialect: TillerDialect = TILLER) -> HttpEngine:
+    """An `HttpEngine` whose servers were checked against the trainer's model and hold its
+    weights (`initial`): a server started from another checkpoint would otherwise sample
+    another policy. `api_key` None: the TILLER_API_KEY environment variable, if set. `managed`:
+    the servers tiller started at `urls`, stopped with the engine (also when this fails)."""
+    from tiller.engine.http import HttpEngine  # httpx is an optional extra
+
+    try:
+        engine = HttpEngine(urls, weights_dir=weights_dir,
+                            api_key=api_key or os.environ.get("TILLER_API_KEY"),
+                            request_timeout_s=request_timeout_s, max_retries=max_retries,
+                            root=root, managed=managed, dialect=dialect)
+    except BaseException:
+        if managed is not None:
+            managed.close()
+        raise
+    try:
+        engine.check_servers(vocab_size, max_context, dtype)
+        engine.update_weights(initial)
+    except BaseException:
+        engine.close()
+        raise
+    return engine

@@ -88,7 +88,7 @@ class Followed:
 
 def run_api_key(cfg: Config) -> SecretStr | None:
     """The key the run's engine sends (engine.api_key, else this process's TILLER_API_KEY:
-    `http.connect`): resolved in the run's process and handed to each follower, whose own
+    `factory.connect`): resolved in the run's process and handed to each follower, whose own
     environment (a Ray worker's: the raylet's) is not the run's."""
     e = cfg.engine
     if e.api_key:

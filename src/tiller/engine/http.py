@@ -19,7 +19,6 @@ import asyncio
 import concurrent.futures
 import json
 import logging
-import os
 import threading
 import time
 import uuid
@@ -36,12 +35,13 @@ from tiller.engine.delta import DeltaUpdate
 from tiller.engine.parts import PartsUpdate
 from tiller.engine.servers import Launched
 from tiller.engine.transport import DOWN_STATUSES, Server, each_server, read_capped
-from tiller.engine.updates import WeightUpdate
+from tiller.engine.updates import WeightUpdate, empty_version_folder
 from tiller.engine.wire import (
     TILLER,
     ServerDown,
     TillerDialect,
     check_logprob_kind,
+    check_model_info,
     parse_generation,
     short,
 )
@@ -393,22 +393,8 @@ class HttpEngine:
         except ServerDown as e:
             raise ConfigError(f"config field engine.urls: server {server.url} is not "
                               f"reachable ({e}); start it ({self.dialect.name})") from e
-        if not isinstance(info, dict):
-            raise ConfigError(f"config field engine.urls: server {server.url} answered "
-                              f"{self.dialect.model_info_path} with {short(info)}, not "
-                              f"a JSON object")
-        if dtype is not None and "dtype" in info and info["dtype"] != dtype:
-            raise ConfigError(f"config field model.dtype: {dtype}, but server {server.url} "
-                              f"serves dtype {info['dtype']}: set model.dtype: "
-                              f"{info['dtype']} or restart it with --dtype {dtype}")
-        for name, ours in (("vocab_size", vocab_size), ("max_context", max_context)):
-            if name not in info:
-                logger.warning("server %s: %s has no %s; not checked against the trainer's "
-                               "%s", server.url, self.dialect.model_info_path, name, ours)
-            elif info[name] != ours:
-                raise ConfigError(f"config field engine.urls: server {server.url} serves a "
-                                  f"model with {name}={info[name]}, the trainer's has "
-                                  f"{ours}: serve the run's model (model.path)")
+        check_model_info(info, server.url, self.dialect, vocab_size=vocab_size,
+                         max_context=max_context, dtype=dtype)
 
     def update_weights(self, update: Update, *, in_flight: str = "continue",
                        timeout_s: float | None = None) -> int:
@@ -457,21 +443,11 @@ class HttpEngine:
         return folder_below(self.root, self.weights_dir / f"v{version}").resolve()
 
     def new_weights_folder(self, version: int) -> Path:
-        """`weights_folder(version)`, emptied: a push writes its version from nothing, so a
-        server reads only that push's files. Whatever is there is removed first: this engine's
-        own earlier write of the version, or files it did not write (logged), such as the
-        folder of a killed run, whose resumed run pushes the checkpoint's version again: a
-        delta's or per-rank parts' `*.safetensors` left beside a full update would be read as
-        tensors of it. A RunError when the folder cannot be emptied."""
+        """`weights_folder(version)` emptied (`updates.empty_version_folder`: files this engine
+        did not write are logged), so a server reads only this push's files; a RunError when
+        it cannot be emptied."""
         folder = self.weights_folder(version)
-        left = sorted(p.name for p in folder.iterdir())
-        if not left:
-            return folder
-        if folder not in self._written:
-            logger.warning("weight push v%d: %s holds files this engine did not write (%s: a "
-                           "killed run's?); removed before the version is written", version,
-                           folder, ", ".join(left))
-        failures = remove_tree(folder)
+        failures = empty_version_folder(folder, version, ours=folder in self._written)
         if failures:
             self.counters["weight_removal_failures"] += failures
             raise RunError(f"weight push v{version}: could not empty {folder} ({failures} "
@@ -603,30 +579,3 @@ class HttpEngine:
 
 
 _SKIPPED = object()  # what a control call to a server found down returns
-
-
-def connect(urls: list[str], *, weights_dir: str | Path, api_key: str | None,
-            request_timeout_s: float, max_retries: int, vocab_size: int, max_context: int,
-            initial: WeightUpdate, dtype: str | None = None,
-            root: str | Path | None = None, managed: Launched | None = None,
-            dialect: TillerDialect = TILLER) -> HttpEngine:
-    """An `HttpEngine` whose servers were checked against the trainer's model and hold its
-    weights (`initial`): a server started from another checkpoint would otherwise sample
-    another policy. `api_key` None: the TILLER_API_KEY environment variable, if set. `managed`:
-    the servers tiller started at `urls`, stopped with the engine (also when this fails)."""
-    try:
-        engine = HttpEngine(urls, weights_dir=weights_dir,
-                            api_key=api_key or os.environ.get("TILLER_API_KEY"),
-                            request_timeout_s=request_timeout_s, max_retries=max_retries,
-                            root=root, managed=managed, dialect=dialect)
-    except BaseException:
-        if managed is not None:
-            managed.close()
-        raise
-    try:
-        engine.check_servers(vocab_size, max_context, dtype)
-        engine.update_weights(initial)
-    except BaseException:
-        engine.close()
-        raise
-    return engine

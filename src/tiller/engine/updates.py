@@ -27,6 +27,7 @@ end-to-end guard.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,10 +38,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from tiller.files import replacing, write_file
+from tiller.files import remove_tree, replacing, write_file
 
 CHECKSUM_RUNS, CHECKSUM_RUN = 16, 64  # per tensor: 16 runs of 64 consecutive elements
 _positions: dict[tuple[int, str], torch.Tensor] = {}  # (numel, device) -> sampled positions
+logger = logging.getLogger(__name__)
 
 
 class WeightSyncError(ValueError):
@@ -401,3 +403,19 @@ def castable(source: torch.dtype, target: torch.dtype) -> bool:
 def _names(items: list[str], shown: int = 5) -> str:
     more = f" (and {len(items) - shown} more)" if len(items) > shown else ""
     return ", ".join(items[:shown]) + more
+
+
+def empty_version_folder(folder: Path, version: int, *, ours: bool) -> int:
+    """Remove what the version folder `folder` holds, so a push writes the version from
+    nothing: a delta's or per-rank parts' `*.safetensors` left beside a full update (the folder
+    of a killed run, whose resumed run pushes the checkpoint's version again) would be read as
+    tensors of it. Files there that the pusher did not write (`ours` False) are logged. The
+    number of entries that could not be removed (`files.remove_tree`, each logged)."""
+    left = sorted(p.name for p in folder.iterdir())
+    if not left:
+        return 0
+    if not ours:
+        logger.warning("weight push v%d: %s holds files this engine did not write (%s: a "
+                       "killed run's?); removed before the version is written", version, folder,
+                       ", ".join(left))
+    return remove_tree(folder)

@@ -8,12 +8,14 @@ recomputes."""
 
 from __future__ import annotations
 
+import logging
 import reprlib
 from typing import Any
 
 from tiller.engine.api import Generation, SamplingParams
-from tiller.errors import RunError
+from tiller.errors import ConfigError, RunError
 
+logger = logging.getLogger(__name__)
 FINISH_REASONS = ("stop", "length", "abort")
 SEED_MASK = 2**63 - 1  # as the embedded engine: a seed is taken to 63 bits
 
@@ -146,3 +148,27 @@ class TillerDialect:
 
 
 TILLER = TillerDialect()
+
+
+def check_model_info(info: Any, url: str, dialect: TillerDialect, *, vocab_size: int,
+                     max_context: int, dtype: str | None) -> None:
+    """A server's model info (`dialect.model_info_path`) against the trainer's model: its
+    vocabulary size, context length and (when given) dtype, where the server reports them
+    (a field it does not report is logged, not checked); otherwise one ConfigError naming the
+    server and what to change."""
+    path = dialect.model_info_path
+    if not isinstance(info, dict):
+        raise ConfigError(f"config field engine.urls: server {url} answered {path} with "
+                          f"{short(info)}, not a JSON object")
+    if dtype is not None and "dtype" in info and info["dtype"] != dtype:
+        raise ConfigError(f"config field model.dtype: {dtype}, but server {url} serves dtype "
+                          f"{info['dtype']}: set model.dtype: {info['dtype']} or restart it "
+                          f"with --dtype {dtype}")
+    for name, ours in (("vocab_size", vocab_size), ("max_context", max_context)):
+        if name not in info:
+            logger.warning("server %s: %s has no %s; not checked against the trainer's %s",
+                           url, path, name, ours)
+        elif info[name] != ours:
+            raise ConfigError(f"config field engine.urls: server {url} serves a model with "
+                              f"{name}={info[name]}, the trainer's has {ours}: serve the run's "
+                              f"model (model.path)")

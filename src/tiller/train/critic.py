@@ -53,7 +53,7 @@ class ValueModel(nn.Module):
     def __init__(self, policy: PreTrainedModel):
         super().__init__()
         self.backbone = copy.deepcopy(policy.base_model).requires_grad_(True)
-        # the blocks FSDP2 shards one by one on trainer ranks (`train.distributed.shard`)
+        # the blocks FSDP2 shards one by one on trainer ranks (`train.sharding.shard`)
         self._no_split_modules = getattr(policy, "_no_split_modules", None)
         self.head = nn.Linear(policy.config.hidden_size, 1)
         nn.init.zeros_(self.head.weight)
