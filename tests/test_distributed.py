@@ -175,7 +175,8 @@ def test_the_ranks_start_removes_stale_rendezvous_folders(group):
     lock is held)."""
     folder = Path(group.rendezvous.path)
     assert folder.name.startswith(f"{RENDEZVOUS_PREFIX}{os.getpid()}-")
-    assert not STALE.exists() and group.stale_removed == 1
+    # at least STALE: a killed run's folder elsewhere in the shared temporary folder counts too
+    assert not STALE.exists() and group.stale_removed >= 1
     assert folder.name not in remove_stale_rendezvous(folder.parent)
     assert (folder / "store").exists() and (folder / RENDEZVOUS_LOCK).exists()
 
