@@ -39,6 +39,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # a tiny calculator run: SFT, 4 RL steps (a checkpoint after each) and the final eval
 RUN = [*TINY_RUN, "sft.tasks=32", "rl.steps=4", "checkpoint.every=1", "checkpoint.keep=2",
        "eval.tasks=8"]
+# RUN whose RL moves the weights (the tiny policy never succeeds, so without RL_MOVES its
+# advantages are all 0 and its final weights are the SFT ones): what the bit-identical tests
+# run, so that weights compared equal are weights RL trained
+MOVES = [*RUN, *RL_MOVES]
 # one tiller process, start to end: minutes on a shared machine whose other jobs hold its
 # cores (a tiny run took 2 minutes there at load 10)
 TIMEOUT_S = 600
@@ -136,6 +140,15 @@ def weights(run: Path) -> dict[str, torch.Tensor]:
     return load_file(run / "checkpoints" / "final" / "model.safetensors")
 
 
+def same_trained_weights(ref: Path, run: Path) -> None:
+    """`run` ended with `ref`'s final weights bit for bit, and RL moved them: they are not
+    `ref`'s SFT weights (an equality of SFT weights with SFT weights would test nothing)."""
+    a, b = weights(ref), weights(run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    sft = load_file(ref / "checkpoints" / "sft" / "model.safetensors")
+    assert not all(torch.equal(a[k], sft[k]) for k in a), "RL left the SFT weights as they were"
+
+
 # what the resumed process counts afresh: the engine's and the tool stack's own counters
 FRESH = ("/calculate",)
 
@@ -149,7 +162,7 @@ def comparable(run: Path) -> list[dict]:
 def sync_whole(tmp_path_factory) -> Path:
     """The uninterrupted run the killed ones are compared with."""
     ref = tmp_path_factory.mktemp("sync") / "ref"
-    finish(tiller("train", "configs/calculator.yaml", *RUN, "-o", str(ref)))
+    finish(tiller("train", "configs/calculator.yaml", *MOVES, "-o", str(ref)))
     return ref
 
 
@@ -166,14 +179,13 @@ def test_sync_run_killed_at_seeded_moments_resumes_bit_identically(sync_whole, t
     before the rename, while an old checkpoint is removed)."""
     ref, run = sync_whole, tmp_path / "run"
     rng = random.Random(seed)  # where each kill lands
-    proc = tiller("train", "configs/calculator.yaml", *RUN, "-o", str(run))
+    proc = tiller("train", "configs/calculator.yaml", *MOVES, "-o", str(run))
     kill_when(proc, lambda: rl_rows(run) >= 2, rng.uniform(0.0, 0.3))
     kill_in_train_step(run, rng)
     for phase in phases:
         kill_mid_checkpoint(run, phase, rng)
     finish(tiller("train", "--resume", str(run)))
-    a, b = weights(ref), weights(run)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    same_trained_weights(ref, run)
     assert comparable(run) == comparable(ref)
     assert not list((run / "checkpoints").glob(".step-*.tmp"))  # cut-short writes removed
     assert [c.step for c in complete_checkpoints(run)] == [4, 3]  # checkpoint.keep=2
@@ -199,7 +211,7 @@ CURRICULUM = {
 
 # the same run on 2 trainer ranks (FSDP2 over gloo); a collective left waiting on a dead rank
 # fails within a minute, not the default 10
-RANKS = [*RUN, "train.world_size=2", "train.rank_timeout_s=60"]
+RANKS = [*MOVES, "train.world_size=2", "train.rank_timeout_s=60"]
 
 
 def rank_pids(proc: subprocess.Popen) -> list[int]:
@@ -342,8 +354,7 @@ def test_two_rank_run_killed_at_seeded_moments_resumes_bit_identically(ranks_who
     # another world size: refused in one line naming the field, the folder left as it was
     refused(run, ["train.world_size=3"], "config field train.world_size changed (2 -> 3)")
     finish(tiller("train", "--resume", str(run)))
-    a, b = weights(ref), weights(run)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    same_trained_weights(ref, run)
     assert comparable(run) == comparable(ref)
     assert [c.step for c in complete_checkpoints(run)] == [4, 3]
     state = verify(complete_checkpoints(run)[0]).state
@@ -361,11 +372,11 @@ def test_two_rank_run_killed_at_seeded_moments_resumes_bit_identically(ranks_who
 # KL in the reward: the tiny run's episodes all fail, and without it the critic's returns
 # are all 0, so it would never move from its zero head)
 HELD = {
-    "kl": (["rl.algorithm.kl.beta=0.05", *RL_MOVES], ["optimizer", "ref"]),
-    "critic": (["rl.algorithm.preset=ppo", "rl.algorithm.advantage=gae", *RL_MOVES],
+    "kl": (["rl.algorithm.kl.beta=0.05"], ["optimizer", "ref"]),
+    "critic": (["rl.algorithm.preset=ppo", "rl.algorithm.advantage=gae"],
                ["critic", "critic_optimizer", "optimizer", "ref"]),
     "lora": (["model.lora.r=4", "model.lora.alpha=8", "rl.algorithm.kl.beta=0.05",
-              "rl.algorithm.kl.placement=loss", "rl.algorithm.kl.estimator=k3", *RL_MOVES],
+              "rl.algorithm.kl.placement=loss", "rl.algorithm.kl.estimator=k3"],
              ["optimizer"]),
 }
 
@@ -550,7 +561,7 @@ def test_one_step_off_run_killed_with_open_groups_draws_every_task_once(tmp_path
 def two_steps(tmp_path_factory):
     """A finished tiny run (2 RL steps) with a checkpoint after each."""
     run = tmp_path_factory.mktemp("resume") / "run"
-    train(load_config("configs/calculator.yaml", [*RUN, "rl.steps=2", "checkpoint.keep=5"]),
+    train(load_config("configs/calculator.yaml", [*MOVES, "rl.steps=2", "checkpoint.keep=5"]),
           run)
     return run
 
@@ -679,7 +690,7 @@ def curriculum_steps(tmp_path_factory):
     """A finished tiny run (2 RL steps) under a difficulty curriculum, a checkpoint after
     each."""
     run = tmp_path_factory.mktemp("curriculum") / "run"
-    train(load_config("configs/calculator.yaml", [*RUN, "rl.steps=2", "checkpoint.keep=5",
+    train(load_config("configs/calculator.yaml", [*MOVES, "rl.steps=2", "checkpoint.keep=5",
                                                   *CURRICULUM["difficulty"]]), run)
     return run
 
@@ -705,13 +716,12 @@ def test_more_steps_on_resume_continue_the_same_curriculum(curriculum_steps, tmp
     (the calculator's first tasks do not change with it), and the finished 2-step curriculum
     run, resumed with rl.steps=3, ends as a 3-step curriculum run does."""
     whole = tmp_path / "whole"
-    train(load_config("configs/calculator.yaml", [*RUN, "rl.steps=3",
+    train(load_config("configs/calculator.yaml", [*MOVES, "rl.steps=3",
                                                   *CURRICULUM["difficulty"]]), whole)
     run = tmp_path / "run"
     shutil.copytree(curriculum_steps, run)
     train(load_config(run / "config.yaml", ["rl.steps=3"]), resume=run)
-    a, b = weights(whole), weights(run)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    same_trained_weights(whole, run)
     rl = [[r for r in comparable(d) if r["phase"] == "rl"] for d in (whole, run)]
     assert rl[0] == rl[1] and len(rl[0]) == 3
     assert [r["curriculum/difficulty"] for r in rl[0]] == [3, 2, 1]  # it moved each step
@@ -910,7 +920,7 @@ def test_resume_after_the_engine_server_died_repushes_the_checkpoint(calc_sft_di
 
 # the servers' start-up waited for longer: `tiller serve` imports torch, which takes minutes
 # on a loaded machine
-MANAGED = [*RUN, "engine.backend=http", "engine.servers=1", "runtime.threads=1",
+MANAGED = [*MOVES, "engine.backend=http", "engine.servers=1", "runtime.threads=1",
            "engine.startup_timeout_s=600"]
 MANAGED_TIMEOUT_S = 900
 
@@ -973,8 +983,7 @@ def test_resume_after_the_runs_managed_server_died_with_it(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from"] == f"step-{killed_at['step']:06d}"
     assert comparable(run) == comparable(ref)
-    whole, resumed = weights(ref), weights(run)
-    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    same_trained_weights(ref, run)
 
 
 @pytest.mark.slow
@@ -1011,12 +1020,11 @@ def test_more_steps_on_resume_continue_the_same_run(two_steps, tmp_path):
     """rl.steps raised on resume (a safe change): the finished 2-step run, resumed from its
     last checkpoint with rl.steps=3, ends as a 3-step run does."""
     whole = tmp_path / "whole"
-    train(load_config("configs/calculator.yaml", [*RUN, "rl.steps=3"]), whole)
+    train(load_config("configs/calculator.yaml", [*MOVES, "rl.steps=3"]), whole)
     run = tmp_path / "run"
     shutil.copytree(two_steps, run)
     train(load_config(run / "config.yaml", ["rl.steps=3"]), resume=run)
-    a, b = weights(whole), weights(run)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    same_trained_weights(whole, run)
     rl = [[r for r in comparable(d) if r["phase"] == "rl"] for d in (whole, run)]
     assert rl[0] == rl[1] and len(rl[0]) == 3
 
