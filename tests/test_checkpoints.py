@@ -413,7 +413,7 @@ def test_a_bug_in_the_resumes_own_checks_is_raised_as_itself(tmp_path, monkeypat
     cfg = load_config(None, ["model.build.vocab_size=600", "checkpoint.every=1"])
     run = tmp_path / "run"
     write(run, 1, **whole_state(cfg))
-    assert resume.start_resume(cfg, run).step == 1  # the checkpoint fits
+    assert resume.start_resume(cfg, run)[0].step == 1  # the checkpoint fits
 
     def renamed(cfg, ckpt):
         return cfg.model.pth  # a typo of tiller's own

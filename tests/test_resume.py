@@ -803,19 +803,26 @@ def test_a_reopened_groups_episodes_are_traced_once_after_resume(tmp_path):
 
 
 @pytest.mark.slow
-def test_safe_change_resumes_and_checkpoints_are_listed(two_steps, tmp_path, caplog):
+def test_safe_change_resumes_and_checkpoints_are_listed(two_steps, tmp_path):
+    """`tiller train --resume` with safe config changes: the user's terminal shows the
+    checkpoint and step it resumed from and each change (review s9 F2), and summary.json
+    records them."""
     run = tmp_path / "run"
     shutil.copytree(two_steps, run)
     shutil.rmtree(run / "checkpoints" / "step-000002")
     code, out = cli("checkpoints", run)
     assert code == 0 and "step-000001" in out and "complete" in out, out
     assert "optimizer" in out and "0 open groups" in out  # sync: no open groups
-    caplog.set_level("INFO")
     traced = trace_counts(two_steps)
-    summary = train(load_config(run / "config.yaml", ["logging.tensorboard=false",
-                                                      "eval.tasks=4"]), resume=run)
-    assert "config changed (safe): eval.tasks: 8 -> 4" in caplog.text
+    code, out = cli("train", "--resume", run, "logging.tensorboard=false", "eval.tasks=4")
+    assert code == 0, out
+    assert f"--resume: from checkpoint step-000001 (RL step 1) of {run}" in out, out
+    assert "--resume: config changed (safe): eval.tasks: 8 -> 4" in out, out
+    assert "--resume: config changed (safe): logging.tensorboard: True -> False" in out, out
+    summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from"] == "step-000001"
+    assert summary["resumes"] == [{"from": "step-000001", "step": 1, "config_changes": [
+        "eval.tasks: 8 -> 4", "logging.tensorboard: True -> False"]}]
     assert summary["heldout_after_rl"]["tasks"] == 4
     rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["phase_step"] for r in rows if r["phase"] == "rl"] == [1, 2]  # step 2 redone

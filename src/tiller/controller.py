@@ -367,7 +367,7 @@ def train(cfg: Config, output_dir: str | Path | None = None,
     folder) the run goes on from the folder's newest complete checkpoint, in that folder."""
     t0 = time.perf_counter()
     check_report(cfg)  # before any work
-    ckpt = start_resume(cfg, Path(resume)) if resume is not None else None
+    ckpt, changes = start_resume(cfg, Path(resume)) if resume is not None else (None, [])
     if ckpt is None and cfg.checkpoint.every and (output_dir or cfg.output_dir):
         check_steps_free(Path(output_dir or cfg.output_dir), 0,
                          "another run's checkpoints: resume that run with --resume")
@@ -381,6 +381,9 @@ def train(cfg: Config, output_dir: str | Path | None = None,
         else:  # the gate, SFT and its evaluation were done before the checkpoint
             summary.update({k: v for k, v in ckpt.state["summary"].items() if k not in summary},
                            resumed_from=ckpt.path.name)
+            # each resume of the run, in order (a checkpoint's summary holds the ones before)
+            summary["resumes"] = [*summary.get("resumes", []), {
+                "from": ckpt.path.name, "step": ckpt.step, "config_changes": changes}]
         if cfg.rl.steps > 0:
             summary["rl"] = rl(run, summary=summary)
             if not no_eval:

@@ -55,16 +55,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-def start_resume(cfg: Config, run_dir: Path) -> Checkpoint:
+def start_resume(cfg: Config, run_dir: Path) -> tuple[Checkpoint, list[str]]:
     """`tiller train --resume RUN_DIR`, before any work: the newest complete checkpoint,
-    verified, every check of `check_resume` passed (the safe config changes logged). The run
-    folder is not touched: `run.Run` cuts it back (`cut_run_dir`) once its own checks passed
-    too."""
+    verified, every check of `check_resume` passed, and the safe config changes it allowed
+    (each "field: old -> new"). Both are logged as warnings, so a user's terminal shows them
+    (`tiller train` installs no log handler: logging's last resort prints WARNING and up).
+    The run folder is not touched: `run.Run` cuts it back (`cut_run_dir`) once its own checks
+    passed too."""
     ckpt = newest_checkpoint(run_dir)
     changes = check_resume(cfg, ckpt, Path(run_dir))
+    log.warning("--resume: from checkpoint %s (RL step %d) of %s", ckpt.path.name, ckpt.step,
+                run_dir)
     for change in changes:
-        log.info("--resume: config changed (safe): %s", change)
-    return ckpt
+        log.warning("--resume: config changed (safe): %s", change)
+    return ckpt, changes
 
 
 def cut_run_dir(run_dir: Path, ckpt: Checkpoint) -> None:
