@@ -388,11 +388,24 @@ def restore_rl(ckpt: Checkpoint, learner: Any, record: StepRecorder,
     return ckpt.step
 
 
-# config fields a resumed run may change: they decide how long it runs and what it logs, not
-# what it samples or trains
+# config fields a resumed run may change: they decide how long it runs, how long it waits for
+# its parts (a slower node after a preemption) and what it logs, not what it samples or trains
 SAFE_CHANGES = ("rl.steps", "logging.", "checkpoint.", "output_dir", "name", "eval.",
                 "runtime.", "rollout.batch_timeout_s", "rollout.shutdown_timeout_s",
-                "observe.traces.close_timeout_s")
+                "observe.traces.close_timeout_s", "engine.startup_timeout_s",
+                "engine.request_timeout_s", "train.rank_timeout_s", "weight_sync.timeout_s")
+
+
+def moved(key: str, old: Any, new: Any) -> bool:
+    """Whether a change of `key` from `old` to `new` moves the run's external engines or Ray
+    cluster to other addresses (a lost node's replacement), which a resume allows: as many
+    engine.urls as before, or cluster.address from one cluster to another (attached stays
+    attached). The resume pushes the checkpoint's weights to every engine and checks parity
+    before the first rollout, so the new ones hold what the old ones did."""
+    if key == "engine.urls":
+        return bool(old) and isinstance(old, list) and isinstance(new, list) and (
+            len(new) == len(old))
+    return key == "cluster.address" and old is not None and new is not None
 
 
 def check_config(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -401,7 +414,7 @@ def check_config(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     a, b = _flatten(old), _flatten(new)
     changed = sorted(k for k in a.keys() | b.keys() if a.get(k, "<unset>") != b.get(k, "<unset>"))
     for k in changed:
-        if not k.startswith(SAFE_CHANGES):
+        if not (k.startswith(SAFE_CHANGES) or moved(k, a.get(k), b.get(k))):
             raise ConfigError(f"--resume: config field {k} changed ({a.get(k, '<unset>')!r} -> "
                               f"{b.get(k, '<unset>')!r}): the resumed run would not continue "
                               f"the same run; resume with the run's config")
