@@ -637,13 +637,19 @@ def test_bad_resumes_stop_in_one_line_and_lose_nothing(two_steps, tmp_path):
     assert [c.step for c in complete_checkpoints(run)] == [1]
     refused(run, [], f"{run / 'checkpoints'} already holds step-000002 (not a complete "
                      f"checkpoint, past step-000001 the run resumes from)")
-    # a fresh run into a folder with checkpoints: a later --resume would take the other
-    # run's, and its own would be written over theirs
+    # a fresh run into a run's folder: it would append to its record (review s9 F4)
     before = snapshot(run)
     code, out = cli("train", "configs/calculator.yaml", *RUN, "-o", run)
-    assert code == 2 and f"{run / 'checkpoints'} already holds step-000001, step-000002 " \
-        "(another run's checkpoints: resume that run with --resume)" in out, out
+    assert code == 2 and f"run folder {run} already holds a run's metrics.jsonl, " \
+        "traces.sqlite, summary.json: resume that run with" in out, out
     assert snapshot(run) == before
+    # or into a folder with only checkpoints: a later --resume would take the other run's,
+    # and its own would be written over theirs
+    other = tmp_path / "other"
+    shutil.copytree(run / "checkpoints", other / "checkpoints")
+    code, out = cli("train", "configs/calculator.yaml", *RUN, "-o", other)
+    assert code == 2 and f"{other / 'checkpoints'} already holds step-000001, step-000002 " \
+        "(another run's checkpoints: resume that run with --resume)" in out, out
     shutil.rmtree(run / "checkpoints" / "step-000001")
     shutil.rmtree(newest)
     refused(run, [], "no complete checkpoint")

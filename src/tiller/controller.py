@@ -35,7 +35,7 @@ from tiller.observe.health import JudgeHackingTrend
 from tiller.observe.metrics import progress
 from tiller.observe.steps import StepRecorder
 from tiller.preflight import check_evaluable, check_report, heldout_disabled, rl_task_reserve
-from tiller.resume import restore_rl, save_rl, start_resume
+from tiller.resume import restore_rl, save_rl, say_resumed, start_resume
 from tiller.rollout.collect import rollout_metrics
 from tiller.rollout.curriculum import Curriculum, make_curriculum
 from tiller.rollout.manager import RolloutManager
@@ -383,6 +383,8 @@ def _train(cfg: Config, run_dir: str | Path | None,
     and its checkpoint and safe config changes (`start_resume`) given."""
     ckpt, changes = resumed or (None, [])
     run = Run(cfg, run_dir, resume=ckpt, hold=ckpt is None)
+    if ckpt is not None:
+        say_resumed(ckpt, changes, run.dir)
     summary: dict[str, Any] = {"run_dir": str(run.dir), "seed": cfg.seed,
                                "runtime": run.runtime}
     try:

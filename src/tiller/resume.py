@@ -58,17 +58,21 @@ log = logging.getLogger(__name__)
 def start_resume(cfg: Config, run_dir: Path) -> tuple[Checkpoint, list[str]]:
     """`tiller train --resume RUN_DIR`, before any work: the newest complete checkpoint,
     verified, every check of `check_resume` passed, and the safe config changes it allowed
-    (each "field: old -> new"). Both are logged as warnings, so a user's terminal shows them
-    (`tiller train` installs no log handler: logging's last resort prints WARNING and up).
-    The run folder is not touched: `run.Run` cuts it back (`cut_run_dir`) once its own checks
-    passed too."""
+    (each "field: old -> new"; `say_resumed` logs them once the run started). The run folder is
+    not touched: `run.Run` cuts it back (`cut_run_dir`) once its own checks passed too."""
     ckpt = newest_checkpoint(run_dir)
-    changes = check_resume(cfg, ckpt, Path(run_dir))
+    return ckpt, check_resume(cfg, ckpt, Path(run_dir))
+
+
+def say_resumed(ckpt: Checkpoint, changes: list[str], run_dir: Path) -> None:
+    """The resume and each safe config change, logged as warnings once the resumed run passed
+    every check and started (a refused resume says only its one line), before its first RL
+    step: a user's terminal shows them (`tiller train` installs no log handler, and logging's
+    last resort prints WARNING and up)."""
     log.warning("--resume: from checkpoint %s (RL step %d) of %s", ckpt.path.name, ckpt.step,
                 run_dir)
     for change in changes:
         log.warning("--resume: config changed (safe): %s", change)
-    return ckpt, changes
 
 
 def cut_run_dir(run_dir: Path, ckpt: Checkpoint) -> None:
