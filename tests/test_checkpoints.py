@@ -413,7 +413,7 @@ def test_a_bug_in_the_resumes_own_checks_is_raised_as_itself(tmp_path, monkeypat
     cfg = load_config(None, ["model.build.vocab_size=600", "checkpoint.every=1"])
     run = tmp_path / "run"
     write(run, 1, **whole_state(cfg))
-    assert resume.start_resume(cfg, run).step == 1  # the checkpoint fits
+    assert resume.start_resume(cfg, run)[0].step == 1  # the checkpoint fits
 
     def renamed(cfg, ckpt):
         return cfg.model.pth  # a typo of tiller's own
@@ -421,3 +421,51 @@ def test_a_bug_in_the_resumes_own_checks_is_raised_as_itself(tmp_path, monkeypat
     monkeypatch.setattr(resume, "check_base", renamed)
     with pytest.raises(AttributeError, match="has no attribute 'pth'"):
         resume.start_resume(cfg, run)
+
+
+HTTP = ["engine.backend=http", "engine.urls=[http://127.0.0.1:8001, http://127.0.0.1:8002]"]
+RAY = ["cluster.backend=ray", "cluster.address=10.0.0.1:6379"]
+
+
+@pytest.mark.parametrize("base, change, safe", [
+    # a slower node: longer waits for its parts
+    (["train.world_size=2"], ["train.rank_timeout_s=1200", "weight_sync.timeout_s=900"],
+     ["train.rank_timeout_s: 600.0 -> 1200.0", "weight_sync.timeout_s: 600.0 -> 900.0"]),
+    (HTTP, ["engine.request_timeout_s=600"], ["engine.request_timeout_s: 300.0 -> 600.0"]),
+    (["engine.backend=http", "engine.servers=1"], ["engine.startup_timeout_s=600"],
+     ["engine.startup_timeout_s: 120.0 -> 600.0"]),
+    # a lost node's replacement at another address
+    (HTTP, ["engine.urls=[http://127.0.0.1:8001, http://10.0.0.9:8002]"],
+     ["engine.urls: ['http://127.0.0.1:8001', 'http://127.0.0.1:8002'] -> "
+      "['http://127.0.0.1:8001', 'http://10.0.0.9:8002']"]),
+    (RAY, ["cluster.address=10.0.0.2:6379"], ["cluster.address: '10.0.0.1:6379' -> "
+                                              "'10.0.0.2:6379'"]),
+])
+def test_a_resume_allows_and_lists_longer_waits_and_moved_engines(base, change, safe):
+    """Review s9 F6: a resume refused new timeouts and an external engine or Ray cluster at
+    another address (after a lost node the run could go on only at the old one). They are safe
+    changes now, each listed (`start_resume` logs them, summary.json records them); the
+    resume's push and parity check prove the moved engines hold the checkpoint's weights."""
+    from tiller.config import load_config
+    from tiller.resume import check_config
+
+    old = load_config("configs/calculator.yaml", base).model_dump(mode="json")
+    new = load_config("configs/calculator.yaml", [*base, *change]).model_dump(mode="json")
+    assert check_config(old, new) == safe
+
+
+@pytest.mark.parametrize("base, change, field", [
+    (HTTP, ["engine.urls=[http://127.0.0.1:8001]"], "engine.urls"),  # another count
+    (["engine.backend=http", "engine.servers=1"], ["engine.urls=[http://127.0.0.1:8001]",
+                                                  "engine.servers=0"],
+     "engine.servers"),  # started servers -> attached ones
+    (["cluster.backend=ray"], ["cluster.address=10.0.0.2:6379"], "cluster.address"),  # local
+    # instance -> an existing cluster
+])
+def test_a_resume_refuses_an_engine_or_cluster_of_another_kind(base, change, field):
+    from tiller.config import load_config
+    from tiller.resume import check_config
+
+    old = load_config("configs/calculator.yaml", base).model_dump(mode="json")
+    new = load_config("configs/calculator.yaml", [*base, *change]).model_dump(mode="json")
+    one_line_error(f"--resume: config field {field} changed", check_config, old, new)

@@ -41,6 +41,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # a tiny calculator run: SFT, 4 RL steps (a checkpoint after each) and the final eval
 RUN = [*TINY_RUN, "sft.tasks=32", "rl.steps=4", "checkpoint.every=1", "checkpoint.keep=2",
        "eval.tasks=8"]
+# RUN whose RL moves the weights (the tiny policy never succeeds, so without RL_MOVES its
+# advantages are all 0 and its final weights are the SFT ones): what the bit-identical tests
+# run, so that weights compared equal are weights RL trained
+MOVES = [*RUN, *RL_MOVES]
 # one tiller process, start to end: minutes on a shared machine whose other jobs hold its
 # cores (a tiny run took 2 minutes there at load 10)
 TIMEOUT_S = 600
@@ -149,6 +153,15 @@ def weights(run: Path) -> dict[str, torch.Tensor]:
     return load_file(run / "checkpoints" / "final" / "model.safetensors")
 
 
+def same_trained_weights(ref: Path, run: Path) -> None:
+    """`run` ended with `ref`'s final weights bit for bit, and RL moved them: they are not
+    `ref`'s SFT weights (an equality of SFT weights with SFT weights would test nothing)."""
+    a, b = weights(ref), weights(run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    sft = load_file(ref / "checkpoints" / "sft" / "model.safetensors")
+    assert not all(torch.equal(a[k], sft[k]) for k in a), "RL left the SFT weights as they were"
+
+
 # what the resumed process counts afresh: the engine's and the tool stack's own counters
 FRESH = ("/calculate",)
 
@@ -162,7 +175,7 @@ def comparable(run: Path) -> list[dict]:
 def sync_whole(tmp_path_factory) -> Path:
     """The uninterrupted run the killed ones are compared with."""
     ref = tmp_path_factory.mktemp("sync") / "ref"
-    finish(tiller("train", "configs/calculator.yaml", *RUN, "-o", str(ref)))
+    finish(tiller("train", "configs/calculator.yaml", *MOVES, "-o", str(ref)))
     return ref
 
 
@@ -179,14 +192,13 @@ def test_sync_run_killed_at_seeded_moments_resumes_bit_identically(sync_whole, t
     before the rename, while an old checkpoint is removed)."""
     ref, run = sync_whole, tmp_path / "run"
     rng = random.Random(seed)  # where each kill lands
-    proc = tiller("train", "configs/calculator.yaml", *RUN, "-o", str(run))
+    proc = tiller("train", "configs/calculator.yaml", *MOVES, "-o", str(run))
     kill_when(proc, lambda: rl_rows(run) >= 2, rng.uniform(0.0, 0.3))
     kill_in_train_step(run, rng)
     for phase in phases:
         kill_mid_checkpoint(run, phase, rng)
     finish(tiller("train", "--resume", str(run)))
-    a, b = weights(ref), weights(run)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    same_trained_weights(ref, run)
     assert comparable(run) == comparable(ref)
     assert not list((run / "checkpoints").glob(".step-*.tmp"))  # cut-short writes removed
     assert [c.step for c in complete_checkpoints(run)] == [4, 3]  # checkpoint.keep=2
@@ -212,7 +224,7 @@ CURRICULUM = {
 
 # the same run on 2 trainer ranks (FSDP2 over gloo); a collective left waiting on a dead rank
 # fails within a minute, not the default 10
-RANKS = [*RUN, "train.world_size=2", "train.rank_timeout_s=60"]
+RANKS = [*MOVES, "train.world_size=2", "train.rank_timeout_s=60"]
 
 
 def rank_pids(proc: subprocess.Popen) -> list[int]:
@@ -355,8 +367,7 @@ def test_two_rank_run_killed_at_seeded_moments_resumes_bit_identically(ranks_who
     # another world size: refused in one line naming the field, the folder left as it was
     refused(run, ["train.world_size=3"], "config field train.world_size changed (2 -> 3)")
     finish(tiller("train", "--resume", str(run)))
-    a, b = weights(ref), weights(run)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    same_trained_weights(ref, run)
     assert comparable(run) == comparable(ref)
     assert [c.step for c in complete_checkpoints(run)] == [4, 3]
     state = verify(complete_checkpoints(run)[0]).state
@@ -374,11 +385,11 @@ def test_two_rank_run_killed_at_seeded_moments_resumes_bit_identically(ranks_who
 # KL in the reward: the tiny run's episodes all fail, and without it the critic's returns
 # are all 0, so it would never move from its zero head)
 HELD = {
-    "kl": (["rl.algorithm.kl.beta=0.05", *RL_MOVES], ["optimizer", "ref"]),
-    "critic": (["rl.algorithm.preset=ppo", "rl.algorithm.advantage=gae", *RL_MOVES],
+    "kl": (["rl.algorithm.kl.beta=0.05"], ["optimizer", "ref"]),
+    "critic": (["rl.algorithm.preset=ppo", "rl.algorithm.advantage=gae"],
                ["critic", "critic_optimizer", "optimizer", "ref"]),
     "lora": (["model.lora.r=4", "model.lora.alpha=8", "rl.algorithm.kl.beta=0.05",
-              "rl.algorithm.kl.placement=loss", "rl.algorithm.kl.estimator=k3", *RL_MOVES],
+              "rl.algorithm.kl.placement=loss", "rl.algorithm.kl.estimator=k3"],
              ["optimizer"]),
 }
 
@@ -564,7 +575,7 @@ def test_one_step_off_run_killed_with_open_groups_draws_every_task_once(tmp_path
 def two_steps(tmp_path_factory):
     """A finished tiny run (2 RL steps) with a checkpoint after each."""
     run = tmp_path_factory.mktemp("resume") / "run"
-    train(load_config("configs/calculator.yaml", [*RUN, "rl.steps=2", "checkpoint.keep=5"]),
+    train(load_config("configs/calculator.yaml", [*MOVES, "rl.steps=2", "checkpoint.keep=5"]),
           run)
     return run
 
@@ -640,13 +651,19 @@ def test_bad_resumes_stop_in_one_line_and_lose_nothing(two_steps, tmp_path):
     assert [c.step for c in complete_checkpoints(run)] == [1]
     refused(run, [], f"{run / 'checkpoints'} already holds step-000002 (not a complete "
                      f"checkpoint, past step-000001 the run resumes from)")
-    # a fresh run into a folder with checkpoints: a later --resume would take the other
-    # run's, and its own would be written over theirs
+    # a fresh run into a run's folder: it would append to its record (review s9 F4)
     before = snapshot(run)
     code, out = cli("train", "configs/calculator.yaml", *RUN, "-o", run)
-    assert code == 2 and f"{run / 'checkpoints'} already holds step-000001, step-000002 " \
-        "(another run's checkpoints: resume that run with --resume)" in out, out
+    assert code == 2 and f"run folder {run} already holds a run's metrics.jsonl, " \
+        "traces.sqlite, summary.json: resume that run with" in out, out
     assert snapshot(run) == before
+    # or into a folder with only checkpoints: a later --resume would take the other run's,
+    # and its own would be written over theirs
+    other = tmp_path / "other"
+    shutil.copytree(run / "checkpoints", other / "checkpoints")
+    code, out = cli("train", "configs/calculator.yaml", *RUN, "-o", other)
+    assert code == 2 and f"{other / 'checkpoints'} already holds step-000001, step-000002 " \
+        "(another run's checkpoints: resume that run with --resume)" in out, out
     shutil.rmtree(run / "checkpoints" / "step-000001")
     shutil.rmtree(newest)
     refused(run, [], "no complete checkpoint")
@@ -693,7 +710,7 @@ def curriculum_steps(tmp_path_factory):
     """A finished tiny run (2 RL steps) under a difficulty curriculum, a checkpoint after
     each."""
     run = tmp_path_factory.mktemp("curriculum") / "run"
-    train(load_config("configs/calculator.yaml", [*RUN, "rl.steps=2", "checkpoint.keep=5",
+    train(load_config("configs/calculator.yaml", [*MOVES, "rl.steps=2", "checkpoint.keep=5",
                                                   *CURRICULUM["difficulty"]]), run)
     return run
 
@@ -719,13 +736,12 @@ def test_more_steps_on_resume_continue_the_same_curriculum(curriculum_steps, tmp
     (the calculator's first tasks do not change with it), and the finished 2-step curriculum
     run, resumed with rl.steps=3, ends as a 3-step curriculum run does."""
     whole = tmp_path / "whole"
-    train(load_config("configs/calculator.yaml", [*RUN, "rl.steps=3",
+    train(load_config("configs/calculator.yaml", [*MOVES, "rl.steps=3",
                                                   *CURRICULUM["difficulty"]]), whole)
     run = tmp_path / "run"
     shutil.copytree(curriculum_steps, run)
     train(load_config(run / "config.yaml", ["rl.steps=3"]), resume=run)
-    a, b = weights(whole), weights(run)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    same_trained_weights(whole, run)
     rl = [[r for r in comparable(d) if r["phase"] == "rl"] for d in (whole, run)]
     assert rl[0] == rl[1] and len(rl[0]) == 3
     assert [r["curriculum/difficulty"] for r in rl[0]] == [3, 2, 1]  # it moved each step
@@ -807,19 +823,26 @@ def test_a_reopened_groups_episodes_are_traced_once_after_resume(tmp_path):
 
 
 @pytest.mark.slow
-def test_safe_change_resumes_and_checkpoints_are_listed(two_steps, tmp_path, caplog):
+def test_safe_change_resumes_and_checkpoints_are_listed(two_steps, tmp_path):
+    """`tiller train --resume` with safe config changes: the user's terminal shows the
+    checkpoint and step it resumed from and each change (review s9 F2), and summary.json
+    records them."""
     run = tmp_path / "run"
     shutil.copytree(two_steps, run)
     shutil.rmtree(run / "checkpoints" / "step-000002")
     code, out = cli("checkpoints", run)
     assert code == 0 and "step-000001" in out and "complete" in out, out
     assert "optimizer" in out and "0 open groups" in out  # sync: no open groups
-    caplog.set_level("INFO")
     traced = trace_counts(two_steps)
-    summary = train(load_config(run / "config.yaml", ["logging.tensorboard=false",
-                                                      "eval.tasks=4"]), resume=run)
-    assert "config changed (safe): eval.tasks: 8 -> 4" in caplog.text
+    code, out = cli("train", "--resume", run, "logging.tensorboard=false", "eval.tasks=4")
+    assert code == 0, out
+    assert f"--resume: from checkpoint step-000001 (RL step 1) of {run}" in out, out
+    assert "--resume: config changed (safe): eval.tasks: 8 -> 4" in out, out
+    assert "--resume: config changed (safe): logging.tensorboard: True -> False" in out, out
+    summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from"] == "step-000001"
+    assert summary["resumes"] == [{"from": "step-000001", "step": 1, "config_changes": [
+        "eval.tasks: 8 -> 4", "logging.tensorboard: True -> False"]}]
     assert summary["heldout_after_rl"]["tasks"] == 4
     rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["phase_step"] for r in rows if r["phase"] == "rl"] == [1, 2]  # step 2 redone
@@ -924,7 +947,7 @@ def test_resume_after_the_engine_server_died_repushes_the_checkpoint(calc_sft_di
 
 # the servers' start-up waited for longer: `tiller serve` imports torch, which takes minutes
 # on a loaded machine
-MANAGED = [*RUN, "engine.backend=http", "engine.servers=1", "runtime.threads=1",
+MANAGED = [*MOVES, "engine.backend=http", "engine.servers=1", "runtime.threads=1",
            "engine.startup_timeout_s=600"]
 MANAGED_TIMEOUT_S = 900
 
@@ -987,8 +1010,7 @@ def test_resume_after_the_runs_managed_server_died_with_it(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from"] == f"step-{killed_at['step']:06d}"
     assert comparable(run) == comparable(ref)
-    whole, resumed = weights(ref), weights(run)
-    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    same_trained_weights(ref, run)
 
 
 # the demo through one managed vLLM CPU server (test_vllm_demo's model: vLLM's CPU attention
@@ -1100,16 +1122,34 @@ def test_critic_and_reference_model_resume_bit_identically(tmp_path, algorithm):
 
 
 @pytest.mark.slow
+def test_resume_puts_back_the_rng_that_dropout_draws_from(tmp_path):
+    """Review s9 F3: model.lora.dropout with model.dropout=keep draws each gradient pass's
+    masks from torch's global generator, so step 2's masks depend on what SFT and step 1 drew:
+    a resume from step 1 of 2 ends with the whole run's weights and metrics only if the
+    checkpoint's RNG state is put back (with `resume.set_rng_state` made a no-op the weights
+    and the metrics differ: checked by hand, not committed)."""
+    over = [*MOVES, "rl.steps=2", "checkpoint.keep=5", "model.lora.r=4", "model.lora.alpha=8",
+            "model.lora.dropout=0.2", "model.dropout=keep"]
+    whole = tmp_path / "whole"
+    train(load_config("configs/calculator.yaml", over), whole)
+    run = tmp_path / "run"
+    shutil.copytree(whole, run)
+    shutil.rmtree(run / "checkpoints" / "step-000002")
+    train(load_config("configs/calculator.yaml", over), resume=run)
+    same_trained_weights(whole, run)
+    assert comparable(run) == comparable(whole)
+
+
+@pytest.mark.slow
 def test_more_steps_on_resume_continue_the_same_run(two_steps, tmp_path):
     """rl.steps raised on resume (a safe change): the finished 2-step run, resumed from its
     last checkpoint with rl.steps=3, ends as a 3-step run does."""
     whole = tmp_path / "whole"
-    train(load_config("configs/calculator.yaml", [*RUN, "rl.steps=3"]), whole)
+    train(load_config("configs/calculator.yaml", [*MOVES, "rl.steps=3"]), whole)
     run = tmp_path / "run"
     shutil.copytree(two_steps, run)
     train(load_config(run / "config.yaml", ["rl.steps=3"]), resume=run)
-    a, b = weights(whole), weights(run)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    same_trained_weights(whole, run)
     rl = [[r for r in comparable(d) if r["phase"] == "rl"] for d in (whole, run)]
     assert rl[0] == rl[1] and len(rl[0]) == 3
 

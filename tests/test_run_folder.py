@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 import tiller
 from tiller.cli import app
-from tiller.config import load_config
+from tiller.config import dump_config, load_config
 from tiller.engine.delta import DeltaUpdate, TensorDelta
 from tiller.engine.http import HttpEngine
 from tiller.engine.updates import WeightUpdate
@@ -399,3 +399,96 @@ def test_python_m_tiller_in_a_run_folder_imports_nothing_from_it(tmp_path):
     assert one_line(proc.stdout + proc.stderr).startswith(
         "error: config field agent.loop: got 'hostile_loop:run_episode', which names code")
     assert not (run / "MARKER").exists()
+
+
+# ---------------------------------------------------------------- one run per run folder
+
+
+def killed_before_its_first_checkpoint(tmp_path: Path, every: int) -> Path:
+    """A run folder as a run killed in SFT leaves it: its config.yaml, metrics and traces, no
+    checkpoint."""
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load_config(CONFIG, [*TINY_RUN, f"checkpoint.every={every}"])
+    (run / "config.yaml").write_text(dump_config(cfg))
+    (run / "metrics.jsonl").write_text('{"phase": "sft", "phase_step": 1, "loss": 3.4}\n')
+    (run / "traces.sqlite").write_bytes(b"")
+    return run
+
+
+def files_of(run: Path) -> dict[str, bytes]:
+    """Each file of `run` and its bytes, but traces.sqlite's (a live run's trace writer
+    thread may write them meanwhile)."""
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*"))
+            if p.is_file() and not p.name.startswith("traces.sqlite")}
+
+
+@pytest.mark.parametrize("every, why", [
+    (2, "its run stopped before its first (written after RL step 2 or the last step; none "
+        "during the tool gate, SFT or the evaluation after it)"),
+    (0, "its run wrote none (checkpoint.every 0)"),
+])
+def test_a_run_killed_before_its_first_checkpoint_is_refused_saying_what_to_do(tmp_path,
+                                                                                every, why):
+    """Review s9 F4: `--resume` of a run killed before its first checkpoint said "a run writes
+    them with checkpoint.every > 0", which it had; and the same `tiller train -o` again
+    appended a second run's rows and episodes to the dead one's. Now the resume says why
+    there is none and what to do, and a fresh run refuses a folder holding a run's record,
+    each in one line, the folder's files left as they were (a refused fresh run leaves at most
+    the folder's empty lock file)."""
+    run = killed_before_its_first_checkpoint(tmp_path, every)
+    before = files_of(run)
+    code, out = cli("train", "--resume", run)
+    assert code == 2 and one_line(out) == (
+        f"error: --resume {str(run)!r}: no complete checkpoint in {run / 'checkpoints'}: {why}; "
+        "nothing to resume: start the run again in a new folder (-o), or in this one once its "
+        "files are moved away"), out
+    code, out = cli("train", CONFIG, *TINY_RUN, "-o", run)
+    assert code == 2 and one_line(out) == (
+        f"error: run folder {run} already holds a run's metrics.jsonl, traces.sqlite: resume "
+        f"that run with `tiller train --resume {run}`, or start a new one in another folder "
+        "(-o)"), out
+    after = files_of(run)
+    assert after.pop(".tiller.lock") == b"" and after == before
+    assert (run / "traces.sqlite").read_bytes() == b""
+
+
+@pytest.mark.slow
+def test_a_second_process_in_a_run_folder_is_refused_naming_the_holder(tmp_path):
+    """Review s9 F5: two processes training or resuming one run folder (a requeued job while
+    the old one still dies) mixed their records. A run holds its folder's lock for its life:
+    while one runs (held here in its first checkpoint's write by the test hook), a resume
+    in another process and a fresh run into the folder are refused in one line naming its pid,
+    the folder left as it was; the kernel drops the lock when the run dies (SIGKILL), and the
+    folder can be locked again."""
+    from tiller.files import hold_run_dir
+    from tiller.train.process_state import PAUSE_ENV
+
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(Path(tiller.__file__).resolve().parents[1]),
+           "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen(
+        [sys.executable, "-m", "tiller", "train", CONFIG, *TINY_RUN, "checkpoint.every=1",
+         "-o", str(run)], cwd=ROOT, env={**env, PAUSE_ENV: "files:300"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        said = first.stdout.readline()  # the test hook's line: the first checkpoint paused
+        while said and f"{PAUSE_ENV}: 300 s at files" not in said:
+            said = first.stdout.readline()
+        assert said, "the run ended before its first checkpoint"
+        before = files_of(run)
+        busy = (f"error: run folder {run} is in use by another process (pid {first.pid}, "
+                f"holding {run / '.tiller.lock'}): wait for it to end or stop it; two runs in "
+                "one folder would mix their records")
+        second = subprocess.run([sys.executable, "-m", "tiller", "train", "--resume", str(run)],
+                                cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2 and one_line(second.stdout + second.stderr) == busy, (
+            second.stdout + second.stderr)
+        code, out = cli("train", CONFIG, *TINY_RUN, "-o", run)
+        assert code == 2 and one_line(out) == busy, out
+        assert files_of(run) == before
+    finally:
+        first.kill()
+        first.communicate(timeout=60)
+    with hold_run_dir(run):  # the dead run's lock is gone with it
+        pass

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from tiller.config import Config
 from tiller.errors import ConfigError
@@ -342,20 +343,24 @@ def _lora(state: dict[str, Any]) -> bool:
     return isinstance(config, dict) and (config.get("model") or {}).get("lora") is not None
 
 
-def newest_checkpoint(run_dir: Path) -> Checkpoint:
-    """The newest complete checkpoint of `run_dir`, verified; one line when there is none, or
-    when a step folder without a marker lies past it (`check_steps_free`)."""
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
+def check_run_folder(run_dir: Path) -> None:
+    """One line when `run_dir` (of `--resume`) holds no config.yaml: not a run folder."""
+    if not (Path(run_dir) / "config.yaml").is_file():
         raise ConfigError(f"--resume {str(run_dir)!r}: not a run folder (no config.yaml)")
+
+
+def newest_checkpoint(run_dir: Path) -> Checkpoint:
+    """The newest complete checkpoint of `run_dir`, verified; one line when there is none
+    (`no_checkpoint`), or when a step folder without a marker lies past it
+    (`check_steps_free`)."""
+    run_dir = Path(run_dir)
+    check_run_folder(run_dir)
     refuse_links(checkpoint_dir(run_dir))  # before a file is read through it
     # only the newest marker is read: an older checkpoint checkpoint.keep left in place
     # (another format, a marker that does not parse) does not block the resume
     marked = sorted(_marked(run_dir, warn=False), key=lambda found: found[1], reverse=True)
     if not marked:
-        raise ConfigError(f"--resume {str(run_dir)!r}: no complete checkpoint in "
-                          f"{checkpoint_dir(run_dir)} (a run writes them with "
-                          f"checkpoint.every > 0)")
+        raise no_checkpoint(run_dir)
     # the resumed run writes its checkpoints past it: none may be there (a folder without a
     # marker, a copy cut short), as none is written over a folder
     path, step = marked[0]
@@ -381,6 +386,29 @@ def load_weights(model: torch.nn.Module, ckpt: Checkpoint) -> None:
     if untied or unexpected:
         raise ConfigError(f"checkpoint {ckpt.path} does not fit the model: missing "
                           f"{untied[:3]}, unexpected {unexpected[:3]}")
+
+
+def no_checkpoint(run_dir: Path) -> ConfigError:
+    """The one line of a resume of a run folder without a complete checkpoint: why (the run's
+    checkpoint.every, read from its config.yaml as data: 0, or the run stopped before its first
+    checkpoint) and what to do."""
+    try:  # a config.yaml that does not read as a run's leaves the reason open
+        path = Path(run_dir) / "config.yaml"
+        data = yaml.safe_load(path.read_text()) if path.stat().st_size <= MAX_JSON_BYTES else None
+        every = data["checkpoint"]["every"]
+    except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError):
+        every = None
+    if every == 0:
+        why = "its run wrote none (checkpoint.every 0)"
+    elif isinstance(every, int) and every > 0:
+        why = (f"its run stopped before its first (written after RL step {every} or the last "
+               "step; none during the tool gate, SFT or the evaluation after it)")
+    else:
+        why = "its run stopped before its first, or wrote none (checkpoint.every 0)"
+    return ConfigError(f"--resume {str(run_dir)!r}: no complete checkpoint in "
+                       f"{checkpoint_dir(run_dir)}: {why}; nothing to resume: start the run "
+                       "again in a new folder (-o), or in this one once its files are moved "
+                       "away")
 
 
 def checkpoint_due(cfg: Config, steps_trained: int) -> bool:

@@ -347,8 +347,8 @@ def checkpoints(run_dir: RunDirArg) -> None:
 
     rows = describe(run_dir)
     if not rows:
-        _fail(f"{run_dir}: no resumable checkpoints (a run writes them with "
-              f"checkpoint.every > 0)")
+        _fail(f"{run_dir}: no resumable checkpoints (a run writes one every checkpoint.every "
+              "RL steps: it stopped before its first, or checkpoint.every was 0)")
     table = Table("checkpoint", "RL step", "MiB", "status", "holds")
     for r in rows:
         table.add_row(r["name"], str(r["step"]), f"{r['bytes'] / 2**20:.1f}", r["status"],

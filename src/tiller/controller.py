@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from tiller.algorithms.kl import kl_beta_at
-from tiller.checkpoints import check_steps_free, checkpoint_due
+from tiller.checkpoints import Checkpoint, check_run_folder, checkpoint_due
 from tiller.config import Config, JudgeConfig
 from tiller.errors import ConfigError, RunError
-from tiller.files import write_file
+from tiller.files import hold_run_dir, write_file
 from tiller.observe.evaluation import (
     outcome_rows,
     success_by_difficulty,
@@ -35,7 +35,7 @@ from tiller.observe.health import JudgeHackingTrend
 from tiller.observe.metrics import progress
 from tiller.observe.steps import StepRecorder
 from tiller.preflight import check_evaluable, check_report, heldout_disabled, rl_task_reserve
-from tiller.resume import restore_rl, save_rl, start_resume
+from tiller.resume import restore_rl, save_rl, say_resumed, start_resume
 from tiller.rollout.collect import rollout_metrics
 from tiller.rollout.curriculum import Curriculum, make_curriculum
 from tiller.rollout.manager import RolloutManager
@@ -373,14 +373,27 @@ def before_rl(run: Run, summary: dict[str, Any], no_eval: str | None) -> None:
 def train(cfg: Config, output_dir: str | Path | None = None,
           resume: str | Path | None = None) -> dict[str, Any]:
     """The whole pipeline; returns (and writes) the run summary. With `resume` (a run
-    folder) the run goes on from the folder's newest complete checkpoint, in that folder."""
+    folder) the run goes on from the folder's newest complete checkpoint, in that folder.
+    The run folder is locked for the run's life (`files.hold_run_dir`; a resumed run's before
+    its checks, a fresh run's by `Run` once the run's own checks passed, before the folder is
+    made): a second process in it is refused in one line."""
     t0 = time.perf_counter()
     check_report(cfg)  # before any work
-    ckpt = start_resume(cfg, Path(resume)) if resume is not None else None
-    if ckpt is None and cfg.checkpoint.every and (output_dir or cfg.output_dir):
-        check_steps_free(Path(output_dir or cfg.output_dir), 0,
-                         "another run's checkpoints: resume that run with --resume")
-    run = Run(cfg, resume if resume is not None else output_dir, resume=ckpt)
+    if resume is None:
+        return _train(cfg, output_dir, None, t0)
+    check_run_folder(Path(resume))  # a run folder: the lock file is made in no other
+    with hold_run_dir(resume):
+        return _train(cfg, resume, start_resume(cfg, Path(resume)), t0)
+
+
+def _train(cfg: Config, run_dir: str | Path | None,
+           resumed: tuple[Checkpoint, list[str]] | None, t0: float) -> dict[str, Any]:
+    """`train` in `run_dir` (a fresh run's: None for runs/<name>-<time>), a resume's lock held
+    and its checkpoint and safe config changes (`start_resume`) given."""
+    ckpt, changes = resumed or (None, [])
+    run = Run(cfg, run_dir, resume=ckpt, hold=ckpt is None)
+    if ckpt is not None:
+        say_resumed(ckpt, changes, run.dir)
     summary: dict[str, Any] = {"run_dir": str(run.dir), "seed": cfg.seed,
                                "runtime": run.runtime}
     try:
@@ -390,6 +403,9 @@ def train(cfg: Config, output_dir: str | Path | None = None,
         else:  # the gate, SFT and its evaluation were done before the checkpoint
             summary.update({k: v for k, v in ckpt.state["summary"].items() if k not in summary},
                            resumed_from=ckpt.path.name)
+            # each resume of the run, in order (a checkpoint's summary holds the ones before)
+            summary["resumes"] = [*summary.get("resumes", []), {
+                "from": ckpt.path.name, "step": ckpt.step, "config_changes": changes}]
         if cfg.rl.steps > 0:
             summary["rl"] = rl(run, summary=summary)
             if not no_eval:

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import logging
 import os
 import shutil
+import stat
 import sys
 import tempfile
 from collections import Counter
@@ -162,6 +164,61 @@ def open_append(path: str | Path, *, root: str | Path) -> TextIO:
             refuse_links(path)
         raise
     return os.fdopen(fd, "a", encoding="utf-8")
+
+
+# in a run folder: flock'd by the `tiller train` process that runs it, for the run's life
+RUN_LOCK = ".tiller.lock"
+
+
+@contextmanager
+def hold_run_dir(run_dir: str | Path) -> Iterator[None]:
+    """An exclusive `flock` on `run_dir`'s RUN_LOCK (the folder and the empty file made if
+    missing), held for the block: a second process that trains or resumes into the same run
+    folder is refused in one line naming the holder's pid, before it reads or writes anything
+    there (two processes would mix their records, and the later one's cut of metrics.jsonl
+    would leave the other appending to a removed file). The kernel drops the lock when the
+    process ends, however it ends (SIGKILL, OOM), so a dead run never blocks its resume. The
+    file is never written: the holder's pid is read from /proc/locks."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / RUN_LOCK
+    try:  # O_NONBLOCK: a FIFO planted there does not hang the open
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+            refuse_links(path)
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"{path} is not a plain file: remove it")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"run folder {run_dir} is in use by another process "
+                              f"({_lock_holder(fd)}, holding {path}): wait for it to end or "
+                              "stop it; two runs in one folder would mix their records") from None
+        yield
+    finally:
+        os.close(fd)  # the lock with it
+
+
+def _lock_holder(fd: int) -> str:
+    """"pid N" of the process holding a flock on `fd`'s file, from /proc/locks (lines like
+    `1: FLOCK  ADVISORY  WRITE 2839 fe:00:1056 0 EOF`); "pid unknown" when it is not listed
+    there (a process of another PID namespace shows as pid 0 or not at all)."""
+    st = os.fstat(fd)
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return "pid unknown"
+    for line in lines:
+        fields = line.split()
+        if "FLOCK" in fields and "->" not in fields and key in fields:
+            pid = fields[fields.index(key) - 1]
+            if pid.isdigit() and pid != "0":
+                return f"pid {pid}"
+    return "pid unknown"
 
 
 def refuse_links(*paths: str | Path) -> None:

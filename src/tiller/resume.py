@@ -55,16 +55,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-def start_resume(cfg: Config, run_dir: Path) -> Checkpoint:
+def start_resume(cfg: Config, run_dir: Path) -> tuple[Checkpoint, list[str]]:
     """`tiller train --resume RUN_DIR`, before any work: the newest complete checkpoint,
-    verified, every check of `check_resume` passed (the safe config changes logged). The run
-    folder is not touched: `run.Run` cuts it back (`cut_run_dir`) once its own checks passed
-    too."""
+    verified, every check of `check_resume` passed, and the safe config changes it allowed
+    (each "field: old -> new"; `say_resumed` logs them once the run started). The run folder is
+    not touched: `run.Run` cuts it back (`cut_run_dir`) once its own checks passed too."""
     ckpt = newest_checkpoint(run_dir)
-    changes = check_resume(cfg, ckpt, Path(run_dir))
+    return ckpt, check_resume(cfg, ckpt, Path(run_dir))
+
+
+def say_resumed(ckpt: Checkpoint, changes: list[str], run_dir: Path) -> None:
+    """The resume and each safe config change, logged as warnings once the resumed run passed
+    every check and started (a refused resume says only its one line), before its first RL
+    step: a user's terminal shows them (`tiller train` installs no log handler, and logging's
+    last resort prints WARNING and up)."""
+    log.warning("--resume: from checkpoint %s (RL step %d) of %s", ckpt.path.name, ckpt.step,
+                run_dir)
     for change in changes:
-        log.info("--resume: config changed (safe): %s", change)
-    return ckpt
+        log.warning("--resume: config changed (safe): %s", change)
 
 
 def cut_run_dir(run_dir: Path, ckpt: Checkpoint) -> None:
@@ -384,11 +392,24 @@ def restore_rl(ckpt: Checkpoint, learner: Any, record: StepRecorder,
     return ckpt.step
 
 
-# config fields a resumed run may change: they decide how long it runs and what it logs, not
-# what it samples or trains
+# config fields a resumed run may change: they decide how long it runs, how long it waits for
+# its parts (a slower node after a preemption) and what it logs, not what it samples or trains
 SAFE_CHANGES = ("rl.steps", "logging.", "checkpoint.", "output_dir", "name", "eval.",
                 "runtime.", "rollout.batch_timeout_s", "rollout.shutdown_timeout_s",
-                "observe.traces.close_timeout_s")
+                "observe.traces.close_timeout_s", "engine.startup_timeout_s",
+                "engine.request_timeout_s", "train.rank_timeout_s", "weight_sync.timeout_s")
+
+
+def moved(key: str, old: Any, new: Any) -> bool:
+    """Whether a change of `key` from `old` to `new` moves the run's external engines or Ray
+    cluster to other addresses (a lost node's replacement), which a resume allows: as many
+    engine.urls as before, or cluster.address from one cluster to another (attached stays
+    attached). The resume pushes the checkpoint's weights to every engine and checks parity
+    before the first rollout, so the new ones hold what the old ones did."""
+    if key == "engine.urls":
+        return bool(old) and isinstance(old, list) and isinstance(new, list) and (
+            len(new) == len(old))
+    return key == "cluster.address" and old is not None and new is not None
 
 
 def check_config(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -397,7 +418,7 @@ def check_config(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     a, b = _flatten(old), _flatten(new)
     changed = sorted(k for k in a.keys() | b.keys() if a.get(k, "<unset>") != b.get(k, "<unset>"))
     for k in changed:
-        if not k.startswith(SAFE_CHANGES):
+        if not (k.startswith(SAFE_CHANGES) or moved(k, a.get(k), b.get(k))):
             raise ConfigError(f"--resume: config field {k} changed ({a.get(k, '<unset>')!r} -> "
                               f"{b.get(k, '<unset>')!r}): the resumed run would not continue "
                               f"the same run; resume with the run's config")

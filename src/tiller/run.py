@@ -18,13 +18,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiller.checkpoints import ADAPTER_DIR, Checkpoint, load_weights, model_fingerprint
+from tiller.checkpoints import (
+    ADAPTER_DIR,
+    Checkpoint,
+    check_steps_free,
+    load_weights,
+    model_fingerprint,
+)
 from tiller.config import Config, ModelJudgeConfig, dump_config
 from tiller.engine.api import SamplingParams
 from tiller.engine.factory import make_engine
 from tiller.engine.weight_sync import ShardedSync, WeightSync
 from tiller.envs import Env, Task, ToolEnv
-from tiller.files import replacing, write_file
+from tiller.errors import ConfigError
+from tiller.files import hold_run_dir, refuse_links, replacing, write_file
 from tiller.gateway.program import ProgramEpisode
 from tiller.models import (
     build_env_model,
@@ -68,13 +75,37 @@ def compute_streams(cfg: Config) -> int:
     return max(1, rollout + int(overlaps))
 
 
-def make_run_dir(cfg: Config, output_dir: str | Path | None) -> Path:
-    """The run folder (`output_dir`, output_dir or runs/<name>-<time>), holding the config."""
+def run_dir_path(cfg: Config, output_dir: str | Path | None) -> Path:
+    """The run folder's path: `output_dir`, output_dir or runs/<name>-<time>."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = Path(output_dir or cfg.output_dir or Path("runs") / f"{cfg.name}-{stamp}")
+    return Path(output_dir or cfg.output_dir or Path("runs") / f"{cfg.name}-{stamp}")
+
+
+def make_run_dir(cfg: Config, output_dir: str | Path | None) -> Path:
+    """The run folder (`run_dir_path`), made, holding the config."""
+    out = run_dir_path(cfg, output_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_file(out / "config.yaml", dump_config(cfg), root=out)
     return out
+
+
+# what a run writes in its folder as it goes: a fresh run refuses a folder holding any
+RECORD = ("metrics.jsonl", "traces.sqlite", "summary.json")
+
+
+def check_new_run_dir(cfg: Config, run_dir: Path) -> None:
+    """A run that is not resumed refuses, in one line, a folder holding another run's record
+    (its metrics, traces or summary: the new run would append to them, e.g. a run killed before
+    its first checkpoint started again in its folder) or, with checkpoint.every > 0, its step
+    folders (a later --resume would take theirs)."""
+    refuse_links(*(run_dir / name for name in RECORD))  # a link's own one line
+    held = [name for name in RECORD if (run_dir / name).exists()]
+    if held:
+        raise ConfigError(f"run folder {run_dir} already holds a run's {', '.join(held)}: "
+                          f"resume that run with `tiller train --resume {run_dir}`, or start "
+                          "a new one in another folder (-o)")
+    if cfg.checkpoint.every:
+        check_steps_free(run_dir, 0, "another run's checkpoints: resume that run with --resume")
 
 
 def closes(stack: ExitStack, what: str, close: Callable[[], Any]) -> None:
@@ -109,25 +140,34 @@ class Run:
     base: str | None = None
 
     def __init__(self, cfg: Config, output_dir: str | Path | None = None,
-                 resume: Checkpoint | None = None):
+                 resume: Checkpoint | None = None, hold: bool = False):
         """With `resume` (a checkpoint of this run folder) the policy starts from its weights
-        and version, and the engine gets them (checked) before any episode."""
+        and version, and the engine gets them (checked) before any episode. With `hold` (a
+        fresh run of `controller.train`, which holds a resumed run's lock itself) the run
+        folder is locked (`files.hold_run_dir`) once the run's checks passed, before it is
+        made, until the run closes, and one holding another run's record is refused
+        (`check_new_run_dir`)."""
         self.cfg, self.resume = cfg, resume
         checked = check_run(cfg)
         check_cluster(cfg)  # Ray installed, its address answers, CPUs for every actor
         self.env_cls, self.sft_conversations = checked.env_cls, checked.sft_conversations
         self.episode_fn, self.key_steps = checked.episode_fn, checked.key_steps
         self.judge = checked.judge  # rl.judge.model loads with the models
-        self.dir = make_run_dir(cfg, output_dir)
-        random.seed(cfg.seed)
-        np.random.seed(cfg.seed)
-        torch.manual_seed(cfg.seed)
-        self.limits = EpisodeLimits(cfg.env.max_turns, cfg.env.max_episode_tokens, MemoryPolicy(
-            cfg.agent.memory, tool_output_tokens=cfg.agent.tool_output_tokens or 128,
-            reserve_tokens=cfg.sampling.max_new_tokens),
-            chat_format=cfg.model.chat_format, history=cfg.agent.history)
-        self.timings: dict[str, float] = {}
         with ExitStack() as stack:  # nothing of a run that did not start outlives it
+            if hold:  # given up last, once everything else closed
+                output_dir = run_dir_path(cfg, output_dir)
+                stack.enter_context(hold_run_dir(output_dir))
+                check_new_run_dir(cfg, output_dir)
+            self.dir = make_run_dir(cfg, output_dir)
+            random.seed(cfg.seed)
+            np.random.seed(cfg.seed)
+            torch.manual_seed(cfg.seed)
+            self.limits = EpisodeLimits(
+                cfg.env.max_turns, cfg.env.max_episode_tokens, MemoryPolicy(
+                    cfg.agent.memory, tool_output_tokens=cfg.agent.tool_output_tokens or 128,
+                    reserve_tokens=cfg.sampling.max_new_tokens),
+                chat_format=cfg.model.chat_format, history=cfg.agent.history)
+            self.timings: dict[str, float] = {}
             self._open(stack, checked.program)
             self._closing = stack.pop_all()
 
