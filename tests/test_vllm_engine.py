@@ -323,7 +323,7 @@ def test_an_attached_server_in_vllms_default_logprobs_mode_is_refused_and_a_rest
     port = free_port()
     monkeypatch.setattr(servers_mod, "free_port", lambda host: port)  # the same URL twice
     spec = server_specs(str(default_python()), path, 1, max_context=512, dtype="float32",
-                        kv_cache_bytes=64 << 20, threads=1, extra_args=[])[0]
+                        kv_cache_bytes=64 << 20, threads=1, extra_args=[], cpu=True)[0]
     raw = servers_mod.ServerSpec(spec.name, [a.replace("processed_logprobs", "raw_logprobs")
                                              for a in spec.argv], spec.env)
     first = ManagedServers([spec], log_dir=tmp_path / "s1", startup_timeout_s=START_S)
@@ -399,7 +399,7 @@ def test_the_logprobs_mode_check_passes_bf16_servers_and_refuses_raw_logprobs(
     path = (tiny(tmp_path / "m", heads=4)[0] if which == "tiny"
             else request.getfixturevalue("smollm2_dir"))
     spec = server_specs(str(default_python()), path, 1, max_context=512, dtype="bfloat16",
-                        kv_cache_bytes=64 << 20, threads=1, extra_args=[])[0]
+                        kv_cache_bytes=64 << 20, threads=1, extra_args=[], cpu=True)[0]
     raw = servers_mod.ServerSpec("raw", [a.replace("processed_logprobs", "raw_logprobs")
                                          for a in spec.argv], spec.env)
     with ManagedServers([spec, raw], log_dir=tmp_path / "s", startup_timeout_s=START_S) as m:

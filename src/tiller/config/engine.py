@@ -118,8 +118,8 @@ class HttpEngineConfig(EngineConfig):
 # the flags of a managed vLLM server that tiller sets, as engine/vllm.py server_specs emits them
 # (the config test checks this list against `managed_flags()`, the argv's own)
 TILLER_SETS = ("--model", "--served-model-name", "--host", "--port", "--dtype",
-               "--max-model-len", "--kv-cache-memory-bytes", "--enforce-eager",
-               "--logprobs-mode", "--no-enable-chunked-prefill", "--weight-transfer-config")
+               "--max-model-len", "--kv-cache-memory-bytes", "--logprobs-mode",
+               "--enforce-eager", "--no-enable-chunked-prefill", "--weight-transfer-config")
 
 
 def refused_flag(arg: str) -> str | None:
@@ -145,8 +145,8 @@ class VllmEngineConfig(EngineConfig):
     urls: list[str] = Field(
         default_factory=list, description="base URLs of running vLLM servers to attach to "
         "(started with VLLM_SERVER_DEV_MODE=1, --served-model-name tiller, --logprobs-mode "
-        "processed_logprobs, --no-enable-chunked-prefill and the run's model); empty = tiller "
-        "starts engine.servers")
+        "processed_logprobs, on vLLM's CPU build --no-enable-chunked-prefill, and the run's "
+        "model); empty = tiller starts engine.servers")
     servers: int = Field(1, ge=1, description="vLLM servers tiller starts when engine.urls is "
                          "empty, each on a free loopback port, its log in <run dir>/servers/; "
                          "with cluster.backend ray each in a Ray actor of its own, placed on "
