@@ -136,6 +136,18 @@ def test_a_key_of_another_variant_is_one_line_naming_it(overrides, message):
     assert str(e.value) == message
 
 
+def test_weights_dir_under_shm_is_refused_naming_both_fields() -> None:
+    """Under shm a push writes no file: engine.weights_dir would do nothing (review s9-i21 F8)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIG, ["engine.backend=vllm", "engine.weight_transfer=shm",
+                             "engine.weights_dir=/dev/shm/w"])
+    assert str(e.value) == ("config field engine.weights_dir: got '/dev/shm/w'; "
+                            "engine.weight_transfer is shm, whose pushes go through one /dev/shm "
+                            "segment, not a folder: leave engine.weights_dir out")
+    assert load_config(CONFIG, ["engine.backend=vllm", "engine.weights_dir=/dev/shm/w"]
+                       ).engine.weights_dir == "/dev/shm/w"  # disk: it is where pushes go
+
+
 @pytest.mark.parametrize("cpu", [True, False])
 def test_the_cpu_only_flags_are_sent_to_cpu_servers_only(cpu: bool) -> None:
     """--enforce-eager and --no-enable-chunked-prefill are for vLLM's CPU build; on a CUDA
