@@ -27,7 +27,7 @@ from tiller.config import (
 )
 from tiller.config.engine import TILLER_SETS
 from tiller.engine.follower import run_api_key
-from tiller.engine.vllm import managed_flags
+from tiller.engine.vllm import CPU_FLAGS, managed_flags, server_specs
 
 ROOT = Path(__file__).parent.parent
 CONFIG = ROOT / "configs" / "calculator.yaml"
@@ -123,7 +123,7 @@ def test_the_choice_picks_the_type_and_it_round_trips(overrides, section, varian
     *[(["engine.backend=vllm", f"engine.extra_args=[{arg}]"], "config field engine.extra_args: "
        f"got {arg.split(',')[0]!r}, which would rebind {flag}; tiller sets --model, "
        "--served-model-name, --host, --port, --dtype, --max-model-len, "
-       "--kv-cache-memory-bytes, --enforce-eager, --logprobs-mode, "
+       "--kv-cache-memory-bytes, --logprobs-mode, --enforce-eager, "
        "--no-enable-chunked-prefill, --weight-transfer-config itself (the last one given "
        "would win) and --config could set them: use the engine fields")
       for arg, flag in [("--host=0.0.0.0", "--host"), ("--served_model_name,x",
@@ -134,6 +134,33 @@ def test_a_key_of_another_variant_is_one_line_naming_it(overrides, message):
     with pytest.raises(ConfigError) as e:
         load_config(CONFIG, overrides)
     assert str(e.value) == message
+
+
+def test_weights_dir_under_shm_is_refused_naming_both_fields() -> None:
+    """Under shm a push writes no file: engine.weights_dir would do nothing (review s9-i21 F8)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIG, ["engine.backend=vllm", "engine.weight_transfer=shm",
+                             "engine.weights_dir=/dev/shm/w"])
+    assert str(e.value) == ("config field engine.weights_dir: got '/dev/shm/w'; "
+                            "engine.weight_transfer is shm, whose pushes go through one /dev/shm "
+                            "segment, not a folder: leave engine.weights_dir out")
+    assert load_config(CONFIG, ["engine.backend=vllm", "engine.weights_dir=/dev/shm/w"]
+                       ).engine.weights_dir == "/dev/shm/w"  # disk: it is where pushes go
+
+
+@pytest.mark.parametrize("cpu", [True, False])
+def test_the_cpu_only_flags_are_sent_to_cpu_servers_only(cpu: bool) -> None:
+    """--enforce-eager and --no-enable-chunked-prefill are for vLLM's CPU build; on a CUDA
+    build they would turn off CUDA graphs and chunked prefill (review s9-i21 F2)."""
+    argv = server_specs("py", Path("m"), 1, max_context=8, dtype="float32", kv_cache_bytes=1,
+                        threads=1, extra_args=["--max-num-seqs", "8"], cpu=cpu)[0].argv
+    assert argv == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "m",
+                    "--served-model-name", "tiller", "--host", "127.0.0.1", "--port", "{port}",
+                    "--dtype", "float32", "--max-model-len", "8", "--kv-cache-memory-bytes",
+                    "1", "--logprobs-mode", "processed_logprobs",
+                    *(["--enforce-eager", "--no-enable-chunked-prefill"] if cpu else []),
+                    "--max-num-seqs", "8"]
+    assert CPU_FLAGS == ("--enforce-eager", "--no-enable-chunked-prefill")
 
 
 def test_every_flag_of_the_managed_argv_is_refused_in_extra_args_in_both_forms():

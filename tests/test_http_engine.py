@@ -510,6 +510,29 @@ def test_control_calls_fan_out_to_every_server_with_the_key(tmp_path):
 
 
 @pytest.mark.integration
+def test_a_failed_push_says_it_failed_not_that_the_weights_are_not_the_trainers(model, tmp_path):
+    """SGLang's answer when a push loaded the weights but could not flush the cache (review
+    s9-i21 F7): the error quotes it and says the push failed, not a false 'does not hold'."""
+    said = ("Weights were updated, but the cache was not flushed because requests are still "
+            "running or queued. Retract or finish them, then call /flush_cache.")
+    answers = {"/update_weights_from_disk": {"success": False, "message": said,
+                                             "num_paused_requests": 0}}
+    with recorders(1, answers) as srvs:
+        http = engine_for([url(srvs[0])], tmp_path, dialect=SglangDialect())
+        try:
+            with pytest.raises(RunError) as e:
+                http.update_weights(WeightUpdate.full(model, 2))
+        finally:
+            http.close()
+    msg = str(e.value)
+    assert msg.startswith(f"weight push v2: server {url(srvs[0])} answered {{'message': "
+                          "'Weights were updated, but the cache was not flush")
+    assert msg.endswith("(expected success and weight_version 2): the push failed (the "
+                        "server's answer says how; its weights may have changed)")
+    assert "does not hold" not in msg and "\n" not in msg
+
+
+@pytest.mark.integration
 def test_abort_goes_to_the_server_running_the_request(params, tmp_path):
     partial = {"output_ids": [4, 9], "meta_info": {
         "finish_reason": {"type": "abort"}, "output_token_logprobs": [[-0.5, 4, None],

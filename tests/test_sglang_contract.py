@@ -129,6 +129,10 @@ def test_the_sglang_bodies_carry_the_fields_sglang_names():
     assert (body["sampling_seed"], body["top_k"], "seed" in body) == (7, -1, False)
     assert generate_body(SGLANG, CONFIGS["top_k"])["sampling_params"]["top_k"] == 5
     assert SGLANG.push_body("/w", 3, False)["weight_version"] == "3"
+    # retract, not in_place: SGLang's cache flush after a push refuses a running batch left in
+    # place ("Weights were updated, but the cache was not flushed"), but passes a paused
+    # server's queue (Scheduler.flush_cache: is_fully_idle(ignore_waiting=paused)); review F7
+    assert SGLANG.pause_body() == {"mode": "retract"}
 
 
 @pytest.mark.integration

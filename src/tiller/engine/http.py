@@ -485,9 +485,11 @@ class HttpEngine:
         if not (done and self.dialect.pushed_version(echoed) == update.version):
             read = (f", then {self.dialect.model_info_path} weight_version {echoed!r}"
                     if done and self.dialect.reads_back_version else "")
+            what = ("it does not hold the trainer's weights" if done else "the push failed "
+                    "(the server's answer says how; its weights may have changed)")
             raise RunError(f"weight push v{update.version}: server {server.url} answered "
                            f"{short(answer)}{read} (expected success and weight_version "
-                           f"{update.version}): it does not hold the trainer's weights")
+                           f"{update.version}): {what}")
         server.previous, server.version = server.version, update.version
         server.boot_id = answer.get("boot_id")
         if server.down:

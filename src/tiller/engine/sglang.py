@@ -14,8 +14,12 @@ accept it (tests/test_sglang_contract.py runs them on every body built here):
   `/generate` with `return_logprob`, `logprob_start_len: 0` and `max_new_tokens: 0`, whose
   `meta_info.input_token_logprobs` are `[logprob, token_id, text]` with no logprob for the
   first token;
-- pause is `/pause_generation` with `mode: in_place` (running requests keep their KV and go on
-  at `/continue_generation`), as the embedded engine pauses;
+- pause is `/pause_generation` with `mode: retract`: running requests go back to the queue,
+  their KV freed, and are prefilled again at `/continue_generation`. With `in_place` (KV kept)
+  a push while paused with requests running failed: its cache flush refuses a non-empty
+  running batch ("Weights were updated, but the cache was not flushed"), after the weights and
+  the version changed. Unpaused, a push waits (SGLang's weight-update writer lock) for every
+  running request to finish, within `weight_sync.timeout_s`;
 - logprobs are of softmax(logits / T) before top-k / top-p (untruncated).
 """
 
@@ -76,7 +80,7 @@ class SglangDialect(TillerDialect):
         return None
 
     def pause_body(self) -> dict[str, Any]:
-        return {"mode": "in_place"}
+        return {"mode": "retract"}
 
     def score_request(self, token_ids: list[int]) -> tuple[str, dict[str, Any]]:
         return "/generate", {"input_ids": token_ids, "return_logprob": True,

@@ -12,10 +12,8 @@ marked down, bounded waits) speaking vLLM's API instead of SGLang's:
   temperature other than 1 silently off-policy, so at connect each server samples one token at
   temperature 0.5 and one at 1, and the spread of its top logprobs must be twice as large at
   0.5 (`check_logprobs_mode`).
-  Servers run with `--no-enable-chunked-prefill`: vLLM 0.32's CPU runner rewinds the generator
-  of a seeded request whose prefill was split across steps, which a CPU generator cannot do,
-  and its engine dies ("CPU Generator does not use offset"); unsplit, every prompt is
-  prefilled in one step.
+  CPU servers run with `--no-enable-chunked-prefill`: vLLM 0.32's CPU runner rewinds a seeded
+  request's CPU generator when its prefill is split, and dies ("does not use offset").
 - abort: `POST /abort_requests` with vLLM's id of the request (`cmpl-<id>-0`).
 - pause / resume: `POST /pause?mode=keep` (requests stay queued) and `POST /resume`.
 - weights: full updates only, written as safetensors (tied tensors each written out: a reload
@@ -66,6 +64,7 @@ from tiller.engine.vllm_shm import BACKEND as SHM_BACKEND
 from tiller.engine.vllm_shm import (
     DTYPES,
     SHM_DIR,
+    device_type,
     plugin_installed,
     remove_segment,
     remove_stale_segments,
@@ -76,6 +75,7 @@ from tiller.engine.wire import TillerDialect, short
 from tiller.errors import ConfigError, RunError
 
 logger = logging.getLogger(__name__)
+CPU_FLAGS = ("--enforce-eager", "--no-enable-chunked-prefill")  # CPU build only (docs/engines.md)
 SERVED_NAME = "tiller"  # --served-model-name: the `model` of every request
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}  # vLLM's reasons -> tiller's
 # the environment of a managed server: the RL endpoints, the model's worker in the engine
@@ -396,16 +396,17 @@ class VllmEngine(HttpEngine):
 
 
 def server_specs(python: str, model_dir: Path, count: int, *, max_context: int, dtype: str,
-                 kv_cache_bytes: int, threads: int, extra_args: list[str],
+                 kv_cache_bytes: int, threads: int, extra_args: list[str], cpu: bool,
                  transfer: str = "disk", api_key: str | None = None) -> list[ServerSpec]:
     """The commands of `count` managed vLLM servers of the model saved in `model_dir`; with
     `transfer` shm each loads pushes through tiller's `tiller_shm` weight-transfer engine,
-    imported from this tiller's source (first on the server's PYTHONPATH)."""
+    imported from this tiller's source (first on the server's PYTHONPATH). `CPU_FLAGS` only with
+    `cpu` (vLLM's platform, `device_type`): on a GPU they would turn off CUDA graphs."""
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", "{port}",
             "--dtype", dtype, "--max-model-len", str(max_context),
-            "--kv-cache-memory-bytes", str(kv_cache_bytes), "--enforce-eager",
-            "--logprobs-mode", "processed_logprobs", "--no-enable-chunked-prefill", *extra_args]
+            "--kv-cache-memory-bytes", str(kv_cache_bytes),
+            "--logprobs-mode", "processed_logprobs", *(CPU_FLAGS if cpu else ()), *extra_args]
     env = {**SERVER_ENV, "OMP_NUM_THREADS": str(threads)}
     if api_key:  # the environment, not argv: argv is readable by every local user
         env["VLLM_API_KEY"] = api_key
@@ -417,10 +418,10 @@ def server_specs(python: str, model_dir: Path, count: int, *, max_context: int, 
 
 
 def managed_flags() -> tuple[str, ...]:
-    """Every flag of the argv `server_specs` emits (under shm, which adds one), in order."""
-    argv = server_specs("python", Path("model"), 1, max_context=1, dtype="float32",
-                        kv_cache_bytes=1, threads=1, extra_args=[], transfer="shm")[0].argv
-    return tuple(a for a in argv if a.startswith("--"))
+    """Every flag of the argv `server_specs` emits (on CPU, under shm: the most), in order."""
+    return tuple(a for a in server_specs("python", Path("model"), 1, max_context=1,
+                 dtype="float32", kv_cache_bytes=1, threads=1, extra_args=[], cpu=True,
+                 transfer="shm")[0].argv if a.startswith("--"))
 
 
 def probe(engine: VllmEngine, token_id: int, deadline: float) -> None:
@@ -567,6 +568,7 @@ def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, 
         specs = server_specs(str(python), model_dir, cfg.servers, max_context=max_context,
                              dtype=dtype, kv_cache_bytes=cfg.kv_cache_bytes,
                              threads=cfg.threads, extra_args=cfg.extra_args,
+                             cpu=device_type(str(python), SERVER_ENV) == "cpu",
                              transfer=cfg.weight_transfer, api_key=api_key)
         if cfg.weight_transfer == "shm" and not plugin_installed(str(python), specs[0].env):
             raise ConfigError(f"config field engine.weight_transfer: shm needs tiller's vLLM "

@@ -36,6 +36,7 @@ BACKEND = "tiller_shm"  # the name in vLLM's factory and in --weight-transfer-co
 ENTRY_POINT = "tiller.engine.vllm_shm_server:register"  # pyproject.toml's vllm.general_plugins
 SHM_DIR = Path("/dev/shm")
 PLUGIN_CHECK_S = 60.0  # seconds `plugin_installed` may take
+PLATFORM_CHECK_S = 120.0  # seconds `device_type` may take (it imports vllm: 8.5 s at load 3)
 PREFIX = "tiller-weights-"  # + the trainer's pid + "-" + a random part
 ALIGN = 64  # bytes; every tensor starts at a multiple of it (any dtype view is aligned)
 MAX_TENSORS = 100_000  # manifest entries the server reads at most
@@ -169,6 +170,26 @@ def plugin_installed(python: str, env: dict[str, str]) -> bool:
         raise RunError(f"engine.weight_transfer: shm: checking {python}'s environment for "
                        f"tiller's vLLM plugin took more than {PLUGIN_CHECK_S:g} s") from e
     return done.returncode == 0
+
+
+def device_type(python: str, env: dict[str, str]) -> str:
+    """vLLM's platform in `python`'s environment (run with `env`, as a server would be):
+    'cpu' for the CPU build (scripts/setup.sh's), 'cuda' for a CUDA build on a GPU machine;
+    what the servers started from it will run on. A failure or more than `PLATFORM_CHECK_S`
+    seconds is one RunError naming `python`."""
+    code = "from vllm.platforms import current_platform as p; print(p.device_type)"
+    try:
+        done = subprocess.run([python, "-c", code], env={**os.environ, **env},
+                              timeout=PLATFORM_CHECK_S, stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True)
+    except subprocess.TimeoutExpired as e:
+        raise RunError(f"asking {python} for vLLM's platform took more than "
+                       f"{PLATFORM_CHECK_S:g} s") from e
+    words, err = done.stdout.split(), done.stderr.strip().splitlines() or ["no output"]
+    if done.returncode != 0 or not words:
+        raise RunError(f"{python} cannot tell vLLM's platform (exit {done.returncode}): "
+                       f"{err[-1]}")
+    return words[-1]
 
 
 def remove_segment(path: str) -> None:
