@@ -19,6 +19,7 @@ This module imports no vLLM: the trainer uses it, and so does the server-side en
 from __future__ import annotations
 
 import errno
+import functools
 import mmap
 import os
 import stat
@@ -175,11 +176,17 @@ def plugin_installed(python: str, env: dict[str, str]) -> bool:
 def device_type(python: str, env: dict[str, str]) -> str:
     """vLLM's platform in `python`'s environment (run with `env`, as a server would be):
     'cpu' for the CPU build (scripts/setup.sh's), 'cuda' for a CUDA build on a GPU machine;
-    what the servers started from it will run on. A failure or more than `PLATFORM_CHECK_S`
-    seconds is one RunError naming `python`."""
+    what the servers started from it will run on. Asked once per process for each `python`
+    and `env` (it imports vllm: seconds). A failure or more than `PLATFORM_CHECK_S` seconds is
+    one RunError naming `python`."""
+    return _device_type(python, tuple(sorted(env.items())))
+
+
+@functools.cache
+def _device_type(python: str, env: tuple[tuple[str, str], ...]) -> str:
     code = "from vllm.platforms import current_platform as p; print(p.device_type)"
     try:
-        done = subprocess.run([python, "-c", code], env={**os.environ, **env},
+        done = subprocess.run([python, "-c", code], env={**os.environ, **dict(env)},
                               timeout=PLATFORM_CHECK_S, stdin=subprocess.DEVNULL,
                               capture_output=True, text=True)
     except subprocess.TimeoutExpired as e:
