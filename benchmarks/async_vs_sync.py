@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -49,6 +50,8 @@ def sft_checkpoint(out: Path, quick: bool) -> Path:
         print(f"training the SFT checkpoint into {folder} ...", flush=True)
         cfg = load_config(ROOT / "configs/calculator.yaml",
                           (TINY_MODEL if quick else ["rl.steps=0"]) + ["logging.progress=false"])
+        if folder.exists():  # an attempt cut short: a fresh run refuses its record
+            shutil.rmtree(folder)
         train(cfg, folder)
     return folder / "checkpoints/sft"
 
@@ -69,8 +72,11 @@ def run_mode(mode: str, correction: str | None, model: Path, args: argparse.Name
         overrides.append(f"rl.max_staleness={args.max_staleness}")
     overrides += args.set
     cfg = load_config(ROOT / "configs/calculator.yaml", overrides)
+    run_dir = out / f"{mode}-{cfg.rl.algorithm.off_policy}"
+    if run_dir.exists():  # ours; a fresh run refuses a run's record
+        shutil.rmtree(run_dir)
     t0 = time.perf_counter()
-    summary = train(cfg, out / f"{mode}-{cfg.rl.algorithm.off_policy}")
+    summary = train(cfg, run_dir)
     rl, heldout = summary["rl"], summary["heldout_after_rl"]
     return {"mode": mode, "off_policy": cfg.rl.algorithm.off_policy,
             "samples_per_s": rl["samples_per_s"], "wall_s": rl["wall_s"],

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 from tiller.config import load_config
@@ -39,6 +40,8 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for name, more in SETUPS.items():
         out = Path(args.work) / name.split()[0]
+        if out.exists():  # ours; a fresh run refuses a run's record
+            shutil.rmtree(out)
         train(load_config("configs/calculator.yaml", [*SHORT, *more]), out)
         tokens, seconds, turns = rollout_rate(out)
         print(f"| {name} | {tokens:.0f} | {seconds:.1f} | {tokens / seconds:.0f} | "

@@ -37,6 +37,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -262,6 +263,8 @@ def rl_steps(backend: str, args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.work) / f"rl-{backend}"
     cfg = load_config("configs/calculator.yaml",
                       [*RL_SHORT, f"rl.steps={args.rl_steps}", *RL_BACKENDS[backend]])
+    if out.exists():  # ours; a fresh run refuses a run's record
+        shutil.rmtree(out)
     train(cfg, out)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r["phase"] == "rl"]

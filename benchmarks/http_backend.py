@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -63,6 +64,8 @@ def train(run_dir: Path, model: Path, steps: int, extra: list[str],
     cmd = [TILLER, "train", str(ROOT / "configs/calculator.yaml"), "-o", str(run_dir),
            f"model.path={model}", "model.build=null", "sft.enabled=false", f"rl.steps={steps}",
            "logging.progress=false", *extra]
+    if run_dir.exists():  # a fresh run refuses a folder holding a run's record; ours
+        shutil.rmtree(run_dir)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=(run_dir.parent / f"{run_dir.name}.log").open("w"),
                             stderr=subprocess.STDOUT)

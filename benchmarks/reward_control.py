@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -62,6 +63,8 @@ def sft_checkpoint(args: argparse.Namespace) -> Path:
     folder = args.out / f"sft-seed{args.sft_seed}"
     if not (folder / "checkpoints/sft").is_dir():
         print(f"training the SFT checkpoint into {folder} ...", file=sys.stderr, flush=True)
+        if folder.exists():  # an attempt cut short: a fresh run refuses a run's record
+            shutil.rmtree(folder)
         train(load_config(args.config, [*(QUICK if args.quick else []), "rl.steps=0",
                                         f"seed={args.sft_seed}", *QUIET, *args.sft_set]),
               folder)
@@ -72,6 +75,8 @@ def rl_run(args: argparse.Namespace, sft: Path, seed: int, control: str) -> Path
     out = args.out / f"seed{seed}" / control
     if (out / "summary.json").is_file():
         return out  # done by an earlier invocation
+    if out.exists():  # an attempt cut short: a fresh run refuses a run's record
+        shutil.rmtree(out)
     t0 = time.perf_counter()
     overrides = [*(QUICK if args.quick else []), f"model.path={json.dumps(str(sft))}",
                  "model.build=null", "sft.enabled=false", f"seed={seed}",

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -80,6 +81,8 @@ def run_variant(args: argparse.Namespace, backend: str, workers: int, ranks: int
         overrides += [f"model.path={args.model}", "model.build=null"]
     if args.quick:
         overrides += QUICK
+    if out.exists():  # ours; a fresh run refuses a run's record
+        shutil.rmtree(out)
     t0 = time.perf_counter()
     summary = train(load_config(args.config, overrides), out)
     total = time.perf_counter() - t0

@@ -29,7 +29,7 @@ if ! "$VLLM" -c "import torch, vllm; assert torch.cuda.is_available()" >/dev/nul
        "a Python with vLLM's CUDA build (pip install vllm==0.32.0)" >&2
   exit 1
 fi
-OUT="${1:-runs/gpu-check}"
+OUT="${1:-runs/gpu-check-$(date +%Y%m%d-%H%M%S)}"  # a new folder: a run refuses one holding a run
 "$TRAIN" -m tiller train configs/calculator.yaml --output-dir "$OUT" \
   engine.backend=vllm "engine.python=$VLLM" model.device=cuda \
   engine.kv_cache_bytes=1073741824

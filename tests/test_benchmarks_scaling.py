@@ -40,7 +40,10 @@ def test_an_unknown_variant_is_an_error_not_skipped(capsys):
 @pytest.mark.timeout(600)
 def test_quick_run_prints_its_table_and_both_goals(tmp_path):
     """The measuring path (`run_variant`: the metric keys it reads) on the tiny model: a row
-    per variant in the table's columns, and each goal measured (met or NOT met)."""
+    per variant in the table's columns, and each goal measured (met or NOT met). A work folder
+    an earlier invocation left (a variant's run record) is measured again, not refused."""
+    (tmp_path / "local").mkdir()
+    (tmp_path / "local" / "metrics.jsonl").write_text('{"step": 1}\n')  # an earlier run's
     proc = subprocess.run(
         [sys.executable, "benchmarks/scaling.py", "--quick", "--variants",
          "local,ray-1w,local-2r", "--work", str(tmp_path)], cwd=ROOT,
