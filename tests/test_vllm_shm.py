@@ -83,8 +83,9 @@ def test_the_vllm_envs_platform_is_asked_and_a_python_without_vllm_is_one_line()
     """scripts/setup.sh's env is vLLM's CPU build, which decides the CPU-only server flags; a
     Python without vllm (tiller's own env) is one RunError naming it and vLLM's import error."""
     assert vllm_shm.device_type(str(default_python()), vllm_mod.SERVER_ENV) == "cpu"
-    with pytest.raises(RunError, match=r"^\S+python\S* cannot tell vLLM's platform \(exit 1\): "
-                       r"ModuleNotFoundError: No module named 'vllm'$"):
+    with pytest.raises(RunError, match=r"^engine.python \S+python\S* cannot tell vLLM's platform "
+                       r"\(exit 1\): ModuleNotFoundError: No module named 'vllm'; build the vLLM "
+                       r"environment with `bash scripts/setup.sh`$"):
         vllm_shm.device_type(sys.executable, {})
 
 

@@ -194,8 +194,9 @@ def _device_type(python: str, env: tuple[tuple[str, str], ...]) -> str:
                        f"{PLATFORM_CHECK_S:g} s") from e
     words, err = done.stdout.split(), done.stderr.strip().splitlines() or ["no output"]
     if done.returncode != 0 or not words:
-        raise RunError(f"{python} cannot tell vLLM's platform (exit {done.returncode}): "
-                       f"{err[-1]}")
+        raise RunError(f"engine.python {python} cannot tell vLLM's platform (exit "
+                       f"{done.returncode}): {err[-1]}; build the vLLM environment with "
+                       f"`bash scripts/setup.sh`")
     return words[-1]
 
 
