@@ -492,3 +492,34 @@ def test_a_second_process_in_a_run_folder_is_refused_naming_the_holder(tmp_path)
         first.communicate(timeout=60)
     with hold_run_dir(run):  # the dead run's lock is gone with it
         pass
+
+
+@pytest.mark.slow
+def test_a_fresh_run_holds_its_folder_until_its_summary_is_written(tmp_path, monkeypatch):
+    """Review s9 F2: a fresh run gave its folder's lock up when it closed, before it wrote
+    summary.json, so a resume could start in the folder while it still wrote. The lock is
+    tried (non-blocking, from another open file) at that write: taken by the run."""
+    import fcntl
+
+    from tiller import controller
+
+    run, tried = tmp_path / "run", []
+    real = controller.write_file
+
+    def write_file(path, data, *, root):
+        if Path(path).name == "summary.json":
+            fd = os.open(run / ".tiller.lock", os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                tried.append("free")
+            except BlockingIOError:
+                tried.append("held")
+            finally:
+                os.close(fd)
+        return real(path, data, root=root)
+
+    monkeypatch.setattr(controller, "write_file", write_file)
+    controller.train(load_config(CONFIG, [*TINY_RUN, "rl.steps=1"]), run)
+    assert tried == ["held"]
+    with open(run / ".tiller.lock") as f:  # given up once the run returned
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)

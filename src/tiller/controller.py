@@ -374,9 +374,10 @@ def train(cfg: Config, output_dir: str | Path | None = None,
           resume: str | Path | None = None) -> dict[str, Any]:
     """The whole pipeline; returns (and writes) the run summary. With `resume` (a run
     folder) the run goes on from the folder's newest complete checkpoint, in that folder.
-    The run folder is locked for the run's life (`files.hold_run_dir`; a resumed run's before
-    its checks, a fresh run's by `Run` once the run's own checks passed, before the folder is
-    made): a second process in it is refused in one line."""
+    The run folder is locked for the run's life, its summary and report included
+    (`files.hold_run_dir`; a resumed run's before its checks, a fresh run's by `Run` once the
+    run's own checks passed, before the folder is made): a second process in it is refused in
+    one line."""
     t0 = time.perf_counter()
     check_report(cfg)  # before any work
     if resume is None:
@@ -392,6 +393,13 @@ def _train(cfg: Config, run_dir: str | Path | None,
     and its checkpoint and safe config changes (`start_resume`) given."""
     ckpt, changes = resumed or (None, [])
     run = Run(cfg, run_dir, resume=ckpt, hold=ckpt is None)
+    with run.held:  # a fresh run's lock, given up once its summary and report are written
+        return _pipeline(cfg, run, ckpt, changes, t0)
+
+
+def _pipeline(cfg: Config, run: Run, ckpt: Checkpoint | None, changes: list[str],
+              t0: float) -> dict[str, Any]:
+    """`_train`'s run from its start (or its checkpoint) to its summary and report."""
     if ckpt is not None:
         say_resumed(ckpt, changes, run.dir)
     summary: dict[str, Any] = {"run_dir": str(run.dir), "seed": cfg.seed,

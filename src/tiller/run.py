@@ -153,10 +153,12 @@ class Run:
         self.env_cls, self.sft_conversations = checked.env_cls, checked.sft_conversations
         self.episode_fn, self.key_steps = checked.episode_fn, checked.key_steps
         self.judge = checked.judge  # rl.judge.model loads with the models
+        held = ExitStack()  # the run folder's lock (`hold`)
         with ExitStack() as stack:  # nothing of a run that did not start outlives it
-            if hold:  # given up last, once everything else closed
+            stack.push(held)
+            if hold:
                 output_dir = run_dir_path(cfg, output_dir)
-                stack.enter_context(hold_run_dir(output_dir))
+                held.enter_context(hold_run_dir(output_dir))
                 check_new_run_dir(cfg, output_dir)
             self.dir = make_run_dir(cfg, output_dir)
             random.seed(cfg.seed)
@@ -170,6 +172,9 @@ class Run:
             self.timings: dict[str, float] = {}
             self._open(stack, checked.program)
             self._closing = stack.pop_all()
+        # the lock outlives `close`: its holder (`controller.train`) gives it up once the
+        # run's summary is written (`held` in `_closing` is left empty)
+        self.held = held.pop_all()
 
     def _open(self, stack: ExitStack, program: Callable[..., Any] | None) -> None:
         """The tool stack, the models and trainer, the metrics logger, the trace writer, the
