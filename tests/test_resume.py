@@ -926,7 +926,7 @@ def test_resume_after_the_engine_server_died_repushes_the_checkpoint(calc_sft_di
     run = tmp_path / "run"
     with servers(calc_sft_dir, 1, tmp_path / "servers") as s:
         cfg = load_config("configs/calculator.yaml", tiny_rl(
-            calc_sft_dir, "model.dtype=float32", "rl.steps=2", "rl.tasks_per_step=4",
+            calc_sft_dir, "model.dtype=float32", "rl.steps=2", "rl.tasks_per_step=4", *RL_MOVES,
             "engine.backend=http", f"engine.urls={json.dumps(s.urls)}",
             f"engine.weights_dir={s.root / 'weights'}", "checkpoint.every=1",
             "checkpoint.keep=5"))
@@ -942,6 +942,8 @@ def test_resume_after_the_engine_server_died_repushes_the_checkpoint(calc_sft_di
         assert server_version(s.urls[0]) == 2
     resumed = weights(run)
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    sft = load_file(calc_sft_dir / "model.safetensors")  # RL moved the weights
+    assert not all(torch.equal(whole[k], sft[k]) for k in whole if k in sft)
     assert comparable(run) == rows
 
 
@@ -1094,7 +1096,7 @@ def test_resume_of_a_vllm_run_pushes_the_checkpoint_to_its_new_server(tmp_path, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", [
-    ["rl.algorithm.preset=ppo", "rl.algorithm.advantage=gae"],
+    ["rl.algorithm.preset=ppo", "rl.algorithm.advantage=gae", *RL_MOVES],
     ["rl.algorithm.kl.beta=0.05", *RL_MOVES],
     ["rl.algorithm.kl.beta=0.05", "rl.algorithm.kl.off_after=1", *RL_MOVES],
 ])
@@ -1116,8 +1118,7 @@ def test_critic_and_reference_model_resume_bit_identically(tmp_path, algorithm):
                        weights_only=True)
     assert ("ref" in saved) != kl_off and ("critic" in saved) == ("ppo" in algorithm[0])
     train(load_config("configs/calculator.yaml", over), resume=run)
-    a, b = weights(whole), weights(run)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    same_trained_weights(whole, run)
     assert comparable(run) == comparable(whole)
 
 
