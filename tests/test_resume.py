@@ -28,6 +28,7 @@ from helpers import RL_MOVES, TINY_RUN, cli, numbers, tiny_rl
 from safetensors.torch import load_file
 from test_vllm_demo import VLLM
 
+import tiller.resume
 from tiller.checkpoints import MARKER, REFERENCE_ADAPTER, complete_checkpoints, verify
 from tiller.config import load_config
 from tiller.controller import train
@@ -1123,12 +1124,12 @@ def test_critic_and_reference_model_resume_bit_identically(tmp_path, algorithm):
 
 
 @pytest.mark.slow
-def test_resume_puts_back_the_rng_that_dropout_draws_from(tmp_path):
+def test_resume_puts_back_the_rng_that_dropout_draws_from(tmp_path, monkeypatch):
     """Review s9 F3: model.lora.dropout with model.dropout=keep draws each gradient pass's
     masks from torch's global generator, so step 2's masks depend on what SFT and step 1 drew:
     a resume from step 1 of 2 ends with the whole run's weights and metrics only if the
-    checkpoint's RNG state is put back (with `resume.set_rng_state` made a no-op the weights
-    and the metrics differ: checked by hand, not committed)."""
+    checkpoint's RNG state is put back; with `resume.set_rng_state` made a no-op, the same
+    resume ends elsewhere."""
     over = [*MOVES, "rl.steps=2", "checkpoint.keep=5", "model.lora.r=4", "model.lora.alpha=8",
             "model.lora.dropout=0.2", "model.dropout=keep"]
     whole = tmp_path / "whole"
@@ -1136,9 +1137,15 @@ def test_resume_puts_back_the_rng_that_dropout_draws_from(tmp_path):
     run = tmp_path / "run"
     shutil.copytree(whole, run)
     shutil.rmtree(run / "checkpoints" / "step-000002")
+    again = tmp_path / "again"
+    shutil.copytree(run, again)
     train(load_config("configs/calculator.yaml", over), resume=run)
     same_trained_weights(whole, run)
     assert comparable(run) == comparable(whole)
+    monkeypatch.setattr(tiller.resume, "set_rng_state", lambda *_: None)
+    train(load_config("configs/calculator.yaml", over), resume=again)
+    a, b = weights(whole), weights(again)
+    assert not all(torch.equal(a[k], b[k]) for k in a), "the RNG restore decided nothing"
 
 
 @pytest.mark.slow
