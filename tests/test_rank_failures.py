@@ -65,32 +65,41 @@ def test_a_rank_that_dies_during_start_fails_it_at_once_naming_it():
     assert str(e.value) == "trainer rank 1 died during start: exit code 3"
 
 
-@pytest.mark.slow
-@pytest.mark.integration
-@pytest.mark.timeout(300)
-def test_a_hung_rank_is_named_and_killed_at_close(calc_model_dir, tokenizer, caplog):
-    """Rank 1 alive but not answering (SIGSTOP) in a step: rank 0's collective times out at
-    train.rank_timeout_s and the step fails in one line naming the rank, the step and the
-    setting, not with gloo's bare timeout; close kills the rank still in the call at once
-    rather than waiting STOP_TIMEOUT_S for it to read the stop."""
-    leader = start_ranks(load_model(calc_model_dir), 2, TrainerOptions(), "local", TIMEOUT_S)
+def hung_rank_step_and_close(leader, hang, tokenizer, caplog) -> str:
+    """`hang()` makes rank 1 of `leader` hang (alive, not answering) in the next step: rank
+    0's collective times out at train.rank_timeout_s (2 s here) and the step fails in one line
+    naming the rank, the step and the setting, not with gloo's bare timeout; close kills the
+    rank still in the call at once (under 5 s, logged) rather than waiting STOP_TIMEOUT_S.
+    The step's error."""
     try:
         leader.set_optimizer(1e-3)
         _set_pg_timeout(timedelta(seconds=2))  # rank 0's side of the collectives, as the
         leader.timeout_s = 2.0  # setting would make it, without a 2 s start
-        os.kill(leader.ranks[0].proc.pid, signal.SIGSTOP)
+        hang()
         with pytest.raises(RunError) as e:
             leader.sft_step(batch_of(tokenizer), 2)
-        assert str(e.value).startswith(
+        said = str(e.value)
+        assert said.startswith(
             "trainer rank(s) [1] did not take part in sft_step within train.rank_timeout_s=2 "
-            "(alive, not answering; ")
-        assert "Timed out" in str(e.value) and "\n" not in str(e.value)
+            "(alive, not answering; ") and "\n" not in said
     finally:
         t0 = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="tiller.train.distributed"):
             leader.close()
         closed_s = time.monotonic() - t0
     assert closed_s < 5, closed_s
-    assert not leader.ranks[0].proc.is_alive()
-    assert [r.getMessage() for r in caplog.records if "closing" in r.getMessage()] == [
-        "closing: 1 trainer rank(s) [1] still in a call rank 0 has left: killed"]
+    assert "closing: 1 trainer rank(s) [1] still in a call rank 0 has left: killed" in [
+        r.getMessage() for r in caplog.records]
+    return said
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_hung_rank_is_named_and_killed_at_close(calc_model_dir, tokenizer, caplog):
+    """Rank 1 in a spawned process, stopped (SIGSTOP) in a step: `hung_rank_step_and_close`;
+    the error quotes gloo's timeout, and the rank's process is gone after close."""
+    leader = start_ranks(load_model(calc_model_dir), 2, TrainerOptions(), "local", TIMEOUT_S)
+    said = hung_rank_step_and_close(
+        leader, lambda: os.kill(leader.ranks[0].proc.pid, signal.SIGSTOP), tokenizer, caplog)
+    assert "Timed out" in said and not leader.ranks[0].proc.is_alive()

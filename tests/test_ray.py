@@ -631,41 +631,20 @@ def test_a_hung_trainer_rank_actor_is_named_and_killed_at_close(calc_model_dir, 
     """Rank 1's actor alive but busy elsewhere (a 120 s sleep, not the step): rank 0's
     collective times out and the step fails naming rank 1, the step and the setting; close
     kills the actor at once rather than queueing its close behind the sleep."""
-    import logging
-    from datetime import timedelta
-
-    from test_distributed import batch_of
-    from torch.distributed.distributed_c10d import _set_pg_timeout
+    from test_rank_failures import hung_rank_step_and_close
 
     from tiller.models import load_model
     from tiller.train.distributed import TrainerOptions
     from tiller.train.ranks import start_ranks
 
     leader = start_ranks(load_model(calc_model_dir), 2, TrainerOptions(), "ray", 120.0)
-    try:
-        leader.set_optimizer(1e-3)
-        _set_pg_timeout(timedelta(seconds=2))  # rank 0's side, as the setting would make it
-        leader.timeout_s = 2.0
-        rank = leader.ranks[0]
+    rank = leader.ranks[0]
 
-        def hang(name, args, lrs):
-            rank.name = name
-            rank.pending = rank.actor.__ray_call__.remote(lambda _: time.sleep(120))
+    def hang(name, args, lrs):
+        rank.name = name
+        rank.pending = rank.actor.__ray_call__.remote(lambda _: time.sleep(120))
 
-        rank.send = hang
-        with pytest.raises(RunError) as e:
-            leader.sft_step(batch_of(tokenizer), 2)
-        assert str(e.value).startswith(
-            "trainer rank(s) [1] did not take part in sft_step within train.rank_timeout_s=2 "
-            "(alive, not answering; ")
-    finally:
-        t0 = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="tiller.train.distributed"):
-            leader.close()
-        closed_s = time.monotonic() - t0
-    assert closed_s < 5, closed_s
-    assert "closing: 1 trainer rank(s) [1] still in a call rank 0 has left: killed" in [
-        r.getMessage() for r in caplog.records]
+    hung_rank_step_and_close(leader, lambda: setattr(rank, "send", hang), tokenizer, caplog)
 
 
 @pytest.mark.slow
