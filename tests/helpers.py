@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
 import random
 import sqlite3
 import string
@@ -331,3 +332,18 @@ def scripted_generation(tokenizer: Any, policy: Any, text: str) -> Generation:
     version = getattr(getattr(policy, "engine", None), "version", 0)
     return Generation(ids, [0.0] * len(ids), "stop", version=version,
                       versions=(version,) * len(ids))
+
+
+def env_below(var: str, folder: Path) -> list[int]:
+    """This user's processes whose environment sets `var` to a path below `folder` (it is
+    inherited: a process and every process it spawned, whatever their command lines)."""
+    prefix = f"{var}={folder}{os.sep}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and any(v.startswith(prefix) for v in
+                                            (entry / "environ").read_bytes().split(b"\0")):
+                found.append(int(entry.name))
+        except OSError:  # gone, or not ours
+            continue
+    return found

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import RL_MOVES
+from helpers import RL_MOVES, env_below
 from safetensors.torch import load_file
 from test_resume import (
     RUN,
@@ -47,14 +47,11 @@ RAY = [*RUN, *RL_MOVES, "cluster.backend=ray", "cluster.rollout_workers=2"]
 def instance_processes(tmp: Path) -> list[str]:
     """This user's processes marked as of a Ray instance whose folder is below `tmp` (each
     `pid command`)."""
-    prefix = f"{INSTANCE_ENV}={tmp}{os.sep}".encode()
     found = []
-    for entry in Path("/proc").iterdir():
+    for pid in env_below(INSTANCE_ENV, tmp):
         try:
-            if entry.name.isdigit() and any(v.startswith(prefix) for v in
-                                            (entry / "environ").read_bytes().split(b"\0")):
-                found.append(f"{entry.name} {(entry / 'cmdline').read_bytes()[:80]!r}")
-        except OSError:  # gone, or not ours
+            found.append(f"{pid} {Path(f'/proc/{pid}/cmdline').read_bytes()[:80]!r}")
+        except OSError:  # gone since
             continue
     return found
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import RL_MOVES, TINY_RUN, cli, numbers, tiny_rl
+from helpers import RL_MOVES, TINY_RUN, cli, env_below, numbers, tiny_rl
 from safetensors.torch import load_file
 from test_vllm_demo import VLLM
 
@@ -1025,16 +1025,7 @@ def temp_users(temp: Path) -> list[int]:
     """This user's processes whose TMPDIR lies below `temp`: managed servers (each gets a
     TMPDIR folder of its own in the temp folder, `engine/servers.py`) and every process they
     spawned, whatever its command line."""
-    prefix = f"TMPDIR={temp}{os.sep}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and any(v.startswith(prefix) for v in
-                                            (entry / "environ").read_bytes().split(b"\0")):
-                found.append(int(entry.name))
-        except OSError:  # gone, or not ours
-            continue
-    return found
+    return env_below("TMPDIR", temp)
 
 
 @pytest.mark.slow
