@@ -3,6 +3,8 @@ real model (SmolLM2-135M-Instruct) fetched once for the tests that need it."""
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 
@@ -10,6 +12,12 @@ from tiller.config import BuildConfig
 from tiller.envs import ENVS
 from tiller.models import build_env_model, load_model, load_tokenizer
 from tiller.rollout.agent_loop import EpisodeLimits
+
+# A shell that starts a command in the background (`cmd &`) starts it with SIGINT ignored, and
+# an ignored signal stays ignored across exec: the Ctrl-C tests (a run, its servers) would then
+# wait for an interrupt that never comes. Ctrl-C is put back for this process and its children.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
