@@ -665,6 +665,28 @@ def test_a_500_of_a_healthy_server_fails_only_that_request(params, tmp_path):
 
 
 @pytest.mark.integration
+def test_a_refusal_names_the_servers_own_message_past_a_long_path(tmp_path):
+    """CI's run at d5bf579: a 400 whose message named a long temp path was cut inside its JSON
+    wrapping, before the reason. The one-line error shows the body's message (OpenAI-style
+    `error.message`, `message`, FastAPI's `detail`) with room for the reason after a path."""
+    path = "/tmp/pytest-of-root/pytest-2/" + "a_long_test_folder_name_" * 6 + "0/weights/v2"
+    reason = "delta update v2 is against base version v1, but this server holds v0"
+    for body in ({"error": {"message": f"cannot load {path!r}: WeightSyncError: {reason}"}},
+                 {"detail": f"cannot load {path!r}: {reason}"},
+                 {"message": f"cannot load {path!r}: {reason}"}):
+        with recorders(1, {"/update_weights_from_disk": (400, body)}) as srvs:
+            http = engine_for([url(srvs[0])], tmp_path)
+            try:
+                with pytest.raises(RunError) as e:
+                    asyncio.run(http._post(http.servers[0], "/update_weights_from_disk", {}))
+            finally:
+                http.close()
+        assert str(e.value).startswith(
+            f"server {url(srvs[0])}: /update_weights_from_disk answered HTTP 400: cannot load ")
+        assert str(e.value).endswith(reason) and '{"' not in str(e.value)
+
+
+@pytest.mark.integration
 def test_the_health_check_after_a_500_is_retried_once_counted_and_within_the_budget(
         tmp_path, caplog):
     """After a 500, /health decides whether the server is down; a first /health on a broken

@@ -28,7 +28,6 @@ from helpers import RL_MOVES, TINY_RUN, cli, env_below, numbers, tiny_rl
 from safetensors.torch import load_file
 from test_vllm_demo import VLLM
 
-import tiller.resume
 from tiller.checkpoints import MARKER, REFERENCE_ADAPTER, complete_checkpoints, verify
 from tiller.config import load_config
 from tiller.controller import train
@@ -1133,7 +1132,7 @@ def test_resume_puts_back_the_rng_that_dropout_draws_from(tmp_path, monkeypatch)
     train(load_config("configs/calculator.yaml", over), resume=run)
     same_trained_weights(whole, run)
     assert comparable(run) == comparable(whole)
-    monkeypatch.setattr(tiller.resume, "set_rng_state", lambda *_: None)
+    monkeypatch.setattr("tiller.resume.set_rng_state", lambda *_: None)
     train(load_config("configs/calculator.yaml", over), resume=again)
     a, b = weights(whole), weights(again)
     assert not all(torch.equal(a[k], b[k]) for k in a), "the RNG restore decided nothing"

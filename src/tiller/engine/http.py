@@ -42,6 +42,7 @@ from tiller.engine.wire import (
     TillerDialect,
     check_logprob_kind,
     check_model_info,
+    error_text,
     parse_generation,
     short,
 )
@@ -150,8 +151,8 @@ class HttpEngine:
             for attempt in (1, 2):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise ServerDown(f"HTTP 500: {short(text)}; then no time left for /health "
-                                     f"within the request's {budget:g} s")
+                    raise ServerDown(f"HTTP 500: {error_text(text)}; then no time left "
+                                     f"for /health within the request's {budget:g} s")
                 try:
                     await self._post(server, "/health", timeout=min(HEALTH_TIMEOUT_S, left))
                     break
@@ -159,7 +160,7 @@ class HttpEngine:
                     cause = e.__cause__  # a timeout is not retried
                     if attempt == 2 or not isinstance(cause, httpx.TransportError) \
                             or isinstance(cause, httpx.TimeoutException):
-                        raise ServerDown(f"HTTP 500: {short(text)}; then /health: {e}") from e
+                        raise ServerDown(f"HTTP 500: {error_text(text)}; then /health: {e}") from e
                     self.counters["health_retries"] += 1
                     logger.warning("server %s: %s answered HTTP 500 and /health then failed "
                                    "(%s); trying /health once more", server.url, path, e)
@@ -168,7 +169,7 @@ class HttpEngine:
         if r.status_code >= 400:
             hint = " (set engine.api_key or TILLER_API_KEY)" if r.status_code == 401 else ""
             raise RunError(f"server {server.url}: {path} answered HTTP {r.status_code}: "
-                           f"{short(text)}{hint}")
+                           f"{error_text(text)}{hint}")
         try:
             return json.loads(data)
         except ValueError:

@@ -8,6 +8,7 @@ recomputes."""
 
 from __future__ import annotations
 
+import json
 import logging
 import reprlib
 from typing import Any
@@ -38,6 +39,23 @@ def short(text: Any, n: int = 200) -> str:
     text = text[:4 * n] if isinstance(text, str) else _BRIEF.repr(text)
     text = " ".join(text.split())
     return text if len(text) <= n else text[:n] + "..."
+
+
+def error_text(text: str, n: int = 600) -> str:
+    """An error answer's body for a one-line error: the message of an OpenAI-style
+    `{"error": {"message"}}`, `{"message"}` or FastAPI's `{"detail"}` body (the JSON wrapping
+    would spend the line), else the text; `short`, with room for a server's own message after
+    the file paths it names."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return short(text, n)
+    inner = body.get("error", body) if isinstance(body, dict) else None
+    if isinstance(inner, dict):
+        for key in ("message", "detail"):
+            if isinstance(inner.get(key), str):
+                return short(inner[key], n)
+    return short(text, n)
 
 
 def check_logprob_kind(url: str, answer: Any, params: SamplingParams) -> None:
