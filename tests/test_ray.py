@@ -178,7 +178,8 @@ def test_an_address_that_accepts_tcp_but_is_no_cluster_stops_in_bounded_time(
 
 
 CONNECT = """
-import sys, time
+import sys, threading, time
+import ray
 from tiller.config import load_config
 from tiller.errors import RunError
 from tiller.rollout import cluster
@@ -190,25 +191,31 @@ try:
     c.start()
 except RunError as e:
     print(f"{time.monotonic() - t0:.1f}", e, flush=True)
+print(sorted(t.name for t in threading.enumerate()), ray.is_initialized(), flush=True)
 """
 
 
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_the_runs_own_connection_to_an_address_is_bounded(tmp_path, silent_port):
     """A cluster that answered the probe and stops answering before the run connects: the
     run's `ray.init` (which Ray retries for minutes) fails the run at ADDRESS_TIMEOUT_S in one
-    line naming the address. In a child Python: its connecting thread ends with it."""
+    line naming the address. Its thread is told to stop there and has ended when the error is
+    raised (Ray's attempt in progress returns to Python after about 35 s against an address
+    that never answers: STOP_TIMEOUT_S is 60): no thread is left that could connect later,
+    and the process is not connected. In a child Python, so this one stays unconnected."""
     done = subprocess.run([sys.executable, "-c", CONNECT, silent_port, str(tmp_path)], cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
-                          capture_output=True, text=True, timeout=90)
+                          capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
-    took, msg = done.stdout.strip().split(" ", 1)
-    assert 3.0 <= float(took) < 3.0 + 5, took
+    error, left = done.stdout.strip().splitlines()
+    took, msg = error.split(" ", 1)
+    assert 3.0 <= float(took) < 3.0 + 60 + 10, took
     assert msg == (f"ray: the run's connection to the cluster at cluster.address "
                    f"'{silent_port}' did not finish within 3 s (it answered the probe before "
                    f"the run started)")
+    assert left == "['MainThread'] False"
 
 
 def test_the_address_probed_is_the_one_ray_dials(tmp_path):

@@ -4,6 +4,7 @@ and stopped with it. Every bad input says so in one line before any work."""
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import logging
@@ -30,6 +31,10 @@ CONNECT_TIMEOUT_S = 5.0  # an address that does not accept a TCP connection by t
 # connecting to cluster.address and reading its free resources, a child Python's start and
 # Ray's import included (seconds on a loaded machine); and the run's own connection after it
 ADDRESS_TIMEOUT_S = 60.0
+# the end of the run's connecting thread once told to stop (`connect`): it ends when Ray's
+# attempt returns to Python, about 35 s against an address that never answers (5 s for the GCS,
+# 5 for its pubsub, then the cluster ID's wait; measured on a loaded 2-core machine)
+STOP_TIMEOUT_S = 60.0
 
 
 def rank_threads(cfg: Config) -> int:
@@ -175,34 +180,66 @@ def probe_address(address: str) -> dict[str, float]:
     return answer["free"]
 
 
+class Stopped(BaseException):
+    """Raised inside the thread of `connect` to end its `ray.init` (Python's asynchronous
+    exception, `PyThreadState_SetAsyncExc`, delivered at the thread's next Python line): a
+    BaseException, so Ray's retry loop, which takes an Exception for a failed try, lets it
+    through."""
+
+
 def connect(address: str) -> None:
     """The run's own connection to the cluster at `address` (`ray.init`), within
     ADDRESS_TIMEOUT_S.
     Ray retries a GCS that does not answer for minutes and acts on signals only between its
-    retries (`PROBE`), so `ray.init` runs in a daemon thread this process waits for: Ctrl-C
-    and SIGTERM are acted on at once, and a cluster that stopped answering since its probe
-    fails the run in one line naming the address (the thread, still retrying, is left to end
-    with the process)."""
+    retries (`PROBE`), so `ray.init` runs in a thread this process waits for. At the limit,
+    or on Ctrl-C or SIGTERM, the thread is told to stop (`Stopped`): it then connects nothing
+    and disconnects what it did connect. At the limit the thread's end is awaited (a cluster
+    that stopped answering since its probe fails the run in one line naming the address, and
+    no thread is left); Ctrl-C and SIGTERM are acted on at once, the thread ending by
+    itself within Ray's current attempt."""
     import ray
 
-    failed: list[BaseException] = []
+    lock = threading.Lock()
+    outcome: list[BaseException | None] = []  # the thread's: None (connected) or its error
 
     def init() -> None:
         try:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
-        except BaseException as e:  # raised in the run's thread below
-            failed.append(e)
+            try:
+                ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                         configure_logging=False)
+                result = None
+            except BaseException as e:  # raised in the run's thread below
+                result = e
+            with lock:
+                outcome.append(result)
+            if isinstance(result, Stopped):
+                raise result
+        except Stopped:  # in ray.init or as it returned: what it set up or connected
+            ray.shutdown()
 
     thread = threading.Thread(target=init, name="tiller-ray-connect", daemon=True)
     thread.start()
-    thread.join(ADDRESS_TIMEOUT_S)
-    if thread.is_alive():
+    try:
+        thread.join(ADDRESS_TIMEOUT_S)
+    finally:  # the limit, Ctrl-C, SIGTERM
+        with lock:
+            told = not outcome
+            if told:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
+                                                           ctypes.py_object(Stopped))
+    if told:
+        thread.join(STOP_TIMEOUT_S)
+        left = ""
+        if thread.is_alive():
+            log.error("ray: the thread connecting to cluster.address %r did not end within "
+                      "%gs of being told to stop; it is left running", address, STOP_TIMEOUT_S)
+            left = (f"; its connecting thread did not end within {STOP_TIMEOUT_S:g} s of "
+                    f"being told to stop and is left running")
         raise RunError(f"ray: the run's connection to the cluster at cluster.address "
                        f"{address!r} did not finish within {ADDRESS_TIMEOUT_S:g} s (it "
-                       f"answered the probe before the run started)")
-    if failed:
-        raise failed[0]
+                       f"answered the probe before the run started){left}")
+    if outcome[0] is not None:
+        raise outcome[0]
 
 
 def _too_many(cfg: Config, cpus: float, knob: str) -> str:
