@@ -452,7 +452,7 @@ def test_auto_threads_give_each_server_one_cpu_under_ray():
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_hung_actors_cost_one_deadline_not_one_each(local_ray):
-    """`finished`, what RayServers.close/exited and RayWorkers.at_end wait with: 3 hung actors
+    """`finished`, what RayServers.close/exited and RayWorkers.gather wait with: 3 hung actors
     and one that answers, 2 s: one deadline over all (about 2 s, not 3 x 2 s), the answer
     ready, the hung ones not."""
     import ray
@@ -478,3 +478,47 @@ def test_hung_actors_cost_one_deadline_not_one_each(local_ray):
     assert 2.0 <= took < 2.0 + 3.0, took  # 3 waits in turn would be >= 6 s
     for a in actors:
         ray.kill(a)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_worker_that_does_not_answer_a_metrics_call_is_counted_and_the_run_goes_on(
+        tmp_path, monkeypatch, caplog, local_ray, model, tokenizer, limits):
+    """Two rollout workers (embedded engines), worker 1 frozen (SIGSTOP: a loaded or swapped
+    process) while the run reads the step metrics (`tool_stats`, `stats`; their wait shortened
+    to 2 s): each call returns what worker 0 answered (for the engine counters, worker 1's last
+    answer stands in), worker 1 is named in the log and counted in `unanswered`, and nothing
+    raises. Once it runs again, both answer."""
+    from tiller.envs.calculator import CalculatorEnv
+    from tiller.rollout import ray_rollouts
+
+    monkeypatch.setattr(ray_rollouts, "CLOSE_TIMEOUT_S", 2.0)
+    cfg = load_config("configs/calculator.yaml", [
+        *TINY_RUN, "cluster.backend=ray", "cluster.rollout_workers=2"])
+    workers = ray_rollouts.RayWorkers(cfg, model, tokenizer, CalculatorEnv, None, limits,
+                                      tmp_path)
+    try:
+        before = workers.stats()
+        assert len(workers.tool_stats()) == 2 and workers.unanswered == 0
+        pid = local_ray.get(workers.workers[1].__ray_call__.remote(lambda _: os.getpid()),
+                            timeout=60)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with caplog.at_level("ERROR", logger="tiller.rollout.ray_rollouts"):
+                t0 = time.monotonic()
+                tools = workers.tool_stats()
+                stats = workers.stats()
+                took = time.monotonic() - t0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert len(tools) == 1 and workers.unanswered == 2 and workers.live == [0, 1]
+        assert 4.0 <= took < 4.0 + 5.0, took  # two waits of 2 s
+        assert stats == {**before, "unanswered": 2.0}  # worker 1's last counters stand in
+        assert [r.getMessage() for r in caplog.records] == [
+            "ray: rollout worker 1 did not answer its tool stats within 2s (1 unanswered)",
+            "ray: rollout worker 1 did not answer its stats within 2s (2 unanswered)"]
+        assert len(workers.tool_stats()) == 2 and workers.unanswered == 2  # it answers again
+    finally:
+        workers.close()
+    assert left_on_ray(local_ray) == ([], [])

@@ -192,11 +192,11 @@ def connect(address: str) -> None:
     ADDRESS_TIMEOUT_S.
     Ray retries a GCS that does not answer for minutes and acts on signals only between its
     retries (`PROBE`), so `ray.init` runs in a thread this process waits for. At the limit,
-    or on Ctrl-C or SIGTERM, the thread is told to stop (`Stopped`): it then connects nothing
-    and disconnects what it did connect. At the limit the thread's end is awaited (a cluster
-    that stopped answering since its probe fails the run in one line naming the address, and
-    no thread is left); Ctrl-C and SIGTERM are acted on at once, the thread ending by
-    itself within Ray's current attempt."""
+    or on Ctrl-C or SIGTERM, the thread is told to stop (`Stopped`): it connects nothing after
+    that, and a connection it made as it was told is undone. At the limit its end is awaited
+    (a cluster that stopped answering since its probe fails the run in one line naming the
+    address, and no thread is left); Ctrl-C and SIGTERM are acted on at once, the thread
+    ending by itself when Ray's attempt in progress returns to Python."""
     import ray
 
     lock = threading.Lock()
@@ -212,9 +212,7 @@ def connect(address: str) -> None:
                 result = e
             with lock:
                 outcome.append(result)
-            if isinstance(result, Stopped):
-                raise result
-        except Stopped:  # in ray.init or as it returned: what it set up or connected
+        except Stopped:  # told as ray.init returned: the connection it made
             ray.shutdown()
 
     thread = threading.Thread(target=init, name="tiller-ray-connect", daemon=True)
@@ -235,6 +233,8 @@ def connect(address: str) -> None:
                       "%gs of being told to stop; it is left running", address, STOP_TIMEOUT_S)
             left = (f"; its connecting thread did not end within {STOP_TIMEOUT_S:g} s of "
                     f"being told to stop and is left running")
+        else:
+            ray.shutdown()  # what ray.init had set up when it was stopped
         raise RunError(f"ray: the run's connection to the cluster at cluster.address "
                        f"{address!r} did not finish within {ADDRESS_TIMEOUT_S:g} s (it "
                        f"answered the probe before the run started){left}")

@@ -87,7 +87,8 @@ class RayWorkers:
         self.live = list(range(n))
         self.retried = 0
         self.version = 0
-        self.unanswered = 0  # calls at the end (stop, close) a worker did not answer in time
+        self.unanswered = 0  # `gather` calls (stats, stop, close) a worker did not answer in time
+        self.last_stats: dict[int, dict[str, float]] = {}  # each worker's last `stats` answer
         self.call_timeout_s, self.call_timeout_why = call_timeout(cfg)
         deadline = time.monotonic() + READY_TIMEOUT_S
         try:
@@ -231,32 +232,39 @@ class RayWorkers:
         return next(iter(self.score_servers(token_ids, timeout_s=timeout_s).values()))
 
     def stats(self) -> dict[str, float]:
-        """The engine counters (`engine_stats`), and the workers' retries, live count and
-        unanswered calls."""
-        per = list(self.wait_all("stats", lambda w: w.stats.remote(), CLOSE_TIMEOUT_S).values())
+        """The engine counters (`engine_stats`: a metric, so a worker that does not answer
+        within CLOSE_TIMEOUT_S is logged and counted by `gather` and its last answer stands in;
+        its counters only grow), and the workers' retries, live count and unanswered calls."""
+        self.last_stats.update(self.gather("stats", lambda w: w.stats.remote(), CLOSE_TIMEOUT_S))
+        per = [self.last_stats[i] for i in self.live if i in self.last_stats]
         return {**self.engine_stats(per), "retried": self.retried,
                 "workers_live": float(len(self.live)), "unanswered": float(self.unanswered)}
 
     def tool_stats(self) -> list[dict[str, float]]:
         """Each live worker's tool counters since the last call (the RL episodes' tools run
-        in the workers' tool stacks): `tools.stack.merged_stats` adds them up."""
-        return list(self.wait_all("tool stats", lambda w: w.tool_stats.remote(),
-                                  CLOSE_TIMEOUT_S).values())
+        in the workers' tool stacks): `tools.stack.merged_stats` adds them up. A metric: a
+        worker that does not answer within CLOSE_TIMEOUT_S is left out, logged and counted
+        (`gather`), and the run goes on."""
+        return list(self.gather("tool stats", lambda w: w.tool_stats.remote(),
+                                CLOSE_TIMEOUT_S).values())
 
     def engine_stats(self, per: list[dict[str, float]]) -> dict[str, float]:
-        """The live workers' engine counters summed (version: the oldest)."""
+        """The live workers' engine counters summed (version: the oldest; none without an
+        answer)."""
         out: Counter[str] = Counter()
         for s in per:
             out.update({k: v for k, v in s.items() if k != "version"})
-        return {**out, "version": min(s["version"] for s in per)}
+        return {**out, **({"version": min(s["version"] for s in per)} if per else {})}
 
-    def at_end(self, what: str, call: Callable[[Any], Any], timeout_s: float) -> None:
-        """`call(worker)` on every live worker at the end of RL or of the run: a worker that
-        died is marked dead, one that does not answer in time is logged and counted
-        (`unanswered`), and the rest still get the call; one deadline of `timeout_s` over
-        them all."""
+    def gather(self, what: str, call: Callable[[Any], Any], timeout_s: float
+               ) -> dict[int, Any]:
+        """`call(worker)` on every live worker where a missing answer must not stop the run
+        (metrics, the end of RL or of the run): each answer by worker. A worker that died is
+        marked dead, one that does not answer in time is logged, named, counted
+        (`unanswered`) and left out, and the rest still answer; one deadline of `timeout_s`
+        over them all."""
         refs = {i: call(self.workers[i]) for i in list(self.live)}
-        done = finished(list(refs.values()), timeout_s)
+        done, out = finished(list(refs.values()), timeout_s), {}
         for i, ref in refs.items():
             if ref not in done:
                 self.unanswered += 1
@@ -264,14 +272,15 @@ class RayWorkers:
                           "unanswered)", i, what, timeout_s, self.unanswered)
                 continue
             try:
-                self.ray.get(ref, timeout=0)
+                out[i] = self.ray.get(ref, timeout=0)
             except self.ray.exceptions.RayActorError as e:
                 self.dead(i, e)
+        return out
 
     def close(self) -> None:
         """Close every live worker's engine and tools, then end the actors and their group."""
         try:
-            self.at_end("close", lambda w: w.close.remote(), CLOSE_TIMEOUT_S)
+            self.gather("close", lambda w: w.close.remote(), CLOSE_TIMEOUT_S)
         finally:
             self.release()
 
@@ -346,7 +355,7 @@ class RayRollouts(RolloutManager):
         wait = self.cfg.rollout.shutdown_timeout_s
         try:
             if not self._loop.is_closed():
-                self.workers.at_end("stop of episodes",
+                self.workers.gather("stop of episodes",
                                     lambda w: w.stop_episodes.remote(wait), wait)
         finally:
             counted = super().close()
