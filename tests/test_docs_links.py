@@ -136,3 +136,24 @@ def test_where_new_parts_go_names_what_exists():
     assert not missing, missing
     assert defines(ROOT / "src/tiller/run.py", "Run.save")  # the checker sees methods
     assert not defines(ROOT / "src/tiller/run.py", "Run.nope")
+
+
+# a run folder a documented command writes: `-o DIR` / `--output-dir DIR` (only `tiller train`
+# takes it in the docs), the placeholders aside
+OUTPUT_DIR = re.compile(r"(?:^|[\s`])(?:-o|--output-dir)[ =]([^\s`]+)")
+
+
+def test_every_documented_run_writes_a_folder_of_its_own():
+    """A fresh run refuses a folder that holds a run's record (`run.check_new_run_dir`), so no
+    two commands of README.md and docs/*.md may write the same run folder: a reader who runs
+    the quickstart and then another page's command (the same demo into runs/demo, results.md's
+    reproduction) would be refused. A `--resume DIR` continues its own run and is not one."""
+    seen: dict[str, list[str]] = {}
+    for page in PAGES:
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            for folder in OUTPUT_DIR.findall(line):
+                if folder not in ("DIR", "RUN_DIR"):
+                    seen.setdefault(folder, []).append(f"{page.relative_to(ROOT)}:{n}")
+    assert "runs/demo" in seen and len(seen) >= 15, seen  # the quickstart's, and the rest found
+    shared = {folder: where for folder, where in seen.items() if len(where) > 1}
+    assert not shared, shared

@@ -162,8 +162,9 @@ class Trainer:
         return trainer
 
     def train(self) -> dict[str, Any]:
-        """The whole pipeline (`tiller train`); returns the run summary (also written to the
-        run folder's summary.json)."""
+        """The whole pipeline (`tiller train`), a fresh run: an `output_dir` that holds a
+        run's record already is refused in one line; returns the run summary (also written to
+        the run folder's summary.json)."""
         from tiller import controller
 
         return controller.train(self.config, self.output_dir)
