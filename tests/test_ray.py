@@ -218,6 +218,39 @@ def test_the_runs_own_connection_to_an_address_is_bounded(tmp_path, silent_port)
     assert left == "['MainThread'] False"
 
 
+INTERRUPTED = """
+import os, signal, sys, threading, time
+import ray
+from tiller.rollout import cluster
+threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+t0 = time.monotonic()
+try:
+    cluster.connect(sys.argv[1])
+except KeyboardInterrupt:
+    print(f"{time.monotonic() - t0:.1f}", flush=True)
+while "tiller-ray-connect" in {t.name for t in threading.enumerate()}:
+    assert time.monotonic() - t0 < 90, "the connecting thread did not end"
+    time.sleep(0.5)
+print(sorted(t.name for t in threading.enumerate()), ray.is_initialized(), flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_ctrl_c_while_the_run_connects_acts_at_once_and_its_thread_ends(silent_port):
+    """Ctrl-C 2 s into the run's connection to an address that never answers: raised at once
+    (not after Ray's attempt in progress), and the connecting thread, told to stop, ends by
+    itself once that attempt returns (about 35 s), connecting nothing."""
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED, silent_port], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    took, left = done.stdout.strip().splitlines()
+    assert 2.0 <= float(took) < 2.0 + 2, took
+    assert left == "['MainThread'] False"
+
+
 def test_the_address_probed_is_the_one_ray_dials(tmp_path):
     """127.0.0.1:PORT is dialled by Ray at this node's IP: a listener on loopback only does not
     make the address answer."""
