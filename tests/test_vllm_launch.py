@@ -16,6 +16,7 @@ from tiller.config import VllmEngineConfig
 from tiller.engine.updates import WeightUpdate
 from tiller.engine.vllm import connect_vllm
 from tiller.engine.vllm_launch import device_type
+from tiller.engine.vllm_shm import plugin_installed
 from tiller.errors import RunError
 
 
@@ -67,3 +68,15 @@ def test_the_platform_is_asked_per_environment_and_a_failure_names_its_log(
                             f"ModuleNotFoundError: no vllm; log {log}; build the vLLM "
                             "environment with `bash scripts/setup.sh`")
     assert log.read_text() == "--- stdout\n--- stderr\nModuleNotFoundError: no vllm\n"
+
+
+def test_the_plugin_check_is_bounded_by_what_is_left_of_the_start_up_time(
+        tmp_path: Path) -> None:
+    """Under shm the plugin check follows the platform check: it gets the rest of
+    engine.startup_timeout_s when that is less than its own 60 s (review s9 F6)."""
+    slow = script(tmp_path / "python", "exec sleep 30\n")
+    start = time.monotonic()
+    with pytest.raises(RunError, match=rf"^engine.weight_transfer: shm: checking {slow}'s "
+                       r"environment for tiller's vLLM plugin took more than 1.5 s$"):
+        plugin_installed(str(slow), {}, timeout_s=1.5)
+    assert time.monotonic() - start < 10
