@@ -32,20 +32,29 @@ def rollout_rate(run_dir: Path) -> tuple[float, float, float]:
     return sum(r["rollout_tokens"] for r in rl), sum(r["rollout_s"] for r in rl), turns
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default="/tmp/tiller-engine-process")
-    args = ap.parse_args()
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override after the shortened run's (e.g. rl.steps=1); the "
+                    "documented figures use none")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args(argv)
     print("| engine | rollout tokens | rollout s | tokens/s | turns/episode |")
     print("|---|---|---|---|---|")
+    results = {}
     for name, more in SETUPS.items():
         out = Path(args.work) / name.split()[0]
         if out.exists():  # ours; a fresh run refuses a run's record
             shutil.rmtree(out)
-        train(load_config("configs/calculator.yaml", [*SHORT, *more]), out)
+        train(load_config("configs/calculator.yaml", [*SHORT, *args.set, *more]), out)
         tokens, seconds, turns = rollout_rate(out)
+        results[name] = {"tokens": tokens, "seconds": seconds, "turns": turns}
         print(f"| {name} | {tokens:.0f} | {seconds:.1f} | {tokens / seconds:.0f} | "
               f"{turns:.2f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return results
 
 
 if __name__ == "__main__":

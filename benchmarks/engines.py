@@ -14,9 +14,13 @@ Per cell (model x backend), fp32, temperature 1:
   multi    generated tokens/s of --episodes concurrent episodes of `FixedTurnsEnv`
            (benchmarks/engine.py) with --turns assistant turns each, every turn's prompt the
            previous context plus a tool result, through the real agent loop (`collect`).
-  client   for the HTTP backends: tiller's client-side time outside the HTTP wait over the total,
-           sum over requests of (`generate` awaited - `_post`) / sum of `generate` awaited
-           (request building, answer checks, thread hops); over the multi-turn run.
+  client   for the HTTP backends, tiller's own client work: every generate call of the
+           multi-turn run replayed one at a time through a new engine of the same class on a
+           null server that answers the run's median answer at once (`client_seconds`: body
+           building and JSON, httpx, the thread hops, the answer's decoding and checks, plus
+           the loopback round trip: an upper bound). "client ms/req" is the median per call;
+           "client share" the sum over the run's calls over the multi-turn run's wall time
+           (the client work runs on the engine's one event-loop thread).
   vs hf    the cell's tokens/s over HF's on the same model in this run.
 Weight sync (`--sync`, needs vllm in the backends): a full push into the vLLM server
 (`VllmEngine.update_weights`, benchmarks/vllm_sync.py's `push_times`) from a folder on disk and
@@ -34,11 +38,14 @@ short SFT and N RL steps per backend; the per-step rollout/train/sync seconds fr
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import functools
 import json
+import select
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -60,7 +67,7 @@ from tiller.engine.factory import connect  # noqa: E402
 from tiller.engine.http import HttpEngine  # noqa: E402
 from tiller.engine.servers import ManagedServers, tiller_serve_specs  # noqa: E402
 from tiller.engine.updates import WeightUpdate  # noqa: E402
-from tiller.engine.vllm import connect_vllm  # noqa: E402
+from tiller.engine.vllm import VllmEngine, connect_vllm  # noqa: E402
 from tiller.models import build_tiny_model, models_dir  # noqa: E402
 from tiller.rollout.agent_loop import EngineActor, EpisodeLimits  # noqa: E402
 from tiller.rollout.chat import end_of_turn_token  # noqa: E402
@@ -109,35 +116,97 @@ def model_dir(name: str, work: Path) -> Path:
     return path
 
 
-class ClientClock:
-    """Sums, over the requests of an HttpEngine, the awaited `generate` time and the `_post`
-    (HTTP wait) time inside it, by wrapping the two methods of this one instance."""
+class Recorder:
+    """The generate calls of an HttpEngine (their arguments, in order) and the servers' decoded
+    answers to them, by wrapping `generate` and `_post` of this one instance."""
 
     def __init__(self, engine: HttpEngine):
-        self.total_s = self.http_s = 0.0
+        self.calls: list[tuple[tuple, dict]] = []
+        self.answers: list[Any] = []
         post, generate = engine._post, engine.generate
 
         @functools.wraps(post)
-        async def timed_post(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return await post(*a, **k)
-            finally:
-                self.http_s += time.perf_counter() - t0
+        async def recorded_post(server: Any, path: str, *a: Any, **k: Any) -> Any:
+            answer = await post(server, path, *a, **k)
+            if path in GENERATE_PATHS:
+                self.answers.append(answer)
+            return answer
 
         @functools.wraps(generate)
-        async def timed_generate(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return await generate(*a, **k)
-            finally:
-                self.total_s += time.perf_counter() - t0
+        async def recorded_generate(*a: Any, **k: Any) -> Any:
+            self.calls.append((a, k))
+            return await generate(*a, **k)
 
-        engine._post, engine.generate = timed_post, timed_generate
+        engine._post, engine.generate = recorded_post, recorded_generate
 
-    def share(self) -> float:
-        """(total - HTTP wait) / total."""
-        return (self.total_s - self.http_s) / self.total_s
+    def canned(self) -> bytes:
+        """The answer of median length, as JSON: what the null server answers every request."""
+        bodies = sorted((json.dumps(a).encode() for a in self.answers), key=len)
+        return bodies[len(bodies) // 2]
+
+
+GENERATE_PATHS = ("/generate", "/v1/completions")  # tiller serve's, vLLM's
+# a null server: every POST answered with the canned body of argv[1] at once (asyncio, HTTP/1.1
+# keep-alive); it prints its port, and ends with its stdin
+NULL_SERVER = r"""
+import asyncio, sys
+body = open(sys.argv[1], "rb").read()
+head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+async def serve(r, w):
+    try:
+        while True:
+            lines = (await r.readuntil(b"\r\n\r\n")).lower().split(b"\r\n")
+            size = [int(x.split(b":")[1]) for x in lines if x.startswith(b"content-length:")]
+            await r.readexactly(size[0] if size else 0)
+            w.write(head % len(body) + body)
+            await w.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        w.close()
+async def main():
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+asyncio.run(main())
+"""
+
+
+def client_seconds(engine: HttpEngine, rec: Recorder, work: Path) -> list[float]:
+    """Seconds of each generate call of `rec`, replayed one at a time, in order, through a new
+    engine of `engine`'s class on a null server that answers `rec.canned()` at once: tiller's
+    own client work per request (building and encoding the body, httpx, the thread hops,
+    decoding and checking the answer), plus the loopback round trip and the null server's
+    answer (so an upper bound). One warm-up call first, not counted."""
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "canned.json").write_bytes(rec.canned())
+    proc = subprocess.Popen([sys.executable, "-c", NULL_SERVER, str(work / "canned.json")],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    null = None
+    try:
+        if not select.select([proc.stdout], [], [], 30.0)[0]:
+            raise RuntimeError("the null server did not print its port within 30 s")
+        url = f"http://127.0.0.1:{int(proc.stdout.readline())}"
+        kind = {"shapes": {}} if isinstance(engine, VllmEngine) else {}
+        null = type(engine)([url], weights_dir=work / "weights", max_retries=0,
+                            request_timeout_s=60, **kind)
+
+        async def replay() -> list[float]:
+            times = []
+            for a, k in rec.calls[:1] + rec.calls:
+                t0 = time.perf_counter()
+                await null.generate(*a, **k)
+                times.append(time.perf_counter() - t0)
+            return times[1:]
+
+        return asyncio.run(replay())
+    finally:
+        if null is not None:
+            null.close()
+        proc.stdin.close()  # its end
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def start(backend: str, model: Any, tok: Any, path: Path, run_dir: Path) -> Any:
@@ -197,8 +266,9 @@ class ClosedTurns:
                                    versions=versions)
 
 
-def multi(engine: Any, model: Any, tok: Any, args: argparse.Namespace) -> tuple[float, float]:
-    """(generated tokens/s, turns per episode) of the multi-turn episodes."""
+def multi(engine: Any, model: Any, tok: Any, args: argparse.Namespace
+          ) -> tuple[float, float, float]:
+    """(generated tokens/s, turns per episode, wall seconds) of the multi-turn episodes."""
     params = bench.params_for(tok, model, args.max_new_tokens)
     bench.FixedTurnsEnv.turns = args.turns
     limits = EpisodeLimits(args.turns, model.config.max_position_embeddings)
@@ -211,7 +281,7 @@ def multi(engine: Any, model: Any, tok: Any, args: argparse.Namespace) -> tuple[
     if aborted:
         raise RuntimeError(f"{aborted} of {len(trajs)} episodes aborted")
     return ((sum(t.num_generated for t in trajs) - actor.added) / wall,
-            sum(t.num_turns for t in trajs) / len(trajs))
+            sum(t.num_turns for t in trajs) / len(trajs), wall)
 
 
 def cell(name: str, backend: str, args: argparse.Namespace, sync: dict) -> dict[str, Any]:
@@ -225,9 +295,13 @@ def cell(name: str, backend: str, args: argparse.Namespace, sync: dict) -> dict[
     try:
         single(backend, engine, model, tok, args)  # warm-up (first allocations), every side
         row["single_tok_s"] = single(backend, engine, model, tok, args)
-        clock = ClientClock(engine) if isinstance(engine, HttpEngine) else None
-        row["multi_tok_s"], row["turns"] = multi(engine, model, tok, args)
-        row["client_share"] = clock.share() if clock else None
+        rec = Recorder(engine) if isinstance(engine, HttpEngine) else None
+        row["multi_tok_s"], row["turns"], wall = multi(engine, model, tok, args)
+        row["client_ms"] = row["client_share"] = None
+        if rec is not None:
+            per = client_seconds(engine, rec, Path(args.work) / f"null-{name}-{backend}")
+            row["client_ms"] = 1000 * statistics.median(per)
+            row["client_share"] = sum(per) / wall
         if backend == "vllm" and args.sync:
             sync[name] = sync_times(engine, model, Path(args.work) / f"run-{name}-vllm", args)
     finally:
@@ -281,13 +355,14 @@ def tables(rows: list[dict], sync: dict) -> str:
         return f"{r[key] / base[key]:.2f}x" if base else "-"
 
     out = ["| model | backend | start s | single tok/s | vs hf | multi tok/s | vs hf | "
-           "turns/ep | client share |", "|---|---|---|---|---|---|---|---|---|"]
+           "turns/ep | client ms/req | client share |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        share = f"{100 * r['client_share']:.1f}%" if r["client_share"] is not None else "-"
+        client = ("- | -" if r["client_share"] is None else
+                  f"{r['client_ms']:.2f} | {100 * r['client_share']:.1f}%")
         out.append(f"| {r['model']} ({r['params_m']}) | {r['backend']} | {r['start_s']:.1f} | "
                    f"{r['single_tok_s']:.0f} | {vs(r, 'single_tok_s')} | "
                    f"{r['multi_tok_s']:.0f} | {vs(r, 'multi_tok_s')} | {r['turns']:.1f} | "
-                   f"{share} |")
+                   f"{client} |")
     if sync:
         out += ["", "| model | save_pretrained s | disk push s (write) | shm push s (write) | "
                 "disk / save | shm / save | shm / disk |", "|---|---|---|---|---|---|---|"]

@@ -2,6 +2,7 @@
 and rl.judge choose a type holding only their own keys; a key of another variant is one line
 naming the key, its value and the choice it applies with; every config file we ship loads."""
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -25,9 +26,9 @@ from tiller.config import (
     SyncRLConfig,
     load_config,
 )
-from tiller.config.engine import TILLER_SETS
+from tiller.config.engine import CPU_SETS, TILLER_SETS, refused_flag
 from tiller.engine.follower import run_api_key
-from tiller.engine.vllm import CPU_FLAGS, managed_flags, server_specs
+from tiller.engine.vllm_launch import managed_flags, server_specs
 
 ROOT = Path(__file__).parent.parent
 CONFIG = ROOT / "configs" / "calculator.yaml"
@@ -123,9 +124,8 @@ def test_the_choice_picks_the_type_and_it_round_trips(overrides, section, varian
     *[(["engine.backend=vllm", f"engine.extra_args=[{arg}]"], "config field engine.extra_args: "
        f"got {arg.split(',')[0]!r}, which would rebind {flag}; tiller sets --model, "
        "--served-model-name, --host, --port, --dtype, --max-model-len, "
-       "--kv-cache-memory-bytes, --logprobs-mode, --enforce-eager, "
-       "--no-enable-chunked-prefill, --weight-transfer-config itself (the last one given "
-       "would win) and --config could set them: use the engine fields")
+       "--kv-cache-memory-bytes, --logprobs-mode, --weight-transfer-config itself (the last "
+       "one given would win) and --config could set them: use the engine fields")
       for arg, flag in [("--host=0.0.0.0", "--host"), ("--served_model_name,x",
                                                        "--served-model-name"),
                         ("--hos,0.0.0.0", "--host"), ("--config,c.yaml", "--config")]],
@@ -160,22 +160,41 @@ def test_the_cpu_only_flags_are_sent_to_cpu_servers_only(cpu: bool) -> None:
                     "1", "--logprobs-mode", "processed_logprobs",
                     *(["--enforce-eager", "--no-enable-chunked-prefill"] if cpu else []),
                     "--max-num-seqs", "8"]
-    assert CPU_FLAGS == ("--enforce-eager", "--no-enable-chunked-prefill")
+    assert CPU_SETS == ("--enforce-eager", "--no-enable-chunked-prefill")
+
+
+def forms(flag: str) -> tuple[str, ...]:
+    bare = flag.removeprefix("--").removeprefix("no-")
+    return f"--{bare}", f"--no-{bare}", f"--{bare}=x"
 
 
 def test_every_flag_of_the_managed_argv_is_refused_in_extra_args_in_both_forms():
-    flags = managed_flags()  # from server_specs' own argv
-    assert set(flags) == set(TILLER_SETS)  # the list the description and the error name
-    assert "--no-enable-chunked-prefill" in flags and "--enforce-eager" in flags
-    for flag in flags:
-        bare = flag.removeprefix("--").removeprefix("no-")
-        for form in (f"--{bare}", f"--no-{bare}", f"--{bare}=x"):
+    """TILLER_SETS at config time on every build; CPU_SETS only where tiller sets them, on
+    vLLM's CPU build (at start-up, once the platform is known): a CUDA user may turn eager
+    mode on or chunked prefill off (review s9 F5)."""
+    flags = managed_flags()  # from server_specs' own argv (CPU, shm: the most flags)
+    assert set(flags) == set(TILLER_SETS) | set(CPU_SETS)  # the lists the errors name
+    for flag in TILLER_SETS:
+        for form in forms(flag):
             with pytest.raises(ConfigError, match=f"^config field engine.extra_args: got "
                                f"'{form}', which would rebind {flag}; "):
                 load_config(CONFIG, ["engine.backend=vllm", f"engine.extra_args=[{form}]"])
-    for form in ("--enable-chunked-prefill", "--no-enforce-eager"):  # the review's case
-        with pytest.raises(ConfigError, match="which would rebind"):
-            load_config(CONFIG, ["engine.backend=vllm", f"engine.extra_args=[{form}]"])
+    specs = partial(server_specs, "py", Path("m"), 1, max_context=8, dtype="float32",
+                    kv_cache_bytes=1, threads=1)
+    for flag in CPU_SETS:
+        for form in (*forms(flag), "--enable-chunked-prefill", "--no-enforce-eager"):
+            extra = load_config(CONFIG, ["engine.backend=vllm", f"engine.extra_args=[{form}]"]
+                                ).engine.extra_args
+            assert specs(extra_args=extra, cpu=False)[0].argv[-1] == form  # CUDA: theirs
+            with pytest.raises(ConfigError) as e:
+                specs(extra_args=extra, cpu=True)
+            assert str(e.value) == (
+                f"config field engine.extra_args: got '{form}', which would rebind "
+                f"{refused_flag(form, CPU_SETS)}; tiller sets --enforce-eager and "
+                "--no-enable-chunked-prefill itself on vLLM's CPU build, which py runs (a CUDA "
+                "build leaves both to engine.extra_args): leave it out")
+    assert refused_flag("--no-enforce-eager", CPU_SETS) == "--enforce-eager"
+    assert refused_flag("--enable-chunked-prefill", CPU_SETS) == "--no-enable-chunked-prefill"
 
 
 def test_vllm_extra_args_take_numbers_and_attached_defaults_load():

@@ -20,7 +20,7 @@ from test_vllm_engine import cfg, tiny, trainer_logprobs
 from transformers import AutoModelForCausalLM
 
 from tiller.engine import vllm as vllm_mod
-from tiller.engine import vllm_shm
+from tiller.engine import vllm_launch, vllm_shm
 from tiller.engine.updates import WeightUpdate
 from tiller.engine.vllm import VllmEngine, connect_vllm, default_python, server_specs
 from tiller.engine.vllm_shm import (
@@ -82,11 +82,11 @@ def test_the_manifest_is_checked_against_the_segment_before_anything_is_read() -
 def test_the_vllm_envs_platform_is_asked_and_a_python_without_vllm_is_one_line() -> None:
     """scripts/setup.sh's env is vLLM's CPU build, which decides the CPU-only server flags; a
     Python without vllm (tiller's own env) is one RunError naming it and vLLM's import error."""
-    assert vllm_shm.device_type(str(default_python()), vllm_mod.SERVER_ENV) == "cpu"
+    assert vllm_launch.device_type(str(default_python()), vllm_launch.server_env(1)) == "cpu"
     with pytest.raises(RunError, match=r"^engine.python \S+python\S* cannot tell vLLM's platform "
                        r"\(exit 1\): ModuleNotFoundError: No module named 'vllm'; build the vLLM "
                        r"environment with `bash scripts/setup.sh`$"):
-        vllm_shm.device_type(sys.executable, {})
+        vllm_launch.device_type(sys.executable, {})
 
 
 @pytest.mark.integration  # runs the vLLM env's Python

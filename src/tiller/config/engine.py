@@ -115,19 +115,22 @@ class HttpEngineConfig(EngineConfig):
         return self
 
 
-# the flags of a managed vLLM server that tiller sets, as engine/vllm.py server_specs emits them
-# (the config test checks this list against `managed_flags()`, the argv's own)
+# the flags of a managed vLLM server that tiller sets, as engine/vllm_launch.py server_specs
+# emits them (the config test checks these lists against `managed_flags()`, the argv's own):
+# on every build, and on vLLM's CPU build only (refused there when the platform is known, at
+# start-up: on a CUDA build engine.extra_args may name them)
 TILLER_SETS = ("--model", "--served-model-name", "--host", "--port", "--dtype",
                "--max-model-len", "--kv-cache-memory-bytes", "--logprobs-mode",
-               "--enforce-eager", "--no-enable-chunked-prefill", "--weight-transfer-config")
+               "--weight-transfer-config")
+CPU_SETS = ("--enforce-eager", "--no-enable-chunked-prefill")
 
 
-def refused_flag(arg: str) -> str | None:
-    """The flag of `TILLER_SETS` (or --config, which could set them) that the extra argument
-    `arg` would rebind, in its --x or --no-x form or a prefix argparse takes for it; None if
-    none. Given after tiller's, it would win (argparse: the last one given)."""
+def refused_flag(arg: str, flags: tuple[str, ...] = TILLER_SETS) -> str | None:
+    """The flag of `flags` (or --config, which could set them) that the extra argument `arg`
+    would rebind, in its --x or --no-x form or a prefix argparse takes for it; None if none.
+    Given after tiller's, it would win (argparse: the last one given)."""
     name = arg.split("=", 1)[0].replace("_", "-")
-    for flag in (*TILLER_SETS, "--config"):
+    for flag in (*flags, "--config"):
         bare = flag.removeprefix("--").removeprefix("no-")
         if any(name == form or (len(name) > 4 and form.startswith(name))
                for form in (f"--{bare}", f"--no-{bare}")):
@@ -186,7 +189,9 @@ class VllmEngineConfig(EngineConfig):
         default_factory=list, description="more arguments for each managed server's "
         "`python -m vllm.entrypoints.openai.api_server` (e.g. [--max-num-seqs, 8]; numbers are "
         "taken as strings); not a flag tiller sets, in its --x or --no-x form (" +
-        ", ".join(TILLER_SETS) + "), nor --config")
+        ", ".join(TILLER_SETS) + "), nor --config; on vLLM's CPU build not " +
+        " nor ".join(CPU_SETS) + " either (tiller sets them there; a CUDA build leaves them "
+        "to you)")
     api_key: SecretStr | None = Field(
         None, description="bearer token sent to the vLLM servers (attached: the one they were "
         "started with, --api-key; managed: tiller starts them with it, as VLLM_API_KEY in "

@@ -19,7 +19,9 @@ accept it (tests/test_sglang_contract.py runs them on every body built here):
   a push while paused with requests running failed: its cache flush refuses a non-empty
   running batch ("Weights were updated, but the cache was not flushed"), after the weights and
   the version changed. Unpaused, a push waits (SGLang's weight-update writer lock) for every
-  running request to finish, within `weight_sync.timeout_s`;
+  running request to finish, within `weight_sync.timeout_s`. This pause/push interplay is read
+  from SGLang's source (scheduler.py, weight_updater.py, tokenizer_manager.py), not tested:
+  the contract tests check the bodies' fields only;
 - logprobs are of softmax(logits / T) before top-k / top-p (untruncated).
 """
 

@@ -41,7 +41,6 @@ weights it restarted with. These endpoints need `VLLM_SERVER_DEV_MODE=1`.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -58,13 +57,18 @@ from tiller.config import VllmEngineConfig
 from tiller.engine.api import Generation, SamplingParams
 from tiller.engine.delta import DeltaUpdate
 from tiller.engine.http import _SKIPPED, HEALTH_TIMEOUT_S, HttpEngine, Server, ServerDown
-from tiller.engine.servers import Launched, Launcher, ManagedServers, ServerSpec, last_line
+from tiller.engine.servers import Launched, Launcher, ManagedServers, last_line
 from tiller.engine.updates import WeightSyncError, WeightUpdate
-from tiller.engine.vllm_shm import BACKEND as SHM_BACKEND
+from tiller.engine.vllm_launch import (
+    SERVED_NAME,
+    default_python,
+    device_type,
+    server_env,
+    server_specs,
+)
 from tiller.engine.vllm_shm import (
     DTYPES,
     SHM_DIR,
-    device_type,
     plugin_installed,
     remove_segment,
     remove_stale_segments,
@@ -75,16 +79,7 @@ from tiller.engine.wire import TillerDialect, short
 from tiller.errors import ConfigError, RunError
 
 logger = logging.getLogger(__name__)
-CPU_FLAGS = ("--enforce-eager", "--no-enable-chunked-prefill")  # CPU build only (docs/engines.md)
-SERVED_NAME = "tiller"  # --served-model-name: the `model` of every request
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}  # vLLM's reasons -> tiller's
-# the environment of a managed server: the RL endpoints, the model's worker in the engine
-# core's process (without VLLM_ENABLE_V1_MULTIPROCESSING=0 a server is 4 processes, with it 3:
-# the API server, its `VLLM::EngineCore` process, which vLLM 0.32's API server starts whatever
-# this says, and multiprocessing's resource tracker; all in the server's process group, which
-# its stop and its watch end, `servers.py`), no CPU pinning (it shares the machine)
-SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-              "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 # the logprobs-mode check at connect (`logprobs_spread_ratios`): one token sampled at MODE_T
 # and at 1, the logprobs of the MODE_TOP most likely tokens of each; their spread at MODE_T
 # over that at 1 must be 1/MODE_T (2; raw_logprobs, vLLM's default, gives 1) within MODE_TOL.
@@ -395,35 +390,6 @@ class VllmEngine(HttpEngine):
                            f"{short(answer)}: {type(e).__name__}: {e}") from e
 
 
-def server_specs(python: str, model_dir: Path, count: int, *, max_context: int, dtype: str,
-                 kv_cache_bytes: int, threads: int, extra_args: list[str], cpu: bool,
-                 transfer: str = "disk", api_key: str | None = None) -> list[ServerSpec]:
-    """The commands of `count` managed vLLM servers of the model saved in `model_dir`; with
-    `transfer` shm each loads pushes through tiller's `tiller_shm` weight-transfer engine,
-    imported from this tiller's source (first on the server's PYTHONPATH). `CPU_FLAGS` only with
-    `cpu` (vLLM's platform, `device_type`): on a GPU they would turn off CUDA graphs."""
-    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", "{port}",
-            "--dtype", dtype, "--max-model-len", str(max_context),
-            "--kv-cache-memory-bytes", str(kv_cache_bytes),
-            "--logprobs-mode", "processed_logprobs", *(CPU_FLAGS if cpu else ()), *extra_args]
-    env = {**SERVER_ENV, "OMP_NUM_THREADS": str(threads)}
-    if api_key:  # the environment, not argv: argv is readable by every local user
-        env["VLLM_API_KEY"] = api_key
-    if transfer == "shm":
-        argv += ["--weight-transfer-config", json.dumps({"backend": SHM_BACKEND})]
-        src = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
-    return [ServerSpec(f"vllm-{i}", argv, env) for i in range(count)]
-
-
-def managed_flags() -> tuple[str, ...]:
-    """Every flag of the argv `server_specs` emits (on CPU, under shm: the most), in order."""
-    return tuple(a for a in server_specs("python", Path("model"), 1, max_context=1,
-                 dtype="float32", kv_cache_bytes=1, threads=1, extra_args=[], cpu=True,
-                 transfer="shm")[0].argv if a.startswith("--"))
-
-
 def probe(engine: VllmEngine, token_id: int, deadline: float) -> None:
     """One one-token generate on every server at once, within what is left until `deadline`
     (`time.monotonic()`; at least 1 s): vLLM answers /health before it has run the model, and
@@ -527,11 +493,6 @@ def check_logprobs_mode(engine: VllmEngine, timeout_s: float) -> None:
                            f"with --logprobs-mode processed_logprobs")
 
 
-def default_python() -> Path:
-    """.venv-vllm/bin/python in the tiller checkout this module is imported from."""
-    return Path(__file__).resolve().parents[3] / ".venv-vllm" / "bin" / "python"
-
-
 def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, *,
                  run_dir: Path, initial: WeightUpdate, dtype: str,
                  context: int | None = None, launch: Launcher = ManagedServers) -> VllmEngine:
@@ -540,10 +501,11 @@ def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, 
     them (`ManagedServers`: child processes of this one). `context`: the tokens one sequence
     of the run may take (default and at most the model's context), the managed servers'
     --max-model-len (their KV cache must hold one such sequence) and the least an attached
-    server must serve. Each server is probed with a one-token generate (start-up and probe
-    within `cfg.startup_timeout_s` together when managed), checked against the model, given
-    `initial` and its logprobs mode checked (`check_logprobs_mode`). Whatever fails closes
-    what was started and is one error line."""
+    server must serve. Managed: vLLM's platform (`device_type`) and, under shm, the plugin
+    are asked within `cfg.startup_timeout_s` too. Each server is probed with a one-token
+    generate (start-up and probe within `cfg.startup_timeout_s` together when managed),
+    checked against the model, given `initial` and its logprobs mode checked
+    (`check_logprobs_mode`). Whatever fails closes what was started and is one error line."""
     deadline = time.monotonic() + (cfg.request_timeout_s if cfg.urls else cfg.startup_timeout_s)
     shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
     api_key = cfg.api_key.get_secret_value() if cfg.api_key else \
@@ -565,12 +527,19 @@ def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, 
                               "vLLM environment with `bash scripts/setup.sh` or point "
                               "engine.python at a Python that has vllm")
         model_dir = run_dir / "vllm-model"
+        # the platform as the servers will see it: their Python and environment, within the
+        # start-up time (its output in a log only when it fails)
+        platform = device_type(str(python), server_env(cfg.threads, cfg.weight_transfer,
+                                                       api_key),
+                               timeout_s=max(deadline - time.monotonic(), 1.0),
+                               log=run_dir / "vllm-platform.log")
         specs = server_specs(str(python), model_dir, cfg.servers, max_context=max_context,
                              dtype=dtype, kv_cache_bytes=cfg.kv_cache_bytes,
                              threads=cfg.threads, extra_args=cfg.extra_args,
-                             cpu=device_type(str(python), SERVER_ENV) == "cpu",
-                             transfer=cfg.weight_transfer, api_key=api_key)
-        if cfg.weight_transfer == "shm" and not plugin_installed(str(python), specs[0].env):
+                             cpu=platform == "cpu", transfer=cfg.weight_transfer,
+                             api_key=api_key)
+        if cfg.weight_transfer == "shm" and not plugin_installed(
+                str(python), specs[0].env, timeout_s=max(deadline - time.monotonic(), 1.0)):
             raise ConfigError(f"config field engine.weight_transfer: shm needs tiller's vLLM "
                               f"plugin (entry point tiller_shm) in {python}'s environment; "
                               "install it with `bash scripts/setup.sh` or use disk")

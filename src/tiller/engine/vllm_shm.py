@@ -19,7 +19,6 @@ This module imports no vLLM: the trainer uses it, and so does the server-side en
 from __future__ import annotations
 
 import errno
-import functools
 import mmap
 import os
 import stat
@@ -37,7 +36,6 @@ BACKEND = "tiller_shm"  # the name in vLLM's factory and in --weight-transfer-co
 ENTRY_POINT = "tiller.engine.vllm_shm_server:register"  # pyproject.toml's vllm.general_plugins
 SHM_DIR = Path("/dev/shm")
 PLUGIN_CHECK_S = 60.0  # seconds `plugin_installed` may take
-PLATFORM_CHECK_S = 120.0  # seconds `device_type` may take (it imports vllm: 8.5 s at load 3)
 PREFIX = "tiller-weights-"  # + the trainer's pid + "-" + a random part
 ALIGN = 64  # bytes; every tensor starts at a multiple of it (any dtype view is aligned)
 MAX_TENSORS = 100_000  # manifest entries the server reads at most
@@ -156,48 +154,23 @@ def _mapping(path: str, fd: int, size: int) -> torch.Tensor:
     return data
 
 
-def plugin_installed(python: str, env: dict[str, str]) -> bool:
+def plugin_installed(python: str, env: dict[str, str], timeout_s: float | None = None) -> bool:
     """Whether `python` (run with `env`) sees tiller's `vllm.general_plugins` entry point, which
     registers `BACKEND` in vLLM's factory (scripts/setup.sh installs it); without it a server
-    started with `BACKEND` fails at start-up with vLLM's "Invalid weight transfer backend"."""
+    started with `BACKEND` fails at start-up with vLLM's "Invalid weight transfer backend".
+    Asked within min(`PLUGIN_CHECK_S`, `timeout_s`) seconds."""
+    bound = PLUGIN_CHECK_S if timeout_s is None else min(PLUGIN_CHECK_S, timeout_s)
     code = ("import sys; from importlib.metadata import entry_points as e; sys.exit(0 if any("
             f"p.name == {BACKEND!r} and p.value == {ENTRY_POINT!r} "
             "for p in e(group='vllm.general_plugins')) else 3)")
     try:
         done = subprocess.run([python, "-c", code], env={**os.environ, **env},
-                              timeout=PLUGIN_CHECK_S, stdin=subprocess.DEVNULL,
+                              timeout=bound, stdin=subprocess.DEVNULL,
                               capture_output=True)
     except subprocess.TimeoutExpired as e:
         raise RunError(f"engine.weight_transfer: shm: checking {python}'s environment for "
-                       f"tiller's vLLM plugin took more than {PLUGIN_CHECK_S:g} s") from e
+                       f"tiller's vLLM plugin took more than {bound:g} s") from e
     return done.returncode == 0
-
-
-def device_type(python: str, env: dict[str, str]) -> str:
-    """vLLM's platform in `python`'s environment (run with `env`, as a server would be):
-    'cpu' for the CPU build (scripts/setup.sh's), 'cuda' for a CUDA build on a GPU machine;
-    what the servers started from it will run on. Asked once per process for each `python`
-    and `env` (it imports vllm: seconds). A failure or more than `PLATFORM_CHECK_S` seconds is
-    one RunError naming `python`."""
-    return _device_type(python, tuple(sorted(env.items())))
-
-
-@functools.cache
-def _device_type(python: str, env: tuple[tuple[str, str], ...]) -> str:
-    code = "from vllm.platforms import current_platform as p; print(p.device_type)"
-    try:
-        done = subprocess.run([python, "-c", code], env={**os.environ, **dict(env)},
-                              timeout=PLATFORM_CHECK_S, stdin=subprocess.DEVNULL,
-                              capture_output=True, text=True)
-    except subprocess.TimeoutExpired as e:
-        raise RunError(f"asking {python} for vLLM's platform took more than "
-                       f"{PLATFORM_CHECK_S:g} s") from e
-    words, err = done.stdout.split(), done.stderr.strip().splitlines() or ["no output"]
-    if done.returncode != 0 or not words:
-        raise RunError(f"engine.python {python} cannot tell vLLM's platform (exit "
-                       f"{done.returncode}): {err[-1]}; build the vLLM environment with "
-                       f"`bash scripts/setup.sh`")
-    return words[-1]
 
 
 def remove_segment(path: str) -> None:

@@ -1,0 +1,82 @@
+"""vLLM's platform check before managed servers start (engine/vllm_launch.py `device_type`),
+with stand-in Pythons (shell scripts): it runs with the servers' own environment, within
+engine.startup_timeout_s, kills what it started, and its error names what to fix and the log
+of its output (review s9 F6). No vLLM is needed."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from helpers import gone
+from test_vllm_engine import tiny
+
+from tiller.config import VllmEngineConfig
+from tiller.engine.updates import WeightUpdate
+from tiller.engine.vllm import connect_vllm
+from tiller.engine.vllm_launch import device_type
+from tiller.engine.vllm_shm import plugin_installed
+from tiller.errors import RunError
+
+
+def script(path: Path, body: str) -> Path:
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return path
+
+
+def test_the_platform_check_runs_with_the_servers_env_within_the_start_up_time(
+        tmp_path: Path) -> None:
+    """A vLLM env whose import hangs: connect fails within engine.startup_timeout_s (2 s, not
+    the check's own 120 s), the check saw engine.threads and the server variables, its
+    process group is gone, and the error names the log holding what it printed."""
+    _, model, tok = tiny(tmp_path / "m", heads=4)
+    python = script(tmp_path / "python", f'env > {tmp_path}/env.txt\n'
+                    'echo "importing vllm, slowly" >&2\n'
+                    f'sleep 60 &\necho $! > {tmp_path}/sleep.pid\nwait\n')
+    start = time.monotonic()
+    with pytest.raises(RunError) as e:
+        connect_vllm(VllmEngineConfig(python=str(python), startup_timeout_s=2, threads=3),
+                     model, tok,
+                     run_dir=tmp_path / "run", initial=WeightUpdate.full(model, 0),
+                     dtype="float32")
+    assert time.monotonic() - start < 10
+    log = tmp_path / "run" / "vllm-platform.log"
+    assert str(e.value) == (
+        f"engine.python {python}: importing vllm to ask its platform took more than 2 s (the "
+        f"least of 120 s and engine.startup_timeout_s); log {log}; check that `{python} -c "
+        "'import vllm'` runs, or raise engine.startup_timeout_s")
+    assert "importing vllm, slowly" in log.read_text()
+    env = dict(line.split("=", 1) for line in (tmp_path / "env.txt").read_text().splitlines()
+               if "=" in line)
+    assert (env["OMP_NUM_THREADS"], env["VLLM_SERVER_DEV_MODE"]) == ("3", "1")
+    assert gone(int((tmp_path / "sleep.pid").read_text()))  # the whole group was killed
+    assert not (tmp_path / "run" / "servers").exists()  # nothing was started
+
+
+def test_the_platform_is_asked_per_environment_and_a_failure_names_its_log(
+        tmp_path: Path) -> None:
+    python = script(tmp_path / "python", 'echo "$TILLER_TEST_PLATFORM"\n')
+    assert device_type(str(python), {"TILLER_TEST_PLATFORM": "cpu"}) == "cpu"
+    assert device_type(str(python), {"TILLER_TEST_PLATFORM": "cuda"}) == "cuda"
+    broken = script(tmp_path / "broken", 'echo "ModuleNotFoundError: no vllm" >&2\nexit 1\n')
+    log = tmp_path / "run" / "vllm-platform.log"
+    with pytest.raises(RunError) as e:
+        device_type(str(broken), {}, log=log)
+    assert str(e.value) == (f"engine.python {broken} cannot tell vLLM's platform (exit 1): "
+                            f"ModuleNotFoundError: no vllm; log {log}; build the vLLM "
+                            "environment with `bash scripts/setup.sh`")
+    assert log.read_text() == "--- stdout\n--- stderr\nModuleNotFoundError: no vllm\n"
+
+
+def test_the_plugin_check_is_bounded_by_what_is_left_of_the_start_up_time(
+        tmp_path: Path) -> None:
+    """Under shm the plugin check follows the platform check: it gets the rest of
+    engine.startup_timeout_s when that is less than its own 60 s (review s9 F6)."""
+    slow = script(tmp_path / "python", "exec sleep 30\n")
+    start = time.monotonic()
+    with pytest.raises(RunError, match=rf"^engine.weight_transfer: shm: checking {slow}'s "
+                       r"environment for tiller's vLLM plugin took more than 1.5 s$"):
+        plugin_installed(str(slow), {}, timeout_s=1.5)
+    assert time.monotonic() - start < 10
