@@ -16,8 +16,11 @@ from helpers import cli
 
 from tiller import checkpoints
 from tiller.checkpoints import (
+    FORMAT_VERSION,
     KEEP_SKIPPED,
     MARKER,
+    REFERENCE_ADAPTER,
+    REFERENCE_CONFIG,
     STATE_KEYS,
     Checkpoint,
     check_steps_free,
@@ -32,8 +35,8 @@ from tiller.checkpoints import (
 from tiller.errors import ConfigError
 from tiller.observe.metrics import MetricsLogger
 from tiller.resume import prepare_run_dir
-from tiller.rollout.resume import check_drawn, check_state
-from tiller.train.process_state import PAUSE_ENV, rng_state
+from tiller.rollout.resume import MANAGER_KEYS, check_drawn, check_state
+from tiller.train.process_state import PAUSE_ENV, rng_state, set_rng_state
 
 FILES = ("model/model.safetensors", "model/config.json", "trainer.pt", "rng.pt")
 
@@ -71,8 +74,8 @@ def test_verify_accepts_a_whole_checkpoint_of_another_tiller_version(tmp_path):
     (path / MARKER).write_text(json.dumps({**marker(path), "tiller": "0.0.1"}))
     assert newest_checkpoint(tmp_path).state["step"] == 1
     (path / MARKER).write_text(json.dumps({**marker(path), "format": 99}))
-    one_line_error("is of checkpoint format 99 (tiller 0.0.1); this tiller reads format 4",
-                   newest_checkpoint, tmp_path)
+    one_line_error(f"is of checkpoint format 99 (tiller 0.0.1); this tiller reads format "
+                   f"{FORMAT_VERSION}", newest_checkpoint, tmp_path)
 
 
 @pytest.mark.parametrize("edit, match", [
@@ -125,6 +128,27 @@ def test_a_lora_checkpoint_without_its_adapter_is_refused_in_one_line(tmp_path):
     assert newest_checkpoint(tmp_path / "c").step == 1
     write(tmp_path / "d", 1, config={"model": {"lora": None}})  # no adapter without LoRA
     assert newest_checkpoint(tmp_path / "d").step == 1
+    # review s9 F9: the reference adapter's config, which loading it reads, is required with it
+    path = write(tmp_path / "e", 1, files=(*whole, REFERENCE_ADAPTER), config=lora)
+    one_line_error(f"checkpoint {path} is corrupt: {MARKER} lists {REFERENCE_ADAPTER} but not "
+                   f"{REFERENCE_CONFIG}", newest_checkpoint, tmp_path / "e")
+    write(tmp_path / "f", 1, files=(*whole, REFERENCE_ADAPTER, REFERENCE_CONFIG), config=lora)
+    assert newest_checkpoint(tmp_path / "f").step == 1
+
+
+def test_verify_compares_a_files_size_before_it_reads_it(tmp_path, monkeypatch):
+    """Review s9 F10: a listed file of another size than the marker's is refused without being
+    read (hashed): a large or sparse file put there costs nothing. One of the listed size is
+    hashed."""
+    path = write(tmp_path, 1)
+    with (path / "trainer.pt").open("ab") as f:
+        f.truncate(1 << 30)  # sparse: 1 GiB
+    read: list[str] = []
+    describe_ = checkpoints._describe
+    monkeypatch.setattr(checkpoints, "_describe", lambda p: read.append(p.name) or describe_(p))
+    one_line_error(f"checkpoint {path} is corrupt: trainer.pt does not match its size and "
+                   f"SHA-256 in {MARKER}", newest_checkpoint, tmp_path)
+    assert "trainer.pt" not in read and read  # the files before it were hashed
 
 
 def test_a_checkpoint_is_never_written_over_an_existing_folder(tmp_path):
@@ -159,7 +183,7 @@ def test_verify_names_a_state_key_that_is_missing(tmp_path):
         return {"step": 1}
 
     write_checkpoint(tmp_path, 1, 2, parts)
-    one_line_error("state.json has no trainer_version, engine_version", newest_checkpoint,
+    one_line_error("state.json has no trainer_version, rng", newest_checkpoint,
                    tmp_path)
 
 
@@ -283,10 +307,20 @@ def test_links_in_the_checkpoints_folder_are_not_read_through(tmp_path, monkeypa
     assert describe(run)[0]["status"].startswith("a symbolic link (to ")
 
 
-def test_a_resume_killed_while_cutting_the_run_folder_discards_each_row_once(tmp_path):
+def test_a_resume_killed_while_cutting_the_run_folder_discards_each_row_once(tmp_path,
+                                                                           monkeypatch):
     """prepare_run_dir moves metrics.jsonl's rows past the checkpoint to
-    metrics.discarded.jsonl, then cuts metrics.jsonl: a resume killed between the two, and
-    the next one, record those rows once."""
+    metrics.discarded.jsonl, then cuts metrics.jsonl: a resume killed between the two, or
+    while it appended them (part of the rows written), and the next one, record those rows
+    once. Neither file is read whole (review s9 F10: only the rows past the checkpoint, and as
+    many bytes of the discarded file's end)."""
+    read_whole = Path.read_bytes
+
+    def never_whole(path: Path) -> bytes:
+        assert path.name not in ("metrics.jsonl", "metrics.discarded.jsonl"), path
+        return read_whole(path)
+
+    monkeypatch.setattr(Path, "read_bytes", never_whole)
     rows = [json.dumps({"phase": "rl", "step": i, "time": 1000.0 + i}) + "\n"
             for i in range(4)]
     metrics = tmp_path / "metrics.jsonl"
@@ -307,6 +341,17 @@ def test_a_resume_killed_while_cutting_the_run_folder_discards_each_row_once(tmp
     metrics.write_text("".join(rows[:2]) + later)
     prepare_run_dir(tmp_path, ckpt)
     assert discarded.read_text() == "".join(rows[2:]) + later
+    # killed while it appended the tail: its first row and part of the next one written
+    again = [json.dumps({"phase": "rl", "step": i, "time": 3000.0 + i}) + "\n"
+             for i in range(2, 4)]
+    metrics.write_text("".join(rows[:2]) + "".join(again))
+    whole = discarded.read_text() + "".join(again)
+    for cut in (len(again[0]) + 5, len(again[0]), 3):  # rows' bytes appended before the kill
+        discarded.write_text(whole[:len(whole) - len("".join(again)) + cut])
+        assert prepare_run_dir(tmp_path, ckpt)["metrics_rows_discarded"] == 2
+        assert discarded.read_text() == whole, cut
+        assert metrics.read_text() == "".join(rows[:2])
+        metrics.write_text("".join(rows[:2]) + "".join(again))
 
 
 MANAGER = {"pulled": 2, "next_unit": 1, "slots": 0, "steps_trained": 1, "max_ahead": 1,
@@ -320,6 +365,13 @@ MANAGER = {"pulled": 2, "next_unit": 1, "slots": 0, "steps_trained": 1, "max_ahe
     ({"ledger": {"x": "1"}}, "TypeError: ledger or draws holds a count that is not an int"),
     ({"open_tasks": [{"id": "a", "nonsense": 1}]}, "TypeError:"),
     ({"refills": None}, "TypeError:"),
+    # review s9 F9: the open groups, which the cut of traces.sqlite reads
+    ({"open_groups": 5}, "TypeError: 'int' object is not iterable"),
+    ({"open_groups": [[[0], "a"]]}, "ValueError: not enough values to unpack"),
+    ({"open_groups": [[0, "a", 1]]}, "TypeError: open_groups holds [0, 'a', 1], not a (tag, "
+                                     "task id, draw) triple"),
+    ({"open_groups": [[[0], "a", "1"]]}, "TypeError: open_groups holds [[0], 'a', '1']"),
+    ({"extra": 1}, "ValueError: extra is not a field (its fields: pulled, "),
 ])
 def test_a_manager_state_of_another_shape_is_one_line(edit, match):
     """A checkpoint's hashes say it is whole, not that a hand-edited state.json is tiller's:
@@ -327,6 +379,53 @@ def test_a_manager_state_of_another_shape_is_one_line(edit, match):
     check_state(MANAGER, "checkpoint c")
     one_line_error(f"checkpoint c is corrupt: its state.json's manager state does not fit "
                    f"({match}", check_state, {**MANAGER, **edit}, "checkpoint c")
+    # a field missing
+    one_line_error("does not fit (ValueError: open_groups is missing (its fields: ", check_state,
+                   {k: v for k, v in MANAGER.items() if k != "open_groups"}, "checkpoint c")
+
+
+def test_the_checkpoint_state_schema_is_pinned_to_the_format_version():
+    """Review s9 F8: the marker's format is what a resume checks (its tiller version is the
+    same at every commit), so a change of what state.json or the rollout manager's part of it
+    holds must come with a new FORMAT_VERSION: a resume refuses a field it does not know and
+    one that is missing (`verify`, `check_state_shape`, `check_state`), so save_rl and
+    manager_state cannot drift from these lists without every resume test failing, and this
+    test fails when the lists change."""
+    assert (FORMAT_VERSION, STATE_KEYS, MANAGER_KEYS) == (5, (
+        "step", "trainer_version", "rng", "holds", "tensors", "manager", "curriculum",
+        "recorder", "idle_steps", "metrics_bytes", "summary", "config", "base"), (
+        "pulled", "draw_ids", "open_tasks", "open_groups", "ledger", "next_unit",
+        "steps_trained", "slots", "max_ahead", "draws", "refills")), (
+        "state.json's fields changed: bump FORMAT_VERSION (tiller.checkpoints, with what the new "
+        "format holds in its comment) and update this test's lists")
+
+
+@pytest.mark.parametrize("saved, devices, warned", [
+    (0, 0, False), (0, 1, True), (1, 0, True), (2, 1, True), (1, 1, False)])
+def test_a_resume_warns_when_the_checkpoints_cuda_rng_states_do_not_fit_the_machine(
+        monkeypatch, caplog, saved, devices, warned):
+    """Review s9 F7: the checkpoint's CUDA generator states are put back device by device; a
+    CPU checkpoint resumed on CUDA (or the other way, or another device count) is one warning
+    line, as those generators then keep their own states. (No GPU here: the device count is
+    patched; the states put back are patched out on CUDA.)"""
+    import torch
+
+    py, tensors = rng_state()
+    tensors = {k: v for k, v in tensors.items() if not k.startswith("cuda")}
+    tensors.update({f"cuda{i}": torch.zeros(16, dtype=torch.uint8) for i in range(saved)})
+    put: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: devices > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: devices)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: put.append(len(states)))
+    caplog.set_level("WARNING")
+    set_rng_state(py, tensors)
+    lines = [r.getMessage() for r in caplog.records if "CUDA" in r.getMessage()]
+    assert lines == ([f"--resume: the checkpoint holds the RNG states of {saved} CUDA devices, "
+                      f"this process sees {devices}: the CUDA generators of the first "
+                      f"{min(saved, devices)} are put back, the rest keep their own (what draws "
+                      f"from them is not the checkpointed run's)"] if warned else [])
+    assert put == ([min(saved, devices)] if min(saved, devices) else [])
+
 
 
 def test_a_stream_that_changed_its_first_tasks_is_refused():
@@ -362,7 +461,7 @@ PY_RNG = rng_state()[0]  # Python's and numpy's generator states, as state.json 
 def whole_state(cfg) -> dict:
     """A state.json of every field's shape (`resume.STATE_TYPES`), of a run with `cfg` at
     step 1 that drew nothing yet."""
-    return {"step": 1, "trainer_version": 1, "engine_version": 1, "rng": PY_RNG,
+    return {"step": 1, "trainer_version": 1, "rng": PY_RNG,
             "holds": ["model"], "tensors": ["optimizer"], "manager": dict(MANAGER, pulled=0,
                                                                           draw_ids=[], draws=[]),
             "curriculum": None, "recorder": recorder_state(), "idle_steps": 0,
@@ -386,6 +485,9 @@ def whole_state(cfg) -> dict:
      "TypeError: the recorder's trainer_s is a str"),
     ({"recorder": {**recorder_state(), "staleness": {"0": 4}}},
      "TypeError: the recorder's staleness is not a list of pairs"),
+    # review s9 F9: a negative length would cut metrics.jsonl's rows from its end
+    ({"metrics_bytes": -1}, "ValueError: metrics_bytes is -1, below 0"),
+    ({"engine_version": 1}, "ValueError: engine_version is not a field this tiller writes"),
 ])
 def test_a_state_json_of_another_shape_is_one_line_before_any_work(tmp_path, edit, match):
     """Review s8 F7: a hand-edited state.json (its marker re-hashed: whole) of another shape

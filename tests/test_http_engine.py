@@ -53,15 +53,15 @@ def free_port() -> int:
 
 
 class Servers:
-    """`tiller serve` subprocesses on free ports, reading weights below `root`; `kill(i)` is a
-    SIGKILL (a crash, no goodbye)."""
+    """`tiller serve` subprocesses on free ports, reading weights below `root`, logging to
+    root/`name`<i>.log; `kill(i)` is a SIGKILL (a crash, no goodbye)."""
 
-    def __init__(self, model_dir: Path, n: int, root: Path):
+    def __init__(self, model_dir: Path, n: int, root: Path, name: str = "server"):
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []
-        self.logs = [root / f"server{i}.log" for i in range(n)]
+        self.logs = [root / f"{name}{i}.log" for i in range(n)]
         self.cmds = []
         for i in range(n):
             port = free_port()
@@ -113,10 +113,10 @@ class Servers:
 
 
 @contextmanager
-def servers(model_dir: Path, n: int, root: Path) -> Iterator[Servers]:
+def servers(model_dir: Path, n: int, root: Path, name: str = "server") -> Iterator[Servers]:
     s = None
     try:
-        s = Servers(model_dir, n, root)
+        s = Servers(model_dir, n, root, name)
         yield s
     finally:
         if s is not None:

@@ -13,6 +13,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -453,7 +455,20 @@ def test_a_run_killed_before_its_first_checkpoint_is_refused_saying_what_to_do(t
     assert (run / "traces.sqlite").read_bytes() == b""
 
 
+def said_line(proc: subprocess.Popen, seen: list[str], text: str, timeout_s: float,
+              what: str) -> None:
+    """Wait until a line of `proc`'s output (read into `seen` by a thread) holds `text`; an
+    error naming `what` it waited for when the process ended first or `timeout_s` passed."""
+    deadline = time.monotonic() + timeout_s
+    while not any(text in line for line in seen):
+        out = "".join(seen)[-3000:]
+        assert proc.poll() is None, f"the run ended before {what}: {out}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s: {out}"
+        time.sleep(0.05)
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_a_second_process_in_a_run_folder_is_refused_naming_the_holder(tmp_path):
     """Review s9 F5: two processes training or resuming one run folder (a requeued job while
     the old one still dies) mixed their records. A run holds its folder's lock for its life:
@@ -471,11 +486,12 @@ def test_a_second_process_in_a_run_folder_is_refused_naming_the_holder(tmp_path)
         [sys.executable, "-m", "tiller", "train", CONFIG, *TINY_RUN, "checkpoint.every=1",
          "-o", str(run)], cwd=ROOT, env={**env, PAUSE_ENV: "files:300"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: list[str] = []  # its output, read as it comes (never blocked on a full pipe)
+    reader = threading.Thread(target=lambda: seen.extend(first.stdout), daemon=True)
+    reader.start()
     try:
-        said = first.stdout.readline()  # the test hook's line: the first checkpoint paused
-        while said and f"{PAUSE_ENV}: 300 s at files" not in said:
-            said = first.stdout.readline()
-        assert said, "the run ended before its first checkpoint"
+        said_line(first, seen, f"{PAUSE_ENV}: 300 s at files", 600,
+                  "the test hook's line at files (its first checkpoint paused)")
         before = files_of(run)
         busy = (f"error: run folder {run} is in use by another process (pid {first.pid}, "
                 f"holding {run / '.tiller.lock'}): wait for it to end or stop it; two runs in "
@@ -489,7 +505,8 @@ def test_a_second_process_in_a_run_folder_is_refused_naming_the_holder(tmp_path)
         assert files_of(run) == before
     finally:
         first.kill()
-        first.communicate(timeout=60)
+        first.wait(60)
+        reader.join(30)
     with hold_run_dir(run):  # the dead run's lock is gone with it
         pass
 

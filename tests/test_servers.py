@@ -326,22 +326,29 @@ def test_a_port_another_process_took_is_not_a_healthy_server(
 
 
 def test_a_server_whose_listener_leaves_the_session_is_refused_naming_the_fix(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """review s8 F9: a command that hands the port to a process outside the session tiller
     starts (`setsid -w`: the server runs in a session of its own) cannot be told apart from
     another process on the port, nor stopped with the session: refused at start-up, in one line
-    that names such wrappers and engine.urls."""
+    that names such wrappers and engine.urls. The escaped server (on a port the test chose) is
+    killed here whatever fails (review s9 F10)."""
+    port = free_port()
+    monkeypatch.setattr(servers_mod, "free_port", lambda host: port)
+
+    def escaped() -> list[int]:  # setsid's child, which left the stopped session
+        return [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+                if f"{SERVER}\0--port\0{port}\0" in read_cmdline(pid)]
+
     m = ManagedServers([ServerSpec("wrapped", ["setsid", "-w", sys.executable, SERVER,
                                                "--port", "{port}"])],
                        log_dir=tmp_path, startup_timeout_s=30)
-    with pytest.raises(RunError) as e:
-        m.start()
-    port = str(e.value).split("http://127.0.0.1:", 1)[1].split(")", 1)[0]
-    escaped = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
-               if f"{SERVER}\0--port\0{port}\0" in read_cmdline(pid)]
-    for pid in escaped:  # setsid's child left the stopped session: this test stops it
-        os.kill(pid, signal.SIGKILL)
-    assert len(escaped) == 1 and m.running == []
+    try:
+        with pytest.raises(RunError) as e:
+            m.start()
+        assert len(escaped()) == 1 and m.running == []
+    finally:
+        for pid in escaped():
+            os.kill(pid, signal.SIGKILL)
     msg = str(e.value)
     assert msg.startswith(f"server wrapped (http://127.0.0.1:{port}): port {port} answers "
                           "/health, but from a socket of another process, not one of the "

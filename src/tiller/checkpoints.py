@@ -17,7 +17,7 @@ A checkpoint folder holds:
                       rank, keyed by parameter name (`train.distributed`)
     rng.pt            torch's CPU (and CUDA) generator states; with train.world_size > 1
                       each other rank's too ("rank<r>/torch")
-    state.json        the step, the weight versions, Python's and numpy's RNG states (with
+    state.json        the step, the trainer's weight version, Python's and numpy's RNG states (with
                       train.world_size > 1 each other rank's too, in order, as "ranks"), the
                       rollout manager's state (`rollout.resume`: the task stream's position,
                       the open groups' tasks, the ledger), rl.curriculum's state
@@ -64,8 +64,10 @@ log = logging.getLogger(__name__)
 
 # what a reader checks: a checkpoint of another format is refused (2: the idle-step count,
 # the trainer's parts and the open groups' draws taken out of the draw counts; 3: the base
-# model's fingerprint and async's refills owed; 4: the curriculum's state)
-FORMAT_VERSION = 4
+# model's fingerprint and async's refills owed; 4: the curriculum's state; 5: no engine
+# weight version, which no resume read). A change of what state.json holds changes it:
+# tests/test_checkpoints.py pins STATE_KEYS and the manager's keys to it
+FORMAT_VERSION = 5
 MARKER = "complete.json"
 FOLDER = re.compile(r"^step-(\d+)$")
 # the files every checkpoint holds (the model folder holds the tokenizer's files as well)
@@ -74,9 +76,8 @@ REQUIRED = ("model/model.safetensors", "model/config.json", "trainer.pt", "rng.p
 # and, of a run under model.lora (its state.json's config), the adapter resume loads
 ADAPTER_FILES = ("adapter/adapter_config.json", "adapter/adapter_model.safetensors")
 # what state.json holds (`save_rl`); a resume reads each
-STATE_KEYS = ("step", "trainer_version", "engine_version", "rng", "holds", "tensors",
-              "manager", "curriculum", "recorder", "idle_steps", "metrics_bytes", "summary",
-              "config", "base")
+STATE_KEYS = ("step", "trainer_version", "rng", "holds", "tensors", "manager", "curriculum",
+              "recorder", "idle_steps", "metrics_bytes", "summary", "config", "base")
 # `model_fingerprint`: each weight file is read at this many evenly spaced places (its start,
 # which holds a safetensors file's header, and its end among them), this many bytes each
 WEIGHT_SAMPLES, SAMPLE_BYTES = 64, 1 << 16
@@ -102,6 +103,8 @@ ADAPTER_DIR = "adapter"  # model.lora: the adapter, as peft saves it, beside the
 # model.lora with the KL term on: the reference adapter (the policy's at RL start), in peft's
 # subfolder for a second adapter; a resume needs it while the KL term is on
 REFERENCE_ADAPTER = f"{ADAPTER_DIR}/reference/adapter_model.safetensors"
+# and its config, which loading it reads: a marker listing the one lists the other
+REFERENCE_CONFIG = f"{ADAPTER_DIR}/reference/adapter_config.json"
 
 
 @dataclass(frozen=True)
@@ -297,8 +300,9 @@ def _read_marker(path: Path, step: int) -> Checkpoint:
 
 def verify(ckpt: Checkpoint, keys: tuple[str, ...] = STATE_KEYS) -> Checkpoint:
     """`ckpt` with its state.json read, once the marker lists every file a checkpoint holds
-    (REQUIRED, and ADAPTER_FILES when state.json's config has model.lora), each a plain file
-    inside the folder (no link, no '..' or absolute name) of the size and SHA-256 listed,
+    (REQUIRED, ADAPTER_FILES when state.json's config has model.lora, REFERENCE_CONFIG with
+    REFERENCE_ADAPTER), each a plain file inside the folder (no link, no '..' or absolute
+    name) of the size (compared first: another size is not read) and SHA-256 listed,
     state.json holds `keys` and its step is the folder's; anything else stops here in one
     line (`ConfigError`)."""
     def corrupt(why: str) -> ConfigError:
@@ -317,7 +321,9 @@ def verify(ckpt: Checkpoint, keys: tuple[str, ...] = STATE_KEYS) -> Checkpoint:
         if Path(name).is_absolute() or ".." in parts or not parts:
             raise corrupt(f"{MARKER} lists {name!r}, not a name inside the checkpoint")
         p = ckpt.path / name
-        got = _describe(p) if p.is_file() else None
+        # the size first: a file of another size is never read (it may be large, or sparse)
+        got = (None if not p.is_file() else {"size": p.stat().st_size} if
+               p.stat().st_size != want["size"] else _describe(p))
         if got != want:
             why = "is missing" if got is None else "does not match its size and SHA-256"
             raise corrupt(f"{name} {why} in {MARKER}")
@@ -333,6 +339,8 @@ def verify(ckpt: Checkpoint, keys: tuple[str, ...] = STATE_KEYS) -> Checkpoint:
     for name in ADAPTER_FILES if _lora(state) else ():
         if name not in files:
             raise corrupt(f"{MARKER} does not list {name} (the run has model.lora)")
+    if REFERENCE_ADAPTER in files and REFERENCE_CONFIG not in files:
+        raise corrupt(f"{MARKER} lists {REFERENCE_ADAPTER} but not {REFERENCE_CONFIG}")
     return Checkpoint(ckpt.path, ckpt.step, state, ckpt.marker)
 
 

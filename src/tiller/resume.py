@@ -33,7 +33,13 @@ from tiller.config import Config
 from tiller.config.base import TAGS
 from tiller.config.root import first_error
 from tiller.errors import ConfigError
-from tiller.files import folder_below, refuse_links, refuse_sqlite_links, remove_tree, write_file
+from tiller.files import (
+    folder_below,
+    open_append,
+    refuse_links,
+    refuse_sqlite_links,
+    remove_tree,
+)
 from tiller.models import resolve_model_path
 from tiller.observe.steps import check_recorder_state
 from tiller.plugins import load_env_class
@@ -117,24 +123,30 @@ def check_resume(cfg: Config, ckpt: Checkpoint, run_dir: Path) -> list[str]:
 
 # state.json's fields (`save_rl`) and the JSON types a resume reads them as
 STATE_TYPES: dict[str, type | tuple[type, ...]] = {
-    "step": int, "trainer_version": int, "engine_version": int, "rng": dict, "holds": list,
-    "tensors": list, "manager": dict, "curriculum": (dict, type(None)), "recorder": dict,
-    "idle_steps": int, "metrics_bytes": int, "summary": dict, "config": dict,
-    "base": (str, type(None))}
+    "step": int, "trainer_version": int, "rng": dict, "holds": list, "tensors": list,
+    "manager": dict, "curriculum": (dict, type(None)), "recorder": dict, "idle_steps": int,
+    "metrics_bytes": int, "summary": dict, "config": dict, "base": (str, type(None))}
 
 
 def check_state_shape(ckpt: Checkpoint) -> None:
     """`ckpt`'s state.json of the shape a resume reads (its hashes say the checkpoint is
     whole, not that a hand-edited one is tiller's), before any of it is used: each field of
-    its JSON type (`STATE_TYPES`), trainer.pt's parts a list of names, the RNG states (each
-    trainer rank's) put into throwaway generators (`check_rng_state`), the step recorder's
-    counters of their types (`check_recorder_state`); the manager's and the curriculum's
-    state are `check_stream`'s. One line naming the first field that is not."""
+    its JSON type (`STATE_TYPES`) and no other field (a field this tiller does not write:
+    state.json's fields are pinned to the format, `FORMAT_VERSION`), metrics_bytes not
+    negative (the cut of metrics.jsonl keeps that many bytes), trainer.pt's parts a list of
+    names, the RNG states (each trainer rank's) put into throwaway generators
+    (`check_rng_state`), the step recorder's counters of their types
+    (`check_recorder_state`); the manager's and the curriculum's state are
+    `check_stream`'s. One line naming the first field that is not."""
     state = ckpt.state
     try:
         for key, kind in STATE_TYPES.items():
             if not isinstance(state[key], kind) or (kind is int and type(state[key]) is bool):
                 raise TypeError(f"{key} is a {type(state[key]).__name__}")
+        if other := sorted(set(state) - set(STATE_TYPES)):
+            raise ValueError(f"{other[0]} is not a field this tiller writes")
+        if state["metrics_bytes"] < 0:
+            raise ValueError(f"metrics_bytes is {state['metrics_bytes']}, below 0")
         if not all(isinstance(name, str) for name in state["tensors"]):
             raise TypeError("tensors is not a list of names")
         ranks = state["rng"].get("ranks", [])
@@ -329,8 +341,7 @@ def save_rl(run: Any, learner: Any, rollouts: RolloutManager, record: StepRecord
                  "ledger", "step counters", "metrics position"]
         # the rows so far on disk before their length is: the checkpoint is fsynced, and a
         # resume after a power loss needs metrics.jsonl at least this long
-        return {"step": step, "trainer_version": run.trainer.version,
-                "engine_version": run.engine.version, "rng": py, "holds": holds,
+        return {"step": step, "trainer_version": run.trainer.version, "rng": py, "holds": holds,
                 "tensors": sorted(saved), "manager": manager, "curriculum": drawing,
                 "recorder": record.state(),
                 "idle_steps": idle_steps, "metrics_bytes": run.logger.synced_size(),
@@ -437,23 +448,26 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def prepare_run_dir(run_dir: Path, ckpt: Checkpoint) -> dict[str, int]:
     """Before a resumed run opens its sinks, once `check_resume` passed: metrics.jsonl cut
-    back to the checkpoint's length (the rows after it, of steps the resumed run redoes, moved
-    to metrics.discarded.jsonl), the traces of those steps deleted, and temporary folders of
-    checkpoints cut short removed. What was moved or deleted, by kind."""
+    back to the checkpoint's length (the rows after it, of steps the resumed run redoes,
+    appended to metrics.discarded.jsonl), the traces of those steps deleted, and temporary
+    folders of checkpoints cut short removed. What was moved or deleted, by kind. Only the
+    rows past the checkpoint are read (the run's rows before them never are)."""
     run_dir = Path(run_dir)
     done = {"metrics_rows_discarded": 0, "trace_episodes_deleted": 0, "temp_removed": 0}
     metrics, length = run_dir / "metrics.jsonl", ckpt.state["metrics_bytes"]
-    data = metrics.read_bytes() if metrics.is_file() else b""
-    if len(data) > length:
-        tail = data[length:]
+    if metrics.is_file() and metrics.stat().st_size > length:
+        with metrics.open("rb") as f:
+            f.seek(length)
+            tail = f.read()
         done["metrics_rows_discarded"] = tail.count(b"\n")
-        old = run_dir / "metrics.discarded.jsonl"
-        kept = old.read_bytes() if old.is_file() else b""
-        # a resume killed after this write, before the cut below, wrote this tail already (its
-        # rows carry their times: another run's tail is never the same bytes)
-        if not kept.endswith(tail):
-            write_file(old, kept + tail, root=run_dir)
-        write_file(metrics, data[:length], root=run_dir)
+        _discard(run_dir / "metrics.discarded.jsonl", tail, run_dir)
+        # in place, one truncate(2) (check_no_links: no link in the folder)
+        fd = os.open(metrics, os.O_WRONLY | os.O_NOFOLLOW)
+        try:
+            os.ftruncate(fd, length)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     traces = run_dir / "traces.sqlite"
     if traces.is_file():
         done["trace_episodes_deleted"] = _cut_traces(traces, ckpt)
@@ -461,6 +475,24 @@ def prepare_run_dir(run_dir: Path, ckpt: Checkpoint) -> dict[str, int]:
         remove_tree(tmp)
         done["temp_removed"] += 1
     return done
+
+
+def _discard(path: Path, tail: bytes, run_dir: Path) -> None:
+    """`tail` (metrics.jsonl's rows past the checkpoint) appended to `path` and fsynced. A
+    resume killed before its cut of metrics.jsonl appended this tail already, whole or its
+    first rows: only the rest is appended. Only the last len(tail) bytes of `path` are read;
+    rows carry their times, so another run's rows are never the same bytes."""
+    size = path.stat().st_size if path.is_file() else 0
+    with open_append(path, root=run_dir) as f:
+        with path.open("rb") as old:
+            old.seek(max(0, size - len(tail)))
+            end = old.read(len(tail))
+        # where this tail's first rows may start: at a row's start in `end`, or past its end
+        starts = [0, *(i + 1 for i, byte in enumerate(end) if byte == 0x0A), len(end)]
+        at = next(i for i in starts if tail.startswith(memoryview(end)[i:]))
+        f.buffer.write(tail[len(end) - at:])
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _cut_traces(path: Path, ckpt: Checkpoint) -> int:

@@ -28,6 +28,11 @@ from typing import Any
 from tiller.envs.base import Task
 from tiller.errors import ConfigError
 
+# what `manager_state` gives (a checkpoint's state.json holds it): pinned, with
+# `checkpoints.STATE_KEYS`, to the checkpoint format (tests/test_checkpoints.py)
+MANAGER_KEYS = ("pulled", "draw_ids", "open_tasks", "open_groups", "ledger", "next_unit",
+                "steps_trained", "slots", "max_ahead", "draws", "refills")
+
 # `m` below is a `rollout.manager.RolloutManager` (which imports this module): its private
 # state is read and restored here, between steps, under its lock
 
@@ -92,8 +97,13 @@ def resumed_tasks(stream: Iterator[Task], state: dict[str, Any], restored: bool
 def check_state(state: Any, where: str) -> None:
     """`state` (a checkpoint's, as its state.json gives it) is of the shape `restore_manager`
     and `resumed_tasks` read, before any work: one line saying what is not otherwise (the
-    checkpoint's hashes say it is whole, not that a hand-edited one is tiller's)."""
+    checkpoint's hashes say it is whole, not that a hand-edited one is tiller's): its fields
+    MANAGER_KEYS, no other, and the open groups (tag, task id, draw) triples, which the cut of
+    traces.sqlite reads."""
     try:
+        if other := sorted(set(state) ^ set(MANAGER_KEYS)):
+            raise ValueError(f"{other[0]} is {'not a field' if other[0] in state else 'missing'}"
+                             f" (its fields: {', '.join(MANAGER_KEYS)})")
         for key in ("pulled", "next_unit", "slots", "steps_trained", "max_ahead"):
             if type(state[key]) is not int:
                 raise TypeError(f"{key} is a {type(state[key]).__name__}, not an int")
@@ -104,6 +114,10 @@ def check_state(state: Any, where: str) -> None:
             raise TypeError("ledger or draws holds a count that is not an int")
         for t in state["open_tasks"]:
             Task(**t)
+        for tag, task_id, draw in state["open_groups"]:
+            if not (isinstance(tag, list) and isinstance(task_id, str) and type(draw) is int):
+                raise TypeError(f"open_groups holds {[tag, task_id, draw]!r}, not a (tag, "
+                                f"task id, draw) triple")
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ConfigError(f"{where} is corrupt: its state.json's manager state does not fit "
                           f"({type(e).__name__}: {e}); move it away to resume from an older "

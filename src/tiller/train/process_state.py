@@ -4,6 +4,7 @@ below `tiller.checkpoints`, so that trainer ranks (`train.distributed`) use them
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import sys
@@ -12,6 +13,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
 
 # Test hook (tests/test_resume.py), not a setting: "PHASE:SECONDS" makes each checkpoint write
 # (or RL step) sleep SECONDS at PHASE, saying so on stderr, so a test can SIGKILL the run (or a
@@ -69,10 +72,22 @@ def check_rng_state(py: dict[str, Any]) -> None:
 
 
 def set_rng_state(py: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """`rng_state`'s states put back into this process's generators. The CUDA generators are
+    put back device by device, as many as both this machine and the checkpoint have; when
+    their counts differ (a CPU checkpoint resumed on CUDA, or the other way, or another number
+    of GPUs) a warning says so in one line: the generators without a state keep their own, so
+    what draws from them is not the checkpointed run's."""
     random.setstate(_python_state(py))
     np.random.set_state(_numpy_state(py))
     torch.set_rng_state(tensors["torch"])
-    cuda = [tensors[f"cuda{i}"] for i in range(torch.cuda.device_count()) if f"cuda{i}" in tensors]
+    saved = sum(1 for k in tensors if k.startswith("cuda"))
+    here = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if saved != here:
+        log.warning("--resume: the checkpoint holds the RNG states of %d CUDA devices, this "
+                    "process sees %d: the CUDA generators of the first %d are put back, the "
+                    "rest keep their own (what draws from them is not the checkpointed run's)",
+                    saved, here, min(saved, here))
+    cuda = [tensors[f"cuda{i}"] for i in range(here) if f"cuda{i}" in tensors]
     if cuda:
         torch.cuda.set_rng_state_all(cuda)
 
