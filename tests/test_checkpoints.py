@@ -34,7 +34,7 @@ from tiller.checkpoints import (
 )
 from tiller.errors import ConfigError
 from tiller.observe.metrics import MetricsLogger
-from tiller.resume import prepare_run_dir
+from tiller.resume import MAX_TAIL_BYTES, check_metrics_cut, check_no_links, prepare_run_dir
 from tiller.rollout.resume import MANAGER_KEYS, check_drawn, check_state
 from tiller.train.process_state import PAUSE_ENV, rng_state, set_rng_state
 
@@ -354,6 +354,40 @@ def test_a_resume_killed_while_cutting_the_run_folder_discards_each_row_once(tmp
         metrics.write_text("".join(rows[:2]) + "".join(again))
 
 
+def test_a_run_folder_a_resume_would_block_on_or_cut_twice_is_refused_first(tmp_path):
+    """Review s10 N1, N3, N4, N5: a FIFO in the run folder (a resume's open of it would block
+    for ever) and a metrics.jsonl with another name (a hard link: the cut in place would cut
+    the other file too) are refused in one line; so are a checkpoint length inside a row and
+    a tail past MAX_TAIL_BYTES. A torn last row of metrics.discarded.jsonl (not this tail's)
+    is ended before the tail is appended, so each row stays a line."""
+    rows = [json.dumps({"step": i, "time": 1000.0 + i}) + "\n" for i in range(3)]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(rows))
+    kept = len(rows[0])
+    ckpt = Checkpoint(tmp_path, 1, {"metrics_bytes": kept, "manager": {"open_groups": []}}, {})
+    (tmp_path / "checkpoints").mkdir()
+    check_no_links(tmp_path)
+    check_metrics_cut(metrics, ckpt)
+    os.mkfifo(tmp_path / "metrics.discarded.jsonl")
+    one_line_error("metrics.discarded.jsonl is neither a folder nor a regular file",
+                   check_no_links, tmp_path)
+    (tmp_path / "metrics.discarded.jsonl").unlink()
+    os.link(metrics, tmp_path / "backup.jsonl")
+    one_line_error("metrics.jsonl has 2 names (a hard link)", check_no_links, tmp_path)
+    (tmp_path / "backup.jsonl").unlink()
+    torn = Checkpoint(tmp_path, 1, {**ckpt.state, "metrics_bytes": kept - 3}, {})
+    one_line_error("ends inside a row", check_metrics_cut, metrics, torn)
+    with metrics.open("ab") as f:
+        f.truncate(kept + MAX_TAIL_BYTES + 1)
+    one_line_error("more than a run writes", check_metrics_cut, metrics, ckpt)
+    metrics.write_text("".join(rows))
+    discarded = tmp_path / "metrics.discarded.jsonl"
+    discarded.write_text('{"step": 9, "ti')  # an earlier row torn by a full disk
+    prepare_run_dir(tmp_path, ckpt)
+    assert discarded.read_text() == '{"step": 9, "ti\n' + "".join(rows[1:])
+    assert metrics.read_text() == rows[0]
+
+
 MANAGER = {"pulled": 2, "next_unit": 1, "slots": 0, "steps_trained": 1, "max_ahead": 1,
            "draw_ids": ["a", "b"], "open_tasks": [], "open_groups": [], "ledger": {"x": 1},
            "draws": [[[0], "a", 1]], "refills": []}
@@ -369,8 +403,10 @@ MANAGER = {"pulled": 2, "next_unit": 1, "slots": 0, "steps_trained": 1, "max_ahe
     ({"open_groups": 5}, "TypeError: 'int' object is not iterable"),
     ({"open_groups": [[[0], "a"]]}, "ValueError: not enough values to unpack"),
     ({"open_groups": [[0, "a", 1]]}, "TypeError: open_groups holds [0, 'a', 1], not a (tag, "
-                                     "task id, draw) triple"),
+                                     "task id, draw in [0, 2**63)) triple"),
     ({"open_groups": [[[0], "a", "1"]]}, "TypeError: open_groups holds [[0], 'a', '1']"),
+    # review s10 N3: SQLite's integers are 64-bit (the cut of traces.sqlite failed past the cut)
+    ({"open_groups": [[[0], "a", 2**70]]}, f"TypeError: open_groups holds [[0], 'a', {2**70}]"),
     ({"extra": 1}, "ValueError: extra is not a field (its fields: pulled, "),
 ])
 def test_a_manager_state_of_another_shape_is_one_line(edit, match):

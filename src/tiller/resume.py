@@ -11,6 +11,7 @@ import itertools
 import json
 import logging
 import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -112,13 +113,35 @@ def check_resume(cfg: Config, ckpt: Checkpoint, run_dir: Path) -> list[str]:
     check_base(cfg, ckpt)
     check_stream(cfg, ckpt)
     check_tensors(cfg, ckpt, ckpt.state["tensors"])
-    metrics, length = run_dir / "metrics.jsonl", ckpt.state["metrics_bytes"]
+    check_no_links(run_dir)
+    check_metrics_cut(run_dir / "metrics.jsonl", ckpt)
+    return changes
+
+
+# the most of metrics.jsonl past a checkpoint a resume moves to metrics.discarded.jsonl (it
+# reads them whole): thousands of steps' rows; more is a folder that is not a run's
+MAX_TAIL_BYTES = 64 << 20
+
+
+def check_metrics_cut(metrics: Path, ckpt: Checkpoint) -> None:
+    """One line unless metrics.jsonl can be cut back to the checkpoint's length: not shorter
+    than it, the cut at a row's end, at most `MAX_TAIL_BYTES` past it."""
+    length = ckpt.state["metrics_bytes"]
     size = metrics.stat().st_size if metrics.is_file() else 0
     if size < length:
         raise ConfigError(f"--resume: {metrics} is shorter ({size} bytes) than when "
                           f"checkpoint {ckpt.path.name} was written ({length} bytes)")
-    check_no_links(run_dir)
-    return changes
+    if size - length > MAX_TAIL_BYTES:
+        raise ConfigError(f"--resume: {metrics} holds {size - length} bytes past checkpoint "
+                          f"{ckpt.path.name}, more than a run writes ({MAX_TAIL_BYTES} at "
+                          f"most): it is not this run's")
+    if length:
+        with metrics.open("rb") as f:
+            f.seek(length - 1)
+            if f.read(1) != b"\n":
+                raise ConfigError(f"--resume: checkpoint {ckpt.path.name}'s length of {metrics} "
+                                  f"({length} bytes) ends inside a row: the checkpoint is not "
+                                  f"this metrics.jsonl's")
 
 
 # state.json's fields (`save_rl`) and the JSON types a resume reads them as
@@ -279,13 +302,28 @@ def check_tensors(cfg: Config, ckpt: Checkpoint, names: list[str]) -> None:
                           f"{'on' if critic else 'off'})")
 
 
+# the files a resume writes in place (cut, appended to): one name each
+IN_PLACE = ("metrics.jsonl", "metrics.discarded.jsonl", "traces.sqlite")
+
+
 def check_no_links(run_dir: Path) -> None:
-    """One line for the first symbolic link in the run folder (a resume rewrites and deletes
-    in it: nothing may be reached through a link). W&B's own folder is not looked into (W&B
-    keeps a `latest-run` link there; `MetricsLogger` refuses the folder itself as a link)."""
+    """One line for the first symbolic link, or entry that is neither a folder nor a regular
+    file (a FIFO would block the resume's open), in the run folder, or a file the resume
+    writes in place (`IN_PLACE`) with another name (a hard link: its cut would cut the
+    other name's file too). A resume rewrites and deletes in the folder: nothing may be
+    reached through a link. W&B's own folder is not looked into (W&B keeps a `latest-run`
+    link there; `MetricsLogger` refuses the folder itself as a link)."""
     for top, dirs, files in os.walk(run_dir):
         for name in [*dirs, *files]:
-            refuse_links(Path(top) / name)
+            path = Path(top) / name
+            refuse_links(path)
+            st = path.lstat()
+            if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+                raise ConfigError(f"--resume: {path} is neither a folder nor a regular file; "
+                                  f"a run folder holds only those: remove it")
+            if Path(top) == Path(run_dir) and name in IN_PLACE and st.st_nlink > 1:
+                raise ConfigError(f"--resume: {path} has {st.st_nlink} names (a hard link); "
+                                  f"a resume cuts it in place: copy it to one of its own")
         if Path(top) == Path(run_dir):
             dirs[:] = [d for d in dirs if d != "wandb"]
 
@@ -461,7 +499,7 @@ def prepare_run_dir(run_dir: Path, ckpt: Checkpoint) -> dict[str, int]:
             tail = f.read()
         done["metrics_rows_discarded"] = tail.count(b"\n")
         _discard(run_dir / "metrics.discarded.jsonl", tail, run_dir)
-        # in place, one truncate(2) (check_no_links: no link in the folder)
+        # in place, one truncate(2) (check_no_links: no link in the folder, no other name)
         fd = os.open(metrics, os.O_WRONLY | os.O_NOFOLLOW)
         try:
             os.ftruncate(fd, length)
@@ -490,6 +528,8 @@ def _discard(path: Path, tail: bytes, run_dir: Path) -> None:
         # where this tail's first rows may start: at a row's start in `end`, or past its end
         starts = [0, *(i + 1 for i, byte in enumerate(end) if byte == 0x0A), len(end)]
         at = next(i for i in starts if tail.startswith(memoryview(end)[i:]))
+        if at == len(end) and end and not end.endswith(b"\n"):
+            f.buffer.write(b"\n")  # a torn last row (not this tail's) ends before this tail
         f.buffer.write(tail[len(end) - at:])
         f.flush()
         os.fsync(f.fileno())

@@ -115,9 +115,10 @@ def check_state(state: Any, where: str) -> None:
         for t in state["open_tasks"]:
             Task(**t)
         for tag, task_id, draw in state["open_groups"]:
-            if not (isinstance(tag, list) and isinstance(task_id, str) and type(draw) is int):
+            if not (isinstance(tag, list) and isinstance(task_id, str) and type(draw) is int
+                    and 0 <= draw < 2**63):
                 raise TypeError(f"open_groups holds {[tag, task_id, draw]!r}, not a (tag, "
-                                f"task id, draw) triple")
+                                f"task id, draw in [0, 2**63)) triple")
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ConfigError(f"{where} is corrupt: its state.json's manager state does not fit "
                           f"({type(e).__name__}: {e}); move it away to resume from an older "
