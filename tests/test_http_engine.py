@@ -35,6 +35,7 @@ from tiller.engine.factory import connect
 from tiller.engine.http import HttpEngine, ServerDown
 from tiller.engine.sglang import SglangDialect
 from tiller.engine.updates import WeightUpdate
+from tiller.engine.wire import error_text, short
 from tiller.envs import ENVS
 from tiller.errors import ConfigError, RunError
 from tiller.models import load_model
@@ -684,6 +685,15 @@ def test_a_refusal_names_the_servers_own_message_past_a_long_path(tmp_path):
         assert str(e.value).startswith(
             f"server {url(srvs[0])}: /update_weights_from_disk answered HTTP 400: cannot load ")
         assert str(e.value).endswith(reason) and '{"' not in str(e.value)
+
+
+def test_an_error_body_of_any_shape_is_one_printable_line():
+    """Review s10 F3: a body nested past the JSON parser's depth, an empty message and a
+    terminal escape in a server's text each still give one printable line."""
+    assert error_text("[" * 100_000) == "[" * 600 + "..."
+    assert error_text('{"message": " "}') == '{"message": " "}'
+    assert error_text("bad \x1b[31mred\x07 \u00e9") == "bad \\x1b[31mred\\x07 \u00e9"
+    assert short("a\n\tb\x00") == "a b\\x00"
 
 
 @pytest.mark.integration

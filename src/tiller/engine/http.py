@@ -174,6 +174,9 @@ class HttpEngine:
             return json.loads(data)
         except ValueError:
             return text
+        except RecursionError as e:
+            raise RunError(f"server {server.url}: {path} answered JSON nested past the "
+                           f"parser's depth: {short(text)}") from e
 
     def _mark_down(self, server: Server, error: str) -> None:
         if not server.down:

@@ -34,10 +34,11 @@ _BRIEF.maxstring, _BRIEF.maxother, _BRIEF.maxlong = 120, 120, 40
 
 
 def short(text: Any, n: int = 200) -> str:
-    """`text` on one line (whitespace runs made one space), cut to `n` characters; a value
+    """`text` on one line (whitespace runs made one space, other unprintable characters
+    escaped: a server's text never drives the terminal), cut to `n` characters; a value
     other than a string is shown by a repr cut as it is built (`_BRIEF`)."""
     text = text[:4 * n] if isinstance(text, str) else _BRIEF.repr(text)
-    text = " ".join(text.split())
+    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in " ".join(text.split()))
     return text if len(text) <= n else text[:n] + "..."
 
 
@@ -48,12 +49,12 @@ def error_text(text: str, n: int = 600) -> str:
     the file paths it names."""
     try:
         body = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         return short(text, n)
     inner = body.get("error", body) if isinstance(body, dict) else None
     if isinstance(inner, dict):
         for key in ("message", "detail"):
-            if isinstance(inner.get(key), str):
+            if isinstance(inner.get(key), str) and inner[key].strip():
                 return short(inner[key], n)
     return short(text, n)
 
