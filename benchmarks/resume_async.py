@@ -177,19 +177,20 @@ def ledger(run: Path) -> dict:
     return row
 
 
-def heldout(run: Path) -> dict:
-    return json.loads((run / "summary.json").read_text())["heldout_after_rl"]
+def heldout(run: Path, phase: str = "rl") -> dict:
+    return json.loads((run / "summary.json").read_text())[f"heldout_after_{phase}"]
 
 
 def table(rows: list[dict], inside: bool) -> str:
     lines = ["| run | RL steps | resumed from step | open groups then | tasks pulled | "
-             "drawn | skipped | duplicated | held-out success [95% CI] | tasks |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "drawn | skipped | duplicated | held-out success after SFT | after RL [95% CI] | "
+             "tasks |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in rows:
-        h, led = r["heldout"], r["ledger"]
+        h, led, sft = r["heldout"], r["ledger"], r["heldout_sft"]
         lines.append(f"| {r['run']} | {led['steps']} | {r.get('from_step', '-')} | "
                      f"{r.get('open_groups', '-')} | {led['pulled']} | {led['drawn']} | "
-                     f"{led['skipped']} | {led['duplicated']} | {h['success']:.3f} "
+                     f"{led['skipped']} | {led['duplicated']} | {sft['success']:.3f} | "
+                     f"{h['success']:.3f} "
                      f"[{h['ci_low']:.3f}, {h['ci_high']:.3f}] | {h['tasks']} |")
     ref, got = rows[0]["heldout"], rows[1]["heldout"]
     lines += ["", f"resumed success {got['success']:.3f} inside the uninterrupted run's CI "
@@ -214,8 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                                    args.kill_within_s)
     t2 = time.perf_counter()
     rows = [{"run": "uninterrupted", "heldout": heldout(whole), "ledger": ledger(whole),
-             "wall_s": t1 - t0},
+             "heldout_sft": heldout(whole, "sft"), "wall_s": t1 - t0},
             {"run": "killed + resumed", "heldout": heldout(out / "resumed"),
+             "heldout_sft": heldout(out / "resumed", "sft"),
              "ledger": ledger(out / "resumed"), "from_step": killed_at["step"],
              "open_groups": len(killed_at["manager"]["open_tasks"]), "wall_s": t2 - t1}]
     ref = rows[0]["heldout"]
