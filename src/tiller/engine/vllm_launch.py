@@ -118,9 +118,9 @@ def device_type(python: str, env: dict[str, str], *, timeout_s: float = PLATFORM
     where = f"; log {write_log(log, out, err)}" if log is not None and failed else ""
     if timed_out:
         raise RunError(f"engine.python {python}: importing vllm to ask its platform took more "
-                       f"than {bound:.3g} s (the least of {PLATFORM_CHECK_S:g} s and "
-                       f"engine.startup_timeout_s){where}; check that `{python} -c 'import "
-                       f"vllm'` runs, or raise engine.startup_timeout_s")
+                       f"than {bound:.3g} s (the least of {PLATFORM_CHECK_S:g} s and what "
+                       f"was left of engine.startup_timeout_s){where}; check that "
+                       f"`{python} -c 'import vllm'` runs, or raise engine.startup_timeout_s")
     if failed:
         raise RunError(f"engine.python {python} cannot tell vLLM's platform (exit "
                        f"{proc.returncode}): {lines[-1]}{where}; build the vLLM environment "
