@@ -18,9 +18,10 @@ Per cell (model x backend), fp32, temperature 1:
            multi-turn run replayed one at a time through a new engine of the same class on a
            null server that answers the run's median answer at once (`client_seconds`: body
            building and JSON, httpx, the thread hops, the answer's decoding and checks, plus
-           the loopback round trip: an upper bound). "client ms/req" is the median per call;
-           "client share" the sum over the run's calls over the multi-turn run's wall time
-           (the client work runs on the engine's one event-loop thread).
+           the loopback round trip: an estimate, not a bound, docs/engines.md says why).
+           "client ms/req" is the median per call; "client share" the sum over the run's
+           calls over the multi-turn run's wall time (the client work runs on the engine's
+           one event-loop thread).
   vs hf    the cell's tokens/s over HF's on the same model in this run.
 Weight sync (`--sync`, needs vllm in the backends): a full push into the vLLM server
 (`VllmEngine.update_weights`, benchmarks/vllm_sync.py's `push_times`) from a folder on disk and
@@ -175,7 +176,10 @@ def client_seconds(engine: HttpEngine, rec: Recorder, work: Path) -> list[float]
     engine of `engine`'s class on a null server that answers `rec.canned()` at once: tiller's
     own client work per request (building and encoding the body, httpx, the thread hops,
     decoding and checking the answer), plus the loopback round trip and the null server's
-    answer (so an upper bound). One warm-up call first, not counted."""
+    answer. An estimate, not a bound: the requests are the real ones, plus loopback and the
+    null server (more than the request side's cost), but every answer is the median one
+    (vLLM's grow turn by turn with `return_token_ids`: the later turns' answer side is timed
+    at less than its size). One warm-up call first, not counted."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "canned.json").write_bytes(rec.canned())
     proc = subprocess.Popen([sys.executable, "-c", NULL_SERVER, str(work / "canned.json")],

@@ -158,8 +158,13 @@ class VllmEngineConfig(EngineConfig):
         None, description="the Python of the vLLM environment managed servers run from; "
         "default .venv-vllm/bin/python in the tiller checkout (scripts/setup.sh builds it)")
     startup_timeout_s: float = Field(
-        300.0, gt=0, description="seconds managed servers may take to answer /health and a "
-        "one-token generate before the run fails naming the server and its log")
+        300.0, gt=0, description="seconds the start of managed servers may take in all, one "
+        "deadline for: asking engine.python for vLLM's platform (at most 120 s of it), under "
+        "weight_transfer shm checking for tiller's vLLM plugin (at most 60 s), saving the "
+        "model, the servers' answer to /health and a one-token generate on each (given at "
+        "least 1 s); under cluster.backend ray 60 s more for the server actors' own start. "
+        "What does not finish in what is left of it fails the run in one line naming what it "
+        "waited for (a server: its log)")
     kv_cache_bytes: int = Field(
         256 << 20, ge=1 << 20, description="bytes of KV cache each managed server allocates "
         "(--kv-cache-memory-bytes)")

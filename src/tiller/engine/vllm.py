@@ -501,11 +501,12 @@ def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, 
     them (`ManagedServers`: child processes of this one). `context`: the tokens one sequence
     of the run may take (default and at most the model's context), the managed servers'
     --max-model-len (their KV cache must hold one such sequence) and the least an attached
-    server must serve. Managed: vLLM's platform (`device_type`) and, under shm, the plugin
-    are asked within `cfg.startup_timeout_s` too. Each server is probed with a one-token
-    generate (start-up and probe within `cfg.startup_timeout_s` together when managed),
-    checked against the model, given `initial` and its logprobs mode checked
-    (`check_logprobs_mode`). Whatever fails closes what was started and is one error line."""
+    server must serve. Each server is probed with a one-token generate, checked against the
+    model, given `initial` and its logprobs mode checked (`check_logprobs_mode`). Managed, one
+    deadline `cfg.startup_timeout_s` holds vLLM's platform check (`device_type`), under shm
+    the plugin check, saving the model, the servers' start and the probe: each gets what is
+    left of it (the probe at least 1 s; review s10 F5). Attached, the probe gets
+    `cfg.request_timeout_s`. Whatever fails closes what was started and is one error line."""
     deadline = time.monotonic() + (cfg.request_timeout_s if cfg.urls else cfg.startup_timeout_s)
     shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
     api_key = cfg.api_key.get_secret_value() if cfg.api_key else \
@@ -546,7 +547,7 @@ def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, 
         model.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
         managed = launch(specs, log_dir=run_dir / "servers",
-                         startup_timeout_s=cfg.startup_timeout_s)
+                         startup_timeout_s=max(deadline - time.monotonic(), 1.0))
         urls = managed.start()
     try:
         engine = VllmEngine(urls, weights_dir=cfg.weights_dir or run_dir / "weights",

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import IO
 
 from tiller.config.engine import CPU_SETS, refused_flag
 from tiller.engine.servers import ServerSpec
@@ -85,42 +86,53 @@ def device_type(python: str, env: dict[str, str], *, timeout_s: float = PLATFORM
     the server's own, `server_env`): 'cpu' for the CPU build (scripts/setup.sh's), 'cuda' for
     a CUDA build on a GPU machine; what the servers started from it will run on. Asked once
     per process for each `python` and `env` (it imports vllm: seconds), in a process group of
-    its own, killed whole after min(`PLATFORM_CHECK_S`, `timeout_s`) seconds. A failure or
-    timeout is one RunError naming `python` and what to fix, and, with `log`, the file the
-    child's output was written to."""
+    its own, killed whole after min(`PLATFORM_CHECK_S`, `timeout_s`) seconds. Its output goes
+    to unnamed temporary files, not pipes, so that a process it started in a session of its
+    own, which the kill misses, cannot hold the check past that bound by keeping a pipe open
+    (review s10 F2); such a process is left running. A failure or timeout is one RunError
+    naming `python` and what to fix, and, with `log`, the file the child's output was written
+    to."""
     key = (python, tuple(sorted(env.items())))
     if key in _PLATFORMS:
         return _PLATFORMS[key]
     bound = min(PLATFORM_CHECK_S, timeout_s)
     code = "from vllm.platforms import current_platform as p; print(p.device_type)"
-    proc = subprocess.Popen([python, "-c", code], env={**os.environ, **env},
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=bound)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # its own group: vllm's helpers too
-        out, err = proc.communicate()
-        timed_out = True
-    except BaseException:  # Ctrl-C: nothing is left running
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise
+    with tempfile.TemporaryFile() as out_f, tempfile.TemporaryFile() as err_f:
+        proc = subprocess.Popen([python, "-c", code], env={**os.environ, **env},
+                                stdin=subprocess.DEVNULL, stdout=out_f, stderr=err_f,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=bound)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its own group: vllm's helpers too
+            proc.wait()  # the child itself, killed; no pipe to drain
+            timed_out = True
+        except BaseException:  # Ctrl-C: nothing is left running
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        out, err = read_all(out_f), read_all(err_f)
     words, lines = out.split(), err.strip().splitlines() or ["no output"]
     failed = timed_out or proc.returncode != 0 or not words
     where = f"; log {write_log(log, out, err)}" if log is not None and failed else ""
     if timed_out:
         raise RunError(f"engine.python {python}: importing vllm to ask its platform took more "
-                       f"than {bound:.3g} s (the least of {PLATFORM_CHECK_S:g} s and "
-                       f"engine.startup_timeout_s){where}; check that `{python} -c 'import "
-                       f"vllm'` runs, or raise engine.startup_timeout_s")
+                       f"than {bound:.3g} s (the least of {PLATFORM_CHECK_S:g} s and what "
+                       f"was left of engine.startup_timeout_s){where}; check that "
+                       f"`{python} -c 'import vllm'` runs, or raise engine.startup_timeout_s")
     if failed:
         raise RunError(f"engine.python {python} cannot tell vLLM's platform (exit "
                        f"{proc.returncode}): {lines[-1]}{where}; build the vLLM environment "
                        f"with `bash scripts/setup.sh`")
     _PLATFORMS[key] = words[-1]
     return words[-1]
+
+
+def read_all(f: IO[bytes]) -> str:
+    """What was written to the temporary file `f`, decoded (undecodable bytes replaced)."""
+    f.seek(0)
+    return f.read().decode(errors="replace")
 
 
 def write_log(path: Path, out: str, err: str) -> Path:
