@@ -274,7 +274,8 @@ def connect(address: str) -> None:
     (one try, `gcs_tries`: about 35 s against an address that never answers; more where the
     user set GCS_TRIES_ENV), and a connection it makes then it undoes itself, so it never
     leaves the process connected (logged; `given_up` counts them).
-    What `ray.init` connected or set up before Ctrl-C or SIGTERM the run undoes."""
+    What `ray.init` connected or set up before Ctrl-C or SIGTERM, or before its error, the run
+    undoes: the process is connected only when this returns."""
     import ray
 
     attempt = _Connecting(address)
@@ -293,6 +294,7 @@ def connect(address: str) -> None:
                        f"{address!r} did not finish within {ADDRESS_TIMEOUT_S:g} s (it "
                        f"answered the probe before the run started)")
     if attempt.error is not None:
+        ray.shutdown()  # what the failed ray.init set up
         raise attempt.error
 
 
@@ -315,6 +317,9 @@ class RayCluster:
         self.cfg, self.run_dir = cfg, run_dir
         self.temp_dir: str | None = None
         self.reaper: subprocess.Popen | None = None
+        # `connect` did not return: what it leaves is undone by it or by its thread, so `close`
+        # calls no ray.shutdown() that could run beside the thread's ray.init
+        self.connecting = False
 
     def start(self) -> RayCluster:
         """Connect, or start the local instance (and its guard); a start that fails stops
@@ -331,7 +336,9 @@ class RayCluster:
         c = self.cfg.cluster
         t0 = time.perf_counter()
         if c.address is not None:
+            self.connecting = True
             connect(c.address)  # its CPUs checked before any work
+            self.connecting = False
         else:
             # a short folder: Ray's sockets live below it (a run folder's path may be too long)
             self.temp_dir = tempfile.mkdtemp(prefix="tiller-ray-")
@@ -357,7 +364,8 @@ class RayCluster:
         import ray
 
         try:
-            ray.shutdown()
+            if not self.connecting:
+                ray.shutdown()
         finally:
             try:
                 if self.temp_dir is not None:
