@@ -268,6 +268,43 @@ def test_ctrl_c_while_the_run_connects_acts_at_once_and_its_thread_ends(silent_p
     connecting_thread_ended(done.stderr, silent_port)
 
 
+LATE = """
+import logging, os, sys, threading, time
+import ray
+from tiller.errors import RunError
+from tiller.rollout import cluster
+logging.basicConfig(level=logging.INFO)
+cluster.ADDRESS_TIMEOUT_S = 0.01
+t0 = time.monotonic()
+try:
+    cluster.connect(sys.argv[1])
+except RunError as e:
+    print(f"{time.monotonic() - t0:.1f}", flush=True)
+""" + LEFT_THREAD
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_connection_made_after_the_run_gave_up_is_undone_by_its_thread(head_node):
+    """A cluster that answers, slower than the run's limit (0.01 s here): the run fails at the
+    limit, and the thread, whose ray.init connects after that, disconnects itself and logs it,
+    leaving the process unconnected. In a child Python with RAY_AUTH_MODE=token (`ray start`'s
+    default; Ray reads it once per process)."""
+    address, _ = head_node
+    done = subprocess.run([sys.executable, "-c", LATE, address], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src"),
+                               "RAY_AUTH_MODE": "token"},
+                          capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    took, left = done.stdout.strip().splitlines()
+    assert float(took) < 0.01 + 2, took
+    assert left == "['MainThread'] False 1 False"
+    assert re.search(rf"ray: the thread connecting to cluster.address '{re.escape(address)}' "
+                     rf"connected \d+\.\ds after the run gave up; disconnected", done.stderr
+                     ), done.stderr[-3000:]
+
+
 def test_the_address_probed_is_the_one_ray_dials(tmp_path):
     """127.0.0.1:PORT is dialled by Ray at this node's IP: a listener on loopback only does not
     make the address answer."""
