@@ -280,7 +280,11 @@ def connect(address: str) -> None:
 
     attempt = _Connecting(address)
     gcs_tries(True)
-    attempt.thread.start()
+    try:
+        attempt.thread.start()
+    except BaseException:
+        gcs_tries(False)
+        raise
     interrupted = True
     try:
         attempt.thread.join(ADDRESS_TIMEOUT_S)
