@@ -489,9 +489,15 @@ def test_a_worker_that_does_not_answer_a_metrics_call_is_counted_and_the_run_goe
     process) while the run reads the step metrics (`tool_stats`, `stats`; their wait shortened
     to 2 s): each call returns what worker 0 answered (for the engine counters, worker 1's last
     answer stands in), worker 1 is named in the log and counted in `unanswered`, and nothing
-    raises. Once it runs again, both answer."""
+    raises. Once it runs again, both answer, and the tool counts of worker 1's window before
+    it froze come with the next call (its late answer kept, not lost)."""
     from tiller.envs.calculator import CalculatorEnv
     from tiller.rollout import ray_rollouts
+    from tiller.tools.executor import ToolCounters
+    from tiller.tools.stack import merged_stats
+
+    def three_calls(w) -> None:  # worker 1's tool stack ran calculate 3 times
+        w.tools.executor.counters["calculate"] = ToolCounters(calls=3, ok=3)
 
     monkeypatch.setattr(ray_rollouts, "CLOSE_TIMEOUT_S", 2.0)
     cfg = load_config("configs/calculator.yaml", [
@@ -503,6 +509,7 @@ def test_a_worker_that_does_not_answer_a_metrics_call_is_counted_and_the_run_goe
         assert len(workers.tool_stats()) == 2 and workers.unanswered == 0
         pid = local_ray.get(workers.workers[1].__ray_call__.remote(lambda _: os.getpid()),
                             timeout=60)
+        local_ray.get(workers.workers[1].__ray_call__.remote(three_calls), timeout=60)
         os.kill(pid, signal.SIGSTOP)
         try:
             with caplog.at_level("ERROR", logger="tiller.rollout.ray_rollouts"):
@@ -518,7 +525,9 @@ def test_a_worker_that_does_not_answer_a_metrics_call_is_counted_and_the_run_goe
         assert [r.getMessage() for r in caplog.records] == [
             "ray: rollout worker 1 did not answer its tool stats within 2s (1 unanswered)",
             "ray: rollout worker 1 did not answer its stats within 2s (2 unanswered)"]
-        assert len(workers.tool_stats()) == 2 and workers.unanswered == 2  # it answers again
+        tools = workers.tool_stats()  # it answers again, the late call first
+        assert len(tools) == 3 and workers.unanswered == 2 and workers.late_tools == []
+        assert merged_stats(tools)["tool_calls/calculate"] == 3.0
     finally:
         workers.close()
     assert left_on_ray(local_ray) == ([], [])

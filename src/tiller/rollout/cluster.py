@@ -4,7 +4,6 @@ and stopped with it. Every bad input says so in one line before any work."""
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import json
 import logging
@@ -31,10 +30,6 @@ CONNECT_TIMEOUT_S = 5.0  # an address that does not accept a TCP connection by t
 # connecting to cluster.address and reading its free resources, a child Python's start and
 # Ray's import included (seconds on a loaded machine); and the run's own connection after it
 ADDRESS_TIMEOUT_S = 60.0
-# the end of the run's connecting thread once told to stop (`connect`): it ends when Ray's
-# attempt returns to Python, about 35 s against an address that never answers (5 s for the GCS,
-# 5 for its pubsub, then the cluster ID's wait; measured on a loaded 2-core machine)
-STOP_TIMEOUT_S = 60.0
 
 
 def rank_threads(cfg: Config) -> int:
@@ -180,66 +175,131 @@ def probe_address(address: str) -> dict[str, float]:
     return answer["free"]
 
 
-class Stopped(BaseException):
-    """Raised inside the thread of `connect` to end its `ray.init` (Python's asynchronous
-    exception, `PyThreadState_SetAsyncExc`, delivered at the thread's next Python line): a
-    BaseException, so Ray's retry loop, which takes an Exception for a failed try, lets it
-    through."""
+# Ray's tries at an address's GCS (`ray._private.node.Node._init_gcs_client`: 20 by default,
+# each about 35 s against an address that never answers, so minutes): one while the run
+# connects (`gcs_tries`), so that a thread the run gave up ends by itself. Unless the user set
+# it: then theirs bounds the thread.
+GCS_TRIES_ENV = "RAY_gcs_server_port_wait_time_s"
+_tries_lock = threading.Lock()
+_tries_users = 0  # connecting threads running under it
+_tries_before: str | None = None  # the variable's value before the first of them
+
+
+def gcs_tries(on: bool) -> None:
+    """Ray's GCS tries set to one (`on`, before a connecting thread starts) or restored (after
+    its `ray.init` returned), counted over the threads that run at once."""
+    global _tries_users, _tries_before
+    with _tries_lock:
+        if on:
+            if _tries_users == 0:
+                _tries_before = os.environ.get(GCS_TRIES_ENV)
+                os.environ.setdefault(GCS_TRIES_ENV, "1")
+            _tries_users += 1
+            return
+        _tries_users -= 1
+        if _tries_users == 0 and _tries_before is None:
+            os.environ.pop(GCS_TRIES_ENV, None)
+
+
+# the run's connecting threads that outlived the run's wait for them (`connect`): each ends by
+# itself when Ray's attempt returns (about 35 s against an address that never answers, 5 s for
+# the GCS, 5 for its pubsub, then the cluster ID's wait; measured on a loaded 2-core machine)
+# and disconnects what it connected; counted and logged
+given_up = 0
+
+
+class _Connecting:
+    """One `ray.init(address)` in a thread, and the run that waits for it: they share a lock
+    and two flags, `done` (the thread's, with its `error` or None) and `gave_up` (the run's).
+    Whichever comes second acts: the run goes on with (or, on Ctrl-C, undoes) a connection
+    that is done; the thread undoes the one it makes after the run gave up."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.lock = threading.Lock()
+        self.done, self.gave_up, self.error = False, False, None
+        self.gave_up_at = 0.0
+        self.thread = threading.Thread(target=self.init, name="tiller-ray-connect",
+                                       daemon=True)
+
+    def init(self) -> None:
+        import ray
+
+        error: BaseException | None = None
+        try:
+            ray.init(address=self.address, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+        except BaseException as e:  # raised in the run's thread (`connect`), or logged below
+            error = e
+        finally:
+            gcs_tries(False)
+        with self.lock:
+            self.done, self.error = True, error
+            if not self.gave_up:
+                return
+        ray.shutdown()  # what ray.init connected or set up before its error
+        late = time.monotonic() - self.gave_up_at
+        if error is None:
+            log.warning("ray: the thread connecting to cluster.address %r connected %.1fs "
+                        "after the run gave up; disconnected", self.address, late)
+        else:
+            log.warning("ray: the thread connecting to cluster.address %r ended %.1fs after "
+                        "the run gave up: %s: %s", self.address, late, type(error).__name__,
+                        str(error).splitlines()[0] if str(error) else "")
+
+    def give_up(self) -> bool:
+        """The run stops waiting: True when the thread had not finished (it undoes what it
+        connects later), False when it had (its connection or error is the run's)."""
+        global given_up
+        with self.lock:
+            if self.done:
+                return False
+            self.gave_up, self.gave_up_at = True, time.monotonic()
+        given_up += 1
+        log.warning("ray: the run gave up its connection to cluster.address %r; the thread "
+                    "connecting ends by itself when Ray's attempt returns and disconnects "
+                    "anything it connects (%d such thread(s) in this process)", self.address,
+                    given_up)
+        return True
 
 
 def connect(address: str) -> None:
     """The run's own connection to the cluster at `address` (`ray.init`), within
     ADDRESS_TIMEOUT_S.
     Ray retries a GCS that does not answer for minutes and acts on signals only between its
-    retries (`PROBE`), so `ray.init` runs in a thread this process waits for. At the limit,
-    or on Ctrl-C or SIGTERM, the thread is told to stop (`Stopped`): it connects nothing after
-    that, and a connection it made as it was told is undone. At the limit its end is awaited
-    (a cluster that stopped answering since its probe fails the run in one line naming the
-    address, and no thread is left); Ctrl-C and SIGTERM are acted on at once, the thread
-    ending by itself when Ray's attempt in progress returns to Python."""
+    retries (`PROBE`), so `ray.init` runs in a thread (`_Connecting`) this process waits for.
+    At the limit, or on Ctrl-C or SIGTERM, the run gives it up and raises at once (a cluster
+    that stopped answering since its probe fails the run in one line naming the address and the
+    limit). The thread is not stopped: it may live up to Ray's own attempt after the error
+    (one try, `gcs_tries`: about 35 s against an address that never answers; more where the
+    user set GCS_TRIES_ENV), and a connection it makes then it undoes itself, so it never
+    leaves the process connected (logged; `given_up` counts them).
+    What `ray.init` connected or set up before Ctrl-C or SIGTERM, or before its error, the run
+    undoes: the process is connected only when this returns."""
     import ray
 
-    lock = threading.Lock()
-    outcome: list[BaseException | None] = []  # the thread's: None (connected) or its error
-
-    def init() -> None:
-        try:
-            try:
-                ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                         configure_logging=False)
-                result = None
-            except BaseException as e:  # raised in the run's thread below
-                result = e
-            with lock:
-                outcome.append(result)
-        except Stopped:  # told as ray.init returned: the connection it made
-            ray.shutdown()
-
-    thread = threading.Thread(target=init, name="tiller-ray-connect", daemon=True)
-    thread.start()
+    attempt = _Connecting(address)
+    gcs_tries(True)
     try:
-        thread.join(ADDRESS_TIMEOUT_S)
+        attempt.thread.start()
+    except BaseException:
+        gcs_tries(False)
+        raise
+    interrupted = True
+    try:
+        attempt.thread.join(ADDRESS_TIMEOUT_S)
+        interrupted = False
     finally:  # the limit, Ctrl-C, SIGTERM
-        with lock:
-            told = not outcome
-            if told:
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
-                                                           ctypes.py_object(Stopped))
-    if told:
-        thread.join(STOP_TIMEOUT_S)
-        left = ""
-        if thread.is_alive():
-            log.error("ray: the thread connecting to cluster.address %r did not end within "
-                      "%gs of being told to stop; it is left running", address, STOP_TIMEOUT_S)
-            left = (f"; its connecting thread did not end within {STOP_TIMEOUT_S:g} s of "
-                    f"being told to stop and is left running")
-        else:
-            ray.shutdown()  # what ray.init had set up when it was stopped
+        gave_up = attempt.give_up()
+        if interrupted and not gave_up:
+            ray.shutdown()  # what ray.init connected or set up just before Ctrl-C or SIGTERM
+    if gave_up:
         raise RunError(f"ray: the run's connection to the cluster at cluster.address "
                        f"{address!r} did not finish within {ADDRESS_TIMEOUT_S:g} s (it "
-                       f"answered the probe before the run started){left}")
-    if outcome[0] is not None:
-        raise outcome[0]
+                       f"answered the probe before the run started)")
+    if attempt.error is not None:
+        ray.shutdown()  # what the failed ray.init set up
+        raise attempt.error
 
 
 def _too_many(cfg: Config, cpus: float, knob: str) -> str:
@@ -261,6 +321,9 @@ class RayCluster:
         self.cfg, self.run_dir = cfg, run_dir
         self.temp_dir: str | None = None
         self.reaper: subprocess.Popen | None = None
+        # `connect` did not return: what it leaves is undone by it or by its thread, so `close`
+        # calls no ray.shutdown() that could run beside the thread's ray.init
+        self.connecting = False
 
     def start(self) -> RayCluster:
         """Connect, or start the local instance (and its guard); a start that fails stops
@@ -277,7 +340,9 @@ class RayCluster:
         c = self.cfg.cluster
         t0 = time.perf_counter()
         if c.address is not None:
+            self.connecting = True
             connect(c.address)  # its CPUs checked before any work
+            self.connecting = False
         else:
             # a short folder: Ray's sockets live below it (a run folder's path may be too long)
             self.temp_dir = tempfile.mkdtemp(prefix="tiller-ray-")
@@ -303,7 +368,8 @@ class RayCluster:
         import ray
 
         try:
-            ray.shutdown()
+            if not self.connecting:
+                ray.shutdown()
         finally:
             try:
                 if self.temp_dir is not None:

@@ -89,6 +89,7 @@ class RayWorkers:
         self.version = 0
         self.unanswered = 0  # `gather` calls (stats, stop, close) a worker did not answer in time
         self.last_stats: dict[int, dict[str, float]] = {}  # each worker's last `stats` answer
+        self.late_tools: list[tuple[int, Any]] = []  # `tool_stats` calls not answered in time
         self.call_timeout_s, self.call_timeout_why = call_timeout(cfg)
         deadline = time.monotonic() + READY_TIMEOUT_S
         try:
@@ -241,12 +242,26 @@ class RayWorkers:
                 "workers_live": float(len(self.live)), "unanswered": float(self.unanswered)}
 
     def tool_stats(self) -> list[dict[str, float]]:
-        """Each live worker's tool counters since the last call (the RL episodes' tools run
+        """Each live worker's tool counters since its last answer (the RL episodes' tools run
         in the workers' tool stacks): `tools.stack.merged_stats` adds them up. A metric: a
         worker that does not answer within CLOSE_TIMEOUT_S is left out, logged and counted
-        (`gather`), and the run goes on."""
-        return list(self.gather("tool stats", lambda w: w.tool_stats.remote(),
-                                CLOSE_TIMEOUT_S).values())
+        (`gather`), and the run goes on. Its call still runs when the worker does (and starts
+        its next window), so it is kept (`late_tools`) and its answer, once there, joins a
+        later step's: no window's counts are lost, only reported late (those unanswered at
+        the end are logged by `close`)."""
+        late, self.late_tools = self.late_tools, []
+        answers = list(self.gather("tool stats", lambda w: w.tool_stats.remote(),
+                                   CLOSE_TIMEOUT_S, keep=self.late_tools).values())
+        done = finished([ref for _, ref in late], 0.0)  # a worker answers its calls in order
+        for i, ref in late:
+            if ref not in done:
+                self.late_tools.append((i, ref))
+                continue
+            try:
+                answers.append(self.ray.get(ref, timeout=0))
+            except self.ray.exceptions.RayActorError as e:  # its counts died with it
+                self.dead(i, e)
+        return answers
 
     def engine_stats(self, per: list[dict[str, float]]) -> dict[str, float]:
         """The live workers' engine counters summed (version: the oldest; none without an
@@ -256,13 +271,13 @@ class RayWorkers:
             out.update({k: v for k, v in s.items() if k != "version"})
         return {**out, **({"version": min(s["version"] for s in per)} if per else {})}
 
-    def gather(self, what: str, call: Callable[[Any], Any], timeout_s: float
-               ) -> dict[int, Any]:
+    def gather(self, what: str, call: Callable[[Any], Any], timeout_s: float,
+               keep: list[tuple[int, Any]] | None = None) -> dict[int, Any]:
         """`call(worker)` on every live worker where a missing answer must not stop the run
         (metrics, the end of RL or of the run): each answer by worker. A worker that died is
         marked dead, one that does not answer in time is logged, named, counted
-        (`unanswered`) and left out, and the rest still answer; one deadline of `timeout_s`
-        over them all."""
+        (`unanswered`) and left out (its call's ref added to `keep`, if given), and the rest
+        still answer; one deadline of `timeout_s` over them all."""
         refs = {i: call(self.workers[i]) for i in list(self.live)}
         done, out = finished(list(refs.values()), timeout_s), {}
         for i, ref in refs.items():
@@ -270,6 +285,8 @@ class RayWorkers:
                 self.unanswered += 1
                 log.error("ray: rollout worker %d did not answer its %s within %gs (%d "
                           "unanswered)", i, what, timeout_s, self.unanswered)
+                if keep is not None:
+                    keep.append((i, ref))
                 continue
             try:
                 out[i] = self.ray.get(ref, timeout=0)
@@ -279,6 +296,10 @@ class RayWorkers:
 
     def close(self) -> None:
         """Close every live worker's engine and tools, then end the actors and their group."""
+        if self.late_tools:
+            log.error("ray: %d tool stats call(s) of rollout worker(s) %s still unanswered at "
+                      "the end: their tool counts are not in any step's tools/*",
+                      len(self.late_tools), sorted({i for i, _ in self.late_tools}))
         try:
             self.gather("close", lambda w: w.close.remote(), CLOSE_TIMEOUT_S)
         finally:
