@@ -379,7 +379,8 @@ def test_a_run_folder_a_resume_would_block_on_or_cut_twice_is_refused_first(tmp_
     one_line_error("ends inside a row", check_metrics_cut, metrics, torn)
     with metrics.open("ab") as f:
         f.truncate(kept + MAX_TAIL_BYTES + 1)
-    one_line_error("more than a run writes", check_metrics_cut, metrics, ckpt)
+    one_line_error(f"move the rows past byte {kept} away by hand", check_metrics_cut,
+                   metrics, ckpt)
     metrics.write_text("".join(rows))
     discarded = tmp_path / "metrics.discarded.jsonl"
     discarded.write_text('{"step": 9, "ti')  # an earlier row torn by a full disk

@@ -201,7 +201,15 @@ try:
     c.start()
 except RunError as e:
     print(f"{time.monotonic() - t0:.1f}", e, flush=True)
-""" + LEFT_THREAD
+cluster.GIVEN_UP_WAIT_S = 0.5  # a second start at once: the given-up thread is still in ray.init
+try:
+    cluster.RayCluster(c.cfg, sys.argv[2]).start()
+except RunError as e:
+    print(e, flush=True)
+""" + LEFT_THREAD + """
+cluster.wait_given_up()  # ended: nothing to wait for
+print(len(cluster._given_up_threads), flush=True)
+"""
 
 
 def connecting_thread_ended(stderr: str, address: str) -> None:
@@ -222,12 +230,13 @@ def test_the_runs_own_connection_to_an_address_is_bounded(tmp_path, silent_port)
     run's `ray.init` (which Ray retries for minutes) fails the run at ADDRESS_TIMEOUT_S in one
     line naming the address and that limit. Its thread, given up, ends by itself when Ray's
     attempt returns (about 35 s against an address that never answers), logging it, and leaves
-    the process unconnected. In a child Python, so this one stays unconnected."""
+    the process unconnected; a Ray start in the process meanwhile waits for it. In a child
+    Python, so this one stays unconnected."""
     done = subprocess.run([sys.executable, "-c", CONNECT, silent_port, str(tmp_path)], cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
                           capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]
-    error, left = done.stdout.strip().splitlines()
+    error, again, left, waited_for = done.stdout.strip().splitlines()
     took, msg = error.split(" ", 1)
     assert 3.0 <= float(took) < 3.0 + 5, took  # the limit, not Ray's attempt
     assert msg == (f"ray: the run's connection to the cluster at cluster.address "
@@ -235,6 +244,12 @@ def test_the_runs_own_connection_to_an_address_is_bounded(tmp_path, silent_port)
                    f"the run started)")
     assert left == "['MainThread'] False 1 False"  # Ray's tries restored (`gcs_tries`)
     connecting_thread_ended(done.stderr, silent_port)
+    # review s10-final G1: a second Ray start in the process waits for the given-up thread
+    # (its ray.shutdown() would reach the new session), one line if it lives on past the wait
+    assert again == ("ray: a connection this process gave up earlier (tiller-ray-connect) is "
+                     "still inside ray.init after 0.5 s more; run again in a new process")
+    assert "waiting for the connection this process gave up earlier" in done.stderr
+    assert waited_for == "0"
 
 
 INTERRUPTED = """

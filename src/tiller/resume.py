@@ -133,8 +133,9 @@ def check_metrics_cut(metrics: Path, ckpt: Checkpoint) -> None:
                           f"checkpoint {ckpt.path.name} was written ({length} bytes)")
     if size - length > MAX_TAIL_BYTES:
         raise ConfigError(f"--resume: {metrics} holds {size - length} bytes past checkpoint "
-                          f"{ckpt.path.name}, more than a run writes ({MAX_TAIL_BYTES} at "
-                          f"most): it is not this run's")
+                          f"{ckpt.path.name}, more than a resume moves to "
+                          f"metrics.discarded.jsonl ({MAX_TAIL_BYTES} at most, read whole): "
+                          f"move the rows past byte {length} away by hand, then resume")
     if length:
         with metrics.open("rb") as f:
             f.seek(length - 1)
@@ -303,7 +304,8 @@ def check_tensors(cfg: Config, ckpt: Checkpoint, names: list[str]) -> None:
 
 
 # the files a resume writes in place (cut, appended to): one name each
-IN_PLACE = ("metrics.jsonl", "metrics.discarded.jsonl", "traces.sqlite")
+IN_PLACE = ("metrics.jsonl", "metrics.discarded.jsonl", "traces.sqlite",
+            "traces.sqlite-journal", "traces.sqlite-wal")
 
 
 def check_no_links(run_dir: Path) -> None:

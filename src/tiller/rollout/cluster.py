@@ -206,6 +206,28 @@ def gcs_tries(on: bool) -> None:
 # the GCS, 5 for its pubsub, then the cluster ID's wait; measured on a loaded 2-core machine)
 # and disconnects what it connected; counted and logged
 given_up = 0
+_given_up_threads: list[threading.Thread] = []  # those of them not yet seen to end
+# how long a later Ray start in this process waits for them (`wait_given_up`): their one GCS
+# try, with room on a loaded machine
+GIVEN_UP_WAIT_S = 90.0
+
+
+def wait_given_up() -> None:
+    """Before this process starts or connects Ray again (`RayCluster.start`, e.g. a second
+    `Trainer.train()` after a connection error): wait for the connecting threads it gave up
+    to end (their `ray.shutdown()` would act on the new session; their one-try GCS setting
+    would cut a local start's tries), at most GIVEN_UP_WAIT_S in all; one line if one lives on."""
+    deadline = time.monotonic() + GIVEN_UP_WAIT_S
+    for thread in list(_given_up_threads):
+        if thread.is_alive():
+            log.warning("ray: waiting for the connection this process gave up earlier (%s) "
+                        "to end before Ray starts again", thread.name)
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            raise RunError(f"ray: a connection this process gave up earlier ({thread.name}) "
+                           f"is still inside ray.init after {GIVEN_UP_WAIT_S:g} s more; run "
+                           f"again in a new process")
+        _given_up_threads.remove(thread)
 
 
 class _Connecting:
@@ -256,6 +278,7 @@ class _Connecting:
                 return False
             self.gave_up, self.gave_up_at = True, time.monotonic()
         given_up += 1
+        _given_up_threads.append(self.thread)
         log.warning("ray: the run gave up its connection to cluster.address %r; the thread "
                     "connecting ends by itself when Ray's attempt returns and disconnects "
                     "anything it connects (%d such thread(s) in this process)", self.address,
@@ -327,7 +350,9 @@ class RayCluster:
 
     def start(self) -> RayCluster:
         """Connect, or start the local instance (and its guard); a start that fails stops
-        what it started."""
+        what it started (nothing before a given-up connection ends: `wait_given_up`; its
+        error closes nothing, so no ray.shutdown() runs beside that thread's ray.init)."""
+        wait_given_up()
         try:
             return self._start()
         except BaseException:
