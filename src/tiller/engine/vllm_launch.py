@@ -16,6 +16,7 @@ from tiller.config.engine import CPU_SETS, refused_flag
 from tiller.engine.servers import ServerSpec
 from tiller.engine.vllm_shm import BACKEND as SHM_BACKEND
 from tiller.errors import ConfigError, RunError
+from tiller.files import write_file
 
 SERVED_NAME = "tiller"  # --served-model-name: the `model` of every request
 # the environment of a managed server: the RL endpoints, the model's worker in the engine
@@ -101,21 +102,22 @@ def device_type(python: str, env: dict[str, str], *, timeout_s: float = PLATFORM
         proc = subprocess.Popen([python, "-c", code], env={**os.environ, **env},
                                 stdin=subprocess.DEVNULL, stdout=out_f, stderr=err_f,
                                 start_new_session=True)
+        timed_out = False
         try:
             proc.wait(timeout=bound)
-            timed_out = False
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # its own group: vllm's helpers too
-            proc.wait()  # the child itself, killed; no pipe to drain
             timed_out = True
-        except BaseException:  # Ctrl-C: nothing is left running
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise
+        finally:  # past the bound, or Ctrl-C: nothing is left running
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # its own group: vllm's helpers too
+                proc.wait()  # the child itself, killed; no pipe to drain
         out, err = read_all(out_f), read_all(err_f)
     words, lines = out.split(), err.strip().splitlines() or ["no output"]
     failed = timed_out or proc.returncode != 0 or not words
-    where = f"; log {write_log(log, out, err)}" if log is not None and failed else ""
+    where = ""
+    if log is not None and failed:
+        written = write_file(log, f"--- stdout\n{out}--- stderr\n{err}", root=log.parent)
+        where = f"; log {written}"
     if timed_out:
         raise RunError(f"engine.python {python}: importing vllm to ask its platform took more "
                        f"than {bound:.3g} s (the least of {PLATFORM_CHECK_S:g} s and what "
@@ -134,12 +136,3 @@ def read_all(f: IO[bytes]) -> str:
     f.seek(0)
     return f.read().decode(errors="replace")
 
-
-def write_log(path: Path, out: str, err: str) -> Path:
-    """`out` and `err` of the platform check written to `path` (temp file + rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(f"--- stdout\n{out}--- stderr\n{err}")
-    os.replace(tmp, path)
-    return path
