@@ -252,16 +252,9 @@ class RayWorkers:
         late, self.late_tools = self.late_tools, []
         answers = list(self.gather("tool stats", lambda w: w.tool_stats.remote(),
                                    CLOSE_TIMEOUT_S, keep=self.late_tools).values())
-        done = finished([ref for _, ref in late], 0.0)  # a worker answers its calls in order
-        for i, ref in late:
-            if ref not in done:
-                self.late_tools.append((i, ref))
-                continue
-            try:
-                answers.append(self.ray.get(ref, timeout=0))
-            except self.ray.exceptions.RayActorError as e:  # its counts died with it
-                self.dead(i, e)
-        return answers
+        came, pending = self.answers(late, 0.0)  # a worker's dead: its counts died with it
+        self.late_tools += pending
+        return answers + [answer for _, answer in came]
 
     def engine_stats(self, per: list[dict[str, float]]) -> dict[str, float]:
         """The live workers' engine counters summed (version: the oldest; none without an
@@ -278,21 +271,30 @@ class RayWorkers:
         marked dead, one that does not answer in time is logged, named, counted
         (`unanswered`) and left out (its call's ref added to `keep`, if given), and the rest
         still answer; one deadline of `timeout_s` over them all."""
-        refs = {i: call(self.workers[i]) for i in list(self.live)}
-        done, out = finished(list(refs.values()), timeout_s), {}
-        for i, ref in refs.items():
+        came, pending = self.answers([(i, call(self.workers[i])) for i in list(self.live)],
+                                     timeout_s)
+        for i, _ in pending:
+            self.unanswered += 1
+            log.error("ray: rollout worker %d did not answer its %s within %gs (%d "
+                      "unanswered)", i, what, timeout_s, self.unanswered)
+        if keep is not None:
+            keep += pending
+        return dict(came)
+
+    def answers(self, calls: list[tuple[int, Any]], timeout_s: float
+                ) -> tuple[list[tuple[int, Any]], list[tuple[int, Any]]]:
+        """The (worker, ref) `calls` answered within `timeout_s`, as (worker, answer), and
+        those not yet answered; a worker whose call failed because it died is marked dead."""
+        done, came, pending = finished([ref for _, ref in calls], timeout_s), [], []
+        for i, ref in calls:
             if ref not in done:
-                self.unanswered += 1
-                log.error("ray: rollout worker %d did not answer its %s within %gs (%d "
-                          "unanswered)", i, what, timeout_s, self.unanswered)
-                if keep is not None:
-                    keep.append((i, ref))
+                pending.append((i, ref))
                 continue
             try:
-                out[i] = self.ray.get(ref, timeout=0)
+                came.append((i, self.ray.get(ref, timeout=0)))
             except self.ray.exceptions.RayActorError as e:
                 self.dead(i, e)
-        return out
+        return came, pending
 
     def close(self) -> None:
         """Close every live worker's engine and tools, then end the actors and their group."""
