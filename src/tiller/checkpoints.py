@@ -322,8 +322,8 @@ def verify(ckpt: Checkpoint, keys: tuple[str, ...] = STATE_KEYS) -> Checkpoint:
             raise corrupt(f"{MARKER} lists {name!r}, not a name inside the checkpoint")
         p = ckpt.path / name
         # the size first: a file of another size is never read (it may be large, or sparse)
-        got = (None if not p.is_file() else {"size": p.stat().st_size} if
-               p.stat().st_size != want["size"] else _describe(p))
+        size = p.stat().st_size if p.is_file() else None
+        got = None if size is None else _describe(p) if size == want["size"] else {"size": size}
         if got != want:
             why = "is missing" if got is None else "does not match its size and SHA-256"
             raise corrupt(f"{name} {why} in {MARKER}")

@@ -390,12 +390,18 @@ class VllmEngine(HttpEngine):
                            f"{short(answer)}: {type(e).__name__}: {e}") from e
 
 
+def time_left(deadline: float) -> float:
+    """Seconds until `deadline` (`time.monotonic()`), at least 1: each step of a start-up
+    gets what is left of its one deadline, and a step that comes last still gets a try."""
+    return max(deadline - time.monotonic(), 1.0)
+
+
 def probe(engine: VllmEngine, token_id: int, deadline: float) -> None:
     """One one-token generate on every server at once, within what is left until `deadline`
     (`time.monotonic()`; at least 1 s): vLLM answers /health before it has run the model, and
     a model its kernels refuse (e.g. a head size its CPU attention lacks) fails only then. A
     failure is one RunError naming the server and, when managed, its log."""
-    left = max(deadline - time.monotonic(), 1.0)
+    left = time_left(deadline)
     body = {"model": SERVED_NAME, "prompt": [token_id], "max_tokens": 1, "seed": 0,
             "return_token_ids": True}
     logs = engine.managed.logs() if engine.managed else {}
@@ -532,7 +538,7 @@ def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, 
         # start-up time (its output in a log only when it fails)
         platform = device_type(str(python), server_env(cfg.threads, cfg.weight_transfer,
                                                        api_key),
-                               timeout_s=max(deadline - time.monotonic(), 1.0),
+                               timeout_s=time_left(deadline),
                                log=run_dir / "vllm-platform.log")
         specs = server_specs(str(python), model_dir, cfg.servers, max_context=max_context,
                              dtype=dtype, kv_cache_bytes=cfg.kv_cache_bytes,
@@ -540,14 +546,14 @@ def connect_vllm(cfg: VllmEngineConfig, model: PreTrainedModel, tokenizer: Any, 
                              cpu=platform == "cpu", transfer=cfg.weight_transfer,
                              api_key=api_key)
         if cfg.weight_transfer == "shm" and not plugin_installed(
-                str(python), specs[0].env, timeout_s=max(deadline - time.monotonic(), 1.0)):
+                str(python), specs[0].env, timeout_s=time_left(deadline)):
             raise ConfigError(f"config field engine.weight_transfer: shm needs tiller's vLLM "
                               f"plugin (entry point tiller_shm) in {python}'s environment; "
                               "install it with `bash scripts/setup.sh` or use disk")
         model.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
         managed = launch(specs, log_dir=run_dir / "servers",
-                         startup_timeout_s=max(deadline - time.monotonic(), 1.0))
+                         startup_timeout_s=time_left(deadline))
         urls = managed.start()
     try:
         engine = VllmEngine(urls, weights_dir=cfg.weights_dir or run_dir / "weights",
