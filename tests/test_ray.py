@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -318,6 +319,81 @@ def test_a_connection_made_after_the_run_gave_up_is_undone_by_its_thread(head_no
     assert re.search(rf"ray: the thread connecting to cluster.address '{re.escape(address)}' "
                      rf"connected \d+\.\ds after the run gave up; disconnected", done.stderr
                      ), done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("where", ["before the thread started", "before it entered",
+                                   "while it connects"])
+def test_ctrl_c_inside_thread_start_counts_the_thread_once_and_leaves_nothing(monkeypatch,
+                                                                             where):
+    """Review s10-final G3: a Ctrl-C (KeyboardInterrupt) inside the run's `Thread.start()`, at
+    each point it can land: before the OS thread started (it never runs), after it started and
+    before the thread entered `_Connecting.init` (it returns without a ray.init), or while its
+    ray.init runs (given up: its connection is undone by it). Ray's GCS tries are counted once
+    each way and restored; nothing stays connected. `Thread.start()`'s own wait for the started
+    thread raises, as SIGINT there would. ray.init and ray.shutdown are stand-ins that record
+    their calls, with ray.init held until the test lets it return (connected): this is the
+    run's bookkeeping; the tests above run Ray's own."""
+    import ray
+
+    from tiller.rollout import cluster
+
+    inside, leave, go = threading.Event(), threading.Event(), threading.Event()
+    calls: list[str] = []
+
+    def init(address, **_):
+        calls.append(f"init {address}")
+        inside.set()
+        assert leave.wait(60), "the test did not let ray.init return"
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.delenv(cluster.GCS_TRIES_ENV, raising=False)
+    monkeypatch.setattr(cluster, "_tries_users", 0)
+    monkeypatch.setattr(cluster, "given_up", 0)
+    monkeypatch.setattr(cluster, "_given_up_threads", [])
+    threads: list[threading.Thread] = []
+
+    class Interrupted(cluster._Connecting):
+        def __init__(self, address: str):
+            super().__init__(address)
+            thread = self.thread
+            threads.append(thread)
+            started = thread._started  # set by the new thread before it runs its target
+
+            def interrupt(*_):
+                raise KeyboardInterrupt
+
+            if where == "before the thread started":
+                thread.start = interrupt
+                return
+            if where == "before it entered":
+                set_started = started.set
+                # the new thread holds until the run has given up
+                started.set = lambda: (go.wait(60), set_started())
+                started.wait = interrupt
+                return
+            wait_started = started.wait
+            started.wait = lambda: (wait_started(60), inside.wait(60), interrupt())
+
+    monkeypatch.setattr(cluster, "_Connecting", Interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            cluster.connect("10.0.0.1:6379")
+        if where == "while it connects":  # still inside ray.init, its tries counted once
+            assert (cluster._tries_users, os.environ.get(cluster.GCS_TRIES_ENV)) == (1, "1")
+            assert (cluster.given_up, cluster._given_up_threads) == (1, threads)
+    finally:
+        go.set()
+        leave.set()
+    if where != "before the thread started":  # (the real wait: the instance's raises)
+        assert threading.Event.wait(threads[0]._started, 60), "the thread did not start"
+        threads[0].join(60)
+    assert not threads[0].is_alive(), "the connecting thread did not end"
+    assert cluster._tries_users == 0
+    assert cluster.GCS_TRIES_ENV not in os.environ
+    assert calls == (["init 10.0.0.1:6379", "shutdown"] if where == "while it connects"
+                     else [])
+    assert cluster.given_up == (where == "while it connects")
 
 
 def test_the_address_probed_is_the_one_ray_dials(tmp_path):

@@ -186,8 +186,8 @@ _tries_before: str | None = None  # the variable's value before the first of the
 
 
 def gcs_tries(on: bool) -> None:
-    """Ray's GCS tries set to one (`on`, before a connecting thread starts) or restored (after
-    its `ray.init` returned), counted over the threads that run at once."""
+    """Ray's GCS tries set to one (`on`, by a connecting thread before its `ray.init`) or
+    restored (after it returned), counted over the threads that run at once."""
     global _tries_users, _tries_before
     with _tries_lock:
         if on:
@@ -232,14 +232,17 @@ def wait_given_up() -> None:
 
 class _Connecting:
     """One `ray.init(address)` in a thread, and the run that waits for it: they share a lock
-    and two flags, `done` (the thread's, with its `error` or None) and `gave_up` (the run's).
-    Whichever comes second acts: the run goes on with (or, on Ctrl-C, undoes) a connection
-    that is done; the thread undoes the one it makes after the run gave up."""
+    and three flags, `entered` and `done` (the thread's, with its `error` or None) and
+    `gave_up` (the run's). Whichever comes second acts: the run goes on with (or, on Ctrl-C,
+    undoes) a connection that is done; the thread undoes the one it makes after the run gave
+    up, and one that finds the run gone before it entered (Ctrl-C inside `Thread.start()`)
+    returns without a `ray.init`. Only the thread counts itself in `gcs_tries`, once each way,
+    so no Ctrl-C in the run's thread can count it twice or not at all (review s10-final G3)."""
 
     def __init__(self, address: str):
         self.address = address
         self.lock = threading.Lock()
-        self.done, self.gave_up, self.error = False, False, None
+        self.entered, self.done, self.gave_up, self.error = False, False, False, None
         self.gave_up_at = 0.0
         self.thread = threading.Thread(target=self.init, name="tiller-ray-connect",
                                        daemon=True)
@@ -247,6 +250,11 @@ class _Connecting:
     def init(self) -> None:
         import ray
 
+        with self.lock:
+            if self.gave_up:
+                return
+            self.entered = True
+        gcs_tries(True)
         error: BaseException | None = None
         try:
             ray.init(address=self.address, include_dashboard=False, log_to_driver=False,
@@ -277,6 +285,8 @@ class _Connecting:
             if self.done:
                 return False
             self.gave_up, self.gave_up_at = True, time.monotonic()
+            if not self.entered:  # it returns without a ray.init, if it ever runs
+                return True
         given_up += 1
         _given_up_threads.append(self.thread)
         log.warning("ray: the run gave up its connection to cluster.address %r; the thread "
@@ -302,17 +312,12 @@ def connect(address: str) -> None:
     import ray
 
     attempt = _Connecting(address)
-    gcs_tries(True)
-    try:
-        attempt.thread.start()
-    except BaseException:
-        gcs_tries(False)
-        raise
     interrupted = True
     try:
+        attempt.thread.start()
         attempt.thread.join(ADDRESS_TIMEOUT_S)
         interrupted = False
-    finally:  # the limit, Ctrl-C, SIGTERM
+    finally:  # the limit, Ctrl-C or SIGTERM (inside `Thread.start()` too), a failed start
         gave_up = attempt.give_up()
         if interrupted and not gave_up:
             ray.shutdown()  # what ray.init connected or set up just before Ctrl-C or SIGTERM
