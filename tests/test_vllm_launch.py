@@ -119,3 +119,39 @@ def test_the_plugin_check_is_bounded_by_what_is_left_of_the_start_up_time(
                        r"environment for tiller's vLLM plugin took more than 1.5 s$"):
         plugin_installed(str(slow), {}, timeout_s=1.5)
     assert time.monotonic() - start < 10
+
+
+# how the stand-in Python of the test below ends: it has started a child of its own first
+ENDS = {
+    "exits": "exit 3\n",  # the plugin is not there
+    "times out": "wait\n",  # for its child, past the check's bound
+    # Ctrl-C: SIGINT to this process once its main thread sleeps, which after the stand-in's
+    # exec is in the check's wait for it
+    "ctrl-c": "until grep -q ') S ' /proc/$PPID/stat; do sleep 0.01; done\n"
+              "kill -INT $PPID\nwait\n",
+}
+
+
+@pytest.mark.parametrize("end", list(ENDS))
+def test_the_plugin_check_leaves_nothing_of_its_process_group(tmp_path: Path, end: str
+                                                              ) -> None:
+    """The shm plugin check runs the probe in a process group of its own and kills the group
+    whole, as vLLM's platform detection may start helpers: a stand-in Python starts a child
+    (`sleep 60`) and then exits, runs past the check's bound or Ctrl-C lands; the child is gone
+    each time. Before, only the probe itself was killed on the timeout and on Ctrl-C, and an
+    exit waited for the child's end of the output pipe, to the bound."""
+    child = tmp_path / "child.pid"
+    python = script(tmp_path / "python", f"sleep 60 &\necho $! > {child}\n{ENDS[end]}")
+    bound = 1.5 if end == "times out" else 20.0
+    start = time.monotonic()
+    try:
+        if end == "exits":
+            assert plugin_installed(str(python), {}, timeout_s=bound) is False
+        else:
+            with pytest.raises(RunError if end == "times out" else KeyboardInterrupt):
+                plugin_installed(str(python), {}, timeout_s=bound)
+        assert time.monotonic() - start < (bound if end == "times out" else 0) + 5
+        assert gone(int(child.read_text()), timeout_s=5)
+    finally:
+        if child.exists() and not gone(int(child.read_text()), timeout_s=0):
+            os.kill(int(child.read_text()), signal.SIGKILL)

@@ -22,7 +22,6 @@ import errno
 import mmap
 import os
 import stat
-import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 
 import torch
 
+from tiller.engine.servers import run_in_group
 from tiller.errors import RunError
 
 BACKEND = "tiller_shm"  # the name in vLLM's factory and in --weight-transfer-config
@@ -158,19 +158,17 @@ def plugin_installed(python: str, env: dict[str, str], timeout_s: float | None =
     """Whether `python` (run with `env`) sees tiller's `vllm.general_plugins` entry point, which
     registers `BACKEND` in vLLM's factory (scripts/setup.sh installs it); without it a server
     started with `BACKEND` fails at start-up with vLLM's "Invalid weight transfer backend".
-    Asked within min(`PLUGIN_CHECK_S`, `timeout_s`) seconds."""
+    Asked within min(`PLUGIN_CHECK_S`, `timeout_s`) seconds, in a process group of its own
+    killed whole when it ends (`servers.run_in_group`)."""
     bound = PLUGIN_CHECK_S if timeout_s is None else min(PLUGIN_CHECK_S, timeout_s)
     code = ("import sys; from importlib.metadata import entry_points as e; sys.exit(0 if any("
             f"p.name == {BACKEND!r} and p.value == {ENTRY_POINT!r} "
             "for p in e(group='vllm.general_plugins')) else 3)")
-    try:
-        done = subprocess.run([python, "-c", code], env={**os.environ, **env},
-                              timeout=bound, stdin=subprocess.DEVNULL,
-                              capture_output=True)
-    except subprocess.TimeoutExpired as e:
+    exit_code, _, _ = run_in_group([python, "-c", code], env, bound)
+    if exit_code is None:
         raise RunError(f"engine.weight_transfer: shm: checking {python}'s environment for "
-                       f"tiller's vLLM plugin took more than {bound:g} s") from e
-    return done.returncode == 0
+                       f"tiller's vLLM plugin took more than {bound:g} s")
+    return exit_code == 0
 
 
 def remove_segment(path: str) -> None:
