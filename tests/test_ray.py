@@ -396,6 +396,46 @@ def test_ctrl_c_inside_thread_start_counts_the_thread_once_and_leaves_nothing(mo
     assert cluster.given_up == (where == "while it connects")
 
 
+# a process with a SIGTERM handler of its own starts a local Ray instance, takes SIGTERM while it
+# runs and after it is closed (`signal.raise_signal` runs the Python handler before it returns)
+SIGTERM_KEPT = """
+import signal, sys
+from pathlib import Path
+from tiller.config import load_config
+from tiller.rollout.cluster import RayCluster
+got = []
+def handler(signum, frame):
+    got.append(signum)
+signal.signal(signal.SIGTERM, handler)
+c = RayCluster(load_config("configs/calculator.yaml", ["cluster.backend=ray",
+               "cluster.num_cpus=1"]), Path(sys.argv[1])).start()
+try:
+    signal.raise_signal(signal.SIGTERM)
+    print(signal.getsignal(signal.SIGTERM) is handler, got, flush=True)
+finally:
+    c.close()
+signal.raise_signal(signal.SIGTERM)
+print(signal.getsignal(signal.SIGTERM) is handler, got, flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_local_ray_instance_leaves_the_processs_sigterm_handler_in_place(tmp_path):
+    """ray.init puts in Ray's SIGTERM handling (a Python handler raising SystemExit, and its C++
+    core's crash handler, which aborts the process), and ray.shutdown leaves the Python one:
+    `tiller train` under Ray aborted on SIGTERM instead of closing the run as on Ctrl-C, and a
+    pytest that had run a Ray test went on to the next test on SIGTERM once an in-process
+    `tiller eval` had re-armed Ray's stale handler (s11-left). The process's own handler runs,
+    during the instance and after it. In a child Python: the old code aborts it."""
+    done = subprocess.run([sys.executable, "-c", SIGTERM_KEPT, str(tmp_path)], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["True [15]", "True [15, 15]"]
+
+
 def test_the_address_probed_is_the_one_ray_dials(tmp_path):
     """127.0.0.1:PORT is dialled by Ray at this node's IP: a listener on loopback only does not
     make the address answer."""

@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from tiller.config import Config
 from tiller.config.root import gloo_only
@@ -343,7 +344,13 @@ def _too_many(cfg: Config, cpus: float, knob: str) -> str:
 class RayCluster:
     """The run's Ray session: `start` connects or starts, `close` disconnects or stops. A local
     instance is guarded by `ray_reaper` (started first, told to act by `close` or by the run's
-    process's death): nothing of it outlives the run, even a SIGKILLed one."""
+    process's death): nothing of it outlives the run, even a SIGKILLed one.
+    `ray.init` puts Ray's own SIGTERM handling in place (in the main thread a Python handler
+    that raises SystemExit; in any thread its C++ core's crash handler, which aborts the
+    process) and `ray.shutdown` leaves the Python one: the SIGTERM handler the process had
+    before `start` is put back when `start` and `close` end (`_own_sigterm`), so `tiller train`
+    still takes SIGTERM as Ctrl-C under Ray, and a process (pytest) that ran a Ray run inside
+    it keeps its own handling of SIGTERM after it."""
 
     def __init__(self, cfg: Config, run_dir: Path):
         self.cfg, self.run_dir = cfg, run_dir
@@ -352,17 +359,28 @@ class RayCluster:
         # `connect` did not return: what it leaves is undone by it or by its thread, so `close`
         # calls no ray.shutdown() that could run beside the thread's ray.init
         self.connecting = False
+        self.sigterm: Any = None  # the SIGTERM handler before `start` (main thread only)
 
     def start(self) -> RayCluster:
         """Connect, or start the local instance (and its guard); a start that fails stops
         what it started (nothing before a given-up connection ends: `wait_given_up`; its
         error closes nothing, so no ray.shutdown() runs beside that thread's ray.init)."""
         wait_given_up()
+        if threading.current_thread() is threading.main_thread():
+            self.sigterm = signal.getsignal(signal.SIGTERM)
         try:
             return self._start()
         except BaseException:
             self.close()
             raise
+        finally:
+            self._own_sigterm()
+
+    def _own_sigterm(self) -> None:
+        """The SIGTERM handler from before `start` back in place of Ray's (None: it was not
+        set from Python, or `start` ran outside the main thread, where none can be set)."""
+        if self.sigterm is not None:
+            signal.signal(signal.SIGTERM, self.sigterm)
 
     def _start(self) -> RayCluster:
         import ray
@@ -409,6 +427,7 @@ class RayCluster:
                                         ignore_dangling_symlinks=True, symlinks=False)
                     shutil.rmtree(self.temp_dir, ignore_errors=True)
             finally:
+                self._own_sigterm()  # ray.shutdown left Ray's Python handler
                 if self.reaper is not None:
                     self._reap()
 
