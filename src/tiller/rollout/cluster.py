@@ -345,12 +345,12 @@ class RayCluster:
     """The run's Ray session: `start` connects or starts, `close` disconnects or stops. A local
     instance is guarded by `ray_reaper` (started first, told to act by `close` or by the run's
     process's death): nothing of it outlives the run, even a SIGKILLed one.
-    `ray.init` puts Ray's own SIGTERM handling in place (in the main thread a Python handler
-    that raises SystemExit; in any thread its C++ core's crash handler, which aborts the
-    process) and `ray.shutdown` leaves the Python one: the SIGTERM handler the process had
-    before `start` is put back when `start` and `close` end (`_own_sigterm`), so `tiller train`
-    still takes SIGTERM as Ctrl-C under Ray, and a process (pytest) that ran a Ray run inside
-    it keeps its own handling of SIGTERM after it."""
+    `ray.init` puts Ray's own SIGTERM handling in place (from the main thread a Python handler
+    that raises SystemExit, and its C++ core's crash handler, which aborts the process: seen
+    with a local instance) and `ray.shutdown` leaves the Python one: the SIGTERM handler the
+    process had before `start` is put back when `start` and `close` end (`_own_sigterm`), so
+    `tiller train` still takes SIGTERM as Ctrl-C under Ray, and a process (pytest) that ran a
+    Ray run inside it keeps its own handling of SIGTERM after it."""
 
     def __init__(self, cfg: Config, run_dir: Path):
         self.cfg, self.run_dir = cfg, run_dir
