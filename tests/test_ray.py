@@ -436,6 +436,64 @@ def test_a_local_ray_instance_leaves_the_processs_sigterm_handler_in_place(tmp_p
     assert done.stdout.splitlines() == ["True [15]", "True [15, 15]"]
 
 
+def test_closing_ray_leaves_a_sigterm_handler_set_since_start_as_it_is(tmp_path):
+    """Review s11-left 1: the CLI's SIGTERM handler (`cli._sigterm_as_interrupt`) sets SIG_DFL
+    when it runs, so a second SIGTERM kills; the run closes its Ray session after that and
+    must not re-arm the handler `start` saw (a second SIGTERM then raised Terminated again).
+    Only Ray's handler is replaced by the one from before `start`. No Ray start: a RayCluster
+    as `start` leaves it (its handler recorded), closed."""
+    from tiller.cli import Terminated, _sigterm_as_interrupt
+    from tiller.rollout.cluster import RayCluster
+
+    with _sigterm_as_interrupt():
+        cluster = RayCluster(load_config("configs/calculator.yaml", [
+            *TINY_RUN, "cluster.backend=ray"]), tmp_path)
+        cluster.sigterm = signal.getsignal(signal.SIGTERM)  # as `start` records it
+        with pytest.raises(Terminated):
+            signal.raise_signal(signal.SIGTERM)  # runs the Python handler before it returns
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        cluster.close()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_closing_ray_off_the_main_thread_still_stops_the_guard(tmp_path):
+    """Review s11-left 2: `close` from a thread other than the main one, after a main-thread
+    `start` (its SIGTERM handler recorded), sets no signal handler (ValueError there) and still
+    tells the local instance's guard to act and waits for it. The real guard (`ray_reaper`),
+    started as `start` starts it; no Ray instance."""
+    from tiller.rollout import ray_reaper
+    from tiller.rollout.cluster import RayCluster
+
+    cluster = RayCluster(load_config("configs/calculator.yaml", [
+        *TINY_RUN, "cluster.backend=ray"]), tmp_path)
+    cluster.sigterm = signal.getsignal(signal.SIGTERM)
+    cluster.temp_dir = tempfile.mkdtemp(prefix="tiller-ray-")
+    reaper = cluster.reaper = subprocess.Popen(
+        [sys.executable, "-I", ray_reaper.__file__, cluster.temp_dir,
+         str(tmp_path / "ray_reaper.log")], stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            cluster.close()
+        except BaseException as e:
+            errors.append(e)
+
+    try:
+        closing = threading.Thread(target=close)
+        closing.start()
+        closing.join(60)
+        assert not closing.is_alive(), "close did not return within 60 s"
+        assert errors == []
+        assert (cluster.reaper, reaper.returncode) == (None, 0)
+        assert not Path(cluster.temp_dir).exists()
+    finally:
+        if reaper.poll() is None:
+            reaper.kill()
+            reaper.wait(10)
+
+
 def test_the_address_probed_is_the_one_ray_dials(tmp_path):
     """127.0.0.1:PORT is dialled by Ray at this node's IP: a listener on loopback only does not
     make the address answer."""

@@ -349,8 +349,12 @@ class RayCluster:
     that raises SystemExit, and its C++ core's crash handler, which aborts the process: seen
     with a local instance) and `ray.shutdown` leaves the Python one: the SIGTERM handler the
     process had before `start` is put back when `start` and `close` end (`_own_sigterm`), so
-    `tiller train` still takes SIGTERM as Ctrl-C under Ray, and a process (pytest) that ran a
-    Ray run inside it keeps its own handling of SIGTERM after it."""
+    after `start` returns `tiller train` takes SIGTERM as Ctrl-C under Ray again, and a process
+    (pytest) that ran a Ray run inside it keeps its own handling of SIGTERM after it. Not
+    within `start`: a SIGTERM during a local instance's `ray.init` meets Ray's handling
+    (SystemExit(15), or an abort once Ray's core runs; only the guard cleans up then). Not
+    checked: whether a given-up connection's thread whose `ray.init` ends after `start`
+    returned installs Ray's C++ handler after the handler was put back."""
 
     def __init__(self, cfg: Config, run_dir: Path):
         self.cfg, self.run_dir = cfg, run_dir
@@ -377,10 +381,19 @@ class RayCluster:
             self._own_sigterm()
 
     def _own_sigterm(self) -> None:
-        """The SIGTERM handler from before `start` back in place of Ray's (None: it was not
-        set from Python, or `start` ran outside the main thread, where none can be set)."""
-        if self.sigterm is not None:
-            signal.signal(signal.SIGTERM, self.sigterm)
+        """Where the process's SIGTERM handler is Ray's, the one from before `start` back in
+        its place (None: that one was not set from Python, or `start` ran outside the main
+        thread); any other handler was set since `start` (the CLI's once-then-kill handler
+        sets SIG_DFL when it runs) and is set again as it is, which also puts it back in the
+        kernel where `ray.shutdown` reset SIGTERM's disposition under Python's table. Only
+        from the main thread: elsewhere no handler can be set (ValueError)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        now = signal.getsignal(signal.SIGTERM)
+        rays = str(getattr(now, "__module__", None) or "").split(".")[0] == "ray"
+        keep = self.sigterm if rays else now
+        if keep is not None:
+            signal.signal(signal.SIGTERM, keep)
 
     def _start(self) -> RayCluster:
         import ray
@@ -427,9 +440,11 @@ class RayCluster:
                                         ignore_dangling_symlinks=True, symlinks=False)
                     shutil.rmtree(self.temp_dir, ignore_errors=True)
             finally:
-                self._own_sigterm()  # ray.shutdown left Ray's Python handler
-                if self.reaper is not None:
-                    self._reap()
+                try:  # first: the run's handling of SIGTERM holds while the guard is waited for
+                    self._own_sigterm()  # ray.shutdown left Ray's Python handler
+                finally:
+                    if self.reaper is not None:
+                        self._reap()
 
     def _reap(self) -> None:
         """Tell the guard the run is done with the instance and wait for it: a process of the
