@@ -116,17 +116,22 @@ def run_in_group(argv: list[str], env: dict[str, str], timeout_s: float
     that a process it started in a session of its own, which the kill misses and leaves
     running, cannot hold this past `timeout_s` by keeping a pipe open (review s10 F2)."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(argv, env={**os.environ, **env}, stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=err, start_new_session=True)
+        # a Ctrl-C inside Popen after its fork still leaves the group running (Popen's window)
+        proc: subprocess.Popen | None = None
         started = None  # until known, the leader is not reaped: its number is its group's
         try:
+            proc = subprocess.Popen(argv, env={**os.environ, **env}, stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=err, start_new_session=True)
             started = start_time(proc.pid)
             code: int | None = proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             code = None
         finally:
-            kill_group(proc.pid, started, signal.SIGKILL)
-            proc.wait()
+            if proc is not None:
+                kill_group(proc.pid, started, signal.SIGKILL)
+                # no bound: after SIGKILL the leader ends at once, unless it sleeps in the
+                # kernel uninterruptibly (D state), which no timeout here could end either
+                proc.wait()
         return code, *(read_all(f) for f in (out, err))
 
 
