@@ -121,6 +121,26 @@ def test_the_plugin_check_is_bounded_by_what_is_left_of_the_start_up_time(
     assert time.monotonic() - start < 10
 
 
+@pytest.mark.parametrize(("body", "how", "last"), [
+    ('echo "Traceback (most recent call last):" >&2\n'
+     'echo "ImportError: libcudart.so.12: cannot open shared object file" >&2\nexit 1\n',
+     "exit 1", "ImportError: libcudart.so.12: cannot open shared object file"),
+    ("kill -9 $$\n", "killed by signal 9", "no output"),
+], ids=["import error", "killed"])
+def test_a_plugin_check_that_fails_is_not_a_missing_plugin(tmp_path: Path, body: str, how: str,
+                                                            last: str) -> None:
+    """Review s11-left 8: only the probe's own exit for "not there" (`PLUGIN_MISSING`) means
+    the plugin is missing; a probe that fails otherwise (a broken environment, the OOM
+    killer's SIGKILL) is a RunError with its exit and its stderr's last line. Before, any
+    non-zero exit read as "not installed", which the run reports as "install it with
+    `bash scripts/setup.sh`", hiding the probe's error."""
+    broken = script(tmp_path / "python", body)
+    with pytest.raises(RunError) as e:
+        plugin_installed(str(broken), {}, timeout_s=20)
+    assert str(e.value) == (f"engine.weight_transfer: shm: checking {broken}'s environment "
+                            f"for tiller's vLLM plugin failed ({how}): {last}")
+
+
 # how the stand-in Python of the test below ends: it has started a child of its own first
 ENDS = {
     "exits": "exit 3\n",  # the plugin is not there
