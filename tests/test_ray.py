@@ -332,7 +332,10 @@ def test_ctrl_c_inside_thread_start_counts_the_thread_once_and_leaves_nothing(mo
     each way and restored; nothing stays connected. `Thread.start()`'s own wait for the started
     thread raises, as SIGINT there would. ray.init and ray.shutdown are stand-ins that record
     their calls, with ray.init held until the test lets it return (connected): this is the
-    run's bookkeeping; the tests above run Ray's own."""
+    run's bookkeeping; the tests above run Ray's own. "before the thread started" is a guard,
+    not a regression test (it passes on the code before G3's fix too): `Thread.start` itself
+    raises there, and a never-started thread must not be registered as given up (waiting for
+    it would raise RuntimeError)."""
     import ray
 
     from tiller.rollout import cluster
@@ -353,6 +356,9 @@ def test_ctrl_c_inside_thread_start_counts_the_thread_once_and_leaves_nothing(mo
     monkeypatch.setattr(cluster, "_given_up_threads", [])
     threads: list[threading.Thread] = []
 
+    # drives CPython's threading internals (3.11 here, the same in 3.10-3.13): `Thread.start()`
+    # waits on the instance's `_started` Event, which the new thread sets in `_bootstrap_inner`
+    # before it runs its target; a change there fails this test, it cannot make it pass
     class Interrupted(cluster._Connecting):
         def __init__(self, address: str):
             super().__init__(address)
@@ -394,6 +400,8 @@ def test_ctrl_c_inside_thread_start_counts_the_thread_once_and_leaves_nothing(mo
     assert calls == (["init 10.0.0.1:6379", "shutdown"] if where == "while it connects"
                      else [])
     assert cluster.given_up == (where == "while it connects")
+    if where != "while it connects":  # nothing given up to wait for
+        assert cluster._given_up_threads == []
 
 
 # a process with a SIGTERM handler of its own starts a local Ray instance, takes SIGTERM while it
