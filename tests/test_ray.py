@@ -550,6 +550,13 @@ def test_sigterm_stops_tiller_train_while_it_probes_an_address(tmp_path, silent_
             assert proc.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "the run did not start its probe"
             time.sleep(0.1)
+        # SIGTERM once the run's main thread waits in the probe's communicate (poll: x86_64
+        # syscall 7). The probe is visible as soon as it has exec'd, while the run may still be
+        # in Popen's read of its exec pipe: a SIGTERM there leaves the probe unknown to the run
+        # and running (Popen's own window; seen once under load: the probe outlived the run)
+        while Path(f"/proc/{proc.pid}/syscall").read_text().split()[0] != "7":
+            assert time.monotonic() < deadline, "the run did not wait for its probe"
+            time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
         proc.wait(15)
     finally:
