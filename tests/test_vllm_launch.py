@@ -119,3 +119,63 @@ def test_the_plugin_check_is_bounded_by_what_is_left_of_the_start_up_time(
                        r"environment for tiller's vLLM plugin took more than 1.5 s$"):
         plugin_installed(str(slow), {}, timeout_s=1.5)
     assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize(("body", "how", "last"), [
+    ('echo "Traceback (most recent call last):" >&2\n'
+     'echo "ImportError: libcudart.so.12: cannot open shared object file" >&2\nexit 1\n',
+     "exit 1", "ImportError: libcudart.so.12: cannot open shared object file"),
+    ("kill -9 $$\n", "killed by signal 9", "no output"),
+], ids=["import error", "killed"])
+def test_a_plugin_check_that_fails_is_not_a_missing_plugin(tmp_path: Path, body: str, how: str,
+                                                            last: str) -> None:
+    """Review s11-left 8: only the probe's own exit for "not there" (`PLUGIN_MISSING`) means
+    the plugin is missing; a probe that fails otherwise (a broken environment, the OOM
+    killer's SIGKILL) is a RunError with its exit and its stderr's last line. Before, any
+    non-zero exit read as "not installed", which the run reports as "install it with
+    `bash scripts/setup.sh`", hiding the probe's error."""
+    broken = script(tmp_path / "python", body)
+    with pytest.raises(RunError) as e:
+        plugin_installed(str(broken), {}, timeout_s=20)
+    assert str(e.value) == (f"engine.weight_transfer: shm: checking {broken}'s environment "
+                            f"for tiller's vLLM plugin failed ({how}): {last}")
+
+
+# how the stand-in Python of the test below ends: it has started a child of its own first
+ENDS = {
+    "exits": "exit 3\n",  # the plugin is not there
+    "times out": "wait\n",  # for its child, past the check's bound
+    # Ctrl-C: SIGINT to this process once its main thread is in the check's wait for the
+    # stand-in: Popen.wait(timeout)'s poll loop sleeps in clock_nanosleep (x86_64 syscall 230;
+    # Python 3.11) between non-blocking waits. A thread merely asleep (stat's S) may still be
+    # in Popen's read of its exec pipe or waiting for the GIL (review s11-left 7). Another
+    # architecture or a Python that waits otherwise: the loop never ends and the test fails
+    # at the check's bound (RunError, not KeyboardInterrupt).
+    "ctrl-c": "until read call _ < /proc/$PPID/syscall && [ \"$call\" = 230 ]; do sleep 0.01;"
+              " done\nkill -INT $PPID\nwait\n",
+}
+
+
+@pytest.mark.parametrize("end", list(ENDS))
+def test_the_plugin_check_leaves_nothing_of_its_process_group(tmp_path: Path, end: str
+                                                              ) -> None:
+    """The shm plugin check runs the probe in a process group of its own and kills the group
+    whole, as vLLM's platform detection may start helpers: a stand-in Python starts a child
+    (`sleep 60`) and then exits, runs past the check's bound or Ctrl-C lands; the child is gone
+    each time. Before, only the probe itself was killed on the timeout and on Ctrl-C, and an
+    exit waited for the child's end of the output pipe, to the bound."""
+    child = tmp_path / "child.pid"
+    python = script(tmp_path / "python", f"sleep 60 &\necho $! > {child}\n{ENDS[end]}")
+    bound = 1.5 if end == "times out" else 20.0
+    start = time.monotonic()
+    try:
+        if end == "exits":
+            assert plugin_installed(str(python), {}, timeout_s=bound) is False
+        else:
+            with pytest.raises(RunError if end == "times out" else KeyboardInterrupt):
+                plugin_installed(str(python), {}, timeout_s=bound)
+        assert time.monotonic() - start < (bound if end == "times out" else 0) + 5
+        assert gone(int(child.read_text()), timeout_s=5)
+    finally:
+        if child.exists() and not gone(int(child.read_text()), timeout_s=0):
+            os.kill(int(child.read_text()), signal.SIGKILL)

@@ -106,6 +106,41 @@ def kill_group(pgid: int, started: int | None, sig: int) -> bool:
     return True
 
 
+def run_in_group(argv: list[str], env: dict[str, str], timeout_s: float
+                 ) -> tuple[int | None, str, str]:
+    """`argv` run to its end with `env` on top of this process's, in a process group of its
+    own as a server is: its exit code (None: still running after `timeout_s`), stdout and
+    stderr (undecodable bytes replaced). When it has exited, past `timeout_s` and on Ctrl-C,
+    its group gets SIGKILL (`kill_group`), so nothing it started there outlives it (vLLM's
+    platform detection's helpers). Its output goes to unnamed temporary files, not pipes, so
+    that a process it started in a session of its own, which the kill misses and leaves
+    running, cannot hold this past `timeout_s` by keeping a pipe open (review s10 F2)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        # a Ctrl-C inside Popen after its fork still leaves the group running (Popen's window)
+        proc: subprocess.Popen | None = None
+        started = None  # until known, the leader is not reaped: its number is its group's
+        try:
+            proc = subprocess.Popen(argv, env={**os.environ, **env}, stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=err, start_new_session=True)
+            started = start_time(proc.pid)
+            code: int | None = proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            if proc is not None:
+                kill_group(proc.pid, started, signal.SIGKILL)
+                # no bound: after SIGKILL the leader ends at once, unless it sleeps in the
+                # kernel uninterruptibly (D state), which no timeout here could end either
+                proc.wait()
+        return code, *(read_all(f) for f in (out, err))
+
+
+def read_all(f: IO[bytes]) -> str:
+    """What was written to the temporary file `f`, decoded (undecodable bytes replaced)."""
+    f.seek(0)
+    return f.read().decode(errors="replace")
+
+
 # The watch of a server, whose owner (the process that started it: a run, a Ray actor) may be
 # killed: a process outside the owner's children (it forks and its parent exits: Ray kills an
 # actor's direct children with it) and outside the server's process group, in a session of

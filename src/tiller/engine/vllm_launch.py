@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import tempfile
 from pathlib import Path
-from typing import IO
 
 from tiller.config.engine import CPU_SETS, refused_flag
-from tiller.engine.servers import ServerSpec
+from tiller.engine.servers import ServerSpec, run_in_group
 from tiller.engine.vllm_shm import BACKEND as SHM_BACKEND
 from tiller.errors import ConfigError, RunError
 from tiller.files import write_file
@@ -86,34 +82,19 @@ def device_type(python: str, env: dict[str, str], *, timeout_s: float = PLATFORM
     """vLLM's platform in `python`'s environment run with `env` on top of this process's (pass
     the server's own, `server_env`): 'cpu' for the CPU build (scripts/setup.sh's), 'cuda' for
     a CUDA build on a GPU machine; what the servers started from it will run on. Asked once
-    per process for each `python` and `env` (it imports vllm: seconds), in a process group of
-    its own, killed whole after min(`PLATFORM_CHECK_S`, `timeout_s`) seconds. Its output goes
-    to unnamed temporary files, not pipes, so that a process it started in a session of its
-    own, which the kill misses, cannot hold the check past that bound by keeping a pipe open
-    (review s10 F2); such a process is left running. A failure or timeout is one RunError
-    naming `python` and what to fix, and, with `log`, the file the child's output was written
-    to."""
+    per process for each `python` and `env` (it imports vllm: seconds), within
+    min(`PLATFORM_CHECK_S`, `timeout_s`) seconds, in a process group of its own killed whole
+    when it ends (`servers.run_in_group`). A failure or timeout is one RunError naming
+    `python` and what to fix, and, with `log`, the file the child's output was written to."""
     key = (python, tuple(sorted(env.items())))
     if key in _PLATFORMS:
         return _PLATFORMS[key]
     bound = min(PLATFORM_CHECK_S, timeout_s)
     code = "from vllm.platforms import current_platform as p; print(p.device_type)"
-    with tempfile.TemporaryFile() as out_f, tempfile.TemporaryFile() as err_f:
-        proc = subprocess.Popen([python, "-c", code], env={**os.environ, **env},
-                                stdin=subprocess.DEVNULL, stdout=out_f, stderr=err_f,
-                                start_new_session=True)
-        timed_out = False
-        try:
-            proc.wait(timeout=bound)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        finally:  # past the bound, or Ctrl-C: nothing is left running
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)  # its own group: vllm's helpers too
-                proc.wait()  # the child itself, killed; no pipe to drain
-        out, err = read_all(out_f), read_all(err_f)
+    exit_code, out, err = run_in_group([python, "-c", code], env, bound)
     words, lines = out.split(), err.strip().splitlines() or ["no output"]
-    failed = timed_out or proc.returncode != 0 or not words
+    timed_out = exit_code is None
+    failed = timed_out or exit_code != 0 or not words
     where = ""
     if log is not None and failed:
         written = write_file(log, f"--- stdout\n{out}--- stderr\n{err}", root=log.parent)
@@ -125,14 +106,7 @@ def device_type(python: str, env: dict[str, str], *, timeout_s: float = PLATFORM
                        f"`{python} -c 'import vllm'` runs, or raise engine.startup_timeout_s")
     if failed:
         raise RunError(f"engine.python {python} cannot tell vLLM's platform (exit "
-                       f"{proc.returncode}): {lines[-1]}{where}; build the vLLM environment "
+                       f"{exit_code}): {lines[-1]}{where}; build the vLLM environment "
                        f"with `bash scripts/setup.sh`")
     _PLATFORMS[key] = words[-1]
     return words[-1]
-
-
-def read_all(f: IO[bytes]) -> str:
-    """What was written to the temporary file `f`, decoded (undecodable bytes replaced)."""
-    f.seek(0)
-    return f.read().decode(errors="replace")
-

@@ -22,7 +22,6 @@ import errno
 import mmap
 import os
 import stat
-import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,12 +29,14 @@ from typing import Any
 
 import torch
 
+from tiller.engine.servers import run_in_group
 from tiller.errors import RunError
 
 BACKEND = "tiller_shm"  # the name in vLLM's factory and in --weight-transfer-config
 ENTRY_POINT = "tiller.engine.vllm_shm_server:register"  # pyproject.toml's vllm.general_plugins
 SHM_DIR = Path("/dev/shm")
 PLUGIN_CHECK_S = 60.0  # seconds `plugin_installed` may take
+PLUGIN_MISSING = 3  # `plugin_installed`'s probe's exit when the entry point is not there
 PREFIX = "tiller-weights-"  # + the trainer's pid + "-" + a random part
 ALIGN = 64  # bytes; every tensor starts at a multiple of it (any dtype view is aligned)
 MAX_TENSORS = 100_000  # manifest entries the server reads at most
@@ -158,19 +159,23 @@ def plugin_installed(python: str, env: dict[str, str], timeout_s: float | None =
     """Whether `python` (run with `env`) sees tiller's `vllm.general_plugins` entry point, which
     registers `BACKEND` in vLLM's factory (scripts/setup.sh installs it); without it a server
     started with `BACKEND` fails at start-up with vLLM's "Invalid weight transfer backend".
-    Asked within min(`PLUGIN_CHECK_S`, `timeout_s`) seconds."""
+    Asked within min(`PLUGIN_CHECK_S`, `timeout_s`) seconds, in a process group of its own
+    killed whole when it ends (`servers.run_in_group`). Not installed only when the probe says
+    so (`PLUGIN_MISSING`); a probe that fails otherwise (a broken environment, killed) is a
+    RunError with its exit and the last line of its stderr, as is one that runs out of time."""
     bound = PLUGIN_CHECK_S if timeout_s is None else min(PLUGIN_CHECK_S, timeout_s)
     code = ("import sys; from importlib.metadata import entry_points as e; sys.exit(0 if any("
             f"p.name == {BACKEND!r} and p.value == {ENTRY_POINT!r} "
-            "for p in e(group='vllm.general_plugins')) else 3)")
-    try:
-        done = subprocess.run([python, "-c", code], env={**os.environ, **env},
-                              timeout=bound, stdin=subprocess.DEVNULL,
-                              capture_output=True)
-    except subprocess.TimeoutExpired as e:
-        raise RunError(f"engine.weight_transfer: shm: checking {python}'s environment for "
-                       f"tiller's vLLM plugin took more than {bound:g} s") from e
-    return done.returncode == 0
+            f"for p in e(group='vllm.general_plugins')) else {PLUGIN_MISSING})")
+    exit_code, _, err = run_in_group([python, "-c", code], env, bound)
+    what = f"engine.weight_transfer: shm: checking {python}'s environment for tiller's vLLM plugin"
+    if exit_code is None:
+        raise RunError(f"{what} took more than {bound:g} s")
+    if exit_code not in (0, PLUGIN_MISSING):
+        how = f"killed by signal {-exit_code}" if exit_code < 0 else f"exit {exit_code}"
+        last = (err.strip().splitlines() or ["no output"])[-1]
+        raise RunError(f"{what} failed ({how}): {last}")
+    return exit_code == 0
 
 
 def remove_segment(path: str) -> None:

@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from tiller.config import Config
 from tiller.config.root import gloo_only
@@ -186,8 +187,8 @@ _tries_before: str | None = None  # the variable's value before the first of the
 
 
 def gcs_tries(on: bool) -> None:
-    """Ray's GCS tries set to one (`on`, before a connecting thread starts) or restored (after
-    its `ray.init` returned), counted over the threads that run at once."""
+    """Ray's GCS tries set to one (`on`, by a connecting thread before its `ray.init`) or
+    restored (after it returned), counted over the threads that run at once."""
     global _tries_users, _tries_before
     with _tries_lock:
         if on:
@@ -232,14 +233,17 @@ def wait_given_up() -> None:
 
 class _Connecting:
     """One `ray.init(address)` in a thread, and the run that waits for it: they share a lock
-    and two flags, `done` (the thread's, with its `error` or None) and `gave_up` (the run's).
-    Whichever comes second acts: the run goes on with (or, on Ctrl-C, undoes) a connection
-    that is done; the thread undoes the one it makes after the run gave up."""
+    and three flags, `entered` and `done` (the thread's, with its `error` or None) and
+    `gave_up` (the run's). Whichever comes second acts: the run goes on with (or, on Ctrl-C,
+    undoes) a connection that is done; the thread undoes the one it makes after the run gave
+    up, and one that finds the run gone before it entered (Ctrl-C inside `Thread.start()`)
+    returns without a `ray.init`. Only the thread counts itself in `gcs_tries`, once each way,
+    so no Ctrl-C in the run's thread can count it twice or not at all (review s10-final G3)."""
 
     def __init__(self, address: str):
         self.address = address
         self.lock = threading.Lock()
-        self.done, self.gave_up, self.error = False, False, None
+        self.entered, self.done, self.gave_up, self.error = False, False, False, None
         self.gave_up_at = 0.0
         self.thread = threading.Thread(target=self.init, name="tiller-ray-connect",
                                        daemon=True)
@@ -247,6 +251,11 @@ class _Connecting:
     def init(self) -> None:
         import ray
 
+        with self.lock:
+            if self.gave_up:
+                return
+            self.entered = True
+        gcs_tries(True)
         error: BaseException | None = None
         try:
             ray.init(address=self.address, include_dashboard=False, log_to_driver=False,
@@ -277,6 +286,8 @@ class _Connecting:
             if self.done:
                 return False
             self.gave_up, self.gave_up_at = True, time.monotonic()
+            if not self.entered:  # it returns without a ray.init, if it ever runs
+                return True
         given_up += 1
         _given_up_threads.append(self.thread)
         log.warning("ray: the run gave up its connection to cluster.address %r; the thread "
@@ -302,17 +313,12 @@ def connect(address: str) -> None:
     import ray
 
     attempt = _Connecting(address)
-    gcs_tries(True)
-    try:
-        attempt.thread.start()
-    except BaseException:
-        gcs_tries(False)
-        raise
     interrupted = True
     try:
+        attempt.thread.start()
         attempt.thread.join(ADDRESS_TIMEOUT_S)
         interrupted = False
-    finally:  # the limit, Ctrl-C, SIGTERM
+    finally:  # the limit, Ctrl-C or SIGTERM (inside `Thread.start()` too), a failed start
         gave_up = attempt.give_up()
         if interrupted and not gave_up:
             ray.shutdown()  # what ray.init connected or set up just before Ctrl-C or SIGTERM
@@ -338,7 +344,17 @@ def _too_many(cfg: Config, cpus: float, knob: str) -> str:
 class RayCluster:
     """The run's Ray session: `start` connects or starts, `close` disconnects or stops. A local
     instance is guarded by `ray_reaper` (started first, told to act by `close` or by the run's
-    process's death): nothing of it outlives the run, even a SIGKILLed one."""
+    process's death): nothing of it outlives the run, even a SIGKILLed one.
+    `ray.init` puts Ray's own SIGTERM handling in place (from the main thread a Python handler
+    that raises SystemExit, and its C++ core's crash handler, which aborts the process: seen
+    with a local instance) and `ray.shutdown` leaves the Python one: the SIGTERM handler the
+    process had before `start` is put back when `start` and `close` end (`_own_sigterm`), so
+    after `start` returns `tiller train` takes SIGTERM as Ctrl-C under Ray again, and a process
+    (pytest) that ran a Ray run inside it keeps its own handling of SIGTERM after it. Not
+    within `start`: a SIGTERM during a local instance's `ray.init` meets Ray's handling
+    (SystemExit(15), or an abort once Ray's core runs; only the guard cleans up then). Not
+    checked: whether a given-up connection's thread whose `ray.init` ends after `start`
+    returned installs Ray's C++ handler after the handler was put back."""
 
     def __init__(self, cfg: Config, run_dir: Path):
         self.cfg, self.run_dir = cfg, run_dir
@@ -347,17 +363,37 @@ class RayCluster:
         # `connect` did not return: what it leaves is undone by it or by its thread, so `close`
         # calls no ray.shutdown() that could run beside the thread's ray.init
         self.connecting = False
+        self.sigterm: Any = None  # the SIGTERM handler before `start` (main thread only)
 
     def start(self) -> RayCluster:
         """Connect, or start the local instance (and its guard); a start that fails stops
         what it started (nothing before a given-up connection ends: `wait_given_up`; its
         error closes nothing, so no ray.shutdown() runs beside that thread's ray.init)."""
         wait_given_up()
+        if threading.current_thread() is threading.main_thread():
+            self.sigterm = signal.getsignal(signal.SIGTERM)
         try:
             return self._start()
         except BaseException:
             self.close()
             raise
+        finally:
+            self._own_sigterm()
+
+    def _own_sigterm(self) -> None:
+        """Where the process's SIGTERM handler is Ray's, the one from before `start` back in
+        its place (None: that one was not set from Python, or `start` ran outside the main
+        thread); any other handler was set since `start` (the CLI's once-then-kill handler
+        sets SIG_DFL when it runs) and is set again as it is, which also puts it back in the
+        kernel where `ray.shutdown` reset SIGTERM's disposition under Python's table. Only
+        from the main thread: elsewhere no handler can be set (ValueError)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        now = signal.getsignal(signal.SIGTERM)
+        rays = str(getattr(now, "__module__", None) or "").split(".")[0] == "ray"
+        keep = self.sigterm if rays else now
+        if keep is not None:
+            signal.signal(signal.SIGTERM, keep)
 
     def _start(self) -> RayCluster:
         import ray
@@ -404,8 +440,11 @@ class RayCluster:
                                         ignore_dangling_symlinks=True, symlinks=False)
                     shutil.rmtree(self.temp_dir, ignore_errors=True)
             finally:
-                if self.reaper is not None:
-                    self._reap()
+                try:  # first: the run's handling of SIGTERM holds while the guard is waited for
+                    self._own_sigterm()  # ray.shutdown left Ray's Python handler
+                finally:
+                    if self.reaper is not None:
+                        self._reap()
 
     def _reap(self) -> None:
         """Tell the guard the run is done with the instance and wait for it: a process of the
