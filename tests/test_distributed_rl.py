@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from test_distributed import ATOL, batch_of, flat
+from test_distributed import ATOL, REL, batch_of, flat
 
 from tiller.config import RLConfig
 from tiller.models import load_model
@@ -40,7 +40,7 @@ def pair(group, lr=1e-3):
 
 def assert_same(got, want, keys):
     for key in keys:
-        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+        assert got[key] == pytest.approx(want[key], rel=REL, abs=1e-7), key
 
 
 @pytest.mark.slow
