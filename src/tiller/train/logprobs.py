@@ -141,7 +141,7 @@ def _chunk(head: nn.Module, h: torch.Tensor, ids: torch.Tensor, temperature: flo
 
 def token_logprobs(
     model: nn.Module, batch: Batch, temperature: float = 1.0, with_entropy: bool = False,
-    top_k: int = 0, top_p: float = 1.0, shape: PassShape = PassShape(),
+    top_k: int = 0, top_p: float = 1.0, shape: PassShape = PassShape(), loss_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(token_t | tokens_<t) [B, T] for every position (0 at t = 0 and off each row's
     length), and optionally the entropy H_t = -sum_v q_v log q_v of the distribution q that
@@ -151,9 +151,21 @@ def token_logprobs(
     top_p < 1: renormalised over the set this model's own q keeps (`sampling.kept_set`) plus
     the token itself (`sampling.truncated_logprobs`), so on-policy the value is exactly the
     logprob the engine reported with `sampling.logprobs: sampled` (`train/truncation.py`).
-    Packed or padded and in chunks of `shape.chunk_tokens` positions (the module docstring)."""
+    Packed or padded and in chunks of `shape.chunk_tokens` positions (the module docstring).
+
+    `loss_only`: only the positions that predict a token of `batch.loss_mask` go through the
+    output layer (values and entropies are 0 at every other position). The training passes
+    read nothing off the mask, and there the prompt (most of an episode behind a long system
+    prompt) then costs the trunk only, not the vocabulary-wide head, log-softmax and entropy
+    (and their recomputation in the backward pass) at every one of its positions."""
     trunk, head = trunk_and_head(model)
     hidden, rows, cols, flat = hidden_states(trunk, batch, shape.packing)
+    if loss_only:
+        keep = batch.loss_mask[rows, cols + 1] > 0
+        # a pass with no loss token still runs the head on one position, so that its
+        # backward reaches every parameter (as the other ranks' passes do under FSDP)
+        keep[:1] |= ~keep.any()
+        rows, cols, flat = rows[keep], cols[keep], flat[keep]
     ids = batch.input_ids[rows, cols + 1]
     # one chunk: nothing to save by recomputing it
     recompute = torch.is_grad_enabled() and hidden.requires_grad and len(ids) > shape.chunk_tokens

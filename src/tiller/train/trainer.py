@@ -236,22 +236,24 @@ class PolicyTrainer:
                       rollout_logprobs=zeros, rewards=torch.zeros(1),
                       group_index=torch.zeros(1, dtype=torch.long))
         try:
-            logp, _ = self._forward(self.model, probe, 1.0, truncate=False)
+            logp, _ = self._forward(self.model, probe, 1.0, truncate=False, loss_only=False)
         finally:
             self.model.train(was_training)
         return logp[0, 1:].float().tolist()
 
     def _forward(self, model: nn.Module, mb: Batch, temperature: float,
-                 with_entropy: bool = False, truncate: bool = True
+                 with_entropy: bool = False, truncate: bool = True, loss_only: bool = True
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`token_logprobs` of a micro-batch already on the model's device, under bf16
         autocast when that is the compute dtype (log-softmax stays fp32 either way); with the
-        sampler's truncation unless `truncate` is False (SFT, the parity probe)."""
+        sampler's truncation unless `truncate` is False (SFT, the parity probe); on the
+        positions of the loss mask only (0 elsewhere) unless `loss_only` is False (the parity
+        probe, whose every position is compared)."""
         bf16 = self.compute_dtype == torch.bfloat16
         top_k, top_p = (self.top_k, self.top_p) if truncate else (0, 1.0)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
             return token_logprobs(model, mb, temperature, with_entropy, top_k, top_p,
-                                  self.shape)
+                                  self.shape, loss_only)
 
     def _train_mode(self) -> None:
         """The mode of a gradient pass: train (dropout on) only with dropout "keep"; with
