@@ -88,10 +88,10 @@ def test_rank_rows_keep_the_token_budget_with_equal_passes(packed):
         [0], [-3]]
 
 
-def batch_of(tokenizer, n=6):
+def batch_of(tokenizer, n=6, rewards=(0.5, -1.0, 2.0, -0.3, 0.0, 1.0)):
     trajs = [make_traj([3, 4, 5, 6][: 2 + i % 3], [7 + i, 8, 9 + i, 10][: 1 + i % 4],
                        float(i % 2), task=f"t{i // 3}") for i in range(n)]
-    rewards = [0.5, -1.0, 2.0, -0.3, 0.0, 1.0][:n]
+    rewards = list(rewards[:n])
     return Batch.collate(trajs, tokenizer.pad_token_id, rewards)
 
 

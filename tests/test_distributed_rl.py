@@ -75,6 +75,38 @@ def test_two_ranks_equal_one_rank_with_the_kl_term(group, tokenizer, placement):
     assert group.ref is None
 
 
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("placement", ["loss", "reward"])
+def test_rank_0s_empty_pass_leaves_its_rows_alone(group, tokenizer, placement):
+    """3 rows at 1 row a pass: rank 0 holds the shortest row (the one an empty pass runs on,
+    marked by a negative index) and 1 row to rank 1's 2, so it runs an empty pass in the
+    reference pass and in the pass that fills logp_old (KL in the loss: the gradient pass; in
+    the reward: the prepass). Neither may write that row: with the output layer on the loss
+    positions only, the empty pass's values are 0 there. The short row's advantage is not 0
+    (rewards 1, -1, 2), so its logp_old and reference logprobs reach the loss."""
+    batch = batch_of(tokenizer, n=3, rewards=(1.0, -1.0, 2.0))
+    single, group = pair(group)
+    refs = [t.reference() for t in (single, group)]
+    for t in (single, group):
+        t.sft_step(batch, 2)  # off the reference
+    cfg = RLConfig(micro_batch_size=1, mini_batches=1, max_grad_norm=0.5, algorithm={
+        "advantage": "dr_grpo", "kl": {"beta": 0.5, "placement": placement,
+                                       "estimator": "k3" if placement == "loss" else None}})
+    want = single.rl_step(batch, cfg, 8, ref_model=refs[0])
+    got = group.rl_step(batch, cfg, 8, ref_model=refs[1])
+    assert want["kl"] > 1e-3 and single.last_rl.advantages[0].abs().max() > 0.1
+    assert_same(got, want, (*STATS, "kl"))
+    # on the mask, tight: logp_old, and (KL in the reward) the advantages the reference's
+    # logprobs went into
+    mask = batch.loss_mask
+    for name in ("logp_old", "advantages"):
+        gap = (getattr(group.last_rl, name) - getattr(single.last_rl, name)) * mask
+        assert gap.abs().max() < 1e-5, name
+    group.drop_reference()
+
+
 def ppo_pair(group, tokenizer):
     """The batch, a single rank and the group (`pair`), PPO's config with the KL term, and each
     trainer's reference model and critic."""

@@ -293,8 +293,9 @@ class PolicyTrainer:
         lengths = batch.attention_mask.sum(-1)
         for idx in self.rows.share(torch.arange(len(lengths)), lengths, micro_batch_size):
             mb = self.rows.pass_batch(batch, idx, self.device)
-            out[idx, : mb.input_ids.size(1)] = self._forward(model, mb, self.temperature)[0].to(
-                out.device)
+            logp = self._forward(model, mb, self.temperature)[0].to(out.device)
+            real = idx >= 0  # an empty pass's row (negative) is another's: left alone
+            out[idx[real], : mb.input_ids.size(1)] = logp[real]
         return self.rows.reduce_rows(out)
 
     def _reference_logprobs(self, ref: nn.Module, batch: Batch, micro_batch_size: int
@@ -399,8 +400,9 @@ class PolicyTrainer:
         dev, m = self.device, mb.loss_mask
         width = mb.input_ids.size(1)
         logp, ent = self._forward(self.model, mb, self.temperature, with_entropy=True)
-        if not x.prepass:
-            x.logp_old[rows, :width] = logp.detach().to(x.logp_old.device)
+        if not x.prepass:  # the real rows only (an empty pass's is another's)
+            real = rows >= 0
+            x.logp_old[rows[real], :width] = logp.detach().to(x.logp_old.device)[real]
         old = _on(x.logp_old, rows, width, dev)
         loss_tok, stats = POLICY_LOSSES[alg.policy_loss](
             logp, old, _on(x.advantages, rows, width, dev), m,
