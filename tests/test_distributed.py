@@ -45,6 +45,17 @@ from tiller.train.trainer import PolicyTrainer
 # only, a pass's 1-7 rows, whose count sets the matmul's kernel path, no longer share it.)
 ATOL = 1.5e-4  # updated weights: 2 x 6.6e-5, rounded up
 REL = 5e-5  # an RL step's metrics: 2 x 2.5e-5
+# ATOL's error sits on the entries AdamW's eps amplifies; on the others (gradient scale
+# sqrt(v_hat) > GRAD_FLOOR, 62-100% of the entries) s11-head2 measured the gap between 1 and
+# 2 ranks with this file's tests and test_distributed_rl/memory's: after SFT steps at most
+# 2.6e-6 (3 steps; 1 step: 1.2e-7; TIGHT_SFT = 3.9x), after RL steps (whose losses are signed
+# sums: the gradient's rounding is not confined to small entries) at most 3.5e-5 (TIGHT =
+# 1.4x). A step-size error of 10% (each entry moves ~lr = 1e-3 a step) is 1e-4 there: the
+# ranks at lr x 1.1 fail the SFT and the one-update RL test here. Empirical bounds, like
+# ATOL/REL: measured on this model, seed, batch and BLAS, not derived.
+GRAD_FLOOR = 1e-6  # 100 x AdamW's eps
+TIGHT = 5e-5
+TIGHT_SFT = 1e-5
 
 
 def test_rank_rows_deal_every_row_once_with_equal_passes():
@@ -105,11 +116,37 @@ def assert_same_rl_step(single, group, batch, cfg, before) -> None:
         assert got[key] == pytest.approx(want[key], rel=REL, abs=1e-7), key
     after = flat(group.publisher.model)
     assert (after - before).abs().max() > 1e-4  # the weights moved
-    assert torch.allclose(after, flat(single.model), atol=ATOL)
+    assert_same_weights(after, single.model, single.optimizer)
 
 
 def flat(model):
     return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def gradient_scale(model, optimizer) -> torch.Tensor:
+    """Each entry of `flat(model)`'s gradient scale as AdamW's step divides by it,
+    sqrt(v / (1 - beta2^t)) (0 for a parameter with no state yet)."""
+    beta2 = optimizer.param_groups[0]["betas"][1]
+    parts = []
+    for p in model.parameters():
+        state = optimizer.state.get(p, {})
+        if "exp_avg_sq" in state:
+            steps = float(state["step"])
+            parts.append((state["exp_avg_sq"] / (1 - beta2**steps)).sqrt().flatten())
+        else:
+            parts.append(torch.zeros(p.numel()))
+    return torch.cat(parts)
+
+
+def assert_same_weights(got: torch.Tensor, model, optimizer, tight: float = TIGHT) -> None:
+    """The N ranks' updated weights `got` equal the single rank's `model` (trained by
+    `optimizer`): within ATOL everywhere, within `tight` where the gradient is well above
+    AdamW's eps (most entries: each moves about lr a step, so there a step-size bug shows)."""
+    want = flat(model)
+    assert torch.allclose(got, want, atol=ATOL)
+    big = gradient_scale(model, optimizer) > GRAD_FLOOR
+    assert big.float().mean() > 0.5  # measured: 62-100% of the entries
+    assert (got - want)[big].abs().max() < tight
 
 
 @pytest.mark.slow
@@ -260,7 +297,7 @@ def test_two_ranks_equal_one_rank_on_an_sft_step(group, tokenizer):
     got = group.sft_step(batch, 2)
     assert got["sft_loss"] == pytest.approx(want["sft_loss"], rel=1e-5)
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
-    assert torch.allclose(flat(group.publisher.model), flat(single.model), atol=ATOL)
+    assert_same_weights(flat(group.publisher.model), single.model, single.optimizer, TIGHT_SFT)
     state = group.publisher.model.state_dict()  # what rank 0 gathers after the step, timed
     assert got["train/gather_bytes"] == sum(t.numel() * t.element_size() for t in state.values())
     assert 0 < got["train/gather_s"] < 10
@@ -303,7 +340,7 @@ def test_two_ranks_equal_one_rank_without_prepass_or_rows(group, tokenizer, mini
     # on the loss mask (past a row's end the values depend on its micro-batch's width)
     gap = (group.last_rl.logp_old - single.last_rl.logp_old) * batch.loss_mask
     assert gap.abs().max() < 1e-5
-    assert torch.allclose(flat(group.publisher.model), flat(single.model), atol=ATOL)
+    assert_same_weights(flat(group.publisher.model), single.model, single.optimizer)
 
 
 def optimizer_by_name(trainer: PolicyTrainer) -> dict[str, dict[str, torch.Tensor]]:
@@ -371,7 +408,7 @@ def test_the_ranks_optimizer_and_rng_states_round_trip(group, tokenizer):
     want_step = single.sft_step(batch, micro_batch_size=2)
     got_step = group.sft_step(batch, 2)
     assert got_step["sft_loss"] == pytest.approx(want_step["sft_loss"], rel=1e-5)
-    assert torch.allclose(flat(group.publisher.model), flat(single.model), atol=ATOL)
+    assert_same_weights(flat(group.publisher.model), single.model, single.optimizer, TIGHT_SFT)
     with pytest.raises(ValueError, match="1 ranks' RNG states for 2 ranks"):
         group.load_checkpoint_state(saved, [None], version=7)
 

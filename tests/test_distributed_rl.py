@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from test_distributed import ATOL, REL, batch_of, flat
+from test_distributed import ATOL, REL, assert_same_weights, batch_of, flat
 
 from tiller.config import RLConfig
 from tiller.models import load_model
@@ -39,8 +39,11 @@ def pair(group, lr=1e-3):
 
 
 def assert_same(got, want, keys):
+    """REL for the policy's metrics; the critic's (value_*), whose passes run every position
+    as before, measured within 1.4e-7 relative of 1 rank: 1e-5."""
     for key in keys:
-        assert got[key] == pytest.approx(want[key], rel=REL, abs=1e-7), key
+        rel = 1e-5 if key.startswith("value_") else REL
+        assert got[key] == pytest.approx(want[key], rel=rel, abs=1e-7), key
 
 
 @pytest.mark.slow
@@ -70,7 +73,7 @@ def test_two_ranks_equal_one_rank_with_the_kl_term(group, tokenizer, placement):
     assert_same(got, want, (*STATS, "kl", "kl_beta"))
     after = flat(group.publisher.model)
     assert (after - before).abs().max() > 1e-4  # the weights moved
-    assert torch.allclose(after, flat(single.model), atol=ATOL)
+    assert_same_weights(after, single.model, single.optimizer)
     group.drop_reference()
     assert group.ref is None
 
@@ -137,13 +140,13 @@ def test_two_ranks_equal_one_rank_with_a_critic_and_kl(group, tokenizer):
             assert want["explained_variance"] != 0.0  # the head is no longer zero
             assert got["explained_variance"] == pytest.approx(want["explained_variance"],
                                                               rel=1e-4)
-    assert torch.allclose(flat(group.publisher.model), flat(single.model), atol=ATOL)
+    assert_same_weights(flat(group.publisher.model), single.model, single.optimizer)
     state = group.critic_state()
     trained = dict(critics[0].model.named_parameters())
     assert sorted(state) == sorted(trained)
     gathered = torch.cat([state[k].flatten() for k in trained])
     assert (gathered - start).abs().max() > 1e-4  # the critic moved
-    assert torch.allclose(gathered, flat(critics[0].model), atol=ATOL)
+    assert_same_weights(gathered, critics[0].model, critics[0].optimizer)
 
 
 def same(a, b) -> bool:
