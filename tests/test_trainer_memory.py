@@ -106,9 +106,11 @@ def test_loss_only_equals_full_on_the_mask(packing: bool) -> None:
     model.zero_grad()
     empty = ragged_batch()
     empty.loss_mask.zero_()
-    logp, _ = token_logprobs(model, empty, loss_only=True, shape=PassShape(packing=packing))
+    logp, ent = token_logprobs(model, empty, with_entropy=True, loss_only=True,
+                               shape=PassShape(packing=packing))
     (logp * empty.loss_mask).sum().backward()
     assert logp.requires_grad and all(p.grad.abs().sum() == 0 for p in model.parameters())
+    assert int((logp != 0).sum()) == int((ent != 0).sum()) == 0  # the kept position too
 
 
 def test_packing_eager_attention_equals_padded() -> None:

@@ -161,10 +161,13 @@ def token_logprobs(
     trunk, head = trunk_and_head(model)
     hidden, rows, cols, flat = hidden_states(trunk, batch, shape.packing)
     if loss_only:
-        keep = batch.loss_mask[rows, cols + 1] > 0
+        loss = batch.loss_mask[rows, cols + 1] > 0
         # a pass with no loss token still runs the head on one position, so that its
-        # backward reaches every parameter (as the other ranks' passes do under FSDP)
+        # backward reaches every parameter (as the other ranks' passes do under FSDP); its
+        # values are multiplied by 0 there (`real`), which keeps the graph
+        keep = loss.clone()
         keep[:1] |= ~keep.any()
+        real = loss[keep].float()
         rows, cols, flat = rows[keep], cols[keep], flat[keep]
     ids = batch.input_ids[rows, cols + 1]
     # one chunk: nothing to save by recomputing it
@@ -176,12 +179,14 @@ def token_logprobs(
         lp, ent = checkpoint(_chunk, *args, use_reentrant=False) if recompute else _chunk(*args)
         logps.append(lp)
         ents.append(ent)
-    size = batch.input_ids.shape
-    at = (rows, cols + 1)
-    logp = hidden.new_zeros(size, dtype=torch.float32).index_put(at, _cat(logps, hidden))
+    size, at = batch.input_ids.shape, (rows, cols + 1)
+    values = [_cat(logps, hidden), _cat(ents, hidden) if with_entropy else None]
+    if loss_only:
+        values = [v * real.to(v.device) if v is not None else None for v in values]
+    logp = hidden.new_zeros(size, dtype=torch.float32).index_put(at, values[0])
     if not with_entropy:
         return logp, None
-    return logp, hidden.new_zeros(size, dtype=torch.float32).index_put(at, _cat(ents, hidden))
+    return logp, hidden.new_zeros(size, dtype=torch.float32).index_put(at, values[1])
 
 
 def _cat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
