@@ -33,10 +33,29 @@ from tiller.train.ranks import (
 from tiller.train.sharding import rank_rows
 from tiller.train.trainer import PolicyTrainer
 
-# fp32 sums in another order (each rank's share, then the all-reduce): the updated weights'
-# max |diff| measured 1e-7 (token-mean) to 3e-6 (seq-mean-token-mean) after two AdamW steps
-# at lr 1e-3; the losses and grad norms agree to ~2e-6 relative
-ATOL = 1e-5
+# 1 and 2 ranks sum fp32 in other orders, so they agree to float32's error, measured
+# (s11-head, /work/notes/s11-head-report.md): this file's SFT and RL steps from 1 rank in
+# float64 (the exact answer: 2 float64 ranks equal it within 1.2e-14) against float32 on 1
+# rank and on 2. float32's own error there: the updated weights up to 6.6e-5, 1 rank and 2
+# alike, all on entries whose gradient is below 1e-7, where AdamW's first step
+# (g / (|g| + 1e-8)) turns rounding into a move; the RL loss, a sum of terms of both signs, up
+# to 2.5e-5 relative (grad norm 6.3e-6, entropy 9e-8). Two results each that near the truth
+# differ by at most twice that: the bounds below. (With the output layer on every position 1
+# and 2 ranks shared most of their rounding and agreed within 1e-5; on the loss positions
+# only, a pass's 1-7 rows, whose count sets the matmul's kernel path, no longer share it.)
+ATOL = 1.5e-4  # updated weights: 2 x 6.6e-5, rounded up
+REL = 5e-5  # an RL step's metrics: 2 x 2.5e-5
+# ATOL's error sits on the entries AdamW's eps amplifies; on the others (gradient scale
+# sqrt(v_hat) > GRAD_FLOOR, 62-100% of the entries) s11-head2 measured the gap between 1 and
+# 2 ranks with this file's tests and test_distributed_rl/memory's: after SFT steps at most
+# 2.6e-6 (3 steps; 1 step: 1.2e-7; TIGHT_SFT = 3.9x), after RL steps (whose losses are signed
+# sums: the gradient's rounding is not confined to small entries) at most 3.5e-5 (TIGHT =
+# 1.4x). A step-size error of 10% (each entry moves ~lr = 1e-3 a step) is 1e-4 there: the
+# ranks at lr x 1.1 fail the SFT and the one-update RL test here. Empirical bounds, like
+# ATOL/REL: measured on this model, seed, batch and BLAS, not derived.
+GRAD_FLOOR = 1e-6  # 100 x AdamW's eps
+TIGHT = 5e-5
+TIGHT_SFT = 1e-5
 
 
 def test_rank_rows_deal_every_row_once_with_equal_passes():
@@ -80,10 +99,10 @@ def test_rank_rows_keep_the_token_budget_with_equal_passes(packed):
         [0], [-3]]
 
 
-def batch_of(tokenizer, n=6):
+def batch_of(tokenizer, n=6, rewards=(0.5, -1.0, 2.0, -0.3, 0.0, 1.0)):
     trajs = [make_traj([3, 4, 5, 6][: 2 + i % 3], [7 + i, 8, 9 + i, 10][: 1 + i % 4],
                        float(i % 2), task=f"t{i // 3}") for i in range(n)]
-    rewards = [0.5, -1.0, 2.0, -0.3, 0.0, 1.0][:n]
+    rewards = list(rewards[:n])
     return Batch.collate(trajs, tokenizer.pad_token_id, rewards)
 
 
@@ -94,14 +113,40 @@ def assert_same_rl_step(single, group, batch, cfg, before) -> None:
     want = single.rl_step(batch, cfg, l_max=8)
     got = group.rl_step(batch, cfg, 8)
     for key in ("loss", "grad_norm", "entropy", "clip_frac", "logp_mismatch_mean"):
-        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+        assert got[key] == pytest.approx(want[key], rel=REL, abs=1e-7), key
     after = flat(group.publisher.model)
     assert (after - before).abs().max() > 1e-4  # the weights moved
-    assert torch.allclose(after, flat(single.model), atol=ATOL)
+    assert_same_weights(after, single.model, single.optimizer)
 
 
 def flat(model):
     return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def gradient_scale(model, optimizer) -> torch.Tensor:
+    """Each entry of `flat(model)`'s gradient scale as AdamW's step divides by it,
+    sqrt(v / (1 - beta2^t)) (0 for a parameter with no state yet)."""
+    beta2 = optimizer.param_groups[0]["betas"][1]
+    parts = []
+    for p in model.parameters():
+        state = optimizer.state.get(p, {})
+        if "exp_avg_sq" in state:
+            steps = float(state["step"])
+            parts.append((state["exp_avg_sq"] / (1 - beta2**steps)).sqrt().flatten())
+        else:
+            parts.append(torch.zeros(p.numel()))
+    return torch.cat(parts)
+
+
+def assert_same_weights(got: torch.Tensor, model, optimizer, tight: float = TIGHT) -> None:
+    """The N ranks' updated weights `got` equal the single rank's `model` (trained by
+    `optimizer`): within ATOL everywhere, within `tight` where the gradient is well above
+    AdamW's eps (most entries: each moves about lr a step, so there a step-size bug shows)."""
+    want = flat(model)
+    assert torch.allclose(got, want, atol=ATOL)
+    big = gradient_scale(model, optimizer) > GRAD_FLOOR
+    assert big.float().mean() > 0.5  # measured: 62-100% of the entries
+    assert (got - want)[big].abs().max() < tight
 
 
 @pytest.mark.slow
@@ -252,7 +297,7 @@ def test_two_ranks_equal_one_rank_on_an_sft_step(group, tokenizer):
     got = group.sft_step(batch, 2)
     assert got["sft_loss"] == pytest.approx(want["sft_loss"], rel=1e-5)
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
-    assert torch.allclose(flat(group.publisher.model), flat(single.model), atol=ATOL)
+    assert_same_weights(flat(group.publisher.model), single.model, single.optimizer, TIGHT_SFT)
     state = group.publisher.model.state_dict()  # what rank 0 gathers after the step, timed
     assert got["train/gather_bytes"] == sum(t.numel() * t.element_size() for t in state.values())
     assert 0 < got["train/gather_s"] < 10
@@ -291,11 +336,11 @@ def test_two_ranks_equal_one_rank_without_prepass_or_rows(group, tokenizer, mini
     got = group.rl_step(batch, cfg, 8)
     assert got["optimizer_steps"] == want["optimizer_steps"] == mini_batches
     for key in ("loss", "grad_norm", "entropy", "logp_mismatch_mean", "advantage_abs_mean"):
-        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+        assert got[key] == pytest.approx(want[key], rel=REL, abs=1e-7), key
     # on the loss mask (past a row's end the values depend on its micro-batch's width)
     gap = (group.last_rl.logp_old - single.last_rl.logp_old) * batch.loss_mask
     assert gap.abs().max() < 1e-5
-    assert torch.allclose(flat(group.publisher.model), flat(single.model), atol=ATOL)
+    assert_same_weights(flat(group.publisher.model), single.model, single.optimizer)
 
 
 def optimizer_by_name(trainer: PolicyTrainer) -> dict[str, dict[str, torch.Tensor]]:
@@ -310,7 +355,7 @@ def optimizer_by_name(trainer: PolicyTrainer) -> dict[str, dict[str, torch.Tenso
 def test_the_ranks_optimizer_and_rng_states_round_trip(group, tokenizer):
     """A checkpoint's share of the ranks (`Leader.checkpoint_state`): the optimizer's full state
     gathered from both shards equals the single-rank optimizer's after the same two steps
-    (both AdamW moments of every parameter within ATOL, the step count exact), with every
+    (both AdamW moments of every parameter within 1e-5, the step count exact), with every
     rank's RNG states. Put back into fresh optimizers with other RNG states for rank 1
     (`load_checkpoint_state`), the state gathered again is the same bit for bit and rank 1
     has the RNG states it was given; the next step then equals the single rank's."""
@@ -335,7 +380,8 @@ def test_the_ranks_optimizer_and_rng_states_round_trip(group, tokenizer):
         assert float(got["step"]) == float(moments["step"]) == 2.0
         for key in ("exp_avg", "exp_avg_sq"):
             assert got[key].shape == moments[key].shape and not got[key].is_meta, (name, key)
-            assert torch.allclose(got[key], moments[key], atol=ATOL, rtol=1e-4), (name, key)
+            # (moments are gradient averages: no AdamW step between them and the rounding)
+            assert torch.allclose(got[key], moments[key], atol=1e-5, rtol=1e-4), (name, key)
     assert optim["param_groups"][0]["lr"] == 1e-3
     assert optim["param_groups"][0]["weight_decay"] == 0.01
     assert len(rngs) == 2 and all(set(r[0]) == {"python", "numpy"} and "torch" in r[1]
@@ -362,7 +408,7 @@ def test_the_ranks_optimizer_and_rng_states_round_trip(group, tokenizer):
     want_step = single.sft_step(batch, micro_batch_size=2)
     got_step = group.sft_step(batch, 2)
     assert got_step["sft_loss"] == pytest.approx(want_step["sft_loss"], rel=1e-5)
-    assert torch.allclose(flat(group.publisher.model), flat(single.model), atol=ATOL)
+    assert_same_weights(flat(group.publisher.model), single.model, single.optimizer, TIGHT_SFT)
     with pytest.raises(ValueError, match="1 ranks' RNG states for 2 ranks"):
         group.load_checkpoint_state(saved, [None], version=7)
 

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from test_distributed import ATOL, assert_same_rl_step, batch_of, flat
+from test_distributed import REL, assert_same_rl_step, assert_same_weights, batch_of, flat
 
 from tiller.config import RLConfig, TrainConfig
 from tiller.models import load_model
@@ -69,8 +69,9 @@ def test_packed_budgeted_ranks_equal_one_rank_with_reference_and_critic(group, t
     got = group.rl_step(batch, cfg, 8, refs[1], critics[1])
     assert want["kl"] > 1e-3
     for key in ("loss", "grad_norm", "kl", "value_loss", "value_grad_norm", "value_clip_frac"):
-        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
-    assert torch.allclose(flat(group.publisher.model), flat(single.model), atol=ATOL)
+        rel = 1e-5 if key.startswith("value_") else REL  # the critic: as before (1.4e-7)
+        assert got[key] == pytest.approx(want[key], rel=rel, abs=1e-7), key
+    assert_same_weights(flat(group.publisher.model), single.model, single.optimizer)
     state = group.critic_state()
     gathered = torch.cat([state[k].flatten() for k, _ in critics[0].model.named_parameters()])
-    assert torch.allclose(gathered, flat(critics[0].model), atol=ATOL)
+    assert_same_weights(gathered, critics[0].model, critics[0].optimizer)

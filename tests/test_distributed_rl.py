@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from test_distributed import ATOL, batch_of, flat
+from test_distributed import ATOL, REL, assert_same_weights, batch_of, flat
 
 from tiller.config import RLConfig
 from tiller.models import load_model
@@ -39,8 +39,11 @@ def pair(group, lr=1e-3):
 
 
 def assert_same(got, want, keys):
+    """REL for the policy's metrics; the critic's (value_*), whose passes run every position
+    as before, measured within 1.4e-7 relative of 1 rank: 1e-5."""
     for key in keys:
-        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+        rel = 1e-5 if key.startswith("value_") else REL
+        assert got[key] == pytest.approx(want[key], rel=rel, abs=1e-7), key
 
 
 @pytest.mark.slow
@@ -70,9 +73,41 @@ def test_two_ranks_equal_one_rank_with_the_kl_term(group, tokenizer, placement):
     assert_same(got, want, (*STATS, "kl", "kl_beta"))
     after = flat(group.publisher.model)
     assert (after - before).abs().max() > 1e-4  # the weights moved
-    assert torch.allclose(after, flat(single.model), atol=ATOL)
+    assert_same_weights(after, single.model, single.optimizer)
     group.drop_reference()
     assert group.ref is None
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("placement", ["loss", "reward"])
+def test_rank_0s_empty_pass_leaves_its_rows_alone(group, tokenizer, placement):
+    """3 rows at 1 row a pass: rank 0 holds the shortest row (the one an empty pass runs on,
+    marked by a negative index) and 1 row to rank 1's 2, so it runs an empty pass in the
+    reference pass and in the pass that fills logp_old (KL in the loss: the gradient pass; in
+    the reward: the prepass). Neither may write that row: with the output layer on the loss
+    positions only, the empty pass's values are 0 there. The short row's advantage is not 0
+    (rewards 1, -1, 2), so its logp_old and reference logprobs reach the loss."""
+    batch = batch_of(tokenizer, n=3, rewards=(1.0, -1.0, 2.0))
+    single, group = pair(group)
+    refs = [t.reference() for t in (single, group)]
+    for t in (single, group):
+        t.sft_step(batch, 2)  # off the reference
+    cfg = RLConfig(micro_batch_size=1, mini_batches=1, max_grad_norm=0.5, algorithm={
+        "advantage": "dr_grpo", "kl": {"beta": 0.5, "placement": placement,
+                                       "estimator": "k3" if placement == "loss" else None}})
+    want = single.rl_step(batch, cfg, 8, ref_model=refs[0])
+    got = group.rl_step(batch, cfg, 8, ref_model=refs[1])
+    assert want["kl"] > 1e-3 and single.last_rl.advantages[0].abs().max() > 0.1
+    assert_same(got, want, (*STATS, "kl"))
+    # on the mask, tight: logp_old, and (KL in the reward) the advantages the reference's
+    # logprobs went into
+    mask = batch.loss_mask
+    for name in ("logp_old", "advantages"):
+        gap = (getattr(group.last_rl, name) - getattr(single.last_rl, name)) * mask
+        assert gap.abs().max() < 1e-5, name
+    group.drop_reference()
 
 
 def ppo_pair(group, tokenizer):
@@ -105,13 +140,13 @@ def test_two_ranks_equal_one_rank_with_a_critic_and_kl(group, tokenizer):
             assert want["explained_variance"] != 0.0  # the head is no longer zero
             assert got["explained_variance"] == pytest.approx(want["explained_variance"],
                                                               rel=1e-4)
-    assert torch.allclose(flat(group.publisher.model), flat(single.model), atol=ATOL)
+    assert_same_weights(flat(group.publisher.model), single.model, single.optimizer)
     state = group.critic_state()
     trained = dict(critics[0].model.named_parameters())
     assert sorted(state) == sorted(trained)
     gathered = torch.cat([state[k].flatten() for k in trained])
     assert (gathered - start).abs().max() > 1e-4  # the critic moved
-    assert torch.allclose(gathered, flat(critics[0].model), atol=ATOL)
+    assert_same_weights(gathered, critics[0].model, critics[0].optimizer)
 
 
 def same(a, b) -> bool:

@@ -143,9 +143,12 @@ def test_the_trainer_arrays_are_what_the_trainer_computed(rl_episodes, model, to
                                      strict=True)):
         n = len(t.token_ids)
         assert row["trained_step"] == 1
-        assert decode("trainer_logprobs", row["trainer_logprobs"]) == logp[i, :n].tolist()
+        stored = decode("trainer_logprobs", row["trainer_logprobs"])
+        assert stored == logp[i, :n].tolist()
         assert decode("advantages", row["advantages"]) == adv[i, :n].tolist()
         assert decode("train_mask", row["train_mask"]) == [int(m) for m in t.loss_mask]
+        # the output layer runs on the loss positions only: 0 off the train mask, and only there
+        assert [v != 0 for v in stored] == [bool(m) for m in t.loss_mask]
 
 
 def test_a_split_episode_gets_its_rows_back_end_to_end(tmp_path):

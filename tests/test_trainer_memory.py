@@ -83,6 +83,36 @@ def test_chunked_and_packed_equal_full(packing: bool, chunk: int) -> None:
         assert torch.allclose(p.grad, g, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_loss_only_equals_full_on_the_mask(packing: bool) -> None:
+    """The head on the loss positions only: the same values, entropies and gradients there,
+    0 everywhere else; a pass with no loss token still backpropagates (zero gradients)."""
+    model = tiny_llama()
+    batch = ragged_batch()
+    batch.loss_mask[:, :4] = 0  # a prompt of 4 tokens on each row
+    mask = batch.loss_mask
+    ref_logp, ref_ent = full_logprobs(model, batch, temperature=0.7)
+    (ref_logp * mask).sum().backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logp, ent = token_logprobs(model, batch, 0.7, with_entropy=True, loss_only=True,
+                               shape=PassShape(packing=packing, chunk_tokens=3))
+    (logp * mask).sum().backward()
+    assert torch.allclose(logp, ref_logp * mask, atol=1e-5, rtol=0)
+    assert torch.allclose(ent, ref_ent * mask, atol=1e-5, rtol=0)
+    assert int((logp != 0).sum()) == int(mask.sum()) == 11  # 3 + 0 + 7 + 1 loss tokens
+    for p, g in zip(model.parameters(), ref_grads, strict=True):
+        assert torch.allclose(p.grad, g, atol=1e-5, rtol=1e-4)
+    model.zero_grad()
+    empty = ragged_batch()
+    empty.loss_mask.zero_()
+    logp, ent = token_logprobs(model, empty, with_entropy=True, loss_only=True,
+                               shape=PassShape(packing=packing))
+    (logp * empty.loss_mask).sum().backward()
+    assert logp.requires_grad and all(p.grad.abs().sum() == 0 for p in model.parameters())
+    assert int((logp != 0).sum()) == int((ent != 0).sum()) == 0  # the kept position too
+
+
 def test_packing_eager_attention_equals_padded() -> None:
     model = tiny_llama("eager")
     batch = ragged_batch()

@@ -50,8 +50,9 @@ bench = load_bench()
 
 
 def flagged(ep: dict, threshold: float) -> int:
-    """Generated tokens whose |rollout - trainer| logprob exceeds `threshold`."""
-    return sum(1 for m, a, b in zip(ep["loss_mask"], ep["logprobs"], ep["trainer_logprobs"],
+    """Tokens of the train mask (the trainer's logprobs are 0 off it) whose |rollout - trainer|
+    logprob exceeds `threshold`."""
+    return sum(1 for m, a, b in zip(ep["train_mask"], ep["logprobs"], ep["trainer_logprobs"],
                                     strict=True) if m and abs(a - b) > threshold)
 
 

@@ -98,8 +98,9 @@ class Critic:
         lengths = batch.attention_mask.sum(-1)
         for rows in self.rows.share(torch.arange(len(lengths)), lengths, micro_batch_size):
             mb = self.rows.pass_batch(batch, rows, self.device)
-            v = self.model(mb, self.train.packing)
-            out[rows, : mb.input_ids.size(1)] = v.to(out.device)
+            v = self.model(mb, self.train.packing).to(out.device)
+            real = rows >= 0  # an empty pass's row (negative) is another's: left alone
+            out[rows[real], : mb.input_ids.size(1)] = v[real]
         return self.rows.reduce_rows(out)
 
     def update(self, batch: Batch, returns: torch.Tensor, old_values: torch.Tensor,

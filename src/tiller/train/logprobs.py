@@ -141,7 +141,7 @@ def _chunk(head: nn.Module, h: torch.Tensor, ids: torch.Tensor, temperature: flo
 
 def token_logprobs(
     model: nn.Module, batch: Batch, temperature: float = 1.0, with_entropy: bool = False,
-    top_k: int = 0, top_p: float = 1.0, shape: PassShape = PassShape(),
+    top_k: int = 0, top_p: float = 1.0, shape: PassShape = PassShape(), loss_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(token_t | tokens_<t) [B, T] for every position (0 at t = 0 and off each row's
     length), and optionally the entropy H_t = -sum_v q_v log q_v of the distribution q that
@@ -151,9 +151,24 @@ def token_logprobs(
     top_p < 1: renormalised over the set this model's own q keeps (`sampling.kept_set`) plus
     the token itself (`sampling.truncated_logprobs`), so on-policy the value is exactly the
     logprob the engine reported with `sampling.logprobs: sampled` (`train/truncation.py`).
-    Packed or padded and in chunks of `shape.chunk_tokens` positions (the module docstring)."""
+    Packed or padded and in chunks of `shape.chunk_tokens` positions (the module docstring).
+
+    `loss_only`: only the positions that predict a token of `batch.loss_mask` go through the
+    output layer (values and entropies are 0 at every other position). The training passes
+    read nothing off the mask, and there the prompt (most of an episode behind a long system
+    prompt) then costs the trunk only, not the vocabulary-wide head, log-softmax and entropy
+    (and their recomputation in the backward pass) at every one of its positions."""
     trunk, head = trunk_and_head(model)
     hidden, rows, cols, flat = hidden_states(trunk, batch, shape.packing)
+    if loss_only:
+        loss = batch.loss_mask[rows, cols + 1] > 0
+        # a pass with no loss token still runs the head on one position, so that its
+        # backward reaches every parameter (as the other ranks' passes do under FSDP); its
+        # values are multiplied by 0 there (`real`), which keeps the graph
+        keep = loss.clone()
+        keep[:1] |= ~keep.any()
+        real = loss[keep].float()
+        rows, cols, flat = rows[keep], cols[keep], flat[keep]
     ids = batch.input_ids[rows, cols + 1]
     # one chunk: nothing to save by recomputing it
     recompute = torch.is_grad_enabled() and hidden.requires_grad and len(ids) > shape.chunk_tokens
@@ -164,12 +179,14 @@ def token_logprobs(
         lp, ent = checkpoint(_chunk, *args, use_reentrant=False) if recompute else _chunk(*args)
         logps.append(lp)
         ents.append(ent)
-    size = batch.input_ids.shape
-    at = (rows, cols + 1)
-    logp = hidden.new_zeros(size, dtype=torch.float32).index_put(at, _cat(logps, hidden))
+    size, at = batch.input_ids.shape, (rows, cols + 1)
+    values = [_cat(logps, hidden), _cat(ents, hidden) if with_entropy else None]
+    if loss_only:
+        values = [v * real.to(v.device) if v is not None else None for v in values]
+    logp = hidden.new_zeros(size, dtype=torch.float32).index_put(at, values[0])
     if not with_entropy:
         return logp, None
-    return logp, hidden.new_zeros(size, dtype=torch.float32).index_put(at, _cat(ents, hidden))
+    return logp, hidden.new_zeros(size, dtype=torch.float32).index_put(at, values[1])
 
 
 def _cat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:

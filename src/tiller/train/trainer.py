@@ -236,22 +236,24 @@ class PolicyTrainer:
                       rollout_logprobs=zeros, rewards=torch.zeros(1),
                       group_index=torch.zeros(1, dtype=torch.long))
         try:
-            logp, _ = self._forward(self.model, probe, 1.0, truncate=False)
+            logp, _ = self._forward(self.model, probe, 1.0, truncate=False, loss_only=False)
         finally:
             self.model.train(was_training)
         return logp[0, 1:].float().tolist()
 
     def _forward(self, model: nn.Module, mb: Batch, temperature: float,
-                 with_entropy: bool = False, truncate: bool = True
+                 with_entropy: bool = False, truncate: bool = True, loss_only: bool = True
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`token_logprobs` of a micro-batch already on the model's device, under bf16
         autocast when that is the compute dtype (log-softmax stays fp32 either way); with the
-        sampler's truncation unless `truncate` is False (SFT, the parity probe)."""
+        sampler's truncation unless `truncate` is False (SFT, the parity probe); on the
+        positions of the loss mask only (0 elsewhere) unless `loss_only` is False (the parity
+        probe, whose every position is compared)."""
         bf16 = self.compute_dtype == torch.bfloat16
         top_k, top_p = (self.top_k, self.top_p) if truncate else (0, 1.0)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
             return token_logprobs(model, mb, temperature, with_entropy, top_k, top_p,
-                                  self.shape)
+                                  self.shape, loss_only)
 
     def _train_mode(self) -> None:
         """The mode of a gradient pass: train (dropout on) only with dropout "keep"; with
@@ -291,8 +293,9 @@ class PolicyTrainer:
         lengths = batch.attention_mask.sum(-1)
         for idx in self.rows.share(torch.arange(len(lengths)), lengths, micro_batch_size):
             mb = self.rows.pass_batch(batch, idx, self.device)
-            out[idx, : mb.input_ids.size(1)] = self._forward(model, mb, self.temperature)[0].to(
-                out.device)
+            logp = self._forward(model, mb, self.temperature)[0].to(out.device)
+            real = idx >= 0  # an empty pass's row (negative) is another's: left alone
+            out[idx[real], : mb.input_ids.size(1)] = logp[real]
         return self.rows.reduce_rows(out)
 
     def _reference_logprobs(self, ref: nn.Module, batch: Batch, micro_batch_size: int
@@ -397,8 +400,9 @@ class PolicyTrainer:
         dev, m = self.device, mb.loss_mask
         width = mb.input_ids.size(1)
         logp, ent = self._forward(self.model, mb, self.temperature, with_entropy=True)
-        if not x.prepass:
-            x.logp_old[rows, :width] = logp.detach().to(x.logp_old.device)
+        if not x.prepass:  # the real rows only (an empty pass's is another's)
+            real = rows >= 0
+            x.logp_old[rows[real], :width] = logp.detach().to(x.logp_old.device)[real]
         old = _on(x.logp_old, rows, width, dev)
         loss_tok, stats = POLICY_LOSSES[alg.policy_loss](
             logp, old, _on(x.advantages, rows, width, dev), m,

@@ -175,7 +175,9 @@ function tokenStrip(ep, threshold) {
     const train = a.train_mask ? a.train_mask[i] : null;
     const rollout = a.logprobs[i];
     const trainer = a.trainer_logprobs ? a.trainer_logprobs[i] : null;
-    const delta = mask && trainer !== null && rollout !== null ? Math.abs(rollout - trainer) : null;
+    // the trainer's logprobs are scored on the train mask only (0 off it: "dropped" tokens)
+    const scored = train === null ? mask : train;
+    const delta = scored && trainer !== null && rollout !== null ? Math.abs(rollout - trainer) : null;
     const flag = delta !== null && delta > threshold;
     flagged += flag;
     const adv = a.advantages ? a.advantages[i] : null;
@@ -186,7 +188,7 @@ function tokenStrip(ep, threshold) {
       style: mask && train !== 0 && adv !== null ? `background:${advantageColour(adv, scale)}` : null,
       title: `#${i} id ${id} ${JSON.stringify(a.text[i])}\nloss_mask ${mask}` +
         (train === null ? "" : `  train_mask ${train}`) +
-        (mask ? `\nlogp rollout ${fmt(rollout, 5)}  trainer ${fmt(trainer, 5)}  |diff| ${fmt(delta, 3)}` : "") +
+        (scored ? `\nlogp rollout ${fmt(rollout, 5)}  trainer ${fmt(trainer, 5)}  |diff| ${fmt(delta, 3)}` : "") +
         (adv === null ? "" : `\nadvantage ${fmt(adv, 4)}`) +
         (a.token_versions[i] >= 0 ? `\nweight version ${a.token_versions[i]}` : ""),
     }, text);
