@@ -46,7 +46,7 @@ from tiller.train.trainer import PolicyTrainer
 ATOL = 1.5e-4  # updated weights: 2 x 6.6e-5, rounded up
 REL = 5e-5  # an RL step's metrics: 2 x 2.5e-5
 # ATOL's error sits on the entries AdamW's eps amplifies; on the others (gradient scale
-# sqrt(v_hat) > GRAD_FLOOR, 62-100% of the entries) s11-head2 measured the gap between 1 and
+# sqrt(v_hat) > GRAD_FLOOR, 62-100% of the entries) s11-head measured the gap between 1 and
 # 2 ranks with this file's tests and test_distributed_rl/memory's: after SFT steps at most
 # 2.6e-6 (3 steps; 1 step: 1.2e-7; TIGHT_SFT = 3.9x), after RL steps (whose losses are signed
 # sums: the gradient's rounding is not confined to small entries) at most 3.5e-5 (TIGHT =

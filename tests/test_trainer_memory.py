@@ -8,11 +8,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tiller.algorithms.registry import POLICY_LOSSES
 from tiller.config import CriticConfig, RLConfig, TrainConfig
 from tiller.train.batch import Batch, micro_batches
 from tiller.train.critic import Critic
 from tiller.train.logprobs import PassShape, _chunk, token_logprobs
-from tiller.train.trainer import PolicyTrainer
+from tiller.train.trainer import PolicyTrainer, _on
 
 VOCAB = 97
 
@@ -111,6 +112,27 @@ def test_loss_only_equals_full_on_the_mask(packing: bool) -> None:
     (logp * empty.loss_mask).sum().backward()
     assert logp.requires_grad and all(p.grad.abs().sum() == 0 for p in model.parameters())
     assert int((logp != 0).sum()) == int((ent != 0).sum()) == 0  # the kept position too
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "sapo"])
+def test_an_empty_pass_reads_zeros_and_its_gradient_stays_finite(loss: str) -> None:
+    """A rank short of rows runs an empty pass on another rank's row (index row - B): its
+    logprobs are 0 (no loss token), so it must read logp_old, advantages and references as 0
+    too. Read from the real row, a logp_old of -100 gives a ratio exp(0 + 100) = inf and, in
+    the backward, inf x 0 = NaN summed into every rank's weights."""
+    model = tiny_llama()
+    empty = ragged_batch()
+    empty.loss_mask.zero_()
+    logp, _ = token_logprobs(model, empty, loss_only=True, shape=PassShape(packing=True))
+    rows = torch.arange(4) - 4  # every row an empty pass's
+    width = logp.size(1)
+    old = _on(torch.full((4, width), -100.0), rows, width, torch.device("cpu"))
+    adv = _on(torch.ones(4, width), rows, width, torch.device("cpu"))
+    assert old.abs().sum() == 0 and adv.abs().sum() == 0
+    loss_tok, _ = POLICY_LOSSES[loss](logp, old, adv, empty.loss_mask)
+    (loss_tok * empty.loss_mask).sum().backward()
+    assert all(bool(torch.isfinite(p.grad).all()) and p.grad.abs().sum() == 0
+               for p in model.parameters())
 
 
 def test_packing_eager_attention_equals_padded() -> None:

@@ -110,6 +110,9 @@ class RankRows(Rows):
         mb = batch.rows(rows)
         if bool((rows < 0).any()):  # a rank short of rows: a pass that adds nothing
             mb.loss_mask = torch.zeros_like(mb.loss_mask)
+            # and its off-policy weight is exp(0 - 0): the row's own rollout logprobs against
+            # the pass's logp_old of 0 (trainer._on) could overflow to inf, and inf x 0 = NaN
+            mb.rollout_logprobs = torch.zeros_like(mb.rollout_logprobs)
         return mb.to(device)
 
     def reduce(self, sums: dict[str, float]) -> dict[str, float]:

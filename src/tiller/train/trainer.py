@@ -115,8 +115,12 @@ def compute_advantages(
 
 
 def _on(x: torch.Tensor, rows: torch.Tensor, width: int, device: torch.device) -> torch.Tensor:
-    """One micro-batch's slice of a whole-batch (host) tensor, on the model's device."""
-    return x[rows, :width].to(device)
+    """One micro-batch's slice of a whole-batch (host) tensor, on the model's device. An empty
+    pass's rows (index < 0, another rank's row) read 0: its logprobs are 0 too (no loss
+    token), so its ratio is exp(0 - 0) = 1 and its advantage and KL are 0. Reading the real
+    row's logp_old there would give exp(0 - logp_old), inf below -88.7, and a NaN gradient."""
+    part = x[rows, :width]
+    return torch.where((rows >= 0)[:, None], part, torch.zeros((), dtype=part.dtype)).to(device)
 
 
 class RLStepTensors(NamedTuple):
