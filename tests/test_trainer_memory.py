@@ -12,6 +12,7 @@ from tiller.algorithms.registry import POLICY_LOSSES
 from tiller.config import CriticConfig, RLConfig, TrainConfig
 from tiller.train.batch import Batch, micro_batches
 from tiller.train.critic import Critic
+from tiller.train.distributed import RankRows
 from tiller.train.logprobs import PassShape, _chunk, token_logprobs
 from tiller.train.trainer import PolicyTrainer, _on
 
@@ -133,6 +134,10 @@ def test_an_empty_pass_reads_zeros_and_its_gradient_stays_finite(loss: str) -> N
     (loss_tok * empty.loss_mask).sum().backward()
     assert all(bool(torch.isfinite(p.grad).all()) and p.grad.abs().sum() == 0
                for p in model.parameters())
+    batch = ragged_batch()
+    batch.rollout_logprobs.fill_(-100.0)
+    mb = RankRows(TrainConfig(), rank=0, world=2).pass_batch(batch, rows, torch.device("cpu"))
+    assert mb.loss_mask.abs().sum() == 0 and mb.rollout_logprobs.abs().sum() == 0
 
 
 def test_packing_eager_attention_equals_padded() -> None:

@@ -110,8 +110,9 @@ class RankRows(Rows):
         mb = batch.rows(rows)
         if bool((rows < 0).any()):  # a rank short of rows: a pass that adds nothing
             mb.loss_mask = torch.zeros_like(mb.loss_mask)
-            # and its off-policy weight is exp(0 - 0): the row's own rollout logprobs against
-            # the pass's logp_old of 0 (trainer._on) could overflow to inf, and inf x 0 = NaN
+            # its rollout logprobs 0 like its logp_old (trainer._on): the off-policy weight is
+            # exp(0 - 0) = 1. The built-in corrections cap their weight; a plugin's might not,
+            # and exp(0 - rollout logprob) overflows to inf below -88.7 (inf x 0 = NaN)
             mb.rollout_logprobs = torch.zeros_like(mb.rollout_logprobs)
         return mb.to(device)
 
