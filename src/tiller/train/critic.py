@@ -31,7 +31,7 @@ from tiller.algorithms.advantages import value_loss
 from tiller.config import CriticConfig, RLConfig, TrainConfig
 from tiller.train.batch import Batch, minibatches
 from tiller.train.logprobs import flag_checkpointed_layers, hidden_states
-from tiller.train.rows import Rows
+from tiller.train.rows import Rows, put_rows
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
@@ -98,9 +98,7 @@ class Critic:
         lengths = batch.attention_mask.sum(-1)
         for rows in self.rows.share(torch.arange(len(lengths)), lengths, micro_batch_size):
             mb = self.rows.pass_batch(batch, rows, self.device)
-            v = self.model(mb, self.train.packing).to(out.device)
-            real = rows >= 0  # an empty pass's row (negative) is another's: left alone
-            out[rows[real], : mb.input_ids.size(1)] = v[real]
+            put_rows(out, rows, self.model(mb, self.train.packing))
         return self.rows.reduce_rows(out)
 
     def update(self, batch: Batch, returns: torch.Tensor, old_values: torch.Tensor,

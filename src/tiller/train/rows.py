@@ -42,3 +42,11 @@ class Rows:
     def sharded(self, module: nn.Module) -> nn.Module:
         """A model this trainer trains or runs, as its processes hold it."""
         return module
+
+
+def put_rows(out: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """A pass's per-row `values` [len(rows), W] written into the whole-batch tensor `out` at
+    its batch `rows`, columns :W; an empty pass's rows (negative: another rank's row, see
+    `train.sharding.rank_rows`) are left alone."""
+    real = rows >= 0
+    out[rows[real], : values.size(1)] = values.to(out.device)[real]

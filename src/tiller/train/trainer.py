@@ -34,7 +34,7 @@ from tiller.train.logprobs import (
     flag_checkpointed_layers,
     token_logprobs,
 )
-from tiller.train.rows import Rows
+from tiller.train.rows import Rows, put_rows
 
 if TYPE_CHECKING:
     from tiller.train.critic import Critic
@@ -297,9 +297,7 @@ class PolicyTrainer:
         lengths = batch.attention_mask.sum(-1)
         for idx in self.rows.share(torch.arange(len(lengths)), lengths, micro_batch_size):
             mb = self.rows.pass_batch(batch, idx, self.device)
-            logp = self._forward(model, mb, self.temperature)[0].to(out.device)
-            real = idx >= 0  # an empty pass's row (negative) is another's: left alone
-            out[idx[real], : mb.input_ids.size(1)] = logp[real]
+            put_rows(out, idx, self._forward(model, mb, self.temperature)[0])
         return self.rows.reduce_rows(out)
 
     def _reference_logprobs(self, ref: nn.Module, batch: Batch, micro_batch_size: int
@@ -404,9 +402,8 @@ class PolicyTrainer:
         dev, m = self.device, mb.loss_mask
         width = mb.input_ids.size(1)
         logp, ent = self._forward(self.model, mb, self.temperature, with_entropy=True)
-        if not x.prepass:  # the real rows only (an empty pass's is another's)
-            real = rows >= 0
-            x.logp_old[rows[real], :width] = logp.detach().to(x.logp_old.device)[real]
+        if not x.prepass:
+            put_rows(x.logp_old, rows, logp.detach())
         old = _on(x.logp_old, rows, width, dev)
         loss_tok, stats = POLICY_LOSSES[alg.policy_loss](
             logp, old, _on(x.advantages, rows, width, dev), m,
