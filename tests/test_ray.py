@@ -89,8 +89,7 @@ def ray_2cpus(no_ray_left):
                  _temp_dir=temp, log_to_driver=False, configure_logging=False)
         yield ray
     finally:
-        ray.shutdown()
-        shutil.rmtree(temp, ignore_errors=True)
+        stop_local_ray(temp)
 
 
 @pytest.mark.slow
@@ -119,6 +118,18 @@ def gone_within(listed, seconds: float) -> bool:
     while listed() and time.monotonic() < deadline:
         time.sleep(0.2)
     return not listed()
+
+
+def stop_local_ray(temp: str) -> None:
+    """`ray.shutdown` of a test's own local instance, then its folder `temp` removed once its
+    processes are gone (up to 30 s; `no_ray_left` names any left): under load Ray may start an
+    agent late, which writes its logs into the folder as it starts (seen: a runtime-env agent
+    72 s after `ray.init` recreated the removed folder)."""
+    import ray
+
+    ray.shutdown()
+    gone_within(ray_processes, 30)
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.mark.slow
@@ -854,8 +865,7 @@ def test_a_trainer_rank_actor_runs_the_threads_it_reserves(calc_model_dir, no_ra
             leader.close()
     finally:
         torch.set_num_threads(before)
-        ray.shutdown()
-        shutil.rmtree(temp, ignore_errors=True)
+        stop_local_ray(temp)
     assert (got, free) == (threads, 3 - threads)
 
 

@@ -7,7 +7,6 @@ and with no server left stops in one line. Every test leaves no Ray process behi
 import json
 import os
 import re
-import shutil
 import signal
 import sys
 import tempfile
@@ -18,7 +17,12 @@ import pytest
 import torch
 from helpers import TINY_RUN, tiny_rl
 from test_http_engine import GENERATED, recorders, server_version, servers, url
-from test_ray import TESTS, no_ray_left, one_line_before_any_work  # noqa: F401 - a fixture
+from test_ray import (  # noqa: F401 - a fixture
+    TESTS,
+    no_ray_left,
+    one_line_before_any_work,
+    stop_local_ray,
+)
 from test_servers import spec
 from test_vllm_demo import VLLM, served_from
 
@@ -72,8 +76,7 @@ def local_ray(no_ray_left, request):  # noqa: F811 - the fixture imported above
                  configure_logging=False)
         yield ray
     finally:
-        ray.shutdown()
-        shutil.rmtree(temp, ignore_errors=True)
+        stop_local_ray(temp)
 
 
 @pytest.mark.slow

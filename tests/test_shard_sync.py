@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import signal
 import tempfile
 import time
@@ -19,7 +18,7 @@ import torch
 from helpers import TINY_RUN
 from test_distributed import batch_of
 from test_http_engine import server_version, servers
-from test_ray import no_ray_left  # noqa: F401 - a fixture
+from test_ray import no_ray_left, stop_local_ray  # noqa: F401 - a fixture
 
 from tiller.config import WeightSyncConfig, load_config
 from tiller.controller import train
@@ -140,8 +139,7 @@ def test_per_rank_parts_from_ray_rank_actors(calc_model_dir, tokenizer, tmp_path
         finally:
             leader.close()
     finally:
-        ray.shutdown()
-        shutil.rmtree(temp, ignore_errors=True)
+        stop_local_ray(temp)
 
 
 @pytest.mark.slow

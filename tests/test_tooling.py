@@ -28,10 +28,12 @@ def expert_episodes(stack, tokenizer, limits, n=60, tag="run"):
 
 
 def faulty(timeout=0.1, crash=0.05, garbage=0.0, seed=0):
+    """Injected hangs (10 s) cut by a 2 s timeout: long enough that a real call is not cut on
+    a loaded machine (at 0.5 s, beside a benchmark at nice -20, real calls timed out too)."""
     return ToolsConfig(
-        executor=ExecutorConfig(default=ToolPolicy(timeout_s=0.5, retries=0)),
+        executor=ExecutorConfig(default=ToolPolicy(timeout_s=2.0, retries=0)),
         faults=FaultConfig(timeout_prob=timeout, crash_prob=crash, garbage_prob=garbage,
-                           hang_s=2.0, seed=seed),
+                           hang_s=10.0, seed=seed),
     )
 
 
