@@ -8,6 +8,8 @@ import asyncio
 import importlib.util
 import math
 import random
+import shutil
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -17,6 +19,7 @@ from contextlib import closing, contextmanager
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import uvicorn
 from browser import artifacts_dir, chromium_page
@@ -111,6 +114,43 @@ def test_viewer_in_chromium_marks_exactly_the_loss_mask(tiny_run, tmp_path):
         page.wait_for_selector("main[data-view=curves] .chart")
         assert page.get_attribute(".chart[data-metric=reward_mean]", "data-points") == "3"
         page.screenshot(path=str(artifacts_dir() / "viewer_curves.png"), full_page=True)
+        assert page.locator("#error").is_hidden()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_token_dropped_from_training_is_not_flagged(tiny_run, tmp_path):
+    """A generated token the trainer dropped (loss mask 1, train mask 0: its trainer logprob
+    is 0) shows as dropped and is not flagged, though |rollout - 0| is over the threshold: the
+    flag counts the train mask's tokens only (on a copy of the run, one token dropped)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(tiny_run[0], run_dir)
+    db = run_dir / "traces.sqlite"
+    with closing(connect(db)) as con:
+        (first,) = con.execute("SELECT MIN(id) FROM episodes WHERE trained_step IS NOT NULL"
+                               ).fetchone()
+    ep = read_episode(db, first)
+    k = next(i for i, (m, lp) in enumerate(zip(ep["train_mask"], ep["logprobs"], strict=True))
+             if m and abs(lp) > 1e-3)
+    train, trainer = list(ep["train_mask"]), list(ep["trainer_logprobs"])
+    train[k], trainer[k] = 0, 0.0
+    with closing(sqlite3.connect(db)) as con, con:
+        con.execute("UPDATE episodes SET train_mask = ?, trainer_logprobs = ? WHERE id = ?",
+                    (np.asarray(train, "u1").tobytes(), np.asarray(trainer, "<f4").tobytes(),
+                     first))
+    ep = read_episode(db, first)
+    assert ep["loss_mask"][k] == 1 and ep["train_mask"][k] == 0
+    on_loss_mask = sum(1 for m, a, b in zip(ep["loss_mask"], ep["logprobs"],
+                                            ep["trainer_logprobs"], strict=True)
+                       if m and abs(a - b) > 1e-3)
+    assert on_loss_mask == flagged(ep, 1e-3) + 1  # the loss mask would flag the dropped one
+    with bench.serve_viewer(run_dir) as url, chromium_page(tmp_path / "profile") as page:
+        page.goto(f"{url}/#/episode/{first}")
+        page.wait_for_selector("main[data-view=episode] #token-strip")
+        assert int(page.get_attribute("#token-strip", "data-flagged")) == flagged(ep, 1e-3)
+        tok = f"#token-strip .tok[data-i='{k}']"
+        assert (page.get_attribute(tok, "data-mask"), page.get_attribute(tok, "data-train"),
+                page.get_attribute(tok, "data-flag")) == ("1", "0", "0")
         assert page.locator("#error").is_hidden()
 
 
