@@ -1,17 +1,16 @@
-"""tiller's agent loop, except that the first episode to start in a Ray rollout worker after
-the marker file (`TILLER_TEST_KILL_MARKER`) is armed kills engine server 0's Ray actor
-(`ray.kill`), or with TILLER_TEST_KILL_HOW=process SIGKILLs the server process itself (its
-actor lives on), its server's process group id written to the marker (`agent.loop:
-kill_server_loop:run_episode`; tests/test_ray_servers.py). One kill per run: the marker file is
-created once. In the run's own process (evaluation) nothing is killed.
+"""tiller's agent loop, except that the first episode of sample index 1 to start in a Ray
+rollout worker after the marker file (`TILLER_TEST_KILL_MARKER`) is armed kills engine server
+0's Ray actor (`ray.kill`), or with TILLER_TEST_KILL_HOW=process SIGKILLs the server process
+itself (its actor lives on), its server's process group id written to the marker
+(`agent.loop: kill_server_loop:run_episode`; tests/test_ray_servers.py). One kill per run: the
+marker file is created once. In the run's own process (evaluation) nothing is killed.
 
-So that a request of this worker is on server 0 when it dies, whatever the load: the server is
-first stopped (SIGSTOP), and after `SETTLE_S`, in which the worker reads any answer it sent
-before that, this episode starts and the kill follows `SETTLE_S` later. Either a request of the
-worker is then in flight on server 0 (unanswerable: the server is stopped) or the episode's
-first turn went there (the router's pick: the fewest in flight, server 0 first of equals); both
-fail and are retried on server 1. A request the server answered just before a plain SIGKILL
-would leave neither (seen once in CI: `engine/retries` 0)."""
+So that a request of this worker meets the dead server, whatever the timing: before the kill,
+the episode's session is pinned to server 0 in the worker's router (as if its earlier turns had
+gone there), so its first turn is sent to server 0 unless a failure there already marked it
+down (itself a retry); the episode then checks that its worker's engine counted a retry. With
+no pin, answers the server sent just before the kill could leave no request to fail, and the
+first pick could go to server 1 (seen once in CI: `engine/retries` 0)."""
 
 import asyncio
 import os
@@ -23,7 +22,15 @@ from tiller.engine.ray_servers import ACTOR_PREFIX
 from tiller.rollout.agent_loop import run_episode as tiller_episode
 
 MARKER_ENV = "TILLER_TEST_KILL_MARKER"
-SETTLE_S = 1.0  # stopped server: the answers it sent are read; then the episode's first pick
+
+
+def on_engine_loop(engine, fn):
+    """`fn()` run on the HTTP engine's own loop, where its router state changes."""
+
+    async def call():
+        return fn()
+
+    return engine._call(call(), "the kill test's look at the router", 10.0)
 
 
 async def run_episode(env, task, actor, tokenizer, *, seed, limits, sample_index=0):
@@ -41,15 +48,23 @@ async def run_episode(env, task, actor, tokenizer, *, seed, limits, sample_index
             pid = await server.pid.remote()  # the server's, its process group's id
             os.write(fd, str(pid).encode())
             os.close(fd)
-            os.kill(pid, signal.SIGSTOP)
-            await asyncio.sleep(SETTLE_S)
-            episode = asyncio.create_task(tiller_episode(
-                env, task, actor, tokenizer, seed=seed, limits=limits, sample_index=sample_index))
-            await asyncio.sleep(SETTLE_S)
+            engine = actor.engine
+            session = f"{task.id}/{sample_index}/{seed}"  # agent_loop.run_episode's session id
+
+            def pin():  # the run's servers are in the order of their actors' names
+                engine._sessions[session] = engine.servers[0]
+
+            await asyncio.to_thread(on_engine_loop, engine, pin)
             if os.environ.get("TILLER_TEST_KILL_HOW") == "process":
                 os.kill(pid, signal.SIGKILL)
             else:
                 ray.kill(server, no_restart=True)
-            return await episode
+            traj = await tiller_episode(env, task, actor, tokenizer, seed=seed, limits=limits,
+                                        sample_index=sample_index)
+            failed = await asyncio.to_thread(
+                on_engine_loop, engine, lambda: engine.counters["retries"]
+                + engine.counters["failed_requests"])
+            assert failed >= 1, f"no request of this worker failed on server 0 ({session})"
+            return traj
     return await tiller_episode(env, task, actor, tokenizer, seed=seed, limits=limits,
                                 sample_index=sample_index)

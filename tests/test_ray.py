@@ -3,6 +3,7 @@ run in one line before any work; a run whose rollout worker is killed mid-step r
 episodes on the other worker and finishes with a complete ledger; trainer ranks as Ray actors.
 Every test leaves no Ray process behind (`no_ray_left`)."""
 
+import contextlib
 import json
 import os
 import re
@@ -122,14 +123,22 @@ def gone_within(listed, seconds: float) -> bool:
 
 def stop_local_ray(temp: str) -> None:
     """`ray.shutdown` of a test's own local instance, then its folder `temp` removed once its
-    processes are gone (up to 30 s; `no_ray_left` names any left): under load Ray may start an
-    agent late, which writes its logs into the folder as it starts (seen: a runtime-env agent
-    72 s after `ray.init` recreated the removed folder)."""
+    processes are gone: under load Ray may start an agent late, which writes its logs into the
+    folder as it starts (seen: a runtime-env agent 72 s after `ray.init` recreated the removed
+    folder, and every later `no_ray_left` of the session failed on it). Those still there after
+    30 s are SIGKILLed first (as the run's own reaper does) and waited for; `no_ray_left` names
+    any that outlive that."""
     import ray
 
-    ray.shutdown()
-    gone_within(ray_processes, 30)
-    shutil.rmtree(temp, ignore_errors=True)
+    try:
+        ray.shutdown()
+    finally:
+        if not gone_within(ray_processes, 30):
+            for line in ray_processes():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(line.split()[0]), signal.SIGKILL)
+            gone_within(ray_processes, 10)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.mark.slow

@@ -28,8 +28,8 @@ def expert_episodes(stack, tokenizer, limits, n=60, tag="run"):
 
 
 def faulty(timeout=0.1, crash=0.05, garbage=0.0, seed=0):
-    """Injected hangs (10 s) cut by a 2 s timeout: long enough that a real call is not cut on
-    a loaded machine (at 0.5 s, beside a benchmark at nice -20, real calls timed out too)."""
+    """Injected hangs (10 s) cut by a 2 s timeout (at 0.5 s, beside a benchmark at nice -20,
+    real calls timed out too: the fault test asserts every timeout is an injected one)."""
     return ToolsConfig(
         executor=ExecutorConfig(default=ToolPolicy(timeout_s=2.0, retries=0)),
         faults=FaultConfig(timeout_prob=timeout, crash_prob=crash, garbage_prob=garbage,
@@ -45,6 +45,8 @@ def test_injected_timeouts_and_crashes_are_env_errors_kept_out_of_the_loss(
     hit = [t for t in trajs if t.status is Status.ENV_ERROR]
     assert 0.05 < stats["env_error_rate/calculate"] < 0.3  # ~15% of calls injected
     assert stats["tool_timeouts/calculate"] > 0
+    # retries=0: each injected hang is one timeout, and no real call was cut
+    assert stats["tool_timeouts/calculate"] == stack.injector.injected["timeout/calculate"]
     assert hit and all(t.reward.env_error and t.env_errors for t in hit)
     clean = [t for t in trajs if t.status is Status.COMPLETED]
     assert all(t.reward.value == 1.0 for t in clean)  # the expert never fails on its own

@@ -11,6 +11,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from contextlib import closing
 from dataclasses import replace
@@ -312,23 +313,32 @@ def test_the_size_cap_counts_what_the_file_already_holds(rl_episodes, tmp_path):
     assert connect(db).execute("SELECT count(*) FROM episodes").fetchone()[0] == 2
 
 
+class BatchSeen(TraceWriter):
+    """A TraceWriter that tells when its writer thread has fixed its first batch (it then
+    writes it: with the file locked, it waits on the lock holding that batch alone)."""
+
+    def __init__(self, *args, **kwargs):
+        self.batch_fixed = threading.Event()
+        super().__init__(*args, **kwargs)
+
+    def _write_batch(self, con, items):
+        self.batch_fixed.set()
+        super()._write_batch(con, items)
+
+
 def test_a_full_queue_drops_and_counts_rl_items_and_never_waits(rl_episodes, tmp_path):
     t = rl_episodes[0]
     path = tmp_path / "traces.sqlite"
-    writer = TraceWriter(path, queue_size=2)
+    writer = BatchSeen(path, queue_size=2)
     blocker = sqlite3.connect(path)
     blocker.execute("BEGIN EXCLUSIVE")  # the writer waits on the lock (sqlite's 5 s timeout)
-    t0 = time.perf_counter()
     writer.put_episode(replace(t, seed=0), "rl", "train", 0, 1)
-    while not writer._queue.empty():  # taken: the writer's batch of one waits on the lock
-        assert time.perf_counter() - t0 < 4.0, "the writer never took the first episode"
-        time.sleep(0.01)
-    time.sleep(0.2)  # (it is past taking more: a batch is what was queued when it took it)
-    t1 = time.perf_counter()
+    assert writer.batch_fixed.wait(4.0), "the writer never took the first episode"
+    t0 = time.perf_counter()
     for k in range(1, 50):
         writer.put_episode(replace(t, seed=k), "rl", "train", 0, 1)
     writer.put_ledger(1, 1, {"started": 50.0})
-    assert time.perf_counter() - t1 < 1.0  # training never waited
+    assert time.perf_counter() - t0 < 1.0  # training never waited
     blocker.rollback()
     blocker.close()
     stats = writer.close()
