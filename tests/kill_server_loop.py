@@ -5,16 +5,22 @@ itself (its actor lives on), its server's process group id written to the marker
 (`agent.loop: kill_server_loop:run_episode`; tests/test_ray_servers.py). One kill per run: the
 marker file is created once. In the run's own process (evaluation) nothing is killed.
 
-So that a request of this worker meets the dead server, whatever the timing: before the kill,
-the episode's session is pinned to server 0 in the worker's router (as if its earlier turns had
-gone there), so its first turn is sent to server 0 unless a failure there already marked it
-down (itself a retry); the episode then checks that its worker's engine counted a retry. With
-no pin, answers the server sent just before the kill could leave no request to fail, and the
-first pick could go to server 1 (seen once in CI: `engine/retries` 0)."""
+So that a request of this worker meets the dead server, whatever the timing: the episode's
+session is pinned to server 0 in the worker's router (as if its earlier turns had gone there),
+the server is killed and the episode waits until its process is gone (`ray.kill` only asks Ray),
+so its first turn is sent to a dead server 0 unless a failure there already marked it down
+(itself a retry); the episode then checks that its worker's engine counted a failed request
+since the pin. With no pin, answers the server sent just before the kill could leave no request
+to fail, and the first pick could go to server 1 (seen once in CI: `engine/retries` 0). The run
+must be `rl.mode: sync` (`kill_run` sets it): with weight pushes during rollouts, a push could
+find server 0 dead first and its router state (server 0 down) reach this worker before the
+episode's first turn, which would then move to server 1 without a retry."""
 
 import asyncio
 import os
 import signal
+import time
+from pathlib import Path
 
 import ray
 
@@ -22,6 +28,15 @@ from tiller.engine.ray_servers import ACTOR_PREFIX
 from tiller.rollout.agent_loop import run_episode as tiller_episode
 
 MARKER_ENV = "TILLER_TEST_KILL_MARKER"
+GONE_TIMEOUT_S = 60.0
+
+
+def alive(pid: int) -> bool:
+    """Not gone and not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def on_engine_loop(engine, fn):
@@ -54,17 +69,24 @@ async def run_episode(env, task, actor, tokenizer, *, seed, limits, sample_index
             def pin():  # the run's servers are in the order of their actors' names
                 engine._sessions[session] = engine.servers[0]
 
+            def failed():
+                return engine.counters["retries"] + engine.counters["failed_requests"]
+
             await asyncio.to_thread(on_engine_loop, engine, pin)
+            before = await asyncio.to_thread(on_engine_loop, engine, failed)
             if os.environ.get("TILLER_TEST_KILL_HOW") == "process":
                 os.kill(pid, signal.SIGKILL)
             else:
                 ray.kill(server, no_restart=True)
+            deadline = time.monotonic() + GONE_TIMEOUT_S
+            while alive(pid):
+                assert time.monotonic() < deadline, (
+                    f"engine server 0 (pid {pid}) still runs {GONE_TIMEOUT_S:g}s after its kill")
+                await asyncio.sleep(0.05)
             traj = await tiller_episode(env, task, actor, tokenizer, seed=seed, limits=limits,
                                         sample_index=sample_index)
-            failed = await asyncio.to_thread(
-                on_engine_loop, engine, lambda: engine.counters["retries"]
-                + engine.counters["failed_requests"])
-            assert failed >= 1, f"no request of this worker failed on server 0 ({session})"
+            after = await asyncio.to_thread(on_engine_loop, engine, failed)
+            assert after > before, f"no request of this worker failed on server 0 ({session})"
             return traj
     return await tiller_episode(env, task, actor, tokenizer, seed=seed, limits=limits,
                                 sample_index=sample_index)

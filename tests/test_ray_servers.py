@@ -381,7 +381,7 @@ def kill_run(tmp_path, monkeypatch, *overrides):
     monkeypatch.setenv("TILLER_TEST_KILL_MARKER", str(marker))
     # the workers import kill_server_loop (the episode function travels by name)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
-    cfg = load_config("configs/calculator.yaml", [  # sync: kill_server_loop's docstring
+    cfg = load_config("configs/calculator.yaml", [  # sync: why in kill_server_loop
         *TINY_RUN, *HTTP, "agent.loop=kill_server_loop:run_episode", "rl.mode=sync",
         *overrides])
     return marker, cfg
