@@ -19,24 +19,15 @@ episode's first turn, which would then move to server 1 without a retry."""
 import asyncio
 import os
 import signal
-import time
-from pathlib import Path
 
 import ray
+from helpers import gone
 
 from tiller.engine.ray_servers import ACTOR_PREFIX
 from tiller.rollout.agent_loop import run_episode as tiller_episode
 
 MARKER_ENV = "TILLER_TEST_KILL_MARKER"
 GONE_TIMEOUT_S = 60.0
-
-
-def alive(pid: int) -> bool:
-    """Not gone and not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def on_engine_loop(engine, fn):
@@ -78,11 +69,8 @@ async def run_episode(env, task, actor, tokenizer, *, seed, limits, sample_index
                 os.kill(pid, signal.SIGKILL)
             else:
                 ray.kill(server, no_restart=True)
-            deadline = time.monotonic() + GONE_TIMEOUT_S
-            while alive(pid):
-                assert time.monotonic() < deadline, (
-                    f"engine server 0 (pid {pid}) still runs {GONE_TIMEOUT_S:g}s after its kill")
-                await asyncio.sleep(0.05)
+            assert await asyncio.to_thread(gone, pid, GONE_TIMEOUT_S), (
+                f"engine server 0 (pid {pid}) still runs {GONE_TIMEOUT_S:g}s after its kill")
             traj = await tiller_episode(env, task, actor, tokenizer, seed=seed, limits=limits,
                                         sample_index=sample_index)
             after = await asyncio.to_thread(on_engine_loop, engine, failed)

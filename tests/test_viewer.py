@@ -52,10 +52,10 @@ def load_bench():
 bench = load_bench()
 
 
-def flagged(ep: dict, threshold: float) -> int:
-    """Tokens of the train mask (the trainer's logprobs are 0 off it) whose |rollout - trainer|
-    logprob exceeds `threshold`."""
-    return sum(1 for m, a, b in zip(ep["train_mask"], ep["logprobs"], ep["trainer_logprobs"],
+def flagged(ep: dict, threshold: float, mask: str = "train_mask") -> int:
+    """Tokens of the train mask (the trainer's logprobs are 0 off it), or of another `mask`,
+    whose |rollout - trainer| logprob exceeds `threshold`."""
+    return sum(1 for m, a, b in zip(ep[mask], ep["logprobs"], ep["trainer_logprobs"],
                                     strict=True) if m and abs(a - b) > threshold)
 
 
@@ -140,10 +140,8 @@ def test_a_token_dropped_from_training_is_not_flagged(tiny_run, tmp_path):
                      first))
     ep = read_episode(db, first)
     assert ep["loss_mask"][k] == 1 and ep["train_mask"][k] == 0
-    on_loss_mask = sum(1 for m, a, b in zip(ep["loss_mask"], ep["logprobs"],
-                                            ep["trainer_logprobs"], strict=True)
-                       if m and abs(a - b) > 1e-3)
-    assert on_loss_mask == flagged(ep, 1e-3) + 1  # the loss mask would flag the dropped one
+    # the loss mask would flag the dropped one
+    assert flagged(ep, 1e-3, "loss_mask") == flagged(ep, 1e-3) + 1
     with bench.serve_viewer(run_dir) as url, chromium_page(tmp_path / "profile") as page:
         page.goto(f"{url}/#/episode/{first}")
         page.wait_for_selector("main[data-view=episode] #token-strip")
